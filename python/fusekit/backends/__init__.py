@@ -1,0 +1,60 @@
+"""The backend registry: which providers exist, which can run here, and why the others cannot.
+
+Backends are imported lazily: `import fusekit` never imports triton, max or mojo. A backend module is
+loaded the first time it is asked for, and its `unavailable_reason()` carries the import error and the
+install command when it cannot run.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from fusekit.backends.base import OPS, Backend, BackendUnavailable
+
+# name -> "module:Class"; the order is the order `available()` lists them in.
+_REGISTRY: dict[str, str] = {
+    "torch": "fusekit.backends.torch:TorchBackend",
+    "triton": "fusekit.backends.triton:TritonBackend",
+    "mojo": "fusekit.backends.mojo:MojoBackend",
+}
+_INSTANCES: dict[str, Backend] = {}
+
+__all__ = ["OPS", "Backend", "BackendUnavailable", "available", "get", "names"]
+
+
+def names() -> tuple[str, ...]:
+    """Every backend fusekit knows, installed or not."""
+    return tuple(_REGISTRY)
+
+
+def _instantiate(name: str) -> Backend:
+    if name not in _INSTANCES:
+        module_name, cls_name = _REGISTRY[name].split(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+            _INSTANCES[name] = cls()
+        except ImportError as exc:  # the provider module itself is missing or broken
+            _INSTANCES[name] = _Missing(name, f"{type(exc).__name__}: {exc}")
+    return _INSTANCES[name]
+
+
+def get(name: str) -> Backend:
+    """The backend object for `name`; ValueError listing the valid names for an unknown one."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        valid = ", ".join(["auto", *_REGISTRY])
+        raise ValueError(f"backend: unknown backend {name!r}; valid names are: {valid}")
+    return _instantiate(name)
+
+
+def available() -> dict[str, str | None]:
+    """name -> None for each backend that can run here, or the reason it cannot (with how to install)."""
+    return {name: _instantiate(name).unavailable_reason() for name in _REGISTRY}
+
+
+class _Missing(Backend):
+    """Stands in for a backend whose provider module could not be imported."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__()
+        self.name = name
+        self._checked, self._reason = True, reason
