@@ -23,7 +23,9 @@ def _rows(x: Tensor) -> Tensor:
     return x.contiguous().view(-1, n) if n else x.reshape(math.prod(x.shape[:-1]), 0)
 
 
-def reduce_sum(x: Tensor, dim: int | None = None, *, dtype: torch.dtype | None = None, backend: str = "auto") -> Tensor:
+def reduce_sum(
+    x: Tensor, dim: int | None = None, *, dtype: torch.dtype | None = None, backend: str = "auto"
+) -> Tensor:
     """Sum of `x` over all elements (`dim=None`, 0-d result) or over one dimension.
 
     x: int32, int64, float16, bfloat16 or float32, any shape. Result dtype as torch.sum (integers ->
@@ -100,7 +102,9 @@ def rope(
     if cos is not None and sin is not None:
         cos = cos.to(torch.float32).contiguous()
         sin = sin.to(torch.float32).contiguous()
-    return library.call("rope", x.contiguous(), cos, sin, int(start_pos), float(theta), bool(interleaved), backend)
+    return library.call(
+        "rope", x.contiguous(), cos, sin, int(start_pos), float(theta), bool(interleaved), backend
+    )
 
 
 def swiglu_ffn(
@@ -135,7 +139,13 @@ def swiglu_ffn(
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None, backend: str = "auto"
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    backend: str = "auto",
 ) -> Tensor:
     """Scaled dot-product attention, softmax(q k^T * scale) v, with GQA.
 

@@ -117,15 +117,13 @@ def swiglu_ffn(
     return (h.to(acc) @ w_down.to(acc).T).to(x.dtype)
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     """q [B, H, S, D], k/v [B, Hkv, Skv, D] -> [B, H, S, D]; head h reads kv head h // (H // Hkv).
 
     Causal masking is aligned to the bottom-right as in FlashAttention: query i sees key j iff
     j <= i + (Skv - S). A query row that sees no key (only when S > Skv) outputs zeros.
     """
-    B, H, S, D = q.shape
+    H, S = q.shape[1], q.shape[2]
     Hkv, Skv = k.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)
     group = H // Hkv

@@ -26,7 +26,9 @@ def tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int | No
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise TypeError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} is not supported; expected one of {_names(dtypes)}")
+        raise TypeError(
+            f"{name}: dtype {str(t.dtype).removeprefix('torch.')} is not supported; expected one of {_names(dtypes)}"
+        )
     if t.device.type not in DEVICE_TYPES:
         raise ValueError(f"{name}: device {t.device} is not supported; expected a CPU or CUDA tensor")
     if ndim is not None and t.dim() != ndim:
@@ -77,7 +79,9 @@ def reduce_sum(x: object, dim: object, dtype: object) -> torch.dtype:
     if dtype is None:
         return x.dtype if floating else torch.int64
     if not isinstance(dtype, torch.dtype) or dtype not in allowed:
-        raise TypeError(f"dtype: {dtype} is not supported for a {str(x.dtype).removeprefix('torch.')} input; expected one of {_names(allowed)}")
+        raise TypeError(
+            f"dtype: {dtype} is not supported for a {str(x.dtype).removeprefix('torch.')} input; expected one of {_names(allowed)}"
+        )
     return dtype
 
 
@@ -120,14 +124,18 @@ def rope(x: object, start_pos: object, theta: object, cos: object, sin: object) 
     for name, t in (("cos", cos), ("sin", sin)):
         if t is None:
             continue
-        t = tensor(name, t, FLOAT_DTYPES + (torch.float64,), ndim=2)
+        t = tensor(name, t, (*FLOAT_DTYPES, torch.float64), ndim=2)
         if t.device != x.device:
             raise ValueError(f"{name}: is on {t.device} but x is on {x.device}")
         if t.shape[1] != d // 2 or t.shape[0] < start_pos + s:
-            raise ValueError(f"{name}: expected shape [>= start_pos + S = {start_pos + s}, D/2 = {d // 2}], got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: expected shape [>= start_pos + S = {start_pos + s}, D/2 = {d // 2}], got {tuple(t.shape)}"
+            )
 
 
-def swiglu_ffn(x: object, w_gate: object, w_up: object, w_down: object, norm_weight: object, eps: object) -> None:
+def swiglu_ffn(
+    x: object, w_gate: object, w_up: object, w_down: object, norm_weight: object, eps: object
+) -> None:
     x = tensor("x", x, FLOAT_DTYPES)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x: expected shape [..., D] with D > 0, got {tuple(x.shape)}")
@@ -161,6 +169,8 @@ def attention(q: object, k: object, v: object, scale: object) -> None:
     if skv == 0:
         raise ValueError("k: the key sequence length Skv must be > 0")
     if d not in HEAD_DIMS:
-        raise ValueError(f"q: unsupported head dim {d}; supported head dims are {', '.join(map(str, HEAD_DIMS))}")
+        raise ValueError(
+            f"q: unsupported head dim {d}; supported head dims are {', '.join(map(str, HEAD_DIMS))}"
+        )
     if scale is not None:
         number("scale", scale, positive=True)

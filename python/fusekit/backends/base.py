@@ -51,7 +51,7 @@ class Backend:
         if not self._checked:
             try:
                 self._load()
-            except Exception as exc:  # noqa: BLE001 - the reason is reported to the user verbatim
+            except Exception as exc:
                 self._reason = f"{type(exc).__name__}: {exc}".strip()
                 if self.install_hint:
                     self._reason += f" (install with: {self.install_hint})"

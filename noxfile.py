@@ -1,0 +1,71 @@
+"""nox sessions: tests per backend, lint, aot (cross-compiles every GPU kernel), bench and report.
+
+Sessions install fusekit with pip, so the machine's pip configuration applies. On CPU machines the
+pinned CPU build of torch (TORCH_SPEC, default torch==2.13.0) is installed first so that no later
+install pulls the multi-GB CUDA build; set TORCH_SPEC="" to keep whatever torch pip would choose.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["lint", "aot", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+EXTRAS = {"torch": "test", "triton": "test,triton", "mojo": "test,mojo"}
+# Which test files each backend session runs; backend-independent files run in the torch session.
+TEST_FILES = {
+    "torch": ["tests"],
+    "triton": ["tests/test_conformance.py", "tests/test_triton_modes.py", "tests/test_triton_mm_modes.py"],
+    "mojo": ["tests/test_conformance.py", "tests/test_mojo_runtime.py"],
+}
+
+
+def _install(session: nox.Session, extras: str) -> None:
+    if TORCH_SPEC:
+        session.install(TORCH_SPEC)
+    session.install(f".[{extras}]")
+
+
+@nox.session
+@nox.parametrize("backend", list(EXTRAS))
+def tests(session: nox.Session, backend: str) -> None:
+    """Conformance suite (+ backend-specific tests) on the CPU; pass `-- --device cuda` on a GPU host."""
+    _install(session, EXTRAS[backend])
+    files = [f for f in TEST_FILES[backend] if os.path.exists(f)]
+    specific = [f for b in ("triton", "mojo") for f in TEST_FILES[b][1:] if os.path.exists(f)]
+    ignore = [f"--ignore={f}" for f in specific] if backend == "torch" else []
+    session.run("python", "-m", "pytest", *files, *ignore, "--backends", backend, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def aot(session: nox.Session) -> None:
+    """Compile every Triton and Mojo GPU kernel for sm_90 and gfx942 on a machine without a GPU."""
+    _install(session, "triton,mojo")
+    session.run("python", "-m", "fusekit.aot_triton", *session.posargs)
+    session.run("python", "-m", "fusekit.aot_mojo", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmark every installed backend against the baselines (small sizes on a CPU-only machine)."""
+    _install(session, "test,triton,mojo,bench")
+    session.run("python", "-m", "fusekit.bench", *(session.posargs or ["--quick"]))
+
+
+@nox.session
+def report(session: nox.Session) -> None:
+    """Render benchmarks/report/ (markdown + PNG plots) from the committed results; needs no GPU."""
+    _install(session, "bench")
+    session.run("python", "-m", "fusekit.report", *session.posargs)

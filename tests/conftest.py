@@ -1,0 +1,70 @@
+"""Selects backends and device for the whole suite.
+
+    pytest --backends torch,triton --device cpu      (or FUSEKIT_TEST_BACKENDS / FUSEKIT_TEST_DEVICE)
+
+Installed backends always run; a backend that is not installed is skipped with the reason printed
+(`-ra` is on). On the CPU, Triton runs in its interpreter: TRITON_INTERPRET=1 is set here, before any
+test imports triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ALL_BACKENDS = ("torch", "triton", "mojo")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--backends",
+        default=os.environ.get("FUSEKIT_TEST_BACKENDS", ",".join(ALL_BACKENDS)),
+        help="comma-separated backends to test (default: all)",
+    )
+    parser.addoption(
+        "--device",
+        default=os.environ.get("FUSEKIT_TEST_DEVICE", "cpu"),
+        choices=("cpu", "cuda"),
+        help="device to run the conformance suite on",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--device") == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def selected_backends(config: pytest.Config) -> list[str]:
+    names = [b.strip() for b in config.getoption("--backends").split(",") if b.strip()]
+    unknown = set(names) - set(ALL_BACKENDS)
+    if unknown:
+        raise pytest.UsageError(f"--backends: unknown {sorted(unknown)}; valid: {', '.join(ALL_BACKENDS)}")
+    return names
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", selected_backends(metafunc.config), scope="session")
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig: pytest.Config) -> str:
+    dev = pytestconfig.getoption("--device")
+    if dev == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.exit("--device cuda was asked for but torch sees no CUDA device", returncode=2)
+    return dev
+
+
+@pytest.fixture(scope="session")
+def backend_name(backend: str) -> str:
+    """The backend under test; skipped (with the reason) only when it is not installed here."""
+    from fusekit import backends
+
+    why = backends.available()[backend]
+    if why is not None:
+        pytest.skip(f"backend {backend!r} is not installed: {why}")
+    return backend

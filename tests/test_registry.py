@@ -1,0 +1,89 @@
+"""The backend registry, backend resolution order and lazy imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusekit import backends, dispatch, ops
+from fusekit.backends.base import BackendUnavailable
+from fusekit.backends.triton import TritonBackend
+
+
+def test_available_lists_every_backend_with_a_reason_or_none():
+    avail = backends.available()
+    assert list(avail) == ["torch", "triton", "mojo"]
+    assert avail["torch"] is None
+    for name, why in avail.items():
+        assert why is None or (isinstance(why, str) and why), name
+
+
+def test_unknown_backend_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names are: auto, torch, triton, mojo"):
+        backends.get("cuBLAS")
+
+
+def test_missing_backend_says_how_to_install(monkeypatch):
+    def broken_load(self):
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(TritonBackend, "_load", broken_load)
+    missing = TritonBackend()
+    monkeypatch.setitem(backends._INSTANCES, "triton", missing)
+    dispatch.clear_cache()
+    with pytest.raises(
+        BackendUnavailable,
+        match=r"'triton' is not available: ImportError: No module named 'triton' "
+        r"\(install with: pip install 'fusekit\[triton\]'\)",
+    ):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(8), backend="triton")
+    dispatch.clear_cache()
+
+
+def test_unsupported_case_names_the_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    b = TritonBackend()
+    b._checked, b._reason, b._interpret = True, None, False
+    monkeypatch.setitem(backends._INSTANCES, "triton", b)
+    dispatch.clear_cache()
+    with pytest.raises(
+        ValueError, match=r"backend: 'triton' cannot run rms_norm for this call: .*TRITON_INTERPRET=1"
+    ):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(8), backend="triton")
+    dispatch.clear_cache()
+
+
+def test_resolution_order(monkeypatch):
+    dispatch.clear_cache()
+    dev = torch.device("cpu")
+    assert (
+        dispatch.resolve("rms_norm", "auto", dev, torch.float32).name == dispatch.AUTO["cpu"]["rms_norm"][0]
+    )
+    monkeypatch.setenv("FUSEKIT_BACKEND", "torch")
+    assert dispatch.resolve("rope", "auto", dev, torch.float32).name == "torch"
+    monkeypatch.setenv("FUSEKIT_BACKEND_ROPE", "nonexistent")
+    with pytest.raises(ValueError, match="unknown backend 'nonexistent'"):
+        dispatch.resolve("rope", "auto", dev, torch.float32)
+    # an explicit argument beats the environment
+    assert dispatch.resolve("rope", "torch", dev, torch.float32).name == "torch"
+    dispatch.clear_cache()
+
+
+def test_auto_table_covers_every_op_and_ends_with_torch():
+    for device_type, table in dispatch.AUTO.items():
+        assert set(table) == set(backends.OPS), device_type
+        for op, order in table.items():
+            assert order[-1] == "torch", (device_type, op)
+            assert set(order) <= set(backends.names())
+
+
+def test_import_is_lazy():
+    code = (
+        "import sys, fusekit; from fusekit import ops; "
+        "bad = [m for m in ('triton', 'max', 'mojo', 'kernels_triton') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
