@@ -19,6 +19,13 @@ from fusekit.backends.base import Backend
 _DOT_OPS = ("swiglu_ffn", "attention")
 
 
+def _has_kernel(op: str) -> bool:
+    try:
+        return importlib.util.find_spec(f"kernels_triton.{op}") is not None
+    except ModuleNotFoundError:  # the kernels_triton package itself is missing
+        return False
+
+
 class TritonBackend(Backend):
     name = "triton"
     install_hint = "pip install 'fusekit[triton]'"
@@ -32,7 +39,7 @@ class TritonBackend(Backend):
         return importlib.import_module(f"kernels_triton.{op}")
 
     def supports(self, op: str, device: torch.device, dtype: torch.dtype, **meta: object) -> str | None:
-        if importlib.util.find_spec(f"kernels_triton.{op}") is None:
+        if not _has_kernel(op):
             return f"kernels_triton/{op}.py is not part of this installation"
         if device.type == "cpu":
             if not self._interpret:
