@@ -1,0 +1,125 @@
+"""PNG plots (matplotlib, Agg): rate vs size per provider with the measured ceiling dashed, and a
+roofline of the matrix ops (arithmetic intensity vs achieved FLOP/s)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+
+from fusekit.report.tables import MATMUL_OPS, ok_rows  # noqa: E402
+
+# Fixed colours so a provider looks the same in every plot.
+COLORS = {
+    "triton": "tab:blue",
+    "mojo": "tab:red",
+    "torch": "tab:gray",
+    "torch-eager": "tab:brown",
+    "torch-compile": "tab:orange",
+    "cub": "tab:green",
+    "cublas": "tab:green",
+    "sdpa": "tab:green",
+    "max-attention": "tab:purple",
+}
+MARKERS = {"reduce_sum": "o", "rms_norm": "s", "layer_norm": "D", "rope": "^", "swiglu_ffn": "v", "attention": "*"}
+
+
+def _color(p: str) -> str:
+    return COLORS.get(p, "black")
+
+
+def op_plot(doc: dict, path: Path) -> Path | None:
+    """One PNG per op: a subplot per sub-sweep (group), x = swept size (log2), y = GB/s or TFLOP/s."""
+    rows = ok_rows(doc)
+    if not rows:
+        return None
+    op = doc["op"]
+    matmul = op in MATMUL_OPS
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    n = len(groups)
+    cols = min(3, n)
+    nrows = math.ceil(n / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.9 * nrows), squeeze=False)
+    bw = doc["ceilings"]["copy"]["gbps"]
+    peak = doc["ceilings"]["matmul"]["tflops"]
+    for ax, g in zip(axes.flat, groups):
+        grows = [r for r in rows if r["group"] == g]
+        for p in dict.fromkeys(r["provider"] for r in grows):
+            pr = sorted((r for r in grows if r["provider"] == p), key=lambda r: r["x"])
+            ys = [r["tflops"] if matmul else r["gbps"] for r in pr]
+            style = "-" if pr[0]["kind"] == "backend" else "--"
+            ax.plot([r["x"] for r in pr], ys, style, marker="o", ms=3.5, color=_color(p), label=p, lw=1.5)
+        if matmul:
+            ax.axhline(peak, ls="--", color="k", lw=1, label=f"matmul peak {peak:.0f} TF/s")
+            xs = sorted({r["x"] for r in grows})
+            by_x = {r["x"]: r for r in grows}
+            # The roofline bound at each x: min(peak, intensity × bandwidth).
+            roof = [min(peak, by_x[x]["flops"] / by_x[x]["bytes"] * bw / 1e3) for x in xs]
+            ax.plot(xs, roof, ":", color="k", lw=1, label="roofline bound")
+            ax.set_ylabel("TFLOP/s")
+        else:
+            ax.axhline(bw, ls="--", color="k", lw=1, label=f"copy {bw:.0f} GB/s")
+            ax.set_ylabel("GB/s (minimal bytes)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(grows[0]["x_label"])
+        ax.set_title(f"{op} {g}", fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(f"{op} on {_device(doc)} ({doc['meta'].get('date', '')[:10]})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _device(doc: dict) -> str:
+    return doc["meta"].get("gpu_name") or doc["meta"].get("device", "?")
+
+
+def roofline_plot(docs: list[dict], path: Path) -> Path | None:
+    """Achieved TFLOP/s against FLOP/byte for every timed FFN/attention row, under the measured roof."""
+    pts = [(d, r) for d in docs for r in ok_rows(d) if r.get("flops")]
+    if not pts:
+        return None
+    bw = max(d["ceilings"]["copy"]["gbps"] for d, _ in pts)
+    peak = max(d["ceilings"]["matmul"]["tflops"] for d, _ in pts)
+    fig, ax = plt.subplots(figsize=(7.5, 5.2))
+    ai = [r["flops"] / r["bytes"] for _, r in pts]
+    lo, hi = min(ai) / 2, max(ai) * 2
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(xs, [min(peak, x * bw / 1e3) for x in xs], "k-", lw=1.5, label="measured roofline")
+    ax.axhline(peak, ls="--", color="k", lw=0.8)
+    ax.axvline(peak * 1e3 / bw, ls=":", color="gray", lw=0.8)
+    ax.text(peak * 1e3 / bw, peak * 1.08, f" ridge {peak * 1e3 / bw:.0f} FLOP/B", fontsize=8, color="gray")
+    seen = set()
+    for d, r in pts:
+        key = (r["provider"], d["op"])
+        lbl = f"{r['provider']} · {d['op']}" if key not in seen else None
+        seen.add(key)
+        ax.scatter(
+            r["flops"] / r["bytes"],
+            r["tflops"],
+            color=_color(r["provider"]),
+            marker=MARKERS.get(d["op"], "o"),
+            s=28,
+            alpha=0.8,
+            label=lbl,
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / minimal byte)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(f"Roofline on {_device(pts[0][0])}: copy {bw:.0f} GB/s, matmul {peak:.0f} TFLOP/s", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
