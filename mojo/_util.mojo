@@ -59,11 +59,11 @@ def sincos_f64(a: Float64) -> Tuple[Float64, Float64]:
     # sin r = r (1 - r2/3! + r2^2/5! ...), cos r = 1 - r2/2! + ... ; |r| <= pi/4: degree 17/18 is exact in fp64
     var s: Float64 = 1.0
     comptime for k in range(8, 0, -1):
-        s = 1.0 - s * r2 / Float64((2 * k) * (2 * k + 1))
+        s = 1.0 - s * r2 * (1.0 / Float64((2 * k) * (2 * k + 1)))
     s = s * r
     var c: Float64 = 1.0
     comptime for k in range(9, 0, -1):
-        c = 1.0 - c * r2 / Float64((2 * k - 1) * (2 * k))
+        c = 1.0 - c * r2 * (1.0 / Float64((2 * k - 1) * (2 * k)))
     var q = Int(kf) & 3
     if q == 0:
         return (s, c)
@@ -72,3 +72,40 @@ def sincos_f64(a: Float64) -> Tuple[Float64, Float64]:
     elif q == 2:
         return (-s, -c)
     return (-c, s)
+
+
+def log_f64(x: Float64) -> Float64:
+    """Return ln(x) for x > 0 (RoPE theta): halve/double into [sqrt(1/2), sqrt(2)), then 2 atanh(z) series.
+
+    Only + * / so it compiles on every target (fp64 transcendental intrinsics do not on NVIDIA).
+    """
+    comptime LN2 = 0.69314718055994530942
+    var m = x
+    var k = 0
+    while m >= 1.4142135623730951:
+        m *= 0.5
+        k += 1
+    while m < 0.7071067811865476:
+        m *= 2.0
+        k -= 1
+    var z = (m - 1.0) / (m + 1.0)  # |z| <= 0.172: z^23 / 23 < 1e-18
+    var z2 = z * z
+    var s: Float64 = 0.0
+    comptime for j in range(11, -1, -1):
+        s = s * z2 + (1.0 / Float64(2 * j + 1))
+    return Float64(k) * LN2 + 2.0 * z * s
+
+
+def rope_inv_freq_coef(theta: Float32, dim: Int) -> Float32:
+    """Return the fp32 scalar c with inv_freq[i] = exp(f32(i) * c), as reference.rope_tables computes it
+    (`-2.0 * math.log(theta) / head_dim` in fp64, used as an fp32 scalar)."""
+    return Float32(-2.0 * log_f64(Float64(theta)) / Float64(dim))
+
+
+def rope_cos_sin(pos: Float32, i: Int, c: Float32) -> Tuple[Float32, Float32]:
+    """Return (cos, sin) of angle f32(pos) * f32(exp(f32(i) * c)): the fp32 products of reference.py,
+    with exp / cos / sin evaluated accurately in fp64 and rounded once."""
+    var inv = Float32(exp_f64(Float64(Float32(i) * c)))
+    var ang = pos * inv
+    var sc = sincos_f64(Float64(ang))
+    return (Float32(sc[1]), Float32(sc[0]))

@@ -1,0 +1,126 @@
+"""Harness entry for fusekit.rope: both layouts, with/without tables, odd head dims; timing."""
+
+from extensibility import InputTensor, OutputTensor, StaticTensorSpec
+from max.gpu.host import DeviceContext, DeviceBuffer
+from std.utils import IndexList
+from std.sys import size_of
+from std.math import exp, cos, sin, log
+
+from ..rope import Rope
+from ._common import _mut, fill_random, poison, to_host, RelErr, check, tol_for, now_ns, report_bw, device_params, sample_rows
+
+
+def _run[dtype: DType](
+    ctx: DeviceContext, ob: DeviceBuffer[dtype], xb: DeviceBuffer[dtype], cb: DeviceBuffer[DType.float32],
+    sb: DeviceBuffer[DType.float32], pb: DeviceBuffer[DType.float32], b: Int, s: Int, h: Int, d: Int, st: Int, tw: Int
+) raises:
+    comptime s4 = StaticTensorSpec[dtype, 4, ...].get_unknown()
+    comptime f2 = StaticTensorSpec[DType.float32, 2, ...].get_unknown()
+    comptime f1 = StaticTensorSpec[DType.float32, 1, ...].get_unknown()
+    var shp = IndexList[4](b, s, h, d)
+    var strd = IndexList[4](s * h * d, h * d, d, 1)
+    var o = OutputTensor[static_spec=s4](_mut(ob.unsafe_ptr()), shp, strd)
+    var x = InputTensor[static_spec=s4](_mut(xb.unsafe_ptr()), shp, strd)
+    var c = InputTensor[static_spec=f2](_mut(cb.unsafe_ptr()), IndexList[2](st, tw), IndexList[2](tw, 1))
+    var sn = InputTensor[static_spec=f2](_mut(sb.unsafe_ptr()), IndexList[2](st, tw), IndexList[2](tw, 1))
+    var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](4), IndexList[1](1))
+    Rope.execute["gpu"](o, x, c, sn, p, ctx)
+
+
+def rope_case[dtype: DType](
+    ctx: DeviceContext, b: Int, s: Int, h: Int, d: Int, start: Int, inter: Bool, tables: Bool, mut failures: Int, seed: Int
+) raises:
+    var theta = Float32(10000.0)
+    var half = d // 2
+    var st = start + s if tables else 1  # dummy [1, 1] tables when has_tables == 0
+    var tw = half if tables else 1
+    var n = b * s * h * d
+    var xb = ctx.enqueue_create_buffer[dtype](n)
+    var ob = ctx.enqueue_create_buffer[dtype](n)
+    var cb = ctx.enqueue_create_buffer[DType.float32](st * tw)
+    var sb = ctx.enqueue_create_buffer[DType.float32](st * tw)
+    fill_random(ctx, xb, n, seed, -2.0, 2.0)
+    fill_random(ctx, cb, st * tw, seed + 1, -1.0, 1.0)
+    fill_random(ctx, sb, st * tw, seed + 2, -1.0, 1.0)
+    poison(ctx, ob)
+    var pb = device_params(ctx, theta, Float32(start), Float32(1.0 if inter else 0.0), Float32(1.0 if tables else 0.0))
+    _run[dtype](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
+    var hx = to_host(ctx, xb, n)
+    var ho = to_host(ctx, ob, n)
+    var hc = to_host(ctx, cb, st * tw)
+    var hs = to_host(ctx, sb, st * tw)
+    var e = RelErr()
+    var coef = Float32(-2.0 * log(Float64(theta)) / Float64(d))
+    for k in range(min(b * s, 40)):
+        var row = sample_rows(b * s, k, 40)
+        var pos = start + row % s
+        for i in range(half):
+            var c: Float64
+            var sn: Float64
+            if tables:
+                c = hc[pos * half + i].cast[DType.float64]()
+                sn = hs[pos * half + i].cast[DType.float64]()
+            else:  # reference.py: fp32 inv_freq and angle, cos/sin of that fp32 angle
+                var ang = Float32(pos) * exp(Float32(i) * coef)
+                c = cos(Float64(ang))
+                sn = sin(Float64(ang))
+            for hh in range(h):
+                var base = (row * h + hh) * d
+                var ia = base + (2 * i if inter else i)
+                var ib = base + (2 * i + 1 if inter else i + half)
+                var a = hx[ia].cast[DType.float64]()
+                var bb = hx[ib].cast[DType.float64]()
+                e.add(ho[ia].cast[DType.float64](), a * c - bb * sn)
+                e.add(ho[ib].cast[DType.float64](), bb * c + a * sn)
+    var name = String("rope ", dtype, " B=", b, " S=", s, " H=", h, " D=", d, " start=", start, " inter=", inter, " tables=", tables)
+    check(name, e.value(), tol_for[dtype](), failures)
+
+
+def rope_bench[dtype: DType](ctx: DeviceContext, b: Int, s: Int, h: Int, d: Int, inter: Bool, tables: Bool, iters: Int) raises:
+    var n = b * s * h * d
+    var half = d // 2
+    var st = s if tables else 1
+    var tw = half if tables else 1
+    var xb = ctx.enqueue_create_buffer[dtype](n)
+    var ob = ctx.enqueue_create_buffer[dtype](n)
+    var cb = ctx.enqueue_create_buffer[DType.float32](st * tw)
+    var sb = ctx.enqueue_create_buffer[DType.float32](st * tw)
+    fill_random(ctx, xb, n, 5, -2.0, 2.0)
+    fill_random(ctx, cb, st * tw, 6, -1.0, 1.0)
+    fill_random(ctx, sb, st * tw, 7, -1.0, 1.0)
+    var pb = device_params(ctx, Float32(10000.0), Float32(0.0), Float32(1.0 if inter else 0.0), Float32(1.0 if tables else 0.0))
+    _run[dtype](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
+    ctx.synchronize()
+    var t0 = now_ns()
+    for _ in range(iters):
+        _run[dtype](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
+    ctx.synchronize()
+    var dt = Float64(now_ns() - t0) / Float64(iters)
+    report_bw(String("rope ", dtype, " ", b, "x", s, "x", h, "x", d, " inter=", inter, " tables=", tables), 2 * n * size_of[dtype](), dt)
+
+
+def run(bench: Bool = True) raises:
+    var failures = 0
+    with DeviceContext() as ctx:
+        print("device:", ctx.name())
+        comptime for di in range(3):
+            comptime dtype = DType.float32 if di == 0 else (DType.float16 if di == 1 else DType.bfloat16)
+            var sd = 100 * di
+            for li in range(2):
+                var inter = li == 1
+                for ti in range(2):
+                    var tables = ti == 1
+                    sd += 10
+                    rope_case[dtype](ctx, 1, 1, 1, 2, 0, inter, tables, failures, sd + 1)
+                    rope_case[dtype](ctx, 2, 5, 3, 6, 3, inter, tables, failures, sd + 2)
+                    rope_case[dtype](ctx, 2, 7, 4, 64, 0, inter, tables, failures, sd + 3)
+                    rope_case[dtype](ctx, 1, 3, 5, 128, 1000, inter, tables, failures, sd + 4)
+                    rope_case[dtype](ctx, 2, 33, 8, 256, 17, inter, tables, failures, sd + 5)
+                    rope_case[dtype](ctx, 1, 4, 2, 128, 1 << 20, inter, tables, failures, sd + 6)
+        if bench:
+            rope_bench[DType.bfloat16](ctx, 16, 4096, 32, 128, False, False, 20)
+            rope_bench[DType.bfloat16](ctx, 16, 4096, 32, 128, True, False, 20)
+            rope_bench[DType.bfloat16](ctx, 16, 4096, 32, 128, False, True, 20)
+    print("rope failures:", failures)
+    if failures > 0:
+        raise Error("rope: ", failures, " checks failed")

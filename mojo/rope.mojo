@@ -1,0 +1,215 @@
+"""Op fusekit.rope: rotate pairs of x[B, S, H, D] by angle (start_pos + s) * theta^(-2i/D).
+
+Layouts: HF halves, pairs (i, i + D/2); interleaved, pairs (2i, 2i + 1). cos/sin come from the tables
+[St, D/2] f32 at row start_pos + s when has_tables, else are computed in-kernel (fp32 angle as
+reference.py; exp/sin/cos accurately in fp64: the GPU's fast `cos.approx` is wrong for large angles).
+params = [theta, start_pos, interleaved (0/1), has_tables (0/1)], read on the device.
+
+Byte floor: read x + write out = 2 * B*S*H*D * sizeof; 16x4096x32x128 bf16 = 1.07 GB -> 0.25 ms at the
+H200's 4283 GB/s copy ceiling. cos/sin tables (if any) are St*D*4 bytes, read once per (b, s) row.
+
+GPU plan: one thread per (b, s, group of W pair indices): it computes (or loads) its W cos/sin values
+once and applies them to all H heads of that row (loop over heads, 4 heads of loads issued before the
+stores), so each cos/sin is computed once per (b, s) and reused across heads. W = 16 bytes of x, so a
+head's pair groups are 16-byte vector loads/stores (halves: a and b vectors; interleaved: 2 vectors
+deinterleaved in registers). Unaligned shapes (D/2 not a multiple of W) take the W = 1 path.
+"""
+
+from extensibility import InputTensor, OutputTensor, register
+from max.gpu import global_idx, grid_dim, block_dim
+from max.gpu.host import DeviceContext
+from std.sys import align_of
+
+from ._util import vec_width, is_aligned16, cdiv, rope_inv_freq_coef, rope_cos_sin
+
+comptime F32 = DType.float32
+comptime FPtr = Pointer[Float32, MutAnyOrigin]
+comptime HU = 4  # heads whose loads are in flight together
+
+
+@always_inline
+def _rot[dtype: DType, W: Int](
+    v0: SIMD[dtype, W], v1: SIMD[dtype, W], c: SIMD[F32, W], s: SIMD[F32, W], inter: Bool
+) -> Tuple[SIMD[dtype, W], SIMD[dtype, W]]:
+    """Rotate W pairs. Halves: v0 = a's, v1 = b's. Interleaved: v0|v1 = a0 b0 a1 b1 ..."""
+    if inter:
+        var ab = v0.join(v1).deinterleave()
+        var a = rebind[SIMD[F32, W]](ab[0].cast[F32]())
+        var b = rebind[SIMD[F32, W]](ab[1].cast[F32]())
+        var o = (a * c - b * s).interleave(b * c + a * s).cast[dtype]()
+        return (o.slice[W, offset=0](), o.slice[W, offset=W]())
+    var a = v0.cast[F32]()
+    var b = v1.cast[F32]()
+    return ((a * c - b * s).cast[dtype](), (b * c + a * s).cast[dtype]())
+
+
+@always_inline
+def _row_cos_sin[W: Int](
+    cos_t: FPtr, sin_t: FPtr, tables: Bool, pos: Int, i0: Int, half: Int, coef: Float32
+) -> Tuple[SIMD[F32, W], SIMD[F32, W]]:
+    var c = SIMD[F32, W](0)
+    var s = SIMD[F32, W](0)
+    if tables:
+        comptime for k in range(W):
+            c[k] = cos_t[unsafe_offset=pos * half + i0 + k]
+            s[k] = sin_t[unsafe_offset=pos * half + i0 + k]
+    else:
+        comptime for k in range(W):
+            var cs = rope_cos_sin(Float32(pos), i0 + k, coef)
+            c[k] = cs[0]
+            s[k] = cs[1]
+    return (c, s)
+
+
+def _rope_kernel[dtype: DType, W: Int](
+    res: Pointer[Scalar[dtype], MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    cos_t: FPtr,
+    sin_t: FPtr,
+    params: FPtr,
+    n_rows: Int64,
+    seq: Int64,
+    heads: Int64,
+    dim: Int64,
+):
+    comptime AL = 16 if W > 1 else align_of[dtype]()
+    var d = Int(dim)
+    var half = d // 2
+    var groups = half // W
+    var nh = Int(heads)
+    var start = Int(params[unsafe_offset=1])
+    var inter = params[unsafe_offset=2] != 0
+    var tables = params[unsafe_offset=3] != 0
+    var coef = rope_inv_freq_coef(params[unsafe_offset=0], d)
+    # element offsets of a unit's two vectors inside one head
+    var total = Int(n_rows) * groups
+    var u = global_idx.x
+    while u < total:
+        var row = u // groups
+        var i0 = (u % groups) * W
+        var cs = _row_cos_sin[W](cos_t, sin_t, tables, start + row % Int(seq), i0, half, coef)
+        var o0 = 2 * i0 if inter else i0
+        var o1 = 2 * i0 + W if inter else i0 + half
+        var base = row * nh * d
+        var h = 0
+        while h + HU <= nh:
+            var A = SIMD[dtype, HU * W](0)
+            var B = SIMD[dtype, HU * W](0)
+            comptime for t in range(HU):
+                var p = x.unsafe_offset(base + (h + t) * d)
+                A = A.insert[offset = t * W](p.unsafe_load[width=W, alignment=AL](o0))
+                B = B.insert[offset = t * W](p.unsafe_load[width=W, alignment=AL](o1))
+            comptime for t in range(HU):
+                var r = _rot[dtype, W](A.slice[W, offset = t * W](), B.slice[W, offset = t * W](), cs[0], cs[1], inter)
+                var q = res.unsafe_offset(base + (h + t) * d)
+                q.unsafe_store[alignment=AL](o0, r[0])
+                q.unsafe_store[alignment=AL](o1, r[1])
+            h += HU
+        while h < nh:
+            var p = x.unsafe_offset(base + h * d)
+            var r = _rot[dtype, W](
+                p.unsafe_load[width=W, alignment=AL](o0), p.unsafe_load[width=W, alignment=AL](o1), cs[0], cs[1], inter
+            )
+            var q = res.unsafe_offset(base + h * d)
+            q.unsafe_store[alignment=AL](o0, r[0])
+            q.unsafe_store[alignment=AL](o1, r[1])
+            h += 1
+        u += grid_dim.x * block_dim.x
+
+
+def rope_gpu[dtype: DType](
+    ctx: DeviceContext,
+    res: Pointer[Scalar[dtype], MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    cos_t: FPtr,
+    sin_t: FPtr,
+    params: FPtr,
+    b: Int,
+    s: Int,
+    h: Int,
+    d: Int,
+) raises:
+    comptime VW = vec_width[dtype]()
+    comptime TPB = 256
+    var half = d // 2
+    var vec_ok = half % VW == 0 and is_aligned16(x) and is_aligned16(res)
+    if vec_ok:
+        var grid = min(cdiv(b * s * (half // VW), TPB), 1 << 30)
+        ctx.enqueue_function[_rope_kernel[dtype, VW]](
+            res, x, cos_t, sin_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), grid_dim=grid, block_dim=TPB
+        )
+    else:
+        var grid = min(cdiv(b * s * half, TPB), 1 << 30)
+        ctx.enqueue_function[_rope_kernel[dtype, 1]](
+            res, x, cos_t, sin_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), grid_dim=grid, block_dim=TPB
+        )
+
+
+def rope_cpu[dtype: DType](
+    res: Pointer[Scalar[dtype], MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    cos_t: FPtr,
+    sin_t: FPtr,
+    params: FPtr,
+    b: Int,
+    s: Int,
+    h: Int,
+    d: Int,
+):
+    """Per (b, s) row: cos/sin for the D/2 pairs once, then every head."""
+    var half = d // 2
+    var start = Int(params[unsafe_offset=1])
+    var inter = params[unsafe_offset=2] != 0
+    var tables = params[unsafe_offset=3] != 0
+    var coef = rope_inv_freq_coef(params[unsafe_offset=0], d)
+    var c = List[Float32]()
+    var sn = List[Float32]()
+    for _ in range(half):
+        c.append(0)
+        sn.append(0)
+    for row in range(b * s):
+        var pos = start + row % s
+        for i in range(half):
+            if tables:
+                c[i] = cos_t[unsafe_offset=pos * half + i]
+                sn[i] = sin_t[unsafe_offset=pos * half + i]
+            else:
+                var cs = rope_cos_sin(Float32(pos), i, coef)
+                c[i] = cs[0]
+                sn[i] = cs[1]
+        for hh in range(h):
+            var base = (row * h + hh) * d
+            for i in range(half):
+                var ia = base + (2 * i if inter else i)
+                var ib = base + (2 * i + 1 if inter else i + half)
+                var a = x[unsafe_offset=ia].cast[F32]()
+                var bb = x[unsafe_offset=ib].cast[F32]()
+                res[unsafe_offset=ia] = (a * c[i] - bb * sn[i]).cast[dtype]()
+                res[unsafe_offset=ib] = (bb * c[i] + a * sn[i]).cast[dtype]()
+
+
+@register("fusekit.rope")
+struct Rope:
+    @staticmethod
+    def execute[
+        dtype: DType, //, target: StaticString
+    ](
+        res: OutputTensor[dtype=dtype, rank=4, ...],
+        x: InputTensor[dtype=dtype, rank=4, ...],
+        cos: InputTensor[dtype=DType.float32, rank=2, ...],
+        sin: InputTensor[dtype=DType.float32, rank=2, ...],
+        params: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var b = x.dim_size(0)
+        var s = x.dim_size(1)
+        var h = x.dim_size(2)
+        var d = x.dim_size(3)
+        comptime if target == "gpu":
+            rope_gpu[dtype](
+                ctx, res.unsafe_ptr(), x.unsafe_ptr(), cos.unsafe_ptr(), sin.unsafe_ptr(), params.unsafe_ptr(), b, s, h, d
+            )
+        else:
+            rope_cpu[dtype](
+                res.unsafe_ptr(), x.unsafe_ptr(), cos.unsafe_ptr(), sin.unsafe_ptr(), params.unsafe_ptr(), b, s, h, d
+            )
