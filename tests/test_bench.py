@@ -52,7 +52,7 @@ def test_gpu_sweeps_cover_the_issue_sizes() -> None:
     rope = cases.sweep("rope", quick=False, cpu=False)
     assert any(c.params == {"B": 16, "S": 4096, "H": 32, "D": 128} for c in rope)
     ffn = cases.sweep("swiglu_ffn", quick=False, cpu=False)
-    assert [c.params["T"] for c in ffn][0] == 1 and ffn[-1].params == {"T": 8192, "D": 4096, "F": 11008}
+    assert next(c.params["T"] for c in ffn) == 1 and ffn[-1].params == {"T": 8192, "D": 4096, "F": 11008}
     att = cases.sweep("attention", quick=False, cpu=False)
     assert all(c.params["B"] * c.params["S"] == 16384 and c.params["H"] == 32 for c in att)
     assert {c.params["D"] for c in att} == {64, 128, 256} and {c.params["causal"] for c in att} == {0, 1}
@@ -110,7 +110,7 @@ def test_wrong_provider_is_failed_not_timed() -> None:
 def test_quick_cpu_run_writes_json(tmp_path) -> None:
     argv = ["--device", "cpu", "--quick", "--ops", "reduce_sum,rms_norm", "--backends", "torch"]
     argv += ["--baselines", "torch-eager,cub", "--out", str(tmp_path), "--rep-ms", "3", "--no-progress"]
-    argv += ["--filter", "n=1024"]  # reduce_sum n=1024 and rms_norm M=256,N=1024
+    argv += ["--filter", "1024,"]  # reduce_sum n=1024 (and m=256,n=1024), rms_norm M=256,N=1024
     assert bench_main(argv) == 0
     files = sorted((tmp_path / "cpu").glob("*.json"))
     assert [f.name for f in files] == ["reduce_sum.json", "rms_norm.json"]
@@ -122,7 +122,9 @@ def test_quick_cpu_run_writes_json(tmp_path) -> None:
         ok = [r for r in doc["rows"] if r["status"] == "ok"]
         assert {r["provider"] for r in ok} == {"torch", "torch-eager"}
         for r in ok:
-            assert r["time_us"] > 0 and r["gbps"] > 0 and r["rel_error"] < 1e-2 and "fusekit.bench" in r["repro"]
+            assert (
+                r["time_us"] > 0 and r["gbps"] > 0 and r["rel_error"] < 1e-2 and "fusekit.bench" in r["repro"]
+            )
             assert r["pct_of_ceiling"] > 0
         torch_row = next(r for r in ok if r["provider"] == "torch")
         assert "torch-eager" in torch_row["speedup_vs"]
@@ -172,7 +174,9 @@ def synthetic_results(tmp_path):
             _row("rms_norm", f"N={n}", "torch-eager", "baseline", b / 1200e3, b, 0, x=n),
         ]
     rows.append({**rows[0], "provider": "mojo", "status": "failed", "reason": "rel error 1 > tolerance 0.01"})
-    (root / "rms_norm.json").write_text(json.dumps({"meta": meta, "op": "rms_norm", "ceilings": ceil, "rows": rows}))
+    (root / "rms_norm.json").write_text(
+        json.dumps({"meta": meta, "op": "rms_norm", "ceilings": ceil, "rows": rows})
+    )
     rows = []
     for causal in (0, 1):
         for s in (1024, 4096):

@@ -67,7 +67,7 @@ def _progress(total: int, desc: str, enabled: bool):
 def _fmt(row: dict) -> str:
     if row["status"] != "ok":
         return f"  {row['case']:<44} {row['provider']:<14} {row['status']}: {str(row['reason'])[:90]}"
-    rate = f"{row['tflops']:8.1f} TFLOP/s" if row.get("tflops") else f"{row['gbps']:8.1f} GB/s   "
+    rate = f"{row['tflops']:8.3g} TFLOP/s" if row.get("tflops") else f"{row['gbps']:8.4g} GB/s   "
     return (
         f"  {row['case']:<44} {row['provider']:<14} {row['time_us']:11.1f} us {rate} "
         f"{row['pct_of_ceiling']:5.1f}% e2e {row['e2e_us']:9.1f} us err {row['rel_error']:.1e}"
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ceil = ceilings.measure(device)
     print(
         f"ceilings: copy {ceil['copy']['gbps']:.0f} GB/s, {ceil['matmul']['name']} "
-        f"{ceil['matmul']['tflops']:.1f} TFLOP/s",
+        f"{ceil['matmul']['tflops']:.3g} TFLOP/s",
         flush=True,
     )
     rep_ms = args.rep_ms or (50.0 if args.quick else 100.0)

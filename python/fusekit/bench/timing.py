@@ -125,8 +125,11 @@ def kernel_ms(fn: Callable[[], object], device: torch.device, n: int = 5) -> flo
     if device.type != "cuda":
         return None
     try:
+        import warnings
+
         from torch.profiler import ProfilerActivity, profile
 
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
         fn()
         _sync(device)
         per_call: list[float] = []

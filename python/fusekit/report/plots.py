@@ -9,9 +9,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+import matplotlib.pyplot as plt
 
-from fusekit.report.tables import MATMUL_OPS, ok_rows  # noqa: E402
+from fusekit.report.tables import MATMUL_OPS, ok_rows
 
 # Fixed colours so a provider looks the same in every plot.
 COLORS = {
@@ -25,7 +25,14 @@ COLORS = {
     "sdpa": "tab:green",
     "max-attention": "tab:purple",
 }
-MARKERS = {"reduce_sum": "o", "rms_norm": "s", "layer_norm": "D", "rope": "^", "swiglu_ffn": "v", "attention": "*"}
+MARKERS = {
+    "reduce_sum": "o",
+    "rms_norm": "s",
+    "layer_norm": "D",
+    "rope": "^",
+    "swiglu_ffn": "v",
+    "attention": "*",
+}
 
 
 def _color(p: str) -> str:
@@ -116,7 +123,9 @@ def roofline_plot(docs: list[dict], path: Path) -> Path | None:
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / minimal byte)")
     ax.set_ylabel("achieved TFLOP/s")
-    ax.set_title(f"Roofline on {_device(pts[0][0])}: copy {bw:.0f} GB/s, matmul {peak:.0f} TFLOP/s", fontsize=10)
+    ax.set_title(
+        f"Roofline on {_device(pts[0][0])}: copy {bw:.0f} GB/s, matmul {peak:.0f} TFLOP/s", fontsize=10
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right", ncol=2)
     fig.tight_layout()
