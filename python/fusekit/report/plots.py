@@ -50,7 +50,7 @@ def op_plot(doc: dict, path: Path) -> Path | None:
     n = len(groups)
     cols = min(3, n)
     nrows = math.ceil(n / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.9 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(max(5.2 * cols, 8.0), 3.9 * nrows + 0.6), squeeze=False)
     bw = doc["ceilings"]["copy"]["gbps"]
     peak = doc["ceilings"]["matmul"]["tflops"]
     for ax, g in zip(axes.flat, groups):
@@ -76,11 +76,19 @@ def op_plot(doc: dict, path: Path) -> Path | None:
         ax.set_title(f"{op} {g}", fontsize=10)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle(f"{op} on {_device(doc)} ({doc['meta'].get('date', '')[:10]})", fontsize=11)
-    fig.tight_layout()
+    # One legend for the figure, below the plots, so no curve is hidden under it.
+    handles: dict[str, object] = {}
+    for ax in axes.flat:
+        for h, lbl in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lbl, h)
+    ncol = min(len(handles), 4 if cols == 1 else 6)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, fontsize=8)
+    date = doc["meta"].get("date", "")[:10]
+    fig.suptitle(f"{op} on {_device(doc)} ({date})\nsolid: fusekit backends, dashed: baselines", fontsize=10)
+    legend_h = 0.28 * math.ceil(len(handles) / ncol) + 0.15  # inches
+    fig.tight_layout(rect=(0, legend_h / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
