@@ -1,0 +1,457 @@
+"""SwiGLU feed-forward block: out = (silu(xn @ Wg^T) * (xn @ Wu^T)) @ Wd^T, xn = RMSNorm(x) or x.
+
+Floors (H200: ~4.3 TB/s copy, ~790 TFLOP/s dense bf16), Llama-7B dims D=4096, F=11008, bf16:
+- FLOPs: 6*T*D*F (three GEMMs).  T=4096: 1.11 PFLOP -> ~1.4 ms at 790 TFLOP/s (compute-bound).
+- Bytes: weights 3*D*F*2 = 270 MB dominate at small T -> ~63 us at 4.3 TB/s for T=1 (memory-bound);
+  activations add T*(2D + F)*2 (x, out, h written+read once more), noise for T <= 16.
+Crossover ~ T where 6*T*D*F/790e12 = 6*D*F/4.3e12, i.e. T ~ 180: below it the weights' bytes set the time.
+
+Paths (chosen by T; tests force them with `_path=`):
+- decode (T <= DECODE_MAX_T): GEMV kernels that stream the weights once. gate/up: one program per BLOCK_F
+  rows of F reads contiguous [BLOCK_F, BLOCK_K] slabs of Wg and Wu (16-byte loads), recomputes the RMSNorm
+  of the T <= 16 activation rows itself (they sit in L2) and writes h [T, F]. down: one program per
+  BLOCK_D rows of Wd. T == 1 reduces with a broadcast multiply + row sum (no tensor cores needed at one
+  row); 2 <= T <= 16 pads T to 16 and uses tl.dot.
+- prefill: (1) a row kernel computes rstd [T] (and, for `_prologue="xn"`, writes xn); (2) the gate/up GEMM
+  loads each activation tile once, scales it by rstd * norm_weight in registers and rounds it to x.dtype
+  (exactly what the reference's rounded xn is) and feeds it to two accumulators (gate, up), epilogue
+  silu(g) * u -> h [T, F] in x.dtype; (3) the down GEMM h @ Wd^T.
+fp32 inputs use input_precision="ieee" so fp32 means fp32 (no tf32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_triton._config import is_hip, is_interpreter
+
+DECODE_MAX_T = 16  # at or below this many tokens the weights' bytes dominate: GEMV path
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _rstd_kernel(x_ptr, nw_ptr, rstd_ptr, xn_ptr, D, eps, WRITE_XN: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program: rstd = rsqrt(mean(x^2) + eps) in fp32; optionally xn = x*rstd*w in x.dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * D
+    offs = tl.arange(0, BLOCK)
+    ss = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, D, BLOCK):
+        x = tl.load(x_row + k + offs, mask=k + offs < D, other=0.0).to(tl.float32)
+        ss += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + eps)
+    tl.store(rstd_ptr + row, rstd)
+    if WRITE_XN:
+        for k in range(0, D, BLOCK):
+            m = k + offs < D
+            x = tl.load(x_row + k + offs, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(nw_ptr + k + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(xn_ptr + row * D + k + offs, (x * rstd * w).to(xn_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row-blocks share each weight column-block while it is in L2."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % in_group) % group_size)
+    pid_n = (pid % in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(
+    a_ptr, wg_ptr, wu_ptr, nw_ptr, rstd_ptr, h_ptr, M, N, K,
+    HAS_NORM: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """h[M, N] = silu(a' @ Wg^T) * (a' @ Wu^T), a' = round(a * rstd * nw) if HAS_NORM else a."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # Wrapped (modulo) row/col indices keep the loads unmasked in M and N; the store masks them.
+    offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * K + offs_k[None, :]
+    # B tiles are read as [BLOCK_K, BLOCK_N] views of the row-major [N, K] weights (K-major operand).
+    wg_ptrs = wg_ptr + offs_bn[None, :].to(tl.int64) * K + offs_k[:, None]
+    wu_ptrs = wu_ptr + offs_bn[None, :].to(tl.int64) * K + offs_k[:, None]
+    if HAS_NORM:
+        r = tl.load(rstd_ptr + offs_am)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + k * BLOCK_K + offs_k, mask=offs_k < k_left, other=0.0)
+            a = ((a.to(tl.float32) * r[:, None]) * nw.to(tl.float32)[None, :]).to(a_ptr.dtype.element_ty)
+        bg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        bu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+        a_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = h_ptr + offs_cm[:, None].to(tl.int64) * N + offs_cn[None, :]
+    tl.store(c_ptrs, h.to(h_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+
+@triton.jit
+def _matmul_nt_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """c[M, N] = a[M, K] @ b[N, K]^T, fp32 accumulation, stored in c's dtype (the down projection)."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * K + offs_k[None, :]
+    b_ptrs = b_ptr + offs_bn[None, :].to(tl.int64) * K + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + offs_cm[:, None].to(tl.int64) * N + offs_cn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+
+@triton.jit
+def _gemv_rows(acc, x, w, BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
+    """acc[BLOCK_T, BLOCK_R] += x[BLOCK_T, BLOCK_K] @ w[BLOCK_R, BLOCK_K]^T for a handful of rows."""
+    if BLOCK_T == 1:
+        # One token: a broadcast multiply and row sum; no tensor-core padding of 1 -> 16 rows.
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    elif IEEE:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr, wg_ptr, wu_ptr, nw_ptr, h_ptr, T, D, F, eps,
+    HAS_NORM: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Decode gate/up: program p owns rows [p*BLOCK_F, +BLOCK_F) of Wg and Wu and reads each byte once."""
+    pid = tl.program_id(0)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_f = pid * BLOCK_F + tl.arange(0, BLOCK_F)
+    offs_k0 = tl.arange(0, BLOCK_K)
+    t_mask = offs_t < T
+    f_mask = offs_f < F
+    x_rows = x_ptr + offs_t[:, None] * D
+    if HAS_NORM:
+        # Every program recomputes rstd of the <= 16 token rows: D*T*2 bytes from L2, no extra launch.
+        ss = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        for k in range(0, D, BLOCK_K):
+            xk = tl.load(x_rows + k + offs_k0[None, :], mask=t_mask[:, None] & (k + offs_k0[None, :] < D))
+            xk = xk.to(tl.float32)
+            ss += xk * xk
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / D + eps)
+    acc_g = tl.zeros([BLOCK_T, BLOCK_F], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_T, BLOCK_F], dtype=tl.float32)
+    wg_rows = wg_ptr + offs_f[:, None].to(tl.int64) * D
+    wu_rows = wu_ptr + offs_f[:, None].to(tl.int64) * D
+    for k in range(0, D, BLOCK_K):
+        offs_k = k + offs_k0
+        k_mask = offs_k < D
+        x = tl.load(x_rows + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = ((x.to(tl.float32) * rstd[:, None]) * nw[None, :]).to(x_ptr.dtype.element_ty)
+        wmask = f_mask[:, None] & k_mask[None, :]
+        wg = tl.load(wg_rows + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        wu = tl.load(wu_rows + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        acc_g = _gemv_rows(acc_g, x, wg, BLOCK_T, IEEE)
+        acc_u = _gemv_rows(acc_u, x, wu, BLOCK_T, IEEE)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h_ptrs = h_ptr + offs_t[:, None] * F + offs_f[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=t_mask[:, None] & f_mask[None, :])
+
+
+@triton.jit
+def _gemv_nt_kernel(
+    a_ptr, w_ptr, c_ptr, T, N, K,
+    IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Decode down projection: c[T, N] = a[T, K] @ w[N, K]^T, program p owns BLOCK_N rows of w."""
+    pid = tl.program_id(0)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k0 = tl.arange(0, BLOCK_K)
+    t_mask = offs_t < T
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    a_rows = a_ptr + offs_t[:, None] * K
+    for k in range(0, K, BLOCK_K):
+        offs_k = k + offs_k0
+        k_mask = offs_k < K
+        a = tl.load(a_rows + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+        acc = _gemv_rows(acc, a, w, BLOCK_T, IEEE)
+    c_ptrs = c_ptr + offs_t[:, None] * N + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------
+# tile tables
+# ----------------------------------------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages). Hopper (sm_90): 128-row tiles with
+# 64-wide K fill a wgmma warpgroup pair; gate/up holds TWO fp32 accumulators, so its 128x128 tile costs
+# the registers of a 128x256 GEMM tile and 3 stages of (A + 2 B) bf16 tiles = 3 * 48 KB of shared memory.
+# Small-T configs (BLOCK_M 64) avoid computing 128 rows of padding when T is a few dozen tokens.
+_GATE_UP_CUDA = [
+    (128, 128, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 4),
+    (128, 64, 64, 8, 4, 4),
+    (64, 128, 64, 8, 4, 4),
+]
+_DOWN_CUDA = [
+    (128, 256, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 4),
+    (128, 128, 64, 8, 4, 4),
+    (64, 128, 64, 8, 4, 4),
+]
+# CDNA (gfx942): 2 LDS stages are the norm for its stream pipeliner; 64-wide waves, so fewer warps.
+_GATE_UP_HIP = [(128, 128, 64, 8, 8, 2), (64, 128, 64, 8, 4, 2)]
+_DOWN_HIP = [(128, 128, 64, 8, 8, 2), (64, 128, 64, 8, 4, 2)]
+_RSTD_BLOCK = 1024  # row chunk of the rstd kernel: 4 warps x 8 elements of 16 bytes (bf16), any D loops
+_MM_INTERP = (16, 16, 32, 2, 1, 1)  # the CPU interpreter: small tiles, and no autotuning
+
+# Decode GEMV: (BLOCK_F or BLOCK_N rows per program, BLOCK_K, num_warps). 16 rows x 512 bf16 = 16 KB per
+# weight per step in flight per program; F=11008/16 = 688 programs (about 5 per SM) keep HBM busy.
+_GEMV_CUDA = [(16, 512, 4), (32, 256, 4), (8, 512, 4)]
+_GEMV_HIP = [(16, 512, 4)]
+_GEMV_INTERP = (16, 32, 1)
+
+
+def _mm_configs(table: list[tuple[int, ...]]) -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
+        for m, n, k, g, w, s in table
+    ]
+
+
+@functools.cache
+def _tuned(kind: str):
+    hip = is_hip()
+    if kind == "gate_up":
+        return triton.autotune(_mm_configs(_GATE_UP_HIP if hip else _GATE_UP_CUDA), key=["M", "N", "K"])(
+            _gate_up_kernel
+        )
+    if kind == "down":
+        return triton.autotune(_mm_configs(_DOWN_HIP if hip else _DOWN_CUDA), key=["M", "N", "K"])(
+            _matmul_nt_kernel
+        )
+    table = _GEMV_HIP if hip else _GEMV_CUDA
+    if kind == "gemv_gate_up":
+        cfgs = [triton.Config({"BLOCK_F": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]
+        return triton.autotune(cfgs, key=["T", "D", "F"])(_gate_up_gemv_kernel)
+    cfgs = [triton.Config({"BLOCK_N": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]
+    return triton.autotune(cfgs, key=["T", "N", "K"])(_gemv_nt_kernel)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------------
+def _check(out, x, w_gate, w_up, w_down, norm_weight) -> tuple[int, int, int]:
+    T, D = x.shape
+    F = w_gate.shape[0]
+    if w_gate.shape != (F, D) or w_up.shape != (F, D) or w_down.shape != (D, F) or out.shape != (T, D):
+        raise ValueError(
+            f"swiglu_ffn shapes: x {tuple(x.shape)}, w_gate {tuple(w_gate.shape)}, w_up {tuple(w_up.shape)},"
+            f" w_down {tuple(w_down.shape)}, out {tuple(out.shape)}"
+        )
+    ts = [out, x, w_gate, w_up, w_down] + ([norm_weight] if norm_weight is not None else [])
+    if not all(t.is_contiguous() for t in ts):
+        raise ValueError("swiglu_ffn: tensors must be contiguous")
+    if norm_weight is not None and norm_weight.shape != (D,):
+        raise ValueError(f"swiglu_ffn: norm_weight must be [{D}], got {tuple(norm_weight.shape)}")
+    return T, D, F
+
+
+def swiglu_ffn(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    *,
+    _path: str | None = None,
+    _prologue: str = "fused",
+) -> None:
+    """out[T, D] = swiglu_ffn(x[T, D]) as `fusekit.reference.swiglu_ffn`; writes `out`, returns None.
+
+    `_path` ("decode" | "prefill") and `_prologue` ("fused": scale A tiles in the GEMM, "xn": write the
+    normalized activation first) are private switches for tests and benchmarks.
+    """
+    T, D, F = _check(out, x, w_gate, w_up, w_down, norm_weight)
+    path = _path or ("decode" if T <= DECODE_MAX_T else "prefill")
+    if path == "decode" and T > DECODE_MAX_T:
+        raise ValueError(f"decode path handles T <= {DECODE_MAX_T}, got T={T}")
+    ieee = x.dtype == torch.float32
+    has_norm = norm_weight is not None
+    nw = norm_weight if has_norm else x  # a dummy pointer the kernel never reads
+    interp = is_interpreter()
+    h = torch.empty((T, F), device=x.device, dtype=x.dtype)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullctx():
+        if path == "decode":
+            bt = 1 if T == 1 else 16
+            if interp:
+                r, bk, w = _GEMV_INTERP
+                _gate_up_gemv_kernel[(triton.cdiv(F, r),)](
+                    x, w_gate, w_up, nw, h, T, D, F, eps, HAS_NORM=has_norm, IEEE=ieee,
+                    BLOCK_T=bt, BLOCK_F=r, BLOCK_K=bk, num_warps=w,
+                )  # fmt: skip
+                _gemv_nt_kernel[(triton.cdiv(D, r),)](
+                    h, w_down, out, T, D, F, IEEE=ieee, BLOCK_T=bt, BLOCK_N=r, BLOCK_K=bk, num_warps=w
+                )
+            else:
+                _tuned("gemv_gate_up")[lambda m: (triton.cdiv(F, m["BLOCK_F"]),)](
+                    x, w_gate, w_up, nw, h, T, D, F, eps, HAS_NORM=has_norm, IEEE=ieee, BLOCK_T=bt
+                )
+                _tuned("gemv_down")[lambda m: (triton.cdiv(D, m["BLOCK_N"]),)](
+                    h, w_down, out, T, D, F, IEEE=ieee, BLOCK_T=bt
+                )
+            return
+        if path != "prefill":
+            raise ValueError(f"unknown swiglu_ffn path {path!r}")
+        a, rstd = x, x
+        if has_norm:
+            rstd = torch.empty((T,), device=x.device, dtype=torch.float32)
+            write_xn = _prologue == "xn"
+            if write_xn:
+                a = torch.empty_like(x)
+            _rstd_kernel[(T,)](
+                x, nw, rstd, a, D, eps, WRITE_XN=write_xn, BLOCK=_RSTD_BLOCK, num_warps=1 if interp else 4
+            )
+            has_norm = not write_xn  # with xn materialized, the GEMM reads it as a plain operand
+
+        def grid(m: dict, M: int, N: int) -> tuple[int]:
+            return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
+
+        if interp:
+            bm, bn, bk, g, w, _s = _MM_INTERP
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}
+            _gate_up_kernel[grid(cfg, T, F)](
+                a, w_gate, w_up, nw, rstd, h, T, F, D, HAS_NORM=has_norm, IEEE=ieee, **cfg, num_warps=w
+            )
+            _matmul_nt_kernel[grid(cfg, T, D)](h, w_down, out, T, D, F, IEEE=ieee, **cfg, num_warps=w)
+        else:
+            _tuned("gate_up")[lambda m: grid(m, T, F)](
+                a, w_gate, w_up, nw, rstd, h, T, F, D, HAS_NORM=has_norm, IEEE=ieee
+            )
+            _tuned("down")[lambda m: grid(m, T, D)](h, w_down, out, T, D, F, IEEE=ieee)
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# ahead-of-time specs
+# ----------------------------------------------------------------------------------------------------
+_ALIGNED_INTS = ("N", "K", "D", "F")  # row strides/extents the AOT variants assume are multiples of 16
+
+
+def _div16_attrs(sig: dict[str, str]) -> dict[tuple[int], list[list]]:
+    """ASTSource attrs marking every pointer (and the row-stride ints) 16-divisible, as Triton's JIT does
+    for aligned torch tensors; without them there is no cp.async/TMA pipelining (1-stage shared memory).
+    A runtime using these binaries must check pointer % 16 == 0 and those ints % 16 == 0 first."""
+    return {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
+            if v.startswith("*") or k in _ALIGNED_INTS}  # fmt: skip
+
+
+def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
+    """(name, jit kernel, signature, constexprs, options, attrs) for every variant the launcher can pick on GPU.
+
+    fp16/bf16 only; `options` carries num_warps/num_stages for triton.compile. The tile configs are the
+    CUDA tables (the HIP tables are a subset in shape; its AOT uses the same shapes with 2 stages).
+    attrs = ASTSource attrs (16-divisible pointers and row strides): pass them as
+    `ASTSource(fn, signature, constexprs, attrs)`, else the GEMM loops compile unpipelined.
+    """
+    specs: list[tuple[str, object, dict, dict, dict]] = []
+    for dt in ("fp16", "bf16"):
+        p = f"*{dt}"
+        for write_xn in (False, True):
+            sig = {"x_ptr": p, "nw_ptr": p, "rstd_ptr": "*fp32", "xn_ptr": p, "D": "i32", "eps": "fp32",
+                   "WRITE_XN": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+            specs.append((f"ffn_rstd_{dt}_xn{int(write_xn)}", _rstd_kernel, sig,
+                          {"WRITE_XN": write_xn, "BLOCK": _RSTD_BLOCK}, {"num_warps": 4}))  # fmt: skip
+        mm_const = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+        for bm, bn, bk, g, w, s in _GATE_UP_CUDA:
+            for has_norm in (False, True):
+                sig = {"a_ptr": p, "wg_ptr": p, "wu_ptr": p, "nw_ptr": p, "rstd_ptr": "*fp32", "h_ptr": p,
+                       "M": "i32", "N": "i32", "K": "i32", "HAS_NORM": "constexpr", "IEEE": "constexpr"}  # fmt: skip
+                sig |= dict.fromkeys(mm_const, "constexpr")
+                const = {"HAS_NORM": has_norm, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                         "GROUP_M": g}  # fmt: skip
+                specs.append((f"ffn_gate_up_{dt}_n{int(has_norm)}_{bm}x{bn}x{bk}_w{w}s{s}", _gate_up_kernel,
+                              sig, const, {"num_warps": w, "num_stages": s}))  # fmt: skip
+        for bm, bn, bk, g, w, s in _DOWN_CUDA:
+            sig = {
+                "a_ptr": p,
+                "b_ptr": p,
+                "c_ptr": p,
+                "M": "i32",
+                "N": "i32",
+                "K": "i32",
+                "IEEE": "constexpr",
+            }
+            sig |= dict.fromkeys(mm_const, "constexpr")
+            const = {"IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}
+            specs.append((f"ffn_down_{dt}_{bm}x{bn}x{bk}_w{w}s{s}", _matmul_nt_kernel, sig, const,
+                          {"num_warps": w, "num_stages": s}))  # fmt: skip
+        for r, bk, w in _GEMV_CUDA:
+            for bt in (1, 16):
+                for has_norm in (False, True):
+                    sig = {"x_ptr": p, "wg_ptr": p, "wu_ptr": p, "nw_ptr": p, "h_ptr": p, "T": "i32",
+                           "D": "i32", "F": "i32", "eps": "fp32", "HAS_NORM": "constexpr", "IEEE": "constexpr",
+                           "BLOCK_T": "constexpr", "BLOCK_F": "constexpr", "BLOCK_K": "constexpr"}  # fmt: skip
+                    const = {"HAS_NORM": has_norm, "IEEE": False, "BLOCK_T": bt, "BLOCK_F": r, "BLOCK_K": bk}
+                    specs.append((f"ffn_gemv_gate_up_{dt}_n{int(has_norm)}_t{bt}_{r}x{bk}_w{w}",
+                                  _gate_up_gemv_kernel, sig, const, {"num_warps": w}))  # fmt: skip
+                sig = {"a_ptr": p, "w_ptr": p, "c_ptr": p, "T": "i32", "N": "i32", "K": "i32",
+                       "IEEE": "constexpr", "BLOCK_T": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}  # fmt: skip
+                const = {"IEEE": False, "BLOCK_T": bt, "BLOCK_N": r, "BLOCK_K": bk}
+                specs.append((f"ffn_gemv_down_{dt}_t{bt}_{r}x{bk}_w{w}", _gemv_nt_kernel, sig, const,
+                              {"num_warps": w}))  # fmt: skip
+    return [(*spec, _div16_attrs(spec[2])) for spec in specs]

@@ -1,0 +1,120 @@
+"""Every path of the tensor-core Triton kernels (swiglu_ffn, attention), on the CPU interpreter.
+
+Small shapes (the interpreter is slow); each mode is forced through the launchers' private switches.
+Compared against float64 by relative error; outputs are poisoned with NaN first. bf16 is not run here:
+the interpreter's bf16 tl.dot is wrong (see TRITON_FACTS.md); bf16 is checked on the GPU instead.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before torch/triton are imported
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT / "python"), str(ROOT)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+if importlib.util.find_spec("triton") is not None:
+    from fusekit import reference as R
+    from kernels_triton.attention import attention
+    from kernels_triton.swiglu_ffn import swiglu_ffn
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _skip_bf16_on_cpu(dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16:
+        reason = "bf16 tl.dot is wrong in the Triton CPU interpreter; bf16 is checked on the GPU"
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+# ---------------------------------------------------------------------------------------------- ffn
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "nonorm"])
+@pytest.mark.parametrize(
+    "T,path,prologue",
+    [(1, "decode", "fused"), (5, "decode", "fused"), (16, "decode", "fused"), (37, "prefill", "fused"),
+     (37, "prefill", "xn"), (3, "prefill", "fused")],
+)  # fmt: skip
+def test_swiglu_ffn_paths(T: int, path: str, prologue: str, norm: bool, dtype: torch.dtype) -> None:
+    _skip_bf16_on_cpu(dtype)
+    torch.manual_seed(T)
+    D, F = 80, 72  # not multiples of the interpreter's K tile (32): exercises the K-tail masks
+    x = torch.randn(T, D, dtype=dtype)
+    wg = (torch.randn(F, D) / D**0.5).to(dtype)
+    wu = (torch.randn(F, D) / D**0.5).to(dtype)
+    wd = (torch.randn(D, F) / F**0.5).to(dtype)
+    nw = (1 + 0.1 * torch.randn(D)).to(dtype) if norm else None
+    out = torch.full((T, D), float("nan"), dtype=dtype)
+    swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _path=path, _prologue=prologue)
+    ref = R.swiglu_ffn(
+        x.double(), wg.double(), wu.double(), wd.double(), None if nw is None else nw.double(), 1e-6
+    )
+    assert _rel(out, ref) < TOL[dtype]
+
+
+def test_swiglu_ffn_decode_rejects_large_t() -> None:
+    x = torch.randn(17, 32)
+    w = torch.randn(16, 32)
+    with pytest.raises(ValueError):
+        swiglu_ffn(torch.empty_like(x), x, w, w, w.T.contiguous(), None, 1e-6, _path="decode")
+
+
+# ---------------------------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize(
+    "B,H,Hkv,S,Skv,D",
+    [
+        (1, 2, 2, 37, 37, 64),  # odd S, one M tile with a ragged tail
+        (2, 4, 1, 50, 77, 64),  # GQA 4:1, batch > 1, several tiles
+        (1, 2, 1, 40, 77, 128),  # S < Skv: causal diagonal shifted right
+        (1, 2, 2, 77, 40, 64),  # S > Skv: the first 37 rows see no key when causal -> exact zeros
+        (1, 2, 2, 21, 33, 256),
+    ],
+)
+def test_attention(
+    B: int, H: int, Hkv: int, S: int, Skv: int, D: int, causal: bool, dtype: torch.dtype
+) -> None:
+    _skip_bf16_on_cpu(dtype)
+    torch.manual_seed(S * 7 + Skv)
+    q = torch.randn(B, H, S, D, dtype=dtype)
+    k = torch.randn(B, Hkv, Skv, D, dtype=dtype)
+    v = torch.randn(B, Hkv, Skv, D, dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    scale = D**-0.5
+    attention(out, q, k, v, causal, scale)
+    ref = R.attention(q.double(), k.double(), v.double(), causal, scale)
+    assert _rel(out, ref) < TOL[dtype]
+    if causal and Skv < S:
+        assert bool((out[:, :, : S - Skv] == 0).all()), "rows that see no key must be exact zeros"
+
+
+@pytest.mark.parametrize("tile", [(16, 32, 1, 1), (32, 16, 1, 1)], ids=["16x32", "32x16"])
+def test_attention_tiles(tile: tuple[int, int, int, int]) -> None:
+    """Unequal BLOCK_M / BLOCK_N move the causal split between unmasked and diagonal tiles."""
+    torch.manual_seed(1)
+    q = torch.randn(1, 2, 53, 64)
+    k = torch.randn(1, 2, 70, 64)
+    v = torch.randn(1, 2, 70, 64)
+    for causal in (True, False):
+        out = torch.full_like(q, float("nan"))
+        attention(out, q, k, v, causal, 0.125, _config=tile)
+        ref = R.attention(q.double(), k.double(), v.double(), causal, 0.125)
+        assert _rel(out, ref) < TOL[torch.float32]
