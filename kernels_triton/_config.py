@@ -1,0 +1,111 @@
+"""Shared launch helpers for the Triton kernels: interpreter/arch detection, warp size, SM count, warps."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1): pick one small config, no autotune."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def is_hip() -> bool:
+    return torch.version.hip is not None
+
+
+@functools.cache
+def warp_size(device_index: int = 0) -> int:
+    """Threads per warp of the active target (32 on NVIDIA, 64 on AMD CDNA); never assumed."""
+    if is_interpreter():
+        return 32
+    try:
+        import triton
+
+        return int(triton.runtime.driver.active.get_current_target().warp_size)
+    except Exception:
+        return 64 if is_hip() else 32
+
+
+@functools.cache
+def num_sms(device_index: int = 0) -> int:
+    """Multiprocessors (CUs on AMD) of the device; a small stand-in on the CPU interpreter."""
+    if is_interpreter() or not torch.cuda.is_available():
+        return 4
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.type == "cuda" and t.device.index is not None else 0
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def warps_for(block_elems: int, elems_per_thread: int, dev: int = 0, lo: int = 1, hi: int = 16) -> int:
+    """Warps so that each thread holds about `elems_per_thread` elements of a `block_elems` tile.
+
+    Sized in threads, not warps, so a 64-wide AMD wave gets half as many warps as a 32-wide NVIDIA warp.
+    """
+    threads = max(1, block_elems // elems_per_thread)
+    w = next_pow2(max(1, threads // warp_size(dev)))
+    return max(lo, min(hi, w))
+
+
+TL_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+
+
+# ---- row-norm planning (shared by rms_norm and layer_norm) -------------------------------------------------
+# "reg":    N <= NORM_REG_MAX: the whole row (BLOCK_M rows for short N) lives in registers: one HBM read of x.
+#           At 16384 elements a 16-warp program holds 32 fp32 values of x per thread (+ weight); beyond
+#           that the compiler starts spilling, so larger rows switch to...
+# "reload": one row per program, pass 1 streams the row to get the statistics, pass 2 streams it again
+#           to normalize. The row was read microseconds earlier, so pass 2 hits L2 as long as the rows in
+#           flight (programs per SM x 132 SMs x row bytes) stay well under the 60 MB L2: hence few, wide
+#           programs (32 warps, one or two per SM).
+# "split":  few rows (M < 2 x SMs) longer than NORM_REG_MAX: rows alone cannot fill the GPU, so each row is
+#           cut into SPLIT chunks: kernel 1 writes per-chunk partial statistics, kernel 2 combines them in a
+#           fixed order and normalizes its chunk (cluster-free; costs a second read of x, cheap at small M).
+NORM_REG_MAX = 16384
+NORM_RELOAD_BLOCK_BYTES = 16384  # bytes of x per loop step in reload/split (8192 bf16, 4096 fp32)
+NORM_SPLIT_PROGRAMS_PER_SM = 4
+
+
+def norm_plan(M: int, N: int, elsize: int, dev: int) -> tuple[str, int]:
+    """(mode, split) for a row norm of x[M, N]; split > 1 only for mode "split"."""
+    if N <= NORM_REG_MAX:
+        return "reg", 1
+    block = norm_block(elsize)
+    sms = num_sms(dev)
+    if 2 * sms > M:
+        split = min(max(2, (NORM_SPLIT_PROGRAMS_PER_SM * sms) // M), max(2, N // (2 * block)))
+        return "split", split
+    return "reload", 1
+
+
+def norm_block(elsize: int) -> int:
+    return 256 if is_interpreter() else NORM_RELOAD_BLOCK_BYTES // elsize
+
+
+def norm_reg_tile(M: int, N: int, elsize: int, dev: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for "reg": short rows are packed BLOCK_M to a program so a program
+    moves >= ~8 KB; each thread holds ~2 16-byte vectors of x (4 when the warp cap is reached)."""
+    block_n = next_pow2(N)
+    block_m = max(1, min(8192 // elsize // block_n, next_pow2(M), 64))
+    nw = warps_for(block_m * block_n, 2 * 16 // elsize, dev, lo=4, hi=16)
+    return block_m, block_n, nw
+
+
+def norm_stream_warps(block: int, elsize: int, dev: int) -> int:
+    """Warps for the streaming (reload/split) kernels: 4 elements... 2 vectors per thread per step."""
+    return warps_for(block, 2 * 16 // elsize, dev, lo=4, hi=32)

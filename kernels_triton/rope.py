@@ -1,0 +1,130 @@
+"""Rotary position embedding on x[B, S, H, D] (HF halves or interleaved pairs), fp32 math, one cast.
+
+Byte floor: read x once, write out once (tables, when given, are S x D/2 fp32: small and L2-resident).
+16 x 4096 x 32 x 128 bf16 = 2 x 537 MB -> 0.25 ms at ~4.3 TB/s.
+
+Tile: one program per (b, s) and BLOCK_H heads x all D, so cos/sin of position s are computed (or read)
+once as a [D/2] vector and reused by every head of the tile; each element of x is read and written once.
+Interleaved pairs are loaded as one contiguous [BLOCK_H, D] tile and split in registers (reshape + split)
+so loads stay 16-byte vectors instead of stride-2 gathers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_triton._config import device_index, next_pow2, warps_for
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, out_ptr, cos_ptr, sin_ptr, S, H, start_pos, inv_freq_log2_step,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HALVES_AS_PAIRS: tl.constexpr,
+):  # fmt: skip
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid_bs = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pos = start_pos + pid_bs % S
+    i = tl.arange(0, HALF)
+    if HAS_TABLE:
+        c = tl.load(cos_ptr + pos.to(tl.int64) * HALF + i)
+        s = tl.load(sin_ptr + pos.to(tl.int64) * HALF + i)
+    else:
+        # theta^(-2i/D) = exp2(i * (-2 log2(theta) / D)); the step is computed on the host in float64.
+        ang = pos.to(tl.float32) * tl.exp2(i.to(tl.float32) * inv_freq_log2_step)
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    c = c[None, :]
+    s = s[None, :]
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = (h < H)[:, None]
+    base = pid_bs.to(tl.int64) * H * HEAD_DIM
+    if INTERLEAVED or HALVES_AS_PAIRS:
+        # One contiguous [BLOCK_H, D] tile (16-byte vector loads); pairs are separated in registers.
+        d = tl.arange(0, HEAD_DIM)
+        offs = base + h[:, None] * HEAD_DIM + d[None, :]
+        x = tl.load(x_ptr + offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if INTERLEAVED:
+            a, b = tl.split(tl.reshape(x, (BLOCK_H, HALF, 2)))
+        else:
+            a, b = tl.split(tl.permute(tl.reshape(x, (BLOCK_H, 2, HALF)), (0, 2, 1)))
+        y = tl.join(a * c - b * s, b * c + a * s)
+        if not INTERLEAVED:
+            y = tl.permute(y, (0, 2, 1))
+        tl.store(out_ptr + offs, tl.reshape(y, (BLOCK_H, HEAD_DIM)).to(out_ptr.dtype.element_ty), mask=hmask)
+    else:
+        # HF halves as two [BLOCK_H, D/2] half-row tiles.
+        offs = base + h[:, None] * HEAD_DIM + i[None, :]
+        a = tl.load(x_ptr + offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        b = tl.load(x_ptr + offs + HALF, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        tl.store(out_ptr + offs, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.store(out_ptr + offs + HALF, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+# A program moves BLOCK_H x D elements: up to 32 heads (8 KB of bf16 at D = 128) is enough per program at
+# B*S programs (65536 for 16 x 4096), and a whole q-shaped [H, D] tile shares one cos/sin vector.
+_MAX_TILE_ELEMS = 4096
+# HF halves: load the whole [BLOCK_H, D] row tile and pair the halves in registers (True), or load two
+# half-row tiles (False). Chosen from H200 timings (see the report / scratch notes).
+HALVES_AS_PAIRS = True
+
+
+def _tile(H: int, D: int, elsize: int, dev: int) -> tuple[int, int]:
+    block_h = max(1, min(next_pow2(H), _MAX_TILE_ELEMS // D))
+    return block_h, warps_for(block_h * D, 16 // elsize, dev, lo=1, hi=8)
+
+
+def rope(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    start_pos: int,
+    theta: float,
+    interleaved: bool,
+    *,
+    _block_h: int | None = None,
+    _num_warps: int | None = None,
+    _halves_as_pairs: bool | None = None,
+) -> None:
+    """out[B, S, H, D] <- x rotated at positions start_pos + s (tables cos/sin [St, D/2] fp32 or theta)."""
+    B, S, H, D = x.shape
+    if D & (D - 1):
+        raise ValueError(f"Triton rope needs a power-of-two head_dim, got {D}")
+    block_h, nw = _tile(H, D, x.element_size(), device_index(x))
+    block_h = _block_h or block_h
+    has_table = cos is not None and sin is not None
+    step = -2.0 * math.log2(theta) / D
+    grid = (B * S, triton.cdiv(H, block_h))
+    _rope_kernel[grid](
+        x, out, cos if has_table else x, sin if has_table else x, S, H, start_pos, step,
+        HEAD_DIM=D, BLOCK_H=block_h, HAS_TABLE=has_table, INTERLEAVED=interleaved,
+        HALVES_AS_PAIRS=HALVES_AS_PAIRS if _halves_as_pairs is None else _halves_as_pairs,
+        num_warps=_num_warps or nw,
+    )  # fmt: skip
+
+
+# ---- ahead-of-time coverage -------------------------------------------------------------------------------
+def aot_specs() -> list[tuple[str, object, dict, dict]]:
+    """D in {64, 128} x both layouts x table/in-kernel angles in bf16, plus fp16/fp32 at D = 128."""
+    specs: list[tuple[str, object, dict, dict]] = []
+    for dt, ds in (("bf16", (64, 128)), ("fp16", (128,)), ("fp32", (128,))):
+        es = 4 if dt == "fp32" else 2
+        for d in ds:
+            bh, nw = _tile(32, d, es, 0)
+            for table in (True, False):
+                for inter in (False, True):
+                    sig = {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+                    sig |= {"S": "i32", "H": "i32", "start_pos": "i32", "inv_freq_log2_step": "fp32"}
+                    keys = ("HEAD_DIM", "BLOCK_H", "HAS_TABLE", "INTERLEAVED", "HALVES_AS_PAIRS")
+                    sig |= {k: "constexpr" for k in keys}
+                    ce = {"HEAD_DIM": d, "BLOCK_H": bh, "HAS_TABLE": table, "INTERLEAVED": inter}
+                    ce |= {"HALVES_AS_PAIRS": HALVES_AS_PAIRS, "num_warps": nw}
+                    name = f"rope_{dt}_d{d}_{'table' if table else 'theta'}_{'inter' if inter else 'half'}"
+                    specs.append((name, _rope_kernel, sig, ce))
+    return specs

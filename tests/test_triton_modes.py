@@ -1,0 +1,249 @@
+"""Every code path of the Triton memory-bound kernels, forced, on the CPU interpreter at small shapes.
+
+Self-contained (no conftest fixtures): TRITON_INTERPRET=1 is set before torch/triton are imported, each
+output is poisoned with NaN, and results are compared with a float64 computation by relative error.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+_ROOT = Path(__file__).resolve().parents[1]
+for p in (str(_ROOT), str(_ROOT / "python")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from kernels_triton import _config  # noqa: E402
+from kernels_triton.layer_norm import layer_norm  # noqa: E402
+from kernels_triton.reduce_sum import _plan as reduce_plan  # noqa: E402
+from kernels_triton.reduce_sum import reduce_sum  # noqa: E402
+from kernels_triton.rms_norm import rms_norm  # noqa: E402
+from kernels_triton.rope import rope  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(
+    *shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0, shift: float = 0.0
+) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale + shift).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- reduce_sum
+def test_reduce_plan_thresholds() -> None:
+    # interpreter stand-in: 4 "SMs" -> split targets 16 programs
+    assert reduce_plan(4096, 1000, 4, 0) == ("rows", 1)
+    mode, split = reduce_plan(1, 1 << 20, 4, 0)
+    assert mode == "split" and split > 1
+    assert reduce_plan(1, 100, 4, 0)[0] == "rows"  # short row: no point splitting
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize(
+    "M,N,kw",
+    [
+        (37, 100, {"_mode": "rows"}),
+        (5, 3000, {"_mode": "rows", "_block": 64}),  # loop over N in several BLOCK_N steps
+        (1, 5003, {"_mode": "split", "_split": 7}),  # dim=None shape, ragged last chunk
+        (3, 2000, {"_mode": "split", "_split": 4, "deterministic": True}),
+        (3, 2000, {"_mode": "split", "_split": 4, "deterministic": False}),
+    ],
+)
+def test_reduce_sum_float(dtype: torch.dtype, M: int, N: int, kw: dict) -> None:
+    x = _randn(M, N, dtype=dtype, seed=M * N)
+    for odt in {torch.float32, dtype}:
+        out = torch.full((M,), float("nan"), dtype=odt)
+        reduce_sum(out, x, **kw)
+        ref = x.double().sum(-1)
+        tol = TOL[odt] if odt != torch.float32 else 1e-5
+        assert _rel(out, ref) <= tol, (odt, kw)
+
+
+@pytest.mark.parametrize("xdt", [torch.int32, torch.int64])
+@pytest.mark.parametrize("odt", [torch.int32, torch.int64])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"_mode": "rows"},
+        {"_mode": "split", "_split": 3},
+        {"_mode": "split", "_split": 3, "deterministic": True},
+    ],
+)
+def test_reduce_sum_int_exact(xdt: torch.dtype, odt: torch.dtype, kw: dict) -> None:
+    M, N = 3, 1500
+    hi = 2**31 - 1 if xdt == torch.int32 else 2**40
+    x = torch.randint(-hi, hi, (M, N), dtype=xdt, generator=_gen(5))
+    out = torch.full((M,), -7, dtype=odt)
+    reduce_sum(out, x, **kw)
+    # int64 accumulation, then one cast (wraps to int32 exactly like torch's .to(int32))
+    assert torch.equal(out, x.long().sum(-1).to(odt))
+
+
+def test_reduce_sum_deterministic_is_bitwise_repeatable() -> None:
+    x = _randn(2, 4099, dtype=torch.float32, seed=11)
+    a = torch.full((2,), float("nan"))
+    b = torch.full((2,), float("nan"))
+    reduce_sum(a, x, deterministic=True, _mode="split", _split=5)
+    reduce_sum(b, x, deterministic=True, _mode="split", _split=5)
+    assert torch.equal(a, b)
+
+
+def test_reduce_sum_default_plan() -> None:
+    x = _randn(1, 1 << 14, dtype=torch.float32, seed=3)
+    out = torch.full((1,), float("nan"))
+    reduce_sum(out, x)  # default plan: split (1 row, long)
+    assert _rel(out, x.double().sum(-1)) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- norms
+NORM_CASES = [
+    ("reg", 37, 100),  # several rows per program, masked columns
+    ("reg", 5, 1128),
+    ("reload", 6, 3000),  # two-pass streaming, ragged last block
+    ("split", 3, 2500),  # several programs per row
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("mode,M,N", NORM_CASES)
+def test_rms_norm_modes(dtype: torch.dtype, mode: str, M: int, N: int) -> None:
+    x = _randn(M, N, dtype=dtype, seed=N, scale=2.0, shift=0.5)
+    w = _randn(N, dtype=dtype, seed=N + 1)
+    out = torch.full_like(x, float("nan"))
+    rstd = torch.full((M,), float("nan"))
+    rms_norm(out, rstd, x, w, 1e-6, _mode=mode, _split=3 if mode == "split" else None)
+    xd = x.double()
+    ref_rstd = torch.rsqrt(xd.square().mean(-1) + 1e-6)
+    ref = xd * ref_rstd[:, None] * w.double()
+    assert _rel(out, ref) <= TOL[dtype]
+    assert _rel(rstd, ref_rstd) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("mode,M,N", NORM_CASES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_norm_modes(dtype: torch.dtype, mode: str, M: int, N: int, with_bias: bool) -> None:
+    x = _randn(M, N, dtype=dtype, seed=N, scale=2.0, shift=3.0)
+    w = _randn(N, dtype=dtype, seed=N + 1)
+    b = _randn(N, dtype=dtype, seed=N + 2) if with_bias else None
+    out = torch.full_like(x, float("nan"))
+    mean = torch.full((M,), float("nan"))
+    rstd = torch.full((M,), float("nan"))
+    layer_norm(out, mean, rstd, x, w, b, 1e-5, _mode=mode, _split=3 if mode == "split" else None)
+    xd = x.double()
+    ref_mean = xd.mean(-1)
+    ref_rstd = torch.rsqrt((xd - ref_mean[:, None]).square().mean(-1) + 1e-5)
+    ref = (xd - ref_mean[:, None]) * ref_rstd[:, None] * w.double()
+    if b is not None:
+        ref = ref + b.double()
+    assert _rel(out, ref) <= TOL[dtype]
+    assert _rel(mean, ref_mean) <= 1e-5
+    assert _rel(rstd, ref_rstd) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["reg", "reload", "split"])
+def test_layer_norm_large_mean_is_stable(mode: str) -> None:
+    # mean 1e4, std 1: raw E[x^2] - E[x]^2 in fp32 would lose every digit of the variance.
+    M, N = 3, 3000
+    x = _randn(M, N, dtype=torch.float32, seed=9, shift=1e4)
+    w = torch.ones(N)
+    out = torch.full_like(x, float("nan"))
+    mean = torch.full((M,), float("nan"))
+    rstd = torch.full((M,), float("nan"))
+    layer_norm(out, mean, rstd, x, w, None, 1e-5, _mode=mode, _split=3 if mode == "split" else None)
+    xd = x.double()
+    ref_rstd = torch.rsqrt((xd - xd.mean(-1, keepdim=True)).square().mean(-1) + 1e-5)
+    ref = (xd - xd.mean(-1, keepdim=True)) * ref_rstd[:, None]
+    # torch's own fp32 result (the reference semantics) sets the bar: the fp32 mean of ~1e4 is off by
+    # up to half an ulp (5e-4), which shifts every x - mean by that much.
+    xc = x - x.mean(-1, keepdim=True)
+    torch_err = _rel(xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + 1e-5), ref)
+    assert _rel(rstd, ref_rstd) <= 1e-4
+    assert _rel(out, ref) <= 2 * torch_err + 1e-5
+
+
+def test_norm_plan_thresholds() -> None:
+    sms = _config.num_sms(0)
+    assert _config.norm_plan(4096, _config.NORM_REG_MAX, 2, 0)[0] == "reg"
+    assert _config.norm_plan(4 * sms, _config.NORM_REG_MAX + 1, 2, 0)[0] == "reload"
+    mode, split = _config.norm_plan(1, 1 << 17, 2, 0)
+    assert mode == "split" and split >= 2
+
+
+def test_norm_default_plans_run() -> None:
+    # the planner's own choice (interpreter: 4 SMs) for a short and a long row
+    for M, N in [(9, 300), (2, _config.NORM_REG_MAX + 5)]:
+        x = _randn(M, N, dtype=torch.float32, seed=M)
+        w = _randn(N, dtype=torch.float32, seed=M + 1)
+        out = torch.full_like(x, float("nan"))
+        rstd = torch.full((M,), float("nan"))
+        rms_norm(out, rstd, x, w, 1e-6)
+        ref = x.double() * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-6) * w.double()
+        assert _rel(out, ref) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- rope
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    xd = x.double()
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    D = x.shape[-1]
+    if interleaved:
+        a, b = xd[..., 0::2], xd[..., 1::2]
+        return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    a, b = xd[..., : D // 2], xd[..., D // 2 :]
+    return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+
+
+# (interleaved, halves_as_pairs): the HF-halves layout has two code paths, the interleaved one has one.
+ROPE_LAYOUTS = [(False, False), (False, True), (True, None)]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("interleaved,halves_as_pairs", ROPE_LAYOUTS)
+@pytest.mark.parametrize("tables", [False, True])
+def test_rope_modes(
+    dtype: torch.dtype, interleaved: bool, halves_as_pairs: bool | None, tables: bool
+) -> None:
+    B, S, H, D, start, theta = 2, 5, 3, 32, 7, 10000.0
+    x = _randn(B, S, H, D, dtype=dtype, seed=D + S)
+    pos = torch.arange(start, start + S, dtype=torch.float64)
+    inv = theta ** (-torch.arange(D // 2, dtype=torch.float64) * 2 / D)
+    ang = pos[:, None] * inv[None, :]
+    cos = sin = None
+    if tables:  # St > start + S rows; the kernel must read rows start .. start + S - 1
+        full = torch.arange(start + S + 4, dtype=torch.float64)[:, None] * inv[None, :]
+        cos, sin = full.cos().float(), full.sin().float()
+    out = torch.full_like(x, float("nan"))
+    rope(out, x, cos, sin, start, theta, interleaved, _halves_as_pairs=halves_as_pairs)
+    ref = _rope_ref(x, ang.cos(), ang.sin(), interleaved)
+    assert _rel(out, ref) <= TOL[dtype]
+
+
+def test_rope_partial_head_block() -> None:
+    # H not a multiple of BLOCK_H: masked heads in the last program
+    x = _randn(1, 3, 5, 16, dtype=torch.float32, seed=1)
+    out = torch.full_like(x, float("nan"))
+    rope(out, x, None, None, 0, 500.0, False, _block_h=2)
+    ang = torch.arange(3, dtype=torch.float64)[:, None] * 500.0 ** (-torch.arange(8, dtype=torch.float64) / 8)
+    assert _rel(out, _rope_ref(x, ang.cos(), ang.sin(), False)) <= 1e-5
+    assert math.isfinite(out.sum().item())
