@@ -1,0 +1,360 @@
+# fusekit.swiglu_ffn: out = (silu(xn @ w_gate^T) * (xn @ w_up^T)) @ w_down^T, xn = rms_norm(x) or x.
+#
+# Contract: out [T, D] <- x [T, D], w_gate [F, D], w_up [F, D], w_down [D, F], norm_weight [D],
+# params [2] f32 = [eps, has_norm]. Precision = python/fusekit/reference.py: xn rounded to x.dtype,
+# g/u accumulated in fp32, h = silu(g) * u in fp32 rounded to x.dtype, out accumulated in fp32.
+# norm_weight is not read when has_norm == 0 (it may be a dummy).
+#
+# Floors (H200, bf16, D 4096, F 11008):
+# - decode (T = 1): the three weight matrices, 3*D*F*2 B = 270 MB, at ~4.3 TB/s -> ~63 us; FLOPs are
+#   negligible. Path: a norm kernel, then two GEMV kernels (gate+up with the SiLU*mul epilogue, then
+#   down) that stream weight rows with 16-byte loads, one warp per weight row, T <= 16 activations
+#   held per lane, warp reductions. Weights are read exactly once.
+# - prefill (T = 4096): 6*T*D*F = 1.11 TFLOP, ~1.5 ms at ~750 TFLOP/s: compute-bound. Path: a norm
+#   kernel (xn, 32 MB), then MAX's Hopper warp-specialised wgmma matmul three times:
+#   G = xn @ w_gate^T into an fp32 scratch; xn @ w_up^T with an epilogue lambda that reads G and
+#   stores h = silu(g) * u (so h never exists in fp32 and U never touches memory); out = h @ w_down^T.
+#   Extra traffic over an ideal dual-B fused kernel: G written + read in fp32 (2 * 180 MB, ~85 us, ~5%).
+#   MAX's sm90 dispatch only takes static N and K, so the (D, F) pairs of common models are
+#   instantiated below (`_STATIC_DF`); other shapes, fp16 and non-NVIDIA targets run the GEMV kernels
+#   over 16-row chunks of T (correct, re-streams the weights per chunk: slow for large T).
+#   Caveat: MAX's epilogue receives u already cast to the output dtype (bf16), so h = silu(g) * bf16(u)
+#   there; the extra rounding of u is <= 2^-9 relative, the same size as the final rounding of h.
+
+from std.math import ceildiv, exp, rsqrt
+from extensibility import InputTensor, OutputTensor, register
+from max.gpu import thread_idx, block_idx, lane_id, WARP_SIZE
+from max.gpu.host import DeviceContext
+from max.gpu.primitives import warp, block
+from layout import TileTensor, row_major, Coord, Idx
+from linalg.matmul.gpu import _matmul_gpu
+
+comptime GEMV_WARPS = 4  # warps per block in the GEMV kernels (one weight row per warp)
+comptime NORM_THREADS = 256
+comptime DECODE_MAX_T = 16
+
+
+@always_inline
+def _silu_mul(g: Float32, u: Float32) -> Float32:
+    return g / (1.0 + exp(-g)) * u
+
+
+def _norm_kernel[
+    dtype: DType
+](
+    xn: Pointer[Scalar[dtype], MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[dtype], MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    D: Int32,
+):
+    """One block per row: xn = x * rsqrt(mean(x^2) + eps) * w (fp32, one cast); xn = x if no norm."""
+    var row = block_idx.x
+    var d = Int(D)
+    var base = row * d
+    var has_norm = params[unsafe_offset=1] != 0
+    if not has_norm:
+        for j in range(thread_idx.x, d, NORM_THREADS):
+            xn[unsafe_offset=base + j] = x[unsafe_offset=base + j]
+        return
+    var ss: Float32 = 0
+    for j in range(thread_idx.x, d, NORM_THREADS):
+        var xv = x[unsafe_offset=base + j].cast[DType.float32]()
+        ss += xv * xv
+    var tot = block.sum[block_size=NORM_THREADS](ss)
+    var rstd = rsqrt(tot / Float32(d) + params[unsafe_offset=0])
+    for j in range(thread_idx.x, d, NORM_THREADS):
+        var y = x[unsafe_offset=base + j].cast[DType.float32]() * rstd * w[unsafe_offset=j].cast[DType.float32]()
+        xn[unsafe_offset=base + j] = y.cast[dtype]()
+
+
+def _gemv_kernel[
+    dtype: DType, NT: Int, W: Int, GATED: Bool
+](
+    res: Pointer[Scalar[dtype], MutAnyOrigin],
+    xa: Pointer[Scalar[dtype], MutAnyOrigin],
+    w1: Pointer[Scalar[dtype], MutAnyOrigin],
+    w2: Pointer[Scalar[dtype], MutAnyOrigin],
+    T: Int32,
+    K: Int32,
+    N: Int32,
+):
+    """res[t, n] = epi(sum_k xa[t, k] * w1[n, k] [, same with w2]) for t < T <= NT, one warp per n.
+
+    GATED: res = silu(x @ w1^T) * (x @ w2^T) (gate/up); else res = x @ w1^T (w2 unused).
+    Each lane reads W contiguous weights (16 B for W = 8) per step; activations (<= NT rows) are
+    re-read from L1/L2, the weights are streamed from HBM once.
+    """
+    var n = block_idx.x * GEMV_WARPS + thread_idx.x // WARP_SIZE
+    if n >= Int(N):
+        return
+    var lane = lane_id()
+    var k = Int(K)
+    var t_len = Int(T)
+    var acc1 = SIMD[DType.float32, NT](0)
+    var acc2 = SIMD[DType.float32, NT](0)
+    var wrow = n * k
+    var steps = k // W
+    var c = lane
+    # two steps per iteration so each lane has >= 2 (4 gated) 16-byte weight loads in flight
+    while c + WARP_SIZE < steps:
+        var a0 = w1.unsafe_load[width=W, alignment=W * 2](wrow + c * W).cast[DType.float32]()
+        var a1 = w1.unsafe_load[width=W, alignment=W * 2](wrow + (c + WARP_SIZE) * W).cast[DType.float32]()
+        var b0 = SIMD[DType.float32, W](0)
+        var b1 = SIMD[DType.float32, W](0)
+        comptime if GATED:
+            b0 = w2.unsafe_load[width=W, alignment=W * 2](wrow + c * W).cast[DType.float32]()
+            b1 = w2.unsafe_load[width=W, alignment=W * 2](wrow + (c + WARP_SIZE) * W).cast[DType.float32]()
+        comptime for t in range(NT):
+            if t < t_len:
+                var x0 = xa.unsafe_load[width=W, alignment=W * 2](t * k + c * W).cast[DType.float32]()
+                var x1 = xa.unsafe_load[width=W, alignment=W * 2](t * k + (c + WARP_SIZE) * W).cast[
+                    DType.float32
+                ]()
+                acc1[t] += (a0 * x0 + a1 * x1).reduce_add()
+                comptime if GATED:
+                    acc2[t] += (b0 * x0 + b1 * x1).reduce_add()
+        c += 2 * WARP_SIZE
+    while c < steps:
+        var a0 = w1.unsafe_load[width=W, alignment=W * 2](wrow + c * W).cast[DType.float32]()
+        var b0 = SIMD[DType.float32, W](0)
+        comptime if GATED:
+            b0 = w2.unsafe_load[width=W, alignment=W * 2](wrow + c * W).cast[DType.float32]()
+        comptime for t in range(NT):
+            if t < t_len:
+                var x0 = xa.unsafe_load[width=W, alignment=W * 2](t * k + c * W).cast[DType.float32]()
+                acc1[t] += (a0 * x0).reduce_add()
+                comptime if GATED:
+                    acc2[t] += (b0 * x0).reduce_add()
+        c += WARP_SIZE
+    comptime for t in range(NT):
+        if t < t_len:
+            var s1 = warp.sum(acc1[t])
+            comptime if GATED:
+                var s2 = warp.sum(acc2[t])
+                if lane == 0:
+                    res[unsafe_offset=t * Int(N) + n] = _silu_mul(s1, s2).cast[dtype]()
+            else:
+                if lane == 0:
+                    res[unsafe_offset=t * Int(N) + n] = s1.cast[dtype]()
+
+
+def _gemv[
+    dtype: DType, GATED: Bool
+](
+    res: Pointer[Scalar[dtype], MutAnyOrigin],
+    xa: Pointer[Scalar[dtype], MutAnyOrigin],
+    w1: Pointer[Scalar[dtype], MutAnyOrigin],
+    w2: Pointer[Scalar[dtype], MutAnyOrigin],
+    T: Int,
+    K: Int,
+    N: Int,
+    ctx: DeviceContext,
+) raises:
+    """Pick the activation-count bucket (compile-time NT) and vector width for one GEMV launch."""
+
+    @always_inline
+    def go[NT: Int, W: Int]() raises {var}:
+        ctx.enqueue_function[_gemv_kernel[dtype, NT, W, GATED]](
+            res,
+            xa,
+            w1,
+            w2,
+            Int32(T),
+            Int32(K),
+            Int32(N),
+            grid_dim=ceildiv(N, GEMV_WARPS),
+            block_dim=GEMV_WARPS * WARP_SIZE,
+        )
+
+    @always_inline
+    def go_w[W: Int]() raises {var}:
+        if T <= 1:
+            go[1, W]()
+        elif T <= 2:
+            go[2, W]()
+        elif T <= 4:
+            go[4, W]()
+        elif T <= 8:
+            go[8, W]()
+        else:
+            go[16, W]()
+
+    if K % 8 == 0:
+        go_w[8]()
+    else:
+        go_w[1]()
+
+
+# (D, F) pairs instantiated for MAX's static-shape Hopper matmul (Llama-2-7B). Each pair costs ~4 min of
+# compile (3 sm90 matmuls); add e.g. (4096, 14336) for Llama-3-8B, (5120, 13824) for Llama-2-13B.
+comptime _STATIC_DF = [(4096, 11008)]
+
+
+def _ffn_tc[
+    D: Int, F: Int
+](
+    o: Pointer[BFloat16, MutAnyOrigin],
+    xn: Pointer[BFloat16, MutAnyOrigin],
+    wg: Pointer[BFloat16, MutAnyOrigin],
+    wu: Pointer[BFloat16, MutAnyOrigin],
+    wd: Pointer[BFloat16, MutAnyOrigin],
+    T: Int,
+    ctx: DeviceContext,
+) raises:
+    """Prefill on Hopper: three wgmma matmuls (MAX's sm90 kernel) with the SiLU*mul epilogue fused."""
+    var gbuf = ctx.enqueue_create_buffer[DType.float32](T * F)
+    var hbuf = ctx.enqueue_create_buffer[DType.bfloat16](T * F)
+    var gp = rebind[Pointer[Float32, MutAnyOrigin]](gbuf.unsafe_ptr())
+    var hp = rebind[Pointer[BFloat16, MutAnyOrigin]](hbuf.unsafe_ptr())
+    var gt = TileTensor(ptr=gp, layout=row_major(Coord(T, Idx[F])))
+    var ht = TileTensor(ptr=hp, layout=row_major(Coord(T, Idx[F])))
+    var xt = TileTensor(ptr=xn, layout=row_major(Coord(T, Idx[D])))
+    var ot = TileTensor(ptr=o, layout=row_major(Coord(T, Idx[D])))
+    var wgt = TileTensor(ptr=wg, layout=row_major[F, D]())
+    var wut = TileTensor(ptr=wu, layout=row_major[F, D]())
+    var wdt = TileTensor(ptr=wd, layout=row_major[D, F]())
+
+    @always_inline
+    @__parameter
+    def silu_mul_epi[
+        _dtype: DType, width: SIMDLength, *, alignment: Int = 1
+    ](idx: Coord, val: SIMD[_dtype, width]):
+        var off = Int(idx[0].value()) * F + Int(idx[1].value())
+        var g = gp.unsafe_load[width=width](off)
+        var u = val.cast[DType.float32]()
+        var hv = g / (1.0 + exp(-g)) * u
+        hp.unsafe_store[width=width](off, hv.cast[DType.bfloat16]())
+
+    _matmul_gpu[use_tensor_core=True, transpose_b=True](gt, xt, wgt, ctx)
+    _matmul_gpu[use_tensor_core=True, transpose_b=True, elementwise_lambda_fn=silu_mul_epi](ht, xt, wut, ctx)
+    _matmul_gpu[use_tensor_core=True, transpose_b=True](ot, ht, wdt, ctx)
+    _ = gbuf^
+    _ = hbuf^
+
+
+def swiglu_ffn_gpu[
+    dtype: DType
+](
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    wg: Pointer[Scalar[dtype], MutAnyOrigin],
+    wu: Pointer[Scalar[dtype], MutAnyOrigin],
+    wd: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    T: Int,
+    D: Int,
+    F: Int,
+    ctx: DeviceContext,
+    allow_tc: Bool = True,
+) raises:
+    var xnbuf = ctx.enqueue_create_buffer[dtype](T * D)
+    var xn = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](xnbuf.unsafe_ptr())
+    ctx.enqueue_function[_norm_kernel[dtype]](xn, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
+
+    comptime if dtype == DType.bfloat16 and DeviceContext.default_device_info.api == "cuda":
+        if T > DECODE_MAX_T and allow_tc:
+            comptime for i in range(len(_STATIC_DF)):
+                comptime DD = _STATIC_DF[i][0]
+                comptime FF = _STATIC_DF[i][1]
+                if D == DD and F == FF:
+                    _ffn_tc[DD, FF](
+                        rebind[Pointer[BFloat16, MutAnyOrigin]](o),
+                        rebind[Pointer[BFloat16, MutAnyOrigin]](xn),
+                        rebind[Pointer[BFloat16, MutAnyOrigin]](wg),
+                        rebind[Pointer[BFloat16, MutAnyOrigin]](wu),
+                        rebind[Pointer[BFloat16, MutAnyOrigin]](wd),
+                        T,
+                        ctx,
+                    )
+                    _ = xnbuf^
+                    return
+
+    # GEMV path: T <= 16 at once (decode), larger T in 16-row chunks.
+    var hbuf = ctx.enqueue_create_buffer[dtype](min(T, DECODE_MAX_T) * F)
+    var hp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](hbuf.unsafe_ptr())
+    var t0 = 0
+    while t0 < T:
+        var tc = min(DECODE_MAX_T, T - t0)
+        _gemv[dtype, True](hp, xn.unsafe_offset(t0 * D), wg, wu, tc, D, F, ctx)
+        _gemv[dtype, False](o.unsafe_offset(t0 * D), hp, wd, wd, tc, F, D, ctx)
+        t0 += tc
+    _ = xnbuf^
+    _ = hbuf^
+
+
+def swiglu_ffn_cpu[
+    dtype: DType
+](
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    wg: Pointer[Scalar[dtype], MutAnyOrigin],
+    wu: Pointer[Scalar[dtype], MutAnyOrigin],
+    wd: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    eps: Float32,
+    has_norm: Bool,
+    T: Int,
+    D: Int,
+    F: Int,
+):
+    """Plain loops with fp32 accumulation; the same roundings as the reference."""
+    var xn = List[Float32](length=D, fill=0)
+    var hh = List[Float32](length=F, fill=0)
+    for t in range(T):
+        var rstd: Float32 = 1
+        if has_norm:
+            var ss: Float32 = 0
+            for j in range(D):
+                var xv = x[unsafe_offset=t * D + j].cast[DType.float32]()
+                ss += xv * xv
+            rstd = rsqrt(ss / Float32(D) + eps)
+        for j in range(D):
+            var xv = x[unsafe_offset=t * D + j].cast[DType.float32]()
+            if has_norm:
+                xv = (xv * rstd * nw[unsafe_offset=j].cast[DType.float32]()).cast[dtype]().cast[DType.float32]()
+            xn[j] = xv
+        for f in range(F):
+            var g: Float32 = 0
+            var u: Float32 = 0
+            for j in range(D):
+                g += xn[j] * wg[unsafe_offset=f * D + j].cast[DType.float32]()
+                u += xn[j] * wu[unsafe_offset=f * D + j].cast[DType.float32]()
+            hh[f] = _silu_mul(g, u).cast[dtype]().cast[DType.float32]()
+        for d in range(D):
+            var acc: Float32 = 0
+            for f in range(F):
+                acc += hh[f] * wd[unsafe_offset=d * F + f].cast[DType.float32]()
+            o[unsafe_offset=t * D + d] = acc.cast[dtype]()
+
+
+@register("fusekit.swiglu_ffn")
+struct SwigluFfn:
+    @staticmethod
+    def execute[
+        dtype: DType, target: StaticString
+    ](
+        res: OutputTensor[dtype=dtype, rank=2, ...],
+        x: InputTensor[dtype=dtype, rank=2, ...],
+        w_gate: InputTensor[dtype=dtype, rank=2, ...],
+        w_up: InputTensor[dtype=dtype, rank=2, ...],
+        w_down: InputTensor[dtype=dtype, rank=2, ...],
+        norm_weight: InputTensor[dtype=dtype, rank=1, ...],
+        params: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var T = x.dim_size(0)
+        var D = x.dim_size(1)
+        var F = w_gate.dim_size(0)
+        var op = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](res.unsafe_ptr())
+        var xp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](x.unsafe_ptr())
+        var gp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_gate.unsafe_ptr())
+        var up = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_up.unsafe_ptr())
+        var dp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_down.unsafe_ptr())
+        var np = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](norm_weight.unsafe_ptr())
+        var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
+        comptime if target == "gpu":
+            swiglu_ffn_gpu[dtype](op, xp, gp, up, dp, np, pp, T, D, F, ctx)
+        else:
+            swiglu_ffn_cpu[dtype](op, xp, gp, up, dp, np, pp[unsafe_offset=0], pp[unsafe_offset=1] != 0, T, D, F)
