@@ -60,6 +60,7 @@ def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
         best: dict | None = None
         for b in backends:
             sp, per_base, won, pct, n = [], defaultdict(list), 0, [], 0
+            largest: tuple[int, float] = (-1, math.nan)  # (bytes, speedup) of the biggest case
             for rows in cases.values():
                 if b not in rows:
                     continue
@@ -69,6 +70,8 @@ def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
                 n += 1
                 t = rows[b]["time_us"]
                 sp.append(min(base_ts.values()) / t)
+                if rows[b]["bytes"] > largest[0]:
+                    largest = (rows[b]["bytes"], sp[-1])
                 for p, bt in base_ts.items():
                     per_base[p].append(bt / t)
                 won += t <= min(r["time_us"] for r in rows.values())
@@ -82,6 +85,7 @@ def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
                 "speedup": geomean(sp),
                 "min": min(sp),
                 "max": max(sp),
+                "largest": largest[1],
                 "per_baseline": {p: geomean(v) for p, v in per_base.items()},
                 "won": won,
                 "cases": n,
@@ -100,15 +104,15 @@ def headline_md(items: list[dict]) -> str:
     if not items:
         return "_No fusekit backend has a timed case next to a baseline yet._\n"
     lines = [
-        "| device | op | fastest fusekit backend | × best baseline (geomean) | range | × each baseline (geomean) "
-        "| cases won | median % of ceiling | source |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| device | op | fastest fusekit backend | × best baseline (geomean) | range | largest case "
+        "| × each baseline (geomean) | cases won | median % of ceiling | source |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for h in items:
         per = ", ".join(f"{p} {v:.2f}×" for p, v in h["per_baseline"].items())
         lines.append(
             f"| {h['device']} | {h['op']} | **{h['backend']}** | **{h['speedup']:.2f}×** | "
-            f"{h['min']:.2f}–{h['max']:.2f}× | {per} | {h['won']}/{h['cases']} | {h['pct_median']:.0f}% | "
+            f"{h['min']:.2f}–{h['max']:.2f}× | {h['largest']:.2f}× | {per} | {h['won']}/{h['cases']} | {h['pct_median']:.0f}% | "
             f"`{h['source']}` |"
         )
     return "\n".join(lines) + "\n"
