@@ -37,7 +37,7 @@ def _rows_kernel(x_ptr, out_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     for k in range(0, N, BLOCK_N):
         c = k + cols
         m = row_mask[:, None] & (c < N)[None, :]
-        acc += tl.load(base + c[None, :], mask=m, other=0, eviction_policy="evict_first").to(ACC)
+        acc += tl.load(base + c[None, :], mask=m, other=0).to(ACC)
     s = tl.sum(acc, axis=1)
     tl.store(out_ptr + rows, s.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -59,7 +59,7 @@ def _split_kernel(
     acc = tl.zeros((BLOCK,), dtype=ACC)
     for k in range(0, n, BLOCK):
         o = k + offs
-        acc += tl.load(base + o, mask=o < n, other=0, eviction_policy="evict_first").to(ACC)
+        acc += tl.load(base + o, mask=o < n, other=0).to(ACC)
     s = tl.sum(acc, axis=0)
     if ATOMIC:
         tl.atomic_add(dst_ptr + row, s)
@@ -89,6 +89,9 @@ _TILE_BYTES = 16384
 # Threads hold 4 x 16-byte vectors each: 8 warps (NVIDIA) / 4 waves (AMD) for a 16 KB tile.
 _VEC_PER_THREAD = 4
 # Split rows until the grid has about this many programs per SM (one full wave of 4 x 8-warp programs).
+# H200, 2^30 fp32: 4/SM with 16 KB / 8 warps ran 979 us (torch.sum 1001 us); 2/SM with 32 KB / 16 warps and
+# 8/SM with 16 KB / 4 warps were within 1%; 4 KB or 8 KB steps at 2-4/SM were 10-45% slower. Plain loads:
+# an evict_first hint cost ~5%.
 _SPLIT_PROGRAMS_PER_SM = 4
 _FIN_BLOCK_M, _FIN_BLOCK_S = 16, 128
 

@@ -19,6 +19,10 @@ from kernels_triton._config import (
     norm_stream_warps,
 )
 
+# Streaming step of "reload"/"split": 32 KB of x per step, 4 x 16-byte vectors per thread (16 warps on
+# NVIDIA). On the H200 at 16384 x 65536 bf16: 1405 us vs 1524 us for 16 KB / 16 warps, 1579 us for 8 KB /
+# 8 warps, 1449 us for 32 KB / 32 warps.
+STREAM_BYTES, STREAM_VECS = 32768, 4
 # Chunks per row in "split" mode are capped so kernel 2 combines them in one fixed-size [SPLIT_MAX] load.
 SPLIT_MAX = 1024
 
@@ -32,11 +36,12 @@ def _rms_reg_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, M, N, eps, BLOCK_M: tl.cons
     cmask = cols < N
     m = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    # x is touched once: stream it past L2 (evict_first); the weight row is shared by all programs.
-    x = tl.load(x_ptr + offs, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    # Plain loads, weight read after the reduction: on the H200 this beat evict_first/evict_last hints
+    # with the weight load hoisted (more live registers during the reduction).
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = x * rstd[:, None] * w[None, :]
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -144,8 +149,8 @@ def rms_norm(
             x, weight, out, rstd, M, N, eps, BLOCK_M=bm, BLOCK_N=bn, num_warps=_num_warps or nw
         )
         return
-    block = _block or norm_block(es)
-    nw = _num_warps or norm_stream_warps(block, es, dev)
+    block = _block or norm_block(es, STREAM_BYTES)
+    nw = _num_warps or norm_stream_warps(block, es, STREAM_VECS, dev)
     if mode == "reload":
         _rms_reload_kernel[(M,)](x, weight, out, rstd, N, eps, BLOCK=block, num_warps=nw)
         return
@@ -176,8 +181,8 @@ def aot_specs() -> list[tuple[str, object, dict, dict]]:
             specs.append(
                 (f"rms_reg_{dt}_n{n}", _rms_reg_kernel, sig, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": nw})
             )
-        block = 16384 // es
-        nw = norm_stream_warps(block, es, 0)
+        block = STREAM_BYTES // es
+        nw = norm_stream_warps(block, es, STREAM_VECS, 0)
         sig = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "rstd_ptr": "*fp32", "N": "i32", "eps": "fp32"}
         sig |= {"BLOCK": "constexpr"}
         specs.append((f"rms_reload_{dt}", _rms_reload_kernel, sig, {"BLOCK": block, "num_warps": nw}))

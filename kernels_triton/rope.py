@@ -70,7 +70,8 @@ def _rope_kernel(
 # B*S programs (65536 for 16 x 4096), and a whole q-shaped [H, D] tile shares one cos/sin vector.
 _MAX_TILE_ELEMS = 4096
 # HF halves: load the whole [BLOCK_H, D] row tile and pair the halves in registers (True), or load two
-# half-row tiles (False). Chosen from H200 timings (see the report / scratch notes).
+# half-row tiles (False). H200, 16 x 4096 x 32 x 128 bf16 with in-kernel angles: 274 us vs 357 us (the
+# two-tile form computes each cos/sin in more threads); with tables both ran 277 us.
 HALVES_AS_PAIRS = True
 
 
