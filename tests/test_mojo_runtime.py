@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -95,7 +94,9 @@ def _check_sum(be: MojoBackend, M: int, N: int, device: str = "cpu") -> None:
 
 
 # --- package location ----------------------------------------------------------------------------
-def test_locate_package_prefers_installed_package_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_locate_package_prefers_installed_package_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(rt.PACKAGE_ENV, raising=False)
     installed = tmp_path / "site" / "fusekit"
     (installed / "_mojo").mkdir(parents=True)
@@ -103,7 +104,9 @@ def test_locate_package_prefers_installed_package_data(tmp_path: Path, monkeypat
     assert rt.locate_package() == (installed / "_mojo").resolve()
 
 
-def test_locate_package_falls_back_to_checkout_not_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_locate_package_falls_back_to_checkout_not_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(rt.PACKAGE_ENV, raising=False)
     monkeypatch.setattr(rt.importlib.resources, "files", lambda name: tmp_path / "nowhere")
     (tmp_path / "mojo").mkdir()
@@ -167,7 +170,9 @@ def test_second_process_reuses_disk_cache(mojo_be: MojoBackend, tiny: tuple[Path
 def test_bad_package_error_shows_mojo_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pkg = _write_package(tmp_path / "broken")
     src = (pkg / "reduce_sum.mojo").read_text()
-    (pkg / "reduce_sum.mojo").write_text(src.replace("var acc = Scalar[acc_t](0)", "var acc = undefined_name_xyz"))
+    (pkg / "reduce_sum.mojo").write_text(
+        src.replace("var acc = Scalar[acc_t](0)", "var acc = undefined_name_xyz")
+    )
     monkeypatch.setenv(rt.CACHE_ENV, str(tmp_path / "cache"))
     be = MojoBackend(str(pkg))
     with pytest.raises(rt.MojoBuildError) as info:

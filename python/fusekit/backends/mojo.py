@@ -47,12 +47,12 @@ class MojoBackend(Backend):
                 raise BackendUnavailable(f"the mojo backend is unavailable: {reason}")
 
     @property
-    def compiler(self):  # noqa: ANN201 - OpCompiler, imported lazily
+    def compiler(self):
         self._ready()
         return self._compiler
 
     @property
-    def dispatcher(self):  # noqa: ANN201 - Dispatcher, imported lazily
+    def dispatcher(self):
         self._ready()
         return self._dispatcher
 
@@ -90,7 +90,9 @@ class MojoBackend(Backend):
     def reduce_sum(self, out: torch.Tensor, x: torch.Tensor) -> None:
         self._run("reduce_sum", out, x)
 
-    def rms_norm(self, out: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    def rms_norm(
+        self, out: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None:
         self._run("rms_norm", out, rstd, x, weight, eps)
 
     def layer_norm(

@@ -115,7 +115,14 @@ class DeviceState:
         if self._capsule is None:
             return self._buffer_cls.from_dlpack(t)
         cap = self._capsule(
-            _OWNER, t.data_ptr(), self.dl_device[0], self.dl_device[1], max_dtype(t.dtype), tuple(t.shape), None, None
+            _OWNER,
+            t.data_ptr(),
+            self.dl_device[0],
+            self.dl_device[1],
+            max_dtype(t.dtype),
+            tuple(t.shape),
+            None,
+            None,
         )
         return self._buffer_cls._from_dlpack(_Producer(cap, self.dl_device))
 
@@ -204,7 +211,7 @@ class Dispatcher:
         compiled.next_graph += 1
         try:
             model._capture([gk], bufs)
-        except Exception:  # noqa: BLE001 - capture is best effort: this model then always executes
+        except Exception:  # capture is best effort: this model then always executes
             compiled.capturable = False
             return None
         compiled.seen.pop(key, None)

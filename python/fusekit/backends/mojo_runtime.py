@@ -301,14 +301,14 @@ class OpCompiler:
                 self.stats.mef_loads += 1
                 self.stats.seconds[f"load {path.name}"] = time.perf_counter() - t0
                 return model
-            except Exception:  # noqa: BLE001 - a corrupt or foreign MEF is rebuilt below
+            except Exception:  # a corrupt or foreign MEF is rebuilt below
                 path.unlink(missing_ok=True)
         graph = self._graph(spec, dtypes, device)
         error = None
         with _tee_stderr() as diagnostics:
             try:
                 compiled = session.compile(graph)
-            except Exception as exc:  # noqa: BLE001 - re-raised below with the compiler's text
+            except Exception as exc:  # re-raised below with the compiler text
                 error = exc
         if error is not None:
             raise MojoBuildError(
@@ -358,9 +358,7 @@ class OpCompiler:
             kernel_library=self.library(),
         ) as g:
             n = len(out_types)
-            results = ops.custom(
-                spec.max_op, ref, [v.tensor for v in g.inputs[n:]], out_types=out_types
-            )
+            results = ops.custom(spec.max_op, ref, [v.tensor for v in g.inputs[n:]], out_types=out_types)
             for buf, res in zip(g.inputs[:n], results, strict=True):
                 buf.buffer[...] = res.tensor
             g.output()

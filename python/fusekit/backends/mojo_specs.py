@@ -74,7 +74,9 @@ def _bind_reduce_sum(out: torch.Tensor, x: torch.Tensor) -> Bound:
     return (out,), (x,), ()
 
 
-def _bind_rms_norm(out: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> Bound:
+def _bind_rms_norm(
+    out: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Bound:
     return (out, rstd), (x, weight), (float(eps),)
 
 
