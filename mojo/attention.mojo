@@ -30,7 +30,6 @@
 # 128x128 tiles lose to smaller ones there.
 
 from std.math import ceildiv, exp2
-from std.sys import is_nvidia_gpu
 from std.utils import StaticTuple
 from extensibility import InputTensor, OutputTensor, register
 from max.gpu import thread_idx, block_idx, lane_id, barrier, WARP_SIZE, external_memory, AddressSpace
@@ -50,6 +49,25 @@ def _fa2_bm(d: Int) -> Int:
 @always_inline
 def _fa2_bn(d: Int) -> Int:
     return 32 if d == 256 else 64
+
+
+@always_inline
+def _quad_max(v: SIMD[DType.float32, 2]) -> SIMD[DType.float32, 2]:
+    """Max over the 4 lanes of a quad (the lanes that share an MMA accumulator row)."""
+    var r = v
+    comptime for e in range(2):
+        r[e] = max(r[e], warp.shuffle_xor(r[e], 1))
+        r[e] = max(r[e], warp.shuffle_xor(r[e], 2))
+    return r
+
+
+@always_inline
+def _quad_sum(v: SIMD[DType.float32, 2]) -> SIMD[DType.float32, 2]:
+    var r = v
+    comptime for e in range(2):
+        r[e] += warp.shuffle_xor(r[e], 1)
+        r[e] += warp.shuffle_xor(r[e], 2)
+    return r
 
 
 def _fa2_kernel[
@@ -190,8 +208,7 @@ def _fa2_kernel[
         comptime for jn in range(NSN):
             mx[0] = max(mx[0], max(sacc[jn][0], sacc[jn][1]))
             mx[1] = max(mx[1], max(sacc[jn][2], sacc[jn][3]))
-        mx = max(mx, warp.shuffle_xor(mx, 1))
-        mx = max(mx, warp.shuffle_xor(mx, 2))
+        mx = _quad_max(mx)
         # a row with nothing visible yet keeps MIN; use 0 there so exp2 gives 0, not NaN
         var mref = SIMD[DType.float32, 2](0)
         comptime for r in range(2):
@@ -229,8 +246,7 @@ def _fa2_kernel[
         barrier()  # this stage is refilled next iteration
 
     # ---- finish: divide by the row sums (quad-reduced), write (zeros where no key was visible)
-    l_i += warp.shuffle_xor(l_i, 1)
-    l_i += warp.shuffle_xor(l_i, 2)
+    l_i = _quad_sum(l_i)
     var inv = SIMD[DType.float32, 2](0)
     comptime for r in range(2):
         inv[r] = 1.0 / l_i[r] if l_i[r] > 0 else 0
@@ -400,7 +416,7 @@ def attention_gpu[
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem_bytes)),
         )
 
-    comptime if is_nvidia_gpu() and (dtype == DType.bfloat16 or dtype == DType.float16):
+    comptime if DeviceContext.default_device_info.api == "cuda" and (dtype == DType.bfloat16 or dtype == DType.float16):
         if not force_rowwise:
             if D == 64:
                 launch_fa2[64]()
@@ -435,7 +451,7 @@ def attention_gpu[
 struct Attention:
     @staticmethod
     def execute[
-        dtype: DType, target: StaticString
+        dtype: DType, //, target: StaticString
     ](
         res: OutputTensor[dtype=dtype, rank=4, ...],
         q: InputTensor[dtype=dtype, rank=4, ...],

@@ -333,7 +333,7 @@ def swiglu_ffn_cpu[
 struct SwigluFfn:
     @staticmethod
     def execute[
-        dtype: DType, target: StaticString
+        dtype: DType, //, target: StaticString
     ](
         res: OutputTensor[dtype=dtype, rank=2, ...],
         x: InputTensor[dtype=dtype, rank=2, ...],

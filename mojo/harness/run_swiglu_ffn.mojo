@@ -1,0 +1,157 @@
+"""Harness entry for fusekit.swiglu_ffn: execute["gpu"] checks (host float64 with the reference's
+rounding points; the GEMV path as the GPU reference for the tensor-core prefill path) and timing."""
+
+from extensibility import InputTensor, OutputTensor, StaticTensorSpec
+from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
+from std.utils import IndexList
+from std.math import exp, sqrt
+
+from ..swiglu_ffn import SwigluFfn, swiglu_ffn_gpu
+from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params
+
+
+struct _Bufs[dtype: DType](Movable):
+    var x: DeviceBuffer[Self.dtype]
+    var wg: DeviceBuffer[Self.dtype]
+    var wu: DeviceBuffer[Self.dtype]
+    var wd: DeviceBuffer[Self.dtype]
+    var nw: DeviceBuffer[Self.dtype]
+    var o: DeviceBuffer[Self.dtype]
+    var r: DeviceBuffer[Self.dtype]
+
+    def __init__(out self, ctx: DeviceContext, T: Int, D: Int, F: Int, seed: Int) raises:
+        self.x = ctx.enqueue_create_buffer[Self.dtype](T * D)
+        self.wg = ctx.enqueue_create_buffer[Self.dtype](F * D)
+        self.wu = ctx.enqueue_create_buffer[Self.dtype](F * D)
+        self.wd = ctx.enqueue_create_buffer[Self.dtype](D * F)
+        self.nw = ctx.enqueue_create_buffer[Self.dtype](D)
+        self.o = ctx.enqueue_create_buffer[Self.dtype](T * D)
+        self.r = ctx.enqueue_create_buffer[Self.dtype](T * D)
+        var a = 1.7 / sqrt(Float64(D))  # uniform(-a, a): std ~ 1/sqrt(D)
+        var b = 1.7 / sqrt(Float64(F))
+        fill_random(ctx, self.x, T * D, seed, -1.0, 1.0)
+        fill_random(ctx, self.wg, F * D, seed + 1, -a, a)
+        fill_random(ctx, self.wu, F * D, seed + 2, -a, a)
+        fill_random(ctx, self.wd, D * F, seed + 3, -b, b)
+        fill_random(ctx, self.nw, D, seed + 4, 0.8, 1.2)
+        poison(ctx, self.o)
+        poison(ctx, self.r)
+
+
+def _host_ref_err[
+    dtype: DType
+](ctx: DeviceContext, bufs: _Bufs[dtype], T: Int, D: Int, F: Int, eps: Float64, has_norm: Bool) raises -> Float64:
+    """float64 math with the reference's rounding points (xn and h rounded to dtype)."""
+    var hx = to_host(ctx, bufs.x, T * D)
+    var hg = to_host(ctx, bufs.wg, F * D)
+    var hu = to_host(ctx, bufs.wu, F * D)
+    var hd = to_host(ctx, bufs.wd, D * F)
+    var hn = to_host(ctx, bufs.nw, D)
+    var ho = to_host(ctx, bufs.o, T * D)
+    var e = RelErr()
+    var xn = List[Float64](length=D, fill=0)
+    var hh = List[Float64](length=F, fill=0)
+    for t in range(T):
+        var ss = Float64(0)
+        for j in range(D):
+            var v = hx[t * D + j].cast[DType.float64]()
+            ss += v * v
+        var rstd = 1.0 / sqrt(ss / Float64(D) + eps)
+        for j in range(D):
+            var v = hx[t * D + j].cast[DType.float64]()
+            if has_norm:
+                v = (v * rstd * hn[j].cast[DType.float64]()).cast[dtype]().cast[DType.float64]()
+            xn[j] = v
+        for f in range(F):
+            var g = Float64(0)
+            var u = Float64(0)
+            for j in range(D):
+                g += xn[j] * hg[f * D + j].cast[DType.float64]()
+                u += xn[j] * hu[f * D + j].cast[DType.float64]()
+            hh[f] = (g / (1.0 + exp(-g)) * u).cast[dtype]().cast[DType.float64]()
+        for d in range(D):
+            var acc = Float64(0)
+            for f in range(F):
+                acc += hh[f] * hd[d * F + f].cast[DType.float64]()
+            e.add(ho[t * D + d].cast[DType.float64](), acc)
+    return e.value()
+
+
+def _run_op[dtype: DType](ctx: DeviceContext, bufs: _Bufs[dtype], T: Int, D: Int, F: Int, pb: DeviceBuffer[DType.float32]) raises:
+    comptime s2 = StaticTensorSpec[dtype, 2, ...].get_unknown()
+    comptime s1 = StaticTensorSpec[dtype, 1, ...].get_unknown()
+    comptime sp = StaticTensorSpec[DType.float32, 1, ...].get_unknown()
+    var x = InputTensor[static_spec=s2](_mut(bufs.x.unsafe_ptr()), IndexList[2](T, D), IndexList[2](D, 1))
+    var wg = InputTensor[static_spec=s2](_mut(bufs.wg.unsafe_ptr()), IndexList[2](F, D), IndexList[2](D, 1))
+    var wu = InputTensor[static_spec=s2](_mut(bufs.wu.unsafe_ptr()), IndexList[2](F, D), IndexList[2](D, 1))
+    var wd = InputTensor[static_spec=s2](_mut(bufs.wd.unsafe_ptr()), IndexList[2](D, F), IndexList[2](F, 1))
+    var nw = InputTensor[static_spec=s1](_mut(bufs.nw.unsafe_ptr()), IndexList[1](D), IndexList[1](1))
+    var p = InputTensor[static_spec=sp](_mut(pb.unsafe_ptr()), IndexList[1](2), IndexList[1](1))
+    var o = OutputTensor[static_spec=s2](_mut(bufs.o.unsafe_ptr()), IndexList[2](T, D), IndexList[2](D, 1))
+    SwigluFfn.execute["gpu"](o, x, wg, wu, wd, nw, p, ctx)
+
+
+def _case[
+    dtype: DType
+](ctx: DeviceContext, T: Int, D: Int, F: Int, has_norm: Bool, host_ref: Bool, mut failures: Int, seed: Int) raises:
+    var bufs = _Bufs[dtype](ctx, T, D, F, seed)
+    var eps = 1e-6
+    var pb = device_params(ctx, Float32(eps), Float32(1.0) if has_norm else Float32(0.0))
+    _run_op[dtype](ctx, bufs, T, D, F, pb)
+    var name = String("swiglu_ffn ", dtype, " T=", T, " D=", D, " F=", F, " norm=", has_norm)
+    var tol = 1e-2 if dtype == DType.bfloat16 else 2e-3
+    if host_ref:
+        check(name + " vs host f64", _host_ref_err[dtype](ctx, bufs, T, D, F, eps, has_norm), tol, failures)
+    else:
+        # the GEMV path (fp32 u, no tensor cores) as the GPU reference for the prefill path
+        swiglu_ffn_gpu[dtype](
+            _mut(bufs.r.unsafe_ptr()), _mut(bufs.x.unsafe_ptr()), _mut(bufs.wg.unsafe_ptr()),
+            _mut(bufs.wu.unsafe_ptr()), _mut(bufs.wd.unsafe_ptr()), _mut(bufs.nw.unsafe_ptr()),
+            _mut(pb.unsafe_ptr()), T, D, F, ctx, allow_tc=False,
+        )
+        var ho = to_host(ctx, bufs.o, T * D)
+        var hr = to_host(ctx, bufs.r, T * D)
+        var e = RelErr()
+        for i in range(T * D):
+            e.add(ho[i].cast[DType.float64](), hr[i].cast[DType.float64]())
+        check(name + " vs GEMV GPU path", e.value(), tol, failures)
+
+
+def _bench[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, iters: Int) raises:
+    var bufs = _Bufs[dtype](ctx, T, D, F, 5)
+    var pb = device_params(ctx, Float32(1e-6), Float32(1.0))
+    _run_op[dtype](ctx, bufs, T, D, F, pb)  # warm-up
+    ctx.synchronize()
+    var t0 = now_ns()
+    for _ in range(iters):
+        _run_op[dtype](ctx, bufs, T, D, F, pb)
+    ctx.synchronize()
+    var ns = Float64(now_ns() - t0) / Float64(iters)
+    var flops = 6.0 * Float64(T) * Float64(D) * Float64(F)
+    var bytes = Float64(3 * D * F * 2 + 2 * T * D * 2)
+    print("PERF swiglu_ffn", dtype, "T", T, "D", D, "F", F, "us=", ns / 1000.0, "TFLOP/s=", flops / ns / 1000.0,
+          "weight GB/s=", bytes / ns, "of_copy_4283=", bytes / ns / 4283.0)
+
+
+def run(bench: Bool = True) raises:
+    var failures = 0
+    with DeviceContext() as ctx:
+        print("device:", ctx.name())
+        _case[DType.bfloat16](ctx, 5, 256, 384, True, True, failures, 31)
+        _case[DType.float16](ctx, 3, 264, 200, False, True, failures, 32)
+        _case[DType.float32](ctx, 2, 64, 96, True, True, failures, 33)
+        _case[DType.bfloat16](ctx, 37, 128, 96, True, True, failures, 34)  # > 16 rows: chunked GEMV
+        _case[DType.bfloat16](ctx, 1, 4096, 11008, True, True, failures, 35)
+        _case[DType.bfloat16](ctx, 4, 4096, 11008, False, True, failures, 36)
+        _case[DType.bfloat16](ctx, 16, 4096, 11008, True, True, failures, 37)
+        _case[DType.bfloat16](ctx, 4096, 4096, 11008, True, False, failures, 38)  # wgmma prefill path
+        _case[DType.bfloat16](ctx, 300, 4096, 11008, False, False, failures, 39)
+        if bench:
+            _bench[DType.bfloat16](ctx, 1, 4096, 11008, 50)
+            _bench[DType.bfloat16](ctx, 4, 4096, 11008, 50)
+            _bench[DType.bfloat16](ctx, 16, 4096, 11008, 50)
+            _bench[DType.bfloat16](ctx, 4096, 4096, 11008, 10)
+            _bench[DType.bfloat16](ctx, 512, 4096, 11008, 10)
+    print("swiglu_ffn failures:", failures)
+    if failures > 0:
+        raise Error("swiglu_ffn: ", failures, " checks failed")
