@@ -56,9 +56,12 @@ def find_package() -> Path:
 
 
 def runtime_lib_dir() -> Path:
-    import modular  # the `mojo`/`max` wheels ship it
+    import modular  # a namespace package shipped by the `mojo`/`max` wheels
 
-    return Path(modular.__file__).resolve().parent / "lib"
+    for base in modular.__path__:
+        if (Path(base) / "lib" / RUNTIME_LIBS[0]).exists():
+            return Path(base) / "lib"
+    raise FileNotFoundError(f"{RUNTIME_LIBS[0]} not found under {list(modular.__path__)}")
 
 
 def harness_ops(pkg: Path) -> list[str]:
@@ -98,24 +101,52 @@ def build_one(mojo: Path, src: Path, work: Path, op: str, target: str) -> dict:
     log = (proc.stdout + proc.stderr).strip()
     errors = [ln for ln in log.splitlines() if "error" in ln and "Crashpad" not in ln]
     ok = proc.returncode == 0 and len(kernels) > 0
-    return {"op": op, "target": target, "ok": ok, "secs": secs, "kernels": len(kernels), "log": log,
-            "errors": errors, "dir": str(out_dir)}
+    return {
+        "op": op,
+        "target": target,
+        "ok": ok,
+        "secs": secs,
+        "kernels": len(kernels),
+        "log": log,
+        "errors": errors,
+        "dir": str(out_dir),
+    }
 
 
 def build_exe(mojo: Path, src: Path, work: Path, op: str, dest: Path) -> dict:
     """A runnable sm_90 harness exe (run it on the GPU host with LD_LIBRARY_PATH=dest)."""
     main = _write_main(src, work, op)
-    cmd = [str(mojo), "build", "--target-accelerator", "sm_90", "-I", str(src), str(main), "-o", str(dest / f"run_{op}")]
+    cmd = [
+        str(mojo),
+        "build",
+        "--target-accelerator",
+        "sm_90",
+        "-I",
+        str(src),
+        str(main),
+        "-o",
+        str(dest / f"run_{op}"),
+    ]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    return {"op": op, "target": "sm_90 exe", "ok": proc.returncode == 0, "secs": time.time() - t0, "kernels": -1,
-            "log": (proc.stdout + proc.stderr).strip(), "errors": [], "dir": str(dest)}
+    return {
+        "op": op,
+        "target": "sm_90 exe",
+        "ok": proc.returncode == 0,
+        "secs": time.time() - t0,
+        "kernels": -1,
+        "log": (proc.stdout + proc.stderr).strip(),
+        "errors": [],
+        "dir": str(dest),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--targets", default=",".join(TARGETS), help="comma list of " + ", ".join(TARGETS))
-    ap.add_argument("--only", default="", help="comma list of ops (default: every mojo/harness/run_<op>.mojo)")
+    ap.add_argument(
+        "--only", default="", help="comma list of ops (default: every mojo/harness/run_<op>.mojo)"
+    )
     ap.add_argument("--jobs", type=int, default=2, help="parallel mojo builds (each is ~1 core, ~1-2 GB)")
     ap.add_argument("--work", default="", help="keep build outputs here (default: a temp dir, removed)")
     ap.add_argument("--exe", default="", help="also build runnable sm_90 exes + runtime libs into this dir")
