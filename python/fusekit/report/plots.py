@@ -35,6 +35,11 @@ MARKERS = {
 }
 
 
+def _num(x: float) -> str:
+    """0 decimals for big rates, 3 significant digits for the small CPU ones."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.3g}"
+
+
 def _color(p: str) -> str:
     return COLORS.get(p, "black")
 
@@ -61,7 +66,7 @@ def op_plot(doc: dict, path: Path) -> Path | None:
             style = "-" if pr[0]["kind"] == "backend" else "--"
             ax.plot([r["x"] for r in pr], ys, style, marker="o", ms=3.5, color=_color(p), label=p, lw=1.5)
         if matmul:
-            ax.axhline(peak, ls="--", color="k", lw=1, label=f"matmul peak {peak:.0f} TF/s")
+            ax.axhline(peak, ls="--", color="k", lw=1, label=f"matmul peak {_num(peak)} TF/s")
             xs = sorted({r["x"] for r in grows})
             by_x = {r["x"]: r for r in grows}
             # The roofline bound at each x: min(peak, intensity × bandwidth).
@@ -69,7 +74,7 @@ def op_plot(doc: dict, path: Path) -> Path | None:
             ax.plot(xs, roof, ":", color="k", lw=1, label="roofline bound")
             ax.set_ylabel("TFLOP/s")
         else:
-            ax.axhline(bw, ls="--", color="k", lw=1, label=f"copy {bw:.0f} GB/s")
+            ax.axhline(bw, ls="--", color="k", lw=1, label=f"copy {_num(bw)} GB/s")
             ax.set_ylabel("GB/s (minimal bytes)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel(grows[0]["x_label"])
@@ -132,7 +137,7 @@ def roofline_plot(docs: list[dict], path: Path) -> Path | None:
     ax.set_xlabel("arithmetic intensity (FLOP / minimal byte)")
     ax.set_ylabel("achieved TFLOP/s")
     ax.set_title(
-        f"Roofline on {_device(pts[0][0])}: copy {bw:.0f} GB/s, matmul {peak:.0f} TFLOP/s", fontsize=10
+        f"Roofline on {_device(pts[0][0])}: copy {_num(bw)} GB/s, matmul {_num(peak)} TFLOP/s", fontsize=10
     )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right", ncol=2)

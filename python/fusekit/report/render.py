@@ -34,7 +34,7 @@ def _env_md(entries: list[tuple[str, Path, dict]], root: Path) -> str:
             f"| `{rel}` | {m.get('gpu_name') or m.get('device')} | {m.get('driver') or '–'} | "
             f"{m.get('cuda') or '–'} | {m.get('torch')} | {m.get('triton') or '–'} | {m.get('max') or '–'} | "
             f"{m.get('mojo') or '–'} | {commit} | {m.get('date', '')[:16]} | {m.get('host')} | "
-            f"{c['copy']['gbps']:.0f} | {c['matmul']['tflops']:.1f} |"
+            f"{c['copy']['gbps']:.4g} | {c['matmul']['tflops']:.4g} |"
         )
     return "\n".join(lines) + "\n"
 
