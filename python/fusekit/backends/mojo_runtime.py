@@ -108,11 +108,20 @@ def versions() -> str:
     return ",".join(out)
 
 
+def package_files(pkg: Path) -> list[Path]:
+    """The op package proper: the top-level .mojo files (ops, `_` helpers, __init__.mojo).
+
+    Subdirectories (e.g. `harness/`, standalone AOT test drivers with their own `main`) are not
+    part of the MAX op package, so they are neither hashed nor precompiled.
+    """
+    return sorted(f for f in pkg.glob("*.mojo") if f.is_file())
+
+
 def package_hash(pkg: Path) -> str:
-    """Content hash of the package's .mojo files (relative path + bytes) and the toolchain versions."""
+    """Content hash of the package's .mojo files (name + bytes) and the toolchain versions."""
     h = hashlib.sha256(f"fusekit-mojo/{_FORMAT}/{versions()}".encode())
-    for f in sorted(pkg.rglob("*.mojo")):
-        h.update(str(f.relative_to(pkg)).encode() + b"\0")
+    for f in package_files(pkg):
+        h.update(f.name.encode() + b"\0")
         h.update(f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
@@ -139,16 +148,26 @@ def precompile(pkg: Path, digest: str, cache: Path) -> Path:
         return final
     tmpdir = Path(tempfile.mkdtemp(prefix=".precompile-", dir=cache))
     try:
+        staged = tmpdir / "fusekit_ops"  # only the files package_files() hashed
+        staged.mkdir()
+        for f in package_files(pkg):
+            shutil.copy2(f, staged / f.name)
+        if not (staged / "__init__.mojo").exists():
+            (staged / "__init__.mojo").write_text("")
         out = tmpdir / final.name
         proc = subprocess.run(
-            [*mojo_command(), "precompile", str(pkg), "-o", str(out)],
+            [*mojo_command(), "precompile", str(staged), "-o", str(out)],
             capture_output=True,
             text=True,
             check=False,
         )
         if proc.returncode != 0 or not out.exists():
-            text = "\n".join(s for s in (proc.stdout, proc.stderr) if s.strip())
-            raise MojoBuildError(f"`mojo precompile {pkg}` failed (exit {proc.returncode}):\n{text.strip()}")
+            text = "\n".join(s for s in (proc.stdout, proc.stderr) if s.strip()).strip()
+            text = text.replace(str(staged), str(pkg))  # point diagnostics at the real files
+            lines = text.splitlines()
+            if len(lines) > 200:  # overload notes can run to thousands of lines; the first errors matter
+                text = "\n".join([*lines[:200], f"... ({len(lines) - 200} more lines)"])
+            raise MojoBuildError(f"`mojo precompile {pkg}` failed (exit {proc.returncode}):\n{text}")
         os.replace(out, final)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
