@@ -73,12 +73,14 @@ def _attn_fwd_kernel(
         full_end = (SKV // BLOCK_N) * BLOCK_N
 
     # Unmasked tiles: every row sees every key, so every row max is finite after the first tile.
+    # qk_scale >= 0 (the launcher flips the sign of q otherwise), so max(qk) * scale is the scaled max
+    # and the scale folds into one FMA per score: exp2(qk * qk_scale - m).
     for start_n in range(0, full_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kt = tl.load(kt_ptrs + start_n * HEAD_DIM)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
+        qk = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
@@ -169,6 +171,8 @@ def attention(
     if not all(t.is_contiguous() for t in (out, q, k, v)):
         raise ValueError("attention: tensors must be contiguous")
     qk_scale = float(scale) * _LOG2E
+    if qk_scale < 0:  # the kernel folds the scale into the row max, which needs scale >= 0
+        q, qk_scale = q.neg(), -qk_scale  # exact: (-q).k * (-scale) == q.k * scale
     ieee = q.dtype == torch.float32
     args = (q, k, v, out, H, Hkv, S, Skv, qk_scale, _bucket(S), _bucket(Skv))
     if is_interpreter() or _config is not None:

@@ -72,7 +72,7 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 @triton.jit
 def _gate_up_kernel(
     a_ptr, wg_ptr, wu_ptr, nw_ptr, rstd_ptr, h_ptr, M, N, K,
-    HAS_NORM: tl.constexpr, IEEE: tl.constexpr,
+    HAS_NORM: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """h[M, N] = silu(a' @ Wg^T) * (a' @ Wu^T), a' = round(a * rstd * nw) if HAS_NORM else a."""
@@ -91,12 +91,17 @@ def _gate_up_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        if EVEN_K:  # K % BLOCK_K == 0: no K mask, so the copies are plain 16-byte cp.async
+            a = tl.load(a_ptrs)
+            bg = tl.load(wg_ptrs)
+            bu = tl.load(wu_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            bg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            bu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if HAS_NORM:
             nw = tl.load(nw_ptr + k * BLOCK_K + offs_k, mask=offs_k < k_left, other=0.0)
             a = ((a.to(tl.float32) * r[:, None]) * nw.to(tl.float32)[None, :]).to(a_ptr.dtype.element_ty)
-        bg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        bu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if IEEE:
             acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
@@ -116,7 +121,7 @@ def _gate_up_kernel(
 @triton.jit
 def _matmul_nt_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """c[M, N] = a[M, K] @ b[N, K]^T, fp32 accumulation, stored in c's dtype (the down projection)."""
@@ -129,8 +134,12 @@ def _matmul_nt_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -145,10 +154,12 @@ def _matmul_nt_kernel(
 
 @triton.jit
 def _gemv_rows(acc, x, w, BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
-    """acc[BLOCK_T, BLOCK_R] += x[BLOCK_T, BLOCK_K] @ w[BLOCK_R, BLOCK_K]^T for a handful of rows."""
+    """acc[BLOCK_T, BLOCK_R] += x[BLOCK_T, BLOCK_K] @ w[BLOCK_R, BLOCK_K]^T for a handful of rows.
+
+    One token (BLOCK_T == 1): acc is [BLOCK_R, BLOCK_K] partial products, reduced once after the K loop
+    (no cross-lane shuffles per step and no tensor-core padding of 1 row to 16)."""
     if BLOCK_T == 1:
-        # One token: a broadcast multiply and row sum; no tensor-core padding of 1 -> 16 rows.
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        acc += w.to(tl.float32) * x.to(tl.float32)
     elif IEEE:
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     else:
@@ -178,8 +189,12 @@ def _gate_up_gemv_kernel(
             xk = xk.to(tl.float32)
             ss += xk * xk
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / D + eps)
-    acc_g = tl.zeros([BLOCK_T, BLOCK_F], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_T, BLOCK_F], dtype=tl.float32)
+    if BLOCK_T == 1:
+        acc_g = tl.zeros([BLOCK_F, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_F, BLOCK_K], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_T, BLOCK_F], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_T, BLOCK_F], dtype=tl.float32)
     wg_rows = wg_ptr + offs_f[:, None].to(tl.int64) * D
     wu_rows = wu_ptr + offs_f[:, None].to(tl.int64) * D
     for k in range(0, D, BLOCK_K):
@@ -194,7 +209,13 @@ def _gate_up_gemv_kernel(
         wu = tl.load(wu_rows + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         acc_g = _gemv_rows(acc_g, x, wg, BLOCK_T, IEEE)
         acc_u = _gemv_rows(acc_u, x, wu, BLOCK_T, IEEE)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if BLOCK_T == 1:
+        g = tl.sum(acc_g, axis=1)[None, :]
+        u = tl.sum(acc_u, axis=1)[None, :]
+    else:
+        g = acc_g
+        u = acc_u
+    h = g / (1.0 + tl.exp(-g)) * u
     h_ptrs = h_ptr + offs_t[:, None] * F + offs_f[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=t_mask[:, None] & f_mask[None, :])
 
@@ -211,7 +232,10 @@ def _gemv_nt_kernel(
     offs_k0 = tl.arange(0, BLOCK_K)
     t_mask = offs_t < T
     n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    if BLOCK_T == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     a_rows = a_ptr + offs_t[:, None] * K
     for k in range(0, K, BLOCK_K):
@@ -221,8 +245,12 @@ def _gemv_nt_kernel(
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")  # fmt: skip
         acc = _gemv_rows(acc, a, w, BLOCK_T, IEEE)
+    if BLOCK_T == 1:
+        c = tl.sum(acc, axis=1)[None, :]
+    else:
+        c = acc
     c_ptrs = c_ptr + offs_t[:, None] * N + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
+    tl.store(c_ptrs, c.to(c_ptr.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -241,7 +269,8 @@ _GATE_UP_CUDA = [
 _DOWN_CUDA = [
     (128, 256, 64, 8, 8, 3),
     (128, 128, 64, 8, 8, 4),
-    (128, 128, 64, 8, 4, 4),
+    (128, 128, 64, 8, 8, 3),
+    (256, 128, 64, 8, 8, 3),
     (64, 128, 64, 8, 4, 4),
 ]
 # CDNA (gfx942): 2 LDS stages are the norm for its stream pipeliner; 64-wide waves, so fewer warps.
@@ -250,10 +279,23 @@ _DOWN_HIP = [(128, 128, 64, 8, 8, 2), (64, 128, 64, 8, 4, 2)]
 _RSTD_BLOCK = 1024  # row chunk of the rstd kernel: 4 warps x 8 elements of 16 bytes (bf16), any D loops
 _MM_INTERP = (16, 16, 32, 2, 1, 1)  # the CPU interpreter: small tiles, and no autotuning
 
-# Decode GEMV: (BLOCK_F or BLOCK_N rows per program, BLOCK_K, num_warps). 16 rows x 512 bf16 = 16 KB per
-# weight per step in flight per program; F=11008/16 = 688 programs (about 5 per SM) keep HBM busy.
-_GEMV_CUDA = [(16, 512, 4), (32, 256, 4), (8, 512, 4)]
-_GEMV_HIP = [(16, 512, 4)]
+# Decode GEMV, per BLOCK_T (1: one token, 16: 2..16 tokens on tensor cores):
+# (rows of the weight per program, BLOCK_K, num_warps). Enough bytes in flight per SM is the goal:
+# F=11008 / 32 rows = 344 programs, each step reading 2 x 32 x 256 x 2 B = 32 KB of Wg/Wu.
+_GEMV_CUDA = {
+    "gate_up": {
+        1: [(16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 256, 8), (16, 1024, 8), (8, 1024, 4)],
+        16: [(16, 512, 4), (32, 256, 4), (16, 256, 4)],
+    },
+    "down": {
+        1: [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (4, 1024, 4), (16, 1024, 8)],
+        16: [(16, 512, 4), (16, 256, 4), (32, 256, 4)],
+    },
+}
+_GEMV_HIP = {
+    "gate_up": {1: [(16, 512, 4)], 16: [(16, 512, 4)]},
+    "down": {1: [(16, 512, 4)], 16: [(16, 512, 4)]},
+}
 _GEMV_INTERP = (16, 32, 1)
 
 
@@ -264,19 +306,22 @@ def _mm_configs(table: list[tuple[int, ...]]) -> list[triton.Config]:
     ]
 
 
+def _even_k(args: dict) -> bool:
+    return args["K"] % args["BLOCK_K"] == 0
+
+
 @functools.cache
-def _tuned(kind: str):
+def _tuned(kind: str, block_t: int = 0):
     hip = is_hip()
-    if kind == "gate_up":
-        return triton.autotune(_mm_configs(_GATE_UP_HIP if hip else _GATE_UP_CUDA), key=["M", "N", "K"])(
-            _gate_up_kernel
-        )
-    if kind == "down":
-        return triton.autotune(_mm_configs(_DOWN_HIP if hip else _DOWN_CUDA), key=["M", "N", "K"])(
-            _matmul_nt_kernel
-        )
-    table = _GEMV_HIP if hip else _GEMV_CUDA
-    if kind == "gemv_gate_up":
+    even = triton.heuristics({"EVEN_K": _even_k})
+    if kind == "gate_up" and not block_t:
+        cfgs = _mm_configs(_GATE_UP_HIP if hip else _GATE_UP_CUDA)
+        return triton.autotune(cfgs, key=["M", "N", "K"])(even(_gate_up_kernel))
+    if kind == "down" and not block_t:
+        cfgs = _mm_configs(_DOWN_HIP if hip else _DOWN_CUDA)
+        return triton.autotune(cfgs, key=["M", "N", "K"])(even(_matmul_nt_kernel))
+    table = (_GEMV_HIP if hip else _GEMV_CUDA)["gate_up" if kind == "gate_up_gemv" else "down"][block_t]
+    if kind == "gate_up_gemv":
         cfgs = [triton.Config({"BLOCK_F": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]
         return triton.autotune(cfgs, key=["T", "D", "F"])(_gate_up_gemv_kernel)
     cfgs = [triton.Config({"BLOCK_N": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]
@@ -312,7 +357,7 @@ def swiglu_ffn(
     eps: float,
     *,
     _path: str | None = None,
-    _prologue: str = "fused",
+    _prologue: str = "xn",
 ) -> None:
     """out[T, D] = swiglu_ffn(x[T, D]) as `fusekit.reference.swiglu_ffn`; writes `out`, returns None.
 
@@ -341,10 +386,10 @@ def swiglu_ffn(
                     h, w_down, out, T, D, F, IEEE=ieee, BLOCK_T=bt, BLOCK_N=r, BLOCK_K=bk, num_warps=w
                 )
             else:
-                _tuned("gemv_gate_up")[lambda m: (triton.cdiv(F, m["BLOCK_F"]),)](
+                _tuned("gate_up_gemv", bt)[lambda m: (triton.cdiv(F, m["BLOCK_F"]),)](
                     x, w_gate, w_up, nw, h, T, D, F, eps, HAS_NORM=has_norm, IEEE=ieee, BLOCK_T=bt
                 )
-                _tuned("gemv_down")[lambda m: (triton.cdiv(D, m["BLOCK_N"]),)](
+                _tuned("down", bt)[lambda m: (triton.cdiv(D, m["BLOCK_N"]),)](
                     h, w_down, out, T, D, F, IEEE=ieee, BLOCK_T=bt
                 )
             return
@@ -368,9 +413,24 @@ def swiglu_ffn(
             bm, bn, bk, g, w, _s = _MM_INTERP
             cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}
             _gate_up_kernel[grid(cfg, T, F)](
-                a, w_gate, w_up, nw, rstd, h, T, F, D, HAS_NORM=has_norm, IEEE=ieee, **cfg, num_warps=w
+                a,
+                w_gate,
+                w_up,
+                nw,
+                rstd,
+                h,
+                T,
+                F,
+                D,
+                HAS_NORM=has_norm,
+                IEEE=ieee,
+                EVEN_K=D % bk == 0,
+                **cfg,
+                num_warps=w,
             )
-            _matmul_nt_kernel[grid(cfg, T, D)](h, w_down, out, T, D, F, IEEE=ieee, **cfg, num_warps=w)
+            _matmul_nt_kernel[grid(cfg, T, D)](
+                h, w_down, out, T, D, F, IEEE=ieee, EVEN_K=F % bk == 0, **cfg, num_warps=w
+            )
         else:
             _tuned("gate_up")[lambda m: grid(m, T, F)](
                 a, w_gate, w_up, nw, rstd, h, T, F, D, HAS_NORM=has_norm, IEEE=ieee
@@ -401,14 +461,16 @@ def _div16_attrs(sig: dict[str, str]) -> dict[tuple[int], list[list]]:
 
 
 def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
-    """(name, jit kernel, signature, constexprs, options, attrs) for every variant the launcher can pick on GPU.
+    """(name, jit kernel, signature, constexprs, options, attrs) for every GPU variant of the CUDA tables.
 
-    fp16/bf16 only; `options` carries num_warps/num_stages for triton.compile. The tile configs are the
-    CUDA tables (the HIP tables are a subset in shape; its AOT uses the same shapes with 2 stages).
-    attrs = ASTSource attrs (16-divisible pointers and row strides): pass them as
-    `ASTSource(fn, signature, constexprs, attrs)`, else the GEMM loops compile unpipelined.
+    fp16/bf16 only; `options` carries num_warps/num_stages for triton.compile (the HIP build of the same
+    shapes should cap num_stages at 2). attrs = ASTSource attrs (16-divisible pointers and row strides):
+    pass them as `ASTSource(fn, signature, constexprs, attrs)`, else the GEMM loops compile unpipelined.
+    GEMMs are listed with EVEN_K=True only (D and F multiples of 64, as in every Llama-style model);
+    other shapes are served by the JIT.
     """
     specs: list[tuple[str, object, dict, dict, dict]] = []
+    mm_const = ("IEEE", "EVEN_K", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
     for dt in ("fp16", "bf16"):
         p = f"*{dt}"
         for write_xn in (False, True):
@@ -416,32 +478,23 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                    "WRITE_XN": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
             specs.append((f"ffn_rstd_{dt}_xn{int(write_xn)}", _rstd_kernel, sig,
                           {"WRITE_XN": write_xn, "BLOCK": _RSTD_BLOCK}, {"num_warps": 4}))  # fmt: skip
-        mm_const = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
         for bm, bn, bk, g, w, s in _GATE_UP_CUDA:
-            for has_norm in (False, True):
-                sig = {"a_ptr": p, "wg_ptr": p, "wu_ptr": p, "nw_ptr": p, "rstd_ptr": "*fp32", "h_ptr": p,
-                       "M": "i32", "N": "i32", "K": "i32", "HAS_NORM": "constexpr", "IEEE": "constexpr"}  # fmt: skip
-                sig |= dict.fromkeys(mm_const, "constexpr")
-                const = {"HAS_NORM": has_norm, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                         "GROUP_M": g}  # fmt: skip
-                specs.append((f"ffn_gate_up_{dt}_n{int(has_norm)}_{bm}x{bn}x{bk}_w{w}s{s}", _gate_up_kernel,
-                              sig, const, {"num_warps": w, "num_stages": s}))  # fmt: skip
-        for bm, bn, bk, g, w, s in _DOWN_CUDA:
-            sig = {
-                "a_ptr": p,
-                "b_ptr": p,
-                "c_ptr": p,
-                "M": "i32",
-                "N": "i32",
-                "K": "i32",
-                "IEEE": "constexpr",
-            }
+            # HAS_NORM=False only: the launcher's default prologue writes xn and runs the plain GEMM.
+            sig = {"a_ptr": p, "wg_ptr": p, "wu_ptr": p, "nw_ptr": p, "rstd_ptr": "*fp32", "h_ptr": p,
+                   "M": "i32", "N": "i32", "K": "i32", "HAS_NORM": "constexpr"}  # fmt: skip
             sig |= dict.fromkeys(mm_const, "constexpr")
-            const = {"IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}
+            const = {"HAS_NORM": False, "IEEE": False, "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn,
+                     "BLOCK_K": bk, "GROUP_M": g}  # fmt: skip
+            specs.append((f"ffn_gate_up_{dt}_{bm}x{bn}x{bk}_w{w}s{s}", _gate_up_kernel, sig, const,
+                          {"num_warps": w, "num_stages": s}))  # fmt: skip
+        for bm, bn, bk, g, w, s in _DOWN_CUDA:
+            sig = {"a_ptr": p, "b_ptr": p, "c_ptr": p, "M": "i32", "N": "i32", "K": "i32"}
+            sig |= dict.fromkeys(mm_const, "constexpr")
+            const = {"IEEE": False, "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}
             specs.append((f"ffn_down_{dt}_{bm}x{bn}x{bk}_w{w}s{s}", _matmul_nt_kernel, sig, const,
                           {"num_warps": w, "num_stages": s}))  # fmt: skip
-        for r, bk, w in _GEMV_CUDA:
-            for bt in (1, 16):
+        for bt, table in _GEMV_CUDA["gate_up"].items():
+            for r, bk, w in table:
                 for has_norm in (False, True):
                     sig = {"x_ptr": p, "wg_ptr": p, "wu_ptr": p, "nw_ptr": p, "h_ptr": p, "T": "i32",
                            "D": "i32", "F": "i32", "eps": "fp32", "HAS_NORM": "constexpr", "IEEE": "constexpr",
@@ -449,6 +502,8 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                     const = {"HAS_NORM": has_norm, "IEEE": False, "BLOCK_T": bt, "BLOCK_F": r, "BLOCK_K": bk}
                     specs.append((f"ffn_gemv_gate_up_{dt}_n{int(has_norm)}_t{bt}_{r}x{bk}_w{w}",
                                   _gate_up_gemv_kernel, sig, const, {"num_warps": w}))  # fmt: skip
+        for bt, table in _GEMV_CUDA["down"].items():
+            for r, bk, w in table:
                 sig = {"a_ptr": p, "w_ptr": p, "c_ptr": p, "T": "i32", "N": "i32", "K": "i32",
                        "IEEE": "constexpr", "BLOCK_T": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}  # fmt: skip
                 const = {"IEEE": False, "BLOCK_T": bt, "BLOCK_N": r, "BLOCK_K": bk}

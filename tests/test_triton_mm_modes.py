@@ -69,6 +69,23 @@ def test_swiglu_ffn_paths(T: int, path: str, prologue: str, norm: bool, dtype: t
     assert _rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("T,path", [(1, "decode"), (4, "decode"), (20, "prefill")])
+def test_swiglu_ffn_even_k(T: int, path: str, dtype: torch.dtype) -> None:
+    """D and F multiples of the K tile: the GEMMs' unmasked (EVEN_K) loads."""
+    torch.manual_seed(100 + T)
+    D, F = 64, 96
+    x = torch.randn(T, D, dtype=dtype)
+    wg, wu = ((torch.randn(F, D) / D**0.5).to(dtype) for _ in range(2))
+    wd = (torch.randn(D, F) / F**0.5).to(dtype)
+    nw = (1 + 0.1 * torch.randn(D)).to(dtype)
+    for prologue in ("xn", "fused"):
+        out = torch.full((T, D), float("nan"), dtype=dtype)
+        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-5, _path=path, _prologue=prologue)
+        ref = R.swiglu_ffn(x.double(), wg.double(), wu.double(), wd.double(), nw.double(), 1e-5)
+        assert _rel(out, ref) < TOL[dtype]
+
+
 def test_swiglu_ffn_decode_rejects_large_t() -> None:
     x = torch.randn(17, 32)
     w = torch.randn(16, 32)
@@ -117,4 +134,16 @@ def test_attention_tiles(tile: tuple[int, int, int, int]) -> None:
         out = torch.full_like(q, float("nan"))
         attention(out, q, k, v, causal, 0.125, _config=tile)
         ref = R.attention(q.double(), k.double(), v.double(), causal, 0.125)
+        assert _rel(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0], ids=["negative", "zero"])
+def test_attention_odd_scale(scale: float) -> None:
+    """The kernel folds a non-negative scale into the row max; a negative one goes through -q."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 37, 64) for _ in range(3))
+    for causal in (True, False):
+        out = torch.full_like(q, float("nan"))
+        attention(out, q, k, v, causal, scale)
+        ref = R.attention(q.double(), k.double(), v.double(), causal, scale)
         assert _rel(out, ref) < TOL[torch.float32]
