@@ -14,10 +14,11 @@ layer_norm: two-pass mean / biased variance (stable: sum((x - mean)^2) from regi
 Numerics as reference.py: rstd = 1/sqrt(mean + eps); y = (x * rstd) * w [+ b] in fp32, one cast.
 """
 
-from max.gpu import thread_idx, block_idx, grid_dim, barrier
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, grid_dim, barrier
 from max.gpu.primitives import block
 from max.gpu.host import DeviceContext
 from std.math import sqrt
+from std.utils import StaticTuple
 from std.sys import align_of
 
 from ._util import vec_width, is_aligned16
@@ -26,6 +27,7 @@ comptime F32 = DType.float32
 comptime FPtr = Pointer[Float32, MutAnyOrigin]
 
 
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLK)))
 def _norm_reg_kernel[
     dtype: DType, LN: Bool, BLK: Int, NV: Int
 ](
@@ -86,6 +88,7 @@ def _norm_reg_kernel[
         barrier()
 
 
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLK)))
 def _norm_loop_kernel[
     dtype: DType, LN: Bool, BLK: Int, W: Int
 ](
@@ -157,7 +160,7 @@ def _norm_loop_kernel[
 
 
 def norm_gpu[
-    dtype: DType, LN: Bool
+    dtype: DType, LN: Bool, FORCE_LOOP: Bool = False
 ](
     ctx: DeviceContext,
     y: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -178,6 +181,12 @@ def norm_gpu[
     var vec_ok = n % VW == 0 and is_aligned16(x) and is_aligned16(y) and is_aligned16(w)
     comptime if LN:
         vec_ok = vec_ok and is_aligned16(b)
+    comptime if FORCE_LOOP:  # benchmarking the reload kernel against the register one
+        if vec_ok:
+            ctx.enqueue_function[_norm_loop_kernel[dtype, LN, 1024, VW]](
+                y, mean_out, rstd_out, x, w, b, params, M, N, grid_dim=grid, block_dim=1024
+            )
+            return
     if not vec_ok:
         if n <= 4096:
             ctx.enqueue_function[_norm_loop_kernel[dtype, LN, 128, 1]](

@@ -17,15 +17,16 @@ GPU design (one pass over x, deterministic, no atomics):
 """
 
 from extensibility import InputTensor, OutputTensor, register
-from max.gpu import thread_idx, block_idx, grid_dim, WARP_SIZE, barrier
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, grid_dim, WARP_SIZE, barrier
 from max.gpu.primitives import warp, block
 from max.gpu.host import DeviceContext, DeviceAttribute
+from std.utils import StaticTuple
 from std.sys import size_of
 
 from ._util import vec_width, acc_dtype, cdiv
 
 comptime BLOCK = 256  # threads per block: 8 blocks/SM = 2048 threads on H100/H200
-comptime UNROLL = 4  # independent 16-byte loads in flight per thread per iteration
+comptime UNROLL = 8  # independent 16-byte loads in flight per thread (H200: U=8 4390 GB/s, U=4 4286)
 comptime WARP_ROW_MAX = 2048  # rows up to this length are summed by one warp
 comptime ROWS_PER_BLOCK_HOST = BLOCK // 32  # host-side upper bound of warps/block (WARP_SIZE >= 32)
 
@@ -62,6 +63,7 @@ def _thread_sum[
     return total + a.reduce_add()
 
 
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLOCK)))
 def _sum_blocks_kernel[
     in_dtype: DType, acc: DType, res_dtype: DType, U: Int
 ](
@@ -91,6 +93,7 @@ def _sum_blocks_kernel[
         barrier()  # block.sum's shared scratch is reused by the next item
 
 
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLOCK)))
 def _sum_warps_kernel[
     in_dtype: DType, acc: DType, res_dtype: DType
 ](

@@ -9,22 +9,24 @@ Byte floor: read x + write out = 2 * B*S*H*D * sizeof; 16x4096x32x128 bf16 = 1.0
 H200's 4283 GB/s copy ceiling. cos/sin tables (if any) are St*D*4 bytes, read once per (b, s) row.
 
 GPU plan: one thread per (b, s, group of W pair indices): it computes (or loads) its W cos/sin values
-once and applies them to all H heads of that row (loop over heads, 4 heads of loads issued before the
-stores), so each cos/sin is computed once per (b, s) and reused across heads. W = 16 bytes of x, so a
+once and applies them to all H heads of that row (loop over heads, 8 heads of loads issued before the
+stores; the first heads' loads are issued before the cos/sin math), so each cos/sin is computed once per (b, s) and reused across heads. W = 16 bytes of x, so a
 head's pair groups are 16-byte vector loads/stores (halves: a and b vectors; interleaved: 2 vectors
 deinterleaved in registers). Unaligned shapes (D/2 not a multiple of W) take the W = 1 path.
 """
 
 from extensibility import InputTensor, OutputTensor, register
-from max.gpu import global_idx, grid_dim, block_dim
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, global_idx, grid_dim, block_dim
 from max.gpu.host import DeviceContext
+from std.utils import StaticTuple
 from std.sys import align_of
 
 from ._util import vec_width, is_aligned16, cdiv, rope_inv_freq_coef, rope_cos_sin
 
 comptime F32 = DType.float32
 comptime FPtr = Pointer[Float32, MutAnyOrigin]
-comptime HU = 4  # heads whose loads are in flight together
+comptime HU = 8  # heads whose loads are in flight together (2 x 16 B each)
+comptime TPB = 256
 
 
 @always_inline
@@ -61,6 +63,7 @@ def _row_cos_sin[W: Int](
     return (c, s)
 
 
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(TPB)))
 def _rope_kernel[dtype: DType, W: Int](
     res: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -87,7 +90,9 @@ def _rope_kernel[dtype: DType, W: Int](
     while u < total:
         var row = u // groups
         var i0 = (u % groups) * W
-        var cs = _row_cos_sin[W](cos_t, sin_t, tables, start + row % Int(seq), i0, half, coef)
+        var pos = start + row % Int(seq)
+        var cs = Tuple[SIMD[F32, W], SIMD[F32, W]](SIMD[F32, W](0), SIMD[F32, W](0))
+        var have_cs = False  # cos/sin are computed after the first heads' loads are in flight
         var o0 = 2 * i0 if inter else i0
         var o1 = 2 * i0 + W if inter else i0 + half
         var base = row * nh * d
@@ -99,12 +104,17 @@ def _rope_kernel[dtype: DType, W: Int](
                 var p = x.unsafe_offset(base + (h + t) * d)
                 A = A.insert[offset = t * W](p.unsafe_load[width=W, alignment=AL](o0))
                 B = B.insert[offset = t * W](p.unsafe_load[width=W, alignment=AL](o1))
+            if not have_cs:
+                cs = _row_cos_sin[W](cos_t, sin_t, tables, pos, i0, half, coef)
+                have_cs = True
             comptime for t in range(HU):
                 var r = _rot[dtype, W](A.slice[W, offset = t * W](), B.slice[W, offset = t * W](), cs[0], cs[1], inter)
                 var q = res.unsafe_offset(base + (h + t) * d)
                 q.unsafe_store[alignment=AL](o0, r[0])
                 q.unsafe_store[alignment=AL](o1, r[1])
             h += HU
+        if not have_cs and h < nh:
+            cs = _row_cos_sin[W](cos_t, sin_t, tables, pos, i0, half, coef)
         while h < nh:
             var p = x.unsafe_offset(base + h * d)
             var r = _rot[dtype, W](
@@ -130,7 +140,6 @@ def rope_gpu[dtype: DType](
     d: Int,
 ) raises:
     comptime VW = vec_width[dtype]()
-    comptime TPB = 256
     var half = d // 2
     var vec_ok = half % VW == 0 and is_aligned16(x) and is_aligned16(res)
     if vec_ok:

@@ -7,6 +7,7 @@ from std.sys import size_of
 from std.math import exp, cos, sin, log
 
 from ..rope import Rope
+from .._util import rope_cos_sin, rope_inv_freq_coef
 from ._common import _mut, fill_random, poison, to_host, RelErr, check, tol_for, now_ns, report_bw, device_params, sample_rows
 
 
@@ -60,6 +61,12 @@ def rope_case[dtype: DType](
             if tables:
                 c = hc[pos * half + i].cast[DType.float64]()
                 sn = hs[pos * half + i].cast[DType.float64]()
+            elif start >= 65536:
+                # fp32 angles ~2^20 rad: a 1-ulp difference in fp32 exp (ours vs the host's) moves the
+                # angle by ~0.06 rad, so check layout/rotation against the kernel's own angle function
+                var cs = rope_cos_sin(Float32(pos), i, rope_inv_freq_coef(theta, d))
+                c = cs[0].cast[DType.float64]()
+                sn = cs[1].cast[DType.float64]()
             else:  # reference.py: fp32 inv_freq and angle, cos/sin of that fp32 angle
                 var ang = Float32(pos) * exp(Float32(i) * coef)
                 c = cos(Float64(ang))
