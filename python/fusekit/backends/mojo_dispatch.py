@@ -19,10 +19,12 @@ with ready Buffers ~20 µs, `Model.replay` of a captured device graph 2.7 µs. S
   device tensors read at replay time. Captures are kept in an LRU per model and released on
   eviction.
 - Streams: MAX runs on its device's default queue, not on torch's current stream, and MAX has no
-  API to run a model on a foreign stream. So each CUDA call is fenced both ways with two reused
-  events: torch's current stream records `ev_in`, MAX's stream (wrapped as a
-  `torch.cuda.ExternalStream` over `DeviceQueue.native_stream_handle`) waits on it; after the call
-  MAX's stream records `ev_out` and torch's current stream waits on it. Both waits are on the
+  API to run a model on a foreign stream (`Buffer._from_dlpack(capsule, device, stream)` only
+  orders MAX after the producer's stream, not the consumer after MAX). So each CUDA call is fenced
+  both ways with two reused events: torch's current stream records `ev_in` and MAX's stream
+  (`DeviceQueue.native_stream_handle`) waits on it; after the call MAX's stream records `ev_out`
+  and torch's current stream waits on it. `_DriverFence` does this with four raw CUDA driver
+  calls; `_TorchFence` (fallback, or FUSEKIT_MOJO_FENCE=torch) with torch events. Both waits are on the
   device (no host sync), and to the caller the op behaves like any torch op on its current stream,
   also for the caching allocator (later work on that stream, including reuse of freed blocks, is
   ordered after the kernel). When torch's current stream is MAX's stream, no fence is needed.
@@ -71,6 +73,76 @@ class _Producer:
         return self.device
 
 
+class _TorchFence:
+    """Cross-stream fence through torch's event API (about 5 µs for both directions on an H200)."""
+
+    def __init__(self, device: torch.device, handle: int) -> None:
+        self.device = device
+        self.handle = handle
+        self.max_stream = torch.cuda.ExternalStream(handle, device=device)
+        self.ev_in = torch.cuda.Event()
+        self.ev_out = torch.cuda.Event()
+
+    def enter(self) -> Any:
+        cur = torch.cuda.current_stream(self.device)
+        if cur.cuda_stream == self.handle:
+            return None
+        self.ev_in.record(cur)
+        self.max_stream.wait_event(self.ev_in)
+        return cur
+
+    def exit(self, cur: Any) -> None:
+        self.ev_out.record(self.max_stream)
+        cur.wait_event(self.ev_out)
+
+
+class _DriverFence:
+    """The same fence as four direct CUDA driver calls (cuEventRecord / cuStreamWaitEvent) on raw
+    handles, skipping torch's Stream/Event Python objects. Events come from torch (created by one
+    record), so they live in torch's (primary) context, where MAX's stream lives too."""
+
+    def __init__(self, device: torch.device, handle: int) -> None:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._record = lib.cuEventRecord
+        self._wait = lib.cuStreamWaitEvent
+        self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        self._raw_stream = torch._C._cuda_getCurrentRawStream
+        self.index = device.index or 0
+        self.handle = handle
+        self.events = (torch.cuda.Event(), torch.cuda.Event())  # kept alive: they own the handles
+        cur = torch.cuda.current_stream(device)
+        for ev in self.events:
+            ev.record(cur)  # torch creates the CUevent lazily, on first record
+        self.ev_in, self.ev_out = (ev.cuda_event for ev in self.events)
+
+    def enter(self) -> Any:
+        cur = self._raw_stream(self.index)
+        if cur == self.handle:
+            return None
+        if self._record(self.ev_in, cur) or self._wait(self.handle, self.ev_in, 0):
+            raise RuntimeError("cuEventRecord/cuStreamWaitEvent failed before a MAX call")
+        return cur
+
+    def exit(self, cur: Any) -> None:
+        if self._record(self.ev_out, self.handle) or self._wait(cur, self.ev_out, 0):
+            raise RuntimeError("cuEventRecord/cuStreamWaitEvent failed after a MAX call")
+
+
+FENCE_ENV = "FUSEKIT_MOJO_FENCE"  # "torch" forces the torch-event fence; default: driver, else torch
+
+
+def _make_fence(device: torch.device, handle: int) -> Any:
+    if os.environ.get(FENCE_ENV, "driver") != "torch":
+        try:
+            return _DriverFence(device, handle)
+        except (OSError, AttributeError):
+            pass
+    return _TorchFence(device, handle)
+
+
 class DeviceState:
     """Per torch device: wrapped-buffer LRU, params and dummy tensors, stream fences."""
 
@@ -94,8 +166,7 @@ class DeviceState:
         if self.cuda:
             self.handle = self.max_device.default_queue.native_stream_handle
             self.max_stream = torch.cuda.ExternalStream(self.handle, device=device)
-            self.ev_in = torch.cuda.Event()
-            self.ev_out = torch.cuda.Event()
+            self.fence = _make_fence(device, self.handle)
             self.dummy.record_stream(self.max_stream)
 
     # --- wrapping -------------------------------------------------------------------------------
@@ -161,31 +232,31 @@ class Dispatcher:
         ins: tuple[torch.Tensor | str, ...],
         params: tuple[float, ...],
     ) -> None:
-        tensors = [*outs, *(st.dummy if i is DUMMY_F32 else i for i in ins)]
-        if compiled.spec.params:
-            tensors.append(st.params_tensor(params))
         keys = []
         bufs = []
-        for t in tensors:
-            k, b = st.wrap(t)
+        wrap = st.wrap
+        for t in outs:
+            k, b = wrap(t)
             keys.append(k)
             bufs.append(b)
-        model = compiled.model
+        for t in ins:
+            k, b = wrap(st.dummy if t is DUMMY_F32 else t)  # type: ignore[arg-type]
+            keys.append(k)
+            bufs.append(b)
+        if compiled.spec.params:
+            k, b = wrap(st.params_tensor(params))
+            keys.append(k)
+            bufs.append(b)
         if not st.cuda:
-            model._execute_device_tensors(bufs)
+            compiled.model._execute_device_tensors(bufs)
             self.counts["execute"] += 1
             return
-        cur = torch.cuda.current_stream(st.device)
-        fenced = cur.cuda_stream != st.handle
-        if fenced:
-            st.ev_in.record(cur)
-            st.max_stream.wait_event(st.ev_in)
+        cur = st.fence.enter()
         try:
             self._launch(compiled, tuple(keys), bufs)
         finally:
-            if fenced:
-                st.ev_out.record(st.max_stream)
-                cur.wait_event(st.ev_out)
+            if cur is not None:
+                st.fence.exit(cur)
 
     def _launch(self, compiled: Compiled, key: tuple, bufs: list[Any]) -> None:
         model = compiled.model

@@ -50,13 +50,16 @@ class OpSpec:
     allowed: frozenset[tuple[torch.dtype, ...]]  # allowed dtypes for dtype_vars, in order
     bind: Callable[..., Bound]  # provider args -> (outputs, inputs, params values)
 
+    def __post_init__(self) -> None:
+        # Position (in outputs + inputs) of the first tensor typed by each dtype variable.
+        specs = self.outputs + self.inputs
+        pos = tuple(next(i for i, t in enumerate(specs) if t.dtype == v) for v in self.dtype_vars)
+        object.__setattr__(self, "_dtype_pos", pos)
+
     def dtype_key(self, outs: tuple[torch.Tensor, ...], ins: tuple[torch.Tensor | str, ...]) -> tuple:
-        """The dtypes of this call's dtype variables, read from the first tensor that uses each."""
-        found: dict[str, torch.dtype] = {}
-        for spec, t in zip(self.outputs + self.inputs, outs + ins, strict=False):
-            if spec.dtype in self.dtype_vars and spec.dtype not in found and isinstance(t, torch.Tensor):
-                found[spec.dtype] = t.dtype
-        return tuple(found[v] for v in self.dtype_vars)
+        """The dtypes of this call's dtype variables (part of the compile key)."""
+        args = outs + ins
+        return tuple(args[i].dtype for i in self._dtype_pos)  # type: ignore[attr-defined, union-attr]
 
     def tensor_dtype(self, spec: TensorSpec, key: tuple[torch.dtype, ...]) -> torch.dtype:
         """The torch dtype of one tensor argument for a compile key."""
