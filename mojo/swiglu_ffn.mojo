@@ -217,6 +217,7 @@ def _ffn_tc[
 
     @always_inline
     @__parameter
+    @__copy_capture(gp, hp)  # by value: a by-reference capture would hand the GPU a host stack address
     def silu_mul_epi[
         _dtype: DType, width: SIMDLength, *, alignment: Int = 1
     ](idx: Coord, val: SIMD[_dtype, width]):
