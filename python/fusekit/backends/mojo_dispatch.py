@@ -34,6 +34,7 @@ with ready Buffers ~20 µs, `Model.replay` of a captured device graph 2.7 µs. S
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -167,6 +168,7 @@ class DeviceState:
             self.handle = self.max_device.default_queue.native_stream_handle
             self.max_stream = torch.cuda.ExternalStream(self.handle, device=device)
             self.fence = _make_fence(device, self.handle)
+            self.lock = threading.Lock()
             self.dummy.record_stream(self.max_stream)
 
     # --- wrapping -------------------------------------------------------------------------------
@@ -251,12 +253,14 @@ class Dispatcher:
             compiled.model._execute_device_tensors(bufs)
             self.counts["execute"] += 1
             return
-        cur = st.fence.enter()
-        try:
-            self._launch(compiled, tuple(keys), bufs)
-        finally:
-            if cur is not None:
-                st.fence.exit(cur)
+        # One call at a time per device: the fence reuses two events, and ctypes drops the GIL.
+        with st.lock:
+            cur = st.fence.enter()
+            try:
+                self._launch(compiled, tuple(keys), bufs)
+            finally:
+                if cur is not None:
+                    st.fence.exit(cur)
 
     def _launch(self, compiled: Compiled, key: tuple, bufs: list[Any]) -> None:
         model = compiled.model

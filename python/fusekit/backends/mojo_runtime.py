@@ -5,14 +5,15 @@ Pipeline, cheapest first (each step runs only when the one before it misses):
 1. in-process dict: (op, dtypes, device) -> loaded MAX `Model`;
 2. our MEF cache: `<cache>/mef/<package hash>/<op>-<dtypes>-<device>-<spec hash>.mef`, loaded with
    `InferenceSession.compile(path)` + `init` (about 1 ms: no graph build, no Mojo, no compile);
-3. compile: `mojo precompile <package> -o <cache>/fusekit-<package hash>.mojoc` (once per package
+3. compile: `mojo precompile` of the package's top-level .mojo files to
+   `<cache>/fusekit_<package hash>.mojoc` ("_": the stem is the Mojo module name) (once per package
    version, reused by later processes), then one destination-passing MAX graph per (op, dtypes,
    device) with symbolic dims (one compile covers every shape), exported to step 2's MEF file.
    MAX's own on-disk model cache (MODULAR_CACHE_DIR, default ~/.cache/modular) stays enabled, so
    even a lost MEF file is a cache hit inside MAX.
 
-`<cache>` is $FUSEKIT_CACHE_DIR or ~/.cache/fusekit. The package hash covers every .mojo file of
-the package (path and bytes) plus the max and mojo versions, so editing a kernel or upgrading MAX
+`<cache>` is $FUSEKIT_CACHE_DIR or ~/.cache/fusekit. The package hash covers every top-level .mojo
+file of the package (name and bytes) plus the max and mojo versions, so editing a kernel or upgrading MAX
 never reuses a stale .mojoc or MEF. Files are written to a temporary name and renamed, so
 concurrent processes never read a half-written artifact.
 """
