@@ -147,3 +147,16 @@ def test_attention_odd_scale(scale: float) -> None:
         attention(out, q, k, v, causal, scale)
         ref = R.attention(q.double(), k.double(), v.double(), causal, scale)
         assert _rel(out, ref) < TOL[torch.float32]
+
+
+def test_attention_grid_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B*H beyond grid axis 1's limit is launched in batch slabs (limit lowered to force 2 slabs)."""
+    import kernels_triton.attention as attn_mod
+
+    monkeypatch.setattr(attn_mod, "_MAX_GRID_Y", 5)
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(3, 2, 21, 64) for _ in range(3))
+    out = torch.full_like(q, float("nan"))
+    attention(out, q, k, v, True, 0.125)
+    ref = R.attention(q.double(), k.double(), v.double(), True, 0.125)
+    assert _rel(out, ref) < TOL[torch.float32]
