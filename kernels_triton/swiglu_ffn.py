@@ -10,12 +10,17 @@ Paths (chosen by T; tests force them with `_path=`):
 - decode (T <= DECODE_MAX_T): GEMV kernels that stream the weights once. gate/up: one program per BLOCK_F
   rows of F reads contiguous [BLOCK_F, BLOCK_K] slabs of Wg and Wu (16-byte loads), recomputes the RMSNorm
   of the T <= 16 activation rows itself (they sit in L2) and writes h [T, F]. down: one program per
-  BLOCK_D rows of Wd. T == 1 reduces with a broadcast multiply + row sum (no tensor cores needed at one
-  row); 2 <= T <= 16 pads T to 16 and uses tl.dot.
-- prefill: (1) a row kernel computes rstd [T] (and, for `_prologue="xn"`, writes xn); (2) the gate/up GEMM
-  loads each activation tile once, scales it by rstd * norm_weight in registers and rounds it to x.dtype
-  (exactly what the reference's rounded xn is) and feeds it to two accumulators (gate, up), epilogue
-  silu(g) * u -> h [T, F] in x.dtype; (3) the down GEMM h @ Wd^T.
+  BLOCK_N rows of Wd. T == 1 accumulates [rows, BLOCK_K] partial products and reduces once at the end
+  (no tensor cores needed for one row); 2 <= T <= 16 pads T to 16 and uses tl.dot.
+- prefill: (1) a row kernel computes rstd [T] and (default `_prologue="xn"`) writes xn = round(x*rstd*w);
+  (2) the gate/up GEMM loads each activation tile once and feeds it to two accumulators (gate, up),
+  epilogue silu(g) * u -> h [T, F] in x.dtype; (3) the down GEMM h @ Wd^T. `_prologue="fused"` instead
+  scales the A tiles by rstd * norm_weight in registers and rounds them to x.dtype before tl.dot (exactly
+  the reference's rounded xn); on the H200 both ran within 1% (1.98 vs 1.99 ms at T=4096), and the
+  materialized xn (32 MB extra traffic, ~15 us) keeps the GEMM a plain one.
+Measured (H200, bf16, D=4096, F=11008, triton 3.6): T=1 83 us (3.26 TB/s; torch.compile 96 us, cuBLAS
+97.5 us); T=4096 559 TFLOP/s (torch.compile of a bf16 version 646, cuBLAS 634, torch.compile of the fp32
+reference 50).
 fp32 inputs use input_precision="ieee" so fp32 means fp32 (no tf32).
 """
 
