@@ -106,7 +106,12 @@ class TorchEager(Provider):
     def __init__(self) -> None:
         from fusekit.bench.cases import OPS
 
-        super().__init__("torch-eager", "baseline", frozenset(OPS), "fusekit.reference.<op> in eager torch")
+        super().__init__(
+            "torch-eager",
+            "baseline",
+            frozenset(OPS),
+            "eager torch: the reference, native-dtype matmuls for ffn/attention",
+        )
 
     def supports(self, case: Case, device: torch.device) -> str | None:
         if case.score_bytes() > MAX_SCORE_BYTES:
@@ -114,7 +119,7 @@ class TorchEager(Provider):
         return super().supports(case, device)
 
     def prepare(self, case: Case, device: torch.device) -> Callable[..., torch.Tensor]:
-        fn = case.reference_fn()
+        fn = case.native_fn()
         return lambda **inp: fn(**inp)
 
 
@@ -122,14 +127,14 @@ class TorchCompile(TorchEager):
     def __init__(self) -> None:
         super().__init__()
         self.name = "torch-compile"
-        self.description = "torch.compile(fusekit.reference.<op>, dynamic=False), compiled per shape"
+        self.description = "torch.compile of the torch-eager baseline, dynamic=False, compiled per shape"
 
     def prepare(self, case: Case, device: torch.device) -> Callable[..., torch.Tensor]:
         # A fresh static-shape compile per case: with automatic dynamic shapes (the default after the first
         # recompile) inductor drops its split reductions, and a 2^30-element sum ran 35x slower on the H200.
         # The reset also keeps dynamo's per-code-object recompile limit from silently falling back to eager.
         torch._dynamo.reset()
-        fn = torch.compile(case.reference_fn(), dynamic=False)
+        fn = torch.compile(case.native_fn(), dynamic=False)
         return lambda **inp: fn(**inp)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from fusekit import reference
 
@@ -122,6 +123,33 @@ class Case:
             causal, scale = kw["causal"], kw["scale"]
             return lambda q, k, v: reference.attention(q, k, v, causal, scale)
         raise ValueError(self.op)
+
+    def native_fn(self) -> Callable[..., torch.Tensor]:
+        """What a user writes in plain torch, in the input dtype: the eager / torch.compile baselines.
+
+        The reference upcasts the matrix ops to fp32 (it defines the precision), which would make
+        torch eager and torch.compile straw men for swiglu_ffn and attention; their baselines run the
+        bf16 matmuls a user would (tensor cores, fp32 accumulation inside cuBLAS). The other ops read
+        and write the same bytes either way, so they time the reference itself.
+        """
+        if self.op == "swiglu_ffn":
+            return lambda x, w_gate, w_up, w_down: (F.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+        if self.op == "attention":
+            kw = self.kwargs()
+            causal, scale = kw["causal"], kw["scale"]
+
+            def naive_attention(q, k, v):
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                s = (q @ k.transpose(-1, -2)) * scale
+                if causal:
+                    sq, sk = q.shape[2], k.shape[2]
+                    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+                    s = s.masked_fill(~keep, float("-inf"))
+                return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+            return naive_attention
+        return self.reference_fn()
 
     # --- floors --------------------------------------------------------------------------------
     def bytes_moved(self) -> int:
