@@ -8,18 +8,19 @@ params = [theta, start_pos, interleaved (0/1), has_tables (0/1)], read on the de
 Byte floor: read x + write out = 2 * B*S*H*D * sizeof; 16x4096x32x128 bf16 = 1.07 GB -> 0.25 ms at the
 H200's 4283 GB/s copy ceiling. cos/sin tables (if any) are St*D*4 bytes, read once per (b, s) row.
 
-GPU plan (cos/sin computed once per (b, s) and reused across all H heads; 16-byte vectors of x):
-- row kernel (default): one block per (b, s) row; threads first issue the loads of their first pair
-  group, then compute the row's D/2 cos/sin into shared memory (one barrier), then stream the row's
-  H * D/2 pairs: consecutive threads touch consecutive 16-byte vectors of a head (coalesced).
-- unit kernel (VARIANT=2, and for D > 12288): one thread per (b, s, group of W pairs) computes its W
-  cos/sin in registers and loops over the H heads, 4 heads of loads in flight before the stores.
-W = 16 bytes of x: halves use an a-vector and a b-vector, interleaved 2 vectors deinterleaved in
-registers. Unaligned shapes (D/2 not a multiple of W) take the W = 1 path.
+GPU plan: one thread per (b, s, group of W pair indices) computes (or loads) its W cos/sin values once
+and applies them to all H heads of that row (loop over heads, 4 heads of loads in flight before the
+stores), so each cos/sin is computed once per (b, s) and reused across heads, with no shared memory or
+barrier. W = 16 bytes of x: halves use an a-vector and a b-vector per head, interleaved 2 vectors
+deinterleaved in registers. Unaligned shapes (D/2 not a multiple of W) take the W = 1 path.
+Measured on the H200 (16x4096x32x128 bf16, GB/s; copy ceiling 4283): halves 3741, interleaved 3686,
+tables 3873. Tried and slower: 8 heads in flight with the first loads issued before the cos/sin math
+(3559 / 3150 / 3537); a block per (b, s) with cos/sin in shared memory behind a barrier (2669 / 2661 /
+2746: latency-bound, one 8 KB row per block).
 """
 
 from extensibility import InputTensor, OutputTensor, register
-from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, global_idx, grid_dim, block_dim, thread_idx, block_idx, barrier, external_memory
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, global_idx, grid_dim, block_dim
 from max.gpu.host import DeviceContext
 from std.utils import StaticTuple
 from std.sys import align_of
@@ -93,9 +94,7 @@ def _rope_kernel[dtype: DType, W: Int](
     while u < total:
         var row = u // groups
         var i0 = (u % groups) * W
-        var pos = start + row % Int(seq)
-        var cs = Tuple[SIMD[F32, W], SIMD[F32, W]](SIMD[F32, W](0), SIMD[F32, W](0))
-        var have_cs = False  # cos/sin are computed after the first heads' loads are in flight
+        var cs = _row_cos_sin[W](cos_t, sin_t, tables, start + row % Int(seq), i0, half, coef)
         var o0 = 2 * i0 if inter else i0
         var o1 = 2 * i0 + W if inter else i0 + half
         var base = row * nh * d
@@ -107,17 +106,12 @@ def _rope_kernel[dtype: DType, W: Int](
                 var p = x.unsafe_offset(base + (h + t) * d)
                 A = A.insert[offset = t * W](p.unsafe_load[width=W, alignment=AL](o0))
                 B = B.insert[offset = t * W](p.unsafe_load[width=W, alignment=AL](o1))
-            if not have_cs:
-                cs = _row_cos_sin[W](cos_t, sin_t, tables, pos, i0, half, coef)
-                have_cs = True
             comptime for t in range(HU):
                 var r = _rot[dtype, W](A.slice[W, offset = t * W](), B.slice[W, offset = t * W](), cs[0], cs[1], inter)
                 var q = res.unsafe_offset(base + (h + t) * d)
                 q.unsafe_store[alignment=AL](o0, r[0])
                 q.unsafe_store[alignment=AL](o1, r[1])
             h += HU
-        if not have_cs and h < nh:
-            cs = _row_cos_sin[W](cos_t, sin_t, tables, pos, i0, half, coef)
         while h < nh:
             var p = x.unsafe_offset(base + h * d)
             var r = _rot[dtype, W](
@@ -130,78 +124,7 @@ def _rope_kernel[dtype: DType, W: Int](
         u += grid_dim.x * block_dim.x
 
 
-@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLK)))
-def _rope_row_kernel[dtype: DType, W: Int, BLK: Int](
-    res: Pointer[Scalar[dtype], MutAnyOrigin],
-    x: Pointer[Scalar[dtype], MutAnyOrigin],
-    cos_t: FPtr,
-    sin_t: FPtr,
-    params: FPtr,
-    n_rows: Int64,
-    seq: Int64,
-    heads: Int64,
-    dim: Int64,
-):
-    """One block per (b, s) row: the D/2 cos/sin go to shared memory once, then the block streams the
-    row's H * D/2 pairs (consecutive threads -> consecutive 16-byte vectors of a head: coalesced)."""
-    comptime AL = 16 if W > 1 else align_of[dtype]()
-    comptime CAL = 16 if W >= 4 else 4
-    var cs_smem = external_memory[Float32, address_space=AddressSpace.SHARED, alignment=16]()
-    var d = Int(dim)
-    var half = d // 2
-    var groups = half // W
-    var units = Int(heads) * groups
-    var start = Int(params[unsafe_offset=1])
-    var inter = params[unsafe_offset=2] != 0
-    var tables = params[unsafe_offset=3] != 0
-    var coef = rope_inv_freq_coef(params[unsafe_offset=0], d)
-    var tid = thread_idx.x
-    var row = block_idx.x
-    while row < Int(n_rows):
-        var pos = start + row % Int(seq)
-        var base = row * Int(heads) * d
-        # this thread's first unit: its loads go out before the cos/sin math and the barrier
-        var u = tid
-        var v0 = SIMD[dtype, W](0)
-        var v1 = SIMD[dtype, W](0)
-        if u < units:
-            var h = u // groups
-            var i0 = (u % groups) * W
-            var p = x.unsafe_offset(base + h * d)
-            v0 = p.unsafe_load[width=W, alignment=AL](2 * i0 if inter else i0)
-            v1 = p.unsafe_load[width=W, alignment=AL](2 * i0 + W if inter else i0 + half)
-        var i = tid
-        while i < half:
-            if tables:
-                cs_smem[unsafe_offset=i] = cos_t[unsafe_offset=pos * half + i]
-                cs_smem[unsafe_offset=half + i] = sin_t[unsafe_offset=pos * half + i]
-            else:
-                var cs = rope_cos_sin(Float32(pos), i, coef)
-                cs_smem[unsafe_offset=i] = cs[0]
-                cs_smem[unsafe_offset=half + i] = cs[1]
-            i += BLK
-        barrier()
-        while u < units:
-            var h = u // groups
-            var i0 = (u % groups) * W
-            var o0 = 2 * i0 if inter else i0
-            var o1 = 2 * i0 + W if inter else i0 + half
-            if u != tid:
-                var p = x.unsafe_offset(base + h * d)
-                v0 = p.unsafe_load[width=W, alignment=AL](o0)
-                v1 = p.unsafe_load[width=W, alignment=AL](o1)
-            var c = cs_smem.unsafe_load[width=W, alignment=CAL](i0)
-            var sn = cs_smem.unsafe_load[width=W, alignment=CAL](half + i0)
-            var r = _rot[dtype, W](v0, v1, c, sn, inter)
-            var q = res.unsafe_offset(base + h * d)
-            q.unsafe_store[alignment=AL](o0, r[0])
-            q.unsafe_store[alignment=AL](o1, r[1])
-            u += BLK
-        row += grid_dim.x
-        barrier()  # cs_smem is rewritten for the next row
-
-
-def rope_gpu[dtype: DType, VARIANT: Int = 0](
+def rope_gpu[dtype: DType](
     ctx: DeviceContext,
     res: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -213,43 +136,18 @@ def rope_gpu[dtype: DType, VARIANT: Int = 0](
     h: Int,
     d: Int,
 ) raises:
-    """VARIANT 0: default; 1: row kernel (block per (b, s), cos/sin in shared memory); 2: unit kernel
-    (thread per (b, s, pair group), loops over heads)."""
     comptime VW = vec_width[dtype]()
     var half = d // 2
     var vec_ok = half % VW == 0 and is_aligned16(x) and is_aligned16(res)
-    var rows = b * s
-    comptime if VARIANT == 2:
-        if vec_ok:
-            ctx.enqueue_function[_rope_kernel[dtype, VW]](
-                res, x, cos_t, sin_t, params, Int64(rows), Int64(s), Int64(h), Int64(d),
-                grid_dim=min(cdiv(rows * (half // VW), TPB), 1 << 30), block_dim=TPB
-            )
-        else:
-            ctx.enqueue_function[_rope_kernel[dtype, 1]](
-                res, x, cos_t, sin_t, params, Int64(rows), Int64(s), Int64(h), Int64(d),
-                grid_dim=min(cdiv(rows * half, TPB), 1 << 30), block_dim=TPB
-            )
-        return
-    var smem = d * 4  # cos | sin, f32
-    if smem > 48 * 1024:  # would need the opt-in shared memory attribute: use the register variant
-        rope_gpu[dtype, 2](ctx, res, x, cos_t, sin_t, params, b, s, h, d)
-        return
-    var grid = min(rows, 1 << 30)
-    if vec_ok and h * (half // VW) <= 128:
-        ctx.enqueue_function[_rope_row_kernel[dtype, VW, 128]](
-            res, x, cos_t, sin_t, params, Int64(rows), Int64(s), Int64(h), Int64(d),
-            grid_dim=grid, block_dim=128, shared_mem_bytes=smem
-        )
-    elif vec_ok:
-        ctx.enqueue_function[_rope_row_kernel[dtype, VW, TPB]](
-            res, x, cos_t, sin_t, params, Int64(rows), Int64(s), Int64(h), Int64(d),
-            grid_dim=grid, block_dim=TPB, shared_mem_bytes=smem
+    if vec_ok:
+        var grid = min(cdiv(b * s * (half // VW), TPB), 1 << 30)
+        ctx.enqueue_function[_rope_kernel[dtype, VW]](
+            res, x, cos_t, sin_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), grid_dim=grid, block_dim=TPB
         )
     else:
-        ctx.enqueue_function[_rope_row_kernel[dtype, 1, TPB]](
-            res, x, cos_t, sin_t, params, Int64(rows), Int64(s), Int64(h), Int64(d),
-            grid_dim=grid, block_dim=TPB, shared_mem_bytes=smem
+        var grid = min(cdiv(b * s * half, TPB), 1 << 30)
+        ctx.enqueue_function[_rope_kernel[dtype, 1]](
+            res, x, cos_t, sin_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), grid_dim=grid, block_dim=TPB
         )
 
 

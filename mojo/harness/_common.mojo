@@ -72,7 +72,7 @@ struct RelErr(Copyable, Movable):
 
     def value(self) -> Float64:
         if self.bad > 0:
-            return Float64.MAX
+            return Float64.MAX_FINITE  # (Float64.MAX is +inf)
         if self.den == 0:
             return sqrt(self.num)
         return sqrt(self.num / self.den)

@@ -6,12 +6,12 @@ from std.utils import IndexList
 from std.sys import size_of
 from std.math import exp, cos, sin, log
 
-from ..rope import Rope, rope_gpu
+from ..rope import Rope
 from .._util import rope_cos_sin, rope_inv_freq_coef
 from ._common import _mut, fill_random, poison, to_host, RelErr, check, tol_for, now_ns, report_bw, device_params, sample_rows
 
 
-def _run[dtype: DType, VARIANT: Int = 0](
+def _run[dtype: DType, ](
     ctx: DeviceContext, ob: DeviceBuffer[dtype], xb: DeviceBuffer[dtype], cb: DeviceBuffer[DType.float32],
     sb: DeviceBuffer[DType.float32], pb: DeviceBuffer[DType.float32], b: Int, s: Int, h: Int, d: Int, st: Int, tw: Int
 ) raises:
@@ -25,16 +25,10 @@ def _run[dtype: DType, VARIANT: Int = 0](
     var c = InputTensor[static_spec=f2](_mut(cb.unsafe_ptr()), IndexList[2](st, tw), IndexList[2](tw, 1))
     var sn = InputTensor[static_spec=f2](_mut(sb.unsafe_ptr()), IndexList[2](st, tw), IndexList[2](tw, 1))
     var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](4), IndexList[1](1))
-    comptime if VARIANT == 0:
-        Rope.execute["gpu"](o, x, c, sn, p, ctx)
-    else:
-        rope_gpu[dtype, VARIANT](
-            ctx, _mut(ob.unsafe_ptr()), _mut(xb.unsafe_ptr()), _mut(cb.unsafe_ptr()), _mut(sb.unsafe_ptr()),
-            _mut(pb.unsafe_ptr()), b, s, h, d
-        )
+    Rope.execute["gpu"](o, x, c, sn, p, ctx)
 
 
-def rope_case[dtype: DType, VARIANT: Int = 0](
+def rope_case[dtype: DType, ](
     ctx: DeviceContext, b: Int, s: Int, h: Int, d: Int, start: Int, inter: Bool, tables: Bool, mut failures: Int, seed: Int
 ) raises:
     var theta = Float32(10000.0)
@@ -51,7 +45,7 @@ def rope_case[dtype: DType, VARIANT: Int = 0](
     fill_random(ctx, sb, st * tw, seed + 2, -1.0, 1.0)
     poison(ctx, ob)
     var pb = device_params(ctx, theta, Float32(start), Float32(1.0 if inter else 0.0), Float32(1.0 if tables else 0.0))
-    _run[dtype, VARIANT](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
+    _run[dtype](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
     var hx = to_host(ctx, xb, n)
     var ho = to_host(ctx, ob, n)
     var hc = to_host(ctx, cb, st * tw)
@@ -85,11 +79,11 @@ def rope_case[dtype: DType, VARIANT: Int = 0](
                 var bb = hx[ib].cast[DType.float64]()
                 e.add(ho[ia].cast[DType.float64](), a * c - bb * sn)
                 e.add(ho[ib].cast[DType.float64](), bb * c + a * sn)
-    var name = String("rope v", VARIANT, " ", dtype, " B=", b, " S=", s, " H=", h, " D=", d, " start=", start, " inter=", inter, " tables=", tables)
+    var name = String("rope ", dtype, " B=", b, " S=", s, " H=", h, " D=", d, " start=", start, " inter=", inter, " tables=", tables)
     check(name, e.value(), tol_for[dtype](), failures)
 
 
-def rope_bench[dtype: DType, VARIANT: Int = 0](ctx: DeviceContext, b: Int, s: Int, h: Int, d: Int, inter: Bool, tables: Bool, iters: Int) raises:
+def rope_bench[dtype: DType, ](ctx: DeviceContext, b: Int, s: Int, h: Int, d: Int, inter: Bool, tables: Bool, iters: Int) raises:
     var n = b * s * h * d
     var half = d // 2
     var st = s if tables else 1
@@ -102,14 +96,14 @@ def rope_bench[dtype: DType, VARIANT: Int = 0](ctx: DeviceContext, b: Int, s: In
     fill_random(ctx, cb, st * tw, 6, -1.0, 1.0)
     fill_random(ctx, sb, st * tw, 7, -1.0, 1.0)
     var pb = device_params(ctx, Float32(10000.0), Float32(0.0), Float32(1.0 if inter else 0.0), Float32(1.0 if tables else 0.0))
-    _run[dtype, VARIANT](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
+    _run[dtype](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
     ctx.synchronize()
     var t0 = now_ns()
     for _ in range(iters):
-        _run[dtype, VARIANT](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
+        _run[dtype](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
     ctx.synchronize()
     var dt = Float64(now_ns() - t0) / Float64(iters)
-    report_bw(String("rope v", VARIANT, " ", dtype, " ", b, "x", s, "x", h, "x", d, " inter=", inter, " tables=", tables), 2 * n * size_of[dtype](), dt)
+    report_bw(String("rope ", dtype, " ", b, "x", s, "x", h, "x", d, " inter=", inter, " tables=", tables), 2 * n * size_of[dtype](), dt)
 
 
 def run(bench: Bool = True) raises:
@@ -125,9 +119,6 @@ def run(bench: Bool = True) raises:
                     var tables = ti == 1
                     sd += 10
                     rope_case[dtype](ctx, 1, 1, 1, 2, 0, inter, tables, failures, sd + 1)
-                    rope_case[dtype, 2](ctx, 2, 7, 4, 64, 0, inter, tables, failures, sd + 7)
-                    rope_case[dtype, 2](ctx, 2, 5, 3, 6, 3, inter, tables, failures, sd + 8)
-                    rope_case[dtype, 2](ctx, 2, 33, 8, 256, 17, inter, tables, failures, sd + 9)
                     rope_case[dtype](ctx, 3, 9, 40, 128, 5, inter, tables, failures, sd + 10)
                     rope_case[dtype](ctx, 2, 5, 3, 6, 3, inter, tables, failures, sd + 2)
                     rope_case[dtype](ctx, 2, 7, 4, 64, 0, inter, tables, failures, sd + 3)
@@ -138,9 +129,7 @@ def run(bench: Bool = True) raises:
             rope_bench[DType.bfloat16](ctx, 16, 4096, 32, 128, False, False, 20)
             rope_bench[DType.bfloat16](ctx, 16, 4096, 32, 128, True, False, 20)
             rope_bench[DType.bfloat16](ctx, 16, 4096, 32, 128, False, True, 20)
-            rope_bench[DType.bfloat16, 2](ctx, 16, 4096, 32, 128, False, False, 20)
-            rope_bench[DType.bfloat16, 2](ctx, 16, 4096, 32, 128, True, False, 20)
-            rope_bench[DType.bfloat16, 1](ctx, 16, 4096, 8, 64, False, False, 20)
+            rope_bench[DType.bfloat16](ctx, 16, 4096, 8, 64, False, False, 20)
     print("rope failures:", failures)
     if failures > 0:
         raise Error("rope: ", failures, " checks failed")
