@@ -10,7 +10,8 @@
 #   negligible. Path: a norm kernel, then two GEMV kernels (gate+up with the SiLU*mul epilogue, then
 #   down) that stream weight rows with 16-byte loads, one warp per weight row, T <= 16 activations
 #   held per lane, warp reductions. Weights are read exactly once.
-# - prefill (T = 4096): 6*T*D*F = 1.11 TFLOP, ~1.5 ms at ~750 TFLOP/s: compute-bound. Path: a norm
+# - T >= TC_MIN_T with a static (D, F) pair, e.g. prefill (T = 4096): 6*T*D*F = 1.11 TFLOP, ~1.5 ms
+#   at ~750 TFLOP/s: compute-bound. Path: a norm
 #   kernel (xn, 32 MB), then MAX's Hopper warp-specialised wgmma matmul three times:
 #   G = xn @ w_gate^T into an fp32 scratch; xn @ w_up^T with an epilogue lambda that reads G and
 #   stores h = silu(g) * u (so h never exists in fp32 and U never touches memory); out = h @ w_down^T.
@@ -31,7 +32,17 @@ from linalg.matmul.gpu import _matmul_gpu
 
 comptime GEMV_WARPS = 4  # warps per block in the GEMV kernels (one weight row per warp)
 comptime NORM_THREADS = 256
-comptime DECODE_MAX_T = 16
+comptime DECODE_MAX_T = 16  # GEMV kernels hold <= 16 activation rows per lane
+# With a static-shape tensor-core path available, T >= TC_MIN_T uses it. Measured on the H200
+# (D4096 F11008 bf16, us): T      1    2    3    4    8   16   32   64 | torch.compile T<=16: 95
+#                          GEMV  84  105  119  137  222  612 1252 2489 |
+#                          wgmma  -  150  150  149  147  149  151  156 |
+# The GEMV re-reads x from L1 per 8 FMAs and per row, so it is issue-bound beyond a few rows; the
+# wgmma path costs ~150 us flat at small T (3 matmuls + the fp32 G round trip + small-M tiles).
+# KNOWN BUG: the wgmma path gave wrong results at T = 5 (rel err 25; T = 16, 300, 4096 were right):
+# MAX's small-M sm90 configuration (suspected: swapAB, whose epilogue vectors may run along M) breaks
+# the fused epilogue or the fp32-output matmul. Until that is fixed, T < 16 stays on the GEMV path.
+comptime TC_MIN_T = 16
 
 
 @always_inline
@@ -249,13 +260,14 @@ def swiglu_ffn_gpu[
     F: Int,
     ctx: DeviceContext,
     allow_tc: Bool = True,
+    tc_min_t: Int = TC_MIN_T,
 ) raises:
     var xnbuf = ctx.enqueue_create_buffer[dtype](T * D)
     var xn = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](xnbuf.unsafe_ptr())
     ctx.enqueue_function[_norm_kernel[dtype]](xn, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
 
     comptime if dtype == DType.bfloat16 and DeviceContext.default_device_info.api == "cuda":
-        if T > DECODE_MAX_T and allow_tc:
+        if T >= tc_min_t and allow_tc:
             comptime for i in range(len(_STATIC_DF)):
                 comptime DD = _STATIC_DF[i][0]
                 comptime FF = _STATIC_DF[i][1]

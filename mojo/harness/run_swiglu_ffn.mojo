@@ -133,6 +133,25 @@ def _bench[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, iters: Int)
           "weight GB/s=", bytes / ns, "of_copy_4283=", bytes / ns / 4283.0)
 
 
+def _bench_path[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, iters: Int, tc_min_t: Int) raises:
+    """Time one path explicitly (tc_min_t <= T: tensor-core matmuls, else the GEMV kernels)."""
+    var bufs = _Bufs[dtype](ctx, T, D, F, 6)
+    var pb = device_params(ctx, Float32(1e-6), Float32(1.0))
+
+    var o, x, wg = _mut(bufs.o.unsafe_ptr()), _mut(bufs.x.unsafe_ptr()), _mut(bufs.wg.unsafe_ptr())
+    var wu, wd, nw = _mut(bufs.wu.unsafe_ptr()), _mut(bufs.wd.unsafe_ptr()), _mut(bufs.nw.unsafe_ptr())
+    var pp = _mut(pb.unsafe_ptr())
+    swiglu_ffn_gpu[dtype](o, x, wg, wu, wd, nw, pp, T, D, F, ctx, tc_min_t=tc_min_t)
+    ctx.synchronize()
+    var t0 = now_ns()
+    for _ in range(iters):
+        swiglu_ffn_gpu[dtype](o, x, wg, wu, wd, nw, pp, T, D, F, ctx, tc_min_t=tc_min_t)
+    ctx.synchronize()
+    var ns = Float64(now_ns() - t0) / Float64(iters)
+    print("PERF swiglu_ffn path=", "tc" if tc_min_t <= T else "gemv", "T", T, "us=", ns / 1000.0,
+          "TFLOP/s=", 6.0 * Float64(T) * Float64(D) * Float64(F) / ns / 1000.0)
+
+
 def run(bench: Bool = True) raises:
     var failures = 0
     with DeviceContext() as ctx:
@@ -143,7 +162,10 @@ def run(bench: Bool = True) raises:
         _case[DType.bfloat16](ctx, 37, 128, 96, True, True, failures, 34)  # > 16 rows: chunked GEMV
         _case[DType.bfloat16](ctx, 1, 4096, 11008, True, True, failures, 35)
         _case[DType.bfloat16](ctx, 4, 4096, 11008, False, True, failures, 36)
-        _case[DType.bfloat16](ctx, 16, 4096, 11008, True, True, failures, 37)
+        _case[DType.bfloat16](ctx, 16, 4096, 11008, True, True, failures, 37)  # tensor-core path (T >= 16)
+        _case[DType.bfloat16](ctx, 5, 4096, 11008, False, True, failures, 40)  # GEMV (wgmma was wrong here)
+        _case[DType.bfloat16](ctx, 33, 4096, 11008, True, False, failures, 41)  # small-M wgmma configs
+        _case[DType.bfloat16](ctx, 64, 4096, 11008, False, False, failures, 42)
         _case[DType.bfloat16](ctx, 4096, 4096, 11008, True, False, failures, 38)  # wgmma prefill path
         _case[DType.bfloat16](ctx, 300, 4096, 11008, False, False, failures, 39)
         if bench:
@@ -152,6 +174,9 @@ def run(bench: Bool = True) raises:
             _bench[DType.bfloat16](ctx, 16, 4096, 11008, 50)
             _bench[DType.bfloat16](ctx, 4096, 4096, 11008, 10)
             _bench[DType.bfloat16](ctx, 512, 4096, 11008, 10)
+            for t in [2, 3, 4, 8, 16, 32, 64]:
+                _bench_path[DType.bfloat16](ctx, t, 4096, 11008, 30, 1)
+                _bench_path[DType.bfloat16](ctx, t, 4096, 11008, 30, 1 << 30)
     print("swiglu_ffn failures:", failures)
     if failures > 0:
         raise Error("swiglu_ffn: ", failures, " checks failed")
