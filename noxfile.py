@@ -15,7 +15,7 @@ nox.options.sessions = ["lint", "aot", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
-EXTRAS = {"torch": "test", "triton": "test,triton", "mojo": "test,mojo"}
+EXTRAS = {"torch": "test,bench", "triton": "test,triton", "mojo": "test,mojo"}
 # Which test files each backend session runs; backend-independent files run in the torch session.
 TEST_FILES = {
     "torch": ["tests"],
