@@ -116,6 +116,16 @@ _REDUCE_PAIRS = frozenset(
     [(a, b) for a in FLOATS for b in FLOATS] + [(a, b) for a in INTS for b in INTS]
 )  # floating: fp32 accumulation; integer: int64 accumulation; one cast at the end
 
+
+def _bind_swiglu_ffn(out, x, w_gate, w_up, w_down, norm_weight, eps) -> Bound:
+    nw = x[0] if norm_weight is None else norm_weight  # dummy [D]; not read when has_norm == 0
+    return (out,), (x, w_gate, w_up, w_down, nw), (float(eps), 0.0 if norm_weight is None else 1.0)
+
+
+def _bind_attention(out, q, k, v, causal, scale) -> Bound:
+    return (out,), (q, k, v), (float(scale), float(bool(causal)))
+
+
 SPECS: dict[str, OpSpec] = {
     "reduce_sum": OpSpec(
         op="reduce_sum",
@@ -156,6 +166,32 @@ SPECS: dict[str, OpSpec] = {
         dtype_vars=("x",),
         allowed=frozenset((d,) for d in FLOATS),
         bind=_bind_rope,
+    ),
+    "swiglu_ffn": OpSpec(
+        op="swiglu_ffn",
+        max_op="fusekit.swiglu_ffn",
+        outputs=(_t("out", "T D", "x"),),
+        inputs=(
+            _t("x", "T D", "x"),
+            _t("w_gate", "F D", "x"),
+            _t("w_up", "F D", "x"),
+            _t("w_down", "D F", "x"),
+            _t("norm_weight", "D", "x"),
+        ),
+        params=("eps", "has_norm"),
+        dtype_vars=("x",),
+        allowed=frozenset((d,) for d in FLOATS),
+        bind=_bind_swiglu_ffn,
+    ),
+    "attention": OpSpec(
+        op="attention",
+        max_op="fusekit.attention",
+        outputs=(_t("out", "B H S D", "x"),),
+        inputs=(_t("q", "B H S D", "x"), _t("k", "B Hkv Skv D", "x"), _t("v", "B Hkv Skv D", "x")),
+        params=("scale", "causal"),
+        dtype_vars=("x",),
+        allowed=frozenset((d,) for d in FLOATS),
+        bind=_bind_attention,
     ),
 }
 
