@@ -111,7 +111,10 @@ def test_locate_package_falls_back_to_checkout_not_cwd(
     monkeypatch.setattr(rt.importlib.resources, "files", lambda name: tmp_path / "nowhere")
     (tmp_path / "mojo").mkdir()
     monkeypatch.chdir(tmp_path)  # a `mojo/` in the working directory must not be picked up
-    repo_mojo = PYTHON_DIR.parent / "mojo"
+    import fusekit
+
+    # the fallback is relative to the imported fusekit sources (a checkout), never to the CWD
+    repo_mojo = Path(fusekit.__file__).resolve().parents[2] / "mojo"
     if repo_mojo.is_dir():
         assert rt.locate_package() == repo_mojo.resolve()
     else:
