@@ -34,8 +34,7 @@ REDUCE_CPU = [
     ((), None),
     ((40000,), None),
 ]
-REDUCE_CUDA = [((1 << 24) + 3,), ((4096, 8193), -1), ((1 << 26,), None), ((3, 1 << 22), -1)]
-REDUCE_CUDA = [(s[0], s[1] if len(s) > 1 else None) for s in REDUCE_CUDA]
+REDUCE_CUDA = [(((1 << 24) + 3,), None), ((4096, 8193), -1), ((1 << 26,), None), ((3, 1 << 22), -1)]
 # [..., N] for the norms: odd hidden sizes, N = 1, empty rows
 NORM_CPU = [(4, 64), (1, 1), (5, 111), (3, 4, 760), (2, 1128), (7, 3000), (0, 64), (2, 8192), (1, 70000)]
 NORM_CUDA = [(4096, 8192), (37, 65536), (4, 262144), (199, 4097), (1024, 5120)]

@@ -161,7 +161,11 @@ def test_second_process_reuses_disk_cache(mojo_be: MojoBackend, tiny: tuple[Path
         "ok = torch.allclose(out, x.sum(-1), atol=1e-5)\n"
         "print(json.dumps({'s': time.perf_counter() - t0, 'ok': ok, **vars(be.compiler.stats)}))\n"
     )
-    env = {**os.environ, rt.CACHE_ENV: str(tiny[1]), "PYTHONPATH": str(PYTHON_DIR)}
+    env = {
+        **os.environ,
+        rt.CACHE_ENV: str(tiny[1]),
+        "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -197,8 +201,10 @@ def test_missing_max_is_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> 
 def test_supports_reasons() -> None:
     be = MojoBackend()
     cpu = torch.device("cpu")
-    assert "tensor-core ops" in (be.supports("swiglu_ffn", cpu, torch.float32) or "")
-    assert "tensor-core ops" in (be.supports("attention", cpu, torch.bfloat16) or "")
+    # the tensor-core ops are in the package (issue 6): supported for the float dtypes
+    assert be.supports("swiglu_ffn", cpu, torch.float32) is None
+    assert be.supports("attention", cpu, torch.bfloat16, head_dim=128) is None
+    assert be.supports("attention", cpu, torch.float64, head_dim=128) is not None
     assert be.supports("rms_norm", torch.device("meta"), torch.float32) is not None
     assert be.supports("rms_norm", cpu, torch.float64) is not None
     assert be.supports("reduce_sum", cpu, torch.int32, out_dtype=torch.float32) is not None
