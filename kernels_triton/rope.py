@@ -66,6 +66,40 @@ def _rope_kernel(
         tl.store(out_ptr + offs + HALF, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=hmask)
 
 
+@triton.jit
+def _rope_any_d_kernel(
+    x_ptr, out_ptr, cos_ptr, sin_ptr, S, H, start_pos, inv_freq_log2_step,
+    HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """Head dims that are not a power of two (e.g. 96): pairs are gathered with masked index vectors."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid_bs = tl.program_id(0)
+    pos = start_pos + pid_bs % S
+    i = tl.arange(0, BLOCK_HALF)
+    imask = i < HALF
+    if HAS_TABLE:
+        c = tl.load(cos_ptr + pos.to(tl.int64) * HALF + i, mask=imask, other=0.0)
+        s = tl.load(sin_ptr + pos.to(tl.int64) * HALF + i, mask=imask, other=0.0)
+    else:
+        ang = pos.to(tl.float32) * tl.exp2(i.to(tl.float32) * inv_freq_log2_step)
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    c = c[None, :]
+    s = s[None, :]
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (h < H)[:, None] & imask[None, :]
+    row = pid_bs.to(tl.int64) * H * HEAD_DIM + h[:, None] * HEAD_DIM
+    if INTERLEAVED:
+        ia, ib = row + 2 * i[None, :], row + 2 * i[None, :] + 1
+    else:
+        ia, ib = row + i[None, :], row + i[None, :] + HALF
+    a = tl.load(x_ptr + ia, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + ib, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + ia, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + ib, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # A program moves BLOCK_H x D elements: up to 32 heads (8 KB of bf16 at D = 128) is enough per program at
 # B*S programs (65536 for 16 x 4096), and a whole q-shaped [H, D] tile shares one cos/sin vector.
 _MAX_TILE_ELEMS = 4096
@@ -95,13 +129,18 @@ def rope(
 ) -> None:
     """out[B, S, H, D] <- x rotated at positions start_pos + s (tables cos/sin [St, D/2] fp32 or theta)."""
     B, S, H, D = x.shape
-    if D & (D - 1):
-        raise ValueError(f"Triton rope needs a power-of-two head_dim, got {D}")
-    block_h, nw = _tile(H, D, x.element_size(), device_index(x))
+    block_h, nw = _tile(H, next_pow2(D), x.element_size(), device_index(x))
     block_h = _block_h or block_h
     has_table = cos is not None and sin is not None
     step = -2.0 * math.log2(theta) / D
     grid = (B * S, triton.cdiv(H, block_h))
+    if D & (D - 1):  # the register-pairing tiles need a power-of-two D; gather the pairs instead
+        _rope_any_d_kernel[grid](
+            x, out, cos if has_table else x, sin if has_table else x, S, H, start_pos, step,
+            HEAD_DIM=D, BLOCK_HALF=next_pow2(D // 2), BLOCK_H=block_h, HAS_TABLE=has_table,
+            INTERLEAVED=interleaved, num_warps=_num_warps or nw,
+        )  # fmt: skip
+        return
     _rope_kernel[grid](
         x, out, cos if has_table else x, sin if has_table else x, S, H, start_pos, step,
         HEAD_DIM=D, BLOCK_H=block_h, HAS_TABLE=has_table, INTERLEAVED=interleaved,
@@ -128,4 +167,18 @@ def aot_specs() -> list[tuple[str, object, dict, dict]]:
                     ce |= {"HALVES_AS_PAIRS": HALVES_AS_PAIRS, "num_warps": nw}
                     name = f"rope_{dt}_d{d}_{'table' if table else 'theta'}_{'inter' if inter else 'half'}"
                     specs.append((name, _rope_kernel, sig, ce))
+    for inter in (False, True):  # a non-power-of-two head dim goes through the gather kernel
+        sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+        sig |= {"S": "i32", "H": "i32", "start_pos": "i32", "inv_freq_log2_step": "fp32"}
+        sig |= {k: "constexpr" for k in ("HEAD_DIM", "BLOCK_HALF", "BLOCK_H", "HAS_TABLE", "INTERLEAVED")}
+        bh, nw = _tile(32, 128, 2, 0)
+        ce = {"HEAD_DIM": 96, "BLOCK_HALF": 64, "BLOCK_H": bh, "HAS_TABLE": False, "INTERLEAVED": inter}
+        specs.append(
+            (
+                f"rope_bf16_d96_theta_{'inter' if inter else 'half'}",
+                _rope_any_d_kernel,
+                sig,
+                ce | {"num_warps": nw},
+            )
+        )
     return specs
