@@ -92,6 +92,26 @@ def norm_plan(M: int, N: int, elsize: int, dev: int) -> tuple[str, int]:
     return "reload", 1
 
 
+def norm_plan_forced(
+    M: int, N: int, elsize: int, dev: int, mode: str | None, split: int | None
+) -> tuple[str, int]:
+    """norm_plan, with the tests' private `_mode` / `_split` overrides applied."""
+    planned, planned_split = norm_plan(M, N, elsize, dev)
+    if mode is not None:
+        return mode, (split or max(2, planned_split)) if mode == "split" else planned_split
+    return planned, split if split is not None else planned_split
+
+
+def split_chunks(N: int, split: int, block: int, split_max: int) -> tuple[int, int]:
+    """(parts, chunk): a row of N cut into at most `split_max` parts of whole BLOCK-sized steps."""
+
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    chunk = cdiv(cdiv(N, min(split, split_max)), block) * block
+    return cdiv(N, chunk), chunk
+
+
 def norm_block(elsize: int, step_bytes: int) -> int:
     """Elements of x per loop step of the streaming kernels (a small block on the interpreter)."""
     return 256 if is_interpreter() else step_bytes // elsize

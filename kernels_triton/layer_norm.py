@@ -19,9 +19,10 @@ import triton.language as tl
 from kernels_triton._config import (
     device_index,
     norm_block,
-    norm_plan,
+    norm_plan_forced,
     norm_reg_tile,
     norm_stream_warps,
+    split_chunks,
 )
 
 # Streaming step of "reload"/"split": 16 KB of x per step, 2 x 16-byte vectors per thread (16 warps on
@@ -168,13 +169,7 @@ def layer_norm(
     es = x.element_size()
     has_bias = bias is not None
     b = bias if has_bias else weight  # never read when HAS_BIAS is False
-    mode, split = norm_plan(M, N, es, dev)
-    if _mode is not None:
-        mode = _mode
-        if mode == "split":
-            split = _split or max(2, split)
-    elif _split is not None:
-        split = _split
+    mode, split = norm_plan_forced(M, N, es, dev, _mode, _split)
     if mode == "reg":
         bm, bn, nw = norm_reg_tile(M, N, es, dev)
         bm = _block_m or bm
@@ -190,9 +185,7 @@ def layer_norm(
             x, weight, b, out, mean, rstd, N, eps, HAS_BIAS=has_bias, BLOCK=block, num_warps=nw
         )
         return
-    split = min(split, SPLIT_MAX)
-    chunk = triton.cdiv(triton.cdiv(N, split), block) * block
-    split = triton.cdiv(N, chunk)
+    split, chunk = split_chunks(N, split, block, SPLIT_MAX)
     part = torch.empty((M, split, 2), dtype=torch.float32, device=x.device)
     grid = (M * split,)
     _ln_partial_kernel[grid](x, part, N, split, chunk, BLOCK=block, num_warps=nw)

@@ -14,9 +14,10 @@ import triton.language as tl
 from kernels_triton._config import (
     device_index,
     norm_block,
-    norm_plan,
+    norm_plan_forced,
     norm_reg_tile,
     norm_stream_warps,
+    split_chunks,
 )
 
 # Streaming step of "reload"/"split": 32 KB of x per step, 4 x 16-byte vectors per thread (16 warps on
@@ -135,13 +136,7 @@ def rms_norm(
     M, N = x.shape
     dev = device_index(x)
     es = x.element_size()
-    mode, split = norm_plan(M, N, es, dev)
-    if _mode is not None:
-        mode = _mode
-        if mode == "split":
-            split = _split or max(2, split)
-    elif _split is not None:
-        split = _split
+    mode, split = norm_plan_forced(M, N, es, dev, _mode, _split)
     if mode == "reg":
         bm, bn, nw = norm_reg_tile(M, N, es, dev)
         bm = _block_m or bm
@@ -154,9 +149,7 @@ def rms_norm(
     if mode == "reload":
         _rms_reload_kernel[(M,)](x, weight, out, rstd, N, eps, BLOCK=block, num_warps=nw)
         return
-    split = min(split, SPLIT_MAX)
-    chunk = triton.cdiv(triton.cdiv(N, split), block) * block
-    split = triton.cdiv(N, chunk)
+    split, chunk = split_chunks(N, split, block, SPLIT_MAX)
     part = torch.empty((M, split), dtype=torch.float32, device=x.device)
     grid = (M * split,)
     _rms_partial_kernel[grid](x, part, N, split, chunk, BLOCK=block, num_warps=nw)
