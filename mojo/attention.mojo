@@ -38,7 +38,9 @@
 
 from std.math import ceildiv, exp2
 from std.utils import StaticTuple
-from extensibility import InputTensor, OutputTensor, register
+# Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
+# kernel writes them directly; an OutputTensor would be a MAX temporary copied out afterwards.
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, register
 from max.gpu import thread_idx, block_idx, lane_id, barrier, WARP_SIZE, external_memory, AddressSpace
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.primitives import warp
@@ -462,7 +464,7 @@ struct Attention:
     def execute[
         dtype: DType, //, target: StaticString
     ](
-        res: OutputTensor[dtype=dtype, rank=4, ...],
+        res: MutableInputTensor[dtype=dtype, rank=4, ...],
         q: InputTensor[dtype=dtype, rank=4, ...],
         k: InputTensor[dtype=dtype, rank=4, ...],
         v: InputTensor[dtype=dtype, rank=4, ...],

@@ -5,7 +5,9 @@ Kernels and the byte floor are in `_norm.mojo` (shared with rms_norm). params = 
 has_bias == 0 the bias input is a dummy (the weight again) and is never read.
 """
 
-from extensibility import InputTensor, OutputTensor, register
+# Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
+# kernel writes them directly; an OutputTensor would be a MAX temporary copied out afterwards.
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, register
 from max.gpu.host import DeviceContext
 
 from ._norm import norm_gpu, norm_cpu
@@ -17,9 +19,9 @@ struct LayerNorm:
     def execute[
         dtype: DType, //, target: StaticString
     ](
-        res: OutputTensor[dtype=dtype, rank=2, ...],
-        mean: OutputTensor[dtype=DType.float32, rank=1, ...],
-        rstd: OutputTensor[dtype=DType.float32, rank=1, ...],
+        res: MutableInputTensor[dtype=dtype, rank=2, ...],
+        mean: MutableInputTensor[dtype=DType.float32, rank=1, ...],
+        rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
         x: InputTensor[dtype=dtype, rank=2, ...],
         weight: InputTensor[dtype=dtype, rank=1, ...],
         bias: InputTensor[dtype=dtype, rank=1, ...],

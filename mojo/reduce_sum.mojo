@@ -16,7 +16,9 @@ GPU design (one pass over x, deterministic, no atomics):
   row over `splits` partials) casts to the output dtype: same order every run, so bitwise reproducible.
 """
 
-from extensibility import InputTensor, OutputTensor, register
+# Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
+# kernel writes them directly; an OutputTensor would be a MAX temporary copied out afterwards.
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, register
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, grid_dim, WARP_SIZE, barrier
 from max.gpu.primitives import warp, block
 from max.gpu.host import DeviceContext, DeviceAttribute
@@ -197,7 +199,7 @@ struct ReduceSum:
     def execute[
         in_dtype: DType, out_dtype: DType, //, target: StaticString
     ](
-        res: OutputTensor[dtype=out_dtype, rank=1, ...],
+        res: MutableInputTensor[dtype=out_dtype, rank=1, ...],
         x: InputTensor[dtype=in_dtype, rank=2, ...],
         ctx: DeviceContext,
     ) raises:

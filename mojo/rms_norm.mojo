@@ -4,7 +4,9 @@ Kernels and the byte floor are in `_norm.mojo` (shared with layer_norm). params 
 op's device, read by the kernel).
 """
 
-from extensibility import InputTensor, OutputTensor, register
+# Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
+# kernel writes them directly; an OutputTensor would be a MAX temporary copied out afterwards.
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, register
 from max.gpu.host import DeviceContext
 
 from ._norm import norm_gpu, norm_cpu
@@ -16,8 +18,8 @@ struct RmsNorm:
     def execute[
         dtype: DType, //, target: StaticString
     ](
-        res: OutputTensor[dtype=dtype, rank=2, ...],
-        rstd: OutputTensor[dtype=DType.float32, rank=1, ...],
+        res: MutableInputTensor[dtype=dtype, rank=2, ...],
+        rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
         x: InputTensor[dtype=dtype, rank=2, ...],
         weight: InputTensor[dtype=dtype, rank=1, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],

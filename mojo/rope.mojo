@@ -19,7 +19,9 @@ tables 3873. Tried and slower: 8 heads in flight with the first loads issued bef
 2746: latency-bound, one 8 KB row per block).
 """
 
-from extensibility import InputTensor, OutputTensor, register
+# Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
+# kernel writes them directly; an OutputTensor would be a MAX temporary copied out afterwards.
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, register
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, global_idx, grid_dim, block_dim
 from max.gpu.host import DeviceContext
 from std.utils import StaticTuple
@@ -200,7 +202,7 @@ struct Rope:
     def execute[
         dtype: DType, //, target: StaticString
     ](
-        res: OutputTensor[dtype=dtype, rank=4, ...],
+        res: MutableInputTensor[dtype=dtype, rank=4, ...],
         x: InputTensor[dtype=dtype, rank=4, ...],
         cos: InputTensor[dtype=DType.float32, rank=2, ...],
         sin: InputTensor[dtype=DType.float32, rank=2, ...],

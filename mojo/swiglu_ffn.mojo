@@ -23,7 +23,9 @@
 #   there; the extra rounding of u is <= 2^-9 relative, the same size as the final rounding of h.
 
 from std.math import ceildiv, exp, rsqrt
-from extensibility import InputTensor, OutputTensor, register
+# Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
+# kernel writes them directly; an OutputTensor would be a MAX temporary copied out afterwards.
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, register
 from max.gpu import thread_idx, block_idx, lane_id, WARP_SIZE
 from max.gpu.host import DeviceContext
 from max.gpu.primitives import warp, block
@@ -348,7 +350,7 @@ struct SwigluFfn:
     def execute[
         dtype: DType, //, target: StaticString
     ](
-        res: OutputTensor[dtype=dtype, rank=2, ...],
+        res: MutableInputTensor[dtype=dtype, rank=2, ...],
         x: InputTensor[dtype=dtype, rank=2, ...],
         w_gate: InputTensor[dtype=dtype, rank=2, ...],
         w_up: InputTensor[dtype=dtype, rank=2, ...],

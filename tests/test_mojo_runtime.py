@@ -24,6 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"MAX is not importable: {exc}", allow_module_level=True)
 
 from fusekit.backends import mojo_runtime as rt
+from fusekit.backends import mojo_specs as rt_specs
 from fusekit.backends.base import BackendUnavailable
 from fusekit.backends.mojo import MojoBackend
 from fusekit.backends.mojo_dispatch import DeviceState
@@ -31,7 +32,7 @@ from fusekit.backends.mojo_dispatch import DeviceState
 PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
 
 TINY_REDUCE_SUM = """
-from extensibility import InputTensor, OutputTensor, register
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, register
 from max.gpu import global_idx
 from max.gpu.host import DeviceContext
 
@@ -40,7 +41,7 @@ from max.gpu.host import DeviceContext
 struct ReduceSum:
     @staticmethod
     def execute[target: StaticString](
-        res: OutputTensor[rank=1, ...], x: InputTensor[rank=2, ...], ctx: DeviceContext
+        res: MutableInputTensor[rank=1, ...], x: InputTensor[rank=2, ...], ctx: DeviceContext
     ) raises:
         var m = Int64(x.dim_size(0))
         var n = Int64(x.dim_size(1))
@@ -130,6 +131,14 @@ def test_package_hash_tracks_sources(tmp_path: Path) -> None:
     assert rt.package_hash(pkg) == h1
     (pkg / "reduce_sum.mojo").write_text(TINY_REDUCE_SUM + "\n# edit\n")
     assert rt.package_hash(pkg) != h1
+
+
+def test_graph_writes_outputs_in_place(tiny: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op gets the caller's output buffers: no MAX temporary copied out by a `mutable.store`."""
+    monkeypatch.setenv(rt.CACHE_ENV, str(tiny[1]))
+    comp = rt.OpCompiler(str(tiny[0]))
+    text = str(comp._graph(rt_specs.SPECS["reduce_sum"], (torch.float32, torch.float32), torch.device("cpu")))
+    assert "mo.custom" in text and "mutable.store" not in text, text
 
 
 # --- compile once, disk cache ----------------------------------------------------------------------

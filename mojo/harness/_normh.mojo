@@ -1,6 +1,6 @@
 """Harness body shared by run_rms_norm and run_layer_norm (LN = layer_norm)."""
 
-from extensibility import InputTensor, OutputTensor, StaticTensorSpec
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, StaticTensorSpec
 from max.gpu.host import DeviceContext, DeviceBuffer
 from std.utils import IndexList
 from std.sys import size_of
@@ -19,13 +19,13 @@ def _run_op[dtype: DType, LN: Bool](
     comptime s2 = StaticTensorSpec[dtype, 2, ...].get_unknown()
     comptime s1 = StaticTensorSpec[dtype, 1, ...].get_unknown()
     comptime f1 = StaticTensorSpec[DType.float32, 1, ...].get_unknown()
-    var y = OutputTensor[static_spec=s2](_mut(yb.unsafe_ptr()), IndexList[2](m, n), IndexList[2](n, 1))
-    var rs = OutputTensor[static_spec=f1](_mut(rb.unsafe_ptr()), IndexList[1](m), IndexList[1](1))
+    var y = MutableInputTensor[static_spec=s2](_mut(yb.unsafe_ptr()), IndexList[2](m, n), IndexList[2](n, 1))
+    var rs = MutableInputTensor[static_spec=f1](_mut(rb.unsafe_ptr()), IndexList[1](m), IndexList[1](1))
     var x = InputTensor[static_spec=s2](_mut(xb.unsafe_ptr()), IndexList[2](m, n), IndexList[2](n, 1))
     var w = InputTensor[static_spec=s1](_mut(wb.unsafe_ptr()), IndexList[1](n), IndexList[1](1))
     var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](2), IndexList[1](1))
     comptime if LN:
-        var mu = OutputTensor[static_spec=f1](_mut(mb.unsafe_ptr()), IndexList[1](m), IndexList[1](1))
+        var mu = MutableInputTensor[static_spec=f1](_mut(mb.unsafe_ptr()), IndexList[1](m), IndexList[1](1))
         var b = InputTensor[static_spec=s1](_mut(bb.unsafe_ptr()), IndexList[1](n), IndexList[1](1))
         LayerNorm.execute["gpu"](y, mu, rs, x, w, b, p, ctx)
     else:

@@ -1,7 +1,7 @@
 """Harness entry for fusekit.attention: execute["gpu"] checks (host float64 at small shapes, the rowwise
 fp32 GPU kernel at realistic shapes) and FLOP-rate timing of the tensor-core kernel."""
 
-from extensibility import InputTensor, OutputTensor, StaticTensorSpec
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, StaticTensorSpec
 from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
 from std.math import exp
@@ -98,7 +98,7 @@ def _case[
         vb.unsafe_ptr(), IndexList[4](B, Hkv, Skv, D), IndexList[4](Hkv * Skv * D, Skv * D, D, 1)
     )
     var p = InputTensor[static_spec=s1](pb.unsafe_ptr(), IndexList[1](2), IndexList[1](1))
-    var o = OutputTensor[static_spec=s4](ob.unsafe_ptr(), IndexList[4](B, H, S, D), IndexList[4](H * S * D, S * D, D, 1))
+    var o = MutableInputTensor[static_spec=s4](ob.unsafe_ptr(), IndexList[4](B, H, S, D), IndexList[4](H * S * D, S * D, D, 1))
     Attention.execute["gpu"](o, q, k, v, p, ctx)
     var name = String("attention ", dtype, " B", B, " H", H, " Hkv", Hkv, " S", S, " Skv", Skv, " D", D, " causal=", causal)
     var ho = to_host(ctx, ob, nq)

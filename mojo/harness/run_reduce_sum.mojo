@@ -1,6 +1,6 @@
 """Harness entry for fusekit.reduce_sum: every dtype pair through execute["gpu"], checks and timing."""
 
-from extensibility import InputTensor, OutputTensor, StaticTensorSpec
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, StaticTensorSpec
 from max.gpu.host import DeviceContext
 from std.utils import IndexList
 from std.sys import size_of
@@ -20,7 +20,7 @@ def _case[in_dtype: DType, out_dtype: DType](ctx: DeviceContext, m: Int, n: Int,
         fill_random(ctx, xb, m * n, seed, -0.5, 1.0)
     poison(ctx, ob)
     var x = InputTensor[static_spec=s2](xb.unsafe_ptr(), IndexList[2](m, n), IndexList[2](n, 1))
-    var o = OutputTensor[static_spec=s1](ob.unsafe_ptr(), IndexList[1](m), IndexList[1](1))
+    var o = MutableInputTensor[static_spec=s1](ob.unsafe_ptr(), IndexList[1](m), IndexList[1](1))
     ReduceSum.execute["gpu"](o, x, ctx)
     var hx = to_host(ctx, xb, m * n)
     var ho = to_host(ctx, ob, m)

@@ -1,6 +1,6 @@
 """Harness entry for fusekit.rope: both layouts, with/without tables, odd head dims; timing."""
 
-from extensibility import InputTensor, OutputTensor, StaticTensorSpec
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, StaticTensorSpec
 from max.gpu.host import DeviceContext, DeviceBuffer
 from std.utils import IndexList
 from std.sys import size_of
@@ -20,7 +20,7 @@ def _run[dtype: DType, ](
     comptime f1 = StaticTensorSpec[DType.float32, 1, ...].get_unknown()
     var shp = IndexList[4](b, s, h, d)
     var strd = IndexList[4](s * h * d, h * d, d, 1)
-    var o = OutputTensor[static_spec=s4](_mut(ob.unsafe_ptr()), shp, strd)
+    var o = MutableInputTensor[static_spec=s4](_mut(ob.unsafe_ptr()), shp, strd)
     var x = InputTensor[static_spec=s4](_mut(xb.unsafe_ptr()), shp, strd)
     var c = InputTensor[static_spec=f2](_mut(cb.unsafe_ptr()), IndexList[2](st, tw), IndexList[2](tw, 1))
     var sn = InputTensor[static_spec=f2](_mut(sb.unsafe_ptr()), IndexList[2](st, tw), IndexList[2](tw, 1))

@@ -1,7 +1,7 @@
 """Harness entry for fusekit.swiglu_ffn: execute["gpu"] checks (host float64 with the reference's
 rounding points; the GEMV path as the GPU reference for the tensor-core prefill path) and timing."""
 
-from extensibility import InputTensor, OutputTensor, StaticTensorSpec
+from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, StaticTensorSpec
 from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
 from std.math import exp, sqrt
@@ -87,7 +87,7 @@ def _run_op[dtype: DType](ctx: DeviceContext, bufs: _Bufs[dtype], T: Int, D: Int
     var wd = InputTensor[static_spec=s2](_mut(bufs.wd.unsafe_ptr()), IndexList[2](D, F), IndexList[2](F, 1))
     var nw = InputTensor[static_spec=s1](_mut(bufs.nw.unsafe_ptr()), IndexList[1](D), IndexList[1](1))
     var p = InputTensor[static_spec=sp](_mut(pb.unsafe_ptr()), IndexList[1](2), IndexList[1](1))
-    var o = OutputTensor[static_spec=s2](_mut(bufs.o.unsafe_ptr()), IndexList[2](T, D), IndexList[2](D, 1))
+    var o = MutableInputTensor[static_spec=s2](_mut(bufs.o.unsafe_ptr()), IndexList[2](T, D), IndexList[2](D, 1))
     SwigluFfn.execute["gpu"](o, x, wg, wu, wd, nw, p, ctx)
 
 

@@ -9,6 +9,7 @@ Pipeline, cheapest first (each step runs only when the one before it misses):
    `<cache>/fusekit_<package hash>.mojoc` ("_": the stem is the Mojo module name) (once per package
    version, reused by later processes), then one destination-passing MAX graph per (op, dtypes,
    device) with symbolic dims (one compile covers every shape), exported to step 2's MEF file.
+   The op writes the caller's output buffers in place (`ops.inplace_custom`, no copy-out).
    MAX's own on-disk model cache (MODULAR_CACHE_DIR, default ~/.cache/modular) stays enabled, so
    even a lost MEF file is a cache hit inside MAX.
 
@@ -42,7 +43,7 @@ from fusekit.backends.mojo_specs import OpSpec
 
 PACKAGE_ENV = "FUSEKIT_MOJO_PACKAGE"  # optional override of the Mojo package directory
 CACHE_ENV = "FUSEKIT_CACHE_DIR"
-_FORMAT = "1"  # bump when the graph construction below changes: invalidates every cached MEF
+_FORMAT = "2"  # bump when the graph construction below changes: invalidates every cached MEF
 
 
 class MojoBuildError(RuntimeError):
@@ -359,7 +360,13 @@ class OpCompiler:
         return self._library
 
     def _graph(self, spec: OpSpec, dtypes: tuple[torch.dtype, ...], device: torch.device) -> Any:
-        """A destination-passing graph: outputs are buffer inputs written with `buf[...] = result`."""
+        """A destination-passing graph: outputs are buffer inputs the custom op writes in place.
+
+        `ops.inplace_custom` hands the caller's buffers to the kernel's MutableInputTensor outputs.
+        (`ops.custom` + `buf[...] = result` made the kernel write a MAX temporary that a
+        `mo.mutable.store` then copied into the buffer: one more read + write of every output, which
+        halved the bandwidth of every memory-bound op.)
+        """
         from max.graph import DeviceRef, Graph, TensorType, ops
 
         ref = DeviceRef.CPU() if device.type == "cpu" else DeviceRef.GPU(device.index or 0)
@@ -378,8 +385,7 @@ class OpCompiler:
             kernel_library=self.library(),
         ) as g:
             n = len(out_types)
-            results = ops.custom(spec.max_op, ref, [v.tensor for v in g.inputs[n:]], out_types=out_types)
-            for buf, res in zip(g.inputs[:n], results, strict=True):
-                buf.buffer[...] = res.tensor
+            values = [v.buffer for v in g.inputs[:n]] + [v.tensor for v in g.inputs[n:]]
+            ops.inplace_custom(spec.max_op, ref, values=values)
             g.output()
         return g

@@ -9,6 +9,13 @@ the compile cache and `supports` read everything from here.
 Dtype rules: a tensor's `dtype` is either a dtype variable of the op (`"x"`, `"out"`), which takes
 the dtype of the call's tensors and is part of the compile key, or a fixed dtype (`"float32"`).
 Scalars travel in a trailing float32 `params` input of length `len(params)` on the op's device.
+
+Outputs are mutable buffers: the graph passes the caller's output tensors to the op as MAX buffers
+(`ops.inplace_custom`), so in Mojo every output parameter is a
+`MutableInputTensor` (`from extensibility import _MutableInputTensor as MutableInputTensor`), never an
+`OutputTensor`. An OutputTensor is a MAX-allocated temporary that the graph would have to copy into
+the caller's buffer afterwards: an extra read + write of every output (half the bandwidth of a
+memory-bound op). Kernels must write every element of every output (a buffer holds whatever the caller left in it).
 """
 
 from __future__ import annotations
