@@ -20,15 +20,27 @@ from fusekit.bench.run import _speedups
 
 
 def merge(docs: list[dict]) -> dict:
-    """One document per op: the first document's meta and ceilings, every row (later files win)."""
+    """One document per op: the first document's meta and ceilings, every row (later files win).
+
+    Merging an already merged file keeps its rows' sources.
+    """
     ops = {d["op"] for d in docs}
     if len(ops) != 1:
         raise ValueError(f"files hold different ops: {sorted(ops)}")
     out = json.loads(json.dumps(docs[0]))
     rows: dict[tuple[str, str], dict] = {}
+    sources: list[dict] = []
     for d in docs:
+        # each row keeps `source`: its index in meta.merged_from (command, commit, date of its run)
+        own = d["meta"].get("merged_from") or [
+            {k: d["meta"].get(k) for k in ("command", "git_commit", "date")}
+        ]
         for r in d["rows"]:
-            rows[(r["case"], r["provider"])] = r
+            r = dict(r, source=len(sources) + r.get("source", 0))
+            key = (r["case"], r["provider"])
+            if r.get("status") == "ok" or rows.get(key, {}).get("status") != "ok":
+                rows[key] = r  # a later skip never hides an earlier measurement
+        sources += own
     by_case: dict[str, list[dict]] = defaultdict(list)
     for r in rows.values():
         by_case[r["case"]].append(r)
@@ -36,9 +48,7 @@ def merge(docs: list[dict]) -> dict:
         _speedups(case_rows)
     out["rows"] = [r for case_rows in by_case.values() for r in case_rows]
     out["truncated"] = any(d.get("truncated") for d in docs)
-    out["meta"]["merged_from"] = [
-        {k: d["meta"].get(k) for k in ("command", "git_commit", "date")} for d in docs
-    ]
+    out["meta"]["merged_from"] = sources
     providers = {}
     for d in docs:
         providers.update(d["meta"].get("providers", {}))
