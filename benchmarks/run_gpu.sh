@@ -11,7 +11,7 @@
 # so the files come back (the tool returns at most 8 files, 2 folders deep):
 #   tar -xzf <files_at>/results-<gpu-slug>.tar.gz -C /work/main      # then: python -m fusekit.report
 #
-# Env: BUDGET_S (default 480): the harness starts no new case after this many seconds, so one call stays
+# Env: BUDGET_S (default 480, split 2/3 : 1/6 : 1/6 over the three processes below): no new case starts after it, so one call stays
 # inside the device tool's 600 s limit; PYTHON (default python3). MAX/Mojo, if staged with
 # shared/gpu-env/pack_max.sh (/tmp/maxsite/env.sh exists), are put on the path for the mojo backend and
 # the MAX attention baseline.
@@ -28,7 +28,20 @@ log=${out:-/tmp}/bench.log
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv || true
 slug=$("$PY" -c "import torch; from fusekit.bench.results import slug; print(slug(torch.cuda.get_device_name()))")
 rc=0
-"$PY" -m fusekit.bench --device cuda --no-progress --budget-s "${BUDGET_S:-480}" "$@" 2>&1 | tee "$log" || rc=$?
+tmp=$(mktemp -d)
+budget=${BUDGET_S:-480}
+# Once MAX has run on the GPU its allocator keeps most of the card's memory, so torch's large reference
+# tensors would no longer fit: the MAX-based providers (the mojo backend, MAX's attention) run in their
+# own processes with MAX's pool capped, and fusekit.bench.merge joins the rows per op.
+"$PY" -m fusekit.bench --device cuda --no-progress --budget-s "$((budget * 2 / 3))" --out "$tmp/a" \
+  --backends torch,triton --baselines torch-eager,torch-compile,cub,cublas,sdpa "$@" 2>&1 | tee "$log" || rc=$?
+export MODULAR_DEVICE_CONTEXT_MEMORY_MANAGER_SIZE_PERCENT=20
+"$PY" -m fusekit.bench --device cuda --no-progress --budget-s "$((budget / 6))" --out "$tmp/b" \
+  --backends mojo --baselines none "$@" 2>&1 | tee -a "$log" || rc=$?
+"$PY" -m fusekit.bench --device cuda --no-progress --budget-s "$((budget / 6))" --out "$tmp/c" \
+  --backends none --baselines max-attention "$@" 2>&1 | tee -a "$log" || rc=$?
+mapfile -t files < <(ls "$tmp"/a/"$slug"/*.json "$tmp"/b/"$slug"/*.json "$tmp"/c/"$slug"/*.json 2>/dev/null)
+if [ "${#files[@]}" -gt 0 ]; then "$PY" -m fusekit.bench.merge --out "benchmarks/results/$slug" "${files[@]}"; fi
 if [ -n "$out" ] && [ -d "benchmarks/results/$slug" ]; then
   tar -czf "$out/results-$slug.tar.gz" "benchmarks/results/$slug"
   echo "results: \$OUT/results-$slug.tar.gz ($(ls "benchmarks/results/$slug" | tr '\n' ' '))"
