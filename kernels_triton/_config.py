@@ -130,3 +130,14 @@ def norm_stream_warps(block: int, elsize: int, vecs_per_thread: int, dev: int) -
     """Warps for the streaming (reload/split) kernels: each thread loads `vecs_per_thread` 16-byte
     vectors per step."""
     return warps_for(block, vecs_per_thread * 16 // elsize, dev, lo=4, hi=32)
+
+
+ALIGNED_INTS = ("N", "K", "D", "F")  # row strides/extents the AOT variants assume are multiples of 16
+
+
+def div16_attrs(sig: dict[str, str]) -> dict[tuple[int], list[list]]:
+    """ASTSource attrs marking every pointer (and the row-stride ints) 16-divisible, as Triton's JIT does
+    for aligned torch tensors; without them there is no cp.async/TMA pipelining (1-stage shared memory).
+    A runtime using these binaries must check pointer % 16 == 0 and those ints % 16 == 0 first."""
+    return {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
+            if v.startswith("*") or k in ALIGNED_INTS}  # fmt: skip

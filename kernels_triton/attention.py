@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import is_hip, is_interpreter
+from kernels_triton._config import div16_attrs, is_hip, is_interpreter
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535  # CUDA/HIP limit of grid axis 1
@@ -201,17 +201,6 @@ def _bucket(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
-_ALIGNED_INTS = ("N", "K", "D", "F")  # row strides/extents the AOT variants assume are multiples of 16
-
-
-def _div16_attrs(sig: dict[str, str]) -> dict[tuple[int], list[list]]:
-    """ASTSource attrs marking every pointer (and the row-stride ints) 16-divisible, as Triton's JIT does
-    for aligned torch tensors; without them there is no cp.async/TMA pipelining (1-stage shared memory).
-    A runtime using these binaries must check pointer % 16 == 0 and those ints % 16 == 0 first."""
-    return {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
-            if v.startswith("*") or k in _ALIGNED_INTS}  # fmt: skip
-
-
 def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
     """(name, jit kernel, signature, constexprs, options, attrs) for every tile the launcher can pick on CUDA.
 
@@ -232,4 +221,4 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                     const = {"HEAD_DIM": d, "CAUSAL": causal, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn}
                     name = f"attn_{dt}_d{d}_c{int(causal)}_{bm}x{bn}_w{w}s{s}"
                     specs.append((name, _attn_fwd_kernel, sig, const, {"num_warps": w, "num_stages": s}))
-    return [(*spec, _div16_attrs(spec[2])) for spec in specs]
+    return [(*spec, div16_attrs(spec[2])) for spec in specs]

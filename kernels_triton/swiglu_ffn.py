@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import is_hip, is_interpreter
+from kernels_triton._config import div16_attrs, is_hip, is_interpreter
 
 DECODE_MAX_T = 16  # at or below this many tokens the weights' bytes dominate: GEMV path
 
@@ -451,17 +451,6 @@ class _nullctx:
 # ----------------------------------------------------------------------------------------------------
 # ahead-of-time specs
 # ----------------------------------------------------------------------------------------------------
-_ALIGNED_INTS = ("N", "K", "D", "F")  # row strides/extents the AOT variants assume are multiples of 16
-
-
-def _div16_attrs(sig: dict[str, str]) -> dict[tuple[int], list[list]]:
-    """ASTSource attrs marking every pointer (and the row-stride ints) 16-divisible, as Triton's JIT does
-    for aligned torch tensors; without them there is no cp.async/TMA pipelining (1-stage shared memory).
-    A runtime using these binaries must check pointer % 16 == 0 and those ints % 16 == 0 first."""
-    return {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
-            if v.startswith("*") or k in _ALIGNED_INTS}  # fmt: skip
-
-
 def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
     """(name, jit kernel, signature, constexprs, options, attrs) for every GPU variant of the CUDA tables.
 
@@ -511,4 +500,4 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                 const = {"IEEE": False, "BLOCK_T": bt, "BLOCK_N": r, "BLOCK_K": bk}
                 specs.append((f"ffn_gemv_down_{dt}_t{bt}_{r}x{bk}_w{w}", _gemv_nt_kernel, sig, const,
                               {"num_warps": w}))  # fmt: skip
-    return [(*spec, _div16_attrs(spec[2])) for spec in specs]
+    return [(*spec, div16_attrs(spec[2])) for spec in specs]
