@@ -12,6 +12,7 @@ import math
 import oracle
 import pytest
 import torch
+from checks import assert_close
 from tolerances import rtol
 
 import fusekit
@@ -106,32 +107,6 @@ def _require(backend: str, op: str, device: str, dtype: torch.dtype, **meta: obj
 
 def _randn(*shape: int, dtype: torch.dtype, device: str, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(shape, dtype=torch.float32, device=device) * scale).to(dtype)
-
-
-def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float, repro: str) -> None:
-    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)} [{repro}]"
-    if not out.dtype.is_floating_point:
-        bad = (out.to(torch.int64) != ref).nonzero()
-        assert bad.numel() == 0, (
-            f"{name}: {len(bad)} integer mismatches, first at {bad[:3].tolist()} [{repro}]"
-        )
-        return
-    o, r = out.to(torch.float64), ref.to(torch.float64)
-    unwritten = torch.isnan(o) & ~torch.isnan(r)
-    assert not unwritten.any(), (
-        f"{name}: {int(unwritten.sum())} elements NaN (unwritten or overflow), first at "
-        f"{unwritten.nonzero()[:3].tolist()} [{repro}]"
-    )
-    if r.numel() == 0:
-        return
-    denom = torch.linalg.vector_norm(r).item()
-    err = torch.linalg.vector_norm(o - r).item() / (denom if denom > 0 else 1.0)
-    if not err <= tol:
-        worst = (o - r).abs().flatten().argmax().item()
-        raise AssertionError(
-            f"{name}: relative error {err:.3e} > {tol:.1e}; worst element {worst}: "
-            f"{o.flatten()[worst].item()} vs {r.flatten()[worst].item()} [{repro}]"
-        )
 
 
 # --- the suite -------------------------------------------------------------------------------------

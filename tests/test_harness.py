@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_conformance import assert_close
+from checks import assert_close
 
 import fusekit
 from fusekit import backends, dispatch, ops

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import rel_error
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (str(ROOT / "python"), str(ROOT)):
@@ -39,11 +40,6 @@ def _skip_bf16_on_cpu(dtype: torch.dtype) -> None:
         pytest.skip(reason)
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 # ---------------------------------------------------------------------------------------------- ffn
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "nonorm"])
@@ -66,7 +62,7 @@ def test_swiglu_ffn_paths(T: int, path: str, prologue: str, norm: bool, dtype: t
     ref = R.swiglu_ffn(
         x.double(), wg.double(), wu.double(), wd.double(), None if nw is None else nw.double(), 1e-6
     )
-    assert _rel(out, ref) < TOL[dtype]
+    assert rel_error(out, ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -83,7 +79,7 @@ def test_swiglu_ffn_even_k(T: int, path: str, dtype: torch.dtype) -> None:
         out = torch.full((T, D), float("nan"), dtype=dtype)
         swiglu_ffn(out, x, wg, wu, wd, nw, 1e-5, _path=path, _prologue=prologue)
         ref = R.swiglu_ffn(x.double(), wg.double(), wu.double(), wd.double(), nw.double(), 1e-5)
-        assert _rel(out, ref) < TOL[dtype]
+        assert rel_error(out, ref) < TOL[dtype]
 
 
 def test_swiglu_ffn_decode_rejects_large_t() -> None:
@@ -118,7 +114,7 @@ def test_attention(
     scale = D**-0.5
     attention(out, q, k, v, causal, scale)
     ref = R.attention(q.double(), k.double(), v.double(), causal, scale)
-    assert _rel(out, ref) < TOL[dtype]
+    assert rel_error(out, ref) < TOL[dtype]
     if causal and Skv < S:
         assert bool((out[:, :, : S - Skv] == 0).all()), "rows that see no key must be exact zeros"
 
@@ -134,7 +130,7 @@ def test_attention_tiles(tile: tuple[int, int, int, int]) -> None:
         out = torch.full_like(q, float("nan"))
         attention(out, q, k, v, causal, 0.125, _config=tile)
         ref = R.attention(q.double(), k.double(), v.double(), causal, 0.125)
-        assert _rel(out, ref) < TOL[torch.float32]
+        assert rel_error(out, ref) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("scale", [-0.3, 0.0], ids=["negative", "zero"])
@@ -146,7 +142,7 @@ def test_attention_odd_scale(scale: float) -> None:
         out = torch.full_like(q, float("nan"))
         attention(out, q, k, v, causal, scale)
         ref = R.attention(q.double(), k.double(), v.double(), causal, scale)
-        assert _rel(out, ref) < TOL[torch.float32]
+        assert rel_error(out, ref) < TOL[torch.float32]
 
 
 def test_attention_grid_split(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,4 +155,4 @@ def test_attention_grid_split(monkeypatch: pytest.MonkeyPatch) -> None:
     out = torch.full_like(q, float("nan"))
     attention(out, q, k, v, True, 0.125)
     ref = R.attention(q.double(), k.double(), v.double(), True, 0.125)
-    assert _rel(out, ref) < TOL[torch.float32]
+    assert rel_error(out, ref) < TOL[torch.float32]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import rel_error
 
 pytest.importorskip("triton")
 _ROOT = Path(__file__).resolve().parents[1]
@@ -31,12 +32,6 @@ from kernels_triton.rope import rope  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -76,7 +71,7 @@ def test_reduce_sum_float(dtype: torch.dtype, M: int, N: int, kw: dict) -> None:
         reduce_sum(out, x, **kw)
         ref = x.double().sum(-1)
         tol = TOL[odt] if odt != torch.float32 else 1e-5
-        assert _rel(out, ref) <= tol, (odt, kw)
+        assert rel_error(out, ref) <= tol, (odt, kw)
 
 
 @pytest.mark.parametrize("xdt", [torch.int32, torch.int64])
@@ -112,7 +107,7 @@ def test_reduce_sum_default_plan() -> None:
     x = _randn(1, 1 << 14, dtype=torch.float32, seed=3)
     out = torch.full((1,), float("nan"))
     reduce_sum(out, x)  # default plan: split (1 row, long)
-    assert _rel(out, x.double().sum(-1)) <= 1e-5
+    assert rel_error(out, x.double().sum(-1)) <= 1e-5
 
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -135,8 +130,8 @@ def test_rms_norm_modes(dtype: torch.dtype, mode: str, M: int, N: int) -> None:
     xd = x.double()
     ref_rstd = torch.rsqrt(xd.square().mean(-1) + 1e-6)
     ref = xd * ref_rstd[:, None] * w.double()
-    assert _rel(out, ref) <= TOL[dtype]
-    assert _rel(rstd, ref_rstd) <= 1e-5
+    assert rel_error(out, ref) <= TOL[dtype]
+    assert rel_error(rstd, ref_rstd) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -156,9 +151,9 @@ def test_layer_norm_modes(dtype: torch.dtype, mode: str, M: int, N: int, with_bi
     ref = (xd - ref_mean[:, None]) * ref_rstd[:, None] * w.double()
     if b is not None:
         ref = ref + b.double()
-    assert _rel(out, ref) <= TOL[dtype]
-    assert _rel(mean, ref_mean) <= 1e-5
-    assert _rel(rstd, ref_rstd) <= 1e-5
+    assert rel_error(out, ref) <= TOL[dtype]
+    assert rel_error(mean, ref_mean) <= 1e-5
+    assert rel_error(rstd, ref_rstd) <= 1e-5
 
 
 @pytest.mark.parametrize("mode", ["reg", "reload", "split"])
@@ -177,9 +172,9 @@ def test_layer_norm_large_mean_is_stable(mode: str) -> None:
     # torch's own fp32 result (the reference semantics) sets the bar: the fp32 mean of ~1e4 is off by
     # up to half an ulp (5e-4), which shifts every x - mean by that much.
     xc = x - x.mean(-1, keepdim=True)
-    torch_err = _rel(xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + 1e-5), ref)
-    assert _rel(rstd, ref_rstd) <= 1e-4
-    assert _rel(out, ref) <= 2 * torch_err + 1e-5
+    torch_err = rel_error(xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + 1e-5), ref)
+    assert rel_error(rstd, ref_rstd) <= 1e-4
+    assert rel_error(out, ref) <= 2 * torch_err + 1e-5
 
 
 def test_norm_plan_thresholds() -> None:
@@ -199,7 +194,7 @@ def test_norm_default_plans_run() -> None:
         rstd = torch.full((M,), float("nan"))
         rms_norm(out, rstd, x, w, 1e-6)
         ref = x.double() * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-6) * w.double()
-        assert _rel(out, ref) <= 1e-5
+        assert rel_error(out, ref) <= 1e-5
 
 
 # ---------------------------------------------------------------------------------------------- rope
@@ -236,7 +231,7 @@ def test_rope_modes(
     out = torch.full_like(x, float("nan"))
     rope(out, x, cos, sin, start, theta, interleaved, _halves_as_pairs=halves_as_pairs)
     ref = _rope_ref(x, ang.cos(), ang.sin(), interleaved)
-    assert _rel(out, ref) <= TOL[dtype]
+    assert rel_error(out, ref) <= TOL[dtype]
 
 
 def test_rope_partial_head_block() -> None:
@@ -245,5 +240,5 @@ def test_rope_partial_head_block() -> None:
     out = torch.full_like(x, float("nan"))
     rope(out, x, None, None, 0, 500.0, False, _block_h=2)
     ang = torch.arange(3, dtype=torch.float64)[:, None] * 500.0 ** (-torch.arange(8, dtype=torch.float64) / 8)
-    assert _rel(out, _rope_ref(x, ang.cos(), ang.sin(), False)) <= 1e-5
+    assert rel_error(out, _rope_ref(x, ang.cos(), ang.sin(), False)) <= 1e-5
     assert math.isfinite(out.sum().item())
