@@ -5,15 +5,36 @@ from __future__ import annotations
 import torch
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64 (the plain norm of out − ref when ref is all zeros); NaN fails."""
+def rel_error(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """‖out − ref‖ / max(‖ref‖, ‖scale‖) in float64 (1 when both are zero); NaN fails.
+
+    ``scale`` is for results that may cancel: a sum of random terms can be near zero, and its
+    rounding error is then tiny against the inputs but large against the result itself. Sums pass
+    the 2-norm of the summed terms (``sum_scale``): dropping or repeating one term still moves the
+    result by ~1/√n of that, far above any tolerance, while rounding stays ~u·√log n of it.
+    """
     o, r = out.to(torch.float64), ref.to(torch.float64)
     assert not torch.isnan(o).any(), "output has unwritten (NaN) elements"
     denom = torch.linalg.vector_norm(r).item()
+    if scale is not None:
+        denom = max(denom, torch.linalg.vector_norm(scale.to(torch.float64)).item())
     return torch.linalg.vector_norm(o - r).item() / (denom if denom > 0 else 1.0)
 
 
-def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float, repro: str) -> None:
+def sum_scale(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """The 2-norm of the terms behind each sum of ``x.sum(dim)``, in float64 (see ``rel_error``)."""
+    sq = x.to(torch.float64).square()
+    return (sq.sum() if dim is None else sq.sum(dim=dim)).sqrt()
+
+
+def assert_close(
+    name: str,
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    tol: float,
+    repro: str,
+    scale: torch.Tensor | None = None,
+) -> None:
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)} [{repro}]"
     if not out.dtype.is_floating_point:
         bad = (out.to(torch.int64) != ref).nonzero()
@@ -29,7 +50,7 @@ def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float, re
     )
     if r.numel() == 0:
         return
-    err = rel_error(o, r)
+    err = rel_error(o, r, scale)
     if not err <= tol:
         worst = (o - r).abs().flatten().argmax().item()
         raise AssertionError(

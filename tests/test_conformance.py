@@ -12,7 +12,7 @@ import math
 import oracle
 import pytest
 import torch
-from checks import assert_close
+from checks import assert_close, sum_scale
 from tolerances import rtol
 
 import fusekit
@@ -132,6 +132,7 @@ def test_reduce_sum(backend_name, device, dtype, reduce_case, seed):
         oracle.reduce_sum(x, dim),
         rtol("reduce_sum", dtype),
         f"shape={shape} dim={dim} {dtype} seed={seed}",
+        scale=sum_scale(x, dim) if dtype.is_floating_point else None,
     )
 
 
@@ -142,7 +143,8 @@ def test_reduce_sum_fp32_result(backend_name, device, dtype, seed):
     with fusekit.poisoned():
         out = ops.reduce_sum(x, -1, dtype=F32, backend=backend_name)
     assert out.dtype == F32
-    assert_close("reduce_sum", out, oracle.reduce_sum(x, -1), rtol("reduce_sum", F32), f"seed={seed}")
+    ref = oracle.reduce_sum(x, -1)
+    assert_close("reduce_sum", out, ref, rtol("reduce_sum", F32), f"seed={seed}", sum_scale(x, -1))
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
@@ -274,7 +276,12 @@ def test_non_contiguous_inputs(backend_name, device, seed):
     with fusekit.poisoned():
         s = ops.reduce_sum(xt, -1, backend=backend_name)
     assert_close(
-        "reduce_sum(transposed)", s, oracle.reduce_sum(xt, -1), rtol("reduce_sum", F32), f"seed={seed}"
+        "reduce_sum(transposed)",
+        s,
+        oracle.reduce_sum(xt, -1),
+        rtol("reduce_sum", F32),
+        f"seed={seed}",
+        sum_scale(xt, -1),
     )
     _require(backend_name, "rope", device, F32, tables=False)
     xr = _randn(2, 6, 4, 32, dtype=F32, device=device).transpose(1, 2).contiguous().transpose(1, 2)
