@@ -10,6 +10,7 @@ import torch
 
 from fusekit.bench import cases, results
 from fusekit.bench.__main__ import main as bench_main
+from fusekit.bench.__main__ import select_cases
 from fusekit.bench.baselines import Provider
 from fusekit.bench.cases import Case
 from fusekit.bench.run import rel_error, run_case
@@ -104,6 +105,14 @@ def test_wrong_provider_is_failed_not_timed() -> None:
     ok = by["eager"]
     assert ok["status"] == "ok" and ok["time_us"] > 0 and ok["e2e_us"] > 0 and ok["rel_error"] < 1e-2
     assert math.isclose(ok["gbps"], case.bytes_moved() / (ok["time_us"] * 1e-6) / 1e9)
+
+
+def test_filter_selects_any_of_several_substrings() -> None:
+    sweep = cases.sweep("rms_norm", quick=False, cpu=False)
+    labels = [c.label for c in select_cases(sweep, None, "M=32768,N=8192,|M=16384,N=65536,")]
+    assert labels == ["M=32768,N=8192,dtype=bf16", "M=16384,N=65536,dtype=bf16"]
+    assert [c.label for c in select_cases(sweep, labels[1], None)] == labels[1:]
+    assert select_cases(sweep, None, "no such case") == []
 
 
 # --- a quick CPU run writes valid JSON -----------------------------------------------------------

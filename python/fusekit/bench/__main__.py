@@ -2,7 +2,7 @@
 
     python -m fusekit.bench [--ops a,b] [--backends triton,mojo|none] [--baselines ...|none]
                             [--quick] [--device cuda|cpu] [--out benchmarks/results]
-                            [--case LABEL | --filter SUBSTR] [--budget-s SECONDS]
+                            [--case LABEL | --filter SUBSTR[|SUBSTR...]] [--budget-s SECONDS]
 
 Writes <out>/<device slug>/<op>.json after each op (so an interrupted run keeps the finished ops) and
 prints a short table per op.
@@ -39,12 +39,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available")
     ap.add_argument("--out", default="benchmarks/results", help="results root (default: benchmarks/results)")
     ap.add_argument("--case", default=None, help="run only the case with exactly this label")
-    ap.add_argument("--filter", default=None, help="run only cases whose label contains this")
+    ap.add_argument(
+        "--filter", default=None, help="run only cases whose label contains this ('a|b': either of them)"
+    )
     ap.add_argument("--rep-ms", type=float, default=None, help="timed milliseconds per measurement")
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting new cases after this long")
     ap.add_argument("--no-kernel-time", action="store_true", help="skip the torch-profiler kernel time")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     return ap.parse_args(argv)
+
+
+def select_cases(op_cases: list, case: str | None, filt: str | None) -> list:
+    """The cases named by --case (exact label) and --filter (label substrings, '|'-separated: any)."""
+    if case:
+        op_cases = [c for c in op_cases if c.label == case]
+    if filt:
+        wanted = filt.split("|")
+        op_cases = [c for c in op_cases if any(w in c.label for w in wanted)]
+    return op_cases
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -108,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     written: list[Path] = []
     for op in ops:
         op_cases = cases.sweep(op, quick=args.quick, cpu=device.type == "cpu")
-        if args.case:
-            op_cases = [c for c in op_cases if c.label == args.case]
-        if args.filter:
-            op_cases = [c for c in op_cases if args.filter in c.label]
+        op_cases = select_cases(op_cases, args.case, args.filter)
         if not op_cases:
             continue
         bar = _progress(len(op_cases) * len(providers), op, not args.no_progress)
