@@ -27,12 +27,13 @@ fp32 inputs use input_precision="ieee" so fp32 means fp32 (no tf32).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import div16_attrs, is_hip, is_interpreter
+from kernels_triton._config import device_index, div16_attrs, is_hip, is_interpreter, next_pow2, num_sms
 
 DECODE_MAX_T = 16  # at or below this many tokens the weights' bytes dominate: GEMV path
 
@@ -61,17 +62,19 @@ def _rstd_kernel(x_ptr, nw_ptr, rstd_ptr, xn_ptr, D, eps, WRITE_XN: tl.constexpr
 
 
 @triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _grouped(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M row-blocks share each weight column-block while it is in L2."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
+    first_m = (tile // in_group) * GROUP_M
     group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % in_group) % group_size)
-    pid_n = (pid % in_group) // group_size
+    pid_m = first_m + ((tile % in_group) % group_size)
+    pid_n = (tile % in_group) // group_size
     return pid_m, pid_n
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    return _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
 
 @triton.jit
@@ -155,6 +158,89 @@ def _matmul_nt_kernel(
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + offs_cm[:, None].to(tl.int64) * N + offs_cn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+
+# TMA + persistent GEMMs (sm_90+). Descriptors are built on the device (tl.make_tensor_descriptor: 128 B of
+# global scratch per descriptor, from triton.set_allocator), so the kernels take plain pointers and AOT
+# like any other kernel. TMA zero-fills out-of-bounds rows/columns of a load and clips a store, so the M,
+# N and K tails need no masks. One program per SM walks tiles start, start + NUM_SMS, ... in the grouped
+# order; `flatten` lets the pipeliner overlap the next tile's first loads with this tile's epilogue.
+# Hopper's warp specialization (a producer warp issuing TMA, consumer warpgroups on wgmma) does not work
+# with a flattened loop, so WARP_SPECIALIZE configs run with FLATTEN=False (as in Triton's tutorial 09).
+# M is not specialized (do_not_specialize): a new T must not recompile the kernel.
+@triton.jit(do_not_specialize=["M"])
+def _gate_up_tma_kernel(
+    a_ptr, wg_ptr, wu_ptr, h_ptr, M, N, K,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):  # fmt: skip
+    """h[M, N] = silu(a @ Wg^T) * (a @ Wu^T); a [M, K] (the materialized xn), Wg/Wu [N, K] K-major."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    g_desc = tl.make_tensor_descriptor(wg_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    u_desc = tl.make_tensor_descriptor(wu_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+        pid_m, pid_n = _grouped(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            a = a_desc.load([off_m, off_k])
+            bg = g_desc.load([off_n, off_k])
+            bu = u_desc.load([off_n, off_k])
+            if IEEE:
+                acc_g = tl.dot(a, bg.T, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, bu.T, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, bg.T, acc_g)
+                acc_u = tl.dot(a, bu.T, acc_u)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h_desc.store([off_m, off_n], h.to(h_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_nt_tma_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SUBTILE: tl.constexpr,
+):  # fmt: skip
+    """c[M, N] = a[M, K] @ b[N, K]^T (the down projection). SUBTILE stores the tile as two [BLOCK_M,
+    BLOCK_N/2] halves: half the epilogue's shared-memory buffer, which buys a 128x256 tile a 4th stage."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    C_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, C_N])
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+        pid_m, pid_n = _grouped(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            a = a_desc.load([off_m, off_k])
+            b = b_desc.load([off_n, off_k])
+            if IEEE:
+                acc = tl.dot(a, b.T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+        if SUBTILE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            c0, c1 = tl.split(halves)
+            c_desc.store([off_m, off_n], c0.to(c_ptr.dtype.element_ty))
+            c_desc.store([off_m, off_n + BLOCK_N // 2], c1.to(c_ptr.dtype.element_ty))
+        else:
+            c_desc.store([off_m, off_n], acc.to(c_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -283,6 +369,29 @@ _DOWN_HIP = [(128, 128, 64, 8, 8, 2), (64, 128, 64, 8, 4, 2)]
 _RSTD_BLOCK = 1024  # row chunk of the rstd kernel: 4 warps x 8 elements of 16 bytes (bf16), any D loops
 _MM_INTERP = (16, 16, 32, 2, 1, 1)  # the CPU interpreter: small tiles, and no autotuning
 
+# TMA persistent GEMMs (CUDA sm_90+): (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SUBTILE,
+# WARP_SPECIALIZE). Shared memory per stage: gate/up (A + 2 B) 128x64 bf16 tiles = 48 KB, so 4 stages +
+# the 32 KB h tile = 224 KB of the 227 KB; down 128x256: A + B = 48 KB per stage, 3 stages + the 64 KB C
+# tile, or 4 stages with the C tile stored in two halves (SUBTILE). gate/up stays at 128x128: its two
+# fp32 accumulators already hold 128 registers per thread at 8 warps (a 128x256 GEMM tile's worth).
+# WARP_SPECIALIZE rows are dropped where tl.range has no warp_specialize (they then run unflattened).
+# 64-row tiles are candidates only up to _SMALL_T tokens (fewer padded rows at small T).
+_GATE_UP_TMA = [
+    (128, 128, 64, 8, 8, 3, False, False),
+    (128, 128, 64, 8, 8, 4, False, False),
+    (128, 128, 64, 8, 8, 3, False, True),
+    (64, 128, 64, 8, 4, 4, False, False),
+]
+_DOWN_TMA = [
+    (128, 256, 64, 8, 8, 3, False, False),
+    (128, 256, 64, 8, 8, 4, True, False),
+    (128, 128, 64, 8, 8, 4, False, False),
+    (128, 256, 64, 8, 8, 3, False, True),
+    (64, 128, 64, 8, 4, 4, False, False),
+]
+_SMALL_T = 256
+_TMA_INTERP = (16, 16, 32, 2, 1, 1, False, False)
+
 # Decode GEMV, per BLOCK_T (1: one token, 16: 2..16 tokens on tensor cores):
 # (rows of the weight per program, BLOCK_K, num_warps). Enough bytes in flight per SM is the goal:
 # gate/up 16 rows -> F/16 = 688 programs, each step reading 2 x 16 x 512 x 2 B = 32 KB of Wg/Wu;
@@ -360,6 +469,7 @@ def swiglu_ffn(
     *,
     _path: str | None = None,
     _prologue: str = "xn",
+    _gemm: str | None = None,
 ) -> None:
     """out[T, D] = swiglu_ffn(x[T, D]) as `fusekit.reference.swiglu_ffn`; writes `out`, returns None.
 
@@ -408,36 +518,177 @@ def swiglu_ffn(
             )
             has_norm = not write_xn  # with xn materialized, the GEMM reads it as a plain operand
 
-        def grid(m: dict, M: int, N: int) -> tuple[int]:
-            return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
+        key = (next_pow2(T), F, D, x.dtype, has_norm, device_index(x), _gemm)
+        tensors = (a, w_gate, w_up, w_down, h, out)
+        cands = _candidates(T, tensors, _gemm, tma_ok=not has_norm)  # TMA needs the materialized xn
 
-        if interp:
+        def gate_up(cfg: object) -> None:
+            _launch_gate_up(cfg, a, w_gate, w_up, nw, rstd, h, T, F, D, has_norm, ieee)
+
+        def down(cfg: object) -> None:
+            _launch_down(cfg, h, w_down, out, T, D, F, ieee)
+
+        gate_up(_choose("gate_up", key, cands, gate_up))
+        down(_choose("down", key, cands, down))
+
+
+# ----------------------------------------------------------------------------------------------------
+# prefill GEMM selection: pointer kernels vs TMA persistent kernels, by measurement on first use
+# ----------------------------------------------------------------------------------------------------
+# (kind, T bucket, F, D, dtype, fused norm, device, _gemm) -> "ptr" | a TMA config tuple
+_CHOICE: dict[tuple, object] = {}
+TIMINGS: dict[tuple, list[tuple[object, float]]] = {}  # same key -> [(candidate, ms)], for benchmarks
+_BROKEN: set[tuple] = set()  # (kind, TMA config) that failed to compile or launch on this Triton
+
+
+def _grid(m: dict, M: int, N: int) -> tuple[int]:
+    return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
+
+
+def _tma_aligned(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """TMA descriptors need 16-byte aligned base pointers and row strides (last dim contiguous)."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def _tma_auto(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """TMA kernels compete in the automatic choice: CUDA sm_90+, fp16/bf16, aligned. HIP stays on the
+    pointer kernels (gfx942 has no TMA; its tensor descriptors would lower to plain loads)."""
+    x = tensors[0]
+    if (
+        is_interpreter()
+        or is_hip()
+        or x.device.type != "cuda"
+        or x.dtype not in (torch.float16, torch.bfloat16)
+    ):
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 9 and _tma_aligned(tensors)
+
+
+@functools.cache
+def _has_warp_specialize() -> bool:
+    import inspect
+
+    return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+
+
+def _tma_configs(kind: str, T: int) -> list[tuple]:
+    if is_interpreter():
+        return [_TMA_INTERP]
+    table = _GATE_UP_TMA if kind == "gate_up" else _DOWN_TMA
+    return [c for c in table if (c[0] == 128 or T <= _SMALL_T) and (not c[7] or _has_warp_specialize())]
+
+
+def _candidates(T: int, tensors: tuple[torch.Tensor, ...], gemm: str | None, tma_ok: bool) -> dict[str, list]:
+    """Per GEMM kind, the configs to choose from ("ptr" = the autotuned pointer kernel)."""
+    if gemm not in (None, "ptr", "tma"):
+        raise ValueError(f"unknown swiglu_ffn _gemm {gemm!r}")
+    if gemm == "tma":
+        if not tma_ok or not _tma_aligned(tensors):
+            raise ValueError(
+                "swiglu_ffn _gemm='tma' needs _prologue='xn' (or no norm) and 16-byte aligned rows"
+            )
+        return {k: _tma_configs(k, T) for k in ("gate_up", "down")}
+    if gemm is None and tma_ok and _tma_auto(tensors):
+        return {k: ["ptr", *_tma_configs(k, T)] for k in ("gate_up", "down")}
+    return {"gate_up": ["ptr"], "down": ["ptr"]}
+
+
+def _bench_ms(fn) -> float:
+    """A few ms of timing per candidate (median of the runs); the choice is cached per shape bucket."""
+    return triton.testing.do_bench(fn, warmup=2, rep=8, return_mode="median")
+
+
+def _choose(kind: str, key: tuple, cands: dict[str, list], launch) -> object:
+    """The fastest candidate for this key, timed once; TMA configs that fail are warned about and dropped."""
+    key = (kind, *key)
+    if key in _CHOICE:
+        return _CHOICE[key]
+    live = [c for c in cands[kind] if c == "ptr" or (kind, c) not in _BROKEN]
+    times: list[tuple[object, float]] = []
+    for cfg in live:
+        try:
+            if len(live) == 1:
+                times.append((cfg, float("nan")))
+                break
+            launch(cfg)  # compiles (the pointer kernel: autotunes) outside the timed runs
+            times.append((cfg, _bench_ms(lambda cfg=cfg: launch(cfg))))
+        except Exception as exc:
+            if cfg == "ptr":
+                raise
+            _BROKEN.add((kind, cfg))
+            warnings.warn(
+                f"swiglu_ffn: TMA {kind} config {cfg} excluded on triton {triton.__version__}: "
+                f"{type(exc).__name__}: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    if not times:
+        raise RuntimeError(f"swiglu_ffn: no {kind} GEMM config compiled (see the warnings)")
+    best = min(times, key=lambda t: t[1] if t[1] == t[1] else 0.0)[0]
+    _CHOICE[key] = best
+    TIMINGS[key] = times
+    return best
+
+
+def _torch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _ensure_allocator() -> None:
+    """Device-side TMA descriptors need a global scratch allocator; install one unless the user has."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except Exception:
+        pass
+    triton.set_allocator(_torch_alloc)
+
+
+def _launch_gate_up(cfg, a, w_gate, w_up, nw, rstd, h, T: int, F: int, D: int, has_norm: bool, ieee: bool):
+    if cfg == "ptr":
+        if is_interpreter():
             bm, bn, bk, g, w, _s = _MM_INTERP
-            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}
-            _gate_up_kernel[grid(cfg, T, F)](
-                a,
-                w_gate,
-                w_up,
-                nw,
-                rstd,
-                h,
-                T,
-                F,
-                D,
-                HAS_NORM=has_norm,
-                IEEE=ieee,
-                EVEN_K=D % bk == 0,
-                **cfg,
-                num_warps=w,
-            )
-            _matmul_nt_kernel[grid(cfg, T, D)](
-                h, w_down, out, T, D, F, IEEE=ieee, EVEN_K=F % bk == 0, **cfg, num_warps=w
-            )
+            m = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}
+            _gate_up_kernel[_grid(m, T, F)](
+                a, w_gate, w_up, nw, rstd, h, T, F, D, HAS_NORM=has_norm, IEEE=ieee, EVEN_K=D % bk == 0,
+                **m, num_warps=w,
+            )  # fmt: skip
         else:
-            _tuned("gate_up")[lambda m: grid(m, T, F)](
+            _tuned("gate_up")[lambda m: _grid(m, T, F)](
                 a, w_gate, w_up, nw, rstd, h, T, F, D, HAS_NORM=has_norm, IEEE=ieee
             )
-            _tuned("down")[lambda m: grid(m, T, D)](h, w_down, out, T, D, F, IEEE=ieee)
+        return
+    bm, bn, bk, g, w, s, _sub, ws = cfg
+    sms = num_sms(device_index(a))
+    if not is_interpreter():
+        _ensure_allocator()
+    _gate_up_tma_kernel[(min(sms, triton.cdiv(T, bm) * triton.cdiv(F, bn)),)](
+        a, w_gate, w_up, h, T, F, D, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, NUM_SMS=sms,
+        FLATTEN=not ws, WARP_SPECIALIZE=ws, num_warps=w, num_stages=s,
+    )  # fmt: skip
+
+
+def _launch_down(cfg, h, w_down, out, T: int, D: int, F: int, ieee: bool) -> None:
+    if cfg == "ptr":
+        if is_interpreter():
+            bm, bn, bk, g, w, _s = _MM_INTERP
+            m = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}
+            _matmul_nt_kernel[_grid(m, T, D)](
+                h, w_down, out, T, D, F, IEEE=ieee, EVEN_K=F % bk == 0, **m, num_warps=w
+            )
+        else:
+            _tuned("down")[lambda m: _grid(m, T, D)](h, w_down, out, T, D, F, IEEE=ieee)
+        return
+    bm, bn, bk, g, w, s, sub, ws = cfg
+    sms = num_sms(device_index(h))
+    if not is_interpreter():
+        _ensure_allocator()
+    _matmul_nt_tma_kernel[(min(sms, triton.cdiv(T, bm) * triton.cdiv(D, bn)),)](
+        h, w_down, out, T, D, F, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, NUM_SMS=sms,
+        FLATTEN=not ws, WARP_SPECIALIZE=ws, SUBTILE=sub, num_warps=w, num_stages=s,
+    )  # fmt: skip
 
 
 class _nullctx:
