@@ -390,6 +390,7 @@ _DOWN_TMA = [
     (64, 128, 64, 8, 4, 4, False, False),
 ]
 _SMALL_T = 256
+_AOT_SMS = 132  # H200 multiprocessors: the persistent grid's stride, a constexpr of the AOT binaries
 _TMA_INTERP = (16, 16, 32, 2, 1, 1, False, False)
 
 # Decode GEMV, per BLOCK_T (1: one token, 16: 2..16 tokens on tensor cores):
@@ -735,6 +736,37 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
             const = {"IEEE": False, "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}
             specs.append((f"ffn_down_{dt}_{bm}x{bn}x{bk}_w{w}s{s}", _matmul_nt_kernel, sig, const,
                           {"num_warps": w, "num_stages": s}))  # fmt: skip
+        # TMA persistent GEMMs, sm_90 only at run time (see _tma_auto); NUM_SMS is the H200's 132.
+        tma_sig = {"IEEE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                   "GROUP_M": "constexpr", "NUM_SMS": "constexpr", "FLATTEN": "constexpr",
+                   "WARP_SPECIALIZE": "constexpr"}  # fmt: skip
+        for kind, table in (("gate_up", _GATE_UP_TMA), ("down", _DOWN_TMA)):
+            for bm, bn, bk, g, w, s, sub, ws in table:
+                if ws and not _has_warp_specialize():
+                    continue
+                const = {"IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g,
+                         "NUM_SMS": _AOT_SMS, "FLATTEN": not ws, "WARP_SPECIALIZE": ws}  # fmt: skip
+                if kind == "gate_up":
+                    fn = _gate_up_tma_kernel
+                    sig = {
+                        "a_ptr": p,
+                        "wg_ptr": p,
+                        "wu_ptr": p,
+                        "h_ptr": p,
+                        "M": "i32",
+                        "N": "i32",
+                        "K": "i32",
+                    }
+                    sig |= tma_sig
+                else:
+                    fn = _matmul_nt_tma_kernel
+                    sig = {"a_ptr": p, "b_ptr": p, "c_ptr": p, "M": "i32", "N": "i32", "K": "i32"}
+                    sig |= tma_sig | {"SUBTILE": "constexpr"}
+                    const["SUBTILE"] = sub
+                tag = f"{bm}x{bn}x{bk}_w{w}s{s}" + ("_sub" if sub else "") + ("_ws" if ws else "")
+                specs.append(
+                    (f"ffn_tma_{kind}_{dt}_{tag}", fn, sig, const, {"num_warps": w, "num_stages": s})
+                )
         for bt, table in _GEMV_CUDA["gate_up"].items():
             for r, bk, w in table:
                 for has_norm in (False, True):

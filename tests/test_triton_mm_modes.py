@@ -11,6 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before torch/triton are imported
 
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,108 @@ def test_swiglu_ffn_decode_rejects_large_t() -> None:
     w = torch.randn(16, 32)
     with pytest.raises(ValueError):
         swiglu_ffn(torch.empty_like(x), x, w, w, w.T.contiguous(), None, 1e-6, _path="decode")
+
+
+def _ffn_case(T: int, D: int, F: int, dtype: torch.dtype, norm: bool = True, seed: int = 0):
+    torch.manual_seed(seed)
+    x = torch.randn(T, D, dtype=dtype)
+    wg, wu = ((torch.randn(F, D) / D**0.5).to(dtype) for _ in range(2))
+    wd = (torch.randn(D, F) / F**0.5).to(dtype)
+    nw = (1 + 0.1 * torch.randn(D)).to(dtype) if norm else None
+    ref = R.swiglu_ffn(
+        x.double(), wg.double(), wu.double(), wd.double(), None if nw is None else nw.double(), 1e-6
+    )
+    return (x, wg, wu, wd, nw), ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "nonorm"])
+@pytest.mark.parametrize("T", [17, 70])
+def test_swiglu_ffn_tma(T: int, norm: bool, dtype: torch.dtype) -> None:
+    """The TMA persistent GEMMs: T, F (72) and D (80) are not multiples of the 16x16x32 interpreter tile,
+    so the descriptors' zero-filled loads and clipped stores handle every tail; T=70 gives 25 gate/up
+    tiles to 4 persistent programs (several tiles per program)."""
+    (x, wg, wu, wd, nw), ref = _ffn_case(T, 80, 72, dtype, norm, seed=200 + T)
+    out = torch.full((T, 80), float("nan"), dtype=dtype)
+    swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm="tma")
+    assert rel_error(out, ref) < TOL[dtype]
+
+
+def test_swiglu_ffn_tma_rejects() -> None:
+    (x, wg, wu, wd, nw), _ = _ffn_case(20, 80, 72, torch.float32)
+    out = torch.empty_like(x)
+    with pytest.raises(ValueError):  # the fused prologue has no TMA variant
+        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _path="prefill", _prologue="fused", _gemm="tma")
+    with pytest.raises(ValueError):
+        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm="cublas")
+    (x, wg, wu, wd, nw), _ = _ffn_case(20, 81, 72, torch.float16)  # 162-byte rows: not TMA-legal
+    with pytest.raises(ValueError):
+        swiglu_ffn(torch.empty_like(x), x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm="tma")
+
+
+@pytest.fixture
+def ffn_choice(monkeypatch: pytest.MonkeyPatch):
+    """The automatic ptr-vs-TMA choice on the CPU: TMA made eligible, timings faked, caches fresh."""
+    import kernels_triton.swiglu_ffn as ffn_mod
+
+    monkeypatch.setattr(ffn_mod, "_tma_auto", lambda tensors: True)
+    monkeypatch.setattr(ffn_mod, "_CHOICE", {})
+    monkeypatch.setattr(ffn_mod, "TIMINGS", {})
+    monkeypatch.setattr(ffn_mod, "_BROKEN", set())
+    calls: list[int] = []
+
+    def fake_bench(fn) -> float:  # later candidates "faster": the TMA config wins unless it is excluded
+        fn()
+        calls.append(1)
+        return 10.0 - len(calls)
+
+    monkeypatch.setattr(ffn_mod, "_bench_ms", fake_bench)
+    return ffn_mod, calls
+
+
+def test_swiglu_ffn_choice_picks_and_caches(ffn_choice) -> None:
+    ffn_mod, calls = ffn_choice
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=5)
+    for _ in range(2):
+        out = torch.full_like(x, float("nan"))
+        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+        assert rel_error(out, ref) < TOL[torch.float16]
+    assert len(calls) == 4, "ptr and TMA timed once per GEMM; the second call must reuse the choice"
+    assert {k[0]: v for k, v in ffn_mod._CHOICE.items()} == {
+        "gate_up": ffn_mod._TMA_INTERP,
+        "down": ffn_mod._TMA_INTERP,
+    }
+    out = torch.full_like(x, float("nan"))  # the fused prologue has no TMA variant: ptr, no timing
+    swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _prologue="fused")
+    assert rel_error(out, ref) < TOL[torch.float16] and len(calls) == 4
+
+
+def test_swiglu_ffn_choice_excludes_failing_tma(ffn_choice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TMA kernel that does not compile on this Triton is warned about once and the pointer GEMM runs."""
+    ffn_mod, _calls = ffn_choice
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("fake compile error")
+
+            return launch
+
+    monkeypatch.setattr(ffn_mod, "_gate_up_tma_kernel", Broken())
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=6)
+    out = torch.full_like(x, float("nan"))
+    with pytest.warns(RuntimeWarning, match="fake compile error"):
+        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+    assert rel_error(out, ref) < TOL[torch.float16]
+    choice = {k[0]: v for k, v in ffn_mod._CHOICE.items()}
+    assert choice == {"gate_up": "ptr", "down": ffn_mod._TMA_INTERP}
+    assert ("gate_up", ffn_mod._TMA_INTERP) in ffn_mod._BROKEN
+    (x, wg, wu, wd, nw), ref = _ffn_case(300, 80, 72, torch.float16, seed=7)  # new T bucket: no retry
+    out = torch.full_like(x, float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+    assert rel_error(out, ref) < TOL[torch.float16]
 
 
 # ---------------------------------------------------------------------------------------------- attention
