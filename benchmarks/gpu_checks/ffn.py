@@ -1,0 +1,146 @@
+"""H200 check of the Triton swiglu_ffn prefill GEMMs: pointer kernels vs TMA persistent kernels (< 60 s).
+
+    PYTHONPATH=python:. python benchmarks/gpu_checks/ffn.py [--T 4096 --D 4096 --F 11008] [--rep-ms 50]
+
+1. Correctness in bf16 of `_gemm="ptr"` and `_gemm="tma"` against the float64 reference (relative error,
+   outputs NaN-poisoned first): T=4096 without norm, T=333 with the RMSNorm prologue (ragged M tiles).
+2. Device time (triton.testing.do_bench median, L2 flushed) at T x D x F bf16 without norm: ptr, tma, the
+   automatic choice, cuBLAS (three torch matmuls) and torch.compile of the native-bf16 MLP, in TFLOP/s
+   (6*T*D*F FLOPs), and every candidate the selector timed with the one it chose.
+Prints a summary; with $OUT set it also writes $OUT/ffn_check.json. Exit status 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as Fn
+
+ROOT = Path(__file__).resolve().parents[2]
+for p in (str(ROOT / "python"), str(ROOT)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import triton  # noqa: E402
+
+import kernels_triton.swiglu_ffn as ffn  # noqa: E402
+from fusekit import reference as R  # noqa: E402
+
+TOL_BF16 = 1e-2
+warnings.simplefilter("always")  # every excluded TMA config is reported
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def inputs(T: int, D: int, F: int, norm: bool, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    wg = (torch.randn(F, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    wu = (torch.randn(F, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    wd = (torch.randn(D, F, device="cuda", generator=g) / F**0.5).bfloat16()
+    nw = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).bfloat16() if norm else None
+    return x, wg, wu, wd, nw
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--D", type=int, default=4096)
+    ap.add_argument("--F", type=int, default=11008)
+    ap.add_argument("--rep-ms", type=int, default=50)
+    ap.add_argument("--budget-s", type=float, default=50.0, help="skip torch.compile once past this")
+    args = ap.parse_args()
+    t0 = time.time()
+    T, D, F = args.T, args.D, args.F
+    print(
+        f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True
+    )
+    res: dict = {"triton": triton.__version__, "T": T, "D": D, "F": F, "errors": {}, "tflops": {}}
+    ok = True
+
+    # ---- correctness
+    for t, norm in ((T, False), (333, True)):
+        x, wg, wu, wd, nw = inputs(t, D, F, norm, seed=t)
+        ref = R.swiglu_ffn(x.double(), wg.double(), wu.double(), wd.double(), None if nw is None else nw.double(),
+                           1e-6)  # fmt: skip
+        for gemm in ("ptr", "tma"):
+            out = torch.full_like(x, float("nan"))
+            try:
+                ffn.swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm=gemm)
+                torch.cuda.synchronize()
+                err = rel(out, ref)
+            except Exception as exc:  # report and go on: the other path may still be fine
+                err = float("nan")
+                print(f"  {gemm} T={t}: {type(exc).__name__}: {exc}", flush=True)
+            good = err < TOL_BF16
+            ok &= good
+            res["errors"][f"{gemm}_T{t}_norm{int(norm)}"] = err
+            print(f"correct {gemm:3s} T={t:5d} norm={int(norm)}  rel err {err:.2e}  {'ok' if good else 'FAIL'}"
+                  f"  ({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
+        del ref
+
+    # ---- timing
+    x, wg, wu, wd, _ = inputs(T, D, F, False, seed=1)
+    out = torch.empty_like(x)
+    flops = 6.0 * T * D * F
+
+    def mlp(x, wg, wu, wd):
+        return (Fn.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+
+    provs = {
+        "triton-ptr": lambda: ffn.swiglu_ffn(out, x, wg, wu, wd, None, 1e-6, _gemm="ptr"),
+        "triton-tma": lambda: ffn.swiglu_ffn(out, x, wg, wu, wd, None, 1e-6, _gemm="tma"),
+        "triton-auto": lambda: ffn.swiglu_ffn(out, x, wg, wu, wd, None, 1e-6),
+        "cublas": lambda: mlp(x, wg, wu, wd),
+        "torch-compile": None,
+    }
+    compiled: dict = {}
+    for name, fn in provs.items():
+        if name == "torch-compile":
+            if time.time() - t0 > args.budget_s:
+                print(f"time   {name:14s} skipped (past --budget-s {args.budget_s:.0f} s)", flush=True)
+                continue
+            compiled["mlp"] = torch.compile(mlp, dynamic=False)
+            fn = lambda: compiled["mlp"](x, wg, wu, wd)
+        try:
+            fn()
+            ms = triton.testing.do_bench(fn, warmup=10, rep=args.rep_ms, return_mode="median")
+        except Exception as exc:
+            print(f"time   {name:14s} {type(exc).__name__}: {exc}", flush=True)
+            ok = False
+            continue
+        res["tflops"][name] = flops / ms / 1e9
+        print(f"time   {name:14s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  ({time.time() - t0:.0f} s)",
+              flush=True)  # fmt: skip
+
+    # ---- what the selector timed and chose
+    res["choices"] = []
+    for key, times in ffn.TIMINGS.items():
+        pick = ffn._CHOICE[key]
+        kind, bucket, n, k, dt, _fused, _dev, gemm = key
+        line = f"{kind:7s} T<={bucket:<5d} N={n} K={k} {str(dt)[6:]} _gemm={gemm}: chose {pick}"
+        cand = "; ".join(f"{c}={ms * 1e3:.0f}us" for c, ms in times)
+        print(f"choice {line}\n         timed: {cand}", flush=True)
+        res["choices"].append(
+            {"key": str(key), "chose": str(pick), "timed": [[str(c), ms] for c, ms in times]}
+        )
+    tf = res["tflops"]
+    if "triton-auto" in tf and "torch-compile" in tf:
+        print(f"triton-auto / torch-compile = {tf['triton-auto'] / tf['torch-compile']:.3f}", flush=True)
+    print(f"{'PASS' if ok else 'FAIL'} in {time.time() - t0:.0f} s", flush=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "ffn_check.json").write_text(json.dumps(res, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
