@@ -18,9 +18,22 @@ Paths (chosen by T; tests force them with `_path=`):
   scales the A tiles by rstd * norm_weight in registers and rounds them to x.dtype before tl.dot (exactly
   the reference's rounded xn); on the H200 both ran within 1% (1.98 vs 1.99 ms at T=4096), and the
   materialized xn (32 MB extra traffic, ~15 us) keeps the GEMM a plain one.
+  Each GEMM comes in two kinds (tests and benchmarks force one with `_gemm="ptr" | "tma"`):
+  * "ptr": one program per output tile, pointer loads (cp.async), triton.autotune over _GATE_UP_CUDA /
+    _DOWN_CUDA. Runs everywhere (HIP, fp32, the fused prologue, unaligned rows).
+  * "tma": persistent (one program per SM walking the tiles in grouped order), TMA loads/stores through
+    device-side tensor descriptors, wgmma; configs _GATE_UP_TMA / _DOWN_TMA (+ warp-specialized rows
+    where tl.range has warp_specialize). CUDA sm_90+ with 16-byte aligned pointers and rows only.
+  With `_gemm=None` on CUDA sm_90+ (fp16/bf16, aligned, xn prologue) the launcher times "ptr" (its
+  autotuned best) against every TMA config on first use per (GEMM, T rounded up to a power of 2, F, D,
+  dtype) with triton.testing.do_bench (a few ms each) and caches the fastest (`_CHOICE`, timings in
+  `TIMINGS`). A TMA config that fails to compile or launch on this Triton is warned about once
+  (RuntimeWarning with the error) and excluded; elsewhere "ptr" runs without timing.
 Measured (H200, bf16, D=4096, F=11008, triton 3.6): T=1 83 us (3.26 TB/s; torch.compile 96 us, cuBLAS
-97.5 us); T=4096 559 TFLOP/s (torch.compile of a bf16 version 646, cuBLAS 634, torch.compile of the fp32
-reference 50).
+97.5 us); T=4096 "ptr" 534-559 TFLOP/s end to end (gate/up GEMM alone 562, down 549; torch.compile of
+the native-bf16 MLP 646-667, cuBLAS 634-637, torch.compile of the fp32 reference 50). The TMA kernels
+are not measured yet: benchmarks/gpu_checks/ffn.py checks them and prints what the selector picked
+(target >= 600 TFLOP/s end to end at T=4096).
 fp32 inputs use input_precision="ieee" so fp32 means fp32 (no tf32).
 """
 
@@ -164,7 +177,9 @@ def _matmul_nt_kernel(
 # global scratch per descriptor, from triton.set_allocator), so the kernels take plain pointers and AOT
 # like any other kernel. TMA zero-fills out-of-bounds rows/columns of a load and clips a store, so the M,
 # N and K tails need no masks. One program per SM walks tiles start, start + NUM_SMS, ... in the grouped
-# order; `flatten` lets the pipeliner overlap the next tile's first loads with this tile's epilogue.
+# order; `flatten` lets the pipeliner overlap the next tile's first loads with this tile's epilogue (the
+# epilogue recomputes its tile from a second counter, as tutorial 09 does, so the flattened loop's load
+# prologue and store epilogue share no value).
 # Hopper's warp specialization (a producer warp issuing TMA, consumer warpgroups on wgmma) does not work
 # with a flattened loop, so WARP_SPECIALIZE configs run with FLATTEN=False (as in Triton's tutorial 09).
 # M is not specialized (do_not_specialize): a new T must not recompile the kernel.
@@ -182,6 +197,7 @@ def _gate_up_tma_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
+    tile_c = tl.program_id(0) - NUM_SMS  # the epilogue's own tile counter (see above)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):  # fmt: skip
         pid_m, pid_n = _grouped(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -200,8 +216,10 @@ def _gate_up_tma_kernel(
             else:
                 acc_g = tl.dot(a, bg.T, acc_g)
                 acc_u = tl.dot(a, bu.T, acc_u)
+        tile_c += NUM_SMS
+        pid_m, pid_n = _grouped(tile_c, num_pid_m, num_pid_n, GROUP_M)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        h_desc.store([off_m, off_n], h.to(h_ptr.dtype.element_ty))
+        h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h.to(h_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -220,6 +238,7 @@ def _matmul_nt_tma_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
+    tile_c = tl.program_id(0) - NUM_SMS  # the epilogue's own tile counter (see above)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):  # fmt: skip
         pid_m, pid_n = _grouped(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -234,6 +253,10 @@ def _matmul_nt_tma_kernel(
                 acc = tl.dot(a, b.T, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b.T, acc)
+        tile_c += NUM_SMS
+        pid_m, pid_n = _grouped(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
         if SUBTILE:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             c0, c1 = tl.split(halves)
@@ -519,8 +542,9 @@ def swiglu_ffn(
             )
             has_norm = not write_xn  # with xn materialized, the GEMM reads it as a plain operand
 
-        key = (next_pow2(T), F, D, x.dtype, has_norm, device_index(x), _gemm)
         tensors = (a, w_gate, w_up, w_down, h, out)
+        # alignment is part of the key: a cached TMA choice must never meet a misaligned view
+        key = (next_pow2(T), F, D, x.dtype, has_norm, _tma_aligned(tensors), device_index(x), _gemm)
         cands = _candidates(T, tensors, _gemm, tma_ok=not has_norm)  # TMA needs the materialized xn
 
         def gate_up(cfg: object) -> None:
@@ -536,7 +560,7 @@ def swiglu_ffn(
 # ----------------------------------------------------------------------------------------------------
 # prefill GEMM selection: pointer kernels vs TMA persistent kernels, by measurement on first use
 # ----------------------------------------------------------------------------------------------------
-# (kind, T bucket, F, D, dtype, fused norm, device, _gemm) -> "ptr" | a TMA config tuple
+# (kind, T bucket, F, D, dtype, fused norm, TMA-aligned, device, _gemm) -> "ptr" | a TMA config tuple
 _CHOICE: dict[tuple, object] = {}
 TIMINGS: dict[tuple, list[tuple[object, float]]] = {}  # same key -> [(candidate, ms)], for benchmarks
 _BROKEN: set[tuple] = set()  # (kind, TMA config) that failed to compile or launch on this Triton
@@ -710,7 +734,9 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
     shapes should cap num_stages at 2). attrs = ASTSource attrs (16-divisible pointers and row strides):
     pass them as `ASTSource(fn, signature, constexprs, attrs)`, else the GEMM loops compile unpipelined.
     GEMMs are listed with EVEN_K=True only (D and F multiples of 64, as in every Llama-style model);
-    other shapes are served by the JIT.
+    other shapes are served by the JIT. The TMA kernels (ffn_tma_*) are launched on CUDA sm_90 only;
+    Triton also compiles them for gfx942 (tensor descriptors lower to plain loads there, no TMA), but the
+    HIP runtime never picks them. Their NUM_SMS constexpr is the H200's 132.
     """
     specs: list[tuple[str, object, dict, dict, dict]] = []
     mm_const = ("IEEE", "EVEN_K", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")

@@ -126,7 +126,7 @@ def main() -> int:
     res["choices"] = []
     for key, times in ffn.TIMINGS.items():
         pick = ffn._CHOICE[key]
-        kind, bucket, n, k, dt, _fused, _dev, gemm = key
+        kind, bucket, n, k, dt, gemm = key[0], key[1], key[2], key[3], key[4], key[-1]
         line = f"{kind:7s} T<={bucket:<5d} N={n} K={k} {str(dt)[6:]} _gemm={gemm}: chose {pick}"
         cand = "; ".join(f"{c}={ms * 1e3:.0f}us" for c, ms in times)
         print(f"choice {line}\n         timed: {cand}", flush=True)
