@@ -90,7 +90,7 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
     return _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # T only sets the grid and the wrap: no recompile per T
 def _gate_up_kernel(
     a_ptr, wg_ptr, wu_ptr, nw_ptr, rstd_ptr, h_ptr, M, N, K,
     HAS_NORM: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
@@ -139,7 +139,7 @@ def _gate_up_kernel(
     tl.store(c_ptrs, h.to(h_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # T only sets the grid and the wrap: no recompile per T
 def _matmul_nt_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K,
     IEEE: tl.constexpr, EVEN_K: tl.constexpr,
