@@ -397,7 +397,9 @@ _MM_INTERP = (16, 16, 32, 2, 1, 1)  # the CPU interpreter: small tiles, and no a
 # the 32 KB h tile = 224 KB of the 227 KB; down 128x256: A + B = 48 KB per stage, 3 stages + the 64 KB C
 # tile, or 4 stages with the C tile stored in two halves (SUBTILE). gate/up stays at 128x128: its two
 # fp32 accumulators already hold 128 registers per thread at 8 warps (a 128x256 GEMM tile's worth).
-# WARP_SPECIALIZE rows are dropped where tl.range has no warp_specialize (they then run unflattened).
+# WARP_SPECIALIZE rows (always FLATTEN=False) are listed only where tl.range takes warp_specialize; on
+# Triton 3.9 their sm_90 PTX has no setmaxnreg/partitioning and matches the plain unflattened loop, so
+# there they are simply the unflattened candidate; Triton 3.6 may differ, the timing decides.
 # 64-row tiles are candidates only up to _SMALL_T tokens (fewer padded rows at small T).
 _GATE_UP_TMA = [
     (128, 128, 64, 8, 8, 3, False, False),
