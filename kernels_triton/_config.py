@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -66,23 +69,62 @@ TL_DTYPE_NAMES: dict[torch.dtype, str] = {
 
 
 # ---- row-norm planning (shared by rms_norm and layer_norm) -------------------------------------------------
-# "reg":    N <= NORM_REG_MAX: the whole row (BLOCK_M rows for short N) lives in registers: one HBM read of x.
-#           At 16384 elements a 16-warp program holds 32 fp32 values of x per thread; beyond that the
-#           compiler starts spilling, so longer rows switch to...
-# "reload": one row per program; pass 1 streams the row for the statistics (loads marked evict_last),
-#           pass 2 streams it again to normalize (evict_first). The row was read microseconds earlier and
-#           the rows in flight (a few programs per SM x 132 SMs x row bytes) fit in the 60 MB L2, so pass 2
-#           mostly hits L2: measured 1.4x (rms) / 1.9x (layer) torch.compile at 16384 x 65536 bf16 on an
-#           H200, whose inductor kernel re-reads more of the row from HBM.
+# Both norms move 2 bytes of HBM per element of x (read x, write out); the floor is that at the copy rate.
+# What decides how close a kernel gets is the bytes of x *in flight* per SM: ~4.3 TB/s x ~0.8 us loaded
+# latency ~= 3.5 MB across 132 SMs, ~26 KB per SM, kept up continuously. Registers bound it: a thread's
+# landing registers for loads in flight plus the fp32 copies it computes on, times the resident threads,
+# must fit the 64 K registers of an SM. Hence the modes:
+# "reg":    N <= NORM_REG_MAX, one tile of BLOCK_M rows per program, held in registers: one HBM read of x.
+#           Simple, but a program's loads are in flight only until its tile lands; the reduction and the
+#           store that follow leave the SM's memory pipe idle unless another program fills it.
+# "rows":   the same register tile, persistent: NORM_PROGS x SMs programs walk the row tiles, and each loads
+#           its NEXT tile before reducing and storing the current one, so a tile per program is always in
+#           flight (prefetch costs only the bf16/fp16 landing registers).
+# "reload": long rows (any N; the only choice beyond NORM_REG_MAX). Persistent programs, one row at a time:
+#           pass 1 streams the row for the statistics (evict_last), pass 2 re-reads it from L2 (evict_first)
+#           to normalize. The L2 (60 MB) must hold the rows in flight, progs x SMs x row bytes: 17 MB at one
+#           128 KB row per SM. (The earlier one-program-per-row grid left residency to the hardware.) Pass 1
+#           loads one step ahead, and the next row's first step is loaded before pass 2, so the pass switch
+#           and the row switch do not drain the SM's loads.
 # "split":  few rows (M < 2 x SMs) longer than NORM_REG_MAX: rows alone cannot fill the GPU, so each row is
 #           cut into SPLIT chunks: kernel 1 writes per-chunk partial statistics, kernel 2 combines them in a
 #           fixed order and normalizes its chunk (cluster-free; costs a second read of x, cheap at small M).
+# Which tile, warps, programs per SM and step win is not derivable to the last 5 %, so for large problems
+# (M x N >= NORM_TUNE_MIN_ELEMS, not in the interpreter, not under CUDA-graph capture) each call shape is
+# timed once over `norm_candidates` and the fastest is cached (`norm_tuned`); small problems and the CPU
+# interpreter take the heuristic `norm_default` without measurement.
 NORM_REG_MAX = 16384
 NORM_SPLIT_PROGRAMS_PER_SM = 4
+# Below NORM_TUNE_MIN_ELEMS launch overhead dominates and tuning (~0.1 s per candidate) is not worth it.
+NORM_TUNE_MIN_ELEMS = 1 << 22
+# A persistent grid must be resident all at once (a program that starts late finishes late): its kernels
+# compile to <= 64 registers per thread (AOT, sm_90), so progs x threads <= 1024 fits an SM's 64 K registers.
+NORM_PERSIST_THREADS = 1024
+NORM_ROWS_PROGS = 2  # default programs per SM of "rows"
+NORM_RELOAD_PROGS = 1  # default programs per SM of "reload" (one row per SM in flight: 17 MB of L2 at 128 KB)
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """One launch of a row norm. `block` is BLOCK_N ("reg"/"rows") or elements per step ("reload"/"split");
+    `progs` is programs per SM of the persistent kernels ("rows"/"reload")."""
+
+    mode: str
+    block: int
+    num_warps: int
+    block_m: int = 1
+    progs: int = 0
+    split: int = 1
+
+    def label(self) -> str:
+        s = f"{self.mode} block={self.block} warps={self.num_warps}"
+        s += f" block_m={self.block_m}" if self.mode in ("reg", "rows") else ""
+        s += f" progs/SM={self.progs}" if self.progs else ""
+        return s + (f" split={self.split}" if self.mode == "split" else "")
 
 
 def norm_plan(M: int, N: int, elsize: int, dev: int) -> tuple[str, int]:
-    """(mode, split) for a row norm of x[M, N]; split > 1 only for mode "split"."""
+    """(mode, split) of the heuristic plan for x[M, N]; split > 1 only for mode "split"."""
     if N <= NORM_REG_MAX:
         return "reg", 1
     sms = num_sms(dev)
@@ -90,16 +132,6 @@ def norm_plan(M: int, N: int, elsize: int, dev: int) -> tuple[str, int]:
         split = min(max(2, (NORM_SPLIT_PROGRAMS_PER_SM * sms) // M), max(2, N // 8192))
         return "split", split
     return "reload", 1
-
-
-def norm_plan_forced(
-    M: int, N: int, elsize: int, dev: int, mode: str | None, split: int | None
-) -> tuple[str, int]:
-    """norm_plan, with the tests' private `_mode` / `_split` overrides applied."""
-    planned, planned_split = norm_plan(M, N, elsize, dev)
-    if mode is not None:
-        return mode, (split or max(2, planned_split)) if mode == "split" else planned_split
-    return planned, split if split is not None else planned_split
 
 
 def split_chunks(N: int, split: int, block: int, split_max: int) -> tuple[int, int]:
@@ -130,6 +162,148 @@ def norm_stream_warps(block: int, elsize: int, vecs_per_thread: int, dev: int) -
     """Warps for the streaming (reload/split) kernels: each thread loads `vecs_per_thread` 16-byte
     vectors per step."""
     return warps_for(block, vecs_per_thread * 16 // elsize, dev, lo=4, hi=32)
+
+
+def norm_default(M: int, N: int, elsize: int, dev: int, step_bytes: int, step_vecs: int) -> NormConfig:
+    """The heuristic config (no measurement): small problems, the interpreter, CUDA-graph capture."""
+    mode, split = norm_plan(M, N, elsize, dev)
+    if mode == "reg":
+        bm, bn, nw = norm_reg_tile(M, N, elsize, dev)
+        return NormConfig("reg", bn, nw, block_m=bm)
+    block = norm_block(elsize, step_bytes)
+    nw = norm_stream_warps(block, elsize, step_vecs, dev)
+    if mode == "reload":
+        return NormConfig("reload", block, nw, progs=NORM_RELOAD_PROGS)
+    return NormConfig("split", block, nw, split=split)
+
+
+def norm_forced(
+    M: int, N: int, elsize: int, dev: int, step_bytes: int, step_vecs: int, **force: int | str | None
+) -> NormConfig | None:
+    """The tests' private overrides (`mode`, `split`, `block`, `num_warps`, `block_m`, `progs`) applied to
+    the heuristic config of the forced mode; None when nothing is forced."""
+    if all(v is None for v in force.values()):
+        return None
+    mode = force.get("mode") or norm_plan(M, N, elsize, dev)[0]
+    if mode in ("reg", "rows"):
+        bm, bn, nw = norm_reg_tile(M, N, elsize, dev)
+        cfg = NormConfig(mode, bn, nw, block_m=bm, progs=NORM_ROWS_PROGS if mode == "rows" else 0)
+    else:
+        block = norm_block(elsize, step_bytes)
+        nw = norm_stream_warps(block, elsize, step_vecs, dev)
+        planned_split = norm_plan(M, N, elsize, dev)[1]
+        cfg = NormConfig(mode, block, nw, progs=NORM_RELOAD_PROGS if mode == "reload" else 0,
+                         split=max(2, planned_split) if mode == "split" else 1)  # fmt: skip
+    repl = {k: v for k, v in force.items() if k != "mode" and v is not None}
+    return dataclasses.replace(cfg, **repl)
+
+
+# Candidates the tuner times. Sizes are in threads and 16-byte vectors per thread, so a 64-wide AMD wave
+# gets half the warps. Each keeps 1-4 vectors of x per thread in flight; the persistent ones keep
+# progs x threads <= NORM_PERSIST_THREADS. AOT on sm_90: none spills, all persistent ones <= 64 registers.
+# "reload" entries: (programs per SM, step bytes, threads); rows in flight stay within ~60 % of the L2.
+NORM_RELOAD_SET = ((1, 32768, 1024), (2, 16384, 512), (2, 8192, 256), (4, 8192, 256))
+# "rows" entries: (programs per SM, vectors per thread).
+NORM_ROWS_SET = ((2, 2), (1, 1), (1, 2))  # (1, 2) only where the others do not fit (N = 16384 bf16)
+
+
+def norm_candidates(
+    M: int, N: int, elsize: int, dev: int, first: NormConfig | None = None
+) -> list[NormConfig]:
+    """Configs the tuner times for x[M, N] (modes "reg", "rows", "reload"), deduplicated: `first` (the op's
+    heuristic config), then the tables above. At most ~7, since each costs a JIT compile (~0.5 s)."""
+    vec = 16 // elsize
+    ws = warp_size(dev)
+    cands: list[NormConfig] = [first] if first is not None else []
+
+    def add(c: NormConfig) -> None:
+        if c not in cands:
+            cands.append(c)
+
+    bn = next_pow2(N)
+    if N <= NORM_REG_MAX:
+        bm, bn, nw = norm_reg_tile(M, N, elsize, dev)
+        add(NormConfig("reg", bn, nw, block_m=bm))
+        tile = bm * bn
+        threads = tile // vec  # the heuristic holds 2 vectors per thread; also try 1 (more threads)
+        if threads <= 1024:
+            add(NormConfig("reg", bn, threads // ws, block_m=bm))
+        n_rows = 0
+        for progs, vecs in NORM_ROWS_SET:
+            threads = tile // (vecs * vec)
+            if n_rows < 2 and 4 * ws <= threads and progs * threads <= NORM_PERSIST_THREADS:
+                add(NormConfig("rows", bn, threads // ws, block_m=bm, progs=progs))
+                n_rows += 1
+    elif bn <= 1024 * 4 * vec and bn * elsize <= 65536:  # a row still fits 1024 threads x 4 vectors
+        add(NormConfig("reg", bn, 1024 // ws, block_m=1))
+    row_bytes = N * elsize
+    l2 = l2_bytes(dev)
+    for progs, step_bytes, threads in NORM_RELOAD_SET:
+        if row_bytes < step_bytes or progs * num_sms(dev) * row_bytes > 0.6 * l2:
+            continue
+        add(NormConfig("reload", step_bytes // elsize, max(1, threads // ws), progs=progs))
+    return cands
+
+
+@functools.cache
+def l2_bytes(device_index: int = 0) -> int:
+    """L2 cache size (60 MB on the H200); a stand-in on the CPU."""
+    if is_interpreter() or not torch.cuda.is_available():
+        return 60 << 20
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 60 << 20))
+
+
+def norm_grid(cfg: NormConfig, M: int, dev: int) -> int:
+    """Programs to launch: one per row tile ("reg"), or a persistent grid of progs x SMs ("rows"/"reload")."""
+    tiles = -(-M // cfg.block_m)
+    return tiles if cfg.mode == "reg" else max(1, min(tiles, cfg.progs * num_sms(dev)))
+
+
+def norm_should_tune(x: torch.Tensor) -> bool:
+    """Tune (time candidates) only for large CUDA problems outside graph capture; FUSEKIT_NORM_TUNE=0 never."""
+    if is_interpreter() or not x.is_cuda or x.numel() < NORM_TUNE_MIN_ELEMS:
+        return False
+    if os.environ.get("FUSEKIT_NORM_TUNE", "1") == "0":
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+_NORM_TUNED: dict[tuple, NormConfig] = {}
+
+
+def norm_m_bucket(M: int, dev: int) -> int:
+    """Rows per SM as a power of two capped at 16: the tuning key's only dependence on M."""
+    return min(16, next_pow2(-(-M // num_sms(dev))))
+
+
+def norm_tuned(key: tuple, candidates: list[NormConfig], run: Callable[[NormConfig], None]) -> NormConfig:
+    """The fastest of `candidates` for `key`, timed once per process (median of triton.testing.do_bench,
+    L2 flushed between runs, as the benchmarks time). `run(cfg)` launches the op with `cfg`; outputs are
+    pure functions of the inputs, so the timed re-runs are harmless. TRITON_PRINT_AUTOTUNING=1 prints the
+    times and the choice."""
+    hit = _NORM_TUNED.get(key)
+    if hit is not None:
+        return hit
+    from triton.testing import do_bench
+
+    timed: list[tuple[float, NormConfig]] = []
+    for cfg in candidates:
+        try:
+            run(cfg)  # compile outside the timing
+            t = do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=25, quantiles=[0.5])
+            timed.append((float(t[0] if isinstance(t, (list, tuple)) else t), cfg))
+        except Exception as exc:  # a config the compiler or device rejects (resources) is skipped
+            timed.append((math.inf, cfg))
+            if os.environ.get("TRITON_PRINT_AUTOTUNING"):
+                print(f"[fusekit norm tune] {key}: {cfg.label()} failed: {type(exc).__name__}: {exc}")
+    best_t, best = min(timed, key=lambda tc: tc[0])
+    if not math.isfinite(best_t):
+        raise RuntimeError(f"no norm config ran for {key}: {[c.label() for _, c in timed]}")
+    if os.environ.get("TRITON_PRINT_AUTOTUNING"):
+        table = "; ".join(f"{c.label()}: {t * 1e3:.1f} us" for t, c in timed)
+        print(f"[fusekit norm tune] {key}: best {best.label()} {best_t * 1e3:.1f} us | {table}", flush=True)
+    _NORM_TUNED[key] = best
+    return best
 
 
 ALIGNED_INTS = ("N", "K", "D", "F")  # row strides/extents the AOT variants assume are multiples of 16

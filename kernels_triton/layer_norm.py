@@ -17,11 +17,18 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import (
+    NORM_REG_MAX,
+    NormConfig,
     device_index,
-    norm_block,
-    norm_plan_forced,
-    norm_reg_tile,
-    norm_stream_warps,
+    div16_attrs,
+    norm_candidates,
+    norm_default,
+    norm_forced,
+    norm_grid,
+    norm_m_bucket,
+    norm_plan,
+    norm_should_tune,
+    norm_tuned,
     split_chunks,
 )
 
@@ -60,10 +67,51 @@ def _ln_reg_kernel(
 
 
 @triton.jit
+def _ln_rows_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, M, N, eps,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # Persistent "reg" (same statistics as _ln_reg_kernel): program p takes row tiles p, p + G, ...; the next
+    # tile is loaded (still in the input dtype: half the registers of fp32) before this one is processed.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    r = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    rows = pid * BLOCK_M + r
+    xn = tl.load(
+        x_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+        mask=(rows < M)[:, None] & cmask[None, :], other=0.0,
+    )  # fmt: skip
+    for t in range(pid, tl.cdiv(M, BLOCK_M), G):
+        rows = t * BLOCK_M + r
+        rmask = rows < M
+        m = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = xn.to(tl.float32)
+        nrows = rows + G * BLOCK_M
+        xn = tl.load(
+            x_ptr + nrows.to(tl.int64)[:, None] * N + cols[None, :],
+            mask=(nrows < M)[:, None] & cmask[None, :], other=0.0,
+        )  # fmt: skip
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(m, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        tl.store(mean_ptr + rows, mean, mask=rmask)
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = xc * rstd[:, None] * w[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _ln_normalize(
     x_ptr, w_ptr, b_ptr, out_ptr, base, wbase, n, shift, md, rstd, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
 ):
-    # Streams x[base : base + n] (usually from L2, last use: evict_first) into out. (x - K) - E[d] rather
+    # Streams x[base : base + n] (usually from L2, last use: evict_first) into out (never re-read here:
+    # evict_first, so its lines leave L2 before the x lines still to be re-read). (x - K) - E[d] rather
     # than x - mean: x - K is exact for x near K, so the fp32 rounding of a large mean never enters y.
     cols = tl.arange(0, BLOCK)
     for k in range(0, n, BLOCK):
@@ -74,7 +122,7 @@ def _ln_normalize(
         y = ((x - shift) - md) * rstd * w
         if HAS_BIAS:
             y += tl.load(b_ptr + wbase + c, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        tl.store(out_ptr + base + c, y.to(out_ptr.dtype.element_ty), mask=cm)
+        tl.store(out_ptr + base + c, y.to(out_ptr.dtype.element_ty), mask=cm, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -86,7 +134,7 @@ def _ln_shifted_sums(x_ptr, base, n, shift, BLOCK: tl.constexpr):
     for k in range(0, n, BLOCK):
         c = k + cols
         cm = c < n
-        # evict_last: the normalize pass re-reads this row from L2.
+        # evict_last: the normalize kernel re-reads this chunk (from L2 when x fits there).
         xv = tl.load(x_ptr + base + c, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
         d = tl.where(cm, xv - shift, 0.0)
         s1 += d
@@ -96,18 +144,41 @@ def _ln_shifted_sums(x_ptr, base, n, shift, BLOCK: tl.constexpr):
 
 @triton.jit
 def _ln_reload_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, N, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, M, N, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
 ):
-    row = tl.program_id(0)
-    base = row.to(tl.int64) * N
-    shift = tl.load(x_ptr + base).to(tl.float32)
-    s1, s2 = _ln_shifted_sums(x_ptr, base, N, shift, BLOCK)
-    md = s1 / N
-    mean = shift + md
-    rstd = tl.rsqrt(tl.maximum(s2 / N - md * md, 0.0) + eps)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
-    _ln_normalize(x_ptr, w_ptr, b_ptr, out_ptr, base, 0, N, shift, md, rstd, HAS_BIAS, BLOCK)
+    # Persistent: program p normalizes rows p, p + G, ... (G = grid <= M), so the rows in flight are G.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    # xn / shift_n: the next step of x and the next row's shift K, loaded one step ahead (pass 1) and across
+    # the row switch (before pass 2), so the statistics pass never starts with an empty load queue.
+    base0 = pid.to(tl.int64) * N
+    xn = tl.load(x_ptr + base0 + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+    shift_n = tl.load(x_ptr + base0).to(tl.float32)
+    for row in range(pid, M, G):
+        base = tl.cast(row, tl.int64) * N  # tl.cast: a loop index is a Python int in the interpreter
+        shift = shift_n
+        s1 = tl.zeros((BLOCK,), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(0, N, BLOCK):
+            cm = k + cols < N
+            d = tl.where(cm, xn.to(tl.float32) - shift, 0.0)
+            c = k + BLOCK + cols
+            # evict_last: pass 2 re-reads this row from L2.
+            xn = tl.load(x_ptr + base + c, mask=c < N, other=0.0, eviction_policy="evict_last")
+            s1 += d
+            s2 += d * d
+        md = tl.sum(s1, axis=0) / N
+        mean = shift + md
+        rstd = tl.rsqrt(tl.maximum(tl.sum(s2, axis=0) / N - md * md, 0.0) + eps)
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+        nxt = row + G
+        n_nxt = tl.where(nxt < M, N, 0)  # elements of the next row to load: none past the last row
+        nbase = tl.minimum(nxt, M - 1).to(tl.int64) * N
+        xn = tl.load(x_ptr + nbase + cols, mask=cols < n_nxt, other=0.0, eviction_policy="evict_last")
+        shift_n = tl.load(x_ptr + nbase).to(tl.float32)
+        _ln_normalize(x_ptr, w_ptr, b_ptr, out_ptr, base, 0, N, shift, md, rstd, HAS_BIAS, BLOCK)
 
 
 @triton.jit
@@ -148,6 +219,44 @@ def _ln_split_norm_kernel(
     _ln_normalize(x_ptr, w_ptr, b_ptr, out_ptr, rbase + start, start, n, shift, md, rstd, HAS_BIAS, BLOCK)
 
 
+def _launch(cfg: NormConfig, out, mean, rstd, x, weight, bias, eps: float) -> None:
+    M, N = x.shape
+    dev = device_index(x)
+    has_bias = bias is not None
+    b = bias if has_bias else weight  # never read when HAS_BIAS is False
+    grid = (norm_grid(cfg, M, dev),)
+    if cfg.mode in ("reg", "rows"):
+        fn = _ln_reg_kernel if cfg.mode == "reg" else _ln_rows_kernel
+        fn[grid](
+            x, weight, b, out, mean, rstd, M, N, eps,
+            HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    elif cfg.mode == "reload":
+        _ln_reload_kernel[grid](
+            x,
+            weight,
+            b,
+            out,
+            mean,
+            rstd,
+            M,
+            N,
+            eps,
+            HAS_BIAS=has_bias,
+            BLOCK=cfg.block,
+            num_warps=cfg.num_warps,
+        )
+    else:
+        split, chunk = split_chunks(N, cfg.split, cfg.block, SPLIT_MAX)
+        part = torch.empty((M, split, 2), dtype=torch.float32, device=x.device)
+        grid = (M * split,)
+        _ln_partial_kernel[grid](x, part, N, split, chunk, BLOCK=cfg.block, num_warps=cfg.num_warps)
+        _ln_split_norm_kernel[grid](
+            x, weight, b, out, mean, rstd, part, N, split, chunk, eps,
+            HAS_BIAS=has_bias, BLOCK=cfg.block, BLOCK_S=SPLIT_MAX, num_warps=cfg.num_warps,
+        )  # fmt: skip
+
+
 def layer_norm(
     out: torch.Tensor,
     mean: torch.Tensor,
@@ -162,72 +271,95 @@ def layer_norm(
     _block: int | None = None,
     _num_warps: int | None = None,
     _block_m: int | None = None,
+    _progs: int | None = None,
 ) -> None:
     """out[M, N], mean[M], rstd[M] <- LayerNorm(x[M, N]) with weight[N], bias[N] | None."""
     M, N = x.shape
     dev = device_index(x)
     es = x.element_size()
-    has_bias = bias is not None
-    b = bias if has_bias else weight  # never read when HAS_BIAS is False
-    mode, split = norm_plan_forced(M, N, es, dev, _mode, _split)
-    if mode == "reg":
-        bm, bn, nw = norm_reg_tile(M, N, es, dev)
-        bm = _block_m or bm
-        _ln_reg_kernel[(triton.cdiv(M, bm),)](
-            x, weight, b, out, mean, rstd, M, N, eps,
-            HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, num_warps=_num_warps or nw,
-        )  # fmt: skip
-        return
-    block = _block or norm_block(es, STREAM_BYTES)
-    nw = _num_warps or norm_stream_warps(block, es, STREAM_VECS, dev)
-    if mode == "reload":
-        _ln_reload_kernel[(M,)](
-            x, weight, b, out, mean, rstd, N, eps, HAS_BIAS=has_bias, BLOCK=block, num_warps=nw
-        )
-        return
-    split, chunk = split_chunks(N, split, block, SPLIT_MAX)
-    part = torch.empty((M, split, 2), dtype=torch.float32, device=x.device)
-    grid = (M * split,)
-    _ln_partial_kernel[grid](x, part, N, split, chunk, BLOCK=block, num_warps=nw)
-    _ln_split_norm_kernel[grid](
-        x, weight, b, out, mean, rstd, part, N, split, chunk, eps,
-        HAS_BIAS=has_bias, BLOCK=block, BLOCK_S=SPLIT_MAX, num_warps=nw,
+    cfg = norm_forced(
+        M, N, es, dev, STREAM_BYTES, STREAM_VECS,
+        mode=_mode, split=_split, block=_block, num_warps=_num_warps, block_m=_block_m, progs=_progs,
     )  # fmt: skip
+    if cfg is None and norm_plan(M, N, es, dev)[0] != "split" and norm_should_tune(x):
+        key = ("layer_norm", N, x.dtype, bias is not None, norm_m_bucket(M, dev), dev)
+        cfg = norm_tuned(
+            key,
+            norm_candidates(M, N, es, dev, norm_default(M, N, es, dev, STREAM_BYTES, STREAM_VECS)),
+            lambda c: _launch(c, out, mean, rstd, x, weight, bias, eps),
+        )
+    _launch(
+        cfg or norm_default(M, N, es, dev, STREAM_BYTES, STREAM_VECS), out, mean, rstd, x, weight, bias, eps
+    )
 
 
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
-def aot_specs() -> list[tuple[str, object, dict, dict]]:
-    """Reg tiles for N = 2^k (128 .. 16384) in bf16, reload/split kernels, with and without bias."""
-    specs: list[tuple[str, object, dict, dict]] = []
+AOT_NS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # bf16 row lengths whose tuned sets compile
+
+
+def aot_configs(n: int, es: int) -> list[NormConfig]:
+    """Every config the launcher can pick for rows of n: the heuristic plans and all tuning candidates."""
+    cfgs = [norm_default(1 << 20, n, es, 0, STREAM_BYTES, STREAM_VECS)]
+    cfgs += [c for c in norm_candidates(1 << 20, n, es, 0, cfgs[0]) if c not in cfgs]
+    if n > NORM_REG_MAX:
+        cfgs.append(norm_default(4, n, es, 0, STREAM_BYTES, STREAM_VECS))  # "split"
+    return cfgs
+
+
+def aot_specs() -> list[tuple]:
+    """Per dtype (bf16: every AOT_NS; fp16/fp32: n = 4096 and 65536) the heuristic and tuned configs, with
+    bias (and, for bf16 n = 4096 / 65536, without)."""
+    specs: list[tuple] = []
+    seen: set[str] = set()
     for dt in ("bf16", "fp16", "fp32"):
         es = 4 if dt == "fp32" else 2
         p = f"*{dt}"
-        ptrs = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "mean_ptr": "*fp32", "rstd_ptr": "*fp32"}
-        ns = (128, 512, 1024, 2048, 4096, 8192, 16384) if dt == "bf16" else (4096,)
-        for n in ns:
-            for hb in (True, False) if n == 4096 else (True,):
-                bm, bn, nw = norm_reg_tile(1 << 20, n, es, 0)
-                sig = ptrs | {"M": "i32", "N": "i32", "eps": "fp32"}
-                sig |= {"HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
-                ce = {"HAS_BIAS": hb, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": nw}
-                specs.append((f"ln_reg_{dt}_n{n}{'_bias' if hb else ''}", _ln_reg_kernel, sig, ce))
-        block = STREAM_BYTES // es
-        nw = norm_stream_warps(block, es, STREAM_VECS, 0)
-        for hb in (True, False):
-            sig = ptrs | {"N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
-            ce = {"HAS_BIAS": hb, "BLOCK": block, "num_warps": nw}
-            specs.append((f"ln_reload_{dt}{'_bias' if hb else ''}", _ln_reload_kernel, sig, ce))
-            sig = ptrs | {"part_ptr": "*fp32", "N": "i32", "SPLIT": "i32", "CHUNK": "i32", "eps": "fp32"}
-            sig |= {"HAS_BIAS": "constexpr", "BLOCK": "constexpr", "BLOCK_S": "constexpr"}
-            ce = {"HAS_BIAS": hb, "BLOCK": block, "BLOCK_S": SPLIT_MAX, "num_warps": nw}
-            specs.append((f"ln_split_norm_{dt}{'_bias' if hb else ''}", _ln_split_norm_kernel, sig, ce))
-        sig = {
-            "x_ptr": p,
-            "part_ptr": "*fp32",
-            "N": "i32",
-            "SPLIT": "i32",
-            "CHUNK": "i32",
-            "BLOCK": "constexpr",
-        }
-        specs.append((f"ln_partial_{dt}", _ln_partial_kernel, sig, {"BLOCK": block, "num_warps": nw}))
+        io = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "mean_ptr": "*fp32", "rstd_ptr": "*fp32"}
+        for n in AOT_NS if dt == "bf16" else (4096, 65536):
+            for c in aot_configs(n, es):
+                tag = f"{dt}_b{c.block}_w{c.num_warps}"
+                todo: list[tuple] = []
+                for hb in (True, False) if (dt == "bf16" and n in (4096, 65536)) else (True,):
+                    bt = "_bias" if hb else ""
+                    if c.mode in ("reg", "rows"):
+                        fn = _ln_reg_kernel if c.mode == "reg" else _ln_rows_kernel
+                        sig = io | {"M": "i32", "N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr"}
+                        sig |= {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+                        ce = {
+                            "HAS_BIAS": hb,
+                            "BLOCK_M": c.block_m,
+                            "BLOCK_N": c.block,
+                            "num_warps": c.num_warps,
+                        }
+                        todo.append(
+                            (f"ln_{c.mode}_{dt}_{c.block_m}x{c.block}_w{c.num_warps}{bt}", fn, sig, ce)
+                        )
+                    elif c.mode == "reload":
+                        sig = io | {"M": "i32", "N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr"}
+                        sig |= {"BLOCK": "constexpr"}
+                        ce = {"HAS_BIAS": hb, "BLOCK": c.block, "num_warps": c.num_warps}
+                        todo.append((f"ln_reload_{tag}{bt}", _ln_reload_kernel, sig, ce))
+                    else:
+                        sig = io | {"part_ptr": "*fp32", "N": "i32", "SPLIT": "i32", "CHUNK": "i32"}
+                        sig |= {
+                            "eps": "fp32",
+                            "HAS_BIAS": "constexpr",
+                            "BLOCK": "constexpr",
+                            "BLOCK_S": "constexpr",
+                        }
+                        ce = {
+                            "HAS_BIAS": hb,
+                            "BLOCK": c.block,
+                            "BLOCK_S": SPLIT_MAX,
+                            "num_warps": c.num_warps,
+                        }
+                        todo.append((f"ln_split_norm_{tag}{bt}", _ln_split_norm_kernel, sig, ce))
+                        sig = {"x_ptr": p, "part_ptr": "*fp32", "N": "i32", "SPLIT": "i32", "CHUNK": "i32"}
+                        sig |= {"BLOCK": "constexpr"}
+                        ce = {"BLOCK": c.block, "num_warps": c.num_warps}
+                        todo.append((f"ln_partial_{tag}", _ln_partial_kernel, sig, ce))
+                for name, fn, sig, ce in todo:
+                    if name not in seen:
+                        seen.add(name)
+                        specs.append((name, fn, sig, ce, {}, div16_attrs(sig)))
     return specs

@@ -12,11 +12,18 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import (
+    NORM_REG_MAX,
+    NormConfig,
     device_index,
-    norm_block,
-    norm_plan_forced,
-    norm_reg_tile,
-    norm_stream_warps,
+    div16_attrs,
+    norm_candidates,
+    norm_default,
+    norm_forced,
+    norm_grid,
+    norm_m_bucket,
+    norm_plan,
+    norm_should_tune,
+    norm_tuned,
     split_chunks,
 )
 
@@ -48,24 +55,70 @@ def _rms_reg_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, M, N, eps, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _rms_reload_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, N, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    base = row.to(tl.int64) * N
+def _rms_rows_kernel(
+    x_ptr, w_ptr, out_ptr, rstd_ptr, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    # Persistent "reg": program p takes row tiles p, p + G, ...; the next tile is loaded (still bf16/fp16:
+    # half the registers of its fp32 copy) before this tile is reduced and stored.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    r = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    rows = pid * BLOCK_M + r
+    xn = tl.load(
+        x_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+        mask=(rows < M)[:, None] & cmask[None, :], other=0.0,
+    )  # fmt: skip
+    for t in range(pid, tl.cdiv(M, BLOCK_M), G):
+        rows = t * BLOCK_M + r
+        rmask = rows < M
+        m = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = xn.to(tl.float32)
+        nrows = rows + G * BLOCK_M
+        xn = tl.load(
+            x_ptr + nrows.to(tl.int64)[:, None] * N + cols[None, :],
+            mask=(nrows < M)[:, None] & cmask[None, :], other=0.0,
+        )  # fmt: skip
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, (x * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rms_reload_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, M, N, eps, BLOCK: tl.constexpr):
+    # Persistent: program p normalizes rows p, p + G, ... (G = grid <= M), so the rows in flight are G.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(0, N, BLOCK):
-        c = k + cols
-        x = tl.load(x_ptr + base + c, mask=c < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        acc += x * x
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
-    tl.store(rstd_ptr + row, rstd)
-    # Second pass re-reads the row: it was streamed microseconds ago and is still in L2.
-    for k in range(0, N, BLOCK):
-        c = k + cols
-        cm = c < N
-        x = tl.load(x_ptr + base + c, mask=cm, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        w = tl.load(w_ptr + c, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        tl.store(out_ptr + base + c, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=cm)
+    # xn: the next step of x, loaded one step ahead (pass 1) and across the row switch (before pass 2).
+    xn = tl.load(x_ptr + pid.to(tl.int64) * N + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+    for row in range(pid, M, G):
+        base = tl.cast(row, tl.int64) * N  # tl.cast: a loop index is a Python int in the interpreter
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(0, N, BLOCK):
+            x = xn.to(tl.float32)
+            c = k + BLOCK + cols
+            xn = tl.load(x_ptr + base + c, mask=c < N, other=0.0, eviction_policy="evict_last")
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        tl.store(rstd_ptr + row, rstd)
+        nxt = row + G
+        n_nxt = tl.where(nxt < M, N, 0)  # elements of the next row to load: none past the last row
+        xn = tl.load(
+            x_ptr + nxt.to(tl.int64) * N + cols, mask=cols < n_nxt, other=0.0, eviction_policy="evict_last"
+        )
+        # Pass 2 re-reads the row from L2 (last use: evict_first); out is never re-read (evict_first too,
+        # so its dirty lines go before the x lines pass 2 still needs).
+        for k in range(0, N, BLOCK):
+            c = k + cols
+            cm = c < N
+            x = tl.load(x_ptr + base + c, mask=cm, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(w_ptr + c, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            y = (x * rstd * w).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + base + c, y, mask=cm, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -119,6 +172,31 @@ def _rms_split_norm_kernel(
         tl.store(out_ptr + base + c, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=cm)
 
 
+def _launch(cfg: NormConfig, out, rstd, x, weight, eps: float) -> None:
+    M, N = x.shape
+    dev = device_index(x)
+    grid = (norm_grid(cfg, M, dev),)
+    if cfg.mode == "reg":
+        _rms_reg_kernel[grid](
+            x, weight, out, rstd, M, N, eps, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block, num_warps=cfg.num_warps
+        )
+    elif cfg.mode == "rows":
+        _rms_rows_kernel[grid](
+            x, weight, out, rstd, M, N, eps, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block, num_warps=cfg.num_warps
+        )
+    elif cfg.mode == "reload":
+        _rms_reload_kernel[grid](x, weight, out, rstd, M, N, eps, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    else:
+        split, chunk = split_chunks(N, cfg.split, cfg.block, SPLIT_MAX)
+        part = torch.empty((M, split), dtype=torch.float32, device=x.device)
+        grid = (M * split,)
+        _rms_partial_kernel[grid](x, part, N, split, chunk, BLOCK=cfg.block, num_warps=cfg.num_warps)
+        _rms_split_norm_kernel[grid](
+            x, weight, out, rstd, part, N, split, chunk, eps, BLOCK=cfg.block,
+            BLOCK_S=SPLIT_MAX, num_warps=cfg.num_warps,
+        )  # fmt: skip
+
+
 def rms_norm(
     out: torch.Tensor,
     rstd: torch.Tensor,
@@ -131,72 +209,83 @@ def rms_norm(
     _block: int | None = None,
     _num_warps: int | None = None,
     _block_m: int | None = None,
+    _progs: int | None = None,
 ) -> None:
     """out[M, N], rstd[M] <- RMSNorm(x[M, N]) * weight[N]. Private `_mode`/... force a config (tests)."""
     M, N = x.shape
     dev = device_index(x)
     es = x.element_size()
-    mode, split = norm_plan_forced(M, N, es, dev, _mode, _split)
-    if mode == "reg":
-        bm, bn, nw = norm_reg_tile(M, N, es, dev)
-        bm = _block_m or bm
-        _rms_reg_kernel[(triton.cdiv(M, bm),)](
-            x, weight, out, rstd, M, N, eps, BLOCK_M=bm, BLOCK_N=bn, num_warps=_num_warps or nw
-        )
-        return
-    block = _block or norm_block(es, STREAM_BYTES)
-    nw = _num_warps or norm_stream_warps(block, es, STREAM_VECS, dev)
-    if mode == "reload":
-        _rms_reload_kernel[(M,)](x, weight, out, rstd, N, eps, BLOCK=block, num_warps=nw)
-        return
-    split, chunk = split_chunks(N, split, block, SPLIT_MAX)
-    part = torch.empty((M, split), dtype=torch.float32, device=x.device)
-    grid = (M * split,)
-    _rms_partial_kernel[grid](x, part, N, split, chunk, BLOCK=block, num_warps=nw)
-    _rms_split_norm_kernel[grid](
-        x, weight, out, rstd, part, N, split, chunk, eps, BLOCK=block,
-        BLOCK_S=SPLIT_MAX, num_warps=nw,
+    cfg = norm_forced(
+        M, N, es, dev, STREAM_BYTES, STREAM_VECS,
+        mode=_mode, split=_split, block=_block, num_warps=_num_warps, block_m=_block_m, progs=_progs,
     )  # fmt: skip
+    if cfg is None and norm_plan(M, N, es, dev)[0] != "split" and norm_should_tune(x):
+        key = ("rms_norm", N, x.dtype, norm_m_bucket(M, dev), dev)
+        cfg = norm_tuned(
+            key,
+            norm_candidates(M, N, es, dev, norm_default(M, N, es, dev, STREAM_BYTES, STREAM_VECS)),
+            lambda c: _launch(c, out, rstd, x, weight, eps),
+        )
+    _launch(cfg or norm_default(M, N, es, dev, STREAM_BYTES, STREAM_VECS), out, rstd, x, weight, eps)
 
 
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
-def aot_specs() -> list[tuple[str, object, dict, dict]]:
-    """Reg tiles for N = 2^k (128 .. 16384), reload and split kernels, for bf16 (all) and fp16/fp32 (some)."""
-    specs: list[tuple[str, object, dict, dict]] = []
+AOT_NS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # bf16 row lengths whose tuned sets compile
+
+
+def aot_configs(n: int, es: int) -> list[NormConfig]:
+    """Every config the launcher can pick for rows of n: the heuristic plans and all tuning candidates."""
+    cfgs = [norm_default(1 << 20, n, es, 0, STREAM_BYTES, STREAM_VECS)]
+    cfgs += [c for c in norm_candidates(1 << 20, n, es, 0, cfgs[0]) if c not in cfgs]
+    if n > NORM_REG_MAX:
+        cfgs.append(norm_default(4, n, es, 0, STREAM_BYTES, STREAM_VECS))  # "split"
+    return cfgs
+
+
+def aot_specs() -> list[tuple]:
+    """Per dtype (bf16: every AOT_NS; fp16/fp32: n = 4096 and 65536) the heuristic and tuned configs."""
+    specs: list[tuple] = []
+    seen: set[tuple] = set()
     for dt in ("bf16", "fp16", "fp32"):
         es = 4 if dt == "fp32" else 2
         ptr = f"*{dt}"
-        ns = (128, 512, 1024, 2048, 4096, 8192, 16384) if dt == "bf16" else (4096,)
-        for n in ns:
-            bm, bn, nw = norm_reg_tile(1 << 20, n, es, 0)
-            sig = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "rstd_ptr": "*fp32", "M": "i32", "N": "i32"}
-            sig |= {"eps": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
-            specs.append(
-                (f"rms_reg_{dt}_n{n}", _rms_reg_kernel, sig, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": nw})
-            )
-        block = STREAM_BYTES // es
-        nw = norm_stream_warps(block, es, STREAM_VECS, 0)
-        sig = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "rstd_ptr": "*fp32", "N": "i32", "eps": "fp32"}
-        sig |= {"BLOCK": "constexpr"}
-        specs.append((f"rms_reload_{dt}", _rms_reload_kernel, sig, {"BLOCK": block, "num_warps": nw}))
-        sig = {
-            "x_ptr": ptr,
-            "part_ptr": "*fp32",
-            "N": "i32",
-            "SPLIT": "i32",
-            "CHUNK": "i32",
-            "BLOCK": "constexpr",
-        }
-        specs.append((f"rms_partial_{dt}", _rms_partial_kernel, sig, {"BLOCK": block, "num_warps": nw}))
-        sig = {
-            "x_ptr": ptr,
-            "w_ptr": ptr,
-            "out_ptr": ptr,
-            "rstd_ptr": "*fp32",
-            "part_ptr": "*fp32",
-            "N": "i32",
-        }
-        sig |= {"SPLIT": "i32", "CHUNK": "i32", "eps": "fp32", "BLOCK": "constexpr", "BLOCK_S": "constexpr"}
-        ce = {"BLOCK": block, "BLOCK_S": SPLIT_MAX, "num_warps": nw}
-        specs.append((f"rms_split_norm_{dt}", _rms_split_norm_kernel, sig, ce))
+        io = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "rstd_ptr": "*fp32"}
+        for n in AOT_NS if dt == "bf16" else (4096, 65536):
+            for c in aot_configs(n, es):
+                if c.mode in ("reg", "rows"):
+                    fn = _rms_reg_kernel if c.mode == "reg" else _rms_rows_kernel
+                    sig = io | {
+                        "M": "i32",
+                        "N": "i32",
+                        "eps": "fp32",
+                        "BLOCK_M": "constexpr",
+                        "BLOCK_N": "constexpr",
+                    }
+                    ce = {"BLOCK_M": c.block_m, "BLOCK_N": c.block, "num_warps": c.num_warps}
+                    todo = [(f"rms_{c.mode}_{dt}_{c.block_m}x{c.block}_w{c.num_warps}", fn, sig, ce)]
+                elif c.mode == "reload":
+                    sig = io | {"M": "i32", "N": "i32", "eps": "fp32", "BLOCK": "constexpr"}
+                    ce = {"BLOCK": c.block, "num_warps": c.num_warps}
+                    todo = [(f"rms_reload_{dt}_b{c.block}_w{c.num_warps}", _rms_reload_kernel, sig, ce)]
+                else:
+                    ce = {"BLOCK": c.block, "num_warps": c.num_warps}
+                    sig = {"x_ptr": ptr, "part_ptr": "*fp32", "N": "i32", "SPLIT": "i32", "CHUNK": "i32"}
+                    sig |= {"BLOCK": "constexpr"}
+                    todo = [(f"rms_partial_{dt}_b{c.block}_w{c.num_warps}", _rms_partial_kernel, sig, ce)]
+                    sig = io | {
+                        "part_ptr": "*fp32",
+                        "N": "i32",
+                        "SPLIT": "i32",
+                        "CHUNK": "i32",
+                        "eps": "fp32",
+                    }
+                    sig |= {"BLOCK": "constexpr", "BLOCK_S": "constexpr"}
+                    ce = ce | {"BLOCK_S": SPLIT_MAX}
+                    todo.append(
+                        (f"rms_split_norm_{dt}_b{c.block}_w{c.num_warps}", _rms_split_norm_kernel, sig, ce)
+                    )
+                for name, fn, sig, ce in todo:
+                    if name not in seen:
+                        seen.add(name)
+                        specs.append((name, fn, sig, ce, {}, div16_attrs(sig)))
     return specs

@@ -114,9 +114,39 @@ def test_reduce_sum_default_plan() -> None:
 NORM_CASES = [
     ("reg", 37, 100),  # several rows per program, masked columns
     ("reg", 5, 1128),
+    ("rows", 37, 100),  # persistent register tiles with prefetch, ragged last tile
     ("reload", 6, 3000),  # two-pass streaming, ragged last block
     ("split", 3, 2500),  # several programs per row
 ]
+# Persistent kernels (the interpreter stands in 4 SMs, so grid = progs x 4, capped at the row tiles):
+# M not a multiple of the grid, M below the grid, N below / not a multiple of the step (interpreter: 256).
+PERSISTENT_CASES = [
+    ("reload", 7, 3000, {"_progs": 1}),  # grid 4: programs take 2 or 1 rows
+    ("reload", 13, 1000, {"_progs": 2}),  # grid 8
+    ("reload", 3, 700, {"_progs": 3}),  # M < progs x SMs: grid capped at M
+    ("reload", 9, 100, {"_progs": 2}),  # a row shorter than one step
+    ("reload", 5, 777, {"_progs": 1, "_block": 128}),  # odd N, several ragged steps
+    ("rows", 37, 300, {"_progs": 1, "_block_m": 4}),  # 10 tiles over 4 programs, last tile 1 row
+    ("rows", 3, 1128, {"_progs": 2, "_block_m": 1}),  # M < grid
+    ("rows", 23, 2000, {"_progs": 2, "_block_m": 2}),
+    ("reg", 6, 3000, {"_num_warps": 32, "_block_m": 1}),  # the 32-warp long-row candidate
+]
+
+
+def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    xd = x.double()
+    ref_rstd = torch.rsqrt(xd.square().mean(-1) + eps)
+    return xd * ref_rstd[:, None] * w.double(), ref_rstd
+
+
+def _ln_ref(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    xd = x.double()
+    ref_mean = xd.mean(-1)
+    ref_rstd = torch.rsqrt((xd - ref_mean[:, None]).square().mean(-1) + eps)
+    ref = (xd - ref_mean[:, None]) * ref_rstd[:, None] * w.double()
+    return (ref + b.double() if b is not None else ref), ref_mean, ref_rstd
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -175,6 +205,69 @@ def test_layer_norm_large_mean_is_stable(mode: str) -> None:
     torch_err = rel_error(xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + 1e-5), ref)
     assert rel_error(rstd, ref_rstd) <= 1e-4
     assert rel_error(out, ref) <= 2 * torch_err + 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,M,N,kw", PERSISTENT_CASES)
+def test_norms_persistent(dtype: torch.dtype, mode: str, M: int, N: int, kw: dict) -> None:
+    x = _randn(M, N, dtype=dtype, seed=M + N, scale=2.0, shift=1.5)
+    w = _randn(N, dtype=dtype, seed=N + 1)
+    b = _randn(N, dtype=dtype, seed=N + 2)
+    out = torch.full_like(x, float("nan"))
+    rstd = torch.full((M,), float("nan"))
+    rms_norm(out, rstd, x, w, 1e-6, _mode=mode, **kw)
+    ref, ref_rstd = _rms_ref(x, w, 1e-6)
+    assert rel_error(out, ref) <= TOL[dtype]
+    assert rel_error(rstd, ref_rstd) <= 1e-5
+    out = torch.full_like(x, float("nan"))
+    mean = torch.full((M,), float("nan"))
+    rstd = torch.full((M,), float("nan"))
+    layer_norm(out, mean, rstd, x, w, b, 1e-5, _mode=mode, **kw)
+    ref, ref_mean, ref_rstd = _ln_ref(x, w, b, 1e-5)
+    assert rel_error(out, ref) <= TOL[dtype]
+    assert rel_error(mean, ref_mean) <= 1e-5
+    assert rel_error(rstd, ref_rstd) <= 1e-5
+
+
+def test_norm_tuner_picks_fastest_and_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    import triton.testing
+
+    cfgs = [_config.NormConfig("reg", 1024, 8), _config.NormConfig("rows", 1024, 4, progs=2)]
+    cfgs.append(_config.NormConfig("reload", 256, 4, progs=1))
+    times = {cfgs[0]: 2.0, cfgs[1]: 1.0}  # cfgs[2] "fails to compile"
+    current: list[_config.NormConfig] = []
+
+    def run(cfg: _config.NormConfig) -> None:
+        if cfg not in times:
+            raise RuntimeError("out of resources")
+        current[:] = [cfg]
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), [times[current[0]]])[1])
+    key = ("test", 1024, torch.float32)
+    monkeypatch.delitem(_config._NORM_TUNED, key, raising=False)
+    assert _config.norm_tuned(key, cfgs, run) == cfgs[1]
+    times[cfgs[0]] = 0.5  # cached: not re-timed
+    assert _config.norm_tuned(key, cfgs, run) == cfgs[1]
+    monkeypatch.delitem(_config._NORM_TUNED, key)
+
+
+def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Everything the H200 tuner (132 SMs, 60 MB L2, warp 32) may launch for bf16 must be compiled by the
+    # aot session; aot_configs runs with the CPU's stand-in SM count, which filters less.
+    from kernels_triton import layer_norm as ln_mod
+    from kernels_triton import rms_norm as rms_mod
+
+    for mod in (rms_mod, ln_mod):
+        monkeypatch.setattr(_config, "is_interpreter", lambda: False)  # real step sizes, as the aot session
+        aot = {n: set(mod.aot_configs(n, 2)) for n in mod.AOT_NS}
+        monkeypatch.setattr(_config, "num_sms", lambda dev=0: 132)
+        monkeypatch.setattr(_config, "l2_bytes", lambda dev=0: 60 << 20)
+        for n in mod.AOT_NS:
+            for m in (max(264, _config.NORM_TUNE_MIN_ELEMS // n), 32768):  # tuned sizes (no "split")
+                first = _config.norm_default(m, n, 2, 0, mod.STREAM_BYTES, mod.STREAM_VECS)
+                cands = _config.norm_candidates(m, n, 2, 0, first)
+                assert set(cands) <= aot[n], (mod.__name__, n, m, set(cands) - aot[n])
+        monkeypatch.undo()
 
 
 def test_norm_plan_thresholds() -> None:
