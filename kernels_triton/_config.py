@@ -170,11 +170,19 @@ def norm_default(M: int, N: int, elsize: int, dev: int, step_bytes: int, step_ve
     if mode == "reg":
         bm, bn, nw = norm_reg_tile(M, N, elsize, dev)
         return NormConfig("reg", bn, nw, block_m=bm)
+    if mode == "split":
+        step_bytes, step_vecs = _split_step(step_bytes, step_vecs)
     block = norm_block(elsize, step_bytes)
     nw = norm_stream_warps(block, elsize, step_vecs, dev)
     if mode == "reload":
         return NormConfig("reload", block, nw, progs=NORM_RELOAD_PROGS)
     return NormConfig("split", block, nw, split=split)
+
+
+def _split_step(step_bytes: int, step_vecs: int) -> tuple[int, int]:
+    # "split" steps are capped at 16 KB / 2 vectors per thread: its normalize kernel at 32 KB / 4 vectors
+    # spilled 32 VGPRs on gfx942 (AOT); it runs only for M < 2 x SMs rows, where the step size hardly matters.
+    return min(step_bytes, 16384), min(step_vecs, 2)
 
 
 def norm_forced(
@@ -189,6 +197,8 @@ def norm_forced(
         bm, bn, nw = norm_reg_tile(M, N, elsize, dev)
         cfg = NormConfig(mode, bn, nw, block_m=bm, progs=NORM_ROWS_PROGS if mode == "rows" else 0)
     else:
+        if mode == "split":
+            step_bytes, step_vecs = _split_step(step_bytes, step_vecs)
         block = norm_block(elsize, step_bytes)
         nw = norm_stream_warps(block, elsize, step_vecs, dev)
         planned_split = norm_plan(M, N, elsize, dev)[1]

@@ -1,10 +1,11 @@
 """LayerNorm: out = (x - mean) * rstd * w (+ b), biased variance, fp32 math, one cast; mean/rstd[M] fp32.
 
-Byte floor: read x once, write out once: 32768 x 8192 bf16 = 1.07 GB -> 0.25 ms at ~4.3 TB/s;
-16384 x 65536 bf16 = 4.29 GB -> 1.0 ms. Modes ("reg", "reload", "split") and thresholds: `norm_plan` in
-kernels_triton/_config.py.
+Byte floor: read x once, write out once (+ 2N weights/bias, 2M statistics), 2 x M x N x elsize:
+32768 x 8192 bf16 = 1.07 GB -> 251 us at the H200's measured 4274 GB/s copy rate; 16384 x 65536 bf16 =
+4.29 GB -> 1004 us. The modes ("reg", "rows", "reload", "split") are shaped exactly as in rms_norm.py (the
+table is in kernels_triton/_config.py); large problems pick among them by timing (`norm_tuned`).
 
-Statistics: "reg" holds the row and does the exact two-pass (mean, then mean of squared deviations), as
+Statistics: "reg"/"rows" hold the row and do the exact two-pass (mean, then mean of squared deviations), as
 the reference. "reload"/"split" stream the row once for the statistics, using sums of d = x - K with the
 shift K = x[row, 0]: var = E[d^2] - E[d]^2 loses almost nothing because K lies within a few standard
 deviations of the mean, so rows with a large mean (1e4 +- 1) stay accurate, unlike raw E[x^2] - E[x]^2.
@@ -32,9 +33,9 @@ from kernels_triton._config import (
     split_chunks,
 )
 
-# Streaming step of "reload"/"split": 16 KB of x per step, 2 x 16-byte vectors per thread (16 warps on
-# NVIDIA); two fp32 accumulators per element make wider steps slower here than for rms_norm. On the H200
-# at 16384 x 65536 bf16: 1492 us vs 1558 us for 16 KB / 8 warps, 1700 us for 32 KB / 16 warps.
+# Heuristic (untuned) step of "reload"/"split": 16 KB of x, 2 x 16-byte vectors per thread (16 warps on
+# NVIDIA); the two fp32 accumulators per element made wider steps slower than for rms_norm in the old
+# one-row-per-program kernel (H200, 16384 x 65536 bf16). Tuned runs choose from NORM_RELOAD_SET instead.
 STREAM_BYTES, STREAM_VECS = 16384, 2
 SPLIT_MAX = 1024  # chunks per row in "split"; kernel 2 reads all partials of a row in one [SPLIT_MAX] load
 

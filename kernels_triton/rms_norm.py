@@ -1,8 +1,15 @@
 """RMSNorm: out = x * rsqrt(mean(x^2) + eps) * w (fp32 math, one cast), rstd[M] fp32.
 
-Byte floor: read x once, write out once (+ N weights, M rstd): 32768 x 8192 bf16 = 1.07 GB -> 0.25 ms at
-~4.3 TB/s; 16384 x 65536 bf16 = 4.29 GB -> 1.0 ms. Arithmetic is negligible. Modes ("reg", "reload",
-"split") and the thresholds between them are in kernels_triton/_config.py (`norm_plan`).
+Byte floor: read x once, write out once (+ N weights, M rstd), 2 x M x N x elsize: 32768 x 8192 bf16 =
+1.07 GB -> 251 us at the H200's measured 4274 GB/s copy rate; 16384 x 65536 bf16 = 4.29 GB -> 1004 us.
+Arithmetic is negligible, so the shape of every mode follows from keeping ~26 KB of x in flight per SM
+(see the table in kernels_triton/_config.py):
+- "reg" (N <= 16384): a tile of rows in registers, one program per tile; one HBM read of x.
+- "rows": the same tile, persistent programs that load the next tile before storing this one.
+- "reload" (any N, the only choice past 16384): persistent programs, one row at a time, two passes (the
+  second from L2), loads one step ahead and across rows; progs x SMs rows in flight fit the L2.
+- "split" (M < 2 x SMs, N > 16384): two kernels, per-chunk partial sums then normalize.
+Large problems pick among these by timing (`norm_tuned`); the interpreter and small ones by heuristic.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from kernels_triton._config import (
     split_chunks,
 )
 
-# Streaming step of "reload"/"split": 32 KB of x per step, 4 x 16-byte vectors per thread (16 warps on
-# NVIDIA). On the H200 at 16384 x 65536 bf16: 1405 us vs 1524 us for 16 KB / 16 warps, 1579 us for 8 KB /
-# 8 warps, 1449 us for 32 KB / 32 warps.
+# Heuristic (untuned) step of "reload": 32 KB of x, 4 x 16-byte vectors per thread (16 warps on NVIDIA);
+# with one program of one row per SM it is the old one-row-per-program kernel's best step (H200, 16384 x
+# 65536 bf16, before persistence: 32 KB / 16 warps beat 16 KB / 16, 8 KB / 8 and 32 KB / 32 warps).
+# "split" caps it at 16 KB / 2 vectors. Tuned runs choose from NORM_RELOAD_SET instead.
 STREAM_BYTES, STREAM_VECS = 32768, 4
 # Chunks per row in "split" mode are capped so kernel 2 combines them in one fixed-size [SPLIT_MAX] load.
 SPLIT_MAX = 1024

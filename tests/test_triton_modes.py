@@ -186,7 +186,7 @@ def test_layer_norm_modes(dtype: torch.dtype, mode: str, M: int, N: int, with_bi
     assert rel_error(rstd, ref_rstd) <= 1e-5
 
 
-@pytest.mark.parametrize("mode", ["reg", "reload", "split"])
+@pytest.mark.parametrize("mode", ["reg", "rows", "reload", "split"])
 def test_layer_norm_large_mean_is_stable(mode: str) -> None:
     # mean 1e4, std 1: raw E[x^2] - E[x]^2 in fp32 would lose every digit of the variance.
     M, N = 3, 3000

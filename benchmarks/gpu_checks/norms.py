@@ -1,0 +1,132 @@
+"""H200 check of the Triton rms_norm / layer_norm: tuned configs vs torch.compile, bf16 (< 60 s).
+
+    TRITON_PRINT_AUTOTUNING=1 PYTHONPATH=python:. python benchmarks/gpu_checks/norms.py [--budget-s 40]
+
+Per shape (default 32768x8192, 16384x65536, 8192x32768, 4096x65536) and op:
+1. The first call tunes (times every candidate of `norm_candidates`, prints them with
+   TRITON_PRINT_AUTOTUNING=1) and its output is checked: no NaN left in the poisoned output, and the
+   relative error of 512 sampled rows (+ the last row) against the float64 reference <= 1e-2.
+2. Device time (triton.testing.do_bench median, L2 flushed) of fusekit's Triton op (tuned choice) and of
+   torch.compile(reference, dynamic=False), as the benchmarks time them; ratio = torch.compile / ours,
+   and % of the byte floor at --copy-gbps.
+Once past --budget-s no new shape starts (the skipped ones are listed). With $OUT set it also writes
+$OUT/norms_check.json. Exit status 1 if a correctness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+for p in (str(ROOT / "python"), str(ROOT)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import triton  # noqa: E402
+
+from fusekit import reference as R  # noqa: E402
+from kernels_triton import _config  # noqa: E402
+from kernels_triton.layer_norm import layer_norm  # noqa: E402
+from kernels_triton.rms_norm import rms_norm  # noqa: E402
+
+SHAPES = ((32768, 8192), (16384, 65536), (8192, 32768), (4096, 65536))
+
+
+def bench(fn, rep_ms: int) -> float:
+    t = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, quantiles=[0.5])
+    return 1e3 * float(t[0] if isinstance(t, (list, tuple)) else t)
+
+
+def sampled_rel(out: torch.Tensor, ref_fn, x: torch.Tensor, seed: int) -> float:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = torch.randint(0, x.shape[0], (512,), device="cuda", generator=g)
+    rows = torch.cat([rows, torch.tensor([x.shape[0] - 1], device="cuda")])
+    ref = ref_fn(x[rows].double())
+    return float((out[rows].double() - ref).norm() / ref.norm())
+
+
+def run_case(op: str, M: int, N: int, rep_ms: int, copy_gbps: float) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    x = (torch.randn(M, N, device="cuda", generator=g) + (0.3 if op == "layer_norm" else 0.0)).bfloat16()
+    w = (1 + 0.1 * torch.randn(N, device="cuda", generator=g)).bfloat16()
+    b = (0.1 * torch.randn(N, device="cuda", generator=g)).bfloat16()
+    out = torch.full_like(x, float("nan"))
+    mean = torch.full((M,), float("nan"), device="cuda")
+    rstd = torch.full((M,), float("nan"), device="cuda")
+    t0 = time.time()
+    if op == "rms_norm":
+        ours = lambda: rms_norm(out, rstd, x, w, 1e-6)
+        ref_fn = lambda xd: R.rms_norm(xd, w.double(), 1e-6)[0]
+        native = lambda x, weight: R.rms_norm(x, weight, 1e-6)[0]
+        args = (x, w)
+    else:
+        ours = lambda: layer_norm(out, mean, rstd, x, w, b, 1e-5)
+        ref_fn = lambda xd: R.layer_norm(xd, w.double(), b.double(), 1e-5)[0]
+        native = lambda x, weight, bias: R.layer_norm(x, weight, bias, 1e-5)[0]
+        args = (x, w, b)
+    ours()  # tunes on the first call
+    torch.cuda.synchronize()
+    tune_s = time.time() - t0
+    nan_left = bool(torch.isnan(out).any())
+    err = sampled_rel(out, ref_fn, x, M)
+    key = [k for k in _config._NORM_TUNED if k[0] == op and k[1] == N]
+    choice = _config._NORM_TUNED[key[-1]].label() if key else "untuned default"
+    t_ours = bench(ours, rep_ms)
+    t0 = time.time()
+    torch._dynamo.reset()
+    tc = torch.compile(native, dynamic=False)
+    tc(*args)
+    torch.cuda.synchronize()
+    tc_compile_s = time.time() - t0
+    t_tc = bench(lambda: tc(*args), rep_ms)
+    floor_us = (2 * M * N * 2) / (copy_gbps * 1e3)
+    return {
+        "op": op, "M": M, "N": N, "ours_us": t_ours, "torch_compile_us": t_tc, "ratio": t_tc / t_ours,
+        "pct_floor": 100 * floor_us / t_ours, "choice": choice, "rel_err": err, "nan_left": nan_left,
+        "ok": (not nan_left) and err <= 1e-2, "tune_s": tune_s, "tc_compile_s": tc_compile_s,
+    }  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=40.0, help="no new shape starts after this")
+    ap.add_argument("--rep-ms", type=int, default=40)
+    ap.add_argument("--copy-gbps", type=float, default=4274.0, help="measured H200 copy rate (floor)")
+    ap.add_argument("--ops", default="rms_norm,layer_norm")
+    args = ap.parse_args()
+    start = time.time()
+    print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__, flush=True)
+    rows: list[dict] = []
+    skipped: list[str] = []
+    for M, N in SHAPES:
+        for op in args.ops.split(","):
+            if time.time() - start > args.budget_s:
+                skipped.append(f"{op} {M}x{N}")
+                continue
+            r = run_case(op, M, N, args.rep_ms, args.copy_gbps)
+            rows.append(r)
+            print(
+                f"{op:10s} {M:6d}x{N:<6d} ours {r['ours_us']:8.1f} us  torch.compile {r['torch_compile_us']:8.1f} us"
+                f"  ratio {r['ratio']:.3f}  floor {r['pct_floor']:5.1f}%  err {r['rel_err']:.2e}"
+                f"{'' if r['ok'] else '  FAIL'}  [{r['choice']}] tune {r['tune_s']:.1f}s tc {r['tc_compile_s']:.1f}s",
+                flush=True,
+            )
+    if skipped:
+        print("skipped (budget):", ", ".join(skipped))
+    print(f"total {time.time() - start:.0f} s")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "norms_check.json").write_text(
+            json.dumps({"rows": rows, "skipped": skipped}, indent=1)
+        )
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
