@@ -84,8 +84,9 @@ TL_DTYPE_NAMES: dict[torch.dtype, str] = {
 #           pass 1 streams the row for the statistics (evict_last), pass 2 re-reads it from L2 (evict_first)
 #           to normalize. The L2 (60 MB) must hold the rows in flight, progs x SMs x row bytes: 17 MB at one
 #           128 KB row per SM. (The earlier one-program-per-row grid left residency to the hardware.) Pass 1
-#           loads one step ahead, and the next row's first step is loaded before pass 2, so the pass switch
-#           and the row switch do not drain the SM's loads.
+#           loads ahead (rms_norm two steps, layer_norm one: its second accumulator leaves no registers for
+#           more, AOT showed spills), and the next row's first step(s) are loaded before pass 2, so neither
+#           the pass switch nor the row switch drains the SM's loads.
 # "split":  few rows (M < 2 x SMs) longer than NORM_REG_MAX: rows alone cannot fill the GPU, so each row is
 #           cut into SPLIT chunks: kernel 1 writes per-chunk partial statistics, kernel 2 combines them in a
 #           fixed order and normalizes its chunk (cluster-free; costs a second read of x, cheap at small M).

@@ -101,22 +101,29 @@ def _rms_reload_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, M, N, eps, BLOCK: tl.con
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
-    # xn: the next step of x, loaded one step ahead (pass 1) and across the row switch (before pass 2).
-    xn = tl.load(x_ptr + pid.to(tl.int64) * N + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+    # xa, xb: the next two steps of x. Pass 1 consumes xa while xb and the step after it are in flight (two
+    # steps per program in flight, not one: +1 landing vector per thread); both are loaded for the next row
+    # before pass 2, so the row switch does not drain the loads either.
+    base0 = pid.to(tl.int64) * N
+    xa = tl.load(x_ptr + base0 + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+    xb = tl.load(x_ptr + base0 + BLOCK + cols, mask=BLOCK + cols < N, other=0.0, eviction_policy="evict_last")
     for row in range(pid, M, G):
         base = tl.cast(row, tl.int64) * N  # tl.cast: a loop index is a Python int in the interpreter
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in range(0, N, BLOCK):
-            x = xn.to(tl.float32)
-            c = k + BLOCK + cols
-            xn = tl.load(x_ptr + base + c, mask=c < N, other=0.0, eviction_policy="evict_last")
+            x = xa.to(tl.float32)
+            xa = xb
+            c = k + 2 * BLOCK + cols
+            xb = tl.load(x_ptr + base + c, mask=c < N, other=0.0, eviction_policy="evict_last")
             acc += x * x
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
         tl.store(rstd_ptr + row, rstd)
         nxt = row + G
         n_nxt = tl.where(nxt < M, N, 0)  # elements of the next row to load: none past the last row
-        xn = tl.load(
-            x_ptr + nxt.to(tl.int64) * N + cols, mask=cols < n_nxt, other=0.0, eviction_policy="evict_last"
+        nbase = nxt.to(tl.int64) * N
+        xa = tl.load(x_ptr + nbase + cols, mask=cols < n_nxt, other=0.0, eviction_policy="evict_last")
+        xb = tl.load(
+            x_ptr + nbase + BLOCK + cols, mask=BLOCK + cols < n_nxt, other=0.0, eviction_policy="evict_last"
         )
         # Pass 2 re-reads the row from L2 (last use: evict_first); out is never re-read (evict_first too,
         # so its dirty lines go before the x lines pass 2 still needs).
