@@ -40,6 +40,7 @@ fp32 inputs use input_precision="ieee" so fp32 means fp32 (no tf32).
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -654,6 +655,8 @@ def _choose(kind: str, key: tuple, cands: dict[str, list], launch) -> object:
     best = min(times, key=lambda t: t[1] if t[1] == t[1] else 0.0)[0]
     _CHOICE[key] = best
     TIMINGS[key] = times
+    if os.environ.get("TRITON_PRINT_AUTOTUNING") == "1":  # the same switch as Triton's autotuner log
+        print(f"[fusekit ffn gemm] {key}: picked {best}; " + ", ".join(f"{c}: {t:.3f} ms" for c, t in times))
     return best
 
 
