@@ -24,11 +24,17 @@ Paths (chosen by T; tests force them with `_path=`):
   * "tma": persistent (one program per SM walking the tiles in grouped order), TMA loads/stores through
     device-side tensor descriptors, wgmma; configs _GATE_UP_TMA / _DOWN_TMA (+ warp-specialized rows
     where tl.range has warp_specialize). CUDA sm_90+ with 16-byte aligned pointers and rows only.
-  With `_gemm=None` on CUDA sm_90+ (fp16/bf16, aligned, xn prologue) the launcher times "ptr" (its
-  autotuned best) against every TMA config on first use per (GEMM, T rounded up to a power of 2, F, D,
-  dtype) with triton.testing.do_bench (a few ms each) and caches the fastest (`_CHOICE`, timings in
-  `TIMINGS`). A TMA config that fails to compile or launch on this Triton is warned about once
-  (RuntimeWarning with the error) and excluded; elsewhere "ptr" runs without timing.
+  With `_gemm=None` on CUDA sm_90+ (fp16/bf16, aligned, xn prologue) every TMA config is timed and
+  checked against the pointer kernel on first use per (GEMM, T rounded up to a power of 2, F, D, dtype):
+  "ptr" (its autotuned best) runs first on the caller's inputs and its output is kept; each TMA config
+  then writes the same NaN-poisoned buffer and competes only if it matches (`_mismatch`, after its first
+  launch and again after its timed runs). The fastest survivor (triton.testing.do_bench, a few ms each)
+  is cached (`_CHOICE`, timings in `TIMINGS`). A TMA config that fails to compile or launch, or writes
+  wrong values, is warned about once (RuntimeWarning with the error) and excluded for good (`_BROKEN`);
+  a wrong-but-fast kernel can never be picked. `_gemm="tma"` checks its configs the same way. Inputs
+  whose pointer-kernel output is non-finite or all zero cannot judge a candidate: that call runs "ptr"
+  (under `_gemm="tma"`: its first config, unchecked) and the choice waits for the next call. Elsewhere
+  "ptr" runs without timing or checks.
 Measured (H200, bf16, D=4096, F=11008, triton 3.6): T=1 83 us (3.26 TB/s; torch.compile 96 us, cuBLAS
 97.5 us); T=4096 "ptr" 534-559 TFLOP/s end to end (gate/up GEMM alone 562, down 549; torch.compile of
 the native-bf16 MLP 646-667, cuBLAS 634-637, torch.compile of the fp32 reference 50). The TMA kernels
@@ -556,8 +562,10 @@ def swiglu_ffn(
         def down(cfg: object) -> None:
             _launch_down(cfg, h, w_down, out, T, D, F, ieee)
 
-        gate_up(_choose("gate_up", key, cands, gate_up))
-        down(_choose("down", key, cands, down))
+        # _choose may leave h / out holding any candidate's result (or NaN): the chosen config always
+        # rewrites them right after, and down is chosen only after the chosen gate/up has written h.
+        gate_up(_choose("gate_up", key, cands, gate_up, h))
+        down(_choose("down", key, cands, down, out))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -626,32 +634,109 @@ def _bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=2, rep=8, return_mode="median")
 
 
-def _choose(kind: str, key: tuple, cands: dict[str, list], launch) -> object:
-    """The fastest candidate for this key, timed once; TMA configs that fail are warned about and dropped."""
+class _WrongResult(RuntimeError):
+    """A TMA candidate ran but its output does not match the pointer kernel's."""
+
+
+# Accepted distance of a TMA candidate's output from the pointer kernel's, on the same inputs. Both GEMMs
+# accumulate in fp32 over the same BLOCK_K steps (only the MMA instruction's internal order differs:
+# wgmma vs mma.sync, ~1e-7 relative) and round to the output dtype once, so an element differs by at most
+# 1 ulp <= eps * |value| where the fp32 sums straddle a rounding boundary (bf16 eps 7.8e-3, fp16 9.8e-4).
+# Bounds of ~2.5-4 eps hold with margin both for the relative 2-norm and for the largest |difference|
+# against the largest |value|. The max test catches what the norm can miss: one zeroed 128x128 tile of
+# the 2752 in a 4096x11008 h is only sqrt(1/2752) = 1.9e-2 in norm, but ~50-100% of max |h| in max.
+# NaN (the poison left in tiles a kernel never wrote) or inf fail outright. fp32 (forced _gemm="tma"
+# only, input_precision="ieee") has no final rounding: 1e-4 allows fp32 sums in another order.
+_VERIFY_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+_VERIFY_CHUNK = 1 << 22  # elements per float64 slice of the check: bounded temporary memory at any T
+
+
+def _judgeable(ref: torch.Tensor) -> bool:
+    """The reference can tell a wrong kernel from a right one: all finite and not all zero."""
+    return bool(torch.isfinite(ref).all()) and bool(ref.any())
+
+
+def _mismatch(cand: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """None if `cand` matches the pointer kernel's `ref` within _VERIFY_TOL, else what is wrong."""
+    tol = _VERIFY_TOL.get(ref.dtype, 1e-4)
+    c2, r2 = cand.reshape(-1, cand.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    step = max(1, _VERIFY_CHUNK // max(1, r2.shape[1]))
+    # [non-finite count, sum d^2, sum r^2] add up over the slices, [max |d|, max |r|] take the max
+    acc = torch.zeros(5, dtype=torch.float64, device=ref.device)
+    for i in range(0, r2.shape[0], step):
+        c, r = c2[i : i + step].double(), r2[i : i + step].double()
+        d = (c - r).abs_()
+        part = torch.stack([(~torch.isfinite(c)).sum().double(), d.square().sum(), r.square().sum(),
+                            d.amax(), r.abs().amax()])  # fmt: skip
+        acc = torch.cat([acc[:3] + part[:3], torch.maximum(acc[3:], part[3:])])
+    bad, ss_d, ss_r, max_d, max_r = acc.tolist()
+    if bad:
+        return f"{int(bad)} of {cand.numel()} outputs are NaN/inf (NaN: tiles left unwritten)"
+    if ss_d <= tol * tol * ss_r and max_d <= tol * max_r:
+        return None
+    rel = (ss_d / ss_r) ** 0.5 if ss_r else float("inf")
+    rel_max = max_d / max_r if max_r else float("inf")
+    return (
+        f"wrong values vs the pointer kernel: rel 2-norm error {rel:.2e}, max |diff| / max |ptr| "
+        f"{rel_max:.2e} (bound {tol:g} on both)"
+    )
+
+
+def _verify(cand: torch.Tensor, ref: torch.Tensor) -> None:
+    err = _mismatch(cand, ref)
+    if err is not None:
+        raise _WrongResult(err)
+
+
+def _choose(kind: str, key: tuple, cands: dict[str, list], launch, dst: torch.Tensor) -> object:
+    """The fastest candidate for this key whose output matches the pointer kernel's, timed once.
+
+    `launch(cfg)` writes `dst` (h for gate/up, out for down) from the caller's real inputs. "ptr" runs
+    first and its output is kept (one copy of dst per key, first use only); every TMA config then writes
+    dst after it is poisoned with NaN and must match that copy before it is timed, and again after its
+    timed runs (a race that shows up only sometimes). TMA configs that fail to compile or launch, or do
+    not match, are warned about and dropped for good. dst is left with an arbitrary candidate's output:
+    the caller launches the returned config, which rewrites it.
+    """
     key = (kind, *key)
     if key in _CHOICE:
         return _CHOICE[key]
     live = [c for c in cands[kind] if c == "ptr" or (kind, c) not in _BROKEN]
+    if not live:
+        raise RuntimeError(f"swiglu_ffn: no {kind} GEMM config compiled (see the warnings)")
+    if live == ["ptr"]:  # nothing to compare or time
+        _CHOICE[key] = "ptr"
+        TIMINGS[key] = [("ptr", float("nan"))]
+        return "ptr"
+    launch("ptr")  # compiles (autotunes) the pointer kernel; its output is the reference
+    ref = dst.clone()
+    if not _judgeable(ref):  # e.g. a warm-up on torch.empty or zeros: decide on a later call
+        return "ptr" if "ptr" in live else live[0]
+    timed = len(live) > 1  # a single (forced) candidate is checked but not timed
     times: list[tuple[object, float]] = []
-    for cfg in live:
+    if "ptr" in live:
+        times.append(("ptr", _bench_ms(lambda: launch("ptr")) if timed else float("nan")))
+    for cfg in (c for c in live if c != "ptr"):
         try:
-            if len(live) == 1:
-                times.append((cfg, float("nan")))
-                break
-            launch(cfg)  # compiles (the pointer kernel: autotunes) outside the timed runs
-            times.append((cfg, _bench_ms(lambda cfg=cfg: launch(cfg))))
+            dst.fill_(float("nan"))  # a tile the kernel never writes stays NaN and fails the check
+            launch(cfg)  # compiles outside the timed runs
+            _verify(dst, ref)
+            ms = float("nan")
+            if timed:
+                ms = _bench_ms(lambda cfg=cfg: launch(cfg))
+                _verify(dst, ref)  # the last timed run's output
+            times.append((cfg, ms))
         except Exception as exc:
-            if cfg == "ptr":
-                raise
             _BROKEN.add((kind, cfg))
+            what = "wrong results" if isinstance(exc, _WrongResult) else "failed"
             warnings.warn(
-                f"swiglu_ffn: TMA {kind} config {cfg} excluded on triton {triton.__version__}: "
+                f"swiglu_ffn: TMA {kind} config {cfg} excluded on triton {triton.__version__} ({what}): "
                 f"{type(exc).__name__}: {exc}",
                 RuntimeWarning,
                 stacklevel=2,
             )
     if not times:
-        raise RuntimeError(f"swiglu_ffn: no {kind} GEMM config compiled (see the warnings)")
+        raise RuntimeError(f"swiglu_ffn: no {kind} GEMM config compiled and matched (see the warnings)")
     best = min(times, key=lambda t: t[1] if t[1] == t[1] else 0.0)[0]
     _CHOICE[key] = best
     TIMINGS[key] = times

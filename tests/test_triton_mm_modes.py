@@ -192,6 +192,107 @@ def test_swiglu_ffn_choice_excludes_failing_tma(ffn_choice, monkeypatch: pytest.
     assert rel_error(out, ref) < TOL[torch.float16]
 
 
+def _corrupt_tma(monkeypatch: pytest.MonkeyPatch, ffn_mod, kind: str, how: str) -> list[int]:
+    """Wrap the `kind` launcher so that its TMA configs write wrong values into their output buffer:
+    "garbage" (random values), "nan" (nothing written: the poison stays), "tile" (right except one
+    16x16 tile zeroed) or "late" (right on the first launch, garbage on every later one: a race)."""
+    name = "_launch_gate_up" if kind == "gate_up" else "_launch_down"
+    real = getattr(ffn_mod, name)
+    tma_launches: list[int] = []
+
+    def launch(cfg, *args):
+        dst = args[5] if kind == "gate_up" else args[2]  # h / out
+        if cfg == "ptr":
+            return real(cfg, *args)
+        tma_launches.append(1)
+        if how == "nan":
+            return None
+        real(cfg, *args)
+        if how == "garbage" or (how == "late" and len(tma_launches) > 1):
+            dst.copy_(torch.randn(dst.shape, generator=torch.Generator().manual_seed(len(tma_launches))))
+        elif how == "tile":
+            dst[:16, :16] = 0
+        return None
+
+    monkeypatch.setattr(ffn_mod, name, launch)
+    return tma_launches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "kind,how", [("gate_up", "garbage"), ("down", "nan"), ("down", "tile"), ("gate_up", "late")]
+)
+def test_swiglu_ffn_choice_rejects_wrong_tma(
+    ffn_choice, monkeypatch: pytest.MonkeyPatch, kind: str, how: str, dtype: torch.dtype
+) -> None:
+    """A TMA config that runs but writes wrong values is checked against the pointer kernel, warned about
+    once and never chosen, although the fake timing makes it the fastest; the output stays right."""
+    ffn_mod, _calls = ffn_choice
+    tma_launches = _corrupt_tma(monkeypatch, ffn_mod, kind, how)
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, dtype, seed=8)
+    out = torch.full_like(x, float("nan"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and f"TMA {kind} config" in msgs[0] and "wrong results" in msgs[0], msgs
+    assert ("NaN" in msgs[0]) == (how == "nan"), msgs[0]
+    assert rel_error(out, ref) < TOL[dtype]
+    other = "down" if kind == "gate_up" else "gate_up"
+    assert {k[0]: v for k, v in ffn_mod._CHOICE.items()} == {kind: "ptr", other: ffn_mod._TMA_INTERP}
+    assert len(ffn_mod._BROKEN) == 1 and (kind, ffn_mod._TMA_INTERP) in ffn_mod._BROKEN
+    assert [c for c, _ in ffn_mod.TIMINGS[next(k for k in ffn_mod.TIMINGS if k[0] == kind)]] == ["ptr"]
+    n = len(tma_launches)
+    (x, wg, wu, wd, nw), ref = _ffn_case(300, 80, 72, dtype, seed=9)  # new T bucket: never run again
+    out = torch.full_like(x, float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+    assert rel_error(out, ref) < TOL[dtype] and len(tma_launches) == n
+
+
+def test_swiglu_ffn_forced_tma_wrong_raises(ffn_choice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_gemm="tma"` checks its configs against the pointer kernel too: a wrong one is not run silently."""
+    ffn_mod, _calls = ffn_choice
+    _corrupt_tma(monkeypatch, ffn_mod, "down", "garbage")
+    (x, wg, wu, wd, nw), _ = _ffn_case(40, 80, 72, torch.float16, seed=10)
+    with pytest.warns(RuntimeWarning, match="wrong results"), pytest.raises(RuntimeError, match="matched"):
+        swiglu_ffn(torch.empty_like(x), x, wg, wu, wd, nw, 1e-6, _gemm="tma")
+
+
+def test_swiglu_ffn_choice_waits_for_judgeable_inputs(ffn_choice) -> None:
+    """All-zero inputs (a warm-up) cannot tell a wrong kernel from a right one: ptr runs, nothing cached."""
+    ffn_mod, calls = ffn_choice
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=11)
+    out = torch.full_like(x, float("nan"))
+    swiglu_ffn(out, torch.zeros_like(x), wg, wu, wd, None, 1e-6)
+    assert bool((out == 0).all()) and not ffn_mod._CHOICE and not calls and not ffn_mod._BROKEN
+    swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+    assert rel_error(out, ref) < TOL[torch.float16] and len(calls) == 4
+    assert set(ffn_mod._CHOICE.values()) == {ffn_mod._TMA_INTERP}
+
+
+def test_swiglu_ffn_mismatch_bounds() -> None:
+    """The check's bound: 1-ulp rounding differences (same fp32 value up to 1e-6, rounded once) pass;
+    one zeroed 16x16 tile of 4096 (2-norm error ~1.6e-2, under the bf16 bound) fails on the max test."""
+    import kernels_triton.swiglu_ffn as ffn_mod
+
+    g = torch.Generator().manual_seed(12)
+    exact = torch.randn(1024, 1024, generator=g)
+    nudged = exact * (1 + 1e-6 * torch.randn(exact.shape, generator=g))
+    for dtype in (torch.bfloat16, torch.float16):
+        ref, cand = exact.to(dtype), nudged.to(dtype)
+        assert bool((ref != cand).any())  # some elements do round differently
+        assert ffn_mod._mismatch(cand, ref) is None
+        zeroed = ref.clone()
+        zeroed[512:528, 256:272] = 0
+        assert rel_error(zeroed, ref) < 2e-2
+        assert "wrong values" in ffn_mod._mismatch(zeroed, ref)
+        poisoned = ref.clone()
+        poisoned[3, 5] = float("nan")
+        assert "NaN" in ffn_mod._mismatch(poisoned, ref)
+
+
 # ---------------------------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
