@@ -588,10 +588,12 @@ def _tma_aligned(tensors: tuple[torch.Tensor, ...]) -> bool:
 
 def _tma_auto(tensors: tuple[torch.Tensor, ...]) -> bool:
     """TMA kernels compete in the automatic choice: CUDA sm_90+, fp16/bf16, aligned. HIP stays on the
-    pointer kernels (gfx942 has no TMA; its tensor descriptors would lower to plain loads)."""
+    pointer kernels (gfx942 has no TMA; its tensor descriptors would lower to plain loads).
+    FUSEKIT_FFN_TMA=0 keeps every call on the pointer kernels (no timing on first use)."""
     x = tensors[0]
     if (
-        is_interpreter()
+        os.environ.get("FUSEKIT_FFN_TMA", "1") == "0"
+        or is_interpreter()
         or is_hip()
         or x.device.type != "cuda"
         or x.dtype not in (torch.float16, torch.bfloat16)
