@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -93,7 +93,9 @@ TL_DTYPE_NAMES: dict[torch.dtype, str] = {
 # Which tile, warps, programs per SM and step win is not derivable to the last 5 %, so for large problems
 # (M x N >= NORM_TUNE_MIN_ELEMS, not in the interpreter, not under CUDA-graph capture) each call shape is
 # timed once over `norm_candidates` and the fastest is cached (`norm_tuned`); small problems and the CPU
-# interpreter take the heuristic `norm_default` without measurement.
+# interpreter take the heuristic `norm_default` without measurement. On that first use every candidate is
+# also CHECKED against an fp32 torch reference of the caller's own inputs before it may be timed or picked
+# (NORM_CHECK_TOL below): one that the GPU's compiler gets wrong is dropped with a RuntimeWarning.
 NORM_REG_MAX = 16384
 NORM_SPLIT_PROGRAMS_PER_SM = 4
 # Below NORM_TUNE_MIN_ELEMS launch overhead dominates and tuning (~0.1 s per candidate) is not worth it.
@@ -287,32 +289,155 @@ def norm_m_bucket(M: int, dev: int) -> int:
     return min(16, next_pow2(-(-M // num_sms(dev))))
 
 
-def norm_tuned(key: tuple, candidates: list[NormConfig], run: Callable[[NormConfig], None]) -> NormConfig:
-    """The fastest of `candidates` for `key`, timed once per process (median of triton.testing.do_bench,
-    L2 flushed between runs, as the benchmarks time). `run(cfg)` launches the op with `cfg`; outputs are
-    pure functions of the inputs, so the timed re-runs are harmless. TRITON_PRINT_AUTOTUNING=1 prints the
-    times and the choice."""
+# ---- the tuner's correctness gate -------------------------------------------------------------------------
+# A candidate is timed only after its outputs on the caller's own inputs match an fp32 torch reference: a
+# kernel that the device's compiler miscompiles (the persistent ones were checked by the CPU interpreter
+# and by AOT only) and that runs fast but writes wrong values must never be picked. Bounds on
+# ||out - ref|| / ||ref|| (fp32 norms) over the checked rows: a correct kernel differs from the fp32
+# reference by the final rounding to the output dtype, at most the unit roundoff per element (so also in
+# norm): 2^-8 = 3.9e-3 for bf16, 2^-11 = 4.9e-4 for fp16 (RMS about half that), plus fp32 sum-order noise
+# in rstd/mean (~1e-6, which is all an fp32 output shows). The bounds sit 2.5x / 4x / 100x above those
+# worst cases, while a real fault (a stale or foreign row, a lost weight, a wrong rstd) errs by O(1) where
+# it hits: confined to 1 of the 257 checked rows it still shows as ~1/16 of that. Unwritten (NaN-poisoned)
+# elements are caught in every row, checked or not.
+NORM_CHECK_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+# Statistics are fp32 in every kernel: rstd agrees to sum-order noise (~1e-6). The mean is measured against
+# the rows' RMS, not its own norm: it cancels to ~0 for centred rows while its rounding scales with |x|.
+# Layer norm's one-pass "reload"/"split" statistics (shifted by K = x[row, 0]) lose a factor 1 + ((K - mean)
+# * rstd)^2 of precision in the variance (6e-8 x that): < 1e-4 unless column 0 is an outlier >~ 40 std away.
+NORM_CHECK_STAT_TOL = 1e-4
+# Past NORM_CHECK_FULL_ELEMS elements the reference is computed and compared on NORM_CHECK_ROWS evenly
+# spaced rows plus the last (a 16384 x 65536 bf16 x is 2 GB; its fp32 reference would be 4 GB). Every row is
+# still checked for unwritten (NaN-poisoned) output, through fp32 row sums (one read of out, M floats).
+NORM_CHECK_FULL_ELEMS = 1 << 24
+NORM_CHECK_ROWS = 256
+
+
+@dataclasses.dataclass
+class NormCheck:
+    """What a tuning candidate must reproduce: the caller's output buffers `outs` (out[M, N] first, then the
+    fp32 statistics [M]) and their fp32 reference `refs` on `rows` (None: every row)."""
+
+    outs: tuple[torch.Tensor, ...]
+    refs: tuple[torch.Tensor, ...]
+    rows: torch.Tensor | None
+    live: torch.Tensor  # bool [M]: rows with finite x (and params): their outputs must not stay NaN
+    tol: float
+    row_rms: torch.Tensor | None  # RMS of each checked row of x: the scale of the mean's error
+    mean_stat: tuple[bool, ...]  # per statistic: is it a mean
+
+    def poison(self) -> None:
+        for t in self.outs:
+            t.fill_(float("nan"))
+
+    def error(self) -> str | None:
+        """None when the outputs (written since `poison`) match the reference, else what is wrong."""
+        out = self.outs[0]
+        unwritten = torch.isnan(out.sum(-1, dtype=torch.float32)) & self.live
+        for s in self.outs[1:]:
+            unwritten |= torch.isnan(s) & self.live
+        n_bad = int(unwritten.sum())
+        if n_bad:
+            return f"{n_bad} of {self.live.numel()} rows left NaN (unwritten)"
+        for i, (o, r) in enumerate(zip(self.outs, self.refs)):
+            got = (o if self.rows is None else o.index_select(0, self.rows)).float()
+            ok = torch.isfinite(r.reshape(r.shape[0], -1)).all(-1)  # rows the reference itself overflows
+            got, r = got[ok], r[ok]
+            denom = float(torch.linalg.vector_norm(r))
+            if i > 0 and i <= len(self.mean_stat) and self.mean_stat[i - 1] and self.row_rms is not None:
+                denom = max(denom, float(torch.linalg.vector_norm(self.row_rms[ok])))
+            err = float(torch.linalg.vector_norm(got - r)) / (denom if denom > 0 else 1.0)
+            tol = self.tol if i == 0 else NORM_CHECK_STAT_TOL
+            if not err <= tol:  # NaN fails too
+                what = "out" if i == 0 else f"statistic {i}"
+                return f"{what} relative error {err:.3g} > {tol:g} vs the fp32 torch reference"
+        return None
+
+
+def norm_check(
+    x: torch.Tensor,
+    outs: tuple[torch.Tensor, ...],
+    reference: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
+    params: tuple[torch.Tensor | None, ...] = (),
+    mean_stat: tuple[bool, ...] = (),
+) -> NormCheck:
+    """The NormCheck of one call: `reference(x_rows_fp32)` returns (out, stats...) in fp32 for those rows;
+    `params` (weight, bias) must be finite for outputs to be expected finite; `mean_stat[i]` marks statistic
+    i as a mean (its error is measured against the rows' RMS)."""
+    M, N = x.shape
+    rows = None
+    if M * N > NORM_CHECK_FULL_ELEMS and M > NORM_CHECK_ROWS + 1:
+        idx = torch.linspace(0, M - 2, NORM_CHECK_ROWS, dtype=torch.float64).round().long()
+        rows = torch.unique(torch.cat([idx, torch.tensor([M - 1])])).to(x.device)
+    with torch.no_grad():
+        xs = (x if rows is None else x.index_select(0, rows)).float()
+        refs = tuple(r.float() for r in reference(xs))
+        row_rms = xs.square().mean(-1).sqrt() if any(mean_stat) else None
+        live = torch.isfinite(x.sum(-1, dtype=torch.float32))
+        for p in params:
+            if p is not None and not bool(torch.isfinite(p).all()):
+                live &= False
+    return NormCheck(tuple(outs), refs, rows, live, NORM_CHECK_TOL.get(x.dtype, 1e-4), row_rms, mean_stat)
+
+
+def norm_tuned(
+    key: tuple,
+    candidates: list[NormConfig],
+    run: Callable[[NormConfig], None],
+    make_check: Callable[[], NormCheck],
+) -> NormConfig:
+    """The fastest correct one of `candidates` for `key`, chosen once per process. Every candidate is first
+    CHECKED: its outputs, NaN-poisoned before its run, must match an fp32 torch reference of the caller's
+    own inputs (`make_check`, built once, at this first use; see NORM_CHECK_TOL); then the survivors are
+    TIMED (median of triton.testing.do_bench, L2 flushed between runs, as the benchmarks time). A
+    candidate that fails to compile/launch or to match is dropped with a RuntimeWarning; if none is left
+    this raises (never a wrong result). `run(cfg)` launches the op with `cfg` into the caller's buffers;
+    outputs are pure functions of the inputs, so the re-runs are harmless, and the caller launches the
+    chosen config once more after this returns, so the buffers end holding its result.
+    TRITON_PRINT_AUTOTUNING=1 prints the times and the choice."""
     hit = _NORM_TUNED.get(key)
     if hit is not None:
         return hit
-    if len(candidates) == 1:  # e.g. rows so long that only the default fits the L2: nothing to time
-        _NORM_TUNED[key] = candidates[0]
-        return candidates[0]
+    check = make_check()
+    passed: list[NormConfig] = []
+    for cfg in candidates:
+        try:
+            check.poison()
+            run(cfg)  # also compiles, outside the timing
+            bad = check.error()
+        except Exception as exc:  # a config the compiler or device rejects (resources)
+            bad = f"failed: {type(exc).__name__}: {exc}"
+        if bad is None:
+            passed.append(cfg)
+        else:
+            warnings.warn(
+                f"fusekit norm tuner {key}: dropped {cfg.label()}: {bad}", RuntimeWarning, stacklevel=3
+            )
+    if not passed:
+        raise RuntimeError(
+            f"fusekit norm tuner {key}: no candidate produced correct output: {[c.label() for c in candidates]}"
+        )
+    if len(passed) == 1:  # e.g. rows so long that only the default fits the L2: nothing to time
+        _NORM_TUNED[key] = passed[0]
+        return passed[0]
     from triton.testing import do_bench
 
     timed: list[tuple[float, NormConfig]] = []
-    for cfg in candidates:
+    for cfg in passed:
         try:
-            run(cfg)  # compile outside the timing
             t = do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=25, quantiles=[0.5])
             timed.append((float(t[0] if isinstance(t, (list, tuple)) else t), cfg))
-        except Exception as exc:  # a config the compiler or device rejects (resources) is skipped
-            timed.append((math.inf, cfg))
-            if os.environ.get("TRITON_PRINT_AUTOTUNING"):
-                print(f"[fusekit norm tune] {key}: {cfg.label()} failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:
+            warnings.warn(
+                f"fusekit norm tuner {key}: dropped {cfg.label()}: timing failed: {type(exc).__name__}: {exc}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    if not timed:
+        raise RuntimeError(
+            f"fusekit norm tuner {key}: no candidate could be timed: {[c.label() for c in passed]}"
+        )
     best_t, best = min(timed, key=lambda tc: tc[0])
-    if not math.isfinite(best_t):
-        raise RuntimeError(f"no norm config ran for {key}: {[c.label() for _, c in timed]}")
     if os.environ.get("TRITON_PRINT_AUTOTUNING"):
         table = "; ".join(f"{c.label()}: {t * 1e3:.1f} us" for t, c in timed)
         print(f"[fusekit norm tune] {key}: best {best.label()} {best_t * 1e3:.1f} us | {table}", flush=True)

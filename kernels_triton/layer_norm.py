@@ -14,6 +14,7 @@ deviations of the mean, so rows with a large mean (1e4 +- 1) stay accurate, unli
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -23,6 +24,7 @@ from kernels_triton._config import (
     device_index,
     div16_attrs,
     norm_candidates,
+    norm_check,
     norm_default,
     norm_forced,
     norm_grid,
@@ -258,6 +260,16 @@ def _launch(cfg: NormConfig, out, mean, rstd, x, weight, bias, eps: float) -> No
         )  # fmt: skip
 
 
+def _reference(
+    xs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 torch LayerNorm of rows `xs` (fp32): (out, mean, rstd), the tuner's correctness check."""
+    out = F.layer_norm(xs, (xs.shape[-1],), weight.float(), None if bias is None else bias.float(), eps)
+    mean = xs.mean(-1)
+    rstd = torch.rsqrt((xs - mean[:, None]).square().mean(-1) + eps)
+    return out, mean, rstd
+
+
 def layer_norm(
     out: torch.Tensor,
     mean: torch.Tensor,
@@ -288,6 +300,13 @@ def layer_norm(
             key,
             norm_candidates(M, N, es, dev, norm_default(M, N, es, dev, STREAM_BYTES, STREAM_VECS)),
             lambda c: _launch(c, out, mean, rstd, x, weight, bias, eps),
+            lambda: norm_check(
+                x,
+                (out, mean, rstd),
+                lambda xs: _reference(xs, weight, bias, eps),
+                params=(weight, bias),
+                mean_stat=(True, False),
+            ),
         )
     _launch(
         cfg or norm_default(M, N, es, dev, STREAM_BYTES, STREAM_VECS), out, mean, rstd, x, weight, bias, eps

@@ -24,6 +24,7 @@ from kernels_triton._config import (
     device_index,
     div16_attrs,
     norm_candidates,
+    norm_check,
     norm_default,
     norm_forced,
     norm_grid,
@@ -212,6 +213,12 @@ def _launch(cfg: NormConfig, out, rstd, x, weight, eps: float) -> None:
         )  # fmt: skip
 
 
+def _reference(xs: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 torch RMSNorm of rows `xs` (fp32): (out, rstd), the tuner's correctness check."""
+    rstd = torch.rsqrt(xs.square().mean(-1) + eps)
+    return xs * rstd[:, None] * weight.float(), rstd
+
+
 def rms_norm(
     out: torch.Tensor,
     rstd: torch.Tensor,
@@ -240,6 +247,7 @@ def rms_norm(
             key,
             norm_candidates(M, N, es, dev, norm_default(M, N, es, dev, STREAM_BYTES, STREAM_VECS)),
             lambda c: _launch(c, out, rstd, x, weight, eps),
+            lambda: norm_check(x, (out, rstd), lambda xs: _reference(xs, weight, eps), params=(weight,)),
         )
     _launch(cfg or norm_default(M, N, es, dev, STREAM_BYTES, STREAM_VECS), out, rstd, x, weight, eps)
 

@@ -236,19 +236,149 @@ def test_norm_tuner_picks_fastest_and_caches(monkeypatch: pytest.MonkeyPatch) ->
     cfgs.append(_config.NormConfig("reload", 256, 4, progs=1))
     times = {cfgs[0]: 2.0, cfgs[1]: 1.0}  # cfgs[2] "fails to compile"
     current: list[_config.NormConfig] = []
+    x = _randn(8, 64, dtype=torch.float32, seed=4)
+    out, rstd = torch.empty_like(x), torch.empty(8)
+    ref_rstd = torch.rsqrt(x.square().mean(-1) + 1e-6)
 
     def run(cfg: _config.NormConfig) -> None:
         if cfg not in times:
             raise RuntimeError("out of resources")
         current[:] = [cfg]
+        out.copy_(x * ref_rstd[:, None])
+        rstd.copy_(ref_rstd)
+
+    def check() -> _config.NormCheck:
+        return _config.norm_check(x, (out, rstd), lambda xs: (xs * ref_rstd[:, None], ref_rstd))
 
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), [times[current[0]]])[1])
     key = ("test", 1024, torch.float32)
     monkeypatch.delitem(_config._NORM_TUNED, key, raising=False)
-    assert _config.norm_tuned(key, cfgs, run) == cfgs[1]
+    with pytest.warns(RuntimeWarning, match="reload.*out of resources"):
+        assert _config.norm_tuned(key, cfgs, run, check) == cfgs[1]
     times[cfgs[0]] = 0.5  # cached: not re-timed
-    assert _config.norm_tuned(key, cfgs, run) == cfgs[1]
+    assert _config.norm_tuned(key, cfgs, run, check) == cfgs[1]
     monkeypatch.delitem(_config._NORM_TUNED, key)
+
+
+BAD_FAULTS = ["one_row", "unwritten_row", "stats"]
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("fault", BAD_FAULTS)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_norm_tuner_rejects_wrong_candidate(
+    monkeypatch: pytest.MonkeyPatch, op: str, fault: str, sampled: bool
+) -> None:
+    # The whole tuned path of the op on the CPU: tuning forced on, fake timings in which a candidate that
+    # writes wrong values is the fastest. It must be dropped with a warning, and the result be correct.
+    import triton.testing
+
+    from kernels_triton import layer_norm as ln_mod
+    from kernels_triton import rms_norm as rms_mod
+
+    mod = rms_mod if op == "rms_norm" else ln_mod
+    M, N = (300, 64) if sampled else (37, 100)
+    unchecked = M // 2
+    if sampled:  # reference and comparison on 256 evenly spaced rows + the last, as for huge x on the GPU
+        monkeypatch.setattr(_config, "NORM_CHECK_FULL_ELEMS", 1000)
+        rows = _config.norm_check(torch.zeros(M, N), (torch.zeros(M, N),), lambda xs: (xs,)).rows
+        assert rows is not None and len(rows) == 257 and int(rows[-1]) == M - 1
+        unchecked = min(set(range(M)) - set(rows.tolist()))
+    good = _config.NormConfig("reg", 128, 4, block_m=4)
+    bad = _config.NormConfig("rows", 128, 4, block_m=4, progs=1)
+    slow = _config.NormConfig("reload", 256, 4, progs=2)
+    times = {good: 3.0, bad: 1.0, slow: 2.0}
+    monkeypatch.setattr(mod, "norm_should_tune", lambda x: True)
+    monkeypatch.setattr(mod, "norm_candidates", lambda *a, **k: [good, bad, slow])
+    real_launch = mod._launch
+    current: list[_config.NormConfig] = []
+    launched: list[_config.NormConfig] = []
+
+    def launch(cfg: _config.NormConfig, out: torch.Tensor, *args) -> None:
+        current[:] = [cfg]
+        launched.append(cfg)
+        real_launch(cfg, out, *args)
+        if cfg == bad:  # a "miscompiled" kernel: fast, but wrong
+            if fault == "one_row":
+                out[M - 1] = out[M - 2]  # a stale row (the last row is always checked): O(1) error in one row
+            elif fault == "unwritten_row":
+                out[unchecked] = float("nan")  # a row the sampled comparison skips: the NaN scan finds it
+            else:
+                args[-4 if op == "rms_norm" else -5].mul_(1.01)  # rstd off by 1 %
+
+    monkeypatch.setattr(mod, "_launch", launch)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), [times[current[0]]])[1])
+    monkeypatch.setattr(_config, "_NORM_TUNED", {})
+    x = _randn(M, N, dtype=torch.bfloat16, seed=M + N, scale=2.0, shift=0.5)
+    w = _randn(N, dtype=torch.bfloat16, seed=N + 1)
+    b = _randn(N, dtype=torch.bfloat16, seed=N + 2)
+    out = torch.full_like(x, float("nan"))
+    stats = [torch.full((M,), float("nan")) for _ in range(1 if op == "rms_norm" else 2)]
+    with pytest.warns(RuntimeWarning, match=r"dropped rows .*relative error|dropped rows .*unwritten") as rec:
+        if op == "rms_norm":
+            rms_norm(out, stats[0], x, w, 1e-6)
+            ref, *ref_stats = _rms_ref(x, w, 1e-6)
+        else:
+            layer_norm(out, stats[0], stats[1], x, w, b, 1e-5)
+            ref, *ref_stats = _ln_ref(x, w, b, 1e-5)
+    assert len([r for r in rec if "dropped" in str(r.message)]) == 1
+    (chosen,) = _config._NORM_TUNED.values()
+    assert chosen == slow  # the fastest correct one
+    assert launched[-1] == slow  # the chosen config wrote the caller's buffers last
+    assert rel_error(out, ref) <= TOL[torch.bfloat16]
+    for s, r in zip(stats, ref_stats):
+        assert rel_error(s, r) <= 1e-5
+
+
+def test_norm_tuner_all_wrong_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels_triton import rms_norm as rms_mod
+
+    cfgs = [
+        _config.NormConfig("reg", 128, 4, block_m=4),
+        _config.NormConfig("rows", 128, 4, block_m=4, progs=1),
+    ]
+    real_launch = rms_mod._launch
+
+    def launch(cfg: _config.NormConfig, out: torch.Tensor, *args) -> None:
+        real_launch(cfg, out, *args)
+        out.mul_(-1.0)
+
+    monkeypatch.setattr(rms_mod, "norm_should_tune", lambda x: True)
+    monkeypatch.setattr(rms_mod, "norm_candidates", lambda *a, **k: cfgs)
+    monkeypatch.setattr(rms_mod, "_launch", launch)
+    monkeypatch.setattr(_config, "_NORM_TUNED", {})
+    x = _randn(9, 100, dtype=torch.float16, seed=3)
+    w = _randn(100, dtype=torch.float16, seed=4)
+    with pytest.warns(RuntimeWarning, match="dropped"), pytest.raises(RuntimeError, match="no candidate"):
+        rms_norm(torch.empty_like(x), torch.empty(9), x, w, 1e-6)
+    assert not _config._NORM_TUNED
+
+
+def test_norm_check_bounds_accept_correct_results() -> None:
+    # The torch op itself in the output dtype (an independent correct result) passes the check's bounds,
+    # also for rows with a large mean (layer norm) and for an all-zero x (reference norm 0).
+    from kernels_triton import layer_norm as ln_mod
+    from kernels_triton import rms_norm as rms_mod
+
+    for dtype in FLOATS:
+        for shift in (0.0, 1e3):
+            x = _randn(40, 700, dtype=dtype, seed=7, scale=3.0, shift=shift)
+            w = _randn(700, dtype=dtype, seed=8)
+            b = _randn(700, dtype=dtype, seed=9)
+            for xx in (x, torch.zeros_like(x)):
+                ref = torch.nn.functional.layer_norm(xx.float(), (700,), w.float(), b.float(), 1e-5)
+                xd = xx.double()
+                mean = xd.mean(-1).float()
+                rstd = torch.rsqrt((xd - xd.mean(-1, keepdim=True)).square().mean(-1) + 1e-5).float()
+                chk = _config.norm_check(
+                    xx, (ref.to(dtype), mean, rstd), lambda xs, w=w, b=b: ln_mod._reference(xs, w, b, 1e-5),
+                    mean_stat=(True, False),
+                )  # fmt: skip
+                assert chk.error() is None, (dtype, shift)
+                rr = torch.rsqrt(xd.square().mean(-1) + 1e-6)
+                y = (xd * rr[:, None] * w.double()).to(dtype)
+                chk = _config.norm_check(xx, (y, rr.float()), lambda xs, w=w: rms_mod._reference(xs, w, 1e-6))
+                assert chk.error() is None, (dtype, shift)
 
 
 def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
