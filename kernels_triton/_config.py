@@ -304,8 +304,9 @@ NORM_CHECK_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4
 # Statistics are fp32 in every kernel: rstd agrees to sum-order noise (~1e-6). The mean is measured against
 # the rows' RMS, not its own norm: it cancels to ~0 for centred rows while its rounding scales with |x|.
 # Layer norm's one-pass "reload"/"split" statistics (shifted by K = x[row, 0]) lose a factor 1 + ((K - mean)
-# * rstd)^2 of precision in the variance (6e-8 x that): < 1e-4 unless column 0 is an outlier >~ 40 std away.
-NORM_CHECK_STAT_TOL = 1e-4
+# * rstd)^2 of precision in the variance (6e-8 x that): the bound, far above the usual ~1e-6, stays
+# above that unless column 0 is an outlier >~ 180 std away, and still catches an rstd 1% off.
+NORM_CHECK_STAT_TOL = 2e-3
 # Past NORM_CHECK_FULL_ELEMS elements the reference is computed and compared on NORM_CHECK_ROWS evenly
 # spaced rows plus the last (a 16384 x 65536 bf16 x is 2 GB; its fp32 reference would be 4 GB). Every row is
 # still checked for unwritten (NaN-poisoned) output, through fp32 row sums (one read of out, M floats).
