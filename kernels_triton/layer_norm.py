@@ -34,6 +34,7 @@ from kernels_triton._config import (
     norm_tuned,
     split_chunks,
 )
+from kernels_triton._tiles import load_row_tile
 
 # Heuristic (untuned) step of "reload"/"split": 16 KB of x, 2 x 16-byte vectors per thread (16 warps on
 # NVIDIA); the two fp32 accumulators per element made wider steps slower than for rms_norm in the old
@@ -82,10 +83,7 @@ def _ln_rows_kernel(
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     rows = pid * BLOCK_M + r
-    xn = tl.load(
-        x_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
-        mask=(rows < M)[:, None] & cmask[None, :], other=0.0,
-    )  # fmt: skip
+    xn = load_row_tile(x_ptr, rows, cols, M, N)
     for t in range(pid, tl.cdiv(M, BLOCK_M), G):
         rows = t * BLOCK_M + r
         rmask = rows < M
@@ -93,10 +91,7 @@ def _ln_rows_kernel(
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         x = xn.to(tl.float32)
         nrows = rows + G * BLOCK_M
-        xn = tl.load(
-            x_ptr + nrows.to(tl.int64)[:, None] * N + cols[None, :],
-            mask=(nrows < M)[:, None] & cmask[None, :], other=0.0,
-        )  # fmt: skip
+        xn = load_row_tile(x_ptr, nrows, cols, M, N)
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(m, x - mean[:, None], 0.0)
         rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)

@@ -34,6 +34,7 @@ from kernels_triton._config import (
     norm_tuned,
     split_chunks,
 )
+from kernels_triton._tiles import load_row_tile
 
 # Heuristic (untuned) step of "reload": 32 KB of x, 4 x 16-byte vectors per thread (16 warps on NVIDIA);
 # with one program of one row per SM it is the old one-row-per-program kernel's best step (H200, 16384 x
@@ -75,10 +76,7 @@ def _rms_rows_kernel(
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     rows = pid * BLOCK_M + r
-    xn = tl.load(
-        x_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
-        mask=(rows < M)[:, None] & cmask[None, :], other=0.0,
-    )  # fmt: skip
+    xn = load_row_tile(x_ptr, rows, cols, M, N)
     for t in range(pid, tl.cdiv(M, BLOCK_M), G):
         rows = t * BLOCK_M + r
         rmask = rows < M
@@ -86,10 +84,7 @@ def _rms_rows_kernel(
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         x = xn.to(tl.float32)
         nrows = rows + G * BLOCK_M
-        xn = tl.load(
-            x_ptr + nrows.to(tl.int64)[:, None] * N + cols[None, :],
-            mask=(nrows < M)[:, None] & cmask[None, :], other=0.0,
-        )  # fmt: skip
+        xn = load_row_tile(x_ptr, nrows, cols, M, N)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)

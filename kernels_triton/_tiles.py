@@ -1,0 +1,16 @@
+"""@triton.jit helpers shared by the row kernels of several ops."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_row_tile(x_ptr, rows, cols, M, N):
+    """x[rows, cols] of a row-major [M, N] tensor, in its own dtype; 0 outside the tensor."""
+    return tl.load(
+        x_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+        mask=(rows < M)[:, None] & (cols < N)[None, :],
+        other=0.0,
+    )
