@@ -289,6 +289,39 @@ def norm_m_bucket(M: int, dev: int) -> int:
     return min(16, next_pow2(-(-M // num_sms(dev))))
 
 
+def norm_select(
+    key: tuple,
+    x: torch.Tensor,
+    step: tuple[int, int],
+    force: dict[str, int | str | None],
+    launch: Callable[[NormConfig], None],
+    make_check: Callable[[], NormCheck],
+) -> NormConfig:
+    """The config of one row-norm call on x[M, N] with the op's (step bytes, vectors) streaming step: the
+    tests' forced one, else on large CUDA problems the tuned one (key = the op's key prefix + M bucket +
+    device), else the heuristic default. Shared by rms_norm and layer_norm."""
+    M, N = x.shape
+    dev = device_index(x)
+    es = x.element_size()
+    cfg = norm_forced(M, N, es, dev, *step, **force)
+    if cfg is not None:
+        return cfg
+    default = norm_default(M, N, es, dev, *step)
+    if default.mode == "split" or not norm_should_tune(x):
+        return default
+    cands = norm_candidates(M, N, es, dev, default)
+    return norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check)
+
+
+def norm_aot_configs(n: int, es: int, step: tuple[int, int]) -> list[NormConfig]:
+    """Every config a row-norm launcher can pick for rows of n: the heuristic plans and all tuning candidates."""
+    cfgs = [norm_default(1 << 20, n, es, 0, *step)]
+    cfgs += [c for c in norm_candidates(1 << 20, n, es, 0, cfgs[0]) if c not in cfgs]
+    if n > NORM_REG_MAX:
+        cfgs.append(norm_default(4, n, es, 0, *step))  # "split"
+    return cfgs
+
+
 # ---- the tuner's correctness gate -------------------------------------------------------------------------
 # A candidate is timed only after its outputs on the caller's own inputs match an fp32 torch reference: a
 # kernel that the device's compiler miscompiles (the persistent ones were checked by the CPU interpreter

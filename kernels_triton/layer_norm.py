@@ -19,19 +19,13 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import (
-    NORM_REG_MAX,
     NormConfig,
     device_index,
     div16_attrs,
-    norm_candidates,
+    norm_aot_configs,
     norm_check,
-    norm_default,
-    norm_forced,
     norm_grid,
-    norm_m_bucket,
-    norm_plan,
-    norm_should_tune,
-    norm_tuned,
+    norm_select,
     split_chunks,
 )
 from kernels_triton._tiles import load_row_tile
@@ -282,30 +276,22 @@ def layer_norm(
     _progs: int | None = None,
 ) -> None:
     """out[M, N], mean[M], rstd[M] <- LayerNorm(x[M, N]) with weight[N], bias[N] | None."""
-    M, N = x.shape
-    dev = device_index(x)
-    es = x.element_size()
-    cfg = norm_forced(
-        M, N, es, dev, STREAM_BYTES, STREAM_VECS,
-        mode=_mode, split=_split, block=_block, num_warps=_num_warps, block_m=_block_m, progs=_progs,
-    )  # fmt: skip
-    if cfg is None and norm_plan(M, N, es, dev)[0] != "split" and norm_should_tune(x):
-        key = ("layer_norm", N, x.dtype, bias is not None, norm_m_bucket(M, dev), dev)
-        cfg = norm_tuned(
-            key,
-            norm_candidates(M, N, es, dev, norm_default(M, N, es, dev, STREAM_BYTES, STREAM_VECS)),
-            lambda c: _launch(c, out, mean, rstd, x, weight, bias, eps),
-            lambda: norm_check(
-                x,
-                (out, mean, rstd),
-                lambda xs: _reference(xs, weight, bias, eps),
-                params=(weight, bias),
-                mean_stat=(True, False),
-            ),
-        )
-    _launch(
-        cfg or norm_default(M, N, es, dev, STREAM_BYTES, STREAM_VECS), out, mean, rstd, x, weight, bias, eps
+    force = dict(mode=_mode, split=_split, block=_block, num_warps=_num_warps, block_m=_block_m, progs=_progs)
+    cfg = norm_select(
+        ("layer_norm", x.shape[1], x.dtype, bias is not None),
+        x,
+        (STREAM_BYTES, STREAM_VECS),
+        force,
+        lambda c: _launch(c, out, mean, rstd, x, weight, bias, eps),
+        lambda: norm_check(
+            x,
+            (out, mean, rstd),
+            lambda xs: _reference(xs, weight, bias, eps),
+            params=(weight, bias),
+            mean_stat=(True, False),
+        ),
     )
+    _launch(cfg, out, mean, rstd, x, weight, bias, eps)
 
 
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
@@ -313,12 +299,8 @@ AOT_NS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # bf16 row len
 
 
 def aot_configs(n: int, es: int) -> list[NormConfig]:
-    """Every config the launcher can pick for rows of n: the heuristic plans and all tuning candidates."""
-    cfgs = [norm_default(1 << 20, n, es, 0, STREAM_BYTES, STREAM_VECS)]
-    cfgs += [c for c in norm_candidates(1 << 20, n, es, 0, cfgs[0]) if c not in cfgs]
-    if n > NORM_REG_MAX:
-        cfgs.append(norm_default(4, n, es, 0, STREAM_BYTES, STREAM_VECS))  # "split"
-    return cfgs
+    """Every config the launcher can pick for rows of n (see `norm_aot_configs`)."""
+    return norm_aot_configs(n, es, (STREAM_BYTES, STREAM_VECS))
 
 
 def aot_specs() -> list[tuple]:

@@ -288,8 +288,8 @@ def test_norm_tuner_rejects_wrong_candidate(
     bad = _config.NormConfig("rows", 128, 4, block_m=4, progs=1)
     slow = _config.NormConfig("reload", 256, 4, progs=2)
     times = {good: 3.0, bad: 1.0, slow: 2.0}
-    monkeypatch.setattr(mod, "norm_should_tune", lambda x: True)
-    monkeypatch.setattr(mod, "norm_candidates", lambda *a, **k: [good, bad, slow])
+    monkeypatch.setattr(_config, "norm_should_tune", lambda x: True)
+    monkeypatch.setattr(_config, "norm_candidates", lambda *a, **k: [good, bad, slow])
     real_launch = mod._launch
     current: list[_config.NormConfig] = []
     launched: list[_config.NormConfig] = []
@@ -343,8 +343,8 @@ def test_norm_tuner_all_wrong_raises(monkeypatch: pytest.MonkeyPatch) -> None:
         real_launch(cfg, out, *args)
         out.mul_(-1.0)
 
-    monkeypatch.setattr(rms_mod, "norm_should_tune", lambda x: True)
-    monkeypatch.setattr(rms_mod, "norm_candidates", lambda *a, **k: cfgs)
+    monkeypatch.setattr(_config, "norm_should_tune", lambda x: True)
+    monkeypatch.setattr(_config, "norm_candidates", lambda *a, **k: cfgs)
     monkeypatch.setattr(rms_mod, "_launch", launch)
     monkeypatch.setattr(_config, "_NORM_TUNED", {})
     x = _randn(9, 100, dtype=torch.float16, seed=3)
