@@ -1,4 +1,4 @@
-"""@triton.jit helpers shared by the row kernels of several ops."""
+"""@triton.jit helpers shared by the kernels of several ops."""
 
 from __future__ import annotations
 
@@ -14,3 +14,11 @@ def load_row_tile(x_ptr, rows, cols, M, N):
         mask=(rows < M)[:, None] & (cols < N)[None, :],
         other=0.0,
     )
+
+
+@triton.jit
+def dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b in fp32; IEEE keeps fp32 operands fp32 (input_precision="ieee", no tf32)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)

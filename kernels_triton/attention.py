@@ -24,16 +24,10 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import div16_attrs, is_hip, is_interpreter
+from kernels_triton._tiles import dot
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535  # CUDA/HIP limit of grid axis 1
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -79,14 +73,14 @@ def _attn_fwd_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kt = tl.load(kt_ptrs + start_n * HEAD_DIM)
-        qk = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        qk = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         v = tl.load(v_ptrs + start_n * HEAD_DIM)
-        acc = _dot(p.to(v.dtype), v, acc, IEEE)
+        acc = dot(p.to(v.dtype), v, acc, IEEE)
         m_i = m_new
 
     # Diagonal / ragged-tail tiles: mask, and keep rows with no visible key yet at m = -inf without NaNs.
@@ -95,7 +89,7 @@ def _attn_fwd_kernel(
         kn = start_n + offs_n
         k_in = kn < SKV
         kt = tl.load(kt_ptrs + start_n * HEAD_DIM, mask=k_in[None, :], other=0.0)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
+        s = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
         valid = k_in[None, :]
         if CAUSAL:
             valid = valid & (kn[None, :] <= offs_m[:, None] + diag)
@@ -107,7 +101,7 @@ def _attn_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         v = tl.load(v_ptrs + start_n * HEAD_DIM, mask=k_in[:, None], other=0.0)
-        acc = _dot(p.to(v.dtype), v, acc, IEEE)
+        acc = dot(p.to(v.dtype), v, acc, IEEE)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no visible key: acc is 0, so the row stays exactly 0

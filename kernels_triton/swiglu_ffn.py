@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import device_index, div16_attrs, is_hip, is_interpreter, next_pow2, num_sms
+from kernels_triton._tiles import dot
 
 DECODE_MAX_T = 16  # at or below this many tokens the weights' bytes dominate: GEMV path
 
@@ -130,12 +131,8 @@ def _gate_up_kernel(
         if HAS_NORM:
             nw = tl.load(nw_ptr + k * BLOCK_K + offs_k, mask=offs_k < k_left, other=0.0)
             a = ((a.to(tl.float32) * r[:, None]) * nw.to(tl.float32)[None, :]).to(a_ptr.dtype.element_ty)
-        if IEEE:
-            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
+        acc_g = dot(a, bg, acc_g, IEEE)
+        acc_u = dot(a, bu, acc_u, IEEE)
         a_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
@@ -168,10 +165,7 @@ def _matmul_nt_kernel(
         else:
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = dot(a, b, acc, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -217,12 +211,8 @@ def _gate_up_tma_kernel(
             a = a_desc.load([off_m, off_k])
             bg = g_desc.load([off_n, off_k])
             bu = u_desc.load([off_n, off_k])
-            if IEEE:
-                acc_g = tl.dot(a, bg.T, acc_g, input_precision="ieee")
-                acc_u = tl.dot(a, bu.T, acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, bg.T, acc_g)
-                acc_u = tl.dot(a, bu.T, acc_u)
+            acc_g = dot(a, bg.T, acc_g, IEEE)
+            acc_u = dot(a, bu.T, acc_u, IEEE)
         tile_c += NUM_SMS
         pid_m, pid_n = _grouped(tile_c, num_pid_m, num_pid_n, GROUP_M)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -256,10 +246,7 @@ def _matmul_nt_tma_kernel(
             off_k = ki * BLOCK_K
             a = a_desc.load([off_m, off_k])
             b = b_desc.load([off_n, off_k])
-            if IEEE:
-                acc = tl.dot(a, b.T, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b.T, acc)
+            acc = dot(a, b.T, acc, IEEE)
         tile_c += NUM_SMS
         pid_m, pid_n = _grouped(tile_c, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -281,10 +268,8 @@ def _gemv_rows(acc, x, w, BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
     (no cross-lane shuffles per step and no tensor-core padding of 1 row to 16)."""
     if BLOCK_T == 1:
         acc += w.to(tl.float32) * x.to(tl.float32)
-    elif IEEE:
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     else:
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = dot(x, tl.trans(w), acc, IEEE)
     return acc
 
 
