@@ -8,6 +8,7 @@ install pulls the multi-GB CUDA build; set TORCH_SPEC="" to keep whatever torch 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import nox
 
@@ -16,12 +17,13 @@ nox.options.reuse_existing_virtualenvs = True
 
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 EXTRAS = {"torch": "test,bench", "triton": "test,triton", "mojo": "test,mojo"}
-# Which test files each backend session runs; backend-independent files run in the torch session.
-TEST_FILES = {
-    "torch": ["tests"],
-    "triton": ["tests/test_conformance.py", "tests/test_triton_modes.py", "tests/test_triton_mm_modes.py"],
-    "mojo": ["tests/test_conformance.py", "tests/test_mojo_runtime.py"],
-}
+# Which test files each backend session runs: the cross-backend files, plus tests/test_<backend>_*.py.
+# The torch session also runs every backend-independent file (everything not named for a backend).
+SHARED_TESTS = ["tests/test_conformance.py", "tests/test_hostile_inputs.py"]
+
+
+def _backend_files(backend: str) -> list[str]:
+    return sorted(str(p) for p in Path("tests").glob(f"test_{backend}_*.py"))
 
 
 def _install(session: nox.Session, extras: str) -> None:
@@ -35,10 +37,11 @@ def _install(session: nox.Session, extras: str) -> None:
 def tests(session: nox.Session, backend: str) -> None:
     """Conformance suite (+ backend-specific tests) on the CPU; pass `-- --device cuda` on a GPU host."""
     _install(session, EXTRAS[backend])
-    files = [f for f in TEST_FILES[backend] if os.path.exists(f)]
-    specific = [f for b in ("triton", "mojo") for f in TEST_FILES[b][1:] if os.path.exists(f)]
-    ignore = [f"--ignore={f}" for f in specific] if backend == "torch" else []
-    session.run("python", "-m", "pytest", *files, *ignore, "--backends", backend, *session.posargs)
+    if backend == "torch":
+        files = ["tests"] + [f"--ignore={f}" for b in ("triton", "mojo") for f in _backend_files(b)]
+    else:
+        files = SHARED_TESTS + _backend_files(backend)
+    session.run("python", "-m", "pytest", *files, "--backends", backend, *session.posargs)
 
 
 @nox.session

@@ -90,6 +90,8 @@ TL_DTYPE_NAMES: dict[torch.dtype, str] = {
 # "split":  few rows (M < 2 x SMs) longer than NORM_REG_MAX: rows alone cannot fill the GPU, so each row is
 #           cut into SPLIT chunks: kernel 1 writes per-chunk partial statistics, kernel 2 combines them in a
 #           fixed order and normalizes its chunk (cluster-free; costs a second read of x, cheap at small M).
+# With a fused residual add (the contract's forward(y, h, ..., x, residual, ...)) every mode reads x and the
+# residual once and writes h = x + residual once; "reload"/"split" re-read h (from L2), not x and residual.
 # Which tile, warps, programs per SM and step win is not derivable to the last 5 %, so for large problems
 # (M x N >= NORM_TUNE_MIN_ELEMS, not in the interpreter, not under CUDA-graph capture) each call shape is
 # timed once over `norm_candidates` and the fastest is cached (`norm_tuned`); small problems and the CPU
@@ -221,15 +223,20 @@ NORM_ROWS_SET = ((2, 2), (1, 1), (1, 2))  # (1, 2) only where the others do not 
 
 
 def norm_candidates(
-    M: int, N: int, elsize: int, dev: int, first: NormConfig | None = None
+    M: int, N: int, elsize: int, dev: int, first: NormConfig | None = None, res: bool = False
 ) -> list[NormConfig]:
     """Configs the tuner times for x[M, N] (modes "reg", "rows", "reload"), deduplicated: `first` (the op's
-    heuristic config), then the tables above. At most ~7, since each costs a JIT compile (~0.5 s)."""
+    heuristic config), then the tables above. At most ~7, since each costs a JIT compile (~0.5 s).
+    With a fused residual (`res`: a second input stream and the h store) register tiles of >= 16 elements
+    per thread at 1024 threads are left out: they spilled at the 64 registers that leaves (AOT, sm_90)."""
     vec = 16 // elsize
     ws = warp_size(dev)
     cands: list[NormConfig] = [first] if first is not None else []
 
     def add(c: NormConfig) -> None:
+        threads = c.num_warps * ws
+        if res and c.mode in ("reg", "rows") and threads >= 1024 and c.block_m * c.block >= 16 * threads:
+            return
         if c not in cands:
             cands.append(c)
 
@@ -296,10 +303,12 @@ def norm_select(
     force: dict[str, int | str | None],
     launch: Callable[[NormConfig], None],
     make_check: Callable[[], NormCheck],
+    res: bool = False,
 ) -> NormConfig:
     """The config of one row-norm call on x[M, N] with the op's (step bytes, vectors) streaming step: the
     tests' forced one, else on large CUDA problems the tuned one (key = the op's key prefix + M bucket +
-    device), else the heuristic default. Shared by rms_norm and layer_norm."""
+    device), else the heuristic default. `res`: the call fuses a residual add. Shared by rms_norm and
+    layer_norm."""
     M, N = x.shape
     dev = device_index(x)
     es = x.element_size()
@@ -309,14 +318,15 @@ def norm_select(
     default = norm_default(M, N, es, dev, *step)
     if default.mode == "split" or not norm_should_tune(x):
         return default
-    cands = norm_candidates(M, N, es, dev, default)
+    cands = norm_candidates(M, N, es, dev, default, res)
     return norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check)
 
 
-def norm_aot_configs(n: int, es: int, step: tuple[int, int]) -> list[NormConfig]:
-    """Every config a row-norm launcher can pick for rows of n: the heuristic plans and all tuning candidates."""
+def norm_aot_configs(n: int, es: int, step: tuple[int, int], res: bool = False) -> list[NormConfig]:
+    """Every config a row-norm launcher can pick for rows of n (with a fused residual: `res`): the heuristic
+    plans and all tuning candidates."""
     cfgs = [norm_default(1 << 20, n, es, 0, *step)]
-    cfgs += [c for c in norm_candidates(1 << 20, n, es, 0, cfgs[0]) if c not in cfgs]
+    cfgs += [c for c in norm_candidates(1 << 20, n, es, 0, cfgs[0], res) if c not in cfgs]
     if n > NORM_REG_MAX:
         cfgs.append(norm_default(4, n, es, 0, *step))  # "split"
     return cfgs
@@ -350,40 +360,51 @@ NORM_CHECK_ROWS = 256
 @dataclasses.dataclass
 class NormCheck:
     """What a tuning candidate must reproduce: the caller's output buffers `outs` (out[M, N] first, then the
-    fp32 statistics [M]) and their fp32 reference `refs` on `rows` (None: every row)."""
+    fp32 statistics [M]) and their fp32 reference `refs` on `rows` (None: every row); with a fused residual
+    also `h` (h[M, N] = x + residual in x's dtype) and its reference `h_ref` (the same rows)."""
 
     outs: tuple[torch.Tensor, ...]
     refs: tuple[torch.Tensor, ...]
     rows: torch.Tensor | None
-    live: torch.Tensor  # bool [M]: rows with finite x (and params): their outputs must not stay NaN
+    live: torch.Tensor  # bool [M]: rows with finite input (and params): their outputs must not stay NaN
     tol: float
-    row_rms: torch.Tensor | None  # RMS of each checked row of x: the scale of the mean's error
+    row_rms: torch.Tensor | None  # RMS of each checked row of the normalized input: the mean's error scale
     mean_stat: tuple[bool, ...]  # per statistic: is it a mean
+    h: torch.Tensor | None = None
+    h_ref: torch.Tensor | None = None
 
     def poison(self) -> None:
-        for t in self.outs:
-            t.fill_(float("nan"))
+        for t in (*self.outs, self.h):
+            if t is not None:
+                t.fill_(float("nan"))
 
     def error(self) -> str | None:
         """None when the outputs (written since `poison`) match the reference, else what is wrong."""
         out = self.outs[0]
         unwritten = torch.isnan(out.sum(-1, dtype=torch.float32)) & self.live
+        if self.h is not None:
+            unwritten |= torch.isnan(self.h.sum(-1, dtype=torch.float32)) & self.live
         for s in self.outs[1:]:
             unwritten |= torch.isnan(s) & self.live
         n_bad = int(unwritten.sum())
         if n_bad:
             return f"{n_bad} of {self.live.numel()} rows left NaN (unwritten)"
-        for i, (o, r) in enumerate(zip(self.outs, self.refs)):
+        pairs = list(zip(self.outs, self.refs))
+        if self.h is not None and self.h_ref is not None:
+            pairs.append((self.h, self.h_ref))
+        n_stats = len(self.outs) - 1
+        for i, (o, r) in enumerate(pairs):
             got = (o if self.rows is None else o.index_select(0, self.rows)).float()
             ok = torch.isfinite(r.reshape(r.shape[0], -1)).all(-1)  # rows the reference itself overflows
             got, r = got[ok], r[ok]
             denom = float(torch.linalg.vector_norm(r))
-            if i > 0 and i <= len(self.mean_stat) and self.mean_stat[i - 1] and self.row_rms is not None:
+            is_stat = 0 < i <= n_stats
+            if is_stat and i <= len(self.mean_stat) and self.mean_stat[i - 1] and self.row_rms is not None:
                 denom = max(denom, float(torch.linalg.vector_norm(self.row_rms[ok])))
             err = float(torch.linalg.vector_norm(got - r)) / (denom if denom > 0 else 1.0)
-            tol = self.tol if i == 0 else NORM_CHECK_STAT_TOL
+            tol = NORM_CHECK_STAT_TOL if is_stat else self.tol
             if not err <= tol:  # NaN fails too
-                what = "out" if i == 0 else f"statistic {i}"
+                what = "out" if i == 0 else f"statistic {i}" if is_stat else "h (x + residual)"
                 return f"{what} relative error {err:.3g} > {tol:g} vs the fp32 torch reference"
         return None
 
@@ -394,24 +415,37 @@ def norm_check(
     reference: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
     params: tuple[torch.Tensor | None, ...] = (),
     mean_stat: tuple[bool, ...] = (),
+    residual: torch.Tensor | None = None,
+    h: torch.Tensor | None = None,
 ) -> NormCheck:
-    """The NormCheck of one call: `reference(x_rows_fp32)` returns (out, stats...) in fp32 for those rows;
-    `params` (weight, bias) must be finite for outputs to be expected finite; `mean_stat[i]` marks statistic
-    i as a mean (its error is measured against the rows' RMS)."""
+    """The NormCheck of one call: `reference(xin_rows_fp32)` returns (out, stats...) in fp32 for those rows,
+    where xin is x, or h = round_x(x + residual) when `residual` is given (then the output `h` is checked
+    too); `params` (weight, bias) must be finite for outputs to be expected finite; `mean_stat[i]` marks
+    statistic i as a mean (its error is measured against the rows' RMS)."""
     M, N = x.shape
     rows = None
     if M * N > NORM_CHECK_FULL_ELEMS and M > NORM_CHECK_ROWS + 1:
         idx = torch.linspace(0, M - 2, NORM_CHECK_ROWS, dtype=torch.float64).round().long()
         rows = torch.unique(torch.cat([idx, torch.tensor([M - 1])])).to(x.device)
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t if rows is None else t.index_select(0, rows)
+
     with torch.no_grad():
-        xs = (x if rows is None else x.index_select(0, rows)).float()
+        xs = pick(x).float()
+        live = torch.isfinite(x.sum(-1, dtype=torch.float32))
+        h_ref = None
+        if residual is not None:
+            xs = (xs + pick(residual).float()).to(x.dtype).float()  # h, rounded to x's dtype as stored
+            h_ref = xs
+            live &= torch.isfinite(residual.sum(-1, dtype=torch.float32))
         refs = tuple(r.float() for r in reference(xs))
         row_rms = xs.square().mean(-1).sqrt() if any(mean_stat) else None
-        live = torch.isfinite(x.sum(-1, dtype=torch.float32))
         for p in params:
             if p is not None and not bool(torch.isfinite(p).all()):
                 live &= False
-    return NormCheck(tuple(outs), refs, rows, live, NORM_CHECK_TOL.get(x.dtype, 1e-4), row_rms, mean_stat)
+    tol = NORM_CHECK_TOL.get(x.dtype, 1e-4)
+    return NormCheck(tuple(outs), refs, rows, live, tol, row_rms, mean_stat, h, h_ref)
 
 
 def norm_tuned(

@@ -1,17 +1,39 @@
-"""Attention forward (FlashAttention-2 style): out = softmax(q k^T * scale [+ causal mask]) v.
+"""Attention (FlashAttention-2 style): o = softmax(q k^T * scale [+ causal mask]) v, and lse; backward.
+
+Entry points (CONTRACT.md; the spec's order: outputs, inputs, scalars):
+    forward(o, lse, q, k, v, kv_len, causal, scale)                    o [B, H, S, D], lse [B, H, S] fp32
+    backward(dq, dk, dv, do, q, k, v, o, lse, kv_len, causal, scale)   (kernels in attention_backward.py)
+(The pre-kv_len forms forward(o, lse, q, k, v, causal, scale) / backward(..., lse, causal, scale) still work.)
+k/v [B, Hkv, Skv, D] may be strided views with a contiguous last dim, e.g. `k_cache.transpose(1, 2)[:, :, :L]`
+of a cache [B, max_len, Hkv, D]: every kernel reads them through their strides, in place. kv_len: int32 [B]
+or None: sequence b sees keys 0..L_b - 1, L_b = clamp(kv_len[b], 0, Skv) (clamped in-kernel, so untrusted
+values never read outside k/v); keys past L_b are never loaded. lse = logsumexp of the visible scaled scores
+(natural log); a row with no visible key (L_b = 0, or causal with S > L_b) gives o = 0 and lse = -inf.
+Few queries (S <= 16 with at most 128 rows per GQA group: decode) run the split-KV kernels of
+_attention_decode.py instead of the kernel below.
 
 Floors (H200: ~790 TFLOP/s dense bf16, ~4.3 TB/s), B=4 H=32 S=Skv=4096 D=128 bf16:
-- FLOPs: 4*B*H*S*Skv*D = 2.2 PFLOP non-causal (~2.8 ms at 790 TFLOP/s), about half of that causal.
-- Bytes: q, k, v, out once each = 4*B*H*S*D*2 = 537 MB (~0.13 ms): compute-bound by ~20x, so the
-  goal is tensor-core rate (wgmma) and fewest wasted tiles, not bandwidth.
+- FLOPs: 4*B*H*S*Skv*D = 1.1 PFLOP non-causal (~1.4 ms at 790 TFLOP/s), about half of that causal.
+  (The backward's floor is 2.5x this, 10*B*H*S*Skv*D: see attention_backward.py.)
+- Bytes: q, k, v, out once each = 4*B*H*S*D*2 = 537 MB (~0.13 ms): compute-bound by ~10x, so the
+  goal is tensor-core rate (wgmma) and fewest wasted tiles, not bandwidth. lse adds B*H*S*4 bytes.
+  (Decode is the opposite, a stream over the KV: see _attention_decode.py for its byte floor.)
 
 One program per (BLOCK_M query rows, b*H + h): grid axis 0 = M blocks (limit 2^31 - 1), axis 1 = B*H
-(limit 65535, i.e. B*H up to 65535).
+(limit 65535: larger B*H is launched in batch slabs).
 Online softmax in fp32 registers with exp2 and scale*log2(e) folded into one multiply. GQA: kv head
-h // (H // Hkv). Causal mask aligned bottom-right: query i sees key j iff j <= i + (Skv - S). The key loop
-is split: tiles every row of the block fully sees run unmasked; the diagonal tiles (and a ragged Skv tail)
-run with the mask; tiles past the last visible key are skipped. Rows that see no key (S > Skv) give 0.
-fp32 inputs use input_precision="ieee" (no tf32), so fp32 means fp32.
+h // (H // Hkv). Causal mask aligned bottom-right: query i sees key j iff j <= i + (L_b - S). The key loop
+is split: tiles every row of the block fully sees run unmasked; the diagonal tiles (and a ragged tail at
+L_b) run with the mask; tiles past the last visible key are skipped. Rows that see no key give 0.
+fp32 inputs use input_precision="ieee" (no tf32), so fp32 means fp32. kv_len is a runtime flag plus one
+scalar load per program (no extra compiled variants); the k/v strides are runtime ints (Triton's JIT
+specializes their 16-divisibility, as it did the contiguous row stride).
+
+Non-finite inputs: a NaN in q row i makes row i NaN; a NaN/Inf in a key that row i sees reaches row i as in
+a float64 softmax; a masked key's k never matters (its scores are replaced by -inf before any use). A NaN/Inf
+in a causally masked key's *v* row inside a diagonal tile does reach the rows of that tile (p = 0 times NaN
+inside the p @ v product), as in every flash kernel; the contract does not cover that case. Keys past kv_len
+are not loaded at all (0 in their place), so whatever a cache holds there never matters.
 """
 
 from __future__ import annotations
@@ -23,8 +45,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import div16_attrs, is_hip, is_interpreter
+from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
+from kernels_triton._config import is_hip, is_interpreter
 from kernels_triton._tiles import dot
+from kernels_triton.attention_backward import (
+    Tile,
+    _union,
+    aot_specs_backward,
+    attention_backward,
+    stride_attrs,
+)
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535  # CUDA/HIP limit of grid axis 1
@@ -32,63 +62,73 @@ _MAX_GRID_Y = 65535  # CUDA/HIP limit of grid axis 1
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, H, HKV, S, SKV, qk_scale, S_BUCKET, SKV_BUCKET,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_len_ptr, H, HKV, S, SKV, qk_scale,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len, S_BUCKET, SKV_BUCKET,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # S_BUCKET / SKV_BUCKET are unused here: they exist so the autotuner can key on bucketed lengths.
+    # has_kv_len is a runtime flag (one scalar load per program), so kv_len adds no compiled variants.
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hkv = h // (H // HKV)
+    L = SKV  # keys of this sequence: 0..L-1 (kv_len[b] clamped to [0, SKV])
+    if has_kv_len:
+        L = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), SKV)
     q_base = q_ptr + bh.to(tl.int64) * S * HEAD_DIM
     o_base = o_ptr + bh.to(tl.int64) * S * HEAD_DIM
-    kv_off = (b.to(tl.int64) * HKV + hkv) * SKV * HEAD_DIM
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < S, other=0.0)
-    # K is read as a [HEAD_DIM, BLOCK_N] view of row-major [SKV, HEAD_DIM] (K-major B operand).
-    kt_ptrs = k_ptr + kv_off + offs_n[None, :] * HEAD_DIM + offs_d[:, None]
-    v_ptrs = v_ptr + kv_off + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    # k/v are read through their strides (a KV cache view; the last dim is contiguous). K as a
+    # [HEAD_DIM, BLOCK_N] view (K-major B operand); tile offsets in int64 (start_n * stride can pass 2^31).
+    skn = stride_kn.to(tl.int64)
+    svn = stride_vn.to(tl.int64)
+    kt_ptrs = k_ptr + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh + offs_n[None, :] * stride_kn
+    kt_ptrs = kt_ptrs + offs_d[:, None]
+    v_ptrs = v_ptr + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
+    v_ptrs = v_ptrs + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    diag = SKV - S  # row i sees keys j <= i + diag
+    diag = L - S  # row i sees keys j <= i + diag
     if CAUSAL:
-        hi = tl.maximum(tl.minimum(SKV, m0 + BLOCK_M + diag), 0)  # past the last key any row sees
-        full_end = tl.maximum(tl.minimum(m0 + diag + 1, SKV), 0)  # keys < this: seen by every row
+        hi = tl.maximum(tl.minimum(L, m0 + BLOCK_M + diag), 0)  # past the last key any row sees
+        full_end = tl.maximum(tl.minimum(m0 + diag + 1, L), 0)  # keys < this: seen by every row
         full_end = (full_end // BLOCK_N) * BLOCK_N
     else:
-        hi = SKV
-        full_end = (SKV // BLOCK_N) * BLOCK_N
+        hi = L
+        full_end = (L // BLOCK_N) * BLOCK_N
 
     # Unmasked tiles: every row sees every key, so every row max is finite after the first tile.
     # qk_scale >= 0 (the launcher flips the sign of q otherwise), so max(qk) * scale is the scaled max
     # and the scale folds into one FMA per score: exp2(qk * qk_scale - m).
     for start_n in range(0, full_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        kt = tl.load(kt_ptrs + start_n * HEAD_DIM)
+        kt = tl.load(kt_ptrs + start_n * skn)
         qk = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_ptrs + start_n * HEAD_DIM)
+        v = tl.load(v_ptrs + start_n * svn)
         acc = dot(p.to(v.dtype), v, acc, IEEE)
         m_i = m_new
 
     # Diagonal / ragged-tail tiles: mask, and keep rows with no visible key yet at m = -inf without NaNs.
+    # Keys past L (kv_len) are not even loaded: a cache may hold anything there.
     for start_n in range(full_end, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kn = start_n + offs_n
-        k_in = kn < SKV
-        kt = tl.load(kt_ptrs + start_n * HEAD_DIM, mask=k_in[None, :], other=0.0)
+        k_in = kn < L
+        kt = tl.load(kt_ptrs + start_n * skn, mask=k_in[None, :], other=0.0)
         s = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
         valid = k_in[None, :]
         if CAUSAL:
@@ -100,7 +140,7 @@ def _attn_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_ptrs + start_n * HEAD_DIM, mask=k_in[:, None], other=0.0)
+        v = tl.load(v_ptrs + start_n * svn, mask=k_in[:, None], other=0.0)
         acc = dot(p.to(v.dtype), v, acc, IEEE)
         m_i = m_new
 
@@ -108,6 +148,12 @@ def _attn_fwd_kernel(
     out = acc / l_safe[:, None]
     tl.store(o_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=offs_m[:, None] < S)  # fmt: skip
+    # lse in the natural log: (m + log2 l) * ln 2, as m is the exp2-domain row max. No visible key: -inf;
+    # a +inf score: +inf (as logsumexp); a NaN score: l is NaN, so lse is NaN.
+    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
+    lse = tl.where(l_i == 0.0, float("-inf"), lse)
+    lse = tl.where(m_i == float("inf"), float("inf"), lse)
+    tl.store(lse_ptr + bh.to(tl.int64) * S + offs_m, lse, mask=offs_m < S)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -120,13 +166,13 @@ def _attn_fwd_kernel(
 #   D256: 128x64 w8 s2 488/448; 128x32 w8 s3 439/399; 64x64 w4 357/328; 128x128 w8 s1 321/313 (the
 #         128x256 fp32 accumulator is already 128 regs/thread at 8 warps, so larger score tiles spill);
 #         128x64 s3 needs 256 KB of shared memory (> 227 KB).
-_CUDA_TILES: dict[int, list[tuple[int, int, int, int]]] = {
+_CUDA_TILES: dict[int, list[Tile]] = {
     64: [(128, 64, 8, 3), (128, 64, 4, 3)],
     128: [(128, 64, 8, 3), (128, 128, 8, 3)],
     256: [(128, 64, 8, 2)],
 }
 # CDNA (gfx942): 64-wide waves, 64 KB LDS; smaller N tiles and single-buffered (stream pipeliner) K/V.
-_HIP_TILES: dict[int, list[tuple[int, int, int, int]]] = {
+_HIP_TILES: dict[int, list[Tile]] = {
     64: [(128, 64, 4, 1)],
     128: [(128, 64, 4, 1)],
     256: [(64, 64, 4, 1)],
@@ -143,40 +189,76 @@ def _tuned(head_dim: int):
     return triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_attn_fwd_kernel)
 
 
-def attention(
-    out: torch.Tensor,
+_LEGACY = object()  # marks the pre-kv_len call forms (…, causal, scale) of the entry points below
+
+
+def _kv_args(kv_len, causal, scale):
+    """(kv_len, causal, scale) of a call; the pre-kv_len form passes (causal, scale) in the first two slots."""
+    if scale is _LEGACY:
+        return None, kv_len, causal
+    return kv_len, causal, scale
+
+
+def use_decode(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `forward` runs the split-KV decode kernels: few queries (S <= 16) and a GQA group of at most
+    128 rows (H/Hkv · S), where one program per kv head holds every query row of the group."""
+    S, group = q.shape[2], q.shape[1] // k.shape[1]
+    return S <= DECODE_MAX_S and group * S <= DECODE_MAX_ROWS
+
+
+def forward(
+    o: torch.Tensor,
+    lse: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    kv_len: torch.Tensor | None,
     causal: bool,
-    scale: float,
+    scale: float = _LEGACY,  # type: ignore[assignment]
     *,
-    _config: tuple[int, int, int, int] | None = None,
+    _config: Tile | None = None,
+    _splits: int | None = None,
 ) -> None:
-    """out[B, H, S, D] = attention(q, k, v) as `fusekit.reference.attention`; writes `out`, returns None.
+    """o[B, H, S, D] = attention(q, k, v), lse[B, H, S] (fp32) = logsumexp of the visible scaled scores.
 
-    `_config` = (BLOCK_M, BLOCK_N, num_warps, num_stages) forces a tile (tests, benchmarks).
+    k/v [B, Hkv, Skv, D] may be strided views with a contiguous last dim (read in place; others are copied).
+    kv_len: int32 [B] or None; sequence b sees keys 0..kv_len[b] - 1 (clamped to [0, Skv]), causal
+    bottom-right against its own length. Few queries (S <= 16, see `use_decode`) run the split-KV decode
+    kernels (_attention_decode.py), the rest the FlashAttention kernel above. Writes `o` and `lse`, returns
+    None. `_config` = (BLOCK_M, BLOCK_N, num_warps, num_stages) forces the FlashAttention kernel with that
+    tile; `_splits` forces the decode kernels with that many KV splits (tests, benchmarks). The older form
+    forward(o, lse, q, k, v, causal, scale) is still accepted.
     """
-    B, H, S, D = q.shape
+    kv_len, causal, scale = _kv_args(kv_len, causal, scale)
+    B, H, S, D = _check(q, k, v, o)
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    kv_len = _check_kv_len(kv_len, B, q.device)
     Hkv, Skv = k.shape[1], k.shape[2]
-    if k.shape != (B, Hkv, Skv, D) or v.shape != k.shape or out.shape != q.shape or H % Hkv != 0:
+    if lse.shape != (B, H, S) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(
-            f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}"
+            f"attention: lse must be contiguous fp32 {(B, H, S)}, got {tuple(lse.shape)} {lse.dtype}"
         )
-    if D not in (64, 128, 256):
-        raise ValueError(f"attention: head_dim must be 64, 128 or 256, got {D}")
-    if not all(t.is_contiguous() for t in (out, q, k, v)):
-        raise ValueError("attention: tensors must be contiguous")
     qk_scale = float(scale) * _LOG2E
-    if qk_scale < 0:  # the kernel folds the scale into the row max, which needs scale >= 0
-        q, qk_scale = q.neg(), -qk_scale  # exact: (-q).k * (-scale) == q.k * scale
+    if qk_scale < 0:  # the kernels fold the scale into the row max, which needs scale >= 0
+        q, qk_scale = q.neg(), -qk_scale  # exact: (-q).k * (-scale) == q.k * scale; lse is unchanged
+    if _splits is not None or (_config is None and use_decode(q, k)):
+        if q.is_cuda:
+            with torch.cuda.device(q.device):
+                decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale, splits=_splits)
+        else:
+            decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale, splits=_splits)
+        return
     ieee = q.dtype == torch.float32
-    # Grid axis 1 (B*H) is limited to 65535: split larger batches into slabs (contiguous views).
+    has_kv_len = int(kv_len is not None)
+    kl = kv_len if kv_len is not None else lse.view(torch.int32)  # never read without kv_len
+    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    # Grid axis 1 (B*H) is limited to 65535: split larger batches into slabs (views).
     bstep = max(1, _MAX_GRID_Y // H)
     for b0 in range(0, B, bstep):
         sl = slice(b0, min(B, b0 + bstep))
         nb = sl.stop - sl.start
-        args = (q[sl], k[sl], v[sl], out[sl], H, Hkv, S, Skv, qk_scale, _bucket(S), _bucket(Skv))
+        args = (q[sl], k[sl], v[sl], o[sl], lse[sl], kl[sl] if kv_len is not None else kl, H, Hkv, S, Skv,
+                qk_scale, *strides, has_kv_len, _bucket(S), _bucket(Skv))  # fmt: skip
         if is_interpreter() or _config is not None:
             bm, bn, w, st = _config or _INTERP_TILE
             _attn_fwd_kernel[(triton.cdiv(S, bm), nb * H)](
@@ -190,29 +272,128 @@ def attention(
             )
 
 
+def attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    scale: float = _LEGACY,  # type: ignore[assignment]
+    *,
+    _config: Tile | None = None,
+    _splits: int | None = None,
+) -> None:
+    """The forward without a caller-given lse (it goes to scratch): the entry of the older callers (which may
+    also pass (out, q, k, v, causal, scale))."""
+    kv_len, causal, scale = _kv_args(kv_len, causal, scale)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    forward(out, lse, q, k, v, kv_len, causal, scale, _config=_config, _splits=_splits)
+
+
+def backward(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    scale: float = _LEGACY,  # type: ignore[assignment]
+    *,
+    _config: tuple[Tile, Tile] | None = None,
+) -> None:
+    """dq [B, H, S, D], dk/dv [B, Hkv, Skv, D] of attention from the forward's o and lse (FlashAttention-2,
+    deterministic: GQA groups are summed inside one program per kv block, no atomics). Writes all three.
+    k/v may be strided views (last dim contiguous); with kv_len, keys past kv_len[b] get zero gradients.
+
+    `_config` = (dk/dv tile, dq tile), each (BLOCK_M, BLOCK_N, num_warps, num_stages), forces the tiles.
+    The older form backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale) is still accepted.
+    """
+    kv_len, causal, scale = _kv_args(kv_len, causal, scale)
+    B, H, S, _ = _check(q, k, v, o)
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    kv_len = _check_kv_len(kv_len, B, q.device)
+    if (dq.shape, do.shape) != (q.shape, q.shape) or dk.shape != k.shape or dv.shape != k.shape:
+        raise ValueError(
+            f"attention backward shapes: dq {tuple(dq.shape)}, dk {tuple(dk.shape)}, dv {tuple(dv.shape)}, "
+            f"do {tuple(do.shape)} for q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if lse.shape != (B, H, S) or lse.dtype != torch.float32:
+        raise ValueError(
+            f"attention backward: lse must be fp32 {(B, H, S)}, got {tuple(lse.shape)} {lse.dtype}"
+        )
+    if not all(t.is_contiguous() for t in (dq, dk, dv, do, lse)):
+        raise ValueError("attention backward: tensors must be contiguous")
+    attention_backward(
+        dq, dk, dv, do, q, k, v, o, lse, kv_len, causal, scale, s_bucket=_bucket(S),
+        skv_bucket=_bucket(k.shape[2]), max_grid_y=_MAX_GRID_Y, config=_config,
+    )  # fmt: skip
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> tuple[int, int, int, int]:
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    if k.shape != (B, Hkv, Skv, D) or v.shape != k.shape or out.shape != q.shape or H % Hkv != 0:
+        raise ValueError(
+            f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}"
+        )
+    if D not in (64, 128, 256):
+        raise ValueError(f"attention: head_dim must be 64, 128 or 256, got {D}")
+    if not all(t.is_contiguous() for t in (out, q)):
+        raise ValueError("attention: q and o must be contiguous (k and v may be strided)")
+    return B, H, S, D
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """k/v as they are when their last dim is contiguous (the kernels read the others through strides)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_kv_len(kv_len: torch.Tensor | None, B: int, device: torch.device) -> torch.Tensor | None:
+    if kv_len is None:
+        return None
+    if kv_len.shape != (B,) or kv_len.dtype != torch.int32 or kv_len.device != device:
+        raise ValueError(
+            f"attention: kv_len must be int32 [{B}] on {device}, got {kv_len.dtype} {tuple(kv_len.shape)} "
+            f"on {kv_len.device}"
+        )
+    return kv_len.contiguous()
+
+
 def _bucket(n: int) -> int:
     """Autotune key: sequence lengths rounded up to a power of two (re-tune per octave, not per length)."""
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
 def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
-    """(name, jit kernel, signature, constexprs, options, attrs) for every tile the launcher can pick on CUDA.
+    """(name, jit kernel, signature, constexprs, options, attrs) for every tile the launchers can pick.
 
-    fp16/bf16 x head_dim {64, 128, 256} x causal x the CUDA tile table; options = num_warps/num_stages.
-    attrs = ASTSource attrs (16-divisible pointers and row strides): pass them as
-    `ASTSource(fn, signature, constexprs, attrs)`, else the GEMM loops compile unpipelined.
+    Forward: fp16/bf16 x head_dim {64, 128, 256} x causal x (the CUDA + HIP tile tables); the split-KV decode
+    kernels (_attention_decode.aot_specs_decode); backward: the same for its kernels
+    (attention_backward.aot_specs_backward). options = num_warps/num_stages. attrs = ASTSource attrs
+    (16-divisible pointers, row strides and k/v strides): pass them as `ASTSource(fn, signature, constexprs,
+    attrs)`, else the GEMM loops compile unpipelined.
     """
     specs: list[tuple[str, object, dict, dict, dict]] = []
     for dt in ("fp16", "bf16"):
         p = f"*{dt}"
-        for d, tiles in _CUDA_TILES.items():
+        for d, tiles in _union(_CUDA_TILES, _HIP_TILES).items():
             for causal in (False, True):
                 for bm, bn, w, s in tiles:
-                    sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "H": "i32", "HKV": "i32", "S": "i32",
-                           "SKV": "i32", "qk_scale": "fp32", "S_BUCKET": "i32", "SKV_BUCKET": "i32",
-                           "HEAD_DIM": "constexpr", "CAUSAL": "constexpr",
-                           "IEEE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}  # fmt: skip
+                    sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "lse_ptr": "*fp32",
+                           "kv_len_ptr": "*i32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
+                           "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
+                           "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
+                           "S_BUCKET": "i32", "SKV_BUCKET": "i32", "HEAD_DIM": "constexpr",
+                           "CAUSAL": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr",
+                           "BLOCK_N": "constexpr"}  # fmt: skip
                     const = {"HEAD_DIM": d, "CAUSAL": causal, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn}
                     name = f"attn_{dt}_d{d}_c{int(causal)}_{bm}x{bn}_w{w}s{s}"
                     specs.append((name, _attn_fwd_kernel, sig, const, {"num_warps": w, "num_stages": s}))
-    return [(*spec, div16_attrs(spec[2])) for spec in specs]
+    specs += aot_specs_decode()
+    return [(*spec, stride_attrs(spec[2])) for spec in specs] + aot_specs_backward()

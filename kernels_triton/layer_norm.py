@@ -1,14 +1,24 @@
-"""LayerNorm: out = (x - mean) * rstd * w (+ b), biased variance, fp32 math, one cast; mean/rstd[M] fp32.
+"""LayerNorm, forward and backward (CONTRACT.md): optional fused residual add, weight/bias in x's dtype or fp32,
+biased variance, fp32 math, one cast; mean/rstd[M] fp32.
 
-Byte floor: read x once, write out once (+ 2N weights/bias, 2M statistics), 2 x M x N x elsize:
+    forward(y, h, mean, rstd, x, residual, weight, bias, eps)      h = x + residual (or None), y = norm(h or x)
+    backward(dx, dw, db, dy, dh, xin, weight, mean, rstd, eps)      (kernels in kernels_triton/_norm_bwd.py)
+
+Forward byte floor: read x once, write y once (+ 2N weights/bias, 2M statistics), 2 x M x N x elsize:
 32768 x 8192 bf16 = 1.07 GB -> 251 us at the H200's measured 4274 GB/s copy rate; 16384 x 65536 bf16 =
-4.29 GB -> 1004 us. The modes ("reg", "rows", "reload", "split") are shaped exactly as in rms_norm.py (the
-table is in kernels_triton/_config.py); large problems pick among them by timing (`norm_tuned`).
+4.29 GB -> 1004 us; with the fused residual add 4 x M x N x elsize (read x and residual, write h and y).
+The modes ("reg", "rows", "reload", "split") are shaped exactly as in rms_norm.py (the table is in
+kernels_triton/_config.py); large problems pick among them by timing (`norm_tuned`, every candidate first
+checked against an fp32 reference of the same residual/bias/weight variant).
 
 Statistics: "reg"/"rows" hold the row and do the exact two-pass (mean, then mean of squared deviations), as
-the reference. "reload"/"split" stream the row once for the statistics, using sums of d = x - K with the
-shift K = x[row, 0]: var = E[d^2] - E[d]^2 loses almost nothing because K lies within a few standard
+the reference. "reload"/"split" stream the row once for the statistics, using sums of d = xin - K with the
+shift K = xin[row, 0]: var = E[d^2] - E[d]^2 loses almost nothing because K lies within a few standard
 deviations of the mean, so rows with a large mean (1e4 +- 1) stay accurate, unlike raw E[x^2] - E[x]^2.
+With a residual, "reload" pass 1 writes h (evict_last) and pass 2 re-reads h from L2.
+
+Backward byte floor: read dy and xin, write dx (+ read dh with a residual): 3 (4) x M x N x elsize, e.g.
+32768 x 4096 bf16: 805 MB -> 188 us; the dw/db partials [P, N] fp32 add ~4 x P x N x 4 bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels_triton import _norm_bwd
 from kernels_triton._config import (
     NormConfig,
     device_index,
@@ -38,9 +49,28 @@ SPLIT_MAX = 1024  # chunks per row in "split"; kernel 2 reads all partials of a 
 
 
 @triton.jit
+def _add_res(x, r):
+    """h = x + residual, computed in fp32 and rounded once to x's dtype (as torch's x + residual)."""
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _ln_tile(x, w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS: tl.constexpr):
+    """(y fp32, mean, rstd) of a [BLOCK_M, BLOCK_N] fp32 tile by the exact two-pass statistics."""
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(m, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    return y, mean, rstd
+
+
+@triton.jit
 def _ln_reg_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, M, N, eps,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, M, N, eps,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -51,23 +81,20 @@ def _ln_reg_kernel(
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     # Plain loads, weight/bias read after the statistics: on the H200 this ran 283 us vs 362 us for
     # evict_first/evict_last hints with the weight load hoisted (32768 x 8192 bf16, 16 warps).
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / N
-    xc = tl.where(m, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    if HAS_RES:
+        x = _add_res(x, tl.load(r_ptr + offs, mask=m, other=0.0))
+        tl.store(h_ptr + offs, x, mask=m)
+    y, mean, rstd = _ln_tile(x.to(tl.float32), w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS)
     tl.store(mean_ptr + rows, mean, mask=rmask)
     tl.store(rstd_ptr + rows, rstd, mask=rmask)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = xc * rstd[:, None] * w[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _ln_rows_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, M, N, eps,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, M, N, eps,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # Persistent "reg" (same statistics as _ln_reg_kernel): program p takes row tiles p, p + G, ...; the next
     # tile is loaded (still in the input dtype: half the registers of fp32) before this one is processed.
@@ -78,31 +105,32 @@ def _ln_rows_kernel(
     cmask = cols < N
     rows = pid * BLOCK_M + r
     xn = load_row_tile(x_ptr, rows, cols, M, N)
+    if HAS_RES:
+        rn = load_row_tile(r_ptr, rows, cols, M, N)
     for t in range(pid, tl.cdiv(M, BLOCK_M), G):
         rows = t * BLOCK_M + r
         rmask = rows < M
         m = rmask[:, None] & cmask[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = xn.to(tl.float32)
+        x = xn
+        if HAS_RES:
+            x = _add_res(x, rn)
         nrows = rows + G * BLOCK_M
         xn = load_row_tile(x_ptr, nrows, cols, M, N)
-        mean = tl.sum(x, axis=1) / N
-        xc = tl.where(m, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        if HAS_RES:
+            rn = load_row_tile(r_ptr, nrows, cols, M, N)
+            tl.store(h_ptr + offs, x, mask=m)
+        y, mean, rstd = _ln_tile(x.to(tl.float32), w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS)
         tl.store(mean_ptr + rows, mean, mask=rmask)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        y = xc * rstd[:, None] * w[None, :]
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _ln_normalize(
-    x_ptr, w_ptr, b_ptr, out_ptr, base, wbase, n, shift, md, rstd, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, w_ptr, b_ptr, y_ptr, base, wbase, n, shift, md, rstd, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
 ):
-    # Streams x[base : base + n] (usually from L2, last use: evict_first) into out (never re-read here:
+    # Streams x[base : base + n] (usually from L2, last use: evict_first) into y (never re-read here:
     # evict_first, so its lines leave L2 before the x lines still to be re-read). (x - K) - E[d] rather
     # than x - mean: x - K is exact for x near K, so the fp32 rounding of a large mean never enters y.
     cols = tl.arange(0, BLOCK)
@@ -114,29 +142,20 @@ def _ln_normalize(
         y = ((x - shift) - md) * rstd * w
         if HAS_BIAS:
             y += tl.load(b_ptr + wbase + c, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        tl.store(out_ptr + base + c, y.to(out_ptr.dtype.element_ty), mask=cm, eviction_policy="evict_first")
+        tl.store(y_ptr + base + c, y.to(y_ptr.dtype.element_ty), mask=cm, eviction_policy="evict_first")
 
 
 @triton.jit
-def _ln_shifted_sums(x_ptr, base, n, shift, BLOCK: tl.constexpr):
-    # (sum d, sum d^2) over x[base : base + n] with d = x - shift, fp32 per-lane accumulators.
-    cols = tl.arange(0, BLOCK)
-    s1 = tl.zeros((BLOCK,), dtype=tl.float32)
-    s2 = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(0, n, BLOCK):
-        c = k + cols
-        cm = c < n
-        # evict_last: the normalize kernel re-reads this chunk (from L2 when x fits there).
-        xv = tl.load(x_ptr + base + c, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        d = tl.where(cm, xv - shift, 0.0)
-        s1 += d
-        s2 += d * d
-    return tl.sum(s1, axis=0), tl.sum(s2, axis=0)
+def _ln_stats(s1, s2, shift, N, eps):
+    """(E[d] = mean - K, mean, rstd) from the shifted sums s1 = Σ d, s2 = Σ d^2 of a row, d = xin - K."""
+    md = s1 / N
+    rstd = tl.rsqrt(tl.maximum(s2 / N - md * md, 0.0) + eps)
+    return md, shift + md, rstd
 
 
 @triton.jit
 def _ln_reload_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, M, N, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
 ):
     # Persistent: program p normalizes rows p, p + G, ... (G = grid <= M), so the rows in flight are G.
     pid = tl.program_id(0)
@@ -160,9 +179,7 @@ def _ln_reload_kernel(
             xn = tl.load(x_ptr + base + c, mask=c < N, other=0.0, eviction_policy="evict_last")
             s1 += d
             s2 += d * d
-        md = tl.sum(s1, axis=0) / N
-        mean = shift + md
-        rstd = tl.rsqrt(tl.maximum(tl.sum(s2, axis=0) / N - md * md, 0.0) + eps)
+        md, mean, rstd = _ln_stats(tl.sum(s1, axis=0), tl.sum(s2, axis=0), shift, N, eps)
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
         nxt = row + G
@@ -170,26 +187,80 @@ def _ln_reload_kernel(
         nbase = tl.minimum(nxt, M - 1).to(tl.int64) * N
         xn = tl.load(x_ptr + nbase + cols, mask=cols < n_nxt, other=0.0, eviction_policy="evict_last")
         shift_n = tl.load(x_ptr + nbase).to(tl.float32)
-        _ln_normalize(x_ptr, w_ptr, b_ptr, out_ptr, base, 0, N, shift, md, rstd, HAS_BIAS, BLOCK)
+        _ln_normalize(x_ptr, w_ptr, b_ptr, y_ptr, base, 0, N, shift, md, rstd, HAS_BIAS, BLOCK)
 
 
 @triton.jit
-def _ln_partial_kernel(x_ptr, part_ptr, N, SPLIT, CHUNK, BLOCK: tl.constexpr):
+def _ln_reload_res_kernel(
+    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, M, N, eps,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # "reload" with the fused residual add: pass 1 reads x and residual once (evict_first), writes h
+    # (evict_last) and takes the shifted sums of h; pass 2 re-reads h from L2 (one stream instead of two).
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    for row in range(pid, M, G):
+        base = tl.cast(row, tl.int64) * N
+        shift = _add_res(tl.load(x_ptr + base), tl.load(r_ptr + base)).to(tl.float32)  # K = h[row, 0]
+        s1 = tl.zeros((BLOCK,), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(0, N, BLOCK):
+            c = k + cols
+            cm = c < N
+            x = tl.load(x_ptr + base + c, mask=cm, other=0.0, eviction_policy="evict_first")
+            r = tl.load(r_ptr + base + c, mask=cm, other=0.0, eviction_policy="evict_first")
+            h = _add_res(x, r)
+            tl.store(h_ptr + base + c, h, mask=cm, eviction_policy="evict_last")
+            d = tl.where(cm, h.to(tl.float32) - shift, 0.0)
+            s1 += d
+            s2 += d * d
+        md, mean, rstd = _ln_stats(tl.sum(s1, axis=0), tl.sum(s2, axis=0), shift, N, eps)
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+        tl.debug_barrier()  # h written by every thread of the program is visible to pass 2's loads
+        _ln_normalize(h_ptr, w_ptr, b_ptr, y_ptr, base, 0, N, shift, md, rstd, HAS_BIAS, BLOCK)
+
+
+@triton.jit
+def _ln_partial_kernel(
+    x_ptr, r_ptr, h_ptr, part_ptr, N, SPLIT, CHUNK, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    # Kernel 1 of "split": shifted sums of one chunk of a row (and, with a residual, h of that chunk).
     pid = tl.program_id(0)
     row = pid // SPLIT
     start = (pid % SPLIT).to(tl.int64) * CHUNK
     rbase = row.to(tl.int64) * N
-    shift = tl.load(x_ptr + rbase).to(tl.float32)  # the same K for every chunk of the row
-    s1, s2 = _ln_shifted_sums(x_ptr, rbase + start, tl.minimum(N - start, CHUNK), shift, BLOCK)
-    tl.store(part_ptr + 2 * pid, s1)
-    tl.store(part_ptr + 2 * pid + 1, s2)
+    base = rbase + start
+    n = tl.minimum(N - start, CHUNK)
+    if HAS_RES:  # the same K = h[row, 0] for every chunk of the row
+        shift = _add_res(tl.load(x_ptr + rbase), tl.load(r_ptr + rbase)).to(tl.float32)
+    else:
+        shift = tl.load(x_ptr + rbase).to(tl.float32)
+    cols = tl.arange(0, BLOCK)
+    s1 = tl.zeros((BLOCK,), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, n, BLOCK):
+        c = k + cols
+        cm = c < n
+        # evict_last: the normalize kernel re-reads this chunk (from L2 when x fits there).
+        xv = tl.load(x_ptr + base + c, mask=cm, other=0.0, eviction_policy="evict_last")
+        if HAS_RES:
+            xv = _add_res(xv, tl.load(r_ptr + base + c, mask=cm, other=0.0, eviction_policy="evict_first"))
+            tl.store(h_ptr + base + c, xv, mask=cm, eviction_policy="evict_last")
+        d = tl.where(cm, xv.to(tl.float32) - shift, 0.0)
+        s1 += d
+        s2 += d * d
+    tl.store(part_ptr + 2 * pid, tl.sum(s1, axis=0))
+    tl.store(part_ptr + 2 * pid + 1, tl.sum(s2, axis=0))
 
 
 @triton.jit
 def _ln_split_norm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, part_ptr, N, SPLIT, CHUNK, eps,
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, part_ptr, N, SPLIT, CHUNK, eps,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
+    # Kernel 2 of "split": x_ptr is the normalized input (x, or h written by kernel 1).
     pid = tl.program_id(0)
     row = pid // SPLIT
     part = pid % SPLIT
@@ -198,53 +269,52 @@ def _ln_split_norm_kernel(
     s = tl.arange(0, BLOCK_S)
     sm = s < SPLIT
     # Fixed-order combine: every chunk of the row derives bitwise the same mean/rstd.
-    s1 = tl.sum(tl.load(part_ptr + 2 * (row * SPLIT + s), mask=sm, other=0.0), axis=0)
-    s2 = tl.sum(tl.load(part_ptr + 2 * (row * SPLIT + s) + 1, mask=sm, other=0.0), axis=0)
-    md = s1 / N
-    mean = shift + md
-    rstd = tl.rsqrt(tl.maximum(s2 / N - md * md, 0.0) + eps)
+    pbase = row.to(tl.int64) * SPLIT
+    s1 = tl.sum(tl.load(part_ptr + 2 * (pbase + s), mask=sm, other=0.0), axis=0)
+    s2 = tl.sum(tl.load(part_ptr + 2 * (pbase + s) + 1, mask=sm, other=0.0), axis=0)
+    md, mean, rstd = _ln_stats(s1, s2, shift, N, eps)
     if part == 0:
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
     start = part.to(tl.int64) * CHUNK
     n = tl.minimum(N - start, CHUNK)
-    _ln_normalize(x_ptr, w_ptr, b_ptr, out_ptr, rbase + start, start, n, shift, md, rstd, HAS_BIAS, BLOCK)
+    _ln_normalize(x_ptr, w_ptr, b_ptr, y_ptr, rbase + start, start, n, shift, md, rstd, HAS_BIAS, BLOCK)
 
 
-def _launch(cfg: NormConfig, out, mean, rstd, x, weight, bias, eps: float) -> None:
+def _launch(cfg: NormConfig, y, h, mean, rstd, x, residual, weight, bias, eps: float) -> None:
     M, N = x.shape
     dev = device_index(x)
     has_bias = bias is not None
+    has_res = residual is not None
     b = bias if has_bias else weight  # never read when HAS_BIAS is False
+    r_, h_ = (residual, h) if has_res else (x, y)  # dummies, never touched when HAS_RES is False
     grid = (norm_grid(cfg, M, dev),)
     if cfg.mode in ("reg", "rows"):
         fn = _ln_reg_kernel if cfg.mode == "reg" else _ln_rows_kernel
         fn[grid](
-            x, weight, b, out, mean, rstd, M, N, eps,
-            HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block, num_warps=cfg.num_warps,
+            x, r_, weight, b, y, h_, mean, rstd, M, N, eps,
+            HAS_RES=has_res, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block, num_warps=cfg.num_warps,
         )  # fmt: skip
     elif cfg.mode == "reload":
-        _ln_reload_kernel[grid](
-            x,
-            weight,
-            b,
-            out,
-            mean,
-            rstd,
-            M,
-            N,
-            eps,
-            HAS_BIAS=has_bias,
-            BLOCK=cfg.block,
-            num_warps=cfg.num_warps,
-        )
+        if has_res:
+            _ln_reload_res_kernel[grid](
+                x, residual, weight, b, y, h, mean, rstd, M, N, eps,
+                HAS_BIAS=has_bias, BLOCK=cfg.block, num_warps=cfg.num_warps,
+            )  # fmt: skip
+        else:
+            _ln_reload_kernel[grid](
+                x, weight, b, y, mean, rstd, M, N, eps,
+                HAS_BIAS=has_bias, BLOCK=cfg.block, num_warps=cfg.num_warps,
+            )  # fmt: skip
     else:
         split, chunk = split_chunks(N, cfg.split, cfg.block, SPLIT_MAX)
         part = torch.empty((M, split, 2), dtype=torch.float32, device=x.device)
         grid = (M * split,)
-        _ln_partial_kernel[grid](x, part, N, split, chunk, BLOCK=cfg.block, num_warps=cfg.num_warps)
+        _ln_partial_kernel[grid](
+            x, r_, h_, part, N, split, chunk, HAS_RES=has_res, BLOCK=cfg.block, num_warps=cfg.num_warps
+        )
         _ln_split_norm_kernel[grid](
-            x, weight, b, out, mean, rstd, part, N, split, chunk, eps,
+            h if has_res else x, weight, b, y, mean, rstd, part, N, split, chunk, eps,
             HAS_BIAS=has_bias, BLOCK=cfg.block, BLOCK_S=SPLIT_MAX, num_warps=cfg.num_warps,
         )  # fmt: skip
 
@@ -252,18 +322,20 @@ def _launch(cfg: NormConfig, out, mean, rstd, x, weight, bias, eps: float) -> No
 def _reference(
     xs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 torch LayerNorm of rows `xs` (fp32): (out, mean, rstd), the tuner's correctness check."""
+    """fp32 torch LayerNorm of rows `xs` (fp32 copies of xin): (y, mean, rstd), the tuner's check."""
     out = F.layer_norm(xs, (xs.shape[-1],), weight.float(), None if bias is None else bias.float(), eps)
     mean = xs.mean(-1)
     rstd = torch.rsqrt((xs - mean[:, None]).square().mean(-1) + eps)
     return out, mean, rstd
 
 
-def layer_norm(
-    out: torch.Tensor,
+def forward(
+    y: torch.Tensor,
+    h: torch.Tensor | None,
     mean: torch.Tensor,
     rstd: torch.Tensor,
     x: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     eps: float,
@@ -275,88 +347,147 @@ def layer_norm(
     _block_m: int | None = None,
     _progs: int | None = None,
 ) -> None:
-    """out[M, N], mean[M], rstd[M] <- LayerNorm(x[M, N]) with weight[N], bias[N] | None."""
+    """y[M, N], mean[M], rstd[M] fp32 <- LayerNorm(xin) with weight[N], bias[N] | None (x's dtype or fp32);
+    xin = x, or with `residual` given h[M, N] = x + residual (x's dtype), written once, and xin = h.
+    Private `_mode` ("reg", "rows", "reload", "split"), `_split`, `_block`, `_num_warps`, `_block_m`,
+    `_progs` force a launch config (tests)."""
+    if (h is None) != (residual is None):
+        raise ValueError("layer_norm forward: h and residual must be given together")
     force = dict(mode=_mode, split=_split, block=_block, num_warps=_num_warps, block_m=_block_m, progs=_progs)
+    key = ("layer_norm", x.shape[1], x.dtype, weight.dtype, residual is not None, bias is not None)
     cfg = norm_select(
-        ("layer_norm", x.shape[1], x.dtype, bias is not None),
+        key,
         x,
         (STREAM_BYTES, STREAM_VECS),
         force,
-        lambda c: _launch(c, out, mean, rstd, x, weight, bias, eps),
+        lambda c: _launch(c, y, h, mean, rstd, x, residual, weight, bias, eps),
         lambda: norm_check(
             x,
-            (out, mean, rstd),
+            (y, mean, rstd),
             lambda xs: _reference(xs, weight, bias, eps),
             params=(weight, bias),
             mean_stat=(True, False),
+            residual=residual,
+            h=h,
         ),
+        res=residual is not None,
     )
-    _launch(cfg, out, mean, rstd, x, weight, bias, eps)
+    _launch(cfg, y, h, mean, rstd, x, residual, weight, bias, eps)
+
+
+def backward(
+    dx: torch.Tensor,
+    dw: torch.Tensor,
+    db: torch.Tensor | None,
+    dy: torch.Tensor,
+    dh: torch.Tensor | None,
+    xin: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    *,
+    _mode: str | None = None,
+    **force: int | None,
+) -> None:
+    """dx[M, N] (x's dtype), dw[N] and db[N] | None (weight's dtype) <- LayerNorm backward at xin (x, or h
+    with a residual): x̂ = (xin - mean) * rstd, g = dy * w, dx = rstd * (g - mean(g) - x̂ * mean(g x̂)) [+ dh];
+    dw = Σ_rows dy * x̂, db = Σ_rows dy, deterministic (fixed-order partials, no atomics). `eps` is unused
+    (rstd is given). Private `_mode` ("rows", "col") and `_block_m`, `_num_warps`, `_progs`, `_split`,
+    `_groups` force a launch config (tests)."""
+    del eps
+    force = {k.removeprefix("_"): v for k, v in force.items()}
+    _norm_bwd.launch(dx, dw, db, dy, dh, xin, weight, mean, rstd, is_rms=False, mode=_mode, **force)
+
+
+def layer_norm(
+    out: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    **force,
+) -> None:
+    """The pre-contract entry point: forward without residual."""
+    forward(out, None, mean, rstd, x, None, weight, bias, eps, **force)
 
 
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
 AOT_NS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # bf16 row lengths whose tuned sets compile
+AOT_RES_NS = (
+    4096,
+    8192,
+    16384,
+    65536,
+)  # bf16 rows whose residual tuning candidates all compile (else heuristic)
 
 
-def aot_configs(n: int, es: int) -> list[NormConfig]:
-    """Every config the launcher can pick for rows of n (see `norm_aot_configs`)."""
-    return norm_aot_configs(n, es, (STREAM_BYTES, STREAM_VECS))
+def aot_configs(n: int, es: int, res: bool = False) -> list[NormConfig]:
+    """Every config the launcher can pick for rows of n, with a fused residual or not (`norm_aot_configs`)."""
+    return norm_aot_configs(n, es, (STREAM_BYTES, STREAM_VECS), res)
+
+
+def _fwd_specs(dt: str, wt: str, has_res: bool, has_bias: bool, c: NormConfig) -> list[tuple]:
+    px, pw = f"*{dt}", f"*{wt}"
+    var = f"_w{wt}{'_res' if has_res else ''}{'_bias' if has_bias else ''}"
+    nw = c.num_warps
+    stat = {"mean_ptr": "*fp32", "rstd_ptr": "*fp32"}
+    if c.mode in ("reg", "rows"):
+        fn = _ln_reg_kernel if c.mode == "reg" else _ln_rows_kernel
+        sig = {"x_ptr": px, "r_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px, "h_ptr": px} | stat
+        sig |= {"M": "i32", "N": "i32", "eps": "fp32", "HAS_RES": "constexpr", "HAS_BIAS": "constexpr"}
+        sig |= {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+        ce = {
+            "HAS_RES": has_res,
+            "HAS_BIAS": has_bias,
+            "BLOCK_M": c.block_m,
+            "BLOCK_N": c.block,
+            "num_warps": nw,
+        }
+        return [(f"ln_{c.mode}_{dt}{var}_{c.block_m}x{c.block}_w{nw}", fn, sig, ce)]
+    if c.mode == "reload":
+        if has_res:
+            sig = {"x_ptr": px, "r_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px, "h_ptr": px} | stat
+            fn = _ln_reload_res_kernel
+        else:
+            sig = {"x_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px} | stat
+            fn = _ln_reload_kernel
+        sig |= {"M": "i32", "N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
+        ce = {"HAS_BIAS": has_bias, "BLOCK": c.block, "num_warps": nw}
+        return [(f"ln_reload_{dt}{var}_b{c.block}_w{nw}", fn, sig, ce)]
+    sig = {"x_ptr": px, "r_ptr": px, "h_ptr": px, "part_ptr": "*fp32", "N": "i32", "SPLIT": "i32"}
+    sig |= {"CHUNK": "i32", "HAS_RES": "constexpr", "BLOCK": "constexpr"}
+    ce = {"HAS_RES": has_res, "BLOCK": c.block, "num_warps": nw}
+    todo = [(f"ln_partial_{dt}{'_res' if has_res else ''}_b{c.block}_w{nw}", _ln_partial_kernel, sig, ce)]
+    sig = {"x_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px} | stat
+    sig |= {"part_ptr": "*fp32", "N": "i32", "SPLIT": "i32", "CHUNK": "i32", "eps": "fp32"}
+    sig |= {"HAS_BIAS": "constexpr", "BLOCK": "constexpr", "BLOCK_S": "constexpr"}
+    ce = {"HAS_BIAS": has_bias, "BLOCK": c.block, "BLOCK_S": SPLIT_MAX, "num_warps": nw}
+    todo.append((f"ln_split_norm_{dt}_w{wt}{'_bias' if has_bias else ''}_b{c.block}_w{nw}",
+                 _ln_split_norm_kernel, sig, ce))  # fmt: skip
+    return todo
 
 
 def aot_specs() -> list[tuple]:
-    """Per dtype (bf16: every AOT_NS; fp16/fp32: n = 4096 and 65536) the heuristic and tuned configs, with
-    bias (and, for bf16 n = 4096 / 65536, without)."""
+    """Forward: per dtype (bf16: every AOT_NS; fp16/fp32: n = 4096 and 65536) the heuristic and tuned
+    configs with bias, plain (weight in x's dtype, no residual) and heaviest (fp32 weight/bias +
+    residual; fp32 x: the heuristic config); without bias for bf16 at n = 4096 / 65536.
+    Backward: `_norm_bwd.aot_specs` (layer-norm variants)."""
     specs: list[tuple] = []
-    seen: set[str] = set()
     for dt in ("bf16", "fp16", "fp32"):
         es = 4 if dt == "fp32" else 2
-        p = f"*{dt}"
-        io = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "mean_ptr": "*fp32", "rstd_ptr": "*fp32"}
         for n in AOT_NS if dt == "bf16" else (4096, 65536):
             for c in aot_configs(n, es):
-                tag = f"{dt}_b{c.block}_w{c.num_warps}"
-                todo: list[tuple] = []
-                for hb in (True, False) if (dt == "bf16" and n in (4096, 65536)) else (True,):
-                    bt = "_bias" if hb else ""
-                    if c.mode in ("reg", "rows"):
-                        fn = _ln_reg_kernel if c.mode == "reg" else _ln_rows_kernel
-                        sig = io | {"M": "i32", "N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr"}
-                        sig |= {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
-                        ce = {
-                            "HAS_BIAS": hb,
-                            "BLOCK_M": c.block_m,
-                            "BLOCK_N": c.block,
-                            "num_warps": c.num_warps,
-                        }
-                        todo.append(
-                            (f"ln_{c.mode}_{dt}_{c.block_m}x{c.block}_w{c.num_warps}{bt}", fn, sig, ce)
-                        )
-                    elif c.mode == "reload":
-                        sig = io | {"M": "i32", "N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr"}
-                        sig |= {"BLOCK": "constexpr"}
-                        ce = {"HAS_BIAS": hb, "BLOCK": c.block, "num_warps": c.num_warps}
-                        todo.append((f"ln_reload_{tag}{bt}", _ln_reload_kernel, sig, ce))
-                    else:
-                        sig = io | {"part_ptr": "*fp32", "N": "i32", "SPLIT": "i32", "CHUNK": "i32"}
-                        sig |= {
-                            "eps": "fp32",
-                            "HAS_BIAS": "constexpr",
-                            "BLOCK": "constexpr",
-                            "BLOCK_S": "constexpr",
-                        }
-                        ce = {
-                            "HAS_BIAS": hb,
-                            "BLOCK": c.block,
-                            "BLOCK_S": SPLIT_MAX,
-                            "num_warps": c.num_warps,
-                        }
-                        todo.append((f"ln_split_norm_{tag}{bt}", _ln_split_norm_kernel, sig, ce))
-                        sig = {"x_ptr": p, "part_ptr": "*fp32", "N": "i32", "SPLIT": "i32", "CHUNK": "i32"}
-                        sig |= {"BLOCK": "constexpr"}
-                        ce = {"BLOCK": c.block, "num_warps": c.num_warps}
-                        todo.append((f"ln_partial_{tag}", _ln_partial_kernel, sig, ce))
-                for name, fn, sig, ce in todo:
-                    if name not in seen:
-                        seen.add(name)
-                        specs.append((name, fn, sig, ce, {}, div16_attrs(sig)))
-    return specs
+                specs += _fwd_specs(dt, dt, False, True, c)
+                if dt == "bf16" and n in (4096, 65536):
+                    specs += _fwd_specs(dt, dt, False, False, c)
+            res_cfgs = aot_configs(n, es, res=True)
+            if not (dt == "bf16" and n in AOT_RES_NS):  # elsewhere the heuristic plans only
+                res_cfgs = [c for i, c in enumerate(res_cfgs) if i == 0 or c.mode == "split"]
+            for c in res_cfgs:
+                specs += _fwd_specs(dt, "fp32" if dt != "fp32" else dt, True, True, c)
+    specs += _norm_bwd.aot_specs(is_rms=False)
+    specs = list({s[0]: s for s in specs}.values())
+    return [(name, fn, sig, ce, {}, div16_attrs(sig)) for name, fn, sig, ce in specs]

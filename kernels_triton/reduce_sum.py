@@ -1,7 +1,14 @@
-"""Row sums x[M, N] -> out[M] (fp32 accumulation for floats, exact int64 for integers).
+"""Row sums x[M, N] -> out[M] (fp32 accumulation for floats, exact int64 for integers), and their gradient.
 
-Byte floor: read M*N*elsize once, write M*out_elsize. 2^30 fp32 = 4.29 GB -> 0.95 ms at the 4530 GB/s that
-CUB's sum reaches on an H200; no arithmetic term matters (one add per element).
+Entry points (CONTRACT.md): `forward(out, x)` (the row sums below) and `backward(dx, dout)`:
+dx[M, N] = dout[:, None] broadcast, rounded once to x's dtype (float x only).
+
+Byte floor, forward: read M*N*elsize once, write M*out_elsize. 2^30 fp32 = 4.29 GB -> 0.95 ms at the
+4530 GB/s that CUB's sum reaches on an H200; no arithmetic term matters (one add per element).
+Byte floor, backward: write M*N*elsize once (dout's M elements are noise): 2^30 bf16 = 2.15 GB -> ~0.5 ms
+at ~4.3 TB/s. `_bcast_kernel` writes [BLOCK_M, BLOCK_N] tiles of 16 KB, 16-byte vector stores (4 per
+thread) whenever N * elsize is a multiple of 16 (the JIT's divisibility specialization of N proves the
+rows aligned), int64 row offsets, one flat grid of row-tiles x column-tiles (no 65535 grid-axis limit).
 
 Modes (chosen by `_plan`, forced in tests with `_mode=`):
 - "rows":  each program owns BLOCK_M whole rows and loops over N in BLOCK_N columns; a [BLOCK_M, BLOCK_N]
@@ -159,6 +166,55 @@ def reduce_sum(
     )
 
 
+@triton.jit
+def _bcast_kernel(dout_ptr, dx_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx[rows, cols] = dout[rows] in dx's dtype; program p owns one [BLOCK_M, BLOCK_N] tile."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    rows = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    v = tl.load(dout_ptr + rows, mask=rmask, other=0.0).to(dx_ptr.dtype.element_ty)
+    tile = tl.broadcast_to(v[:, None], (BLOCK_M, BLOCK_N))
+    # int64 row offsets: M*N may exceed 2^31 elements. Written once, never re-read: evict first.
+    ptrs = dx_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(ptrs, tile, mask=rmask[:, None] & (cols < N)[None, :], eviction_policy="evict_first")
+
+
+def _bcast_tile(N: int, elsize: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of a 16 KB tile (the forward's step): whole short rows, 16 KB slices of long ones."""
+    tile = _tile(elsize)
+    block_n = min(max(16 // elsize, next_pow2(N)), tile)
+    return tile // block_n, block_n
+
+
+def backward(dx: torch.Tensor, dout: torch.Tensor, *, _block_n: int | None = None) -> None:
+    """dx[M, N] (x's dtype, floating) = dout[M][:, None]: the gradient of the row sum. `_block_n` forces a
+    tile width (tests)."""
+    M, N = dx.shape
+    block_m, block_n = _bcast_tile(N, dx.element_size())
+    if _block_n is not None:
+        block_n = _block_n
+        block_m = max(1, _tile(dx.element_size()) // block_n)
+    if is_interpreter():  # the interpreter runs every lane in numpy: keep its tiles small
+        block_m = min(block_m, next_pow2(M))
+    vec = 16 // dx.element_size()
+    nw = warps_for(block_m * block_n, vec * _VEC_PER_THREAD, device_index(dx))
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    _bcast_kernel[grid](dout, dx, M, N, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=nw)
+
+
+def forward(out: torch.Tensor, x: torch.Tensor, *_out_dtype: object) -> None:
+    """out[M] = sum(x[M, N], -1), accumulated in fp32 (floats) or int64 (integers), rounded once to out's
+    dtype. (A trailing out_dtype scalar, if a spec passes one, is implied by `out` and ignored.)
+
+    Deterministic: the split mode writes per-chunk partials and sums them in a fixed order (no
+    atomics), so identical calls give bit-identical sums on any stream, thread or CUDA graph replay
+    (issue #13: 50 identical atomic calls gave 4 different sums). The extra kernel reads M x SPLIT
+    partials (~2k floats at 2^30 elements): noise against the 4.3 GB read."""
+    reduce_sum(out, x, deterministic=True)
+
+
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
 _OUT_FOR = {"fp32": "fp32", "fp16": "fp32", "bf16": "bf16", "i32": "i64", "i64": "i64"}
 _ELSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "i32": 4, "i64": 8}
@@ -188,4 +244,15 @@ def aot_specs() -> list[tuple[str, object, dict, dict]]:
         sig |= {"BLOCK_M": "constexpr", "BLOCK_S": "constexpr"}
         ce = {"BLOCK_M": _FIN_BLOCK_M, "BLOCK_S": _FIN_BLOCK_S, "num_warps": 4}
         specs.append((f"reduce_finalize_{acc}_{ot}", _finalize_kernel, sig, ce))
+    # backward: the x dtypes with their own-dtype dout and (half types) an fp32 dout; the 16 KB tile of long
+    # rows and one short-row tile (N = 128). Other (N, dout dtype) pairs are served by the JIT.
+    for xt, dt in (("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "fp32"), ("bf16", "fp32")):
+        es = _ELSIZE[xt]
+        for n in (1 << 20, 128):
+            bm, bn = _bcast_tile(n, es)
+            nw = max(1, min(16, bm * bn // (16 // es * _VEC_PER_THREAD) // 32))
+            sig = {"dout_ptr": f"*{dt}", "dx_ptr": f"*{xt}", "M": "i32", "N": "i32"}
+            sig |= {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+            ce = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": nw}
+            specs.append((f"reduce_bcast_{dt}_{xt}_{bm}x{bn}", _bcast_kernel, sig, ce))
     return list({s[0]: s for s in specs}.values())  # fp16 and fp32 share the fp32 -> fp32 finalize

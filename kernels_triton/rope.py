@@ -1,7 +1,17 @@
 """Rotary position embedding on x[B, S, H, D] (HF halves or interleaved pairs), fp32 math, one cast.
 
-Byte floor: read x once, write out once (tables, when given, are S x D/2 fp32: small and L2-resident).
-16 x 4096 x 32 x 128 bf16 = 2 x 537 MB -> 0.25 ms at ~4.3 TB/s.
+Entry points (CONTRACT.md): `forward(y, x, cos, sin, start_pos, theta, interleaved)` rotates by the angle,
+`backward(dx, dy, cos, sin, start_pos, theta, interleaved)` by its negative (a rotation's transpose is its
+inverse: (a, b) -> (a c + b s, b c - a s)). Both launch the same kernels; the direction is a runtime fp32
+`sign` that multiplies the [D/2] sine vector once per program, so backward adds no compiled variant.
+
+Byte floor (forward and backward alike): read x once, write out once (tables, when given, are S x D/2 fp32:
+small and L2-resident). 16 x 4096 x 32 x 128 bf16 = 2 x 537 MB -> 0.25 ms at ~4.3 TB/s.
+
+Positions: start_pos is widened to int64 before s is added (start_pos = 2^31 - 4 with S > 4 would wrap an
+int32 and flip the sine's sign) and is not specialized (no recompile per value); validation keeps
+start_pos + S <= 2^24, where fp32 holds every position exactly. Element offsets are int64 (b*S*H*D can
+pass 2^31).
 
 Tile: one program per (b, s) and BLOCK_H heads x all D, so cos/sin of position s are computed (or read)
 once as a [D/2] vector and reused by every head of the tile; each element of x is read and written once.
@@ -21,26 +31,32 @@ from kernels_triton._config import device_index, next_pow2, warps_for
 
 
 @triton.jit
+def _position(pid_bs, S, start_pos):
+    """start_pos + s in int64: an int32 sum wraps for start_pos near 2^31."""
+    return start_pos.to(tl.int64) + pid_bs % S
+
+
+@triton.jit(do_not_specialize=["start_pos"])  # one binary for every start_pos (no ==1 / %16 variants)
 def _rope_kernel(
-    x_ptr, out_ptr, cos_ptr, sin_ptr, S, H, start_pos, inv_freq_log2_step,
+    x_ptr, out_ptr, cos_ptr, sin_ptr, S, H, start_pos, inv_freq_log2_step, sign,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr, INTERLEAVED: tl.constexpr,
     HALVES_AS_PAIRS: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_bs = tl.program_id(0)
     pid_h = tl.program_id(1)
-    pos = start_pos + pid_bs % S
+    pos = _position(pid_bs, S, start_pos)
     i = tl.arange(0, HALF)
     if HAS_TABLE:
-        c = tl.load(cos_ptr + pos.to(tl.int64) * HALF + i)
-        s = tl.load(sin_ptr + pos.to(tl.int64) * HALF + i)
+        c = tl.load(cos_ptr + pos * HALF + i)
+        s = tl.load(sin_ptr + pos * HALF + i)
     else:
         # theta^(-2i/D) = exp2(i * (-2 log2(theta) / D)); the step is computed on the host in float64.
         ang = pos.to(tl.float32) * tl.exp2(i.to(tl.float32) * inv_freq_log2_step)
         c = tl.cos(ang)
         s = tl.sin(ang)
     c = c[None, :]
-    s = s[None, :]
+    s = (s * sign)[None, :]  # sign -1: backward (rotation by the negative angle)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = (h < H)[:, None]
     base = pid_bs.to(tl.int64) * H * HEAD_DIM
@@ -66,27 +82,27 @@ def _rope_kernel(
         tl.store(out_ptr + offs + HALF, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["start_pos"])
 def _rope_any_d_kernel(
-    x_ptr, out_ptr, cos_ptr, sin_ptr, S, H, start_pos, inv_freq_log2_step,
+    x_ptr, out_ptr, cos_ptr, sin_ptr, S, H, start_pos, inv_freq_log2_step, sign,
     HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """Head dims that are not a power of two (e.g. 96): pairs are gathered with masked index vectors."""
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_bs = tl.program_id(0)
-    pos = start_pos + pid_bs % S
+    pos = _position(pid_bs, S, start_pos)
     i = tl.arange(0, BLOCK_HALF)
     imask = i < HALF
     if HAS_TABLE:
-        c = tl.load(cos_ptr + pos.to(tl.int64) * HALF + i, mask=imask, other=0.0)
-        s = tl.load(sin_ptr + pos.to(tl.int64) * HALF + i, mask=imask, other=0.0)
+        c = tl.load(cos_ptr + pos * HALF + i, mask=imask, other=0.0)
+        s = tl.load(sin_ptr + pos * HALF + i, mask=imask, other=0.0)
     else:
         ang = pos.to(tl.float32) * tl.exp2(i.to(tl.float32) * inv_freq_log2_step)
         c = tl.cos(ang)
         s = tl.sin(ang)
     c = c[None, :]
-    s = s[None, :]
+    s = (s * sign)[None, :]  # sign -1: backward (rotation by the negative angle)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (h < H)[:, None] & imask[None, :]
     row = pid_bs.to(tl.int64) * H * HEAD_DIM + h[:, None] * HEAD_DIM
@@ -114,8 +130,43 @@ def _tile(H: int, D: int, elsize: int, dev: int) -> tuple[int, int]:
     return block_h, warps_for(block_h * D, 16 // elsize, dev, lo=1, hi=8)
 
 
-def rope(
+def _launch(
     out: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    start_pos: int,
+    theta: float,
+    interleaved: bool,
+    sign: float,
+    block_h: int | None,
+    num_warps: int | None,
+    halves_as_pairs: bool | None,
+) -> None:
+    B, S, H, D = x.shape
+    bh, nw = _tile(H, next_pow2(D), x.element_size(), device_index(x))
+    block_h = block_h or bh
+    has_table = cos is not None and sin is not None
+    step = -2.0 * math.log2(theta) / D
+    grid = (B * S, triton.cdiv(H, block_h))
+    cos_t, sin_t = (cos, sin) if has_table else (x, x)  # dummies the kernel never reads
+    if D & (D - 1):  # the register-pairing tiles need a power-of-two D; gather the pairs instead
+        _rope_any_d_kernel[grid](
+            x, out, cos_t, sin_t, S, H, int(start_pos), step, sign,
+            HEAD_DIM=D, BLOCK_HALF=next_pow2(D // 2), BLOCK_H=block_h, HAS_TABLE=has_table,
+            INTERLEAVED=interleaved, num_warps=num_warps or nw,
+        )  # fmt: skip
+        return
+    _rope_kernel[grid](
+        x, out, cos_t, sin_t, S, H, int(start_pos), step, sign,
+        HEAD_DIM=D, BLOCK_H=block_h, HAS_TABLE=has_table, INTERLEAVED=interleaved,
+        HALVES_AS_PAIRS=HALVES_AS_PAIRS if halves_as_pairs is None else halves_as_pairs,
+        num_warps=num_warps or nw,
+    )  # fmt: skip
+
+
+def forward(
+    y: torch.Tensor,
     x: torch.Tensor,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
@@ -127,31 +178,40 @@ def rope(
     _num_warps: int | None = None,
     _halves_as_pairs: bool | None = None,
 ) -> None:
-    """out[B, S, H, D] <- x rotated at positions start_pos + s (tables cos/sin [St, D/2] fp32 or theta)."""
-    B, S, H, D = x.shape
-    block_h, nw = _tile(H, next_pow2(D), x.element_size(), device_index(x))
-    block_h = _block_h or block_h
-    has_table = cos is not None and sin is not None
-    step = -2.0 * math.log2(theta) / D
-    grid = (B * S, triton.cdiv(H, block_h))
-    if D & (D - 1):  # the register-pairing tiles need a power-of-two D; gather the pairs instead
-        _rope_any_d_kernel[grid](
-            x, out, cos if has_table else x, sin if has_table else x, S, H, start_pos, step,
-            HEAD_DIM=D, BLOCK_HALF=next_pow2(D // 2), BLOCK_H=block_h, HAS_TABLE=has_table,
-            INTERLEAVED=interleaved, num_warps=_num_warps or nw,
-        )  # fmt: skip
-        return
-    _rope_kernel[grid](
-        x, out, cos if has_table else x, sin if has_table else x, S, H, start_pos, step,
-        HEAD_DIM=D, BLOCK_H=block_h, HAS_TABLE=has_table, INTERLEAVED=interleaved,
-        HALVES_AS_PAIRS=HALVES_AS_PAIRS if _halves_as_pairs is None else _halves_as_pairs,
-        num_warps=_num_warps or nw,
-    )  # fmt: skip
+    """y[B, S, H, D] <- x rotated by (start_pos + s) * theta^(-2i/D) (or tables cos/sin [St, D/2] fp32 at row
+    start_pos + s): pair (a, b) -> (a c - b s, b c + a s). Private `_block_h`/`_num_warps`/`_halves_as_pairs`
+    force a tile (tests)."""
+    _launch(y, x, cos, sin, start_pos, theta, interleaved, 1.0, _block_h, _num_warps, _halves_as_pairs)
+
+
+def backward(
+    dx: torch.Tensor,
+    dy: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    start_pos: int,
+    theta: float,
+    interleaved: bool,
+    *,
+    _block_h: int | None = None,
+    _num_warps: int | None = None,
+    _halves_as_pairs: bool | None = None,
+) -> None:
+    """dx[B, S, H, D] <- dy rotated by the negative angle: pair (a, b) -> (a c + b s, b c - a s)."""
+    _launch(dx, dy, cos, sin, start_pos, theta, interleaved, -1.0, _block_h, _num_warps, _halves_as_pairs)
+
+
+rope = forward  # the name the mode tests (tests/test_triton_modes.py) import
 
 
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
+# start_pos is i32 here (validation keeps it <= 2^24); the JIT types a Python int past 2^31 as i64.
+_SCALAR_SIG = {"S": "i32", "H": "i32", "start_pos": "i32", "inv_freq_log2_step": "fp32", "sign": "fp32"}
+
+
 def aot_specs() -> list[tuple[str, object, dict, dict]]:
-    """D in {64, 128} x both layouts x table/in-kernel angles in bf16, plus fp16/fp32 at D = 128."""
+    """D in {64, 128} x both layouts x table/in-kernel angles in bf16, plus fp16/fp32 at D = 128. forward and
+    backward share every binary (the direction is the runtime `sign`)."""
     specs: list[tuple[str, object, dict, dict]] = []
     for dt, ds in (("bf16", (64, 128)), ("fp16", (128,)), ("fp32", (128,))):
         es = 4 if dt == "fp32" else 2
@@ -160,7 +220,7 @@ def aot_specs() -> list[tuple[str, object, dict, dict]]:
             for table in (True, False):
                 for inter in (False, True):
                     sig = {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-                    sig |= {"S": "i32", "H": "i32", "start_pos": "i32", "inv_freq_log2_step": "fp32"}
+                    sig |= _SCALAR_SIG
                     keys = ("HEAD_DIM", "BLOCK_H", "HAS_TABLE", "INTERLEAVED", "HALVES_AS_PAIRS")
                     sig |= {k: "constexpr" for k in keys}
                     ce = {"HEAD_DIM": d, "BLOCK_H": bh, "HAS_TABLE": table, "INTERLEAVED": inter}
@@ -169,7 +229,7 @@ def aot_specs() -> list[tuple[str, object, dict, dict]]:
                     specs.append((name, _rope_kernel, sig, ce))
     for inter in (False, True):  # a non-power-of-two head dim goes through the gather kernel
         sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-        sig |= {"S": "i32", "H": "i32", "start_pos": "i32", "inv_freq_log2_step": "fp32"}
+        sig |= _SCALAR_SIG
         sig |= {k: "constexpr" for k in ("HEAD_DIM", "BLOCK_HALF", "BLOCK_H", "HAS_TABLE", "INTERLEAVED")}
         bh, nw = _tile(32, 128, 2, 0)
         ce = {"HEAD_DIM": 96, "BLOCK_HALF": 64, "BLOCK_H": bh, "HAS_TABLE": False, "INTERLEAVED": inter}

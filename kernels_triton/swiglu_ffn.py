@@ -1,7 +1,20 @@
 """SwiGLU feed-forward block: out = (silu(xn @ Wg^T) * (xn @ Wu^T)) @ Wd^T, xn = RMSNorm(x) or x.
 
+Entry points (CONTRACT.md):
+- forward(y, rstd?, gu?, x, w_gate, w_up, w_down, norm_weight?, eps): rstd = gu = None is the inference
+  path (the kernels below, unchanged). A training call passes gu [T, 2F] (x's dtype) and, with a norm,
+  rstd [T] fp32: the gate/up kernels' epilogues (pointer GEMM, TMA GEMM, decode GEMV) also store
+  gu = [round(g), round(u)] from their fp32 accumulators (h is still formed from the unrounded ones), and
+  rstd comes from the prologue (prefill) or program 0 of the GEMV (decode). Extra bytes: 2*T*F*2 written
+  (T=4096, F=11008 bf16: 180 MB, ~45 us). norm_weight may be fp32 with fp16/bf16 x (it is only ever read
+  and widened to fp32).
+- backward(dx, dw_gate, dw_up, dw_down, dnorm_weight?, dy, x, w_gate, w_up, w_down, norm_weight?, rstd?,
+  gu, eps): kernels_triton/_ffn_backward.py (saved: x, weights, rstd, gu; recomputed: xn and h). Five
+  products (six cuBLAS calls) plus three fused element-wise Triton kernels; 12*T*D*F FLOPs.
+
 Floors (H200: ~4.3 TB/s copy, ~790 TFLOP/s dense bf16), Llama-7B dims D=4096, F=11008, bf16:
-- FLOPs: 6*T*D*F (three GEMMs).  T=4096: 1.11 PFLOP -> ~1.4 ms at 790 TFLOP/s (compute-bound).
+- FLOPs: forward 6*T*D*F (three GEMMs), backward 12*T*D*F (six).  T=4096: forward 1.11 PFLOP -> ~1.4 ms
+  at 790 TFLOP/s (compute-bound), backward 2.2 PFLOP -> ~2.8 ms.
 - Bytes: weights 3*D*F*2 = 270 MB dominate at small T -> ~63 us at 4.3 TB/s for T=1 (memory-bound);
   activations add T*(2D + F)*2 (x, out, h written+read once more), noise for T <= 16.
 Crossover ~ T where 6*T*D*F/790e12 = 6*D*F/4.3e12, i.e. T ~ 180: below it the weights' bytes set the time.
@@ -40,12 +53,19 @@ Measured (H200, bf16, D=4096, F=11008, triton 3.6): T=1 83 us (3.26 TB/s; torch.
 the native-bf16 MLP 646-667, cuBLAS 634-637, torch.compile of the fp32 reference 50). The TMA kernels
 are not measured yet: benchmarks/gpu_checks/ffn.py checks them and prints what the selector picked
 (target >= 600 TFLOP/s end to end at T=4096).
+Training (H200, bf16, T=4096, D=4096, triton 3.6, torch 2.11; no norm; median of do_bench, best of 3):
+forward saving gu + backward 5.14 ms at F=11008 (torch.compile of the bf16 MLP, forward + backward:
+5.16 ms, 1.005x) and 6.68 ms at F=14336 (6.59 ms, 0.987x). Forward saving gu 1.67 / 2.20 ms (the gate/up
+GEMM picks the warp-specialized TMA config: 0.99 ms at F=11008 against 1.16-1.23 ms for the others);
+backward 3.43 / 4.36 ms, its GEMMs 660-770 TFLOP/s (cuBLAS), the swiglu element-wise kernel 4.0 TB/s.
+The remaining gap at F=14336 is the Triton gate/up GEMM (1.32-1.45 ms against 2 x 0.60 ms for cuBLAS).
 fp32 inputs use input_precision="ieee" so fp32 means fp32 (no tf32).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import warnings
 
@@ -54,7 +74,11 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import device_index, div16_attrs, is_hip, is_interpreter, next_pow2, num_sms
+from kernels_triton._ffn_backward import aot_specs as _backward_aot_specs
+from kernels_triton._ffn_backward import backward
 from kernels_triton._tiles import dot
+
+__all__ = ["aot_specs", "backward", "forward", "swiglu_ffn"]
 
 DECODE_MAX_T = 16  # at or below this many tokens the weights' bytes dominate: GEMV path
 
@@ -100,11 +124,12 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 @triton.jit(do_not_specialize=["M"])  # T only sets the grid and the wrap: no recompile per T
 def _gate_up_kernel(
-    a_ptr, wg_ptr, wu_ptr, nw_ptr, rstd_ptr, h_ptr, M, N, K,
-    HAS_NORM: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    a_ptr, wg_ptr, wu_ptr, nw_ptr, rstd_ptr, h_ptr, gu_ptr, M, N, K,
+    HAS_NORM: tl.constexpr, SAVE_GU: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """h[M, N] = silu(a' @ Wg^T) * (a' @ Wu^T), a' = round(a * rstd * nw) if HAS_NORM else a."""
+    """h[M, N] = silu(a' @ Wg^T) * (a' @ Wu^T), a' = round(a * rstd * nw) if HAS_NORM else a.
+    SAVE_GU (training): also gu[M, 2N] = [round(a' @ Wg^T), round(a' @ Wu^T)], the pre-activations."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # Wrapped (modulo) row/col indices keep the loads unmasked in M and N; the store masks them.
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
@@ -139,8 +164,13 @@ def _gate_up_kernel(
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
     c_ptrs = h_ptr + offs_cm[:, None].to(tl.int64) * N + offs_cn[None, :]
-    tl.store(c_ptrs, h.to(h_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+    tl.store(c_ptrs, h.to(h_ptr.dtype.element_ty), mask=c_mask)
+    if SAVE_GU:
+        gu_ptrs = gu_ptr + offs_cm[:, None].to(tl.int64) * (2 * N) + offs_cn[None, :]
+        tl.store(gu_ptrs, acc_g.to(gu_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(gu_ptrs + N, acc_u.to(gu_ptr.dtype.element_ty), mask=c_mask)
 
 
 @triton.jit(do_not_specialize=["M"])  # T only sets the grid and the wrap: no recompile per T
@@ -186,15 +216,26 @@ def _matmul_nt_kernel(
 # M is not specialized (do_not_specialize): a new T must not recompile the kernel.
 @triton.jit(do_not_specialize=["M"])
 def _gate_up_tma_kernel(
-    a_ptr, wg_ptr, wu_ptr, h_ptr, M, N, K,
+    a_ptr, wg_ptr, wu_ptr, h_ptr, gu_ptr, M, N, K,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SAVE_GU: tl.constexpr,
 ):  # fmt: skip
-    """h[M, N] = silu(a @ Wg^T) * (a @ Wu^T); a [M, K] (the materialized xn), Wg/Wu [N, K] K-major."""
+    """h[M, N] = silu(a @ Wg^T) * (a @ Wu^T); a [M, K] (the materialized xn), Wg/Wu [N, K] K-major.
+    SAVE_GU: also gu[M, 2N] = [round(a @ Wg^T), round(a @ Wu^T)], through two [M, N] descriptors of row
+    stride 2N (a TMA store clips at its descriptor's N, so a tile's column tail never reaches the u half;
+    the u half's base gu + N must be 16-byte aligned: the launcher checks)."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     g_desc = tl.make_tensor_descriptor(wg_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     u_desc = tl.make_tensor_descriptor(wu_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    if SAVE_GU:
+        sg_desc = tl.make_tensor_descriptor(
+            gu_ptr, shape=[M, N], strides=[2 * N, 1], block_shape=[BLOCK_M, BLOCK_N]
+        )
+        su_desc = tl.make_tensor_descriptor(
+            gu_ptr + N, shape=[M, N], strides=[2 * N, 1], block_shape=[BLOCK_M, BLOCK_N]
+        )
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -217,6 +258,9 @@ def _gate_up_tma_kernel(
         pid_m, pid_n = _grouped(tile_c, num_pid_m, num_pid_n, GROUP_M)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h.to(h_ptr.dtype.element_ty))
+        if SAVE_GU:
+            sg_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc_g.to(gu_ptr.dtype.element_ty))
+            su_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc_u.to(gu_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -275,11 +319,12 @@ def _gemv_rows(acc, x, w, BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    x_ptr, wg_ptr, wu_ptr, nw_ptr, h_ptr, T, D, F, eps,
-    HAS_NORM: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, wg_ptr, wu_ptr, nw_ptr, h_ptr, gu_ptr, rstd_ptr, T, D, F, eps,
+    HAS_NORM: tl.constexpr, SAVE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Decode gate/up: program p owns rows [p*BLOCK_F, +BLOCK_F) of Wg and Wu and reads each byte once."""
+    """Decode gate/up: program p owns rows [p*BLOCK_F, +BLOCK_F) of Wg and Wu and reads each byte once.
+    SAVE (training): also gu[T, 2F] = [round(g), round(u)] and, with HAS_NORM, rstd[T] (program 0)."""
     pid = tl.program_id(0)
     offs_t = tl.arange(0, BLOCK_T)
     offs_f = pid * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -295,6 +340,10 @@ def _gate_up_gemv_kernel(
             xk = xk.to(tl.float32)
             ss += xk * xk
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / D + eps)
+        if SAVE:  # noqa: SIM102 - constexpr flag, then a runtime branch: every program computed the same
+            # values; the first one stores them
+            if pid == 0:
+                tl.store(rstd_ptr + offs_t, rstd, mask=t_mask)
     if BLOCK_T == 1:
         acc_g = tl.zeros([BLOCK_F, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_F, BLOCK_K], dtype=tl.float32)
@@ -324,6 +373,10 @@ def _gate_up_gemv_kernel(
     h = g / (1.0 + tl.exp(-g)) * u
     h_ptrs = h_ptr + offs_t[:, None] * F + offs_f[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=t_mask[:, None] & f_mask[None, :])
+    if SAVE:
+        gu_ptrs = gu_ptr + offs_t[:, None] * (2 * F) + offs_f[None, :]
+        tl.store(gu_ptrs, g.to(gu_ptr.dtype.element_ty), mask=t_mask[:, None] & f_mask[None, :])
+        tl.store(gu_ptrs + F, u.to(gu_ptr.dtype.element_ty), mask=t_mask[:, None] & f_mask[None, :])
 
 
 @triton.jit
@@ -445,22 +498,34 @@ def _tuned(kind: str, block_t: int = 0):
     even = triton.heuristics({"EVEN_K": _even_k})
     if kind == "gate_up" and not block_t:
         cfgs = _mm_configs(_GATE_UP_HIP if hip else _GATE_UP_CUDA)
-        return triton.autotune(cfgs, key=["M", "N", "K"])(even(_gate_up_kernel))
+        return triton.autotune(cfgs, key=["M", "N", "K", "HAS_NORM", "SAVE_GU"])(even(_gate_up_kernel))
     if kind == "down" and not block_t:
         cfgs = _mm_configs(_DOWN_HIP if hip else _DOWN_CUDA)
         return triton.autotune(cfgs, key=["M", "N", "K"])(even(_matmul_nt_kernel))
     table = (_GEMV_HIP if hip else _GEMV_CUDA)["gate_up" if kind == "gate_up_gemv" else "down"][block_t]
     if kind == "gate_up_gemv":
         cfgs = [triton.Config({"BLOCK_F": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]
-        return triton.autotune(cfgs, key=["T", "D", "F"])(_gate_up_gemv_kernel)
+        return triton.autotune(cfgs, key=["T", "D", "F", "HAS_NORM"])(_gate_up_gemv_kernel)
     cfgs = [triton.Config({"BLOCK_N": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]
     return triton.autotune(cfgs, key=["T", "N", "K"])(_gemv_nt_kernel)
+
+
+def _gemv_save_row(block_t: int, elsize: int, hip: bool = False) -> tuple[int, int, int]:
+    """The decode gate/up config of a training call (SAVE): training with T <= 16 tokens is rare, so one
+    fixed row of the table instead of timing (and AOT-compiling) every row: the first, except for fp32,
+    whose 16 x 512 tiles at BLOCK_T = 16 need more shared memory than an SM has (the table's last row)."""
+    table = (_GEMV_HIP if hip else _GEMV_CUDA)["gate_up"][block_t]
+    return table[0] if elsize < 4 else table[-1]
+
+
+def _gemv_save_config(block_t: int, elsize: int) -> tuple[int, int, int]:
+    return _GEMV_INTERP if is_interpreter() else _gemv_save_row(block_t, elsize, is_hip())
 
 
 # ----------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------
-def _check(out, x, w_gate, w_up, w_down, norm_weight) -> tuple[int, int, int]:
+def _check(out, x, w_gate, w_up, w_down, norm_weight, rstd=None, gu=None) -> tuple[int, int, int]:
     T, D = x.shape
     F = w_gate.shape[0]
     if w_gate.shape != (F, D) or w_up.shape != (F, D) or w_down.shape != (D, F) or out.shape != (T, D):
@@ -468,16 +533,24 @@ def _check(out, x, w_gate, w_up, w_down, norm_weight) -> tuple[int, int, int]:
             f"swiglu_ffn shapes: x {tuple(x.shape)}, w_gate {tuple(w_gate.shape)}, w_up {tuple(w_up.shape)},"
             f" w_down {tuple(w_down.shape)}, out {tuple(out.shape)}"
         )
-    ts = [out, x, w_gate, w_up, w_down] + ([norm_weight] if norm_weight is not None else [])
+    ts = [t for t in (out, x, w_gate, w_up, w_down, norm_weight, rstd, gu) if t is not None]
     if not all(t.is_contiguous() for t in ts):
         raise ValueError("swiglu_ffn: tensors must be contiguous")
     if norm_weight is not None and norm_weight.shape != (D,):
         raise ValueError(f"swiglu_ffn: norm_weight must be [{D}], got {tuple(norm_weight.shape)}")
+    if gu is not None and (gu.shape != (T, 2 * F) or gu.dtype != x.dtype):
+        raise ValueError(
+            f"swiglu_ffn: gu must be [{T}, {2 * F}] of x's dtype, got {tuple(gu.shape)} {gu.dtype}"
+        )
+    if rstd is not None and (norm_weight is None or rstd.shape != (T,) or rstd.dtype != torch.float32):
+        raise ValueError(f"swiglu_ffn: rstd must be [{T}] float32 and comes with norm_weight")
     return T, D, F
 
 
-def swiglu_ffn(
-    out: torch.Tensor,
+def forward(
+    y: torch.Tensor,
+    rstd: torch.Tensor | None,
+    gu: torch.Tensor | None,
     x: torch.Tensor,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
@@ -489,12 +562,16 @@ def swiglu_ffn(
     _prologue: str = "xn",
     _gemm: str | None = None,
 ) -> None:
-    """out[T, D] = swiglu_ffn(x[T, D]) as `fusekit.reference.swiglu_ffn`; writes `out`, returns None.
+    """y[T, D] = swiglu_ffn(x[T, D]) (CONTRACT.md); writes y (and rstd, gu when given), returns None.
 
-    `_path` ("decode" | "prefill") and `_prologue` ("fused": scale A tiles in the GEMM, "xn": write the
-    normalized activation first) are private switches for tests and benchmarks.
+    Inference (rstd = gu = None): nothing beyond y is written. Training: gu [T, 2F] (x's dtype) receives
+    [round(g), round(u)] from the gate/up GEMM's epilogue (g, u are its fp32 accumulators; h is still formed
+    from them before rounding), and rstd [T] fp32 (given iff norm_weight is) the row statistics. norm_weight
+    may be fp32 with fp16/bf16 x. `_path` ("decode" | "prefill"), `_prologue` ("fused": scale A tiles in the
+    GEMM, "xn": write the normalized activation first) and `_gemm` ("ptr" | "tma") are private switches for
+    tests and benchmarks.
     """
-    T, D, F = _check(out, x, w_gate, w_up, w_down, norm_weight)
+    T, D, F = _check(y, x, w_gate, w_up, w_down, norm_weight, rstd, gu)
     path = _path or ("decode" if T <= DECODE_MAX_T else "prefill")
     if path == "decode" and T > DECODE_MAX_T:
         raise ValueError(f"decode path handles T <= {DECODE_MAX_T}, got T={T}")
@@ -505,52 +582,87 @@ def swiglu_ffn(
     h = torch.empty((T, F), device=x.device, dtype=x.dtype)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullctx():
         if path == "decode":
-            bt = 1 if T == 1 else 16
-            if interp:
-                r, bk, w = _GEMV_INTERP
-                _gate_up_gemv_kernel[(triton.cdiv(F, r),)](
-                    x, w_gate, w_up, nw, h, T, D, F, eps, HAS_NORM=has_norm, IEEE=ieee,
-                    BLOCK_T=bt, BLOCK_F=r, BLOCK_K=bk, num_warps=w,
-                )  # fmt: skip
-                _gemv_nt_kernel[(triton.cdiv(D, r),)](
-                    h, w_down, out, T, D, F, IEEE=ieee, BLOCK_T=bt, BLOCK_N=r, BLOCK_K=bk, num_warps=w
-                )
-            else:
-                _tuned("gate_up_gemv", bt)[lambda m: (triton.cdiv(F, m["BLOCK_F"]),)](
-                    x, w_gate, w_up, nw, h, T, D, F, eps, HAS_NORM=has_norm, IEEE=ieee, BLOCK_T=bt
-                )
-                _tuned("down", bt)[lambda m: (triton.cdiv(D, m["BLOCK_N"]),)](
-                    h, w_down, out, T, D, F, IEEE=ieee, BLOCK_T=bt
-                )
+            _decode(y, rstd, gu, x, w_gate, w_up, w_down, nw, h, eps, T, D, F, has_norm, ieee)
             return
         if path != "prefill":
             raise ValueError(f"unknown swiglu_ffn path {path!r}")
-        a, rstd = x, x
+        a, rstd_buf = x, x  # dummies the kernels never read without a norm
         if has_norm:
-            rstd = torch.empty((T,), device=x.device, dtype=torch.float32)
+            rstd_buf = rstd if rstd is not None else torch.empty((T,), device=x.device, dtype=torch.float32)
             write_xn = _prologue == "xn"
             if write_xn:
                 a = torch.empty_like(x)
             _rstd_kernel[(T,)](
-                x, nw, rstd, a, D, eps, WRITE_XN=write_xn, BLOCK=_RSTD_BLOCK, num_warps=1 if interp else 4
+                x, nw, rstd_buf, a, D, eps, WRITE_XN=write_xn, BLOCK=_RSTD_BLOCK, num_warps=1 if interp else 4
             )
             has_norm = not write_xn  # with xn materialized, the GEMM reads it as a plain operand
 
-        tensors = (a, w_gate, w_up, w_down, h, out)
+        save = gu is not None
+        tensors = (a, w_gate, w_up, w_down, h, y)
+        if save:  # the TMA epilogue's second gu descriptor starts at gu + F: that address must be aligned too
+            tensors += (gu, gu[:, F:])
         # alignment is part of the key: a cached TMA choice must never meet a misaligned view
-        key = (next_pow2(T), F, D, x.dtype, has_norm, _tma_aligned(tensors), device_index(x), _gemm)
-        cands = _candidates(T, tensors, _gemm, tma_ok=not has_norm)  # TMA needs the materialized xn
+        key = (next_pow2(T), F, D, x.dtype, has_norm, _tma_aligned(tensors), device_index(x), _gemm, save)
+        # TMA needs the materialized xn
+        cands = _candidates(T, tensors, _gemm, tma_ok=not has_norm, save=save)
 
         def gate_up(cfg: object) -> None:
-            _launch_gate_up(cfg, a, w_gate, w_up, nw, rstd, h, T, F, D, has_norm, ieee)
+            _launch_gate_up(cfg, a, w_gate, w_up, nw, rstd_buf, h, T, F, D, has_norm, ieee, gu)
 
         def down(cfg: object) -> None:
-            _launch_down(cfg, h, w_down, out, T, D, F, ieee)
+            _launch_down(cfg, h, w_down, y, T, D, F, ieee)
 
-        # _choose may leave h / out holding any candidate's result (or NaN): the chosen config always
+        # _choose may leave h / y / gu holding any candidate's result (or NaN): the chosen config always
         # rewrites them right after, and down is chosen only after the chosen gate/up has written h.
-        gate_up(_choose("gate_up", key, cands, gate_up, h))
-        down(_choose("down", key, cands, down, out))
+        gate_up(_choose("gate_up", key, cands, gate_up, (h, gu) if save else h))
+        down(_choose("down", key, cands, down, y))
+
+
+def _decode(y, rstd, gu, x, w_gate, w_up, w_down, nw, h, eps, T, D, F, has_norm, ieee) -> None:
+    """The GEMV path (T <= DECODE_MAX_T): gate/up (+ the norm) in one kernel, then the down GEMV."""
+    save = gu is not None or rstd is not None
+    # one token: the [rows, BLOCK_K] partial-product GEMV; a training call always pads to 16 (tl.dot), one
+    # variant fewer to compile for a case (training on <= 16 tokens) that is rare
+    bt = 1 if T == 1 and not save else 16
+    if save:  # training: both are written (scratch for one the caller did not ask for)
+        gu = gu if gu is not None else torch.empty((T, 2 * F), device=x.device, dtype=x.dtype)
+        if rstd is None:
+            rstd = torch.empty((T,), device=x.device, dtype=torch.float32)
+    gu_t, rstd_t = (gu, rstd) if save else (h, h)  # dummies the kernel never touches without SAVE
+    if save or is_interpreter():
+        r, bk, w = _gemv_save_config(bt, x.element_size()) if save else _GEMV_INTERP
+        _gate_up_gemv_kernel[(triton.cdiv(F, r),)](
+            x, w_gate, w_up, nw, h, gu_t, rstd_t, T, D, F, eps, HAS_NORM=has_norm, SAVE=save, IEEE=ieee,
+            BLOCK_T=bt, BLOCK_F=r, BLOCK_K=bk, num_warps=w,
+        )  # fmt: skip
+    else:
+        _tuned("gate_up_gemv", bt)[lambda m: (triton.cdiv(F, m["BLOCK_F"]),)](
+            x, w_gate, w_up, nw, h, gu_t, rstd_t, T, D, F, eps, HAS_NORM=has_norm, SAVE=False, IEEE=ieee,
+            BLOCK_T=bt,
+        )  # fmt: skip
+    if is_interpreter():
+        r, bk, w = _GEMV_INTERP
+        _gemv_nt_kernel[(triton.cdiv(D, r),)](
+            h, w_down, y, T, D, F, IEEE=ieee, BLOCK_T=bt, BLOCK_N=r, BLOCK_K=bk, num_warps=w
+        )
+    else:
+        _tuned("down", bt)[lambda m: (triton.cdiv(D, m["BLOCK_N"]),)](
+            h, w_down, y, T, D, F, IEEE=ieee, BLOCK_T=bt
+        )
+
+
+def swiglu_ffn(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    **private: object,
+) -> None:
+    """The inference call `forward(out, None, None, x, ...)` (benchmarks/gpu_checks/ffn.py uses this name)."""
+    forward(out, None, None, x, w_gate, w_up, w_down, norm_weight, eps, **private)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -594,14 +706,27 @@ def _has_warp_specialize() -> bool:
     return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 
 
-def _tma_configs(kind: str, T: int) -> list[tuple]:
+def _tma_configs(kind: str, T: int, save: bool = False) -> list[tuple]:
     if is_interpreter():
         return [_TMA_INTERP]
+    if kind == "gate_up" and save:
+        return [c for c in _GATE_UP_TMA if _tma_save_ok(c)]
     table = _GATE_UP_TMA if kind == "gate_up" else _DOWN_TMA
     return [c for c in table if (c[0] == 128 or T <= _SMALL_T) and (not c[7] or _has_warp_specialize())]
 
 
-def _candidates(T: int, tensors: tuple[torch.Tensor, ...], gemm: str | None, tma_ok: bool) -> dict[str, list]:
+def _tma_save_ok(cfg: tuple) -> bool:
+    """The gate/up TMA configs that also store gu (training): the 128-row ones (a training batch is
+    thousands of tokens; fewer variants to compile ahead of time), the warp-specialized one included where
+    this Triton has it (H200, triton 3.6, T=4096, D=4096, bf16, saving gu: it ran the gate/up GEMM in
+    0.99 ms at F=11008 where the others took 1.16-1.23 ms). AOT sm_90: storing gu adds no shared memory (the
+    epilogue buffer is reused) and no registers."""
+    return cfg[0] == 128 and (not cfg[7] or _has_warp_specialize())
+
+
+def _candidates(
+    T: int, tensors: tuple[torch.Tensor, ...], gemm: str | None, tma_ok: bool, save: bool = False
+) -> dict[str, list]:
     """Per GEMM kind, the configs to choose from ("ptr" = the autotuned pointer kernel)."""
     if gemm not in (None, "ptr", "tma"):
         raise ValueError(f"unknown swiglu_ffn _gemm {gemm!r}")
@@ -610,9 +735,9 @@ def _candidates(T: int, tensors: tuple[torch.Tensor, ...], gemm: str | None, tma
             raise ValueError(
                 "swiglu_ffn _gemm='tma' needs _prologue='xn' (or no norm) and 16-byte aligned rows"
             )
-        return {k: _tma_configs(k, T) for k in ("gate_up", "down")}
+        return {k: _tma_configs(k, T, save) for k in ("gate_up", "down")}
     if gemm is None and tma_ok and _tma_auto(tensors):
-        return {k: ["ptr", *_tma_configs(k, T)] for k in ("gate_up", "down")}
+        return {k: ["ptr", *_tma_configs(k, T, save)] for k in ("gate_up", "down")}
     return {"gate_up": ["ptr"], "down": ["ptr"]}
 
 
@@ -669,22 +794,26 @@ def _mismatch(cand: torch.Tensor, ref: torch.Tensor) -> str | None:
     )
 
 
-def _verify(cand: torch.Tensor, ref: torch.Tensor) -> None:
-    err = _mismatch(cand, ref)
-    if err is not None:
-        raise _WrongResult(err)
+def _verify(cands: tuple[torch.Tensor, ...], refs: list[torch.Tensor]) -> None:
+    for i, (cand, ref) in enumerate(zip(cands, refs)):
+        err = _mismatch(cand, ref)
+        if err is not None:
+            raise _WrongResult(err if i == 0 else f"saved gu: {err}")
 
 
-def _choose(kind: str, key: tuple, cands: dict[str, list], launch, dst: torch.Tensor) -> object:
+def _choose(
+    kind: str, key: tuple, cands: dict[str, list], launch, dst: torch.Tensor | tuple[torch.Tensor, ...]
+) -> object:
     """The fastest candidate for this key whose output matches the pointer kernel's, timed once.
 
-    `launch(cfg)` writes `dst` (h for gate/up, out for down) from the caller's real inputs. "ptr" runs
-    first and its output is kept (one copy of dst per key, first use only); every TMA config then writes
-    dst after it is poisoned with NaN and must match that copy before it is timed, and again after its
-    timed runs (a race that shows up only sometimes). TMA configs that fail to compile or launch, or do
-    not match, are warned about and dropped for good. dst is left with an arbitrary candidate's output:
-    the caller launches the returned config, which rewrites it.
+    `launch(cfg)` writes `dst` (h, and gu when saving, for gate/up; out for down) from the caller's real
+    inputs. "ptr" runs first and its outputs are kept (one copy per key, first use only); every TMA config
+    then writes dst after it is poisoned with NaN and must match that copy before it is timed, and again
+    after its timed runs (a race that shows up only sometimes). TMA configs that fail to compile or
+    launch, or do not match, are warned about and dropped for good. dst is left with an arbitrary
+    candidate's output: the caller launches the returned config, which rewrites it.
     """
+    dsts = dst if isinstance(dst, tuple) else (dst,)
     key = (kind, *key)
     if key in _CHOICE:
         return _CHOICE[key]
@@ -696,8 +825,8 @@ def _choose(kind: str, key: tuple, cands: dict[str, list], launch, dst: torch.Te
         TIMINGS[key] = [("ptr", float("nan"))]
         return "ptr"
     launch("ptr")  # compiles (autotunes) the pointer kernel; its output is the reference
-    ref = dst.clone()
-    if not _judgeable(ref):  # e.g. a warm-up on torch.empty or zeros: decide on a later call
+    refs = [d.clone() for d in dsts]
+    if not _judgeable(refs[0]):  # e.g. a warm-up on torch.empty or zeros: decide on a later call
         return "ptr" if "ptr" in live else live[0]
     timed = len(live) > 1  # a single (forced) candidate is checked but not timed
     times: list[tuple[object, float]] = []
@@ -705,13 +834,14 @@ def _choose(kind: str, key: tuple, cands: dict[str, list], launch, dst: torch.Te
         times.append(("ptr", _bench_ms(lambda: launch("ptr")) if timed else float("nan")))
     for cfg in (c for c in live if c != "ptr"):
         try:
-            dst.fill_(float("nan"))  # a tile the kernel never writes stays NaN and fails the check
+            for d in dsts:
+                d.fill_(float("nan"))  # a tile the kernel never writes stays NaN and fails the check
             launch(cfg)  # compiles outside the timed runs
-            _verify(dst, ref)
+            _verify(dsts, refs)
             ms = float("nan")
             if timed:
                 ms = _bench_ms(lambda cfg=cfg: launch(cfg))
-                _verify(dst, ref)  # the last timed run's output
+                _verify(dsts, refs)  # the last timed run's output
             times.append((cfg, ms))
         except Exception as exc:
             _BROKEN.add((kind, cfg))
@@ -748,18 +878,22 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_torch_alloc)
 
 
-def _launch_gate_up(cfg, a, w_gate, w_up, nw, rstd, h, T: int, F: int, D: int, has_norm: bool, ieee: bool):
+def _launch_gate_up(
+    cfg, a, w_gate, w_up, nw, rstd, h, T: int, F: int, D: int, has_norm: bool, ieee: bool, gu=None
+) -> None:
+    save = gu is not None
+    gu_t = gu if save else h  # a dummy the kernel never touches without SAVE_GU
     if cfg == "ptr":
         if is_interpreter():
             bm, bn, bk, g, w, _s = _MM_INTERP
             m = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}
             _gate_up_kernel[_grid(m, T, F)](
-                a, w_gate, w_up, nw, rstd, h, T, F, D, HAS_NORM=has_norm, IEEE=ieee, EVEN_K=D % bk == 0,
-                **m, num_warps=w,
+                a, w_gate, w_up, nw, rstd, h, gu_t, T, F, D, HAS_NORM=has_norm, SAVE_GU=save, IEEE=ieee,
+                EVEN_K=D % bk == 0, **m, num_warps=w,
             )  # fmt: skip
         else:
             _tuned("gate_up")[lambda m: _grid(m, T, F)](
-                a, w_gate, w_up, nw, rstd, h, T, F, D, HAS_NORM=has_norm, IEEE=ieee
+                a, w_gate, w_up, nw, rstd, h, gu_t, T, F, D, HAS_NORM=has_norm, SAVE_GU=save, IEEE=ieee
             )
         return
     bm, bn, bk, g, w, s, _sub, ws = cfg
@@ -767,8 +901,8 @@ def _launch_gate_up(cfg, a, w_gate, w_up, nw, rstd, h, T: int, F: int, D: int, h
     if not is_interpreter():
         _ensure_allocator()
     _gate_up_tma_kernel[(min(sms, triton.cdiv(T, bm) * triton.cdiv(F, bn)),)](
-        a, w_gate, w_up, h, T, F, D, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, NUM_SMS=sms,
-        FLATTEN=not ws, WARP_SPECIALIZE=ws, num_warps=w, num_stages=s,
+        a, w_gate, w_up, h, gu_t, T, F, D, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g,
+        NUM_SMS=sms, FLATTEN=not ws, WARP_SPECIALIZE=ws, SAVE_GU=save, num_warps=w, num_stages=s,
     )  # fmt: skip
 
 
@@ -804,6 +938,12 @@ class _nullctx:
 # ----------------------------------------------------------------------------------------------------
 # ahead-of-time specs
 # ----------------------------------------------------------------------------------------------------
+# The training (gu-saving) variants are listed for bf16 only, the dtype models train in: the fp16 ones are the
+# same tiles with another operand type (same registers and shared memory), and CI compiles every spec on
+# 2 cores. The JIT serves fp16 training.
+_SAVE_AOT = {"bf16": (False, True), "fp16": (False,)}
+
+
 def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
     """(name, jit kernel, signature, constexprs, options, attrs) for every GPU variant of the CUDA tables.
 
@@ -819,20 +959,23 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
     mm_const = ("IEEE", "EVEN_K", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
     for dt in ("fp16", "bf16"):
         p = f"*{dt}"
-        for write_xn in (False, True):
-            sig = {"x_ptr": p, "nw_ptr": p, "rstd_ptr": "*fp32", "xn_ptr": p, "D": "i32", "eps": "fp32",
+        # the norm weight in x's dtype, and fp32 (mixed precision) for the materialized-xn prologue
+        for wt, write_xn in ((dt, False), (dt, True), ("fp32", True)):
+            sig = {"x_ptr": p, "nw_ptr": f"*{wt}", "rstd_ptr": "*fp32", "xn_ptr": p, "D": "i32", "eps": "fp32",
                    "WRITE_XN": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
-            specs.append((f"ffn_rstd_{dt}_xn{int(write_xn)}", _rstd_kernel, sig,
+            tag = "" if wt == dt else "_wfp32"
+            specs.append((f"ffn_rstd_{dt}_xn{int(write_xn)}{tag}", _rstd_kernel, sig,
                           {"WRITE_XN": write_xn, "BLOCK": _RSTD_BLOCK}, {"num_warps": 4}))  # fmt: skip
-        for bm, bn, bk, g, w, s in _GATE_UP_CUDA:
+        for (bm, bn, bk, g, w, s), save in itertools.product(_GATE_UP_CUDA, _SAVE_AOT[dt]):
             # HAS_NORM=False only: the launcher's default prologue writes xn and runs the plain GEMM.
             sig = {"a_ptr": p, "wg_ptr": p, "wu_ptr": p, "nw_ptr": p, "rstd_ptr": "*fp32", "h_ptr": p,
-                   "M": "i32", "N": "i32", "K": "i32", "HAS_NORM": "constexpr"}  # fmt: skip
+                   "gu_ptr": p, "M": "i32", "N": "i32", "K": "i32", "HAS_NORM": "constexpr",
+                   "SAVE_GU": "constexpr"}  # fmt: skip
             sig |= dict.fromkeys(mm_const, "constexpr")
-            const = {"HAS_NORM": False, "IEEE": False, "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn,
-                     "BLOCK_K": bk, "GROUP_M": g}  # fmt: skip
-            specs.append((f"ffn_gate_up_{dt}_{bm}x{bn}x{bk}_w{w}s{s}", _gate_up_kernel, sig, const,
-                          {"num_warps": w, "num_stages": s}))  # fmt: skip
+            const = {"HAS_NORM": False, "SAVE_GU": save, "IEEE": False, "EVEN_K": True, "BLOCK_M": bm,
+                     "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}  # fmt: skip
+            specs.append((f"ffn_gate_up_{dt}_{bm}x{bn}x{bk}_w{w}s{s}{'_save' if save else ''}", _gate_up_kernel,
+                          sig, const, {"num_warps": w, "num_stages": s}))  # fmt: skip
         for bm, bn, bk, g, w, s in _DOWN_CUDA:
             sig = {"a_ptr": p, "b_ptr": p, "c_ptr": p, "M": "i32", "N": "i32", "K": "i32"}
             sig |= dict.fromkeys(mm_const, "constexpr")
@@ -849,36 +992,38 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                     continue
                 const = {"IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g,
                          "NUM_SMS": _AOT_SMS, "FLATTEN": not ws, "WARP_SPECIALIZE": ws}  # fmt: skip
+                tag = f"{bm}x{bn}x{bk}_w{w}s{s}" + ("_sub" if sub else "") + ("_ws" if ws else "")
+                opts = {"num_warps": w, "num_stages": s}
                 if kind == "gate_up":
-                    fn = _gate_up_tma_kernel
-                    sig = {
-                        "a_ptr": p,
-                        "wg_ptr": p,
-                        "wu_ptr": p,
-                        "h_ptr": p,
-                        "M": "i32",
-                        "N": "i32",
-                        "K": "i32",
-                    }
-                    sig |= tma_sig
+                    sig = {"a_ptr": p, "wg_ptr": p, "wu_ptr": p, "h_ptr": p, "gu_ptr": p, "M": "i32", "N": "i32",
+                           "K": "i32"} | tma_sig | {"SAVE_GU": "constexpr"}  # fmt: skip
+                    for save in _SAVE_AOT[dt] if _tma_save_ok((bm, bn, bk, g, w, s, sub, ws)) else (False,):
+                        name = f"ffn_tma_gate_up_{dt}_{tag}{'_save' if save else ''}"
+                        specs.append((name, _gate_up_tma_kernel, sig, const | {"SAVE_GU": save}, opts))
                 else:
-                    fn = _matmul_nt_tma_kernel
                     sig = {"a_ptr": p, "b_ptr": p, "c_ptr": p, "M": "i32", "N": "i32", "K": "i32"}
                     sig |= tma_sig | {"SUBTILE": "constexpr"}
                     const["SUBTILE"] = sub
-                tag = f"{bm}x{bn}x{bk}_w{w}s{s}" + ("_sub" if sub else "") + ("_ws" if ws else "")
-                specs.append(
-                    (f"ffn_tma_{kind}_{dt}_{tag}", fn, sig, const, {"num_warps": w, "num_stages": s})
-                )
+                    specs.append((f"ffn_tma_down_{dt}_{tag}", _matmul_nt_tma_kernel, sig, const, opts))
+        # Decode gate/up: inference autotunes over every table row (norm weight of x's dtype, or none; fp32
+        # norm weights get each BLOCK_T's first row); a training call (SAVE) runs one fixed row
+        # (_gemv_save_config) with no norm, or a norm weight of x's dtype or fp32.
+        gemv: list[tuple[int, tuple[int, int, int], str | None, bool]] = []
         for bt, table in _GEMV_CUDA["gate_up"].items():
-            for r, bk, w in table:
-                for has_norm in (False, True):
-                    sig = {"x_ptr": p, "wg_ptr": p, "wu_ptr": p, "nw_ptr": p, "h_ptr": p, "T": "i32",
-                           "D": "i32", "F": "i32", "eps": "fp32", "HAS_NORM": "constexpr", "IEEE": "constexpr",
-                           "BLOCK_T": "constexpr", "BLOCK_F": "constexpr", "BLOCK_K": "constexpr"}  # fmt: skip
-                    const = {"HAS_NORM": has_norm, "IEEE": False, "BLOCK_T": bt, "BLOCK_F": r, "BLOCK_K": bk}
-                    specs.append((f"ffn_gemv_gate_up_{dt}_n{int(has_norm)}_t{bt}_{r}x{bk}_w{w}",
-                                  _gate_up_gemv_kernel, sig, const, {"num_warps": w}))  # fmt: skip
+            gemv += [(bt, row, wt, False) for row in table for wt in (None, dt)]
+            gemv += [(bt, table[0], "fp32", False)]
+            if bt == 16 and True in _SAVE_AOT[dt]:  # a training call always runs BLOCK_T = 16 (see _decode)
+                gemv += [(bt, _gemv_save_row(bt, 2), wt, True) for wt in (None, dt, "fp32")]
+        for bt, (r, bk, w), wt, save in gemv:
+            sig = {"x_ptr": p, "wg_ptr": p, "wu_ptr": p, "nw_ptr": f"*{wt or dt}", "h_ptr": p, "gu_ptr": p,
+                   "rstd_ptr": "*fp32", "T": "i32", "D": "i32", "F": "i32", "eps": "fp32",
+                   "HAS_NORM": "constexpr", "SAVE": "constexpr", "IEEE": "constexpr", "BLOCK_T": "constexpr",
+                   "BLOCK_F": "constexpr", "BLOCK_K": "constexpr"}  # fmt: skip
+            const = {"HAS_NORM": wt is not None, "SAVE": save, "IEEE": False, "BLOCK_T": bt, "BLOCK_F": r,
+                     "BLOCK_K": bk}  # fmt: skip
+            tag = f"n{int(wt is not None)}" + ("_wfp32" if wt == "fp32" else "") + ("_save" if save else "")
+            specs.append((f"ffn_gemv_gate_up_{dt}_{tag}_t{bt}_{r}x{bk}_w{w}", _gate_up_gemv_kernel, sig, const,
+                          {"num_warps": w}))  # fmt: skip
         for bt, table in _GEMV_CUDA["down"].items():
             for r, bk, w in table:
                 sig = {"a_ptr": p, "w_ptr": p, "c_ptr": p, "T": "i32", "N": "i32", "K": "i32",
@@ -886,4 +1031,5 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                 const = {"IEEE": False, "BLOCK_T": bt, "BLOCK_N": r, "BLOCK_K": bk}
                 specs.append((f"ffn_gemv_down_{dt}_t{bt}_{r}x{bk}_w{w}", _gemv_nt_kernel, sig, const,
                               {"num_warps": w}))  # fmt: skip
+    specs += _backward_aot_specs()
     return [(*spec, div16_attrs(spec[2])) for spec in specs]

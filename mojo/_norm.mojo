@@ -1,23 +1,42 @@
-"""Row-normalization kernels shared by fusekit.rms_norm and fusekit.layer_norm (LN = layer_norm).
+"""Row-normalization forward kernels shared by fusekit.rms_norm and fusekit.layer_norm (LN = layer_norm).
 
-Byte floor per call: read x (M*N*s) + write y (M*N*s) + weight/bias (N*s, L2-resident) + stats
-(4-8 B/row). 32768x8192 bf16: 1.07 GB -> 0.25 ms at the 4283 GB/s copy ceiling of the H200.
+Semantics (CONTRACT.md): xin = round_x(x + residual) when the residual flag is set (h = xin is then
+written once), else xin = x; statistics in fp32 from xin as stored; rstd = 1/sqrt(var + eps).
+- layer_norm: y = round_x(((xin - mean) * rstd) * w [+ b])
+- rms_norm casting 0 ("fp32"):  y = round_x((xin * rstd) * w)
+           casting 1 ("llama"): y = round_x(round_x(xin * rstd) * w)
+           casting 2 ("gemma"): y = round_x((xin * rstd) * (1 + w))
+w and b are in `wdtype` (x's dtype or float32), always read into fp32.
+The flags (casting, has_residual, has_bias) are read on the device from `params` (the host never
+sees them without a sync), so every kernel holds all variants behind uniform branches; the plain path
+pays two well-predicted branches per vector, nothing else.
+
+Byte floor per call: read x (M*N*s) [+ residual M*N*s] + write y (M*N*s) [+ h M*N*s] + weight/bias
+(N*s_w, L2-resident) + stats (4-8 B/row). 32768x8192 bf16 plain: 1.07 GB -> 0.25 ms at the 4283 GB/s
+copy ceiling of the H200.
 
 GPU plan: one block per row (grid-stride over rows), 16-byte vector loads/stores, fp32 math.
 - "register" kernels (row fits in BLK*NV vectors of 16 B, <= 64 KB): each thread keeps its NV vectors
   in registers, so x is read from HBM exactly once; (BLK, NV) comes from a small table by row length so
-  threads hold 2-4 vectors and small rows do not get 1024-thread blocks.
+  threads hold 2-4 vectors and small rows do not get 1024-thread blocks. With a residual, the residual
+  vectors are loaded alongside x and h = round_x(x + r) replaces them in the registers.
 - "loop" kernel (rows > 64 KB, or N / pointers not 16-byte aligned -> W = 1): a statistics pass and an
   output pass that re-reads the row from L2 (2 resident rows of 1024 threads per SM). Measured on the
   H200 at 16384x65536 bf16: register kernel with (1024 threads, 8 vectors) 2404 GB/s (one block per
   SM: no overlap of one row's reduction with the next row's loads), this reload kernel 2923 GB/s.
+  With a residual, a first pass writes h and the later passes read h back: every pass gives element
+  vector j to thread j % BLK, so each thread re-reads only what it wrote itself (program order, no
+  barrier or fence needed).
   (Hopper clusters splitting a row over 2-4 CTAs with DSMEM reductions would lift this: not done.)
 - rms_norm's block reduction costs one barrier: warp butterflies, per-warp partials in shared memory,
   then every thread adds the partials in the same order (no broadcast round).
 layer_norm: exact two-pass statistics (mean, then sum((x - mean)^2)) with block.sum, from registers in
-the register kernels. Measured (H200, GB/s, copy 4283): 32768x8192 bf16 rms 4093 / ln 3638, fp32 rms
-4202 / ln 4153; 16384x65536 bf16 rms 2941 / ln 2743.
-Numerics as reference.py: rstd = 1/sqrt(var + eps); y = ((x - mean) * rstd) * w [+ b] in fp32, one cast.
+the register kernels. Measured (H200, GB/s over the byte floor, copy 4283; harness/_normh.mojo), plain
+path: 32768x8192 bf16 rms 4111 / ln 3660, fp32 rms 4206 / ln 4148; 16384x65536 bf16 rms 2868 / ln
+2770 -- the same as the kernels before the residual / casting / wdtype additions in the same run (ln
+3621, 4145, 2742; earlier runs: rms 4093, 4202, 2941); with the residual (x, residual read, y, h
+written) 32768x8192 bf16 rms 4090 / ln 4091.
+Row offsets are Int (64-bit): M*N > 2^31 is fine.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, thread_idx, block_idx, grid_dim, barrier
@@ -52,16 +71,84 @@ def _block_allsum[BLK: Int](v: Float32, red: Pointer[Float32, MutUntrackedOrigin
     return t
 
 
+struct NormFlags(Copyable, Movable):
+    """The forward op's runtime flags, read from `params` (rms_norm: [eps, casting, has_residual];
+    layer_norm: [eps, has_residual, has_bias])."""
+
+    var eps: Float32
+    var llama: Bool
+    var gemma: Bool
+    var has_res: Bool
+    var has_bias: Bool
+
+    @always_inline
+    def __init__(out self, eps: Float32, llama: Bool, gemma: Bool, has_res: Bool, has_bias: Bool):
+        self.eps = eps
+        self.llama = llama
+        self.gemma = gemma
+        self.has_res = has_res
+        self.has_bias = has_bias
+
+
+@always_inline
+def norm_flags[LN: Bool](params: FPtr) -> NormFlags:
+    comptime if LN:
+        return NormFlags(params[unsafe_offset=0], False, False, params[unsafe_offset=1] != 0, params[unsafe_offset=2] != 0)
+    else:
+        var c = params[unsafe_offset=1]
+        return NormFlags(params[unsafe_offset=0], c == 1, c == 2, params[unsafe_offset=2] != 0, False)
+
+
+@always_inline
+def _out_vec[
+    dtype: DType, wdtype: DType, LN: Bool, W: Int, AW: Int, EARLY: Bool
+](
+    v: SIMD[F32, W],
+    mean: Float32,
+    r: Float32,
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
+    b: Pointer[Scalar[wdtype], MutAnyOrigin],
+    off: Int,
+    f: NormFlags,
+) -> SIMD[dtype, W]:
+    """y for W elements of xin (already fp32) at column `off` (AW: alignment of w/b accesses).
+
+    EARLY: issue the bias load together with the weight load, before any math. Measured on the H200
+    (layer_norm bf16): the loop kernel needs it (16384x65536: 2748 GB/s early vs 2313 late), the
+    register kernel runs better without it (32768x8192: 3665 late vs 3522 early)."""
+    var wv = w.unsafe_load[width=W, alignment=AW](off).cast[F32]()
+    var bv = SIMD[F32, W](0)
+    comptime if LN and EARLY:
+        if f.has_bias:
+            bv = b.unsafe_load[width=W, alignment=AW](off).cast[F32]()
+    var t = (v - mean) * r
+    comptime if not LN:
+        if f.llama:  # HF Llama: normalize, cast to x's dtype, then scale in fp32
+            t = t.cast[dtype]().cast[F32]()
+        if f.gemma:  # HF Gemma: scale by (1 + w)
+            wv = wv + 1.0
+    var o = t * wv
+    comptime if LN:
+        if f.has_bias:
+            comptime if EARLY:
+                o += bv
+            else:
+                o += b.unsafe_load[width=W, alignment=AW](off).cast[F32]()
+    return o.cast[dtype]()
+
+
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLK)))
 def _norm_reg_kernel[
-    dtype: DType, LN: Bool, BLK: Int, NV: Int
+    dtype: DType, wdtype: DType, LN: Bool, BLK: Int, NV: Int
 ](
     y: Pointer[Scalar[dtype], MutAnyOrigin],
+    h: Pointer[Scalar[dtype], MutAnyOrigin],
     mean_out: FPtr,
     rstd_out: FPtr,
     x: Pointer[Scalar[dtype], MutAnyOrigin],
-    w: Pointer[Scalar[dtype], MutAnyOrigin],
-    b: Pointer[Scalar[dtype], MutAnyOrigin],
+    res: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
+    b: Pointer[Scalar[wdtype], MutAnyOrigin],
     params: FPtr,
     n_rows: Int64,
     n_cols: Int64,
@@ -70,19 +157,33 @@ def _norm_reg_kernel[
     var red = unsafe_stack_allocation[3 * MAX_WARPS, Float32, address_space=AddressSpace.SHARED]()
     var n = Int(n_cols)
     var nv = n // VW
-    var eps = params[unsafe_offset=0]
-    var has_bias = False
-    comptime if LN:
-        has_bias = params[unsafe_offset=1] != 0
+    var f = norm_flags[LN](params)
     var tid = thread_idx.x
     var row = block_idx.x
     while row < Int(n_rows):
-        var xr = x.unsafe_offset(row * n)
+        var off = row * n
+        var xr = x.unsafe_offset(off)
         var cache = SIMD[dtype, NV * VW](0)
         comptime for k in range(NV):  # issue all NV loads before any use: NV x 16 B in flight
             var j = tid + k * BLK
             if j < nv:
                 cache = cache.insert[offset = k * VW](xr.unsafe_load[width=VW, alignment=16](j * VW))
+        if f.has_res:  # h = round_x(x + residual), written once, normalized from registers
+            var rr = res.unsafe_offset(off)
+            var hr = h.unsafe_offset(off)
+            var rc = SIMD[dtype, NV * VW](0)
+            comptime for k in range(NV):
+                var j = tid + k * BLK
+                if j < nv:
+                    rc = rc.insert[offset = k * VW](rr.unsafe_load[width=VW, alignment=16](j * VW))
+            comptime for k in range(NV):
+                var j = tid + k * BLK
+                if j < nv:
+                    var hv = (
+                        cache.slice[VW, offset = k * VW]().cast[F32]() + rc.slice[VW, offset = k * VW]().cast[F32]()
+                    ).cast[dtype]()
+                    cache = cache.insert[offset = k * VW](hv)
+                    hr.unsafe_store[alignment=16](j * VW, hv)
         var mean = Float32(0)
         var r: Float32
         comptime if LN:
@@ -99,61 +200,75 @@ def _norm_reg_kernel[
                 if tid + k * BLK < nv:
                     var dd = cache.slice[VW, offset = k * VW]().cast[F32]() - mean
                     q += dd * dd
-            r = 1.0 / sqrt(block.sum[block_size=BLK, broadcast=True](q.reduce_add()) / Float32(n) + eps)
+            r = 1.0 / sqrt(block.sum[block_size=BLK, broadcast=True](q.reduce_add()) / Float32(n) + f.eps)
         else:
             var ss = SIMD[F32, VW](0)
             comptime for k in range(NV):  # padding lanes are 0
                 var v = cache.slice[VW, offset = k * VW]().cast[F32]()
                 ss += v * v
-            r = 1.0 / sqrt(_block_allsum[BLK](ss.reduce_add(), red) / Float32(n) + eps)
+            r = 1.0 / sqrt(_block_allsum[BLK](ss.reduce_add(), red) / Float32(n) + f.eps)
         if tid == 0:
             rstd_out[unsafe_offset=row] = r
             comptime if LN:
                 mean_out[unsafe_offset=row] = mean
-        var yr = y.unsafe_offset(row * n)
+        var yr = y.unsafe_offset(off)
         comptime for k in range(NV):
             var j = tid + k * BLK
             if j < nv:
-                var wv = w.unsafe_load[width=VW, alignment=16](j * VW).cast[F32]()
-                var o = ((cache.slice[VW, offset = k * VW]().cast[F32]() - mean) * r) * wv
-                comptime if LN:
-                    if has_bias:
-                        o += b.unsafe_load[width=VW, alignment=16](j * VW).cast[F32]()
-                yr.unsafe_store[alignment=16](j * VW, o.cast[dtype]())
+                var o = _out_vec[dtype, wdtype, LN, VW, 16, False](
+                    cache.slice[VW, offset = k * VW]().cast[F32](), mean, r, w, b, j * VW, f
+                )
+                yr.unsafe_store[alignment=16](j * VW, o)
         row += grid_dim.x
         barrier()  # `red` is rewritten for the next row
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLK)))
 def _norm_loop_kernel[
-    dtype: DType, LN: Bool, BLK: Int, W: Int
+    dtype: DType, wdtype: DType, LN: Bool, BLK: Int, W: Int
 ](
     y: Pointer[Scalar[dtype], MutAnyOrigin],
+    h: Pointer[Scalar[dtype], MutAnyOrigin],
     mean_out: FPtr,
     rstd_out: FPtr,
     x: Pointer[Scalar[dtype], MutAnyOrigin],
-    w: Pointer[Scalar[dtype], MutAnyOrigin],
-    b: Pointer[Scalar[dtype], MutAnyOrigin],
+    res: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
+    b: Pointer[Scalar[wdtype], MutAnyOrigin],
     params: FPtr,
     n_rows: Int64,
     n_cols: Int64,
 ):
-    """Any N / alignment (W = 1) or long rows (W = VW): statistics pass(es) (rms_norm 1, layer_norm 2:
-    mean then variance; a one-pass per-vector Chan merge measured slower, 2620 vs 2743 GB/s) and an
-    output pass, each re-reading the row from L2 for rows up to a few MB (2 rows of 1024 threads/SM)."""
+    """Any N / alignment (W = 1) or long rows (W = VW): [h pass,] statistics pass(es) (rms_norm 1,
+    layer_norm 2: mean then variance; a one-pass per-vector Chan merge measured slower, 2620 vs 2743
+    GB/s) and an output pass, each re-reading the row from L2 for rows up to a few MB (2 rows of 1024
+    threads/SM)."""
     comptime AL = 16 if W > 1 else align_of[dtype]()
+    comptime AW = 16 if W > 1 else align_of[wdtype]()
     comptime U = 4  # vectors in flight per thread in the statistics pass
     var red = unsafe_stack_allocation[3 * MAX_WARPS, Float32, address_space=AddressSpace.SHARED]()
     var n = Int(n_cols)
     var nw = n // W
-    var eps = params[unsafe_offset=0]
-    var has_bias = False
-    comptime if LN:
-        has_bias = params[unsafe_offset=1] != 0
+    var f = norm_flags[LN](params)
     var tid = thread_idx.x
     var row = block_idx.x
     while row < Int(n_rows):
-        var xr = x.unsafe_offset(row * n)
+        var off = row * n
+        var xr = x.unsafe_offset(off)
+        if f.has_res:
+            # h pass: the same element -> thread mapping (j = tid + i * BLK) as every later pass, so each
+            # thread reads back only its own stores
+            var rr = res.unsafe_offset(off)
+            var hr = h.unsafe_offset(off)
+            var j = tid
+            while j < nw:
+                var hv = (
+                    xr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]()
+                    + rr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]()
+                ).cast[dtype]()
+                hr.unsafe_store[alignment=AL](j * W, hv)
+                j += BLK
+            xr = hr
         var mean = Float32(0)
         var r: Float32
         comptime if LN:
@@ -181,7 +296,7 @@ def _norm_loop_kernel[
             if j < nw:
                 var dd = xr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]() - mean
                 q0 += dd * dd
-            r = 1.0 / sqrt(block.sum[block_size=BLK, broadcast=True]((q0 + q1).reduce_add()) / Float32(n) + eps)
+            r = 1.0 / sqrt(block.sum[block_size=BLK, broadcast=True]((q0 + q1).reduce_add()) / Float32(n) + f.eps)
         else:
             var q = SIMD[F32, W](0)
             var j = tid
@@ -194,114 +309,127 @@ def _norm_loop_kernel[
                     var v = vs.slice[W, offset = u * W]().cast[F32]()
                     q += v * v
                 j += U * BLK
-            r = 1.0 / sqrt(_block_allsum[BLK](q.reduce_add(), red) / Float32(n) + eps)
+            r = 1.0 / sqrt(_block_allsum[BLK](q.reduce_add(), red) / Float32(n) + f.eps)
         if tid == 0:
             rstd_out[unsafe_offset=row] = r
             comptime if LN:
                 mean_out[unsafe_offset=row] = mean
-        var yr = y.unsafe_offset(row * n)
+        var yr = y.unsafe_offset(off)
         var j = tid
         while j < nw:
-            var wv = w.unsafe_load[width=W, alignment=AL](j * W).cast[F32]()
-            var o = ((xr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]() - mean) * r) * wv
-            comptime if LN:
-                if has_bias:
-                    o += b.unsafe_load[width=W, alignment=AL](j * W).cast[F32]()
-            yr.unsafe_store[alignment=AL](j * W, o.cast[dtype]())
+            var o = _out_vec[dtype, wdtype, LN, W, AW, True](
+                xr.unsafe_load[width=W, alignment=AL](j * W).cast[F32](), mean, r, w, b, j * W, f
+            )
+            yr.unsafe_store[alignment=AL](j * W, o)
             j += BLK
         row += grid_dim.x
         barrier()
 
 
 def norm_gpu[
-    dtype: DType, LN: Bool, FORCE_LOOP: Bool = False
+    dtype: DType, wdtype: DType, LN: Bool, FORCE_LOOP: Bool = False
 ](
     ctx: DeviceContext,
     y: Pointer[Scalar[dtype], MutAnyOrigin],
+    h: Pointer[Scalar[dtype], MutAnyOrigin],
     mean_out: FPtr,
     rstd_out: FPtr,
     x: Pointer[Scalar[dtype], MutAnyOrigin],
-    w: Pointer[Scalar[dtype], MutAnyOrigin],
-    b: Pointer[Scalar[dtype], MutAnyOrigin],
+    res: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
+    b: Pointer[Scalar[wdtype], MutAnyOrigin],
     params: FPtr,
     m: Int,
     n: Int,
 ) raises:
-    """Pick the kernel variant by row length (in 16-byte vectors) and alignment, then launch."""
+    """Pick the kernel variant by row length (in 16-byte vectors) and alignment, then launch.
+
+    h / res (and b for rms_norm) may be [1, 1] dummies: only their addresses are looked at here (a
+    misaligned dummy just costs the W = 1 loop kernel), the kernels touch them only when flagged."""
     comptime VW = vec_width[dtype]()
     var grid = min(m, 1 << 30)
     var M = Int64(m)
     var N = Int64(n)
     var vec_ok = n % VW == 0 and is_aligned16(x) and is_aligned16(y) and is_aligned16(w)
+    vec_ok = vec_ok and is_aligned16(h) and is_aligned16(res)
     comptime if LN:
         vec_ok = vec_ok and is_aligned16(b)
     comptime if FORCE_LOOP:  # benchmarking the reload kernel against the register one
         if vec_ok:
-            ctx.enqueue_function[_norm_loop_kernel[dtype, LN, 1024, VW]](
-                y, mean_out, rstd_out, x, w, b, params, M, N, grid_dim=grid, block_dim=1024
+            ctx.enqueue_function[_norm_loop_kernel[dtype, wdtype, LN, 1024, VW]](
+                y, h, mean_out, rstd_out, x, res, w, b, params, M, N, grid_dim=grid, block_dim=1024
             )
             return
     if not vec_ok:
         if n <= 4096:
-            ctx.enqueue_function[_norm_loop_kernel[dtype, LN, 128, 1]](
-                y, mean_out, rstd_out, x, w, b, params, M, N, grid_dim=grid, block_dim=128
+            ctx.enqueue_function[_norm_loop_kernel[dtype, wdtype, LN, 128, 1]](
+                y, h, mean_out, rstd_out, x, res, w, b, params, M, N, grid_dim=grid, block_dim=128
             )
         else:
-            ctx.enqueue_function[_norm_loop_kernel[dtype, LN, 512, 1]](
-                y, mean_out, rstd_out, x, w, b, params, M, N, grid_dim=grid, block_dim=512
+            ctx.enqueue_function[_norm_loop_kernel[dtype, wdtype, LN, 512, 1]](
+                y, h, mean_out, rstd_out, x, res, w, b, params, M, N, grid_dim=grid, block_dim=512
             )
         return
     var nv = n // VW
     # (threads, vectors per thread): smallest block whose registers hold the row, 1-8 vectors/thread
     if nv <= 64 * 2:
-        ctx.enqueue_function[_norm_reg_kernel[dtype, LN, 64, 2]](
-            y, mean_out, rstd_out, x, w, b, params, M, N, grid_dim=grid, block_dim=64
+        ctx.enqueue_function[_norm_reg_kernel[dtype, wdtype, LN, 64, 2]](
+            y, h, mean_out, rstd_out, x, res, w, b, params, M, N, grid_dim=grid, block_dim=64
         )
     elif nv <= 128 * 4:
-        ctx.enqueue_function[_norm_reg_kernel[dtype, LN, 128, 4]](
-            y, mean_out, rstd_out, x, w, b, params, M, N, grid_dim=grid, block_dim=128
+        ctx.enqueue_function[_norm_reg_kernel[dtype, wdtype, LN, 128, 4]](
+            y, h, mean_out, rstd_out, x, res, w, b, params, M, N, grid_dim=grid, block_dim=128
         )
     elif nv <= 256 * 4:
-        ctx.enqueue_function[_norm_reg_kernel[dtype, LN, 256, 4]](
-            y, mean_out, rstd_out, x, w, b, params, M, N, grid_dim=grid, block_dim=256
+        ctx.enqueue_function[_norm_reg_kernel[dtype, wdtype, LN, 256, 4]](
+            y, h, mean_out, rstd_out, x, res, w, b, params, M, N, grid_dim=grid, block_dim=256
         )
     elif nv <= 512 * 4:
-        ctx.enqueue_function[_norm_reg_kernel[dtype, LN, 512, 4]](
-            y, mean_out, rstd_out, x, w, b, params, M, N, grid_dim=grid, block_dim=512
+        ctx.enqueue_function[_norm_reg_kernel[dtype, wdtype, LN, 512, 4]](
+            y, h, mean_out, rstd_out, x, res, w, b, params, M, N, grid_dim=grid, block_dim=512
         )
     elif nv <= 1024 * 4:
-        ctx.enqueue_function[_norm_reg_kernel[dtype, LN, 1024, 4]](
-            y, mean_out, rstd_out, x, w, b, params, M, N, grid_dim=grid, block_dim=1024
+        ctx.enqueue_function[_norm_reg_kernel[dtype, wdtype, LN, 1024, 4]](
+            y, h, mean_out, rstd_out, x, res, w, b, params, M, N, grid_dim=grid, block_dim=1024
         )
     else:
-        ctx.enqueue_function[_norm_loop_kernel[dtype, LN, 1024, VW]](
-            y, mean_out, rstd_out, x, w, b, params, M, N, grid_dim=grid, block_dim=1024
+        ctx.enqueue_function[_norm_loop_kernel[dtype, wdtype, LN, 1024, VW]](
+            y, h, mean_out, rstd_out, x, res, w, b, params, M, N, grid_dim=grid, block_dim=1024
         )
 
 
 def norm_cpu[
-    dtype: DType, LN: Bool
+    dtype: DType, wdtype: DType, LN: Bool
 ](
     y: Pointer[Scalar[dtype], MutAnyOrigin],
+    h: Pointer[Scalar[dtype], MutAnyOrigin],
     mean_out: FPtr,
     rstd_out: FPtr,
     x: Pointer[Scalar[dtype], MutAnyOrigin],
-    w: Pointer[Scalar[dtype], MutAnyOrigin],
-    b: Pointer[Scalar[dtype], MutAnyOrigin],
+    res: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
+    b: Pointer[Scalar[wdtype], MutAnyOrigin],
     params: FPtr,
     m: Int,
     n: Int,
 ):
-    """Reference-order fp32 math with 8-lane SIMD; one row at a time."""
+    """Reference-order fp32 math with 8-lane SIMD; one row at a time (h written first, then read)."""
     comptime W = 8
-    var eps = params[unsafe_offset=0]
-    var has_bias = False
-    comptime if LN:
-        has_bias = params[unsafe_offset=1] != 0
+    var f = norm_flags[LN](params)
     var nb = (n // W) * W
     for row in range(m):
-        var xr = x.unsafe_offset(row * n)
-        var yr = y.unsafe_offset(row * n)
+        var off = row * n
+        var xr = x.unsafe_offset(off)
+        var yr = y.unsafe_offset(off)
+        if f.has_res:
+            var rr = res.unsafe_offset(off)
+            var hr = h.unsafe_offset(off)
+            for j in range(0, nb, W):
+                var s = xr.unsafe_load[width=W](j).cast[F32]() + rr.unsafe_load[width=W](j).cast[F32]()
+                hr.unsafe_store(j, s.cast[dtype]())
+            for j in range(nb, n):
+                hr[unsafe_offset=j] = (xr[unsafe_offset=j].cast[F32]() + rr[unsafe_offset=j].cast[F32]()).cast[dtype]()
+            xr = hr
         var mean = Float32(0)
         comptime if LN:
             var s = SIMD[F32, W](0)
@@ -319,19 +447,13 @@ def norm_cpu[
         for j in range(nb, n):
             var d = xr[unsafe_offset=j].cast[F32]() - mean
             qt += d * d
-        var r = 1.0 / sqrt(qt / Float32(n) + eps)
+        var r = 1.0 / sqrt(qt / Float32(n) + f.eps)
         rstd_out[unsafe_offset=row] = r
         comptime if LN:
             mean_out[unsafe_offset=row] = mean
         for j in range(0, nb, W):
-            var o = ((xr.unsafe_load[width=W](j).cast[F32]() - mean) * r) * w.unsafe_load[width=W](j).cast[F32]()
-            comptime if LN:
-                if has_bias:
-                    o += b.unsafe_load[width=W](j).cast[F32]()
-            yr.unsafe_store(j, o.cast[dtype]())
+            var o = _out_vec[dtype, wdtype, LN, W, align_of[wdtype](), False](xr.unsafe_load[width=W](j).cast[F32](), mean, r, w, b, j, f)
+            yr.unsafe_store(j, o)
         for j in range(nb, n):
-            var o = ((xr[unsafe_offset=j].cast[F32]() - mean) * r) * w[unsafe_offset=j].cast[F32]()
-            comptime if LN:
-                if has_bias:
-                    o += b[unsafe_offset=j].cast[F32]()
-            yr[unsafe_offset=j] = o.cast[dtype]()
+            var o = _out_vec[dtype, wdtype, LN, 1, align_of[wdtype](), False](xr[unsafe_offset=j].cast[F32](), mean, r, w, b, j, f)
+            yr[unsafe_offset=j] = o[0]

@@ -2,12 +2,15 @@
 
 - vector width: 16 bytes per load/store (`ld.global.v4.b32` on sm_90, `global_load_dwordx4` on gfx942);
 - accumulator dtype: fp32 for floating inputs (fp64 stays fp64), int64 for integers (reference.py);
-- accurate exp / sincos in fp64 built from + and * only: the GPU `cos`/`sin` intrinsics are
-  `cos.approx.f32` on sm_90 (useless for RoPE angles up to 2^24 rad) and fp64 `cos` is rejected on
-  NVIDIA, so we range-reduce and evaluate polynomials ourselves (same code on CPU and GPU).
+- accurate exp / log / sincos in fp64 built from + and * only: the GPU `cos`/`sin` intrinsics are
+  `cos.approx.f32` on sm_90 (useless for RoPE angles up to 2^24 rad and beyond) and fp64 `cos` is
+  rejected on NVIDIA, so we range-reduce and evaluate polynomials ourselves (same code on CPU and GPU).
+  Every one of them is total: a fixed number of steps for any input (NaN in, NaN out; never a loop
+  that a scalar such as theta = inf or 0 could keep going, issue #16).
 """
 
 from std.sys import size_of
+from std.memory import bitcast
 
 
 def vec_width[dtype: DType]() -> Int:
@@ -33,61 +36,179 @@ def is_aligned16[dtype: DType](p: Pointer[Scalar[dtype], MutAnyOrigin]) -> Bool:
     return Int(p) % 16 == 0
 
 
+def pow2_f64(k: Int) -> Float64:
+    """Return 2^k exactly for -1022 <= k <= 1023 (built from the exponent bits, no loop)."""
+    return bitcast[DType.float64](UInt64(k + 1023) << 52)
+
+
 def exp_f64(x: Float64) -> Float64:
-    """Return exp(x) for |x| <= ~45 (RoPE: x = -2 i ln(theta) / D): exp(x/64)^64, Taylor to degree 16.
+    """Return exp(x) to ~1 fp64 ulp for every x (NaN stays NaN; no loop depends on x).
 
-    |x/64| <= 0.7 so the series error is < 1e-17; 6 squarings amplify it 64x, still ~1e-15 relative,
-    far below the fp32 rounding that follows.
+    x is clamped to [-200, 200] first: exp(+-200) already over/underflows fp32, this function's only
+    consumer (RoPE inv_freq = exp(i * c), |i * c| <= |ln theta| <= 103.3 for any fp32 theta > 0).
+    Reduction x = k ln2 + r with a two-word ln2 (k * LN2_HI is exact for |k| < 2^20), |r| <= ln2/2,
+    then Taylor to degree 14 (r^15/15! < 1e-19) and an exact scaling by 2^k.
     """
-    var r = x * (1.0 / 64.0)
+    if x != x:
+        return x
+    comptime LOG2E = 1.4426950408889634
+    comptime LN2_HI = 6.93147180369123816490e-01  # fdlibm's ln2_hi: 32 significant bits
+    comptime LN2_LO = 1.90821492927058770002e-10
+    var xc = min(max(x, -200.0), 200.0)
+    var t = xc * LOG2E
+    var k = Int(t + 0.5) if t >= 0 else -Int(0.5 - t)  # round to nearest; |k| <= 289
+    var kf = Float64(k)
+    var r = (xc - kf * LN2_HI) - kf * LN2_LO
     var p: Float64 = 1.0
-    comptime for k in range(16, 0, -1):
-        p = 1.0 + p * r * (1.0 / Float64(k))
-    comptime for _ in range(6):
-        p = p * p
-    return p
+    comptime for j in range(14, 0, -1):
+        p = 1.0 + p * r * (1.0 / Float64(j))
+    return p * pow2_f64(k)
 
 
-def sincos_f64(a: Float64) -> Tuple[Float64, Float64]:
-    """(sin a, cos a) for 0 <= a < ~2^26: Cody-Waite reduction by pi/2, then Taylor on [-pi/4, pi/4]."""
-    comptime TWO_OVER_PI = 0.63661977236758134308
-    comptime PIO2_1 = 1.57079632673412561417e00  # first 33 bits of pi/2
-    comptime PIO2_1T = 6.07710050650619224932e-11  # pi/2 - PIO2_1
-    var kf = Float64(Int(a * TWO_OVER_PI + 0.5))  # a >= 0: truncation == round-half-up
-    var r = (a - kf * PIO2_1) - kf * PIO2_1T
+# 2/pi in 8 chunks of 26 bits: TWO_OVER_PI_26[i] = (bits 26i+1 .. 26i+26 of 2/pi) * 2^-26(i+1). An fp32
+# value has 24 significant bits, so x * chunk (<= 50 bits) is exact in fp64. 8 chunks (208 bits) leave
+# a tail x * 2^-208 < 2^-80 for every finite fp32 x (< 2^128). Generated with mpmath at 400 bits:
+#   m_i = floor(2/pi * 2^(26(i+1))) mod 2^26.
+comptime _M26 = 1.0 / 67108864.0  # 2^-26
+
+
+@always_inline
+def _two_over_pi_chunk[i: Int]() -> Float64:
+    comptime M = (42722829, 48555073, 21659401, 56087029, 13858563, 28715353, 38736100, 4324945)
+    var c = Float64(M[i])
+    comptime for _ in range(i + 1):
+        c *= _M26  # exact: scaling by a power of two, far from the subnormal range
+    return c
+
+
+def sincos_f32_angle(a: Float32) -> Tuple[Float64, Float64]:
+    """Return (sin a, cos a) in fp64, accurate to a few fp64 ulps, for EVERY finite fp32 angle a.
+
+    RoPE angles reach 2^24 * theta^0 and beyond (tiny theta gives inv_freq up to ~1e38), so a Cody-Waite
+    reduction (exact only to ~2^26) is not enough. This is a Payne-Hanek reduction done in fp64 with
+    exact splits: |a| * 2/pi = sum_i |a| * C_i with every product exact (24 + 26 bits); each product
+    contributes (t mod 4) = its integer part mod 4 (to the quadrant) plus its fraction (exact), and the
+    fractions are summed with TwoSum, so the reduced argument keeps full relative precision even for
+    the fp32 angles closest to a multiple of pi/2. Then Taylor on |r| <= pi/4 (degree 17 / 18).
+    NaN or +-inf give NaN (as sin/cos do); no loop depends on a.
+    """
+    var nan = Float64(0) / Float64(0)
+    var x = Float64(a)
+    if not (abs(x) <= 3.5e38):  # NaN, +-inf
+        return (nan, nan)
+    var neg = x < 0
+    var ax = abs(x)
+    var q = 0  # quadrant (mod 4)
+    var hi: Float64
+    var lo: Float64
+    if ax < 1048576.0:  # 2^20: RoPE's usual range; a cheaper Cody-Waite reduction is exact here
+        # fdlibm's 3 x 33-bit pi/2: k < 2^20, so every k * PIO2_i is exact; a - k PIO2_1 is exact
+        # (Sterbenz); the rest rounds at the size of the result, so r keeps its relative precision
+        comptime TWO_OVER_PI = 0.63661977236758134308
+        comptime PIO2_1 = 1.57079632673412561417e00
+        comptime PIO2_2 = 6.07710050630396597660e-11
+        comptime PIO2_3 = 2.02226624871116645580e-21
+        comptime PIO2_3T = 8.47842766036889956997e-32
+        var k = Int(ax * TWO_OVER_PI + 0.5)
+        var kf = Float64(k)
+        q = k & 3
+        var r1 = ax - kf * PIO2_1
+        var w = kf * PIO2_2
+        var r2 = r1 - w
+        var w2 = kf * PIO2_3 - ((r1 - r2) - w)  # what the rounding of r1 - w lost, plus the next word
+        hi = r2 - w2
+        lo = (r2 - hi) - w2 - kf * PIO2_3T
+    else:
+        var hl = _payne_hanek(ax)
+        q = hl[0]
+        hi = hl[1]
+        lo = hl[2]
+    var r = hi + lo
     var r2 = r * r
     # sin r = r (1 - r2/3! + r2^2/5! ...), cos r = 1 - r2/2! + ... ; |r| <= pi/4: degree 17/18 is exact in fp64
-    var s: Float64 = 1.0
+    var sn: Float64 = 1.0
     comptime for k in range(8, 0, -1):
-        s = 1.0 - s * r2 * (1.0 / Float64((2 * k) * (2 * k + 1)))
-    s = s * r
+        sn = 1.0 - sn * r2 * (1.0 / Float64((2 * k) * (2 * k + 1)))
+    sn = sn * r
     var c: Float64 = 1.0
     comptime for k in range(9, 0, -1):
         c = 1.0 - c * r2 * (1.0 / Float64((2 * k - 1) * (2 * k)))
-    var q = Int(kf) & 3
-    if q == 0:
-        return (s, c)
-    elif q == 1:
-        return (c, -s)
-    elif q == 2:
-        return (-s, -c)
-    return (-c, s)
+    var res_s: Float64
+    var res_c: Float64
+    var qq = q & 3
+    if qq == 0:
+        res_s, res_c = sn, c
+    elif qq == 1:
+        res_s, res_c = c, -sn
+    elif qq == 2:
+        res_s, res_c = -sn, -c
+    else:
+        res_s, res_c = -c, sn
+    if neg:
+        res_s = -res_s
+    return (res_s, res_c)
+
+
+def _payne_hanek(ax: Float64) -> Tuple[Int, Float64, Float64]:
+    """(quadrant, hi, lo) with ax = (4n + quadrant) pi/2 + hi + lo (radians, |hi + lo| <= pi/4 + tiny)
+    for an fp32 value 0 <= ax < 2^128 (see sincos_f32_angle)."""
+    var q = 0
+    var s: Float64 = 0  # sum of the fractions: s + e
+    var e: Float64 = 0
+    comptime for i in range(8):
+        var t = ax * _two_over_pi_chunk[i]()  # exact
+        if t < 36028797018963968.0:  # 2^55; a larger t has ulp >= 8, so t mod 4 == 0
+            var k = Int64(t)  # floor (t >= 0); exact in fp64 (a subset of t's bits)
+            q += Int(k & 3)
+            var f = t - Float64(k)  # exact, in [0, 1)
+            var s2 = s + f  # TwoSum(s, f)
+            var bb = s2 - s
+            e += (s - (s2 - bb)) + (f - bb)
+            s = s2
+    var n = Int64(s + 0.5)  # s in [0, 8)
+    s -= Float64(n)  # exact, |s| <= 1/2
+    q += Int(n & 3)
+    var hi = s + e  # TwoSum(s, e)
+    var bb = hi - s
+    var lo = (s - (hi - bb)) + (e - bb)
+    if hi > 0.5:  # exact (Sterbenz)
+        hi -= 1.0
+        q += 1
+    elif hi < -0.5:
+        hi += 1.0
+        q -= 1
+    comptime PIO2_HI = 1.5707963267948966
+    comptime PIO2_LO = 6.123233995736766e-17
+    var rh = hi * PIO2_HI
+    var rl = hi * PIO2_LO + lo * PIO2_HI  # + the rounding of rh, which is below fp64's reach here
+    return (q, rh, rl)
 
 
 def log_f64(x: Float64) -> Float64:
-    """Return ln(x) for x > 0 (RoPE theta): halve/double into [sqrt(1/2), sqrt(2)), then 2 atanh(z) series.
+    """Return ln(x) for finite x > 0 (RoPE theta), NaN for anything else (0, negative, inf, NaN).
 
-    Only + * / so it compiles on every target (fp64 transcendental intrinsics do not on NVIDIA).
+    Normalize m = x * 2^-k into [sqrt(1/2), sqrt(2)) with a fixed number of power-of-two steps (a
+    binary search on the exponent: bounded for every input, no data-dependent loop), then the
+    2 atanh(z) series. Only + * / so it compiles on every target (fp64 transcendental intrinsics do
+    not on NVIDIA).
     """
+    if not (x > 0 and x <= Float64.MAX_FINITE):
+        return Float64(0) / Float64(0)
     comptime LN2 = 0.69314718055994530942
     var m = x
     var k = 0
-    while m >= 1.4142135623730951:
+    comptime for b in range(9, -1, -1):  # 2^512 ... 2^1: every exponent of a normal fp64 in 10 steps
+        if m >= pow2_f64(1 << b):
+            m *= pow2_f64(-(1 << b))
+            k += 1 << b
+    comptime for b in range(9, -1, -1):
+        if m * pow2_f64(1 << b) < 2.0:
+            m *= pow2_f64(1 << b)
+            k -= 1 << b
+    # now m in [1, 2)
+    if m >= 1.4142135623730951:
         m *= 0.5
         k += 1
-    while m < 0.7071067811865476:
-        m *= 2.0
-        k -= 1
     var z = (m - 1.0) / (m + 1.0)  # |z| <= 0.172: z^23 / 23 < 1e-18
     var z2 = z * z
     var s: Float64 = 0.0
@@ -107,5 +228,5 @@ def rope_cos_sin(pos: Float32, i: Int, c: Float32) -> Tuple[Float32, Float32]:
     with exp / cos / sin evaluated accurately in fp64 and rounded once."""
     var inv = Float32(exp_f64(Float64(Float32(i) * c)))
     var ang = pos * inv
-    var sc = sincos_f64(Float64(ang))
+    var sc = sincos_f32_angle(ang)
     return (Float32(sc[1]), Float32(sc[0]))

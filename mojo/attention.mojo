@@ -1,14 +1,30 @@
-# fusekit.attention: softmax(q k^T * scale [+ causal mask]) v, FlashAttention-2 style on the GPU.
+# fusekit.attention / fusekit.attention_backward: softmax(q k^T * scale [+ causal mask]) v,
+# FlashAttention-2 style forward on the GPU, and its gradient.
 #
-# Contract (mojo/../.dev/MOJO_CONTRACT.md): out [B, H, S, D] <- q [B, H, S, D], k/v [B, Hkv, Skv, D],
-# params [2] f32 = [scale, causal]. Head h reads kv head h // (H // Hkv). Causal is bottom-right
-# aligned: query i sees key j iff j <= i + (Skv - S); a row that sees no key writes zeros.
+# Contract (.dev/CONTRACT.md, "attention"):
+#   attention:          outputs (o [B, H, S, D], lse [B, H, S] f32), inputs (q [B, H, S, D],
+#                       k [B, Hkv, Skv, D], v [B, Hkv, Skv, D], params [2] f32 = [causal, scale]).
+#   attention_backward: outputs (dq [B, H, S, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, D]), inputs
+#                       (do [B, H, S, D], q, k, v, o, lse [B, H, S] f32, params = [causal, scale]).
+# Head h reads kv head h // (H // Hkv). Causal is bottom-right aligned: query i sees key j iff
+# j <= i + (Skv - S). lse = logsumexp over the visible keys of s = q.k * scale (natural log).
+#
+# Non-finite inputs behave as a float64 softmax over the VISIBLE keys (issue #16): a row with no visible
+# key (only causal with S > Skv) writes o = 0 and lse = -inf (decided from indices, not from scores);
+# a NaN in q row i or in a key k_j that row i sees makes row i NaN (lse NaN); a NaN/Inf in v_j[d] makes
+# o[i, d] non-finite for exactly the rows i that see j; a visible score of +inf makes the row NaN with
+# lse = +inf, visible scores all -inf make it NaN with lse = -inf (torch.logsumexp); masked keys never
+# matter. This needs care because neither `max` (drops NaN) nor the CPU's `exp2` (clamps its argument:
+# exp2(NaN) = 8.5e37, exp2(-inf) = 1.2e-38) propagates NaN: `_nmax` and the GPU's exp2 do, and a tensor-
+# core P.V would turn 0 (masked) * NaN into NaN, so masked tiles have their non-finite V zeroed in
+# shared memory and re-added (as +-inf / NaN) only to the rows that see them (`_fa2_kernel`).
 #
 # Floors (H200, bf16, B4 H32 S4096 D128): 4*B*H*S^2*D = 275 TFLOP (non-causal), half causal; at the
 # measured ~700-790 TFLOP/s dense bf16 that is ~0.37 ms; bytes (q, k, v, out once) = 0.27 GB -> 63 us,
 # so attention is compute-bound and the tensor cores set the ceiling. SDPA (FA) reaches ~604 TFLOP/s.
+# Backward: 2.5x the forward FLOPs (5 GEMMs of the forward's size, 2 in the forward).
 #
-# GPU paths (chosen at compile time per vendor, at run time per dtype / head dim):
+# GPU forward paths (chosen at compile time per vendor, at run time per dtype / head dim):
 # - NVIDIA, fp16/bf16, D in {64, 128, 256}: `_fa2_kernel`, FlashAttention-2 forward with warp-level
 #   tensor-core MMA (mma.sync m16n8k16, fp32 accumulation): each warp owns 16 query rows whose Q
 #   fragments stay in registers; K/V tiles go global -> shared with cp.async, double-buffered so the
@@ -20,6 +36,11 @@
 #   (FA3) is what reaches ~600 TFLOP/s; mma.sync peaks near ~60% of that on H100/H200.
 # - everything else (fp32, other head dims, AMD gfx942): `_attn_rowwise_kernel`, one warp per query
 #   row, exact fp32 math, no tensor cores (correct, slow; also the harness's GPU reference).
+# GPU backward (every dtype / vendor): SIMT fp32 kernels, deterministic (fixed loop orders, no atomics):
+#   delta_i = rowsum(do_i * o_i) (one warp per row, fp32 scratch [B*H*S]); dK/dV: one warp per kv row j,
+#   looping over the GQA group's heads and the query rows that see j; dQ: one warp per query row,
+#   looping over its visible keys; p = exp(s - lse) recomputed from the forward's lse. Correct but not
+#   tensor-core (a tiled mma.sync backward is the follow-up); rows with no visible key contribute nothing.
 #
 # Tile table for `_fa2_kernel` (BM query rows per block = 16 * warps, BN keys per tile):
 #   D    BM   BN  warps  regs/thread (S + O acc + Q frags)   smem (2 stages K+V, rows padded +8)
@@ -29,14 +50,24 @@
 # At D=256 a larger BN/BM doubles the S or O registers past the 255 cap (spills), which is why
 # 128x128 tiles lose to smaller ones there.
 #
-# Measured (H200, bf16, B4 H32 S=Skv=4096, us / TFLOP/s; SDPA = torch 2.11 flash in the same run):
+# Measured before the lse output and the non-finite handling were added (H200, bf16, B4 H32
+# S=Skv=4096, us / TFLOP/s; SDPA = torch 2.11 flash in the same run):
 #   D    non-causal             causal                 SDPA non-causal / causal   ptxas regs, spills
 #   64   3254 / 169 (0.37x)     1721 / 160 (0.38x)     455 / 418 TFLOP/s          155, 0
 #   128  5443 / 202 (0.34x)     2882 / 191 (0.36x)     602 / 528 TFLOP/s          243, 0
 #   256  10039 / 219 (0.34x)    5238 / 210 (0.36x)     648 / 588 TFLOP/s          255, 36 B
 # SASS: HMMA only (64 / 128 / 128 per kernel), LDSM for K and V; no HGMMA (see the header).
+# The current kernel (lse, non-finite handling), same-run A/B against the old one on an H200, us:
+# D64 3604 (+11%), D128 5039 (-7%), D256 11009 (+11%); causal D64 1905, D128 2678, D256 5821. The
+# difference is codegen around the masked-tile V scan and the post-loop rare path (a variant without
+# them timed like the old kernel at D64/D256 and 8% slower at D128); the NaN-propagating max costs
+# nothing (max.NaN.f32 timed like max.f32). A follow-up could launch a scan-free variant when a
+# cheap pre-pass finds V all finite (a device flag both variants read, no host sync).
+# Backward (SIMT fp32, bf16 B1 H8 S2048 D128 causal): 8.1 ms = 2.7 TFLOP/s (10 B H S^2 D / 2 FLOP).
 
-from std.math import ceildiv, exp2
+from std.math import ceildiv, exp2, log2
+from std.memory import unsafe_stack_allocation
+from std.sys import llvm_intrinsic
 from std.utils import StaticTuple
 # Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
 # kernel writes them directly; an OutputTensor would be a MAX temporary copied out afterwards.
@@ -47,26 +78,66 @@ from max.gpu.primitives import warp
 from max.gpu.compute.mma import mma, ld_matrix
 from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
 
+from ._util import exp_f64, log_f64
+
 comptime LOG2E: Float32 = 1.4426950408889634
+comptime LN2: Float32 = 0.6931471805599453
+comptime NEG_INF = Float32.MIN  # -inf (Float32.MIN is -inf in Mojo; MIN_FINITE is the finite one)
+comptime POS_INF = Float32.MAX  # +inf
+comptime F32 = DType.float32
+
+
+# ---- NaN-propagating primitives ------------------------------------------------------------------
 
 
 @always_inline
-def _fa2_bm(d: Int) -> Int:
-    return 64 if d == 256 else 128
+def _nmax(a: Float32, b: Float32) -> Float32:
+    """max(a, b) that returns NaN when either is NaN (std `max` drops a NaN operand): IEEE 754-2019
+    maximum, one `max.NaN.f32` on sm_90 (v_max + v_cmp_o + v_cndmask on gfx942)."""
+    return llvm_intrinsic["llvm.maximum.f32", Float32](a, b)
+
+
+# GPU kernels call std `exp2` directly: it is `ex2.approx.ftz.f32` on sm_90 and `v_exp_f32` on gfx942,
+# both IEEE for the cases that matter here (NaN -> NaN, -inf -> +0, tiny -> 0). The CPU exp2 is not
+# (it clamps its argument: exp2(NaN) = 8.5e37, exp2(-inf) = 1.2e-38, and is off by up to 1.2e-5), so
+# the CPU paths use _exp_acc.
 
 
 @always_inline
-def _fa2_bn(d: Int) -> Int:
-    return 32 if d == 256 else 64
+def _exp_acc(x: Float32) -> Float32:
+    """e^x through fp64 (CPU paths: std fp32 exp2 on the CPU is off by up to ~1e-5 relative)."""
+    return Float32(exp_f64(Float64(x)))
+
+
+@always_inline
+def _nonfinite(x: Float32) -> Bool:
+    return x * 0 != 0  # NaN or +-inf
+
+
+@always_inline
+def _row_last_key(i: Int, s_len: Int, skv: Int, causal: Bool) -> Int:
+    """The last key row i sees (-1: none)."""
+    if causal:
+        return min(skv - 1, i + skv - s_len)
+    return skv - 1
+
+
+@always_inline
+def _finish_row(m: Float32, l: Float32) -> Tuple[Float32, Float32]:
+    """(1/l or NaN, lse) of a row that sees at least one key, from its max m and sum l = sum e^(s - m)
+    (natural-log domain). Non-finite m: the float64 softmax is NaN (inf - inf or -inf - -inf), lse = m."""
+    if _nonfinite(m):
+        return (m * 0, m)
+    return (1.0 / l, m + Float32(log_f64(Float64(l))))
 
 
 @always_inline
 def _quad_max(v: SIMD[DType.float32, 2]) -> SIMD[DType.float32, 2]:
-    """Max over the 4 lanes of a quad (the lanes that share an MMA accumulator row)."""
+    """NaN-propagating max over the 4 lanes of a quad (the lanes that share an MMA accumulator row)."""
     var r = v
     comptime for e in range(2):
-        r[e] = max(r[e], warp.shuffle_xor(r[e], 1))
-        r[e] = max(r[e], warp.shuffle_xor(r[e], 2))
+        r[e] = _nmax(r[e], warp.shuffle_xor(r[e], 1))
+        r[e] = _nmax(r[e], warp.shuffle_xor(r[e], 2))
     return r
 
 
@@ -79,10 +150,21 @@ def _quad_sum(v: SIMD[DType.float32, 2]) -> SIMD[DType.float32, 2]:
     return r
 
 
+@always_inline
+def _fa2_bm(d: Int) -> Int:
+    return 64 if d == 256 else 128
+
+
+@always_inline
+def _fa2_bn(d: Int) -> Int:
+    return 32 if d == 256 else 64
+
+
 def _fa2_kernel[
     dtype: DType, D: Int, BM: Int, BN: Int
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
     q: Pointer[Scalar[dtype], MutAnyOrigin],
     k: Pointer[Scalar[dtype], MutAnyOrigin],
     v: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -102,6 +184,7 @@ def _fa2_kernel[
     comptime CHUNKS = BN * D // 8  # 16-byte chunks per K (or V) tile
 
     var smem = external_memory[Scalar[dtype], address_space=AddressSpace.SHARED, alignment=16]()
+    var vbad = unsafe_stack_allocation[1, DType.int32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
     var lane = tid % 32
     var wid = tid // 32
@@ -117,8 +200,8 @@ def _fa2_kernel[
     var h = bh % Int(H)
     var hk = h // (Int(H) // Int(Hkv))
     var m0 = mblk * BM
-    var scale2 = params[unsafe_offset=0] * LOG2E
-    var causal = params[unsafe_offset=1] != 0
+    var causal = params[unsafe_offset=0] != 0
+    var scale2 = params[unsafe_offset=1] * LOG2E
     var off = skv - s_len  # bottom-right alignment
 
     var q_base = (bh * s_len) * D
@@ -149,7 +232,7 @@ def _fa2_kernel[
         qf[kc] = frag
 
     var oacc = StaticTuple[SIMD[DType.float32, 4], NON](fill=0)
-    var m_i = SIMD[DType.float32, 2](Float32.MIN)  # running max (log2 domain), rows g / g+8
+    var m_i = SIMD[DType.float32, 2](NEG_INF)  # running max (log2 domain), rows g / g+8
     var l_i = SIMD[DType.float32, 2](0)
 
     var kg = k.unsafe_address_space_cast[AddressSpace.GLOBAL]()
@@ -170,6 +253,8 @@ def _fa2_kernel[
                 async_copy[16](vg.unsafe_offset(src), smem.unsafe_offset(dst + BN * LD))
         async_copy_commit_group()
 
+    if tid == 0:
+        vbad[] = 0
     if n_tiles > 0:
         load_tile(0, 0)
 
@@ -184,6 +269,30 @@ def _fa2_kernel[
 
         var ks = smem.unsafe_offset(stage * STAGE)
         var vs = smem.unsafe_offset(stage * STAGE + BN * LD)
+        var kbase = it * BN
+
+        # ---- a tile that some row of this block must not fully see: zero its non-finite V values so
+        # that p = 0 (masked) * V cannot make NaN in the MMA; rows that do see them get them back after
+        # the loop (vbad stays set)
+        var block_masked = kbase + BN > skv or (causal and kbase + BN - 1 > m0 + off)
+        if block_masked:
+            comptime for i in range(ceildiv(CHUNKS, NT)):
+                var c = tid + i * NT
+                if c < CHUNKS:
+                    var r = c // (D // 8)
+                    var col = (c % (D // 8)) * 8
+                    var p8 = vs.unsafe_offset(r * LD + col)
+                    var x8 = p8.unsafe_load[width=8, alignment=16](0)
+                    var f8 = x8.cast[DType.float32]()
+                    var any_bad = False
+                    comptime for e in range(8):
+                        if _nonfinite(f8[e]):
+                            x8[e] = 0
+                            any_bad = True
+                    if any_bad:
+                        p8.unsafe_store[alignment=16](0, x8)
+                        vbad[] = 1
+            barrier()
 
         # ---- S = Q K^T (16 x BN per warp)
         var sacc = StaticTuple[SIMD[DType.float32, 4], NSN](fill=0)
@@ -200,8 +309,8 @@ def _fa2_kernel[
                 mma(sacc[jn], qf[kc], kb.slice[4, offset=0](), sacc[jn])
                 mma(sacc[jn + 1], qf[kc], kb.slice[4, offset=4](), sacc[jn + 1])
 
-        # ---- mask (only tiles that cross Skv or the causal diagonal) and scale to log2 domain
-        var kbase = it * BN
+        # ---- mask (only tiles that cross Skv or the causal diagonal) and scale to log2 domain;
+        # a masked score is -inf whatever q.k was (a NaN in a masked key never matters)
         var need_mask = kbase + BN > skv or (causal and kbase + BN - 1 > m0 + wid * 16 + off)
         comptime for jn in range(NSN):
             var sv = sacc[jn] * scale2
@@ -211,20 +320,20 @@ def _fa2_kernel[
                     var qrow = row0 + 8 * (e // 2)
                     var dead = key >= skv or (causal and key > qrow + off)
                     if dead:
-                        sv[e] = Float32.MIN
+                        sv[e] = NEG_INF
             sacc[jn] = sv
 
-        # ---- online softmax (rows g and g+8; a quad of 4 lanes shares a row)
+        # ---- online softmax (rows g and g+8; a quad of 4 lanes shares a row); NaN-propagating max
         var mx = m_i
         comptime for jn in range(NSN):
-            mx[0] = max(mx[0], max(sacc[jn][0], sacc[jn][1]))
-            mx[1] = max(mx[1], max(sacc[jn][2], sacc[jn][3]))
+            mx[0] = _nmax(mx[0], _nmax(sacc[jn][0], sacc[jn][1]))
+            mx[1] = _nmax(mx[1], _nmax(sacc[jn][2], sacc[jn][3]))
         mx = _quad_max(mx)
-        # a row with nothing visible yet keeps MIN; use 0 there so exp2 gives 0, not NaN
+        # a row with nothing visible yet keeps -inf: use 0 there so masked scores give exp2(-inf) = 0
         var mref = SIMD[DType.float32, 2](0)
         comptime for r in range(2):
-            mref[r] = mx[r] if mx[r] > Float32.MIN else 0
-        var alpha = exp2(m_i - mref)
+            mref[r] = mx[r] if mx[r] > NEG_INF else Float32(0)
+        var alpha = SIMD[DType.float32, 2](exp2(m_i[0] - mref[0]), exp2(m_i[1] - mref[1]))
         m_i = mx
         var rs = SIMD[DType.float32, 2](0)
         var pf = StaticTuple[SIMD[dtype, 8], NSN // 2](fill=0)
@@ -254,25 +363,54 @@ def _fa2_kernel[
                 var vb = ld_matrix[8, transpose=True](vs.unsafe_offset(vrow * LD + vcol))
                 mma(oacc[jo], pf[kc], vb.slice[4, offset=0](), oacc[jo])
                 mma(oacc[jo + 1], pf[kc], vb.slice[4, offset=4](), oacc[jo + 1])
+
         barrier()  # this stage is refilled next iteration
 
-    # ---- finish: divide by the row sums (quad-reduced), write (zeros where no key was visible)
+    # ---- rare path (some masked tile had a non-finite V, zeroed in shared memory): every non-finite V
+    # value reaches each row that sees its key, weight 1 instead of p > 0 (+-inf or NaN either way, as
+    # in float64; values of unmasked tiles, already in the MMA sums, are added again, which changes
+    # nothing: x + x keeps NaN, inf and -inf). Outside the main loop so it costs nothing there.
+    barrier()
+    if vbad[] != 0:
+        comptime for half in range(2):
+            var r = row0 + 8 * half
+            if r < s_len:
+                var jend = min(skv, r + off + 1) if causal else skv
+                for j in range(jend):
+                    comptime for jo in range(NON):
+                        comptime for c in range(2):
+                            var val = v[unsafe_offset=kv_base + j * D + 8 * jo + 2 * t4 + c].cast[DType.float32]()
+                            if _nonfinite(val):
+                                oacc[jo][2 * half + c] += val
+
+    # ---- finish: divide by the row sums (quad-reduced); lse in natural log; rows with no visible key
+    # write o = 0, lse = -inf
     l_i = _quad_sum(l_i)
-    var inv = SIMD[DType.float32, 2](0)
-    comptime for r in range(2):
-        inv[r] = 1.0 / l_i[r] if l_i[r] > 0 else 0
     comptime for half in range(2):
         var r = row0 + 8 * half
         if r < s_len:
+            var inv: Float32 = 0
+            var lrow = NEG_INF
+            if not causal or r + off >= 0:
+                var m = m_i[half]
+                if _nonfinite(m):  # NaN, or +-inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
+                    inv = m * 0
+                    lrow = m * LN2
+                else:
+                    inv = 1.0 / l_i[half]
+                    lrow = (m + log2(l_i[half])) * LN2
             comptime for jo in range(NON):
-                var val = SIMD[DType.float32, 2](oacc[jo][2 * half], oacc[jo][2 * half + 1]) * inv[half]
+                var val = SIMD[DType.float32, 2](oacc[jo][2 * half], oacc[jo][2 * half + 1]) * inv
                 o.unsafe_store[width=2, alignment=4](q_base + r * D + 8 * jo + 2 * t4, val.cast[dtype]())
+            if t4 == 0:
+                lse[unsafe_offset=bh * s_len + r] = lrow
 
 
 def _attn_rowwise_kernel[
     dtype: DType
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
     q: Pointer[Scalar[dtype], MutAnyOrigin],
     k: Pointer[Scalar[dtype], MutAnyOrigin],
     v: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -299,8 +437,8 @@ def _attn_rowwise_kernel[
     var b = bh // Int(H)
     var h = bh % Int(H)
     var hk = h // (Int(H) // Int(Hkv))
-    var scale = params[unsafe_offset=0]
-    var causal = params[unsafe_offset=1] != 0
+    var causal = params[unsafe_offset=0] != 0
+    var scale = params[unsafe_offset=1]
     var kv_base = ((b * Int(Hkv) + hk) * skv) * d
     var qv = SIMD[DType.float32, PER](0)
     var acc = SIMD[DType.float32, PER](0)
@@ -308,10 +446,8 @@ def _attn_rowwise_kernel[
         var dd = lane + e * WARP_SIZE
         if dd < d:
             qv[e] = q[unsafe_offset=row * d + dd].cast[DType.float32]()
-    var last = skv - 1
-    if causal:
-        last = min(last, i + skv - s_len)
-    var m = Float32.MIN
+    var last = _row_last_key(i, s_len, skv, causal)
+    var m = NEG_INF  # running max (log2 domain)
     var l: Float32 = 0
     for j in range(last + 1):
         var part: Float32 = 0
@@ -319,32 +455,44 @@ def _attn_rowwise_kernel[
             var dd = lane + e * WARP_SIZE
             if dd < d:
                 part += qv[e] * k[unsafe_offset=kv_base + j * d + dd].cast[DType.float32]()
-        var s = warp.sum(part) * scale
-        var mn = max(m, s)
-        var alpha = exp2((m - mn) * LOG2E)
-        var p = exp2((s - mn) * LOG2E)
+        var s = warp.sum(part) * scale * LOG2E
+        var mn = _nmax(m, s)
+        var mref = mn if mn > NEG_INF else Float32(0)
+        var alpha = exp2(m - mref)
+        var p = exp2(s - mref)
         l = l * alpha + p
         comptime for e in range(PER):
             var dd = lane + e * WARP_SIZE
             if dd < d:
                 acc[e] = acc[e] * alpha + p * v[unsafe_offset=kv_base + j * d + dd].cast[DType.float32]()
         m = mn
-    var inv: Float32 = 1.0 / l if l > 0 else 0
+    var inv: Float32 = 0
+    var lrow = NEG_INF
+    if last >= 0:
+        if _nonfinite(m):  # NaN, or +-inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
+            inv = m * 0
+            lrow = m * LN2
+        else:
+            inv = 1.0 / l
+            lrow = (m + log2(l)) * LN2
     comptime for e in range(PER):
         var dd = lane + e * WARP_SIZE
         if dd < d:
             o[unsafe_offset=row * d + dd] = (acc[e] * inv).cast[dtype]()
+    if lane == 0:
+        lse[unsafe_offset=row] = lrow
 
 
 def attention_cpu[
     dtype: DType
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
     q: Pointer[Scalar[dtype], MutAnyOrigin],
     k: Pointer[Scalar[dtype], MutAnyOrigin],
     v: Pointer[Scalar[dtype], MutAnyOrigin],
-    scale: Float32,
     causal: Bool,
+    scale: Float32,
     B: Int,
     H: Int,
     Hkv: Int,
@@ -352,7 +500,7 @@ def attention_cpu[
     Skv: Int,
     D: Int,
 ):
-    """Plain loops, fp32 math (exact softmax with a max pass), one cast at the end."""
+    """Plain loops, fp32 math (exact softmax with a max pass, e^x through fp64), one cast at the end."""
     var sc = List[Float32](length=Skv, fill=0)
     var acc = List[Float32](length=D, fill=0)
     var group = H // Hkv
@@ -361,12 +509,10 @@ def attention_cpu[
             var kv_base = ((b * Hkv + h // group) * Skv) * D
             var q_base = ((b * H + h) * S) * D
             for i in range(S):
-                var last = Skv - 1
-                if causal:
-                    last = min(last, i + Skv - S)
+                var last = _row_last_key(i, S, Skv, causal)
                 for dd in range(D):
                     acc[dd] = 0
-                var mx = Float32.MIN
+                var mx = NEG_INF
                 for j in range(last + 1):
                     var s: Float32 = 0
                     for dd in range(D):
@@ -375,22 +521,30 @@ def attention_cpu[
                             * k[unsafe_offset=kv_base + j * D + dd].cast[DType.float32]()
                         )
                     sc[j] = s * scale
-                    mx = max(mx, sc[j])
+                    mx = _nmax(mx, sc[j])
                 var l: Float32 = 0
-                for j in range(last + 1):
-                    var p = exp2((sc[j] - mx) * LOG2E)
-                    l += p
-                    for dd in range(D):
-                        acc[dd] += p * v[unsafe_offset=kv_base + j * D + dd].cast[DType.float32]()
-                var inv: Float32 = 1.0 / l if l > 0 else 0
+                if not _nonfinite(mx):
+                    for j in range(last + 1):
+                        var p = _exp_acc(sc[j] - mx)
+                        l += p
+                        for dd in range(D):
+                            acc[dd] += p * v[unsafe_offset=kv_base + j * D + dd].cast[DType.float32]()
+                var inv: Float32 = 0
+                var lrow = NEG_INF
+                if last >= 0:
+                    var f = _finish_row(mx, l)
+                    inv = f[0]
+                    lrow = f[1]
                 for dd in range(D):
                     o[unsafe_offset=q_base + i * D + dd] = (acc[dd] * inv).cast[dtype]()
+                lse[unsafe_offset=(b * H + h) * S + i] = lrow
 
 
 def attention_gpu[
     dtype: DType
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
     q: Pointer[Scalar[dtype], MutAnyOrigin],
     k: Pointer[Scalar[dtype], MutAnyOrigin],
     v: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -413,6 +567,7 @@ def attention_gpu[
         comptime smem_bytes = 2 * 2 * BN * (HD + 8) * 2
         ctx.enqueue_function[_fa2_kernel[dtype, HD, BM, BN]](
             o,
+            lse,
             q,
             k,
             v,
@@ -443,6 +598,7 @@ def attention_gpu[
     var rows = B * H * S
     ctx.enqueue_function[_attn_rowwise_kernel[dtype]](
         o,
+        lse,
         q,
         k,
         v,
@@ -458,13 +614,290 @@ def attention_gpu[
     )
 
 
+# ---- backward ------------------------------------------------------------------------------------
+
+
+def attention_backward_cpu[
+    dtype: DType
+](
+    dq: Pointer[Scalar[dtype], MutAnyOrigin],
+    dk: Pointer[Scalar[dtype], MutAnyOrigin],
+    dv: Pointer[Scalar[dtype], MutAnyOrigin],
+    do_: Pointer[Scalar[dtype], MutAnyOrigin],
+    q: Pointer[Scalar[dtype], MutAnyOrigin],
+    k: Pointer[Scalar[dtype], MutAnyOrigin],
+    v: Pointer[Scalar[dtype], MutAnyOrigin],
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
+    causal: Bool,
+    scale: Float32,
+    B: Int,
+    H: Int,
+    Hkv: Int,
+    S: Int,
+    Skv: Int,
+    D: Int,
+):
+    """Plain loops in fp32: per kv head, dk/dv accumulate over the group's heads and all query rows in
+    a fixed order (deterministic); dq per query row."""
+    var group = H // Hkv
+    var dka = List[Float32](length=Skv * D, fill=0)
+    var dva = List[Float32](length=Skv * D, fill=0)
+    var dqa = List[Float32](length=D, fill=0)
+    for b in range(B):
+        for hk in range(Hkv):
+            var kv_base = ((b * Hkv + hk) * Skv) * D
+            for t in range(Skv * D):
+                dka[t] = 0
+                dva[t] = 0
+            for h in range(hk * group, (hk + 1) * group):
+                var q_base = ((b * H + h) * S) * D
+                for i in range(S):
+                    var qi = q_base + i * D
+                    var last = _row_last_key(i, S, Skv, causal)
+                    for dd in range(D):
+                        dqa[dd] = 0
+                    if last >= 0:
+                        var lse_i = lse[unsafe_offset=(b * H + h) * S + i]
+                        var delta: Float32 = 0
+                        for dd in range(D):
+                            delta += do_[unsafe_offset=qi + dd].cast[F32]() * o[unsafe_offset=qi + dd].cast[F32]()
+                        for j in range(last + 1):
+                            var kj = kv_base + j * D
+                            var s: Float32 = 0
+                            var dp: Float32 = 0
+                            for dd in range(D):
+                                s += q[unsafe_offset=qi + dd].cast[F32]() * k[unsafe_offset=kj + dd].cast[F32]()
+                                dp += do_[unsafe_offset=qi + dd].cast[F32]() * v[unsafe_offset=kj + dd].cast[F32]()
+                            var p = _exp_acc(s * scale - lse_i)
+                            var ds = p * (dp - delta)
+                            for dd in range(D):
+                                dqa[dd] += ds * k[unsafe_offset=kj + dd].cast[F32]()
+                                dka[j * D + dd] += ds * q[unsafe_offset=qi + dd].cast[F32]()
+                                dva[j * D + dd] += p * do_[unsafe_offset=qi + dd].cast[F32]()
+                    for dd in range(D):
+                        dq[unsafe_offset=qi + dd] = (dqa[dd] * scale).cast[dtype]()
+            for t in range(Skv * D):
+                dk[unsafe_offset=kv_base + t] = (dka[t] * scale).cast[dtype]()
+                dv[unsafe_offset=kv_base + t] = dva[t].cast[dtype]()
+
+
+def _attn_bwd_delta_kernel[
+    dtype: DType
+](
+    delta: Pointer[Float32, MutAnyOrigin],
+    do_: Pointer[Scalar[dtype], MutAnyOrigin],
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    rows: Int64,
+    D: Int32,
+):
+    """delta[row] = sum_d do[row, d] * o[row, d] (fp32), one warp per row."""
+    comptime WPB = 4
+    var lane = lane_id()
+    var row = block_idx.x * WPB + thread_idx.x // WARP_SIZE
+    if row >= Int(rows):
+        return
+    var d = Int(D)
+    var part: Float32 = 0
+    for dd in range(lane, d, WARP_SIZE):
+        part += do_[unsafe_offset=row * d + dd].cast[F32]() * o[unsafe_offset=row * d + dd].cast[F32]()
+    var t = warp.sum(part)
+    if lane == 0:
+        delta[unsafe_offset=row] = t
+
+
+def _attn_bwd_dq_kernel[
+    dtype: DType
+](
+    dq: Pointer[Scalar[dtype], MutAnyOrigin],
+    do_: Pointer[Scalar[dtype], MutAnyOrigin],
+    q: Pointer[Scalar[dtype], MutAnyOrigin],
+    k: Pointer[Scalar[dtype], MutAnyOrigin],
+    v: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
+    delta: Pointer[Float32, MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    BH: Int32,
+    H: Int32,
+    Hkv: Int32,
+    S: Int32,
+    Skv: Int32,
+    D: Int32,
+):
+    """DQ: one warp per query row over its visible keys; lanes split the head dim."""
+    comptime PER = 256 // WARP_SIZE
+    comptime WPB = 4
+    var lane = lane_id()
+    var row = block_idx.x * WPB + thread_idx.x // WARP_SIZE  # over B*H*S
+    var s_len = Int(S)
+    var skv = Int(Skv)
+    var d = Int(D)
+    if row >= Int(BH) * s_len:
+        return
+    var bh = row // s_len
+    var i = row % s_len
+    var b = bh // Int(H)
+    var h = bh % Int(H)
+    var hk = h // (Int(H) // Int(Hkv))
+    var causal = params[unsafe_offset=0] != 0
+    var scale = params[unsafe_offset=1]
+    var kv_base = ((b * Int(Hkv) + hk) * skv) * d
+    var qv = SIMD[F32, PER](0)
+    var dov = SIMD[F32, PER](0)
+    var acc = SIMD[F32, PER](0)
+    comptime for e in range(PER):
+        var dd = lane + e * WARP_SIZE
+        if dd < d:
+            qv[e] = q[unsafe_offset=row * d + dd].cast[F32]()
+            dov[e] = do_[unsafe_offset=row * d + dd].cast[F32]()
+    var last = _row_last_key(i, s_len, skv, causal)
+    var lse2 = lse[unsafe_offset=row] * LOG2E
+    var dl = delta[unsafe_offset=row]
+    for j in range(last + 1):
+        var ps: Float32 = 0
+        var pd: Float32 = 0
+        comptime for e in range(PER):
+            var dd = lane + e * WARP_SIZE
+            if dd < d:
+                ps += qv[e] * k[unsafe_offset=kv_base + j * d + dd].cast[F32]()
+                pd += dov[e] * v[unsafe_offset=kv_base + j * d + dd].cast[F32]()
+        var p = exp2(warp.sum(ps) * scale * LOG2E - lse2)
+        var ds = p * (warp.sum(pd) - dl)
+        comptime for e in range(PER):
+            var dd = lane + e * WARP_SIZE
+            if dd < d:
+                acc[e] += ds * k[unsafe_offset=kv_base + j * d + dd].cast[F32]()
+    comptime for e in range(PER):
+        var dd = lane + e * WARP_SIZE
+        if dd < d:
+            dq[unsafe_offset=row * d + dd] = (acc[e] * scale).cast[dtype]()
+
+
+def _attn_bwd_dkdv_kernel[
+    dtype: DType
+](
+    dk: Pointer[Scalar[dtype], MutAnyOrigin],
+    dv: Pointer[Scalar[dtype], MutAnyOrigin],
+    do_: Pointer[Scalar[dtype], MutAnyOrigin],
+    q: Pointer[Scalar[dtype], MutAnyOrigin],
+    k: Pointer[Scalar[dtype], MutAnyOrigin],
+    v: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
+    delta: Pointer[Float32, MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    BHkv: Int32,
+    H: Int32,
+    Hkv: Int32,
+    S: Int32,
+    Skv: Int32,
+    D: Int32,
+):
+    """DK/DV: one warp per kv row j, summing the GQA group's heads and the query rows that see j in a
+    fixed order (deterministic, no atomics)."""
+    comptime PER = 256 // WARP_SIZE
+    comptime WPB = 4
+    var lane = lane_id()
+    var row = block_idx.x * WPB + thread_idx.x // WARP_SIZE  # over B*Hkv*Skv
+    var s_len = Int(S)
+    var skv = Int(Skv)
+    var d = Int(D)
+    if row >= Int(BHkv) * skv:
+        return
+    var bhk = row // skv
+    var j = row % skv
+    var b = bhk // Int(Hkv)
+    var hk = bhk % Int(Hkv)
+    var group = Int(H) // Int(Hkv)
+    var causal = params[unsafe_offset=0] != 0
+    var scale = params[unsafe_offset=1]
+    var kv = SIMD[F32, PER](0)
+    var vv = SIMD[F32, PER](0)
+    var dka = SIMD[F32, PER](0)
+    var dva = SIMD[F32, PER](0)
+    comptime for e in range(PER):
+        var dd = lane + e * WARP_SIZE
+        if dd < d:
+            kv[e] = k[unsafe_offset=row * d + dd].cast[F32]()
+            vv[e] = v[unsafe_offset=row * d + dd].cast[F32]()
+    var i0 = max(0, j - (skv - s_len)) if causal else 0  # first query row that sees key j
+    for h in range(hk * group, (hk + 1) * group):
+        var bh = b * Int(H) + h
+        for i in range(i0, s_len):
+            var qrow = bh * s_len + i
+            var ps: Float32 = 0
+            var pd: Float32 = 0
+            comptime for e in range(PER):
+                var dd = lane + e * WARP_SIZE
+                if dd < d:
+                    ps += q[unsafe_offset=qrow * d + dd].cast[F32]() * kv[e]
+                    pd += do_[unsafe_offset=qrow * d + dd].cast[F32]() * vv[e]
+            var p = exp2(warp.sum(ps) * scale * LOG2E - lse[unsafe_offset=qrow] * LOG2E)
+            var ds = p * (warp.sum(pd) - delta[unsafe_offset=qrow])
+            comptime for e in range(PER):
+                var dd = lane + e * WARP_SIZE
+                if dd < d:
+                    dva[e] += p * do_[unsafe_offset=qrow * d + dd].cast[F32]()
+                    dka[e] += ds * q[unsafe_offset=qrow * d + dd].cast[F32]()
+    comptime for e in range(PER):
+        var dd = lane + e * WARP_SIZE
+        if dd < d:
+            dk[unsafe_offset=row * d + dd] = (dka[e] * scale).cast[dtype]()
+            dv[unsafe_offset=row * d + dd] = dva[e].cast[dtype]()
+
+
+def attention_backward_gpu[
+    dtype: DType
+](
+    dq: Pointer[Scalar[dtype], MutAnyOrigin],
+    dk: Pointer[Scalar[dtype], MutAnyOrigin],
+    dv: Pointer[Scalar[dtype], MutAnyOrigin],
+    do_: Pointer[Scalar[dtype], MutAnyOrigin],
+    q: Pointer[Scalar[dtype], MutAnyOrigin],
+    k: Pointer[Scalar[dtype], MutAnyOrigin],
+    v: Pointer[Scalar[dtype], MutAnyOrigin],
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    B: Int,
+    H: Int,
+    Hkv: Int,
+    S: Int,
+    Skv: Int,
+    D: Int,
+    ctx: DeviceContext,
+) raises:
+    if D > 256:
+        raise Error("fusekit.attention_backward: head dim > 256 is not supported on the GPU")
+    var rows = B * H * S
+    var delta = ctx.enqueue_create_buffer[DType.float32](rows)
+    ctx.enqueue_function[_attn_bwd_delta_kernel[dtype]](
+        delta, do_, o, Int64(rows), Int32(D), grid_dim=ceildiv(rows, 4), block_dim=4 * WARP_SIZE
+    )
+    ctx.enqueue_function[_attn_bwd_dq_kernel[dtype]](
+        dq, do_, q, k, v, lse, delta, params, Int32(B * H), Int32(H), Int32(Hkv), Int32(S), Int32(Skv), Int32(D),
+        grid_dim=ceildiv(rows, 4), block_dim=4 * WARP_SIZE,
+    )
+    var kv_rows = B * Hkv * Skv
+    ctx.enqueue_function[_attn_bwd_dkdv_kernel[dtype]](
+        dk, dv, do_, q, k, v, lse, delta, params, Int32(B * Hkv), Int32(H), Int32(Hkv), Int32(S), Int32(Skv),
+        Int32(D), grid_dim=ceildiv(kv_rows, 4), block_dim=4 * WARP_SIZE,
+    )
+    _ = delta^
+
+
+# ---- registration --------------------------------------------------------------------------------
+
+
 @register("fusekit.attention")
 struct Attention:
+    """Outputs (o [B,H,S,D], lse [B,H,S] f32); inputs (q, k, v, params [causal, scale])."""
+
     @staticmethod
     def execute[
         dtype: DType, //, target: StaticString
     ](
         res: MutableInputTensor[dtype=dtype, rank=4, ...],
+        lse: MutableInputTensor[dtype=DType.float32, rank=3, ...],
         q: InputTensor[dtype=dtype, rank=4, ...],
         k: InputTensor[dtype=dtype, rank=4, ...],
         v: InputTensor[dtype=dtype, rank=4, ...],
@@ -478,11 +911,61 @@ struct Attention:
         var Hkv = k.dim_size(1)
         var Skv = k.dim_size(2)
         var op = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](res.unsafe_ptr())
+        var lp = rebind[Pointer[Float32, MutAnyOrigin]](lse.unsafe_ptr())
         var qp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](q.unsafe_ptr())
         var kp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](k.unsafe_ptr())
         var vp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](v.unsafe_ptr())
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":
-            attention_gpu[dtype](op, qp, kp, vp, pp, B, H, Hkv, S, Skv, D, ctx)
+            attention_gpu[dtype](op, lp, qp, kp, vp, pp, B, H, Hkv, S, Skv, D, ctx)
         else:
-            attention_cpu[dtype](op, qp, kp, vp, pp[unsafe_offset=0], pp[unsafe_offset=1] != 0, B, H, Hkv, S, Skv, D)
+            attention_cpu[dtype](
+                op, lp, qp, kp, vp, pp[unsafe_offset=0] != 0, pp[unsafe_offset=1], B, H, Hkv, S, Skv, D
+            )
+
+
+@register("fusekit.attention_backward")
+struct AttentionBackward:
+    """Outputs (dq [B,H,S,D], dk [B,Hkv,Skv,D], dv [B,Hkv,Skv,D]); inputs (do, q, k, v, o, lse [B,H,S] f32,
+    params [causal, scale])."""
+
+    @staticmethod
+    def execute[
+        dtype: DType, //, target: StaticString
+    ](
+        dq: MutableInputTensor[dtype=dtype, rank=4, ...],
+        dk: MutableInputTensor[dtype=dtype, rank=4, ...],
+        dv: MutableInputTensor[dtype=dtype, rank=4, ...],
+        do_: InputTensor[dtype=dtype, rank=4, ...],
+        q: InputTensor[dtype=dtype, rank=4, ...],
+        k: InputTensor[dtype=dtype, rank=4, ...],
+        v: InputTensor[dtype=dtype, rank=4, ...],
+        o: InputTensor[dtype=dtype, rank=4, ...],
+        lse: InputTensor[dtype=DType.float32, rank=3, ...],
+        params: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var B = q.dim_size(0)
+        var H = q.dim_size(1)
+        var S = q.dim_size(2)
+        var D = q.dim_size(3)
+        var Hkv = k.dim_size(1)
+        var Skv = k.dim_size(2)
+        comptime P = Pointer[Scalar[dtype], MutAnyOrigin]
+        var dqp = rebind[P](dq.unsafe_ptr())
+        var dkp = rebind[P](dk.unsafe_ptr())
+        var dvp = rebind[P](dv.unsafe_ptr())
+        var dop = rebind[P](do_.unsafe_ptr())
+        var qp = rebind[P](q.unsafe_ptr())
+        var kp = rebind[P](k.unsafe_ptr())
+        var vp = rebind[P](v.unsafe_ptr())
+        var outp = rebind[P](o.unsafe_ptr())
+        var lp = rebind[Pointer[Float32, MutAnyOrigin]](lse.unsafe_ptr())
+        var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
+        comptime if target == "gpu":
+            attention_backward_gpu[dtype](dqp, dkp, dvp, dop, qp, kp, vp, outp, lp, pp, B, H, Hkv, S, Skv, D, ctx)
+        else:
+            attention_backward_cpu[dtype](
+                dqp, dkp, dvp, dop, qp, kp, vp, outp, lp, pp[unsafe_offset=0] != 0, pp[unsafe_offset=1], B, H, Hkv, S,
+                Skv, D,
+            )

@@ -1,8 +1,14 @@
-"""Op fusekit.layer_norm: out = (x - mean) * rstd * weight [+ bias] (fp32, biased variance),
-mean[M] and rstd[M] f32.
+"""Ops fusekit.layer_norm and fusekit.layer_norm_backward (CONTRACT.md "layer_norm").
 
-Kernels and the byte floor are in `_norm.mojo` (shared with rms_norm). params = [eps, has_bias]; when
-has_bias == 0 the bias input is a dummy (the weight again) and is never read.
+forward:  outputs (y [M, N] x, h [M, N] x (residual case, else a [1, 1] dummy), mean [M] f32, rstd [M] f32),
+          inputs (x [M, N] x, residual [M, N] x (or [1, 1]), weight [N] w, bias [N] w (or a [1] dummy)),
+          params [eps, has_residual, has_bias]
+backward: outputs (dx [M, N] x, dw [N] w, db [N] w (or a [1] dummy)),
+          inputs (dy [M, N] x, dh [M, N] x (or [1, 1]), xin [M, N] x, weight [N] w, mean [M] f32, rstd [M] f32),
+          params [eps, has_residual, has_bias]
+Statistics: biased variance, exact two-pass. dtype parameters: `dtype` (x: f32 / f16 / bf16) and
+`wdtype` (w and b: dtype or f32). Shapes come from x / xin only; dummies are never read. Kernels and
+byte floors: `_norm.mojo` (forward, shared with rms_norm) and `_norm_backward.mojo`.
 """
 
 # Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
@@ -11,32 +17,67 @@ from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 
 from ._norm import norm_gpu, norm_cpu
+from ._norm_backward import norm_bwd_gpu, norm_bwd_cpu
 
 
 @register("fusekit.layer_norm")
 struct LayerNorm:
     @staticmethod
     def execute[
-        dtype: DType, //, target: StaticString
+        dtype: DType, wdtype: DType, //, target: StaticString
     ](
-        res: MutableInputTensor[dtype=dtype, rank=2, ...],
+        y: MutableInputTensor[dtype=dtype, rank=2, ...],
+        h: MutableInputTensor[dtype=dtype, rank=2, ...],
         mean: MutableInputTensor[dtype=DType.float32, rank=1, ...],
         rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
         x: InputTensor[dtype=dtype, rank=2, ...],
-        weight: InputTensor[dtype=dtype, rank=1, ...],
-        bias: InputTensor[dtype=dtype, rank=1, ...],
+        residual: InputTensor[dtype=dtype, rank=2, ...],
+        weight: InputTensor[dtype=wdtype, rank=1, ...],
+        bias: InputTensor[dtype=wdtype, rank=1, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
         var m = x.dim_size(0)
         var n = x.dim_size(1)
         comptime if target == "gpu":
-            norm_gpu[dtype, True](
-                ctx, res.unsafe_ptr(), mean.unsafe_ptr(), rstd.unsafe_ptr(), x.unsafe_ptr(), weight.unsafe_ptr(),
-                bias.unsafe_ptr(), params.unsafe_ptr(), m, n
+            norm_gpu[dtype, wdtype, True](
+                ctx, y.unsafe_ptr(), h.unsafe_ptr(), mean.unsafe_ptr(), rstd.unsafe_ptr(), x.unsafe_ptr(),
+                residual.unsafe_ptr(), weight.unsafe_ptr(), bias.unsafe_ptr(), params.unsafe_ptr(), m, n
             )
         else:
-            norm_cpu[dtype, True](
-                res.unsafe_ptr(), mean.unsafe_ptr(), rstd.unsafe_ptr(), x.unsafe_ptr(), weight.unsafe_ptr(),
-                bias.unsafe_ptr(), params.unsafe_ptr(), m, n
+            norm_cpu[dtype, wdtype, True](
+                y.unsafe_ptr(), h.unsafe_ptr(), mean.unsafe_ptr(), rstd.unsafe_ptr(), x.unsafe_ptr(),
+                residual.unsafe_ptr(), weight.unsafe_ptr(), bias.unsafe_ptr(), params.unsafe_ptr(), m, n
+            )
+
+
+@register("fusekit.layer_norm_backward")
+struct LayerNormBackward:
+    @staticmethod
+    def execute[
+        dtype: DType, wdtype: DType, //, target: StaticString
+    ](
+        dx: MutableInputTensor[dtype=dtype, rank=2, ...],
+        dw: MutableInputTensor[dtype=wdtype, rank=1, ...],
+        db: MutableInputTensor[dtype=wdtype, rank=1, ...],
+        dy: InputTensor[dtype=dtype, rank=2, ...],
+        dh: InputTensor[dtype=dtype, rank=2, ...],
+        xin: InputTensor[dtype=dtype, rank=2, ...],
+        weight: InputTensor[dtype=wdtype, rank=1, ...],
+        mean: InputTensor[dtype=DType.float32, rank=1, ...],
+        rstd: InputTensor[dtype=DType.float32, rank=1, ...],
+        params: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var m = xin.dim_size(0)
+        var n = xin.dim_size(1)
+        comptime if target == "gpu":
+            norm_bwd_gpu[dtype, wdtype, True](
+                ctx, dx.unsafe_ptr(), dw.unsafe_ptr(), db.unsafe_ptr(), dy.unsafe_ptr(), dh.unsafe_ptr(),
+                xin.unsafe_ptr(), weight.unsafe_ptr(), mean.unsafe_ptr(), rstd.unsafe_ptr(), params.unsafe_ptr(), m, n
+            )
+        else:
+            norm_bwd_cpu[dtype, wdtype, True](
+                dx.unsafe_ptr(), dw.unsafe_ptr(), db.unsafe_ptr(), dy.unsafe_ptr(), dh.unsafe_ptr(),
+                xin.unsafe_ptr(), weight.unsafe_ptr(), mean.unsafe_ptr(), rstd.unsafe_ptr(), params.unsafe_ptr(), m, n
             )

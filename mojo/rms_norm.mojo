@@ -1,7 +1,14 @@
-"""Op fusekit.rms_norm: out[M, N] = x * rsqrt(mean(x^2) + eps) * weight (fp32 math), rstd[M] f32.
+"""Ops fusekit.rms_norm and fusekit.rms_norm_backward (CONTRACT.md "rms_norm").
 
-Kernels and the byte floor are in `_norm.mojo` (shared with layer_norm). params = [eps] (f32, on the
-op's device, read by the kernel).
+forward:  outputs (y [M, N] x, h [M, N] x (residual case, else a [1, 1] dummy), rstd [M] f32),
+          inputs (x [M, N] x, residual [M, N] x (or a [1, 1] dummy), weight [N] w),
+          params [eps, casting (0 fp32, 1 llama, 2 gemma), has_residual]
+backward: outputs (dx [M, N] x, dw [N] w),
+          inputs (dy [M, N] x, dh [M, N] x (or a [1, 1] dummy), xin [M, N] x, weight [N] w, rstd [M] f32),
+          params [eps, casting, has_residual]
+dtype parameters: `dtype` (x: f32 / f16 / bf16) and `wdtype` (w: dtype or f32). Shapes come from x / xin
+only; dummies are never read. Kernels and byte floors: `_norm.mojo` (forward, shared with layer_norm)
+and `_norm_backward.mojo`.
 """
 
 # Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
@@ -10,18 +17,21 @@ from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 
 from ._norm import norm_gpu, norm_cpu
+from ._norm_backward import norm_bwd_gpu, norm_bwd_cpu
 
 
 @register("fusekit.rms_norm")
 struct RmsNorm:
     @staticmethod
     def execute[
-        dtype: DType, //, target: StaticString
+        dtype: DType, wdtype: DType, //, target: StaticString
     ](
-        res: MutableInputTensor[dtype=dtype, rank=2, ...],
+        y: MutableInputTensor[dtype=dtype, rank=2, ...],
+        h: MutableInputTensor[dtype=dtype, rank=2, ...],
         rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
         x: InputTensor[dtype=dtype, rank=2, ...],
-        weight: InputTensor[dtype=dtype, rank=1, ...],
+        residual: InputTensor[dtype=dtype, rank=2, ...],
+        weight: InputTensor[dtype=wdtype, rank=1, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
@@ -31,12 +41,45 @@ struct RmsNorm:
         var rp = rstd.unsafe_ptr()
         var wp = weight.unsafe_ptr()
         comptime if target == "gpu":
-            norm_gpu[dtype, False](
-                ctx, res.unsafe_ptr(), rp, rp, x.unsafe_ptr(), wp, wp,
+            norm_gpu[dtype, wdtype, False](
+                ctx, y.unsafe_ptr(), h.unsafe_ptr(), rp, rp, x.unsafe_ptr(), residual.unsafe_ptr(), wp, wp,
                 params.unsafe_ptr(), m, n
             )
         else:
-            norm_cpu[dtype, False](
-                res.unsafe_ptr(), rp, rp, x.unsafe_ptr(), wp, wp,
+            norm_cpu[dtype, wdtype, False](
+                y.unsafe_ptr(), h.unsafe_ptr(), rp, rp, x.unsafe_ptr(), residual.unsafe_ptr(), wp, wp,
                 params.unsafe_ptr(), m, n
+            )
+
+
+@register("fusekit.rms_norm_backward")
+struct RmsNormBackward:
+    @staticmethod
+    def execute[
+        dtype: DType, wdtype: DType, //, target: StaticString
+    ](
+        dx: MutableInputTensor[dtype=dtype, rank=2, ...],
+        dw: MutableInputTensor[dtype=wdtype, rank=1, ...],
+        dy: InputTensor[dtype=dtype, rank=2, ...],
+        dh: InputTensor[dtype=dtype, rank=2, ...],
+        xin: InputTensor[dtype=dtype, rank=2, ...],
+        weight: InputTensor[dtype=wdtype, rank=1, ...],
+        rstd: InputTensor[dtype=DType.float32, rank=1, ...],
+        params: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var m = xin.dim_size(0)
+        var n = xin.dim_size(1)
+        # no bias gradient and no mean: dw / rstd stand in (never touched when LN=False)
+        var dwp = dw.unsafe_ptr()
+        var rp = rstd.unsafe_ptr()
+        comptime if target == "gpu":
+            norm_bwd_gpu[dtype, wdtype, False](
+                ctx, dx.unsafe_ptr(), dwp, dwp, dy.unsafe_ptr(), dh.unsafe_ptr(), xin.unsafe_ptr(),
+                weight.unsafe_ptr(), rp, rp, params.unsafe_ptr(), m, n
+            )
+        else:
+            norm_bwd_cpu[dtype, wdtype, False](
+                dx.unsafe_ptr(), dwp, dwp, dy.unsafe_ptr(), dh.unsafe_ptr(), xin.unsafe_ptr(),
+                weight.unsafe_ptr(), rp, rp, params.unsafe_ptr(), m, n
             )

@@ -1,9 +1,15 @@
-"""Op fusekit.rope: rotate pairs of x[B, S, H, D] by angle (start_pos + s) * theta^(-2i/D).
+"""Ops fusekit.rope / fusekit.rope_backward: rotate pairs of x[B, S, H, D] by angle
+(start_pos + s) * theta^(-2i/D); the backward rotates dy by the negative angle (the transpose of a
+rotation), (a, b) -> (a c + b s, b c - a s): the same kernel with a compile-time flag NEG.
 
 Layouts: HF halves, pairs (i, i + D/2); interleaved, pairs (2i, 2i + 1). cos/sin come from the tables
 [St, D/2] f32 at row start_pos + s when has_tables, else are computed in-kernel (fp32 angle as
 reference.py; exp/sin/cos accurately in fp64: the GPU's fast `cos.approx` is wrong for large angles).
-params = [theta, start_pos, interleaved (0/1), has_tables (0/1)], read on the device.
+params = [start_pos, theta, interleaved (0/1), has_tables (0/1)] (CONTRACT.md), read on the device.
+Signatures: rope(y [B,S,H,D], x, cos?, sin?, params), rope_backward(dx [B,S,H,D], dy, cos?, sin?, params);
+absent tables are [1, 1] dummies (has_tables = 0) never read. Every scalar-dependent step is bounded
+(_util.mojo): theta = inf / 0 / NaN gives NaN outputs, never a hang; sin/cos are right for every
+finite fp32 angle (Payne-Hanek reduction), e.g. theta = 1e-30 makes inv_freq up to ~1e29.
 
 Byte floor: read x + write out = 2 * B*S*H*D * sizeof; 16x4096x32x128 bf16 = 1.07 GB -> 0.25 ms at the
 H200's 4283 GB/s copy ceiling. cos/sin tables (if any) are St*D*4 bytes, read once per (b, s) row.
@@ -14,7 +20,10 @@ stores), so each cos/sin is computed once per (b, s) and reused across heads, wi
 barrier. W = 16 bytes of x: halves use an a-vector and a b-vector per head, interleaved 2 vectors
 deinterleaved in registers. Unaligned shapes (D/2 not a multiple of W) take the W = 1 path.
 Measured on the H200 (16x4096x32x128 bf16, GB/s; copy ceiling 4283): halves 3741, interleaved 3686,
-tables 3873. Tried and slower: 8 heads in flight with the first loads issued before the cos/sin math
+tables 3873. After the issue-#16 fixes (exact sin/cos for every fp32 angle, bounded exp/log), a
+same-run A/B against the old kernel on another H200 (GB/s): halves 3483 vs 3538, interleaved 3404 vs
+3456, tables 3729 vs 3713, 16x4096x8x64 halves 2273 vs 2475 (the fp64 range reduction shows where a
+row has few heads to share it). Tried and slower: 8 heads in flight with the first loads issued before the cos/sin math
 (3559 / 3150 / 3537); a block per (b, s) with cos/sin in shared memory behind a barrier (2669 / 2661 /
 2746: latency-bound, one 8 KB row per block).
 """
@@ -52,7 +61,7 @@ def _rot[dtype: DType, W: Int](
 
 
 @always_inline
-def _row_cos_sin[W: Int](
+def _row_cos_sin[W: Int, NEG: Bool](
     cos_t: FPtr, sin_t: FPtr, tables: Bool, pos: Int, i0: Int, half: Int, coef: Float32
 ) -> Tuple[SIMD[F32, W], SIMD[F32, W]]:
     var c = SIMD[F32, W](0)
@@ -66,11 +75,13 @@ def _row_cos_sin[W: Int](
             var cs = rope_cos_sin(Float32(pos), i0 + k, coef)
             c[k] = cs[0]
             s[k] = cs[1]
+    comptime if NEG:
+        s = -s  # rotation by the negative angle: cos(-t) = cos t, sin(-t) = -sin t
     return (c, s)
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(TPB)))
-def _rope_kernel[dtype: DType, W: Int](
+def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
     res: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
     cos_t: FPtr,
@@ -86,17 +97,17 @@ def _rope_kernel[dtype: DType, W: Int](
     var half = d // 2
     var groups = half // W
     var nh = Int(heads)
-    var start = Int(params[unsafe_offset=1])
+    var start = Int(params[unsafe_offset=0])
     var inter = params[unsafe_offset=2] != 0
     var tables = params[unsafe_offset=3] != 0
-    var coef = rope_inv_freq_coef(params[unsafe_offset=0], d)
+    var coef = rope_inv_freq_coef(params[unsafe_offset=1], d)
     # element offsets of a unit's two vectors inside one head
     var total = Int(n_rows) * groups
     var u = global_idx.x
     while u < total:
         var row = u // groups
         var i0 = (u % groups) * W
-        var cs = _row_cos_sin[W](cos_t, sin_t, tables, start + row % Int(seq), i0, half, coef)
+        var cs = _row_cos_sin[W, NEG](cos_t, sin_t, tables, start + row % Int(seq), i0, half, coef)
         var o0 = 2 * i0 if inter else i0
         var o1 = 2 * i0 + W if inter else i0 + half
         var base = row * nh * d
@@ -126,7 +137,7 @@ def _rope_kernel[dtype: DType, W: Int](
         u += grid_dim.x * block_dim.x
 
 
-def rope_gpu[dtype: DType](
+def rope_gpu[dtype: DType, NEG: Bool = False](
     ctx: DeviceContext,
     res: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -143,17 +154,17 @@ def rope_gpu[dtype: DType](
     var vec_ok = half % VW == 0 and is_aligned16(x) and is_aligned16(res)
     if vec_ok:
         var grid = min(cdiv(b * s * (half // VW), TPB), 1 << 30)
-        ctx.enqueue_function[_rope_kernel[dtype, VW]](
+        ctx.enqueue_function[_rope_kernel[dtype, VW, NEG]](
             res, x, cos_t, sin_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), grid_dim=grid, block_dim=TPB
         )
     else:
         var grid = min(cdiv(b * s * half, TPB), 1 << 30)
-        ctx.enqueue_function[_rope_kernel[dtype, 1]](
+        ctx.enqueue_function[_rope_kernel[dtype, 1, NEG]](
             res, x, cos_t, sin_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), grid_dim=grid, block_dim=TPB
         )
 
 
-def rope_cpu[dtype: DType](
+def rope_cpu[dtype: DType, NEG: Bool = False](
     res: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
     cos_t: FPtr,
@@ -166,10 +177,10 @@ def rope_cpu[dtype: DType](
 ):
     """Per (b, s) row: cos/sin for the D/2 pairs once, then every head."""
     var half = d // 2
-    var start = Int(params[unsafe_offset=1])
+    var start = Int(params[unsafe_offset=0])
     var inter = params[unsafe_offset=2] != 0
     var tables = params[unsafe_offset=3] != 0
-    var coef = rope_inv_freq_coef(params[unsafe_offset=0], d)
+    var coef = rope_inv_freq_coef(params[unsafe_offset=1], d)
     var c = List[Float32]()
     var sn = List[Float32]()
     for _ in range(half):
@@ -185,6 +196,8 @@ def rope_cpu[dtype: DType](
                 var cs = rope_cos_sin(Float32(pos), i, coef)
                 c[i] = cs[0]
                 sn[i] = cs[1]
+            comptime if NEG:
+                sn[i] = -sn[i]
         for hh in range(h):
             var base = (row * h + hh) * d
             for i in range(half):
@@ -196,8 +209,34 @@ def rope_cpu[dtype: DType](
                 res[unsafe_offset=ib] = (bb * c[i] + a * sn[i]).cast[dtype]()
 
 
+def _rope_execute[dtype: DType, //, target: StaticString, NEG: Bool](
+    res: MutableInputTensor[dtype=dtype, rank=4, ...],
+    x: InputTensor[dtype=dtype, rank=4, ...],
+    cos: InputTensor[dtype=DType.float32, rank=2, ...],
+    sin: InputTensor[dtype=DType.float32, rank=2, ...],
+    params: InputTensor[dtype=DType.float32, rank=1, ...],
+    ctx: DeviceContext,
+) raises:
+    var b = x.dim_size(0)
+    var s = x.dim_size(1)
+    var h = x.dim_size(2)
+    var d = x.dim_size(3)
+    var rp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](res.unsafe_ptr())
+    var xp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](x.unsafe_ptr())
+    var cp = rebind[FPtr](cos.unsafe_ptr())
+    var sp = rebind[FPtr](sin.unsafe_ptr())
+    var pp = rebind[FPtr](params.unsafe_ptr())
+    comptime if target == "gpu":
+        rope_gpu[dtype, NEG](ctx, rp, xp, cp, sp, pp, b, s, h, d)
+    else:
+        rope_cpu[dtype, NEG](rp, xp, cp, sp, pp, b, s, h, d)
+
+
 @register("fusekit.rope")
 struct Rope:
+    """RoPE forward, y = rope(x): outputs (y [B,S,H,D]), inputs (x, cos?, sin?, params
+    [start_pos, theta, interleaved, has_tables])."""
+
     @staticmethod
     def execute[
         dtype: DType, //, target: StaticString
@@ -209,15 +248,23 @@ struct Rope:
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        var b = x.dim_size(0)
-        var s = x.dim_size(1)
-        var h = x.dim_size(2)
-        var d = x.dim_size(3)
-        comptime if target == "gpu":
-            rope_gpu[dtype](
-                ctx, res.unsafe_ptr(), x.unsafe_ptr(), cos.unsafe_ptr(), sin.unsafe_ptr(), params.unsafe_ptr(), b, s, h, d
-            )
-        else:
-            rope_cpu[dtype](
-                res.unsafe_ptr(), x.unsafe_ptr(), cos.unsafe_ptr(), sin.unsafe_ptr(), params.unsafe_ptr(), b, s, h, d
-            )
+        _rope_execute[target, False](res, x, cos, sin, params, ctx)
+
+
+@register("fusekit.rope_backward")
+struct RopeBackward:
+    """RoPE backward, dx = rotation of dy by the negative angle: outputs (dx [B,S,H,D]), inputs
+    (dy, cos?, sin?, params as rope)."""
+
+    @staticmethod
+    def execute[
+        dtype: DType, //, target: StaticString
+    ](
+        dx: MutableInputTensor[dtype=dtype, rank=4, ...],
+        dy: InputTensor[dtype=dtype, rank=4, ...],
+        cos: InputTensor[dtype=DType.float32, rank=2, ...],
+        sin: InputTensor[dtype=DType.float32, rank=2, ...],
+        params: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        _rope_execute[target, True](dx, dy, cos, sin, params, ctx)

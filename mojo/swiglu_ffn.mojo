@@ -1,9 +1,11 @@
 # fusekit.swiglu_ffn: out = (silu(xn @ w_gate^T) * (xn @ w_up^T)) @ w_down^T, xn = rms_norm(x) or x.
 #
-# Contract: out [T, D] <- x [T, D], w_gate [F, D], w_up [F, D], w_down [D, F], norm_weight [D],
-# params [2] f32 = [eps, has_norm]. Precision = python/fusekit/reference.py: xn rounded to x.dtype,
-# g/u accumulated in fp32, h = silu(g) * u in fp32 rounded to x.dtype, out accumulated in fp32.
-# norm_weight is not read when has_norm == 0 (it may be a dummy).
+# Contract: out [T, D], rstd [T] f32 (written when has_norm), gu [T, 2F] (training save: not supported
+# here, the op has no mojo backward, so the Python side never asks for it) <- x [T, D], w_gate [F, D],
+# w_up [F, D], w_down [D, F], norm_weight [D] (x's dtype), params [3] f32 = [eps, has_norm, save].
+# Precision = python/fusekit/ops/swiglu_ffn.py: xn rounded to x.dtype, g/u accumulated in fp32,
+# h = silu(g) * u in fp32 rounded to x.dtype, out accumulated in fp32.
+# norm_weight and rstd are not touched when has_norm == 0 (they may be dummies); gu is never touched.
 #
 # Floors (H200, bf16, D 4096, F 11008):
 # - decode (T = 1): the three weight matrices, 3*D*F*2 B = 270 MB, at ~4.3 TB/s -> ~63 us; FLOPs are
@@ -56,12 +58,14 @@ def _norm_kernel[
     dtype: DType
 ](
     xn: Pointer[Scalar[dtype], MutAnyOrigin],
+    rstd_out: Pointer[Float32, MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
     w: Pointer[Scalar[dtype], MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     D: Int32,
 ):
-    """One block per row: xn = x * rsqrt(mean(x^2) + eps) * w (fp32, one cast); xn = x if no norm."""
+    """One block per row: xn = x * rsqrt(mean(x^2) + eps) * w (fp32, one cast), rstd written;
+    xn = x if no norm."""
     var row = block_idx.x
     var d = Int(D)
     var base = row * d
@@ -76,6 +80,8 @@ def _norm_kernel[
         ss += xv * xv
     var tot = block.sum[block_size=NORM_THREADS](ss)
     var rstd = rsqrt(tot / Float32(d) + params[unsafe_offset=0])
+    if thread_idx.x == 0:
+        rstd_out[unsafe_offset=row] = rstd
     for j in range(thread_idx.x, d, NORM_THREADS):
         var y = x[unsafe_offset=base + j].cast[DType.float32]() * rstd * w[unsafe_offset=j].cast[DType.float32]()
         xn[unsafe_offset=base + j] = y.cast[dtype]()
@@ -251,6 +257,7 @@ def swiglu_ffn_gpu[
     dtype: DType
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
+    rstd: Pointer[Float32, MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
     wg: Pointer[Scalar[dtype], MutAnyOrigin],
     wu: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -266,7 +273,7 @@ def swiglu_ffn_gpu[
 ) raises:
     var xnbuf = ctx.enqueue_create_buffer[dtype](T * D)
     var xn = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](xnbuf.unsafe_ptr())
-    ctx.enqueue_function[_norm_kernel[dtype]](xn, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
+    ctx.enqueue_function[_norm_kernel[dtype]](xn, rstd, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
 
     comptime if dtype == DType.bfloat16 and DeviceContext.default_device_info.api == "cuda":
         if T >= tc_min_t and allow_tc:
@@ -303,6 +310,7 @@ def swiglu_ffn_cpu[
     dtype: DType
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
+    rstd_out: Pointer[Float32, MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
     wg: Pointer[Scalar[dtype], MutAnyOrigin],
     wu: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -325,6 +333,7 @@ def swiglu_ffn_cpu[
                 var xv = x[unsafe_offset=t * D + j].cast[DType.float32]()
                 ss += xv * xv
             rstd = rsqrt(ss / Float32(D) + eps)
+            rstd_out[unsafe_offset=t] = rstd
         for j in range(D):
             var xv = x[unsafe_offset=t * D + j].cast[DType.float32]()
             if has_norm:
@@ -351,6 +360,8 @@ struct SwigluFfn:
         dtype: DType, //, target: StaticString
     ](
         res: MutableInputTensor[dtype=dtype, rank=2, ...],
+        rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
+        gu: MutableInputTensor[dtype=dtype, rank=2, ...],
         x: InputTensor[dtype=dtype, rank=2, ...],
         w_gate: InputTensor[dtype=dtype, rank=2, ...],
         w_up: InputTensor[dtype=dtype, rank=2, ...],
@@ -363,6 +374,7 @@ struct SwigluFfn:
         var D = x.dim_size(1)
         var F = w_gate.dim_size(0)
         var op = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](res.unsafe_ptr())
+        var rp = rebind[Pointer[Float32, MutAnyOrigin]](rstd.unsafe_ptr())
         var xp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](x.unsafe_ptr())
         var gp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_gate.unsafe_ptr())
         var up = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_up.unsafe_ptr())
@@ -370,6 +382,8 @@ struct SwigluFfn:
         var np = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](norm_weight.unsafe_ptr())
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":
-            swiglu_ffn_gpu[dtype](op, xp, gp, up, dp, np, pp, T, D, F, ctx)
+            swiglu_ffn_gpu[dtype](op, rp, xp, gp, up, dp, np, pp, T, D, F, ctx)
         else:
-            swiglu_ffn_cpu[dtype](op, xp, gp, up, dp, np, pp[unsafe_offset=0], pp[unsafe_offset=1] != 0, T, D, F)
+            if pp[unsafe_offset=2] != 0:
+                raise Error("fusekit.swiglu_ffn (mojo): saving g/u for a backward is not supported")
+            swiglu_ffn_cpu[dtype](op, rp, xp, gp, up, dp, np, pp[unsafe_offset=0], pp[unsafe_offset=1] != 0, T, D, F)

@@ -1,4 +1,5 @@
-"""The conformance checks can fail: a provider that skips elements, or computes the wrong thing, is caught."""
+"""The checks can fail: a provider that skips elements or computes the wrong thing is caught, by the
+conformance assertion and by the benchmark's correctness gate alike."""
 
 from __future__ import annotations
 
@@ -9,34 +10,65 @@ from checks import assert_close
 import fusekit
 from fusekit import backends, dispatch, ops
 from fusekit.backends.torch import TorchBackend
+from fusekit.bench.baselines import BackendProvider, TorchEager
+from fusekit.bench.cases.rms_norm import RmsNormCase
+from fusekit.bench.run import run_case
 
 
 class _SkipsLastRow(TorchBackend):
+    """Runs every phase on all rows but the last, leaving that row of each output unwritten."""
+
     name = "torch"
 
-    def rms_norm(self, out, rstd, x, weight, eps):
-        super().rms_norm(out[:-1], rstd[:-1], x[:-1], weight, eps)
+    def run(self, spec, phase, outputs, inputs, scalars):
+        m = inputs[0].shape[0]
+
+        def cut(t):
+            return t[: m - 1] if t is not None and t.dim() and t.shape[0] == m else t
+
+        super().run(spec, phase, tuple(map(cut, outputs)), tuple(map(cut, inputs)), scalars)
 
 
 class _WrongEps(TorchBackend):
     name = "torch"
 
-    def rms_norm(self, out, rstd, x, weight, eps):
-        super().rms_norm(out, rstd, x, weight, eps + 1.0)
+    def run(self, spec, phase, outputs, inputs, scalars):
+        super().run(spec, phase, outputs, inputs, (scalars[0] + 1.0, *scalars[1:]))
 
 
-@pytest.mark.parametrize("provider", [_SkipsLastRow, _WrongEps])
-def test_a_broken_provider_fails_the_check(monkeypatch, provider):
-    import oracle
-
-    monkeypatch.setitem(backends._INSTANCES, "torch", provider())
+@pytest.fixture
+def broken(monkeypatch, request):
+    monkeypatch.setitem(backends._INSTANCES, "torch", request.param())
     dispatch.clear_cache()
+    yield request.param
+    dispatch.clear_cache()
+
+
+@pytest.mark.parametrize("broken", [_SkipsLastRow, _WrongEps], indirect=True)
+def test_a_broken_provider_fails_the_check(broken):
+    from cases.rms_norm import oracle
+
     x, w = torch.randn(8, 64), torch.randn(64)
     with fusekit.poisoned():
         y = ops.rms_norm(x, w, backend="torch")
-    dispatch.clear_cache()
     with pytest.raises(AssertionError):
-        assert_close("rms_norm", y, oracle.rms_norm(x, w, 1e-6)[0], 2e-5, "self-test")
+        assert_close("rms_norm", y, oracle(x, w, 1e-6)[0], 2e-5, "self-test")
+
+
+@pytest.mark.parametrize("broken", [_SkipsLastRow, _WrongEps], indirect=True)
+@pytest.mark.parametrize("suite", ["sweep", "train"])
+def test_a_broken_backend_is_not_timed_by_the_bench(broken, suite):
+    """The bench's float64 oracle (the op's reference, autograd in float64 for "train") catches a broken
+    backend's forward and backward; the baseline next to it still runs."""
+    case = RmsNormCase({"M": 8, "N": 64}, "fp32", "g", 64, "N", suite)
+    ceil = {"copy": {"gbps": 10.0}, "matmul": {"tflops": 0.1}}
+    provs = [BackendProvider("torch", backends.get("torch")), TorchEager()]
+    with fusekit.poisoned():
+        rows = run_case(case, provs, torch.device("cpu"), ceil, rep_ms=1, kernel_time=False)
+    by = {r["provider"]: r for r in rows}
+    assert by["torch"]["status"] == "failed" and "rel error" in by["torch"]["reason"], by["torch"]
+    assert "time_us" not in by["torch"]
+    assert by["torch-eager"]["status"] == "ok"
 
 
 def test_poisoning_fills_outputs():

@@ -24,11 +24,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     print(f"skipping the mojo runtime tests: MAX is not importable ({exc})")
     pytest.skip(f"MAX is not importable: {exc}", allow_module_level=True)
 
-from fusekit.backends import mojo_runtime as rt
-from fusekit.backends import mojo_specs as rt_specs
 from fusekit.backends.base import BackendUnavailable
 from fusekit.backends.mojo import MojoBackend
-from fusekit.backends.mojo_dispatch import DeviceState
+from fusekit.backends.mojo import runtime as rt
+from fusekit.backends.mojo import specs as rt_specs
+from fusekit.backends.mojo.dispatch import DeviceState
 
 PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
 
@@ -87,10 +87,17 @@ def mojo_be(tiny: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> MojoBac
     return MojoBackend(str(tiny[0]))
 
 
+def _sum(be: MojoBackend, out: torch.Tensor, x: torch.Tensor) -> None:
+    """The row sums of x [M, N] into out [M] through the provider contract (what the library calls)."""
+    from fusekit.ops.reduce_sum import SPEC
+
+    be.run(SPEC, "forward", (out,), (x,), ())
+
+
 def _check_sum(be: MojoBackend, M: int, N: int, device: str = "cpu") -> None:
     x = torch.randn(M, N, device=device)
     out = torch.full((M,), float("nan"), device=device)
-    be.reduce_sum(out, x)
+    _sum(be, out, x)
     assert rel_error(out, x.double().sum(-1), sum_scale(x, -1)) < 1e-5
 
 
@@ -166,7 +173,8 @@ def test_second_process_reuses_disk_cache(mojo_be: MojoBackend, tiny: tuple[Path
         "from fusekit.backends.mojo import MojoBackend\n"
         f"be = MojoBackend({str(tiny[0])!r})\n"
         "x = torch.randn(6, 9); out = torch.empty(6)\n"
-        "be.reduce_sum(out, x)\n"
+        "from fusekit.ops.reduce_sum import SPEC\n"
+        "be.run(SPEC, 'forward', (out,), (x,), ())\n"
         "ok = torch.allclose(out, x.sum(-1), atol=1e-5)\n"
         "print(json.dumps({'s': time.perf_counter() - t0, 'ok': ok, **vars(be.compiler.stats)}))\n"
     )
@@ -192,7 +200,7 @@ def test_bad_package_error_shows_mojo_message(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv(rt.CACHE_ENV, str(tmp_path / "cache"))
     be = MojoBackend(str(pkg))
     with pytest.raises(rt.MojoBuildError) as info:
-        be.reduce_sum(torch.empty(2), torch.randn(2, 3))
+        _sum(be, torch.empty(2), torch.randn(2, 3))
     msg = str(info.value)
     assert "undefined_name_xyz" in msg and "error" in msg, msg
 
@@ -203,23 +211,26 @@ def test_missing_max_is_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> 
     reason = be.unavailable_reason()
     assert reason is not None and "max==26.7.0" in reason
     with pytest.raises(BackendUnavailable, match="install"):
-        be.reduce_sum(torch.empty(1), torch.randn(1, 2))
+        _sum(be, torch.empty(1), torch.randn(1, 2))
 
 
 # --- supports -------------------------------------------------------------------------------------
 def test_supports_reasons() -> None:
     be = MojoBackend()
+    assert be.unavailable_reason() is None
     cpu = torch.device("cpu")
-    # the tensor-core ops are in the package (issue 6): supported for the float dtypes
-    assert be.supports("swiglu_ffn", cpu, torch.float32) is None
-    assert be.supports("attention", cpu, torch.bfloat16, head_dim=128) is None
-    assert be.supports("attention", cpu, torch.float64, head_dim=128) is not None
-    assert be.supports("rms_norm", torch.device("meta"), torch.float32) is not None
-    assert be.supports("rms_norm", cpu, torch.float64) is not None
-    assert be.supports("reduce_sum", cpu, torch.int32, out_dtype=torch.float32) is not None
-    assert be.supports("reduce_sum", cpu, torch.bfloat16, out_dtype=torch.float32) is None
-    assert be.supports("rope", cpu, torch.float16, start_pos=(1 << 24) - 4, seq_len=8) is not None
-    assert be.supports("rope", cpu, torch.float16, start_pos=100, seq_len=8) is None
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert be.supports("swiglu_ffn", "forward", cpu, (f32, f32)) is None
+    # the Mojo FFN kernel takes its norm weight in x's dtype only; it has no backward
+    assert "x's dtype only" in be.supports("swiglu_ffn", "forward", cpu, (bf16, f32))
+    assert "swiglu_ffn_backward" in be.supports("swiglu_ffn", "backward", cpu, (f32, f32))
+    assert be.supports("attention", "forward", cpu, (bf16,), head_dim=128) is None
+    assert be.supports("attention", "forward", cpu, (bf16,), head_dim=96) is not None
+    assert be.supports("attention", "forward", cpu, (torch.float64,), head_dim=128) is not None
+    assert be.supports("rms_norm", "forward", torch.device("meta"), (f32, f32)) is not None
+    assert be.supports("rms_norm", "backward", cpu, (bf16, f32)) is None
+    assert be.supports("reduce_sum", "forward", cpu, (torch.int32, f32)) is not None
+    assert be.supports("reduce_sum", "forward", cpu, (bf16, f32)) is None
 
 
 # --- buffer cache ---------------------------------------------------------------------------------
@@ -241,27 +252,27 @@ def test_buffer_cache_never_stale_when_memory_is_reused(mojo_be: MojoBackend) ->
         x = storage[: M * N].view(M, N)
         x.copy_(torch.randn(M, N))
         out = torch.full((M,), float("nan"))
-        mojo_be.reduce_sum(out, x)
+        _sum(mojo_be, out, x)
         assert torch.allclose(out, x.sum(-1), atol=1e-4)
     # freed tensors: the cached views own nothing, so the memory really goes back
     x = torch.randn(256, 512)
     ptr = x.data_ptr()
     out = torch.empty(256)
-    mojo_be.reduce_sum(out, x)
+    _sum(mojo_be, out, x)
     holder = [k for k in st.buffers if k[0] == ptr]
     assert holder, "the call should have cached a view of x"
     weak = x.untyped_storage()._weak_ref()
     del x
     assert torch.UntypedStorage._expired(weak), "the buffer cache must not keep a freed tensor alive"
     y = torch.randn(256, 512)  # may or may not land on ptr; correct either way
-    mojo_be.reduce_sum(out, y)
+    _sum(mojo_be, out, y)
     assert torch.allclose(out, y.sum(-1), atol=1e-3)
 
 
 def test_cpu_execution_is_complete_on_return(mojo_be: MojoBackend) -> None:
     x = torch.randn(2048, 2048)
     out = torch.full((2048,), float("nan"))
-    mojo_be.reduce_sum(out, x)
+    _sum(mojo_be, out, x)
     assert not torch.isnan(out).any()
 
 
@@ -283,7 +294,7 @@ def test_side_stream_ordering(mojo_be: MojoBackend) -> None:
         with torch.cuda.stream(s):
             torch.cuda._sleep(20_000_000)  # and MAX must wait for this stream's write of x
             x.copy_(xnew)
-            mojo_be.reduce_sum(out, x)
+            _sum(mojo_be, out, x)
             got = out.clone()
         s.synchronize()
         assert rel_error(got, xnew.double().sum(-1), sum_scale(xnew, -1)) < 1e-5

@@ -3,6 +3,9 @@
 Small shapes (the interpreter is slow); each mode is forced through the launchers' private switches.
 Compared against float64 by relative error; outputs are poisoned with NaN first. bf16 is not run here:
 the interpreter's bf16 tl.dot is wrong (see TRITON_FACTS.md); bf16 is checked on the GPU instead.
+swiglu_ffn runs through its contract entry point `forward(y, rstd, gu, x, ...)` (inference: rstd = gu =
+None; the training path and the backward are in test_triton_grad_misc.py); the float64 references are
+local (no dependency on the Python layer).
 """
 
 import os
@@ -26,9 +29,32 @@ for p in (str(ROOT / "python"), str(ROOT)):
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 if importlib.util.find_spec("triton") is not None:
-    from fusekit import reference as R
     from kernels_triton.attention import attention
-    from kernels_triton.swiglu_ffn import swiglu_ffn
+    from kernels_triton.swiglu_ffn import forward as ffn_forward
+
+
+def _ffn_ref(x, wg, wu, wd, nw, eps: float) -> torch.Tensor:
+    """swiglu_ffn in float64 (CONTRACT.md): xn = x * rstd * nw (or x), y = (silu(xn Wg^T) * xn Wu^T) Wd^T."""
+    x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
+    if nw is not None:
+        x = x * (x.square().mean(-1, keepdim=True) + eps).rsqrt() * nw.double()
+    return (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+
+
+def _attention_ref(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    """Attention in float64: GQA by repeating kv heads, bottom-right causal mask, rows with no visible key 0."""
+    q, k, v = (t.double() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    S, Skv = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(S)[:, None]
+        j = torch.arange(Skv)[None, :]
+        s = s.masked_fill(j > i + (Skv - S), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> NaN -> 0
+    return p @ v
+
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -59,10 +85,8 @@ def test_swiglu_ffn_paths(T: int, path: str, prologue: str, norm: bool, dtype: t
     wd = (torch.randn(D, F) / F**0.5).to(dtype)
     nw = (1 + 0.1 * torch.randn(D)).to(dtype) if norm else None
     out = torch.full((T, D), float("nan"), dtype=dtype)
-    swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _path=path, _prologue=prologue)
-    ref = R.swiglu_ffn(
-        x.double(), wg.double(), wu.double(), wd.double(), None if nw is None else nw.double(), 1e-6
-    )
+    ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6, _path=path, _prologue=prologue)
+    ref = _ffn_ref(x, wg, wu, wd, nw, 1e-6)
     assert rel_error(out, ref) < TOL[dtype]
 
 
@@ -78,8 +102,8 @@ def test_swiglu_ffn_even_k(T: int, path: str, dtype: torch.dtype) -> None:
     nw = (1 + 0.1 * torch.randn(D)).to(dtype)
     for prologue in ("xn", "fused"):
         out = torch.full((T, D), float("nan"), dtype=dtype)
-        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-5, _path=path, _prologue=prologue)
-        ref = R.swiglu_ffn(x.double(), wg.double(), wu.double(), wd.double(), nw.double(), 1e-5)
+        ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-5, _path=path, _prologue=prologue)
+        ref = _ffn_ref(x, wg, wu, wd, nw, 1e-5)
         assert rel_error(out, ref) < TOL[dtype]
 
 
@@ -87,7 +111,7 @@ def test_swiglu_ffn_decode_rejects_large_t() -> None:
     x = torch.randn(17, 32)
     w = torch.randn(16, 32)
     with pytest.raises(ValueError):
-        swiglu_ffn(torch.empty_like(x), x, w, w, w.T.contiguous(), None, 1e-6, _path="decode")
+        ffn_forward(torch.empty_like(x), None, None, x, w, w, w.T.contiguous(), None, 1e-6, _path="decode")
 
 
 def _ffn_case(T: int, D: int, F: int, dtype: torch.dtype, norm: bool = True, seed: int = 0):
@@ -96,9 +120,7 @@ def _ffn_case(T: int, D: int, F: int, dtype: torch.dtype, norm: bool = True, see
     wg, wu = ((torch.randn(F, D) / D**0.5).to(dtype) for _ in range(2))
     wd = (torch.randn(D, F) / F**0.5).to(dtype)
     nw = (1 + 0.1 * torch.randn(D)).to(dtype) if norm else None
-    ref = R.swiglu_ffn(
-        x.double(), wg.double(), wu.double(), wd.double(), None if nw is None else nw.double(), 1e-6
-    )
+    ref = _ffn_ref(x, wg, wu, wd, nw, 1e-6)
     return (x, wg, wu, wd, nw), ref
 
 
@@ -111,7 +133,7 @@ def test_swiglu_ffn_tma(T: int, norm: bool, dtype: torch.dtype) -> None:
     tiles to 4 persistent programs (several tiles per program)."""
     (x, wg, wu, wd, nw), ref = _ffn_case(T, 80, 72, dtype, norm, seed=200 + T)
     out = torch.full((T, 80), float("nan"), dtype=dtype)
-    swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm="tma")
+    ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm="tma")
     assert rel_error(out, ref) < TOL[dtype]
 
 
@@ -119,12 +141,12 @@ def test_swiglu_ffn_tma_rejects() -> None:
     (x, wg, wu, wd, nw), _ = _ffn_case(20, 80, 72, torch.float32)
     out = torch.empty_like(x)
     with pytest.raises(ValueError):  # the fused prologue has no TMA variant
-        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _path="prefill", _prologue="fused", _gemm="tma")
+        ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6, _path="prefill", _prologue="fused", _gemm="tma")
     with pytest.raises(ValueError):
-        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm="cublas")
+        ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm="cublas")
     (x, wg, wu, wd, nw), _ = _ffn_case(20, 81, 72, torch.float16)  # 162-byte rows: not TMA-legal
     with pytest.raises(ValueError):
-        swiglu_ffn(torch.empty_like(x), x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm="tma")
+        ffn_forward(torch.empty_like(x), None, None, x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm="tma")
 
 
 @pytest.fixture
@@ -152,7 +174,7 @@ def test_swiglu_ffn_choice_picks_and_caches(ffn_choice) -> None:
     (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=5)
     for _ in range(2):
         out = torch.full_like(x, float("nan"))
-        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+        ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
         assert rel_error(out, ref) < TOL[torch.float16]
     assert len(calls) == 4, "ptr and TMA timed once per GEMM; the second call must reuse the choice"
     assert {k[0]: v for k, v in ffn_mod._CHOICE.items()} == {
@@ -160,7 +182,7 @@ def test_swiglu_ffn_choice_picks_and_caches(ffn_choice) -> None:
         "down": ffn_mod._TMA_INTERP,
     }
     out = torch.full_like(x, float("nan"))  # the fused prologue has no TMA variant: ptr, no timing
-    swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6, _prologue="fused")
+    ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6, _prologue="fused")
     assert rel_error(out, ref) < TOL[torch.float16] and len(calls) == 4
 
 
@@ -179,7 +201,7 @@ def test_swiglu_ffn_choice_excludes_failing_tma(ffn_choice, monkeypatch: pytest.
     (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=6)
     out = torch.full_like(x, float("nan"))
     with pytest.warns(RuntimeWarning, match="fake compile error"):
-        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+        ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
     assert rel_error(out, ref) < TOL[torch.float16]
     choice = {k[0]: v for k, v in ffn_mod._CHOICE.items()}
     assert choice == {"gate_up": "ptr", "down": ffn_mod._TMA_INTERP}
@@ -188,7 +210,7 @@ def test_swiglu_ffn_choice_excludes_failing_tma(ffn_choice, monkeypatch: pytest.
     out = torch.full_like(x, float("nan"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+        ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
     assert rel_error(out, ref) < TOL[torch.float16]
 
 
@@ -233,7 +255,7 @@ def test_swiglu_ffn_choice_rejects_wrong_tma(
     out = torch.full_like(x, float("nan"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+        ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and f"TMA {kind} config" in msgs[0] and "wrong results" in msgs[0], msgs
     assert ("NaN" in msgs[0]) == (how == "nan"), msgs[0]
@@ -247,7 +269,7 @@ def test_swiglu_ffn_choice_rejects_wrong_tma(
     out = torch.full_like(x, float("nan"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+        ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
     assert rel_error(out, ref) < TOL[dtype] and len(tma_launches) == n
 
 
@@ -257,7 +279,7 @@ def test_swiglu_ffn_forced_tma_wrong_raises(ffn_choice, monkeypatch: pytest.Monk
     _corrupt_tma(monkeypatch, ffn_mod, "down", "garbage")
     (x, wg, wu, wd, nw), _ = _ffn_case(40, 80, 72, torch.float16, seed=10)
     with pytest.warns(RuntimeWarning, match="wrong results"), pytest.raises(RuntimeError, match="matched"):
-        swiglu_ffn(torch.empty_like(x), x, wg, wu, wd, nw, 1e-6, _gemm="tma")
+        ffn_forward(torch.empty_like(x), None, None, x, wg, wu, wd, nw, 1e-6, _gemm="tma")
 
 
 def test_swiglu_ffn_choice_waits_for_judgeable_inputs(ffn_choice) -> None:
@@ -265,11 +287,40 @@ def test_swiglu_ffn_choice_waits_for_judgeable_inputs(ffn_choice) -> None:
     ffn_mod, calls = ffn_choice
     (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=11)
     out = torch.full_like(x, float("nan"))
-    swiglu_ffn(out, torch.zeros_like(x), wg, wu, wd, None, 1e-6)
+    ffn_forward(out, None, None, torch.zeros_like(x), wg, wu, wd, None, 1e-6)
     assert bool((out == 0).all()) and not ffn_mod._CHOICE and not calls and not ffn_mod._BROKEN
-    swiglu_ffn(out, x, wg, wu, wd, nw, 1e-6)
+    ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
     assert rel_error(out, ref) < TOL[torch.float16] and len(calls) == 4
     assert set(ffn_mod._CHOICE.values()) == {ffn_mod._TMA_INTERP}
+
+
+def test_swiglu_ffn_choice_checks_saved_gu(ffn_choice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training call (gu given) checks each TMA candidate's saved gu as well as its h: a config whose h is
+    right but whose gu is not is warned about and never chosen, and the gu the call leaves is right."""
+    ffn_mod, _calls = ffn_choice
+    real = ffn_mod._launch_gate_up
+
+    def launch(cfg, *args):
+        real(cfg, *args)
+        gu = args[-1]
+        if cfg != "ptr" and gu is not None:
+            gu[:, :8] = 0  # 8 of the 144 columns of g lost
+
+    monkeypatch.setattr(ffn_mod, "_launch_gate_up", launch)
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=13)
+    y = torch.full_like(x, float("nan"))
+    gu = torch.full((40, 144), float("nan"), dtype=torch.float16)
+    rstd = torch.full((40,), float("nan"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ffn_forward(y, rstd, gu, x, wg, wu, wd, nw, 1e-6)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "TMA gate_up config" in msgs[0] and "saved gu" in msgs[0], msgs
+    assert rel_error(y, ref) < TOL[torch.float16]
+    xd = x.double()
+    xn = xd * (xd.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * nw.double()
+    assert rel_error(gu, torch.cat((xn @ wg.double().T, xn @ wu.double().T), dim=1)) < TOL[torch.float16]
+    assert {k[0]: v for k, v in ffn_mod._CHOICE.items()} == {"gate_up": "ptr", "down": ffn_mod._TMA_INTERP}
 
 
 def test_swiglu_ffn_mismatch_bounds() -> None:
@@ -317,7 +368,7 @@ def test_attention(
     out = torch.full_like(q, float("nan"))
     scale = D**-0.5
     attention(out, q, k, v, causal, scale)
-    ref = R.attention(q.double(), k.double(), v.double(), causal, scale)
+    ref = _attention_ref(q, k, v, causal, scale)
     assert rel_error(out, ref) < TOL[dtype]
     if causal and Skv < S:
         assert bool((out[:, :, : S - Skv] == 0).all()), "rows that see no key must be exact zeros"
@@ -333,7 +384,7 @@ def test_attention_tiles(tile: tuple[int, int, int, int]) -> None:
     for causal in (True, False):
         out = torch.full_like(q, float("nan"))
         attention(out, q, k, v, causal, 0.125, _config=tile)
-        ref = R.attention(q.double(), k.double(), v.double(), causal, 0.125)
+        ref = _attention_ref(q, k, v, causal, 0.125)
         assert rel_error(out, ref) < TOL[torch.float32]
 
 
@@ -345,7 +396,7 @@ def test_attention_odd_scale(scale: float) -> None:
     for causal in (True, False):
         out = torch.full_like(q, float("nan"))
         attention(out, q, k, v, causal, scale)
-        ref = R.attention(q.double(), k.double(), v.double(), causal, scale)
+        ref = _attention_ref(q, k, v, causal, scale)
         assert rel_error(out, ref) < TOL[torch.float32]
 
 
@@ -358,5 +409,5 @@ def test_attention_grid_split(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = (torch.randn(3, 2, 21, 64) for _ in range(3))
     out = torch.full_like(q, float("nan"))
     attention(out, q, k, v, True, 0.125)
-    ref = R.attention(q.double(), k.double(), v.double(), True, 0.125)
+    ref = _attention_ref(q, k, v, True, 0.125)
     assert rel_error(out, ref) < TOL[torch.float32]

@@ -24,14 +24,23 @@ for p in (str(_ROOT), str(_ROOT / "python")):
         sys.path.insert(0, p)
 
 from kernels_triton import _config  # noqa: E402
-from kernels_triton.layer_norm import layer_norm  # noqa: E402
+from kernels_triton import layer_norm as ln_mod  # noqa: E402
+from kernels_triton import rms_norm as rms_mod  # noqa: E402
 from kernels_triton.reduce_sum import _plan as reduce_plan  # noqa: E402
 from kernels_triton.reduce_sum import reduce_sum  # noqa: E402
-from kernels_triton.rms_norm import rms_norm  # noqa: E402
 from kernels_triton.rope import rope  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def rms_norm(out, rstd, x, w, eps, **kw) -> None:
+    """The contract forward without residual, "fp32" casting (the norms' mode tests below)."""
+    rms_mod.forward(out, None, rstd, x, None, w, eps, "fp32", **kw)
+
+
+def layer_norm(out, mean, rstd, x, w, b, eps, **kw) -> None:
+    ln_mod.forward(out, None, mean, rstd, x, None, w, b, eps, **kw)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -263,18 +272,19 @@ def test_norm_tuner_picks_fastest_and_caches(monkeypatch: pytest.MonkeyPatch) ->
 BAD_FAULTS = ["one_row", "unwritten_row", "stats"]
 
 
+# (fault, residual, sampled): every fault without a residual, sampled or not; with the fused residual (and
+# an fp32 weight, llama casting for rms_norm) a candidate whose y is right but whose h is stale in one row.
+TUNER_CASES = [(f, False, smp) for f in BAD_FAULTS for smp in (False, True)] + [("h_row", True, False)]
+
+
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-@pytest.mark.parametrize("fault", BAD_FAULTS)
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("fault,res,sampled", TUNER_CASES)
 def test_norm_tuner_rejects_wrong_candidate(
-    monkeypatch: pytest.MonkeyPatch, op: str, fault: str, sampled: bool
+    monkeypatch: pytest.MonkeyPatch, op: str, fault: str, res: bool, sampled: bool
 ) -> None:
     # The whole tuned path of the op on the CPU: tuning forced on, fake timings in which a candidate that
     # writes wrong values is the fastest. It must be dropped with a warning, and the result be correct.
     import triton.testing
-
-    from kernels_triton import layer_norm as ln_mod
-    from kernels_triton import rms_norm as rms_mod
 
     mod = rms_mod if op == "rms_norm" else ln_mod
     M, N = (300, 64) if sampled else (37, 100)
@@ -299,40 +309,52 @@ def test_norm_tuner_rejects_wrong_candidate(
         launched.append(cfg)
         real_launch(cfg, out, *args)
         if cfg == bad:  # a "miscompiled" kernel: fast, but wrong
+            # _launch(cfg, y, h, rstd, ...) for rms_norm, _launch(cfg, y, h, mean, rstd, ...) for layer_norm
             if fault == "one_row":
                 out[M - 1] = out[M - 2]  # a stale row (the last row is always checked): O(1) error in one row
             elif fault == "unwritten_row":
                 out[unchecked] = float("nan")  # a row the sampled comparison skips: the NaN scan finds it
+            elif fault == "h_row":
+                args[0][M - 1] = args[0][M - 2]  # y right, the residual sum h stale in one row
             else:
-                args[-4 if op == "rms_norm" else -5].mul_(1.01)  # rstd off by 1 %
+                args[1 if op == "rms_norm" else 2].mul_(1.01)  # rstd off by 1 %
 
     monkeypatch.setattr(mod, "_launch", launch)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), [times[current[0]]])[1])
     monkeypatch.setattr(_config, "_NORM_TUNED", {})
-    x = _randn(M, N, dtype=torch.bfloat16, seed=M + N, scale=2.0, shift=0.5)
-    w = _randn(N, dtype=torch.bfloat16, seed=N + 1)
-    b = _randn(N, dtype=torch.bfloat16, seed=N + 2)
+    # With a residual: fp16 x, fp32 weight (AMP). Not bf16: the interpreter truncates fp32 -> bf16 casts, so
+    # h (and with it rstd) would differ from the check's correctly rounded reference by ~2e-3.
+    dt = torch.float16 if res else torch.bfloat16
+    x = _randn(M, N, dtype=dt, seed=M + N, scale=2.0, shift=0.5)
+    r = _randn(M, N, dtype=dt, seed=M + N + 3) if res else None
+    h = torch.full_like(x, float("nan")) if res else None
+    w = _randn(N, dtype=torch.float32 if res else torch.bfloat16, seed=N + 1)  # AMP weight with the residual
+    b = _randn(N, dtype=w.dtype, seed=N + 2)
     out = torch.full_like(x, float("nan"))
     stats = [torch.full((M,), float("nan")) for _ in range(1 if op == "rms_norm" else 2)]
     with pytest.warns(RuntimeWarning, match=r"dropped rows .*relative error|dropped rows .*unwritten") as rec:
         if op == "rms_norm":
-            rms_norm(out, stats[0], x, w, 1e-6)
-            ref, *ref_stats = _rms_ref(x, w, 1e-6)
+            rms_mod.forward(out, h, stats[0], x, r, w, 1e-6, "llama" if res else "fp32")
+            xin = x if not res else (x.float() + r.float()).to(x.dtype)
+            ref, *ref_stats = _rms_ref(xin, w, 1e-6)
+            if res:  # llama: the normalized row rounded to bf16 before the weight
+                ref = (xin.double() * ref_stats[0][:, None]).to(x.dtype).double() * w.double()
         else:
-            layer_norm(out, stats[0], stats[1], x, w, b, 1e-5)
-            ref, *ref_stats = _ln_ref(x, w, b, 1e-5)
+            ln_mod.forward(out, h, stats[0], stats[1], x, r, w, b, 1e-5)
+            xin = x if not res else (x.float() + r.float()).to(x.dtype)
+            ref, *ref_stats = _ln_ref(xin, w, b, 1e-5)
     assert len([r for r in rec if "dropped" in str(r.message)]) == 1
     (chosen,) = _config._NORM_TUNED.values()
     assert chosen == slow  # the fastest correct one
     assert launched[-1] == slow  # the chosen config wrote the caller's buffers last
-    assert rel_error(out, ref) <= TOL[torch.bfloat16]
-    for s, r in zip(stats, ref_stats):
-        assert rel_error(s, r) <= 1e-5
+    assert rel_error(out, ref) <= TOL[dt]
+    for s, rs in zip(stats, ref_stats):
+        assert rel_error(s, rs) <= 1e-5
+    if res:
+        assert torch.equal(h, xin)
 
 
 def test_norm_tuner_all_wrong_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels_triton import rms_norm as rms_mod
-
     cfgs = [
         _config.NormConfig("reg", 128, 4, block_m=4),
         _config.NormConfig("rows", 128, 4, block_m=4, progs=1),
@@ -357,8 +379,6 @@ def test_norm_tuner_all_wrong_raises(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_norm_check_bounds_accept_correct_results() -> None:
     # The torch op itself in the output dtype (an independent correct result) passes the check's bounds,
     # also for rows with a large mean (layer norm) and for an all-zero x (reference norm 0).
-    from kernels_triton import layer_norm as ln_mod
-    from kernels_triton import rms_norm as rms_mod
 
     for dtype in FLOATS:
         for shift in (0.0, 1e3):
@@ -384,12 +404,11 @@ def test_norm_check_bounds_accept_correct_results() -> None:
 def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     # Everything the H200 tuner (132 SMs, 60 MB L2, warp 32) may launch for bf16 must be compiled by the
     # aot session; aot_configs runs with the CPU's stand-in SM count, which filters less.
-    from kernels_triton import layer_norm as ln_mod
-    from kernels_triton import rms_norm as rms_mod
 
     for mod in (rms_mod, ln_mod):
         monkeypatch.setattr(_config, "is_interpreter", lambda: False)  # real step sizes, as the aot session
         aot = {n: set(mod.aot_configs(n, 2)) for n in mod.AOT_NS}
+        aot_res = {n: set(mod.aot_configs(n, 2, res=True)) for n in mod.AOT_NS}
         monkeypatch.setattr(_config, "num_sms", lambda dev=0: 132)
         monkeypatch.setattr(_config, "l2_bytes", lambda dev=0: 60 << 20)
         for n in mod.AOT_NS:
@@ -397,6 +416,8 @@ def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> N
                 first = _config.norm_default(m, n, 2, 0, mod.STREAM_BYTES, mod.STREAM_VECS)
                 cands = _config.norm_candidates(m, n, 2, 0, first)
                 assert set(cands) <= aot[n], (mod.__name__, n, m, set(cands) - aot[n])
+                cands = _config.norm_candidates(m, n, 2, 0, first, res=True)  # fused residual (own list)
+                assert set(cands) <= aot_res[n], (mod.__name__, n, m, set(cands) - aot_res[n])
         monkeypatch.undo()
 
 

@@ -70,6 +70,19 @@ struct RelErr(Copyable, Movable):
         self.num += (got - want) * (got - want)
         self.den += want * want
 
+    def add_pattern(mut self, got: Float64, want: Float64):
+        """Like add, for references that may be non-finite: a NaN must stay NaN, +-inf the same inf
+        (else counted bad); only finite references enter the error."""
+        if want != want:
+            if got == got:
+                self.bad += 1
+            return
+        if want * 0 != 0:  # +-inf
+            if got != want:
+                self.bad += 1
+            return
+        self.add(got, want)
+
     def value(self) -> Float64:
         if self.bad > 0:
             return Float64.MAX_FINITE  # (Float64.MAX is +inf)

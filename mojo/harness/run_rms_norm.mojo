@@ -1,4 +1,5 @@
-"""Harness entry for fusekit.rms_norm (fp32/fp16/bf16; checks + timing, see _normh.mojo)."""
+"""Harness entry for fusekit.rms_norm and fusekit.rms_norm_backward (x f32/f16/bf16, w x or f32; checks +
+timing, see _normh.mojo)."""
 
 from ._normh import norm_run
 

@@ -1,4 +1,6 @@
-"""Harness entry for fusekit.rope: both layouts, with/without tables, odd head dims; timing."""
+"""Harness entry for fusekit.rope and fusekit.rope_backward: both layouts, with/without tables, odd head
+dims, extreme thetas (issue #16: must finish, finite where the fp32 angles are, NaN for an invalid
+theta); timing."""
 
 from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, StaticTensorSpec
 from max.gpu.host import DeviceContext, DeviceBuffer
@@ -6,12 +8,12 @@ from std.utils import IndexList
 from std.sys import size_of
 from std.math import exp, cos, sin, log
 
-from ..rope import Rope
+from ..rope import Rope, RopeBackward
 from .._util import rope_cos_sin, rope_inv_freq_coef
 from ._common import _mut, fill_random, poison, to_host, RelErr, check, tol_for, now_ns, report_bw, device_params, sample_rows
 
 
-def _run[dtype: DType, ](
+def _run[dtype: DType, NEG: Bool = False](
     ctx: DeviceContext, ob: DeviceBuffer[dtype], xb: DeviceBuffer[dtype], cb: DeviceBuffer[DType.float32],
     sb: DeviceBuffer[DType.float32], pb: DeviceBuffer[DType.float32], b: Int, s: Int, h: Int, d: Int, st: Int, tw: Int
 ) raises:
@@ -25,13 +27,16 @@ def _run[dtype: DType, ](
     var c = InputTensor[static_spec=f2](_mut(cb.unsafe_ptr()), IndexList[2](st, tw), IndexList[2](tw, 1))
     var sn = InputTensor[static_spec=f2](_mut(sb.unsafe_ptr()), IndexList[2](st, tw), IndexList[2](tw, 1))
     var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](4), IndexList[1](1))
-    Rope.execute["gpu"](o, x, c, sn, p, ctx)
+    comptime if NEG:
+        RopeBackward.execute["gpu"](o, x, c, sn, p, ctx)
+    else:
+        Rope.execute["gpu"](o, x, c, sn, p, ctx)
 
 
-def rope_case[dtype: DType, ](
-    ctx: DeviceContext, b: Int, s: Int, h: Int, d: Int, start: Int, inter: Bool, tables: Bool, mut failures: Int, seed: Int
+def rope_case[dtype: DType, NEG: Bool = False](
+    ctx: DeviceContext, b: Int, s: Int, h: Int, d: Int, start: Int, inter: Bool, tables: Bool, mut failures: Int, seed: Int,
+    theta: Float32 = 10000.0,
 ) raises:
-    var theta = Float32(10000.0)
     var half = d // 2
     var st = start + s if tables else 1  # dummy [1, 1] tables when has_tables == 0
     var tw = half if tables else 1
@@ -44,8 +49,8 @@ def rope_case[dtype: DType, ](
     fill_random(ctx, cb, st * tw, seed + 1, -1.0, 1.0)
     fill_random(ctx, sb, st * tw, seed + 2, -1.0, 1.0)
     poison(ctx, ob)
-    var pb = device_params(ctx, theta, Float32(start), Float32(1.0 if inter else 0.0), Float32(1.0 if tables else 0.0))
-    _run[dtype](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
+    var pb = device_params(ctx, Float32(start), theta, Float32(1.0 if inter else 0.0), Float32(1.0 if tables else 0.0))
+    _run[dtype, NEG](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
     var hx = to_host(ctx, xb, n)
     var ho = to_host(ctx, ob, n)
     var hc = to_host(ctx, cb, st * tw)
@@ -61,7 +66,7 @@ def rope_case[dtype: DType, ](
             if tables:
                 c = hc[pos * half + i].cast[DType.float64]()
                 sn = hs[pos * half + i].cast[DType.float64]()
-            elif start >= 65536:
+            elif start >= 65536 or theta < 1.0 or theta > 1e30:
                 # fp32 angles ~2^20 rad: a 1-ulp difference in fp32 exp (ours vs the host's) moves the
                 # angle by ~0.06 rad, so check layout/rotation against the kernel's own angle function
                 var cs = rope_cos_sin(Float32(pos), i, rope_inv_freq_coef(theta, d))
@@ -71,6 +76,8 @@ def rope_case[dtype: DType, ](
                 var ang = Float32(pos) * exp(Float32(i) * coef)
                 c = cos(Float64(ang))
                 sn = sin(Float64(ang))
+            comptime if NEG:
+                sn = -sn
             for hh in range(h):
                 var base = (row * h + hh) * d
                 var ia = base + (2 * i if inter else i)
@@ -79,8 +86,35 @@ def rope_case[dtype: DType, ](
                 var bb = hx[ib].cast[DType.float64]()
                 e.add(ho[ia].cast[DType.float64](), a * c - bb * sn)
                 e.add(ho[ib].cast[DType.float64](), bb * c + a * sn)
-    var name = String("rope ", dtype, " B=", b, " S=", s, " H=", h, " D=", d, " start=", start, " inter=", inter, " tables=", tables)
+    var name = String("rope_backward " if NEG else "rope ", dtype, " theta=", theta, " B=", b, " S=", s, " H=", h, " D=", d, " start=", start, " inter=", inter, " tables=", tables)
     check(name, e.value(), tol_for[dtype](), failures)
+
+
+def _nan_theta_case(ctx: DeviceContext, mut failures: Int) raises:
+    """theta = inf or 0 in fp32 (1e39, 1e-46): validation rejects them, but the kernel must finish with
+    NaN (this used to loop forever in log_f64)."""
+    comptime dtype = DType.float32
+    var b = 1
+    var s = 4
+    var h = 2
+    var d = 64
+    var n = b * s * h * d
+    var xb = ctx.enqueue_create_buffer[dtype](n)
+    var ob = ctx.enqueue_create_buffer[dtype](n)
+    var cb = ctx.enqueue_create_buffer[DType.float32](1)
+    var sb = ctx.enqueue_create_buffer[DType.float32](1)
+    fill_random(ctx, xb, n, 77, -2.0, 2.0)
+    for ti in range(2):
+        var theta = Float32(1e30) * Float32(1e30) if ti == 0 else Float32(0.0)
+        ob.enqueue_fill(Float32(3.0))  # not NaN: the kernel must write the NaN
+        var pb = device_params(ctx, Float32(0.0), theta, Float32(0.0), Float32(0.0))
+        _run[dtype](ctx, ob, xb, cb, sb, pb, b, s, h, d, 1, 1)
+        var ho = to_host(ctx, ob, n)
+        var nan_count = 0
+        for i in range(n):
+            if ho[i] != ho[i]:
+                nan_count += 1
+        check(String("rope theta=", theta, " finishes with NaN (", nan_count, "/", n, ")"), 0.0 if nan_count == n else 1.0, 0.0, failures)
 
 
 def rope_bench[dtype: DType, ](ctx: DeviceContext, b: Int, s: Int, h: Int, d: Int, inter: Bool, tables: Bool, iters: Int) raises:
@@ -95,7 +129,7 @@ def rope_bench[dtype: DType, ](ctx: DeviceContext, b: Int, s: Int, h: Int, d: In
     fill_random(ctx, xb, n, 5, -2.0, 2.0)
     fill_random(ctx, cb, st * tw, 6, -1.0, 1.0)
     fill_random(ctx, sb, st * tw, 7, -1.0, 1.0)
-    var pb = device_params(ctx, Float32(10000.0), Float32(0.0), Float32(1.0 if inter else 0.0), Float32(1.0 if tables else 0.0))
+    var pb = device_params(ctx, Float32(0.0), Float32(10000.0), Float32(1.0 if inter else 0.0), Float32(1.0 if tables else 0.0))
     _run[dtype](ctx, ob, xb, cb, sb, pb, b, s, h, d, st, tw)
     ctx.synchronize()
     var t0 = now_ns()
@@ -125,6 +159,15 @@ def run(bench: Bool = True) raises:
                     rope_case[dtype](ctx, 1, 3, 5, 128, 1000, inter, tables, failures, sd + 4)
                     rope_case[dtype](ctx, 2, 33, 8, 256, 17, inter, tables, failures, sd + 5)
                     rope_case[dtype](ctx, 1, 4, 2, 128, 1 << 20, inter, tables, failures, sd + 6)
+                    rope_case[dtype, True](ctx, 2, 5, 3, 6, 3, inter, tables, failures, sd + 7)
+                    rope_case[dtype, True](ctx, 2, 33, 8, 256, (1 << 24) - 33, inter, tables, failures, sd + 8)
+                    rope_case[dtype, True](ctx, 3, 9, 40, 128, 5, inter, tables, failures, sd + 9)
+        # extreme thetas (issue #16): finite fp32 angles up to ~5.7e36, inv_freq ~2.5e37 or ~1e-38
+        for ni in range(2):
+            rope_case[DType.float32](ctx, 1, 9, 2, 128, (1 << 24) - 9, ni == 1, False, failures, 900 + ni, Float32(1e-30))
+            rope_case[DType.float32, True](ctx, 1, 9, 2, 128, 0, ni == 1, False, failures, 902 + ni, Float32(1e-38))
+            rope_case[DType.bfloat16](ctx, 1, 9, 2, 128, 13, ni == 1, False, failures, 904 + ni, Float32(3e38))
+        _nan_theta_case(ctx, failures)
         if bench:
             rope_bench[DType.bfloat16](ctx, 16, 4096, 32, 128, False, False, 20)
             rope_bench[DType.bfloat16](ctx, 16, 4096, 32, 128, True, False, 20)

@@ -18,6 +18,7 @@ struct _Bufs[dtype: DType](Movable):
     var nw: DeviceBuffer[Self.dtype]
     var o: DeviceBuffer[Self.dtype]
     var r: DeviceBuffer[Self.dtype]
+    var rstd: DeviceBuffer[DType.float32]
 
     def __init__(out self, ctx: DeviceContext, T: Int, D: Int, F: Int, seed: Int) raises:
         self.x = ctx.enqueue_create_buffer[Self.dtype](T * D)
@@ -27,6 +28,7 @@ struct _Bufs[dtype: DType](Movable):
         self.nw = ctx.enqueue_create_buffer[Self.dtype](D)
         self.o = ctx.enqueue_create_buffer[Self.dtype](T * D)
         self.r = ctx.enqueue_create_buffer[Self.dtype](T * D)
+        self.rstd = ctx.enqueue_create_buffer[DType.float32](T)
         var a = 1.7 / sqrt(Float64(D))  # uniform(-a, a): std ~ 1/sqrt(D)
         var b = 1.7 / sqrt(Float64(F))
         fill_random(ctx, self.x, T * D, seed, -1.0, 1.0)
@@ -86,9 +88,13 @@ def _run_op[dtype: DType](ctx: DeviceContext, bufs: _Bufs[dtype], T: Int, D: Int
     var wu = InputTensor[static_spec=s2](_mut(bufs.wu.unsafe_ptr()), IndexList[2](F, D), IndexList[2](D, 1))
     var wd = InputTensor[static_spec=s2](_mut(bufs.wd.unsafe_ptr()), IndexList[2](D, F), IndexList[2](F, 1))
     var nw = InputTensor[static_spec=s1](_mut(bufs.nw.unsafe_ptr()), IndexList[1](D), IndexList[1](1))
-    var p = InputTensor[static_spec=sp](_mut(pb.unsafe_ptr()), IndexList[1](2), IndexList[1](1))
+    var p = InputTensor[static_spec=sp](_mut(pb.unsafe_ptr()), IndexList[1](3), IndexList[1](1))
     var o = MutableInputTensor[static_spec=s2](_mut(bufs.o.unsafe_ptr()), IndexList[2](T, D), IndexList[2](D, 1))
-    SwigluFfn.execute["gpu"](o, x, wg, wu, wd, nw, p, ctx)
+    comptime sr = StaticTensorSpec[DType.float32, 1, ...].get_unknown()
+    var rs = MutableInputTensor[static_spec=sr](_mut(bufs.rstd.unsafe_ptr()), IndexList[1](T), IndexList[1](1))
+    # gu is a [1, 1] dummy (save = 0): the op never touches it
+    var gu = MutableInputTensor[static_spec=s2](_mut(bufs.r.unsafe_ptr()), IndexList[2](1, 1), IndexList[2](1, 1))
+    SwigluFfn.execute["gpu"](o, rs, gu, x, wg, wu, wd, nw, p, ctx)
 
 
 def _case[
@@ -96,7 +102,7 @@ def _case[
 ](ctx: DeviceContext, T: Int, D: Int, F: Int, has_norm: Bool, host_ref: Bool, mut failures: Int, seed: Int) raises:
     var bufs = _Bufs[dtype](ctx, T, D, F, seed)
     var eps = 1e-6
-    var pb = device_params(ctx, Float32(eps), Float32(1.0) if has_norm else Float32(0.0))
+    var pb = device_params(ctx, Float32(eps), Float32(1.0) if has_norm else Float32(0.0), Float32(0.0))
     _run_op[dtype](ctx, bufs, T, D, F, pb)
     var name = String("swiglu_ffn ", dtype, " T=", T, " D=", D, " F=", F, " norm=", has_norm)
     var tol = 1e-2 if dtype == DType.bfloat16 else 2e-3
@@ -105,7 +111,7 @@ def _case[
     else:
         # the GEMV path (fp32 u, no tensor cores) as the GPU reference for the prefill path
         swiglu_ffn_gpu[dtype](
-            _mut(bufs.r.unsafe_ptr()), _mut(bufs.x.unsafe_ptr()), _mut(bufs.wg.unsafe_ptr()),
+            _mut(bufs.r.unsafe_ptr()), _mut(bufs.rstd.unsafe_ptr()), _mut(bufs.x.unsafe_ptr()), _mut(bufs.wg.unsafe_ptr()),
             _mut(bufs.wu.unsafe_ptr()), _mut(bufs.wd.unsafe_ptr()), _mut(bufs.nw.unsafe_ptr()),
             _mut(pb.unsafe_ptr()), T, D, F, ctx, allow_tc=False,
         )
@@ -119,7 +125,7 @@ def _case[
 
 def _bench[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, iters: Int) raises:
     var bufs = _Bufs[dtype](ctx, T, D, F, 5)
-    var pb = device_params(ctx, Float32(1e-6), Float32(1.0))
+    var pb = device_params(ctx, Float32(1e-6), Float32(1.0), Float32(0.0))
     _run_op[dtype](ctx, bufs, T, D, F, pb)  # warm-up
     ctx.synchronize()
     var t0 = now_ns()
@@ -136,16 +142,17 @@ def _bench[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, iters: Int)
 def _bench_path[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, iters: Int, tc_min_t: Int) raises:
     """Time one path explicitly (tc_min_t <= T: tensor-core matmuls, else the GEMV kernels)."""
     var bufs = _Bufs[dtype](ctx, T, D, F, 6)
-    var pb = device_params(ctx, Float32(1e-6), Float32(1.0))
+    var pb = device_params(ctx, Float32(1e-6), Float32(1.0), Float32(0.0))
 
     var o, x, wg = _mut(bufs.o.unsafe_ptr()), _mut(bufs.x.unsafe_ptr()), _mut(bufs.wg.unsafe_ptr())
     var wu, wd, nw = _mut(bufs.wu.unsafe_ptr()), _mut(bufs.wd.unsafe_ptr()), _mut(bufs.nw.unsafe_ptr())
     var pp = _mut(pb.unsafe_ptr())
-    swiglu_ffn_gpu[dtype](o, x, wg, wu, wd, nw, pp, T, D, F, ctx, tc_min_t=tc_min_t)
+    var rs = _mut(bufs.rstd.unsafe_ptr())
+    swiglu_ffn_gpu[dtype](o, rs, x, wg, wu, wd, nw, pp, T, D, F, ctx, tc_min_t=tc_min_t)
     ctx.synchronize()
     var t0 = now_ns()
     for _ in range(iters):
-        swiglu_ffn_gpu[dtype](o, x, wg, wu, wd, nw, pp, T, D, F, ctx, tc_min_t=tc_min_t)
+        swiglu_ffn_gpu[dtype](o, rs, x, wg, wu, wd, nw, pp, T, D, F, ctx, tc_min_t=tc_min_t)
     ctx.synchronize()
     var ns = Float64(now_ns() - t0) / Float64(iters)
     print("PERF swiglu_ffn path=", "tc" if tc_min_t <= T else "gemv", "T", T, "us=", ns / 1000.0,

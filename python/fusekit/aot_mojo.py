@@ -1,6 +1,6 @@
 """Compile the GPU branch of every fusekit Mojo op ahead of time, for sm_90 and gfx942, on a CPU.
 
-    PYTHONPATH=python python -m fusekit.aot_mojo [--targets sm_90,gfx942] [--only rope,rms_norm] [--jobs N]
+    PYTHONPATH=python python -m fusekit.aot_mojo [--targets sm_90,gfx942] [--only rope,layer_norm] [--jobs N]
                                                  [--exe DIR]   # also build runnable sm_90 harness exes
 
 `mojo precompile` and MAX CPU graphs never elaborate `execute["gpu"]`, so GPU-branch errors (an `Int`

@@ -1,6 +1,6 @@
 """Compile every Triton kernel config fusekit can launch, ahead of time, for sm_90 and gfx942, on a CPU.
 
-    PYTHONPATH=python:. python -m fusekit.aot_triton [--jobs N] [--only rope,rms_norm]
+    PYTHONPATH=python:. python -m fusekit.aot_triton [--jobs N] [--only rope,layer_norm]
 
 Each `kernels_triton/<op>.py` exports `aot_specs()` -> [(name, jit_fn, signature, constexprs[, options])].
 Launch options (`num_warps`, `num_stages`, ...) may be given in the optional fifth element or as keys of
@@ -28,7 +28,6 @@ from pathlib import Path
 # Fusion of a*b+c into FMA is what the launched kernels get on Triton 3.6; say so explicitly (3.9 warns).
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-MODULES = ("reduce_sum", "rms_norm", "layer_norm", "rope", "swiglu_ffn", "attention")
 OPTION_KEYS = (
     "num_warps",
     "num_stages",
@@ -115,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if str(_ROOT) not in sys.path:
         sys.path.insert(0, str(_ROOT))
-    wanted = [m for m in MODULES if not args.only or m in args.only.split(",")]
+    from fusekit.ops import OPS
+
+    wanted = [m for m in OPS if not args.only or m in args.only.split(",")]
     jobs: list[tuple[str, int, str]] = []
     for mod_name in wanted:
         if importlib.util.find_spec(f"kernels_triton.{mod_name}") is None:

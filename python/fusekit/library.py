@@ -1,9 +1,21 @@
-"""The ops as torch.library custom ops, so torch.compile(fullgraph=True) traces them as single nodes.
+"""Running an op from its spec: outputs, providers, the torch.library custom ops and autograd.
 
-Each custom op takes flattened, contiguous, validated inputs plus the requested backend name, resolves
-the backend at run time, allocates the outputs and calls the provider (destination-passing). Empty
-problems are answered here, so providers never see them. In eager mode `fusekit.ops` calls the same
-implementation directly and skips the dispatcher's per-call cost.
+Every public op ends in `apply(spec, inputs, scalars, backend)` with flattened, contiguous, validated
+inputs (inputs the spec marks `strided` may be views: they reach a provider that `reads_strides` as they
+are when their last dim is contiguous, and as contiguous copies otherwise). Two ways through, one meaning:
+
+- Eager with no gradient to record (no input requires grad, or grad mode is off): `run` directly —
+  allocate the outputs, resolve the backend, call the provider. This skips the dispatcher's per-call
+  cost on the inference hot path.
+- Otherwise (an input requires grad, or torch.compile is tracing): the custom op
+  `torch.ops.fusekit.<op>`, whose autograd formula (registered once per op, here) saves what the
+  spec says and calls `torch.ops.fusekit.<op>_backward`. torch.compile(fullgraph=True) sees both as
+  single nodes with fake implementations.
+
+A call that needs a gradient resolves its backend for both phases before running anything, so a
+backend without a backward raises naming op, backend and input instead of detaching silently.
+Absent optional outputs travel through the custom ops as 0-element placeholders and come back as
+None. Empty problems are answered here (outputs zero-filled), so providers never see them.
 """
 
 from __future__ import annotations
@@ -12,119 +24,317 @@ import torch
 from torch import Tensor
 
 from fusekit import dispatch, outputs
+from fusekit.ops._spec import BACKWARD, FORWARD, SAVE, OpSpec
+
+_SPECS: dict[str, OpSpec] = {}
 
 
-def _rows(x: Tensor) -> tuple[int, ...]:
-    return (x.shape[0],)
+# --- one phase on one backend ----------------------------------------------------------------------
+def _device(values: tuple[Tensor | None, ...]) -> torch.device:
+    return next(v.device for v in values if v is not None)
 
 
-# --- reduce_sum ------------------------------------------------------------------------------------
-def reduce_sum_impl(x: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
-    out = outputs.empty(_rows(x), out_dtype, x.device)
-    if x.numel() == 0:
-        return out.zero_()
-    dispatch.resolve("reduce_sum", backend, x.device, x.dtype, out_dtype=out_dtype).reduce_sum(out, x)
-    return out
+_STRIDED: dict[tuple[str, str], tuple[int, ...]] = {}
 
 
-# --- rms_norm --------------------------------------------------------------------------------------
-def rms_norm_impl(x: Tensor, weight: Tensor, eps: float, backend: str) -> tuple[Tensor, Tensor]:
-    out = outputs.empty(x.shape, x.dtype, x.device)
-    rstd = outputs.empty(_rows(x), torch.float32, x.device)
-    if x.numel():
-        dispatch.resolve("rms_norm", backend, x.device, x.dtype).rms_norm(out, rstd, x, weight, eps)
-    return out, rstd
+def _strided(spec: OpSpec, phase: str) -> tuple[int, ...]:
+    """Positions of the phase's inputs that the spec lets arrive as strided views."""
+    key = (spec.name, phase)
+    pos = _STRIDED.get(key)
+    if pos is None:
+        pos = _STRIDED[key] = tuple(i for i, a in enumerate(spec.phase(phase).inputs) if a.strided)
+    return pos
 
 
-# --- layer_norm ------------------------------------------------------------------------------------
-def layer_norm_impl(
-    x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, backend: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    out = outputs.empty(x.shape, x.dtype, x.device)
-    mean = outputs.empty(_rows(x), torch.float32, x.device)
-    rstd = outputs.empty(_rows(x), torch.float32, x.device)
-    if x.numel():
-        b = dispatch.resolve("layer_norm", backend, x.device, x.dtype)
-        b.layer_norm(out, mean, rstd, x, weight, bias, eps)
-    return out, mean, rstd
+class _Plan:
+    """Everything a call signature decides once (FlashInfer's plan/run split): output layouts, the
+    provider, the scalars it receives, whether the problem is empty, the device guard, and which strided
+    inputs the provider needs as contiguous copies (`contig`)."""
+
+    __slots__ = ("contig", "empty", "guard", "kscalars", "layout", "provider")
+
+    def __init__(
+        self, spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend: str, cond: dict
+    ) -> None:
+        named = dict(zip(spec.scalar_names, scalars))
+        device = _device(inputs)
+        p = spec.phase(phase)
+        self.layout = tuple(spec.output_layout(phase, inputs, named, cond))
+        self.empty = inputs[0] is not None and inputs[0].numel() == 0
+        key = tuple(spec.dtype_of(v, p.inputs, inputs, named) for v in spec.dtype_vars)
+        meta = spec.meta(dict(zip((a.name for a in p.inputs), inputs)), named)
+        self.provider = (
+            None if self.empty else dispatch.resolve(spec.name, backend, device, key, phase=phase, **meta)
+        )
+        self.kscalars = spec.kernel_scalars(scalars)
+        self.guard = device.type == "cuda"
+        # Strided views go through as they are only to a provider that reads strides, and only with a
+        # contiguous last dim (the kernels index it directly); the strides are in the plan's signature.
+        reads = self.provider is not None and self.provider.reads_strides
+        self.contig = tuple(
+            i
+            for i in _strided(spec, phase)
+            if inputs[i] is not None
+            and not (reads and inputs[i].stride(-1) == 1)
+            and not inputs[i].is_contiguous()
+        )
 
 
-# --- rope ------------------------------------------------------------------------------------------
-def rope_impl(
-    x: Tensor,
-    cos: Tensor | None,
-    sin: Tensor | None,
-    start_pos: int,
-    theta: float,
-    interleaved: bool,
+_PLANS: dict[tuple, _Plan] = {}
+_PLAN_CACHE = 4096  # signatures kept; a model has a few dozen, a shape sweep more
+
+
+def _signature(spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend: str, cond: dict) -> tuple:
+    sig = (
+        spec.name,
+        phase,
+        backend,
+        scalars,
+        tuple(cond.values()),
+        tuple(None if t is None else (t.shape, t.dtype, t.device) for t in inputs),
+    )
+    strided = _strided(spec, phase)
+    if strided:  # a view's layout decides whether it is copied (see _Plan.contig)
+        sig += tuple(None if inputs[i] is None else inputs[i].stride() for i in strided)
+    return sig
+
+
+def run(
+    spec: OpSpec,
+    phase: str,
+    inputs: tuple[Tensor | None, ...],
+    scalars: tuple,
     backend: str,
-) -> Tensor:
-    out = outputs.empty(x.shape, x.dtype, x.device)
-    if x.numel():
-        b = dispatch.resolve("rope", backend, x.device, x.dtype, tables=cos is not None)
-        b.rope(out, x, cos, sin, start_pos, theta, interleaved)
-    return out
+    cond: dict[str, bool],
+) -> tuple[Tensor | None, ...]:
+    """Allocate `phase`'s outputs and have the resolved provider fill them (plan cached per signature)."""
+    sig = _signature(spec, phase, inputs, scalars, backend, cond)
+    plan = _PLANS.get(sig)
+    if plan is None:
+        plan = _Plan(spec, phase, inputs, scalars, backend, cond)
+        if len(_PLANS) >= _PLAN_CACHE:
+            _PLANS.clear()
+        _PLANS[sig] = plan
+    device = _device(inputs)
+    if plan.contig:
+        inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
+    empty = outputs.empty
+    outs = tuple(None if lay is None else empty(lay[0], lay[1], device) for lay in plan.layout)
+    if plan.empty:
+        for o in outs:
+            if o is not None:
+                o.zero_()
+        return outs
+    if plan.guard and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):  # launch on the tensors' GPU, not the current one
+            plan.provider.run(spec, phase, outs, inputs, plan.kscalars)
+    else:
+        plan.provider.run(spec, phase, outs, inputs, plan.kscalars)
+    return outs
 
 
-# --- swiglu_ffn ------------------------------------------------------------------------------------
-def swiglu_ffn_impl(
-    x: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    norm_weight: Tensor | None,
-    eps: float,
-    backend: str,
-) -> Tensor:
-    out = outputs.empty(x.shape, x.dtype, x.device)
-    if x.numel():
-        b = dispatch.resolve("swiglu_ffn", backend, x.device, x.dtype)
-        b.swiglu_ffn(out, x, w_gate, w_up, w_down, norm_weight, eps)
-    return out
+def clear_plans() -> None:
+    """Forget cached call plans (dispatch.clear_cache calls this)."""
+    _PLANS.clear()
 
 
-# --- attention -------------------------------------------------------------------------------------
-def attention_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, backend: str) -> Tensor:
-    out = outputs.empty(q.shape, q.dtype, q.device)
-    if q.numel():
-        b = dispatch.resolve("attention", backend, q.device, q.dtype, head_dim=q.shape[-1])
-        b.attention(out, q, k, v, causal, scale)
-    return out
+# --- the public entry ------------------------------------------------------------------------------
+def _needs_grad(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> list[str]:
+    if not torch.is_grad_enabled():
+        return []
+    return [
+        a.name
+        for a, v in zip(spec.forward.inputs, inputs)
+        if a.name in spec.grad_inputs and v is not None and v.requires_grad
+    ]
 
 
-# --- registration ----------------------------------------------------------------------------------
-def _register(name: str, impl, fake) -> None:
-    op = torch.library.custom_op(f"fusekit::{name}", mutates_args=())(impl)
-    op.register_fake(fake)
+def _check_backward(
+    spec: OpSpec, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str, who: list[str]
+) -> str:
+    """The backend both phases run on; raises (naming op, backend, input) when it has no backward."""
+    named = dict(zip(spec.scalar_names, scalars))
+    key = tuple(spec.dtype_of(v, spec.forward.inputs, inputs, named) for v in spec.dtype_vars)
+    meta = spec.meta(dict(zip((a.name for a in spec.forward.inputs), inputs)), named)
+    device = _device(inputs)
+    try:
+        chosen = dispatch.resolve(spec.name, backend, device, key, phase=BACKWARD, **meta).name
+    except ValueError as exc:
+        raise ValueError(
+            f"{who[0]}: requires grad, but {spec.name} has no backward here: {exc}. Detach the input, "
+            "run under torch.no_grad(), or pick a backend with a backward (backend='torch' always has one)"
+        ) from exc
+    return chosen
 
 
-def _empty_rows(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    return x.new_empty(_rows(x), dtype=dtype)
+def apply(
+    spec: OpSpec, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str
+) -> tuple[Tensor | None, ...]:
+    """Forward of `spec` on prepared inputs: direct, or through the custom op when grads or compile need it."""
+    who = _needs_grad(spec, inputs)
+    if who and spec.backward is None:
+        if spec.grad_view is None:
+            raise ValueError(f"{who[0]}: requires grad, but {spec.name} has no gradient")
+    elif who:
+        # Pin the backend for both phases: forward and backward must be one backend's pair.
+        backend = _check_backward(spec, inputs, scalars, backend, who)
+    elif not torch.compiler.is_compiling():
+        return run(spec, FORWARD, inputs, scalars, backend, spec.conditions(inputs, save=False))
+    outs = _as_tuple(getattr(torch.ops.fusekit, spec.name)(*inputs, *scalars, backend, bool(who)))
+    cond = spec.conditions(inputs, save=bool(who))
+    return tuple(
+        None if a.when is not None and not cond.get(a.when) else o for a, o in zip(spec.forward.outputs, outs)
+    )
 
 
-_register("reduce_sum", reduce_sum_impl, lambda x, out_dtype, backend: _empty_rows(x, out_dtype))
-_register("rms_norm", rms_norm_impl, lambda x, w, eps, backend: (torch.empty_like(x), _empty_rows(x)))
-_register(
-    "layer_norm",
-    layer_norm_impl,
-    lambda x, w, b, eps, backend: (torch.empty_like(x), _empty_rows(x), _empty_rows(x)),
-)
-_register("rope", rope_impl, lambda x, cos, sin, start_pos, theta, interleaved, backend: torch.empty_like(x))
-_register("swiglu_ffn", swiglu_ffn_impl, lambda x, wg, wu, wd, nw, eps, backend: torch.empty_like(x))
-_register("attention", attention_impl, lambda q, k, v, causal, scale, backend: torch.empty_like(q))
-
-_IMPLS = {
-    "reduce_sum": reduce_sum_impl,
-    "rms_norm": rms_norm_impl,
-    "layer_norm": layer_norm_impl,
-    "rope": rope_impl,
-    "swiglu_ffn": swiglu_ffn_impl,
-    "attention": attention_impl,
-}
+# --- custom ops ------------------------------------------------------------------------------------
+def _schema_tensor(arg, optional: bool) -> str:
+    return f"Tensor{'?' if optional else ''} {arg.name}"
 
 
-def call(op: str, *args):
-    """Run op `op`: through the custom op while torch.compile traces, directly otherwise."""
-    if torch.compiler.is_compiling():
-        return getattr(torch.ops.fusekit, op)(*args)
-    return _IMPLS[op](*args)
+def _placeholders(device: torch.device, outs: tuple[Tensor | None, ...]) -> tuple[Tensor, ...] | Tensor:
+    """What a custom op returns: absent outputs as 0-element tensors; one output as itself (schema rule)."""
+    res = tuple(o if o is not None else torch.empty(0, device=device) for o in outs)
+    return res[0] if len(res) == 1 else res
+
+
+def _as_tuple(outs: Tensor | tuple | list) -> tuple:
+    return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+
+
+def _register(spec: OpSpec) -> None:
+    n_in, n_sc = len(spec.forward.inputs), len(spec.scalars)
+    fwd_args = ", ".join(
+        [_schema_tensor(a, a.optional) for a in spec.forward.inputs]
+        + [s.schema for s in spec.scalars]
+        + ["str backend", "bool save"]
+    )
+    fwd_ret = ", ".join("Tensor" for _ in spec.forward.outputs)
+
+    def split(args: tuple) -> tuple[tuple, tuple, str, bool]:
+        return args[:n_in], args[n_in : n_in + n_sc], args[n_in + n_sc], args[n_in + n_sc + 1]
+
+    def forward_impl(*args):
+        ins, sc, backend, save = split(args)
+        outs = run(spec, FORWARD, ins, sc, backend, spec.conditions(ins, save))
+        return _placeholders(_device(ins), outs)
+
+    def forward_fake(*args):
+        ins, sc, _, save = split(args)
+        named = dict(zip(spec.scalar_names, sc))
+        lay = spec.output_layout(FORWARD, ins, named, spec.conditions(ins, save))
+        dev = _device(ins)
+        return _placeholders(
+            dev, tuple(None if lo is None else torch.empty(lo[0], dtype=lo[1], device=dev) for lo in lay)
+        )
+
+    op = torch.library.custom_op(
+        f"fusekit::{spec.name}", forward_impl, mutates_args=(), schema=f"({fwd_args}) -> ({fwd_ret})"
+    )
+    op.register_fake(forward_fake)
+    in_names = tuple(a.name for a in spec.forward.inputs)
+    out_names = tuple(a.name for a in spec.forward.outputs)
+    if spec.backward is None:
+        if spec.grad_view is not None:
+            _register_view_grad(op, spec, split, in_names, out_names, n_sc)
+        return
+
+    bp = spec.backward
+    n_bin = len(bp.inputs)
+    bwd_args = ", ".join(
+        [_schema_tensor(a, a.optional) for a in bp.inputs]
+        + [s.schema for s in spec.scalars]
+        + ["str backend"]
+        + [f"bool has_{c}" for c in bp.conditions]  # has_: a condition may share an input's name
+    )
+    bwd_ret = ", ".join("Tensor" for _ in bp.outputs)
+
+    def bsplit(args: tuple) -> tuple[tuple, tuple, str, dict[str, bool]]:
+        ins, sc = args[:n_bin], args[n_bin : n_bin + n_sc]
+        backend = args[n_bin + n_sc]
+        return ins, sc, backend, dict(zip(bp.conditions, args[n_bin + n_sc + 1 :]))
+
+    def backward_impl(*args):
+        ins, sc, backend, cond = bsplit(args)
+        return _placeholders(_device(ins), run(spec, BACKWARD, ins, sc, backend, cond))
+
+    def backward_fake(*args):
+        ins, sc, _, cond = bsplit(args)
+        lay = spec.output_layout(BACKWARD, ins, dict(zip(spec.scalar_names, sc)), cond)
+        dev = _device(ins)
+        return _placeholders(
+            dev, tuple(None if lo is None else torch.empty(lo[0], dtype=lo[1], device=dev) for lo in lay)
+        )
+
+    bop = torch.library.custom_op(
+        f"fusekit::{spec.name}_backward",
+        backward_impl,
+        mutates_args=(),
+        schema=f"({bwd_args}) -> ({bwd_ret})",
+    )
+    bop.register_fake(backward_fake)
+
+    def setup_context(ctx, inputs, output) -> None:
+        ins, sc, backend, save = split(tuple(inputs))
+        cond = spec.conditions(ins, save)
+        outs = {
+            n: None if a.when is not None and not cond.get(a.when) else o
+            for n, a, o in zip(out_names, spec.forward.outputs, _as_tuple(output))
+        }
+        ctx.save_for_backward(*spec.save(dict(zip(in_names, ins)), outs))
+        ctx.fusekit = (sc, backend, cond, tuple(v is not None for v in ins))
+        # Statistics and saved values carry no gradient (as torch's own native_layer_norm's mean/rstd):
+        # marking them says so, instead of silently dropping what would flow into them.
+        stats = [o for a, o in zip(spec.forward.outputs, outs.values()) if not a.grad and o is not None]
+        if stats:
+            ctx.mark_non_differentiable(*stats)
+
+    def backward(ctx, *grads):
+        sc, backend, cond, present = ctx.fusekit
+        # Autograd materializes unused outputs' grads as zeros; absent outputs' placeholders map to None.
+        g = {
+            n: None if gr is None or (a.when is not None and not cond.get(a.when)) else gr.contiguous()
+            for n, a, gr in zip(out_names, spec.forward.outputs, grads)
+        }
+        bins = spec.backward_inputs(ctx.saved_tensors, g, cond)
+        bop_ = getattr(torch.ops.fusekit, f"{spec.name}_backward")
+        bouts = _as_tuple(bop_(*bins, *sc, backend, *(cond[c] for c in bp.conditions)))
+        named = {
+            a.name: (None if a.when is not None and not cond.get(a.when) else o)
+            for a, o in zip(bp.outputs, bouts)
+        }
+        gin = spec.input_grads(named, cond)
+        gin = tuple(v if p and needed else None for v, p, needed in zip(gin, present, ctx.needs_input_grad))
+        return (*gin, *(None for _ in range(n_sc + 2)))
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def _register_view_grad(op, spec: OpSpec, split, in_names, out_names, n_sc: int) -> None:
+    """Autograd for an op whose gradient is a view of its output grads (no backward kernel)."""
+
+    def setup_context(ctx, inputs, output) -> None:
+        ins = split(tuple(inputs))[0]
+        ctx.fusekit = tuple(None if v is None else (v.shape, v.dtype) for v in ins)
+
+    def backward(ctx, *grads):
+        gin = spec.grad_view(dict(zip(out_names, grads)), ctx.fusekit)
+        gin = tuple(v if needed else None for v, needed in zip(gin, ctx.needs_input_grad))
+        return (*gin, *(None for _ in range(n_sc + 2)))
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def register(spec: OpSpec) -> OpSpec:
+    """Register an op's custom ops and autograd formula (once per process); returns the spec."""
+    if spec.name not in _SPECS:
+        _register(spec)
+        _SPECS[spec.name] = spec
+    return spec
+
+
+def specs() -> dict[str, OpSpec]:
+    return dict(_SPECS)
+
+
+__all__ = ["SAVE", "apply", "register", "run", "specs"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from fusekit.backends.base import OPS, Backend, BackendUnavailable
+from fusekit.backends.base import Backend, BackendUnavailable
 
 # name -> "module:Class"; the order is the order `available()` lists them in.
 _REGISTRY: dict[str, str] = {
@@ -19,7 +19,7 @@ _REGISTRY: dict[str, str] = {
 }
 _INSTANCES: dict[str, Backend] = {}
 
-__all__ = ["OPS", "Backend", "BackendUnavailable", "available", "get", "names"]
+__all__ = ["Backend", "BackendUnavailable", "available", "get", "names"]
 
 
 def names() -> tuple[str, ...]:

@@ -1,31 +1,23 @@
 """The provider contract every fusekit backend implements.
 
-The public API (`fusekit.ops`) validates arguments once, makes inputs contiguous, flattens leading
+The library (`fusekit.library`) validates arguments once, makes inputs contiguous, flattens leading
 dims, allocates the outputs and then calls a provider in destination-passing style (outputs first,
-as MAX's custom ops do). A provider therefore only ever sees:
+as MAX's custom ops do), for any op, from its spec (`fusekit.ops.<op>.SPEC`):
 
-- contiguous tensors on one device, with dtypes and shapes already checked;
+    run(spec, phase, outputs, inputs, scalars)     # phase: "forward" or "backward"
+
+A provider therefore only ever sees:
+- contiguous tensors on one device, with dtypes and shapes already checked, in the order of
+  `spec.phase(phase).outputs` / `.inputs`; an absent optional tensor is None. Exception: an input the
+  spec marks `strided` (attention's k/v, read in place from a KV cache) reaches a provider that sets
+  `reads_strides = True` as the caller's view, with its last dim contiguous (stride 1);
 - outputs it must fully overwrite (tests poison them with NaN first);
-- non-empty problems (empty ones are answered by `fusekit.ops` without calling a provider).
-
-Provider methods (all return None):
-
-    reduce_sum(out[M], x[M, N])                    # out.dtype is the result dtype; fp32 accumulation
-                                                   # for floating x (int64 for integer x); dim=None
-                                                   # arrives as M == 1
-    rms_norm(out[M, N], rstd[M] f32, x[M, N], weight[N], eps)
-    layer_norm(out[M, N], mean[M] f32, rstd[M] f32, x[M, N], weight[N], bias[N] | None, eps)
-    rope(out[B, S, H, D], x[B, S, H, D], cos[St, D/2] f32 | None, sin[St, D/2] f32 | None,
-         start_pos, theta, interleaved)            # tables are indexed at row start_pos + s
-    swiglu_ffn(out[T, D], x[T, D], w_gate[F, D], w_up[F, D], w_down[D, F], norm_weight[D] | None, eps)
-    attention(out[B, H, S, D], q[B, H, S, D], k[B, Hkv, Skv, D], v[B, Hkv, Skv, D], causal, scale)
+- non-empty problems (empty ones are answered by the library without calling a provider).
 """
 
 from __future__ import annotations
 
 import torch
-
-OPS: tuple[str, ...] = ("reduce_sum", "rms_norm", "layer_norm", "rope", "swiglu_ffn", "attention")
 
 
 class BackendUnavailable(RuntimeError):
@@ -33,10 +25,13 @@ class BackendUnavailable(RuntimeError):
 
 
 class Backend:
-    """Base class: subclasses set `name`, override `_load` and the op methods they implement."""
+    """Base class: subclasses set `name`, override `_load`, `supports` and `run`."""
 
     name: str = ""
     install_hint: str = ""
+    # True: the kernels read `strided` spec inputs through their strides (last dim contiguous), so the
+    # library passes such views without copying them; False: the library makes them contiguous first.
+    reads_strides: bool = False
 
     def __init__(self) -> None:
         self._checked = False
@@ -62,11 +57,15 @@ class Backend:
         return self.unavailable_reason() is None
 
     # --- capability ---------------------------------------------------------------------
-    def supports(self, op: str, device: torch.device, dtype: torch.dtype, **meta: object) -> str | None:
-        """None if this backend runs `op` for these arguments, else the reason it does not.
+    def supports(
+        self, op: str, phase: str, device: torch.device, dtypes: tuple[torch.dtype, ...], **meta: object
+    ) -> str | None:
+        """None if this backend runs `phase` of `op` for these arguments, else the reason it does not.
 
-        `meta` carries op-specific facts: `head_dim` for attention, `out_dtype` for reduce_sum.
+        `dtypes` are the op's dtype variables in `spec.dtype_vars` order (x first); `meta` carries
+        op-specific facts from `spec.meta` (head_dim for attention, tables for rope, ...).
         """
-        if not hasattr(self, op):
-            return f"backend {self.name!r} does not implement {op}"
-        return None
+        return f"backend {self.name!r} implements no ops"
+
+    def run(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
+        raise NotImplementedError

@@ -1,7 +1,9 @@
-"""The `triton` backend: binds the kernels in `kernels_triton/` (one file per op) to the provider API.
+"""The `triton` backend: runs `kernels_triton/<op>.py`'s `forward` / `backward` for any op from its spec.
 
 On a CUDA/ROCm device the kernels are compiled by Triton; on the CPU they run in Triton's interpreter,
-which must be switched on (TRITON_INTERPRET=1) before triton is first imported.
+which must be switched on (TRITON_INTERPRET=1) before triton is first imported. The interpreter is not
+thread-safe (concurrent calls raise InterpreterError or return wrong values), so its launches are
+serialised with one lock; compiled launches run concurrently.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import threading
 from types import ModuleType
 
 import torch
@@ -17,6 +20,8 @@ from fusekit.backends.base import Backend
 
 # The interpreter's bf16 tl.dot is wrong (TRITON_FACTS.md): refuse rather than return garbage.
 _DOT_OPS = ("swiglu_ffn", "attention")
+HEAD_DIMS = (64, 128, 256)
+_INTERPRETER_LOCK = threading.RLock()
 
 
 def _has_kernel(op: str) -> bool:
@@ -29,6 +34,11 @@ def _has_kernel(op: str) -> bool:
 class TritonBackend(Backend):
     name = "triton"
     install_hint = "pip install 'fusekit[triton]'"
+    reads_strides = True  # attention reads k/v views (a KV cache in place) through their strides
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._modules: dict[str, ModuleType] = {}
 
     def _load(self) -> None:
         import triton  # noqa: F401 - raises ImportError with the reason when missing
@@ -36,39 +46,40 @@ class TritonBackend(Backend):
         self._interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
     def _kernels(self, op: str) -> ModuleType:
-        return importlib.import_module(f"kernels_triton.{op}")
+        mod = self._modules.get(op)
+        if mod is None:
+            mod = self._modules[op] = importlib.import_module(f"kernels_triton.{op}")
+        return mod
 
-    def supports(self, op: str, device: torch.device, dtype: torch.dtype, **meta: object) -> str | None:
-        if not _has_kernel(op):
-            return f"kernels_triton/{op}.py is not part of this installation"
+    def supports(
+        self, op: str, phase: str, device: torch.device, dtypes: tuple[torch.dtype, ...], **meta: object
+    ) -> str | None:
+        if dtypes[0] == torch.float64:
+            return "float64 runs on the torch backend only"
         if device.type == "cpu":
             if not self._interpret:
                 return (
                     "triton runs on the CPU only in its interpreter: set TRITON_INTERPRET=1 before "
                     "triton is imported"
                 )
-            if op in _DOT_OPS and dtype == torch.bfloat16:
+            if op in _DOT_OPS and dtypes[0] == torch.bfloat16:
                 return "the Triton CPU interpreter computes bf16 tl.dot wrongly; run bf16 on a GPU"
         elif device.type != "cuda":
             return f"triton does not run on device type {device.type!r}"
         elif self._interpret:
             return "TRITON_INTERPRET=1 is set, so triton cannot launch on the GPU"
+        if op == "attention" and meta.get("head_dim") not in HEAD_DIMS:
+            return f"head dim {meta.get('head_dim')} is not supported (supported: 64, 128, 256)"
+        if not _has_kernel(op):
+            return f"kernels_triton/{op}.py is not part of this installation"
+        if not hasattr(self._kernels(op), phase):
+            return f"kernels_triton/{op}.py has no {phase} kernel"
         return None
 
-    def reduce_sum(self, out, x) -> None:
-        self._kernels("reduce_sum").reduce_sum(out, x)
-
-    def rms_norm(self, out, rstd, x, weight, eps: float) -> None:
-        self._kernels("rms_norm").rms_norm(out, rstd, x, weight, eps)
-
-    def layer_norm(self, out, mean, rstd, x, weight, bias, eps: float) -> None:
-        self._kernels("layer_norm").layer_norm(out, mean, rstd, x, weight, bias, eps)
-
-    def rope(self, out, x, cos, sin, start_pos: int, theta: float, interleaved: bool) -> None:
-        self._kernels("rope").rope(out, x, cos, sin, start_pos, theta, interleaved)
-
-    def swiglu_ffn(self, out, x, w_gate, w_up, w_down, norm_weight, eps: float) -> None:
-        self._kernels("swiglu_ffn").swiglu_ffn(out, x, w_gate, w_up, w_down, norm_weight, eps)
-
-    def attention(self, out, q, k, v, causal: bool, scale: float) -> None:
-        self._kernels("attention").attention(out, q, k, v, causal, scale)
+    def run(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
+        fn = getattr(self._kernels(spec.name), phase)
+        if self._interpret:
+            with _INTERPRETER_LOCK:
+                fn(*outputs, *inputs, *scalars)
+        else:
+            fn(*outputs, *inputs, *scalars)

@@ -6,7 +6,8 @@ Why several processes: once MAX has run on a GPU its device allocator keeps most
 memory, so torch's large reference tensors no longer fit in the same process. The mojo backend (and
 MAX's own attention) is therefore timed in its own process on the same machine, minutes apart, and
 the rows are merged here. Speedups are recomputed per case against the baselines in the merged
-rows; `meta.merged_from` records each source's command, commit and date.
+rows; `meta.merged_from` records each source run's command, commit, date and versions, and each row
+its run (`source`), so the report can say exactly which commit timed which row.
 """
 
 from __future__ import annotations
@@ -16,25 +17,23 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from fusekit.bench.run import _speedups
+from fusekit.bench.results import file_name, runs, suite_of
+from fusekit.bench.run import speedups
 
 
 def merge(docs: list[dict]) -> dict:
-    """One document per op: the first document's meta and ceilings, every row (later files win).
-
-    Merging an already merged file keeps its rows' sources.
+    """One document per op and suite: the first document's meta and ceilings, every row (later files
+    win). Merging an already merged file keeps its rows' sources.
     """
-    ops = {d["op"] for d in docs}
-    if len(ops) != 1:
-        raise ValueError(f"files hold different ops: {sorted(ops)}")
+    kinds = {(d["op"], suite_of(d)) for d in docs}
+    if len(kinds) != 1:
+        raise ValueError(f"files hold different ops or suites: {sorted(kinds)}")
     out = json.loads(json.dumps(docs[0]))
     rows: dict[tuple[str, str], dict] = {}
     sources: list[dict] = []
     for d in docs:
         # each row keeps `source`: its index in meta.merged_from (command, commit, date of its run)
-        own = d["meta"].get("merged_from") or [
-            {k: d["meta"].get(k) for k in ("command", "git_commit", "date")}
-        ]
+        own = runs(d)
         for r in d["rows"]:
             r = dict(r, source=len(sources) + r.get("source", 0))
             key = (r["case"], r["provider"])
@@ -45,7 +44,7 @@ def merge(docs: list[dict]) -> dict:
     for r in rows.values():
         by_case[r["case"]].append(r)
     for case_rows in by_case.values():
-        _speedups(case_rows)
+        speedups(case_rows)
     out["rows"] = [r for case_rows in by_case.values() for r in case_rows]
     out["truncated"] = any(d.get("truncated") for d in docs)
     out["meta"]["merged_from"] = sources
@@ -53,6 +52,14 @@ def merge(docs: list[dict]) -> dict:
     for d in docs:
         providers.update(d["meta"].get("providers", {}))
     out["meta"]["providers"] = providers
+    # What could not run on the device, from any run, unless another run timed it.
+    timed = {r["provider"] for r in out["rows"] if r.get("status") == "ok"}
+    for key in ("skipped_backends", "skipped_baselines"):
+        merged = {}
+        for d in docs:
+            merged.update(d["meta"].get(key) or {})
+        if merged or key in out["meta"]:
+            out["meta"][key] = {p: why for p, why in merged.items() if p not in timed}
     return out
 
 
@@ -61,14 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="folder to write <op>.json into")
     ap.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args(argv)
-    groups: dict[str, list[dict]] = defaultdict(list)
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for f in args.files:
         doc = json.loads(f.read_text())
-        groups[doc["op"]].append(doc)
+        groups[(doc["op"], suite_of(doc))].append(doc)
     args.out.mkdir(parents=True, exist_ok=True)
-    for op, docs in groups.items():
-        (args.out / f"{op}.json").write_text(json.dumps(merge(docs), indent=1))
-        print(f"{op}: {len(docs)} file(s) -> {args.out / (op + '.json')}")
+    for (op, suite), docs in groups.items():
+        path = args.out / file_name(op, suite)
+        path.write_text(json.dumps(merge(docs), indent=1))
+        print(f"{op} ({suite}): {len(docs)} file(s) -> {path}")
     return 0
 
 

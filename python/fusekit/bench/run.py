@@ -1,5 +1,6 @@
-"""The benchmark loop: for each case, build rotating input sets, compute an independent high-precision
-oracle, then for each provider check correctness first and only then time it."""
+"""The benchmark loop: for each case, build rotating input sets, compute the float64 oracle (outputs,
+and input gradients in the "train" suite), then for each provider check correctness first and only
+then time it. Nothing here knows an op: the case (`bench/cases/<op>.py`) supplies everything."""
 
 from __future__ import annotations
 
@@ -10,58 +11,22 @@ from collections.abc import Callable
 
 import torch
 
-from fusekit import reference
 from fusekit.bench.baselines import Provider
 from fusekit.bench.cases import Case
-from fusekit.bench.timing import Rotation, bench_ms, e2e_ms, kernel_ms, n_rotating_sets
-
-# Sanity tolerances on ‖out − oracle‖ / ‖oracle‖ by output dtype: a few times the output rounding
-# alone (bf16 ≈ 1e-3 RMS, fp16 ≈ 1.4e-4). The conformance tests are the strict check; here a failure
-# means "do not publish a time for this provider".
-TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+from fusekit.bench.timing import (
+    Rotation,
+    bench_ms,
+    e2e_ms,
+    kernel_ms,
+    n_rotating_sets,
+    peak_memory_bytes,
+    wall_per_call_ms,
+)
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def oracle(case: Case, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The op in float64 (attention in float32 when a head's S×S scores would exceed 512 MiB), on the
-    inputs' device, through `fusekit.reference` (which does its math in float64 for float64 inputs)."""
-    up = {k: v.double() for k, v in inputs.items()} if case.op != "attention" else None
-    kw = case.kwargs()
-    if case.op == "reduce_sum":
-        x = up["x"] if kw["dim"] is not None else up["x"].reshape(1, -1)
-        return reference.reduce_sum(x, torch.float64)
-    if case.op == "rms_norm":
-        return reference.rms_norm(up["x"], up["weight"], 1e-6)[0]
-    if case.op == "layer_norm":
-        return reference.layer_norm(up["x"], up["weight"], up["bias"], 1e-5)[0]
-    if case.op == "rope":
-        return reference.rope(up["x"], None, None, 0, 10000.0, False)
-    if case.op == "swiglu_ffn":
-        return reference.swiglu_ffn(up["x"], up["w_gate"], up["w_up"], up["w_down"], None, 1e-6)
-    if case.op == "attention":
-        q, k, v = inputs["q"], inputs["k"], inputs["v"]
-        B, H, S, _ = q.shape
-        Hkv, Skv = k.shape[1], k.shape[2]
-        group = H // Hkv
-        dt = torch.float64 if S * Skv * 8 <= 512 * 2**20 else torch.float32
-        out = torch.empty(q.shape, dtype=dt, device=q.device)
-        # One batch element and one kv head (its query group) at a time bounds the scores' memory.
-        for b in range(B):
-            for hk in range(Hkv):
-                hs = slice(hk * group, (hk + 1) * group)
-                out[b : b + 1, hs] = reference.attention(
-                    q[b : b + 1, hs].to(dt),
-                    k[b : b + 1, hk : hk + 1].to(dt),
-                    v[b : b + 1, hk : hk + 1].to(dt),
-                    kw["causal"],
-                    kw["scale"],
-                )
-        return out
-    raise ValueError(case.op)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -80,17 +45,18 @@ def repro(case: Case, provider: Provider, device: torch.device) -> str:
     who = (
         f"--backends {provider.name} --baselines none"
         if provider.kind == "backend"
-        else (f"--backends none --baselines {provider.name}")
+        else f"--backends none --baselines {provider.name}"
     )
     return (
-        f"PYTHONPATH=python python -m fusekit.bench --device {device.type} --ops {case.op} {who} "
-        f"--case {shlex.quote(case.label)}"
+        f"PYTHONPATH=python python -m fusekit.bench --device {device.type} --suite {case.suite} "
+        f"--ops {case.op} {who} --case {shlex.quote(case.label)}"
     )
 
 
 def _row(case: Case, provider: Provider, device: torch.device) -> dict:
     return {
         "op": case.op,
+        "suite": case.suite,
         "case": case.label,
         "params": dict(case.params),
         "dtype": case.dtype,
@@ -120,7 +86,7 @@ def _derive(row: dict, ceilings: dict) -> None:
     row["bound"] = "compute" if row["flops"] / peak > row["bytes"] / bw else "memory"
 
 
-def _speedups(rows: list[dict]) -> None:
+def speedups(rows: list[dict]) -> None:
     """speedup_vs[b] = time of baseline b / time of this row, for each baseline timed on the same case."""
     base = {r["provider"]: r["time_us"] for r in rows if r["status"] == "ok" and r["kind"] == "baseline"}
     for r in rows:
@@ -128,8 +94,29 @@ def _speedups(rows: list[dict]) -> None:
             r["speedup_vs"] = {b: t / r["time_us"] for b, t in base.items() if b != r["provider"]}
 
 
-def _rotating_call(fn: Callable[..., torch.Tensor], rot: Rotation) -> Callable[[], torch.Tensor]:
+def _rotating_call(fn: Callable[..., tuple], rot: Rotation) -> Callable[[], tuple]:
     return lambda: fn(**rot.next())
+
+
+def _check(
+    case: Case, out: tuple[torch.Tensor, ...], ref: list[torch.Tensor], inputs: dict
+) -> tuple[dict, str | None]:
+    """Per-output relative errors and tolerances; the failure reason, or None."""
+    names = case.output_names(inputs)
+    if len(out) != len(ref):
+        return {}, f"{len(out)} outputs, the oracle has {len(ref)} ({', '.join(names)})"
+    errs = [rel_error(o.detach(), r) for o, r in zip(out, ref)]
+    tols = case.tolerances(out, inputs)
+    worst = max(range(len(errs)), key=lambda i: errs[i] / tols[i] if tols[i] else errs[i])
+    info = {
+        "rel_error": errs[worst],
+        "tolerance": tols[worst],
+        "outputs": names,
+        "rel_errors": errs,
+        "tolerances": tols,
+    }
+    bad = [f"{n} rel error {e:.3g} > tolerance {t:g}" for n, e, t in zip(names, errs, tols) if not e <= t]
+    return info, "; ".join(bad) or None
 
 
 def run_case(
@@ -159,28 +146,35 @@ def run_case(
     if not runnable:
         return rows
 
-    gen = torch.Generator(device=device).manual_seed(seed)
-    in_bytes = case.bytes_moved()
-    sets = [case.make_inputs(device, gen) for _ in range(n_rotating_sets(in_bytes, device))]
-    ref = oracle(case, sets[0])
-    tol = TOLERANCE.get(case.out_dtype(), 1e-2)
+    n_sets = n_rotating_sets(case.bytes_moved(), device)
+
+    def fresh_sets() -> list[dict[str, torch.Tensor]]:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return [case.make_inputs(device, gen) for _ in range(n_sets)]
+
+    sets = fresh_sets()
+    ref = case.oracle(sets[0])
     for prov, row in runnable:
         try:
-            fn = prov.prepare(case, device)
+            fn = case.step(prov.prepare(case, device))
             t0 = time.perf_counter()
             out = fn(**sets[0])
             _sync(device)
             row["first_call_s"] = time.perf_counter() - t0  # includes compilation / graph build
-            err = rel_error(out, ref)
-            row["rel_error"], row["tolerance"] = err, tol
+            info, bad = _check(case, out, ref, sets[0])
+            row.update(info)
             del out
-            if not err <= tol:
-                row["status"], row["reason"] = "failed", f"rel error {err:.3g} > tolerance {tol:g}"
+            if bad is not None:
+                row["status"], row["reason"] = "failed", bad
                 continue
-            rot = Rotation(sets)
-            call = _rotating_call(fn, rot)
+            call = _rotating_call(fn, Rotation(sets))
+            row["peak_mem_bytes"] = peak_memory_bytes(call, device)
             ms, method = bench_ms(call, device, rep_ms=rep_ms)
             row["time_us"], row["method"], row["rotating_sets"] = ms * 1e3, method, len(sets)
+            row["timer"] = "cuda-events" if device.type == "cuda" else "host"
+            row["gpu_us"] = row["time_us"] if device.type == "cuda" else None
+            wall, n = wall_per_call_ms(call, device, rep_ms=rep_ms / 2)
+            row["wall_us"], row["wall_calls"] = wall * 1e3, n
             row["e2e_us"] = e2e_ms(call, device, rep_ms=rep_ms / 2) * 1e3
             k = kernel_ms(call, device) if kernel_time else None
             row["kernel_us"] = k * 1e3 if k is not None else None
@@ -192,10 +186,12 @@ def run_case(
         except Exception as exc:
             row["status"], row["reason"] = "failed", f"{type(exc).__name__}: {str(exc)[:500]}"
         finally:
+            if prov.mutates_inputs(case):  # the next provider gets untouched inputs
+                sets = fresh_sets()
             if on_done:
                 on_done()
     del sets, ref
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    _speedups(rows)
+    speedups(rows)
     return rows

@@ -1,5 +1,6 @@
 """Timing: median device time (CUDA events via `triton.testing.do_bench`, else our own event loop),
-host end-to-end time per call, and optional kernel-only time from the torch profiler.
+host wall-clock per call (back-to-back calls, and one call + sync), peak memory, and optional
+kernel-only time from the torch profiler.
 
 Cold caches: the caller hands in several input sets (`Rotation`) so the working set of small cases
 exceeds the L2 (60 MB on an H200), and `do_bench` additionally overwrites a 256 MB buffer between
@@ -117,6 +118,51 @@ def e2e_ms(
 ) -> float:
     """Median host wall-clock of one call followed by a device sync: launch and host overhead included."""
     return _wall_loop(fn, device, warmup_ms, rep_ms)
+
+
+def wall_per_call_ms(
+    fn: Callable[[], object], device: torch.device, *, rep_ms: float = 50, repeats: int = 3
+) -> tuple[float, int]:
+    """Host wall-clock per call of N back-to-back calls: sync, time N calls with perf_counter, sync.
+
+    What a training or decode loop sees: launch, Python and dispatch overhead included, and hidden
+    behind the device where the device is the slower one. N is sized to about rep_ms / repeats per
+    loop (at least 3 calls, one loop when that is already 3x over budget); the median of the loops'
+    per-call times is returned, with N.
+    """
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    est = max(time.perf_counter() - t0, 1e-6)
+    n = max(3, min(10000, int(rep_ms / 1e3 / repeats / est)))
+    if n * est * repeats > 3 * rep_ms / 1e3:  # slow calls (a loaded CPU): one loop of 3 is enough
+        repeats = 1
+    per_call: list[float] = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync(device)
+        per_call.append((time.perf_counter() - t0) / n * 1e3)
+    return statistics.median(per_call), n
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Device memory one call allocates at its peak above what was allocated before it (outputs, saved
+    activations and gradients included): torch.cuda.max_memory_allocated delta. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out = fn()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del out
+    return int(peak)
 
 
 def kernel_ms(fn: Callable[[], object], device: torch.device, n: int = 5) -> float | None:

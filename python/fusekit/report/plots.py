@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from fusekit.report.tables import MATMUL_OPS, ok_rows
+from fusekit.report.tables import is_matmul, ok_rows
 
 # Fixed colours so a provider looks the same in every plot.
 COLORS = {
@@ -24,6 +24,8 @@ COLORS = {
     "cublas": "tab:green",
     "sdpa": "tab:green",
     "max-attention": "tab:purple",
+    "liger": "tab:olive",
+    "torch-native": "tab:pink",
 }
 MARKERS = {
     "reduce_sum": "o",
@@ -44,13 +46,16 @@ def _color(p: str) -> str:
     return COLORS.get(p, "black")
 
 
-def op_plot(doc: dict, path: Path) -> Path | None:
-    """One PNG per op: a subplot per sub-sweep (group), x = swept size (log2), y = GB/s or TFLOP/s."""
+def op_plot(doc: dict, path: Path, draw: bool = True) -> Path | None:
+    """One PNG per op: a subplot per sub-sweep (group), x = swept size (log2), y = GB/s or TFLOP/s.
+    None when there is nothing to plot; with draw=False only the path it would have."""
     rows = ok_rows(doc)
     if not rows:
         return None
+    if not draw:
+        return path
     op = doc["op"]
-    matmul = op in MATMUL_OPS
+    matmul = is_matmul(doc)
     groups = list(dict.fromkeys(r["group"] for r in rows))
     n = len(groups)
     cols = min(3, n)
@@ -103,11 +108,13 @@ def _device(doc: dict) -> str:
     return doc["meta"].get("gpu_name") or doc["meta"].get("device", "?")
 
 
-def roofline_plot(docs: list[dict], path: Path) -> Path | None:
+def roofline_plot(docs: list[dict], path: Path, draw: bool = True) -> Path | None:
     """Achieved TFLOP/s against FLOP/byte for every timed FFN/attention row, under the measured roof."""
     pts = [(d, r) for d in docs for r in ok_rows(d) if r.get("flops")]
     if not pts:
         return None
+    if not draw:
+        return path
     bw = max(d["ceilings"]["copy"]["gbps"] for d, _ in pts)
     peak = max(d["ceilings"]["matmul"]["tflops"] for d, _ in pts)
     fig, ax = plt.subplots(figsize=(7.5, 5.2))

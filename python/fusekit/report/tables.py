@@ -1,5 +1,6 @@
-"""Markdown tables from committed results: a headline (who wins each op, by how much, from which
-file) and one table per op (every provider's time and rate, winner in bold, speedups over baselines)."""
+"""Markdown tables from results files: a headline (who wins each op, by how much, from which file), one
+table per op and suite (every provider's time and rate, winner in bold, speedups over baselines), and
+the provenance of every timed cell (which run — commit, date, versions, command — measured it)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,24 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-MATMUL_OPS = frozenset({"swiglu_ffn", "attention"})
+from fusekit.bench.results import runs, suite_of
+
+NOT_RECORDED = "n/r"  # a version the run did not record (files merged before versions were kept per run)
 
 
 def ok_rows(doc: dict) -> list[dict]:
     return [r for r in doc["rows"] if r.get("status") == "ok"]
+
+
+def is_matmul(doc: dict) -> bool:
+    """An op whose rows count FLOPs (rates in TFLOP/s); the others are memory-bound (GB/s)."""
+    return any(r.get("flops") for r in doc["rows"])
+
+
+def op_title(doc: dict) -> str:
+    """The op, with its suite when it is not the forward sweep: "layer_norm (train)"."""
+    suite = suite_of(doc)
+    return doc["op"] if suite == "sweep" else f"{doc['op']} ({suite})"
 
 
 def by_case(rows: list[dict]) -> dict[str, dict[str, dict]]:
@@ -25,7 +39,7 @@ def by_case(rows: list[dict]) -> dict[str, dict[str, dict]]:
 
 def providers_in(doc: dict) -> tuple[list[str], list[str]]:
     """(backends, baselines) that apply to the file's op, in first-seen order (a baseline of another op,
-    e.g. SDPA in the rms_norm file, is left out)."""
+    e.g. SDPA in an old norm file, is left out)."""
     seen: dict[str, str] = {}
     for r in doc["rows"]:
         if r.get("status") == "skipped" and str(r.get("reason", "")).endswith(f"has no {doc['op']}"):
@@ -50,9 +64,81 @@ def _us(t: float) -> str:
     return f"{t:.1f}" if t < 1000 else f"{t:,.0f}"
 
 
+def _mib(b: float) -> str:
+    m = b / 2**20
+    return f"{m:.1f} MiB" if m < 100 else f"{m:,.0f} MiB"
+
+
+# --- provenance ----------------------------------------------------------------------------------------
+def commit_str(run: dict) -> str:
+    c = (run.get("git_commit") or "?")[:10]
+    return f"{c}+dirty" if run.get("git_dirty") else c
+
+
+def run_tag(doc: dict, row: dict) -> str:
+    """A superscript naming the row's run, where the file holds more than one run."""
+    if len(runs(doc)) < 2:
+        return ""
+    return f"<sup>{row.get('source', 0) + 1}</sup>"
+
+
+def _ranges(nums: list[int]) -> str:
+    """[1, 2, 3, 5] -> "1–3, 5"."""
+    out, start = [], None
+    for i, n in enumerate(nums):
+        if start is None:
+            start = n
+        if i + 1 == len(nums) or nums[i + 1] != n + 1:
+            out.append(f"{start}" if start == n else f"{start}–{n}")
+            start = None
+    return ", ".join(out)
+
+
+def commits_md(doc: dict) -> str:
+    """Every commit behind a file with the runs it timed: "9ab55b2 (runs 1–3), fd8ab88 (runs 4–5)"; a
+    single-run file names just its commit."""
+    rs = runs(doc)
+    by: dict[str, list[int]] = {}
+    for i, r in enumerate(rs, 1):
+        by.setdefault(commit_str(r), []).append(i)
+    if len(rs) == 1:
+        return next(iter(by))
+    return ", ".join(f"{c} (run{'s' if len(ns) > 1 else ''} {_ranges(ns)})" for c, ns in by.items())
+
+
+def dates_md(doc: dict) -> str:
+    ds = sorted((r.get("date") or "")[:16] for r in runs(doc))
+    return ds[0] if ds[0] == ds[-1] else f"{ds[0]} – {ds[-1][11:] if ds[0][:10] == ds[-1][:10] else ds[-1]}"
+
+
+def runs_md(doc: dict) -> str:
+    """The runs behind a table: commit, date, versions and command of each, and what each timed."""
+    rs = runs(doc)
+    timed: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in ok_rows(doc):
+        timed[r.get("source", 0)][r["provider"]] += 1
+    keys = ("torch", "triton", "max", "mojo", "liger")
+    head = "| run | commit | date | " + " | ".join(keys) + " | command | timed rows |"
+    lines = [head, "|" + "---|" * (len(keys) + 5)]
+    for i, run in enumerate(rs):
+        vers = []
+        for k in keys:
+            v = run.get(k, NOT_RECORDED) if k in run else NOT_RECORDED
+            vers.append("–" if v is None else str(v))
+        who = ", ".join(f"{p} {n}" for p, n in timed.get(i, {}).items()) or "none"
+        cmd = str(run.get("command") or "?").replace("|", "\\|")
+        lines.append(
+            f"| {i + 1} | {commit_str(run)} | {(run.get('date') or '')[:16]} | {' | '.join(vers)} | "
+            f"`{cmd}` | {who} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --- tables -------------------------------------------------------------------------------------------
 def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
-    """Per (device, op): the fusekit backend with the best geometric-mean speedup over the best baseline of
-    each case, with its range, the per-baseline geomeans, how many cases it won, and the source file."""
+    """Per (device, op, suite): the fusekit backend with the best geometric-mean speedup over the best
+    baseline of each case, with its range, the per-baseline geomeans, how many cases it won, and the
+    source file."""
     out = []
     for dev, path, doc in entries:
         cases = by_case(ok_rows(doc))
@@ -80,7 +166,7 @@ def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
                 continue
             cand = {
                 "device": dev,
-                "op": doc["op"],
+                "op": op_title(doc),
                 "backend": b,
                 "speedup": geomean(sp),
                 "min": min(sp),
@@ -118,6 +204,18 @@ def headline_md(items: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(doc: dict, r: dict, fastest: bool) -> str:
+    """Time, (host wall per call in a loop), rate and % of the ceiling, (peak memory); the run tag."""
+    parts = [f"{_us(r['time_us'])} µs"]
+    if r.get("wall_us") is not None:
+        parts.append(f"wall {_us(r['wall_us'])} µs")
+    parts.append(f"{_rate(r)}, {r['pct_of_ceiling']:.0f}%")
+    if r.get("peak_mem_bytes") is not None and suite_of(doc) == "train":
+        parts.append(f"peak {_mib(r['peak_mem_bytes'])}")
+    c = "<br>".join(parts)
+    return (f"**{c}**" if fastest else c) + run_tag(doc, r)
+
+
 def op_table_md(doc: dict) -> str:
     """Rows = cases; one column per provider (time µs, rate, % of ceiling), fastest in bold; then the best
     backend's speedup over each baseline."""
@@ -137,8 +235,7 @@ def op_table_md(doc: dict) -> str:
             elif r.get("status") != "ok":
                 cells.append("failed")
             else:
-                c = f"{_us(r['time_us'])} µs<br>{_rate(r)}, {r['pct_of_ceiling']:.0f}%"
-                cells.append(f"**{c}**" if p == fastest else c)
+                cells.append(_cell(doc, r, p == fastest))
         okb = [ok[b] for b in backends if b in ok]
         bb = min(okb, key=lambda r: r["time_us"]) if okb else None
         for b in baselines:
@@ -151,14 +248,19 @@ def op_table_md(doc: dict) -> str:
 
 
 def not_timed_md(doc: dict) -> str:
-    """Failed and skipped providers with their reasons (grouped, counted)."""
-    groups: dict[tuple[str, str, str], int] = defaultdict(int)
+    """Failed and skipped providers with their reasons (grouped, counted), and the backends and baselines
+    that could not run on the device at all."""
+    groups: dict[tuple[str, str, str], int | str] = defaultdict(int)
     for r in doc["rows"]:
         if r.get("status") == "ok":
             continue
         if r["status"] == "skipped" and str(r.get("reason", "")).endswith(f"has no {doc['op']}"):
             continue  # a baseline of another op: not news
         groups[(r["provider"], r["status"], str(r.get("reason"))[:200])] += 1
+    meta = doc["meta"]
+    for key in ("skipped_backends", "skipped_baselines"):
+        for p, why in (meta.get(key) or {}).items():
+            groups[(p, "not available", str(why)[:200])] = "all"
     if not groups:
         return ""
     lines = ["| provider | status | cases | reason |", "|---|---|---|---|"]
@@ -169,19 +271,27 @@ def not_timed_md(doc: dict) -> str:
 
 def e2e_md(doc: dict) -> str:
     """Device time vs end-to-end call time (and kernel-only time where the profiler saw it), per provider:
-    the median over cases of each, to show per-call overhead (MAX's execute, Python dispatch)."""
+    the median over cases of each, to show per-call overhead (MAX's execute, Python dispatch). Rows that
+    record it also give the host wall time per call of back-to-back calls."""
     per: dict[str, list[dict]] = defaultdict(list)
     for r in ok_rows(doc):
         per[r["provider"]].append(r)
     if not per:
         return ""
+    wall = any(r.get("wall_us") is not None for r in ok_rows(doc))
+    head = "| provider | cases | median e2e − device time (µs) | median kernel-only / device time |"
     lines = [
-        "| provider | cases | median e2e − device time (µs) | median kernel-only / device time |",
+        head + (" median wall per call (loop) − device time (µs) |" if wall else ""),
         "|---|---|---|---|",
     ]
+    lines[1] += "---|" if wall else ""
     for p, rows in per.items():
         over = statistics.median(r["e2e_us"] - r["time_us"] for r in rows)
         ks = [r["kernel_us"] / r["time_us"] for r in rows if r.get("kernel_us")]
         k = f"{statistics.median(ks):.2f}" if ks else "–"
-        lines.append(f"| {p} | {len(rows)} | {over:.1f} | {k} |")
+        line = f"| {p} | {len(rows)} | {over:.1f} | {k} |"
+        if wall:
+            ws = [r["wall_us"] - r["time_us"] for r in rows if r.get("wall_us") is not None]
+            line += f" {statistics.median(ws):.1f} |" if ws else " – |"
+        lines.append(line)
     return "\n".join(lines) + "\n"

@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from fusekit.backends.mojo_runtime import Compiled, max_device, max_dtype
-from fusekit.backends.mojo_specs import DUMMY_F32
+from fusekit.backends.mojo.runtime import Compiled, max_device, max_dtype
 
 BUFFER_CACHE = 256  # wrapped tensors per device (a hit costs one dict lookup)
 PARAMS_CACHE = 64  # params tensors per device, keyed by their values
@@ -156,7 +155,7 @@ class DeviceState:
         self.dl_device = (_KDL_CPU, 0) if device.type == "cpu" else (_KDL_CUDA, device.index or 0)
         self.buffers: OrderedDict[tuple, Any] = OrderedDict()
         self.params: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        self.dummy = torch.zeros(1, 1, dtype=torch.float32, device=device)
+        self.dummies: dict[tuple, torch.Tensor] = {}
         try:
             from max._core.dlpack import make_dlpack_capsule
 
@@ -169,7 +168,6 @@ class DeviceState:
             self.max_stream = torch.cuda.ExternalStream(self.handle, device=device)
             self.fence = _make_fence(device, self.handle)
             self.lock = threading.Lock()
-            self.dummy.record_stream(self.max_stream)
 
     # --- wrapping -------------------------------------------------------------------------------
     def wrap(self, t: torch.Tensor) -> tuple[tuple, Any]:
@@ -198,6 +196,14 @@ class DeviceState:
             None,
         )
         return self._buffer_cls._from_dlpack(_Producer(cap, self.dl_device))
+
+    def dummy(self, marker: tuple) -> torch.Tensor:
+        """The [1] * rank tensor standing for an absent optional tensor (specs.dummy), one per slot."""
+        t = self.dummies.get(marker)
+        if t is None:
+            _, dtype, rank, _slot = marker
+            t = self.dummies[marker] = torch.zeros((1,) * rank, dtype=dtype, device=self.device)
+        return t
 
     def params_tensor(self, values: tuple[float, ...]) -> torch.Tensor:
         p = self.params.get(values)
@@ -230,19 +236,15 @@ class Dispatcher:
         self,
         compiled: Compiled,
         st: DeviceState,
-        outs: tuple[torch.Tensor, ...],
-        ins: tuple[torch.Tensor | str, ...],
+        outs: tuple[torch.Tensor | tuple, ...],
+        ins: tuple[torch.Tensor | tuple, ...],
         params: tuple[float, ...],
     ) -> None:
         keys = []
         bufs = []
         wrap = st.wrap
-        for t in outs:
-            k, b = wrap(t)
-            keys.append(k)
-            bufs.append(b)
-        for t in ins:
-            k, b = wrap(st.dummy if t is DUMMY_F32 else t)  # type: ignore[arg-type]
+        for t in outs + ins:  # a tuple is an absent optional tensor's dummy marker (specs.dummy)
+            k, b = wrap(st.dummy(t) if isinstance(t, tuple) else t)
             keys.append(k)
             bufs.append(b)
         if compiled.spec.params:

@@ -1,0 +1,326 @@
+"""Split-KV (flash-decoding) attention forward: a few queries (S <= 16) against a long KV, GQA groups together.
+
+    decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale)   (called by attention.forward for small S)
+
+q/o [B, H, S, D] contiguous, lse [B, H, S] fp32; k/v [B, Hkv, Skv, D] read through their strides (last dim
+contiguous), e.g. `k_cache.transpose(1, 2)[:, :, :L]` of a cache [B, max_len, Hkv, D] read in place;
+kv_len: int32 [B] or None (sequence b sees keys 0..kv_len[b] - 1, clamped to [0, Skv]; with `causal` its S
+queries are its last S positions: query i sees key j iff j <= i + kv_len[b] - S).
+
+Floor: decode is a stream over the KV cache. Bytes = the KV read, B·Skv·Hkv·D·2·es (k and v once each; q, o,
+lse and the fp32 partials are small next to it when the split count is chosen as below). H200 (4.3 TB/s):
+B1 Hkv8 Skv32768 D128 bf16 = 134 MB, 31 us; Skv2048: 8.4 MB, 2 us (launch-bound: the goal there is >= 1.0x
+SDPA). FLOPs are 4·B·H·S·Skv·D: at most 256 per KV element pair (S = 16, GQA 8): the kernel stays memory-bound
+except at that corner.
+
+Two kernels:
+1. `_decode_split_kernel`, one program per (b, kv head, row block, split): the G = H/Hkv query heads of the
+   kv head and the S queries of each, G·S rows (row r = g·S + s, which is also row r of the group's q/o
+   block since q/o are [B, H, S, D]), attend to one chunk of the sequence's keys, so each K/V tile is read
+   once per GQA group (the FlashAttention kernel reads it once per query head, H/Hkv times). Rows beyond
+   BLOCK_M (G·S > 128, or > 64 at D 256) go to further row blocks. Sequence b's L_b keys are split into
+   `n_splits` chunks of whole BLOCK_N tiles (per sequence: with kv_len every program of a sequence gets an
+   equal share). Online softmax in fp32 with exp2 and the scale folded into one multiply, as the
+   FlashAttention kernel; tiles that every row sees fully run unmasked, the causal diagonal and the ragged
+   tail masked (at most two tiles per split). Each program writes a partial (o normalized by its own l,
+   fp32) and its log2-domain lse; with one split it writes o and lse directly (no second launch).
+2. `_decode_combine_kernel`, one program per output row (b, h, s): lse = log-sum-exp of the partial lses,
+   o = sum_i 2^(lse_i - lse) o_i, in a fixed order: deterministic (bit-identical repeats, no atomics).
+
+Non-finite values: as the FlashAttention kernel (a NaN in a query row or in a key that a row sees makes that
+row NaN; a +inf score gives lse = +inf, o NaN); keys past kv_len are never loaded (a cache may hold anything
+there); a row with no visible key (kv_len 0, or causal with S > kv_len) gets o = 0, lse = -inf.
+
+Split count (`decode_splits`): programs = B·Hkv·row blocks·splits. More splits keep more SMs streaming; each
+split costs rows·D fp32 of partials written and read back. The count minimizes a simple model: time ~ (KV
+bytes + partial bytes) / min(1, programs / (DECODE_SATURATE · SMs)), where DECODE_SATURATE programs per SM
+keep enough K/V tiles in flight to stream at full bandwidth; at least DECODE_MIN_TILES KV tiles per split.
+The constants are first guesses for the H200 (132 SMs) and are to be confirmed by its measurements.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms
+from kernels_triton._tiles import dot
+
+DECODE_MAX_S = 16  # queries per sequence up to which attention.forward picks this path
+DECODE_MAX_ROWS = 128  # G·S rows of one GQA group up to which it does (beyond: the FlashAttention kernel)
+DECODE_SATURATE = 2  # programs per SM that stream at full bandwidth (3-stage K/V pipeline each)
+DECODE_MIN_TILES = 2  # KV tiles per split at least
+DECODE_MAX_SPLITS = 256
+
+# (BLOCK_N, num_stages) per head dim. sm_90: a K and a V tile per stage (D·BLOCK_N·2 bytes each, 16 KB at
+# D 128 / BLOCK_N 64), three stages in flight = 96 KB of shared memory: two programs per SM.
+_CUDA_DECODE: dict[int, tuple[int, int]] = {64: (128, 3), 128: (64, 3), 256: (32, 3)}
+# gfx942: 64 KB of LDS, single-buffered (stream pipeliner), 64-wide waves. Not measured on an MI300 yet.
+_HIP_DECODE: dict[int, tuple[int, int]] = {64: (64, 1), 128: (64, 1), 256: (32, 1)}
+_INTERP_BLOCK_N = 16  # the CPU interpreter: numpy per tile, small tiles are fastest
+
+
+def decode_block_m(rows: int, head_dim: int) -> int:
+    """Rows of a GQA group per program: 16 (the smallest tl.dot M), 64 or 128 (64 at D 256: the fp32
+    accumulator and the q operand of 128 x 256 would not fit the registers); more rows go to row blocks."""
+    if rows <= 16:
+        return 16
+    if rows <= 64 or head_dim > 128:
+        return 64
+    return 128
+
+
+def decode_warps(block_m: int, block_n: int, head_dim: int) -> int:
+    """4 warps while the fp32 accumulator (BLOCK_M x D) and score tile (BLOCK_M x BLOCK_N) are <= 8 K
+    elements (<= 64 registers a thread each at 32-wide warps), 8 beyond."""
+    return 4 if max(block_m * head_dim, block_m * block_n) <= 8192 else 8
+
+
+def decode_tile(head_dim: int) -> tuple[int, int]:
+    if is_interpreter():
+        return _INTERP_BLOCK_N, 1
+    return (_HIP_DECODE if is_hip() else _CUDA_DECODE)[head_dim]
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_splits(groups: int, rows: int, skv: int, head_dim: int, es: int, block_n: int, sms: int) -> int:
+    """Split count for `groups` = B·Hkv·row blocks programs per split of `rows` query rows each (see the
+    module docstring for the model)."""
+    max_s = max(1, min(DECODE_MAX_SPLITS, math.ceil(skv / (block_n * DECODE_MIN_TILES))))
+    kv = groups * skv * head_dim * 2 * es
+    best_t, best = math.inf, 1
+    for s in range(1, max_s + 1):
+        part = 0 if s == 1 else groups * rows * s * (head_dim + 1) * 4 * 2  # written, then read back
+        busy = min(1.0, groups * s / (DECODE_SATURATE * sms))
+        t = (kv + part) / busy
+        if t < best_t * 0.99:  # ties go to fewer splits
+            best_t, best = t, s
+    return best
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr, kv_len_ptr,
+    H, HKV, S, SKV, qk_scale,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    has_kv_len, causal, n_splits, row_blocks, direct,
+    HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # causal, has_kv_len and direct are runtime flags (they only change the few masked tiles and the final
+    # store), so one binary per (dtype, head dim, BLOCK_M) serves every call.
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    bhkv = pid // row_blocks
+    rb = pid % row_blocks
+    b = bhkv // HKV
+    hkv = bhkv % HKV
+    GS = (H // HKV) * S  # rows of the group
+    L = SKV
+    if has_kv_len:
+        L = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), SKV)
+    # this program's keys: the sequence's L keys in n_splits chunks of whole tiles
+    chunk = tl.cdiv(tl.cdiv(L, BLOCK_N), n_splits) * BLOCK_N
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, L)  # a multiple of BLOCK_N, or L
+
+    offs_r = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_in = offs_r < GS
+    q_row0 = (b.to(tl.int64) * H + hkv * (H // HKV)) * S  # the group's first row in q / o / lse
+    q = tl.load(
+        q_ptr + (q_row0 + offs_r)[:, None] * HEAD_DIM + offs_d[None, :], mask=row_in[:, None], other=0.0
+    )
+    skn = stride_kn.to(tl.int64)
+    svn = stride_vn.to(tl.int64)
+    # K as a [HEAD_DIM, BLOCK_N] view (K-major B operand), V as [BLOCK_N, HEAD_DIM]; int64 tile offsets
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    kt_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    diag = L - S  # causal: query s sees keys j <= s + diag
+    full = tl.where(causal != 0, tl.maximum(diag + 1, 0), L)  # keys < full: seen by every row
+    u_end = tl.maximum(lo, tl.minimum(hi, (full // BLOCK_N) * BLOCK_N))
+
+    # Unmasked tiles (every row sees every key): qk_scale >= 0, so the scale folds into one FMA per score.
+    for start_n in range(lo, u_end, BLOCK_N):
+        kt = tl.load(kt_ptrs + start_n * skn)
+        qk = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        v = tl.load(v_ptrs + start_n * svn)
+        acc = dot(p.to(v.dtype), v, acc, IEEE)
+        m_i = m_new
+
+    # Causal diagonal and ragged tail: keys past L are not loaded (other=0) and masked; rows that have seen
+    # no key yet stay at m = -inf without NaNs.
+    s_idx = offs_r % S
+    for start_n in range(u_end, hi, BLOCK_N):
+        kn = start_n + offs_n
+        k_in = kn < L
+        kt = tl.load(kt_ptrs + start_n * skn, mask=k_in[None, :], other=0.0)
+        s = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
+        valid = k_in[None, :] & ((causal == 0) | (kn[None, :] <= s_idx[:, None] + diag))
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        v = tl.load(v_ptrs + start_n * svn, mask=k_in[:, None], other=0.0)
+        acc = dot(p.to(v.dtype), v, acc, IEEE)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no visible key in this chunk: acc is 0, the row stays 0
+    out = acc / l_safe[:, None]
+    # log2-domain lse of the chunk: -inf when it has no visible key, +inf on a +inf score, NaN on a NaN one
+    lse2 = m_i + tl.math.log2(l_safe)
+    lse2 = tl.where(l_i == 0.0, float("-inf"), lse2)
+    lse2 = tl.where(m_i == float("inf"), float("inf"), lse2)
+    if direct:  # one split: this is the answer
+        rows = q_row0 + offs_r
+        tl.store(o_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_in[:, None])  # fmt: skip
+        tl.store(lse_ptr + rows, lse2 * 0.6931471805599453, mask=row_in)  # natural log
+    else:  # partials [B·H·S rows, n_splits, D] fp32 and [B·H·S, n_splits]: a row's splits are contiguous
+        prow = (q_row0 + offs_r) * n_splits + sp
+        tl.store(po_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_in[:, None])
+        tl.store(plse_ptr + prow, lse2, mask=row_in)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    po_ptr, plse_ptr, o_ptr, lse_ptr, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_SP: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_SP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = row * n_splits
+    # pass 1: the largest partial lse (fixed order, so the result does not depend on scheduling)
+    m = tl.full([BLOCK_SP], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_SP):
+        sp = s0 + offs_s
+        m = tl.maximum(m, tl.load(plse_ptr + base + sp, mask=sp < n_splits, other=float("-inf")))
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # no split saw a key: every weight is 0
+    # pass 2: o = sum_i 2^(lse_i - m) o_i / sum_i 2^(lse_i - m); a NaN lse_i or o_i makes the row NaN
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    wsum = tl.zeros([BLOCK_SP], dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_SP):
+        sp = s0 + offs_s
+        s_in = sp < n_splits
+        w = tl.math.exp2(tl.load(plse_ptr + base + sp, mask=s_in, other=float("-inf")) - m_safe)
+        o_i = tl.load(
+            po_ptr + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_in[:, None], other=0.0
+        )
+        acc += tl.sum(w[:, None] * o_i, axis=0)  # past n_splits: w = 0 and o_i = 0
+        wsum += w
+    l_sum = tl.sum(wsum, axis=0)
+    l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(o_ptr + row * HEAD_DIM + offs_d, (acc / l_safe).to(o_ptr.dtype.element_ty))
+    lse = (m_safe + tl.math.log2(l_safe)) * 0.6931471805599453
+    lse = tl.where(l_sum == 0.0, float("-inf"), lse)
+    lse = tl.where(m_max == float("inf"), float("inf"), lse)
+    tl.store(lse_ptr + row, lse)
+
+
+def combine_block(head_dim: int) -> int:
+    """Splits per combine step: an 8 K-element fp32 tile of partials (32 KB)."""
+    return 16 if is_interpreter() else 8192 // head_dim
+
+
+# ------------------------------------------------------------------------------------------------ launch
+def decode_forward(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    qk_scale: float,
+    *,
+    splits: int | None = None,
+) -> None:
+    """Writes o, lse (shapes checked by attention.forward; qk_scale = scale·log2(e) >= 0). `splits` forces the
+    split count (tests, benchmarks); None picks it (`decode_splits`)."""
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    rows = (H // Hkv) * S
+    block_m = decode_block_m(rows, D)
+    block_n, stages = decode_tile(D)
+    row_blocks = triton.cdiv(rows, block_m)
+    groups = B * Hkv * row_blocks
+    if splits is None:
+        per_prog = triton.cdiv(rows, row_blocks)
+        splits = decode_splits(groups, per_prog, Skv, D, q.element_size(), block_n, num_sms(device_index(q)))
+    splits = max(1, int(splits))
+    direct = splits == 1
+    if direct:
+        po = plse = lse  # not touched (direct stores); any fp32 pointer will do
+    else:
+        n = B * H * S * splits  # partial rows; o and lse partials share one allocation
+        part = torch.empty(n * (D + 1), dtype=torch.float32, device=q.device)
+        po = part[: n * D].view(B * H * S, splits, D)
+        plse = part[n * D :].view(B * H * S, splits)
+    has_kv_len = kv_len is not None
+    kl = kv_len if has_kv_len else lse.view(torch.int32)  # never read without kv_len
+    warps = 1 if is_interpreter() else decode_warps(block_m, block_n, D)
+    ieee = q.dtype == torch.float32
+    _decode_split_kernel[(groups, splits)](
+        q, k, v, o, lse, po, plse, kl, H, Hkv, S, Skv, qk_scale,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        int(has_kv_len), int(bool(causal)), splits, row_blocks, int(direct),
+        HEAD_DIM=D, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if not direct:
+        _decode_combine_kernel[(B * H * S,)](
+            po, plse, o, lse, splits, HEAD_DIM=D, BLOCK_SP=combine_block(D),
+            num_warps=1 if is_interpreter() else 4, num_stages=1,
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ AOT
+def aot_specs_decode() -> list[tuple[str, object, dict, dict, dict]]:
+    """(name, jit kernel, signature, constexprs, options) of every decode config the launcher can pick on
+    CUDA or HIP: fp16/bf16 x head dim x BLOCK_M {16, 64, 128 (not at D 256)} x (CUDA, HIP) tile, and the
+    combine kernel per dtype x head dim: 38 specs."""
+    specs: list[tuple[str, object, dict, dict, dict]] = []
+    for dt in ("fp16", "bf16"):
+        p = f"*{dt}"
+        sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "lse_ptr": "*fp32", "po_ptr": "*fp32",
+               "plse_ptr": "*fp32", "kv_len_ptr": "*i32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
+               "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
+               "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
+               "causal": "i32", "n_splits": "i32", "row_blocks": "i32", "direct": "i32",
+               "HEAD_DIM": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr",
+               "BLOCK_N": "constexpr"}  # fmt: skip
+        for d in (64, 128, 256):
+            tiles = dict.fromkeys([_CUDA_DECODE[d], _HIP_DECODE[d]])
+            for bm in (16, 64) if d > 128 else (16, 64, 128):
+                for bn, st in tiles:
+                    w = decode_warps(bm, bn, d)
+                    const = {"HEAD_DIM": d, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn}
+                    name = f"attn_decode_{dt}_d{d}_{bm}x{bn}_w{w}s{st}"
+                    specs.append((name, _decode_split_kernel, sig, const, {"num_warps": w, "num_stages": st}))
+            csig = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "o_ptr": p, "lse_ptr": "*fp32", "n_splits": "i32",
+                    "HEAD_DIM": "constexpr", "BLOCK_SP": "constexpr"}  # fmt: skip
+            bsp = 8192 // d
+            specs.append((f"attn_decode_combine_{dt}_d{d}_sp{bsp}", _decode_combine_kernel, csig,
+                          {"HEAD_DIM": d, "BLOCK_SP": bsp}, {"num_warps": 4, "num_stages": 1}))  # fmt: skip
+    return specs

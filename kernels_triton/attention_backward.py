@@ -1,0 +1,466 @@
+"""Attention backward (FlashAttention-2, from the saved lse), deterministic: no atomics anywhere.
+
+    dq, dk, dv <- do, q, k, v, o, lse, kv_len?   (q/o/do/dq [B, H, S, D], k/v/dk/dv [B, Hkv, Skv, D],
+                                                  lse [B, H, S], kv_len int32 [B] or None)
+
+k/v may be strided views with a contiguous last dim (a KV cache read in place: the kernels take their
+strides); dk/dv are contiguous. With kv_len, sequence b sees keys 0..L_b - 1 (L_b = clamp(kv_len[b], 0, Skv)),
+causal bottom-right against L_b; keys past L_b are not loaded and get zero dk/dv.
+
+With s = scale q k^T (visible keys only), p = exp(s - lse), delta = rowsum(do * o):
+    dv = p^T do,  dp = do v^T,  ds = p (dp - delta),  dq = scale ds k,  dk = scale ds^T q,
+and under GQA each kv head's dk/dv sums its H / Hkv query heads.
+
+Three kernels:
+1. `_bwd_preprocess_kernel`, per (query rows, b*H + h): delta = rowsum(do * o) in fp32, and lse2 = lse * log2(e)
+   (exp2 domain) with lse = -inf (a row that sees no key) mapped to +inf, so p = exp2(s2 - lse2) is exactly 0
+   for such a row without a mask.
+2. `_bwd_dkdv_kernel`, per (BLOCK_N keys, b*Hkv + hkv): k, v of its keys stay on chip; it walks every query
+   head of the GQA group and every query block that sees any of its keys, accumulating dk, dv in fp32
+   registers. The group sum is a loop inside one program, so it is deterministic and needs no atomics.
+3. `_bwd_dq_kernel`, per (BLOCK_M queries, b*H + h): q, do, lse2, delta stay on chip; it walks the visible key
+   blocks, recomputing p and dp, accumulating dq.
+FlashAttention-2 instead accumulates dq with fp32 atomics from the dk/dv program (5 matmuls); atomics make the
+sum order, hence the bits, vary run to run, which the contract forbids. Recomputing p and dp in the dq kernel
+costs two more matmuls: 7 instead of 5.
+
+FLOP floor: the backward's useful work is 5 matmuls of 2*S*Skv*D each per head = 10*B*H*S*Skv*D non-causal
+(2.5x the forward's 4*B*H*S*Skv*D), about half of it causal. B4 H32 S=Skv=4096 D128: 2.75 PFLOP (~3.5 ms at
+790 TFLOP/s). This implementation issues 14*B*H*S*Skv*D (7 matmuls): 3.85 PFLOP, ~4.9 ms at the ceiling.
+Bytes are negligible (q, k, v, o, do, dq, dk, dv once each ~1.1 GB, ~0.25 ms): compute-bound, so the aim is
+the tensor-core rate and no wasted tiles. Throughput is quoted against the 10*B*H*S*Skv*D floor.
+
+Causal masking is bottom-right aligned (query i sees key j iff j <= i + Skv - S). Both main kernels split
+their loop as the forward does: tiles that every row/key of the program fully sees run without a mask; the
+diagonal tiles and the ragged tails run with one; tiles nobody sees are skipped. exp2 with the scale and
+log2(e) folded into one multiply (p = exp2(qk * scale*log2(e) - lse2), one FMA per score). Element offsets
+are int64 ((b*H + h) * S * D passes 2^31 at B4 H32 S128k D128). fp32 inputs use input_precision="ieee".
+
+Non-finite values: a NaN/Inf in q, k, v or do reaches the gradients it touches as in float64 autograd of a
+softmax over the visible keys, except that a NaN in a *masked* key's k row also reaches the dq rows of its
+diagonal tile (ds = 0 there, but 0 * NaN = NaN inside the ds @ k product; float64 autograd of s = q k^T does
+the same).
+
+Tile choice (the tables below): the dk/dv program holds two fp32 accumulators of BLOCK_N x D, the dq program
+one of BLOCK_M x D, plus the BLOCK_M x BLOCK_N score and dp tiles; on sm_90 a thread has at most 255
+registers, so at 8 warps (256 threads) 2 x 128 x 128 fp32 accumulators already take 128 of them. Hence
+BLOCK_N(keys) x D <= 16 K elements at 8 warps for dk/dv and query steps of 32/64 rows (the score tile stays
+small); for dq, a 128 x D accumulator up to D = 128 with 64-key steps. Each table lists the AOT-checked
+candidates (no spills on sm_90); the autotuner picks per (head dim, causal, dtype, S bucket, Skv bucket).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_triton._config import div16_attrs, is_hip, is_interpreter
+from kernels_triton._tiles import dot
+
+_LOG2E = 1.4426950408889634
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim. dk/dv: BLOCK_N keys held, BLOCK_M query
+# rows per step. dq: BLOCK_M query rows held, BLOCK_N keys per step. First entry = default.
+Tile = tuple[int, int, int, int]
+# Hopper (sm_90). Only tiles that compile without spills for sm_90 (AOT, Triton 3.9) are listed. Measured on
+# the H200 (Triton 3.6, bf16 B4 S4096, H32 at D64/D128, H16 at D256; TFLOP/s of the kernel's own matmuls,
+# 4 for dk/dv and 3 for dq, non-causal / causal; "spills" = Triton 3.6's count on the device):
+#   dk/dv D64 : 64x64 w4 s3 494/433; 64x64 w4 s2 447/417; 64x128 w8 s3 409/371 (none spills).
+#   dk/dv D128: 32x64 w4 s2 463/454 (3.6: 2/10 spills); 32x128 w8 s2 428/416 (3.6: 0/2).
+#               Faster but spilling on sm_90 (not listed): 64x128 w8 s3 560/509, 64x64 w4 s2 556/514,
+#               64x128 w8 s2 535/496 (AOT stack 56-144 B). Two fp32 accumulators of BLOCK_N x 128 per
+#               warpgroup are 128 registers a thread, and the 64-wide score/dp tiles push past 255.
+#   dk/dv D256: 64x32 w8 s2 184/187 (146 regs). Spilling (not listed): 64x32 w4 s2 312/287, 64x64 w8 s2
+#               297/296. 8-warp tiles with 64 keys split the wgmma N dimension and run at ~240.
+#   dq    D64 : 128x64 w8 s3 604/453; 64x64 w4 s3 558/517.   D128: 128x64 w8 s3 576/557; 64x64 w4 s2 570/483.
+#   dq    D256: 128x32 w8 s2 447/438 (3.6: 0/2 spills). Spilling (not listed): 64x64 w4 s2 496/462.
+# Whole forward + backward (autotuned, these tables) against torch SDPA on the same H200 (torch 2.11, whose
+# SDPA runs 618-648 TFLOP/s forward and ~510 backward at D128), SDPA time / ours, non-causal / causal:
+#   D128 H32: 0.72 / 0.76 (10.0 vs 7.2 ms; 5.35 vs 4.07 ms); D128 GQA 32/8: 0.71 / 0.77;
+#   D64: 0.85 / 0.85;  D256 H16: 0.50 / 0.54.
+# With the spilling D128 dk/dv tiles it was 0.76 / 0.80. The 7-matmul deterministic design is the gap: SDPA's
+# backward issues 5 matmuls with dq atomics, so even at SDPA's per-matmul rate this one stays near 0.8x.
+_CUDA_DKDV: dict[int, list[Tile]] = {
+    64: [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 3)],
+    128: [(32, 64, 4, 2), (32, 128, 8, 2)],
+    256: [(64, 32, 8, 2)],
+}
+_CUDA_DQ: dict[int, list[Tile]] = {
+    64: [(128, 64, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (64, 64, 4, 2)],
+    256: [(128, 32, 8, 2)],
+}
+# CDNA (gfx942): 64-wide waves, 64 KB of LDS: K/V (dk/dv) or Q/dO (dq) blocks must fit it with the streamed
+# tiles; single-buffered (stream pipeliner). Not measured on an MI300 yet.
+_HIP_DKDV: dict[int, list[Tile]] = {
+    64: [(32, 64, 4, 1)],
+    128: [(32, 64, 4, 1)],
+    256: [(16, 32, 4, 1)],
+}
+_HIP_DQ: dict[int, list[Tile]] = {
+    64: [(64, 32, 4, 1)],
+    128: [(64, 32, 4, 1)],
+    256: [(32, 32, 4, 1)],
+}
+_INTERP_TILES: tuple[Tile, Tile] = ((16, 16, 1, 1), (16, 16, 1, 1))  # the CPU interpreter: small is fastest
+
+
+def _preprocess_rows(head_dim: int) -> int:
+    """Rows per preprocess program: an 8 K-element tile of o and of do (32 fp32 values of each per thread)."""
+    return 16 if is_interpreter() else max(16, 8192 // head_dim)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _bwd_preprocess_kernel(
+    o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, S,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.program_id(1).to(tl.int64) * S + offs_m
+    in_s = offs_m < S
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    o = tl.load(o_ptr + ptrs, mask=in_s[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + ptrs, mask=in_s[:, None], other=0.0).to(tl.float32)
+    tl.store(delta_ptr + rows, tl.sum(o * do, axis=1), mask=in_s)
+    lse = tl.load(lse_ptr + rows, mask=in_s, other=0.0)
+    # -inf (no visible key) -> +inf: exp2(s2 - lse2) is then exactly 0 for the whole row, mask or not
+    tl.store(
+        lse2_ptr + rows, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), mask=in_s
+    )
+
+
+@triton.jit
+def _dkdv_step(
+    dk, dv, k, v, q_ptr, do_ptr, lse2_ptr, delta_ptr, row0, m, offs_n, offs_d, S, diag, qk_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One query block [m, m + BLOCK_M) of the query head whose first row is `row0` (int64) into dk, dv.
+
+    Computed transposed (keys as rows) so dk, dv accumulate as [BLOCK_N, D] without transposing the products:
+    s^T = k q^T, p^T = exp2(s^T * c - lse2), dv += p^T do, dp^T = v do^T, ds^T = p^T (dp^T - delta),
+    dk += ds^T q (the scale is applied once at the end)."""
+    offs_m = m + tl.arange(0, BLOCK_M)
+    rows = row0 + offs_m
+    ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    if MASK:
+        in_s = offs_m < S
+        q = tl.load(q_ptr + ptrs, mask=in_s[:, None], other=0.0)
+        lse2 = tl.load(lse2_ptr + rows, mask=in_s, other=float("inf"))
+    else:
+        q = tl.load(q_ptr + ptrs)
+        lse2 = tl.load(lse2_ptr + rows)
+    st = dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+    pt = tl.math.exp2(st * qk_scale - lse2[None, :])
+    if MASK:
+        do = tl.load(do_ptr + ptrs, mask=in_s[:, None], other=0.0)
+        delta = tl.load(delta_ptr + rows, mask=in_s, other=0.0)
+        if CAUSAL:  # rows past S need no mask: lse2 = +inf there makes p exactly 0
+            pt = tl.where(offs_n[:, None] - offs_m[None, :] <= diag, pt, 0.0)
+    else:
+        do = tl.load(do_ptr + ptrs)
+        delta = tl.load(delta_ptr + rows)
+    # dp^T and ds^T before the two accumulating products: p^T in fp32 dies before they are issued, so the
+    # registers it held are free while their wgmmas run (sm_90: the fast tiles sit at the 255-register limit).
+    dpt = dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+    dst = pt * (dpt - delta[None, :])
+    dv = dot(pt.to(do.dtype), do, dv, IEEE)
+    dk = dot(dst.to(q.dtype), q, dk, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr, kv_len_ptr, H, HKV, S, SKV, qk_scale,
+    sm_scale, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len,
+    S_BUCKET, SKV_BUCKET,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # S_BUCKET / SKV_BUCKET are unused here: they exist so the autotuner can key on bucketed lengths.
+    n0 = tl.program_id(0) * BLOCK_N
+    bhkv = tl.program_id(1)
+    b = bhkv // HKV
+    hkv = bhkv % HKV
+    group = H // HKV
+    L = SKV  # keys of this sequence: 0..L-1 (kv_len[b] clamped to [0, SKV])
+    if has_kv_len:
+        L = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), SKV)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # k/v through their strides (a cache view; int64: key * stride can pass 2^31); dk/dv are contiguous
+    k_ptrs = k_ptr + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    k_ptrs = k_ptrs + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = v_ptr + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    v_ptrs = v_ptrs + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :]
+    kv_ptrs = (bhkv.to(tl.int64) * SKV + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
+    in_l = (offs_n < L)[:, None]
+    # Keys past L load as 0 (never read: a cache may hold anything there). Each key row of dk/dv accumulates
+    # on its own, so the steps need no key mask: rows past L are zeroed before the store.
+    k = tl.load(k_ptrs, mask=in_l, other=0.0)
+    v = tl.load(v_ptrs, mask=in_l, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    diag = L - S  # query i sees key j iff j <= i + diag
+    m_end = tl.cdiv(S, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # queries below n0 - diag see none of these keys; from i_full on they see every (real) one
+        m_lo = (tl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M
+        i_full = tl.minimum(n0 + BLOCK_N, L) - 1 - diag
+        m_full = m_lo + tl.cdiv(tl.maximum(i_full - m_lo, 0), BLOCK_M) * BLOCK_M
+        m_full = tl.minimum(m_full, m_end)
+    else:
+        m_lo = 0
+        m_full = 0
+    u_end = tl.maximum(m_full, (S // BLOCK_M) * BLOCK_M)  # unmasked blocks: [m_full, u_end)
+    n_u = (u_end - m_full) // BLOCK_M
+    n_diag = (m_full - m_lo) // BLOCK_M  # masked blocks: [m_lo, m_full) (diagonal), [u_end, m_end) (tail)
+    n_mask = n_diag + (m_end - u_end) // BLOCK_M
+    n_u = tl.where(n0 < L, n_u, 0)  # a block wholly past L: no query sees it
+    n_mask = tl.where(n0 < L, n_mask, 0)
+    head0 = b.to(tl.int64) * H + hkv * group  # first query head of the group
+
+    # One flat loop over (query head of the group, query block): the pipeliner keeps loads in flight across
+    # head switches. The group sum happens here, in a fixed order: deterministic.
+    for it in range(0, group * n_u):
+        g = it // n_u
+        m = m_full + (it - g * n_u) * BLOCK_M
+        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse2_ptr, delta_ptr, (head0 + g) * S, m, offs_n,
+                            offs_d, S, diag, qk_scale, HEAD_DIM, CAUSAL, IEEE, False, BLOCK_M, BLOCK_N)  # fmt: skip
+    for it in range(0, group * n_mask):
+        g = it // n_mask
+        j = it - g * n_mask
+        m = tl.where(j < n_diag, m_lo + j * BLOCK_M, u_end + (j - n_diag) * BLOCK_M)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse2_ptr, delta_ptr, (head0 + g) * S, m, offs_n,
+                            offs_d, S, diag, qk_scale, HEAD_DIM, CAUSAL, IEEE, True, BLOCK_M, BLOCK_N)  # fmt: skip
+
+    in_kv = (offs_n < SKV)[:, None]
+    dk = tl.where(in_l, dk, 0.0)  # keys past L: zero gradient, whatever the unmasked steps collected
+    dv = tl.where(in_l, dv, 0.0)
+    tl.store(dk_ptr + kv_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=in_kv)
+    tl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=in_kv)
+
+
+@triton.jit
+def _dq_step(
+    dq, q, do, lse2, delta, k_base, v_base, kt_offs, vt_offs, skn, svn, n, offs_m, L, diag, qk_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One key block [n, n + BLOCK_N) into dq: p = exp2(q k^T * c - lse2), dp = do v^T, dq += p (dp - delta) k."""
+    offs_n = n + tl.arange(0, BLOCK_N)
+    # k^T, v^T as [HEAD_DIM, BLOCK_N] views of the [L, HEAD_DIM] key rows (K-major B operands), by strides
+    k_ptrs = k_base + n * skn + kt_offs
+    v_ptrs = v_base + n * svn + vt_offs
+    if MASK:
+        in_kv = offs_n < L
+        kt = tl.load(k_ptrs, mask=in_kv[None, :], other=0.0)
+    else:
+        kt = tl.load(k_ptrs)
+    s = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+    p = tl.math.exp2(s * qk_scale - lse2[:, None])
+    if MASK:
+        valid = in_kv[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
+        p = tl.where(valid, p, 0.0)
+        vt = tl.load(v_ptrs, mask=in_kv[None, :], other=0.0)
+    else:
+        vt = tl.load(v_ptrs)
+    dp = dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+    ds = p * (dp - delta[:, None])
+    return dot(ds.to(kt.dtype), tl.trans(kt), dq, IEEE)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr, kv_len_ptr, H, HKV, S, SKV, qk_scale, sm_scale,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len,
+    S_BUCKET, SKV_BUCKET,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hkv = h // (H // HKV)
+    L = SKV  # keys of this sequence: 0..L-1 (kv_len[b] clamped to [0, SKV])
+    if has_kv_len:
+        L = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), SKV)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_s = offs_m < S
+    rows = bh.to(tl.int64) * S + offs_m
+    ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    # Rows past S load q = do = 0 and lse2 = +inf: p = 0 there, so the unmasked steps need no row mask.
+    q = tl.load(q_ptr + ptrs, mask=in_s[:, None], other=0.0)
+    do = tl.load(do_ptr + ptrs, mask=in_s[:, None], other=0.0)
+    lse2 = tl.load(lse2_ptr + rows, mask=in_s, other=float("inf"))
+    delta = tl.load(delta_ptr + rows, mask=in_s, other=0.0)
+    # k/v through their strides (a cache view): int64 block offsets, int32 offsets within a tile
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    kt_offs = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]
+    vt_offs = tl.arange(0, BLOCK_N)[None, :] * stride_vn + offs_d[:, None]
+    skn = stride_kn.to(tl.int64)
+    svn = stride_vn.to(tl.int64)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    diag = L - S
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(L, m0 + BLOCK_M + diag), 0)  # past the last key any row sees
+        full_end = tl.maximum(tl.minimum(m0 + diag + 1, L), 0)  # keys < this: seen by every row
+        full_end = (full_end // BLOCK_N) * BLOCK_N
+    else:
+        hi = L
+        full_end = (L // BLOCK_N) * BLOCK_N
+    for n in range(0, full_end, BLOCK_N):
+        n = tl.multiple_of(n, BLOCK_N)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, kt_offs, vt_offs, skn, svn, n, offs_m, L, diag,
+                      qk_scale, HEAD_DIM, CAUSAL, IEEE, False, BLOCK_M, BLOCK_N)  # fmt: skip
+    for n in range(full_end, hi, BLOCK_N):
+        n = tl.multiple_of(n, BLOCK_N)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, kt_offs, vt_offs, skn, svn, n, offs_m, L, diag,
+                      qk_scale, HEAD_DIM, CAUSAL, IEEE, True, BLOCK_M, BLOCK_N)  # fmt: skip
+    tl.store(dq_ptr + ptrs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=in_s[:, None])
+
+
+# ------------------------------------------------------------------------------------------------ launch
+def _configs(table: dict[int, list[Tile]], head_dim: int) -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for m, n, w, s in table[head_dim]
+    ]
+
+
+@functools.cache
+def _tuned_dkdv(head_dim: int):
+    cfgs = _configs(_HIP_DKDV if is_hip() else _CUDA_DKDV, head_dim)
+    # Outputs are fully overwritten by every run (no accumulation into dk/dv), so re-runs while tuning are safe.
+    return triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dkdv_kernel)
+
+
+@functools.cache
+def _tuned_dq(head_dim: int):
+    cfgs = _configs(_HIP_DQ if is_hip() else _CUDA_DQ, head_dim)
+    return triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dq_kernel)
+
+
+def attention_backward(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    *,
+    s_bucket: int,
+    skv_bucket: int,
+    max_grid_y: int,
+    config: tuple[Tile, Tile] | None = None,
+) -> None:
+    """Writes dq, dk, dv (shapes validated by the caller; k/v may be strided with a contiguous last dim;
+    kv_len: int32 [B] or None). `config` = (dk/dv tile, dq tile), each (BLOCK_M, BLOCK_N, num_warps,
+    num_stages), forces the tiles (tests, benchmarks)."""
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    ieee = q.dtype == torch.float32
+    qk_scale = float(scale) * _LOG2E  # no row max in the backward: any sign of scale is fine
+    delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    forced = config if config is not None else (_INTERP_TILES if is_interpreter() else None)
+    pre_rows = _preprocess_rows(D)
+    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    # Grid axis 1 (B*H) is limited to 65535: launch in batch slabs (contiguous views), as the forward does.
+    bstep = max(1, max_grid_y // H)
+    for b0 in range(0, B, bstep):
+        sl = slice(b0, min(B, b0 + bstep))
+        nb = sl.stop - sl.start
+        _bwd_preprocess_kernel[(triton.cdiv(S, pre_rows), nb * H)](
+            o[sl], do[sl], lse[sl], delta[sl], lse2[sl], S, HEAD_DIM=D, BLOCK=pre_rows,
+            num_warps=1 if is_interpreter() else 8,
+        )  # fmt: skip
+        kl = kv_len[sl] if kv_len is not None else lse2.view(torch.int32)  # never read without kv_len
+        common = (kl, H, Hkv, S, Skv, qk_scale, float(scale), *strides, int(kv_len is not None), s_bucket,
+                  skv_bucket)  # fmt: skip
+        kv_args = (q[sl], k[sl], v[sl], do[sl], dk[sl], dv[sl], lse2[sl], delta[sl], *common)
+        q_args = (q[sl], k[sl], v[sl], do[sl], dq[sl], lse2[sl], delta[sl], *common)
+        kw = {"HEAD_DIM": D, "CAUSAL": bool(causal), "IEEE": ieee}
+        if forced is not None:
+            (bm1, bn1, w1, s1), (bm2, bn2, w2, s2) = forced
+            _bwd_dkdv_kernel[(triton.cdiv(Skv, bn1), nb * Hkv)](
+                *kv_args, **kw, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=w1, num_stages=s1
+            )
+            _bwd_dq_kernel[(triton.cdiv(S, bm2), nb * H)](
+                *q_args, **kw, BLOCK_M=bm2, BLOCK_N=bn2, num_warps=w2, num_stages=s2
+            )
+            continue
+        with torch.cuda.device(q.device):
+            _tuned_dkdv(D)[lambda m, nb=nb: (triton.cdiv(Skv, m["BLOCK_N"]), nb * Hkv)](*kv_args, **kw)
+            _tuned_dq(D)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]), nb * H)](*q_args, **kw)
+
+
+# ------------------------------------------------------------------------------------------------ AOT
+def _union(*tables: dict[int, list[Tile]]) -> dict[int, list[Tile]]:
+    out: dict[int, list[Tile]] = {}
+    for t in tables:
+        for d, tiles in t.items():
+            out.setdefault(d, [])
+            out[d] += [x for x in tiles if x not in out[d]]
+    return out
+
+
+def aot_specs_backward() -> list[tuple[str, object, dict, dict, dict, dict]]:
+    """(name, jit kernel, signature, constexprs, options, attrs) for every backward kernel config the launcher
+    can pick on CUDA or HIP: fp16/bf16 x head dim x causal x (CUDA tiles + HIP tiles), plus the preprocess."""
+    specs: list[tuple[str, object, dict, dict, dict]] = []
+    for dt in ("fp16", "bf16"):
+        p = f"*{dt}"
+        for d in (64, 128, 256):
+            rows = max(16, 8192 // d)
+            sig = {"o_ptr": p, "do_ptr": p, "lse_ptr": "*fp32", "delta_ptr": "*fp32", "lse2_ptr": "*fp32",
+                   "S": "i32", "HEAD_DIM": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+            specs.append((f"attn_bwd_pre_{dt}_d{d}_r{rows}", _bwd_preprocess_kernel, sig,
+                          {"HEAD_DIM": d, "BLOCK": rows}, {"num_warps": 8, "num_stages": 1}))  # fmt: skip
+        ints = {"kv_len_ptr": "*i32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32", "qk_scale": "fp32",
+                "sm_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
+                "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
+                "S_BUCKET": "i32", "SKV_BUCKET": "i32"}  # fmt: skip
+        consts = {"HEAD_DIM": "constexpr", "CAUSAL": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr",
+                  "BLOCK_N": "constexpr"}  # fmt: skip
+        kv_sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "do_ptr": p, "dk_ptr": p, "dv_ptr": p,
+                  "lse2_ptr": "*fp32", "delta_ptr": "*fp32", **ints, **consts}  # fmt: skip
+        q_sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "do_ptr": p, "dq_ptr": p, "lse2_ptr": "*fp32",
+                 "delta_ptr": "*fp32", **ints, **consts}  # fmt: skip
+        for kind, fn, sig, table in (
+            ("dkdv", _bwd_dkdv_kernel, kv_sig, _union(_CUDA_DKDV, _HIP_DKDV)),
+            ("dq", _bwd_dq_kernel, q_sig, _union(_CUDA_DQ, _HIP_DQ)),
+        ):
+            for d, tiles in table.items():
+                for causal in (False, True):
+                    for bm, bn, w, s in tiles:
+                        const = {"HEAD_DIM": d, "CAUSAL": causal, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn}
+                        name = f"attn_bwd_{kind}_{dt}_d{d}_c{int(causal)}_{bm}x{bn}_w{w}s{s}"
+                        specs.append((name, fn, sig, const, {"num_warps": w, "num_stages": s}))
+    return [(*spec, stride_attrs(spec[2])) for spec in specs]
+
+
+def stride_attrs(sig: dict[str, str]) -> dict[tuple[int], list[list]]:
+    """div16_attrs plus the k/v strides (multiples of the head dim for any cache layout): what Triton's JIT
+    specializes for 16-aligned tensors and strides, so the AOT binaries are the ones launched."""
+    attrs = div16_attrs(sig)
+    attrs.update({(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if k.startswith("stride_")})
+    return attrs

@@ -1,0 +1,593 @@
+"""Row-normalization backward kernels shared by fusekit.rms_norm_backward and fusekit.layer_norm_backward.
+
+Semantics (CONTRACT.md), per row, all fp32 (xin is h in the residual case, else x):
+- rms_norm:   x̂ = xin * rstd; weff = w (casting "fp32"/"llama") or 1 + w ("gemma"); g = dy * weff;
+              dx = rstd * (g - x̂ * mean(g x̂)) [+ dh];  dw = Σ_rows dy * x̂  ("llama": dy * round_x(x̂)).
+- layer_norm: x̂ = (xin - mean) * rstd; g = dy * w;  dx = rstd * (g - mean(g) - x̂ * mean(g x̂)) [+ dh];
+              dw = Σ_rows dy * x̂;  db = Σ_rows dy (only when the op has a bias).
+params: rms_norm [eps, casting, has_residual], layer_norm [eps, has_residual, has_bias]; has_residual
+says dh is given (else it is a [1, 1] dummy, never read); has_bias says db is given (else [1]). The
+flags are read on the device (the host never sees params without a sync).
+
+Byte floor per call: read dy, xin (2*M*N*s) [+ dh M*N*s] + write dx (M*N*s) + weight (N*s_w) + stats
+(4-8 B/row) + the fp32 partials (written once, read once: P*N*4 B per weight gradient, P * N <= ~SMs *
+8 K elements = 4.3 MB on an H200, small next to the rows for M >> P). 32768x8192 bf16 without dh:
+1.61 GB -> 0.38 ms at the 4283 GB/s copy ceiling of the H200.
+
+GPU plan (deterministic, no atomics):
+1. A persistent grid: block p takes rows p, p + P, ... (fixed for a given M and device) and keeps fp32
+   partials of dw (and db) for its rows, written once at the end to row p of a [P, N] scratch
+   (ctx.enqueue_create_buffer).
+   - N <= 8 * 1024 (aligned): "register" kernel, whole rows per block, the smallest block of
+     64..1024 threads with 8 columns per thread (one 16-byte vector of 16-bit x, two of fp32);
+     P = min(M, SMs * 1024 / BLK). dy / xin / dh and the dw partials sit in registers, the db
+     partials in shared memory; each row needs one block all-reduce of (Σ g x̂, Σ g): warp butterflies,
+     one barrier, then every warp reduces the per-warp partials with the same butterfly. Registers:
+     <= 64 with no spills at 1024 threads (ptxas sm_90); with 16 columns per thread the 16-bit
+     kernels took 114-118 registers and spilled at 1024 threads.
+   - longer aligned rows: a row-sums kernel (one block per row: mean(g x̂), mean(g) -> [M, 2]), then
+     the register kernel column-tiled: block b takes column chunk b % chunks (8192 columns) of the rows
+     b // chunks + i * P, P = cdiv(SMs, chunks) (~one 1024-thread block per SM). dy and xin are read
+     twice (10 instead of 6 bytes per element in bf16); a one-kernel version that kept the partials
+     in global memory (read-modified-written per row) ran at 1120 (rms) / 775 (ln) GB/s at 4096x65536.
+   - unaligned rows (N % 8 != 0 or a misaligned pointer): the W = 1 "loop" kernel (two passes per
+     row, partials read-modified-written in global memory by the thread owning the column;
+     P = SMs * 1024 / BLK, BLK = 128 up to N = 4096, else 512).
+2. A column kernel sums the partials over P in a fixed order (32 columns x 32 partial-row lanes per
+   block, 4 independent accumulators each, then a fixed-order combine in shared memory) and casts to
+   w's dtype. Two runs are bit-identical.
+Measured on an H200 (GB/s over the byte floor, copy 4283; harness/_normh.mojo): 32768x8192 bf16 rms
+2988 / ln 2931, with dh and fp32 w rms 3511 / ln 3670, fp32 rms 4182 / ln 4063; 32768x1024 bf16 rms
+2181 / ln 2434; 4096x65536 bf16 (column-tiled) rms 1637 / ln 1575.
+Row offsets are Int (64-bit). Block reductions use WARP_SIZE (32 on NVIDIA, 64 on AMD).
+"""
+
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, thread_idx, block_idx, grid_dim, barrier
+from max.gpu.primitives import warp
+from std.memory import unsafe_stack_allocation
+from max.gpu.host import DeviceContext, DeviceAttribute, DeviceBuffer
+from std.utils import StaticTuple
+from std.sys import align_of
+
+from ._util import vec_width, is_aligned16, cdiv
+
+comptime F32 = DType.float32
+comptime FPtr = Pointer[Float32, MutAnyOrigin]
+comptime MAX_WARPS = 32  # 1024 threads / 32 lanes (AMD: 16 wavefronts of 64)
+comptime REG_ELEMS = 8  # columns per thread in the register kernel (1 vector of 16-bit x, 2 of fp32)
+comptime LOOP_BLK = 512  # threads of the row-sums kernel and of the unaligned loop kernel for N > 4096
+comptime RED_COLS = 32  # columns per block of the partial reduction
+comptime RED_ROWS = 32  # partial rows summed in parallel per column (block = 1024 threads)
+
+
+struct BwdFlags(Copyable, Movable):
+    """The backward op's runtime flags, read from `params`."""
+
+    var llama: Bool
+    var gemma: Bool
+    var has_dh: Bool
+    var has_bias: Bool
+
+    @always_inline
+    def __init__(out self, llama: Bool, gemma: Bool, has_dh: Bool, has_bias: Bool):
+        self.llama = llama
+        self.gemma = gemma
+        self.has_dh = has_dh
+        self.has_bias = has_bias
+
+
+@always_inline
+def bwd_flags[LN: Bool](params: FPtr) -> BwdFlags:
+    comptime if LN:
+        return BwdFlags(False, False, params[unsafe_offset=1] != 0, params[unsafe_offset=2] != 0)
+    else:
+        var c = params[unsafe_offset=1]
+        return BwdFlags(c == 1, c == 2, params[unsafe_offset=2] != 0, False)
+
+
+@always_inline
+def _block_allsum2[
+    BLK: Int
+](a: Float32, b: Float32, red: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]) -> SIMD[
+    F32, 2
+]:
+    """(Σ a, Σ b) over the block in every thread, one barrier (the caller's loop-end barrier protects
+    `red` before its next use); every thread adds the per-warp partials in the same order."""
+    comptime NW = BLK // WARP_SIZE
+    var lane = thread_idx.x % WARP_SIZE
+    var wa = warp.sum(a)
+    var wb = warp.sum(b)
+    if lane == 0:
+        red[unsafe_offset=thread_idx.x // WARP_SIZE] = wa
+        red[unsafe_offset=MAX_WARPS + thread_idx.x // WARP_SIZE] = wb
+    barrier()
+    # every warp reduces the NW partials with the same butterfly: 2 shared loads + 2 warp.sums per
+    # thread instead of 2 * NW loads (64 at 1024 threads: half of the kernel's instructions)
+    var ta = Float32(0)
+    var tb = Float32(0)
+    if lane < NW:
+        ta = red[unsafe_offset=lane]
+        tb = red[unsafe_offset=MAX_WARPS + lane]
+    return SIMD[F32, 2](warp.sum(ta), warp.sum(tb))
+
+
+@always_inline
+def _weff[
+    wdtype: DType, W: Int, AW: Int
+](w: Pointer[Scalar[wdtype], MutAnyOrigin], off: Int, f: BwdFlags) -> SIMD[F32, W]:
+    var wv = w.unsafe_load[width=W, alignment=AW](off).cast[F32]()
+    if f.gemma:
+        wv = wv + 1.0
+    return wv
+
+
+@always_inline
+def _dw_term[dtype: DType, W: Int](dyv: SIMD[F32, W], xh: SIMD[F32, W], f: BwdFlags) -> SIMD[F32, W]:
+    """dy * x̂, with x̂ rounded to x's dtype for "llama" (HF multiplies the weight by the rounded value)."""
+    if f.llama:
+        return dyv * xh.cast[dtype]().cast[F32]()
+    return dyv * xh
+
+
+@always_inline
+def _load_cols[
+    dtype: DType, BLK: Int, NV: Int
+](p: Pointer[Scalar[dtype], MutAnyOrigin], tid: Int, nv: Int) -> SIMD[dtype, NV * vec_width[dtype]()]:
+    """This thread's NV vectors (vector indices tid + k * BLK) of one row, zero past the row's end."""
+    comptime VW = vec_width[dtype]()
+    var v = SIMD[dtype, NV * VW](0)
+    comptime for k in range(NV):
+        var j = tid + k * BLK
+        if j < nv:
+            v = v.insert[offset = k * VW](p.unsafe_load[width=VW, alignment=16](j * VW))
+    return v
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLK)))
+def _norm_bwd_reg_kernel[
+    dtype: DType, wdtype: DType, LN: Bool, BLK: Int, NV: Int, TILED: Bool
+](
+    dx: Pointer[Scalar[dtype], MutAnyOrigin],
+    part_w: FPtr,
+    part_b: FPtr,
+    dy: Pointer[Scalar[dtype], MutAnyOrigin],
+    dh: Pointer[Scalar[dtype], MutAnyOrigin],
+    xin: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
+    mean_in: FPtr,
+    rstd_in: FPtr,
+    sums: FPtr,
+    params: FPtr,
+    n_rows: Int64,
+    n_cols: Int64,
+):
+    """The thread's 8 columns of dy / xin / dh and its dw partials live in registers, its db partials
+    (layer_norm) in shared memory ([element][thread]: conflict-free), which keeps 1024-thread blocks
+    within 64 registers. Measured and dropped: prefetching the next row's dy / xin into registers
+    before this row's reduction (double buffering) spilled at 1024 threads and ran slower everywhere
+    (H200, 32768x8192: bf16 rms 2381 vs 2944 GB/s, ln 1559 vs 1948; fp32 rms 3831 vs 4191).
+    TILED = False: a block holds whole rows (N <= 8 * BLK) and all-reduces each row's sums itself.
+    TILED = True (long rows): block b takes column chunk b % chunks (8 * BLK columns) of the rows
+    b // chunks, b // chunks + grid / chunks, ...; the row sums (mean(g x̂), mean(g)) come from `sums`
+    [M, 2], written by _row_sums_kernel; the block's partials go to row b // chunks of part_w / part_b."""
+    comptime VW = vec_width[dtype]()
+    comptime C = NV * VW
+    var red = unsafe_stack_allocation[2 * MAX_WARPS, Float32, address_space=AddressSpace.SHARED]()
+    var n = Int(n_cols)
+    var m = Int(n_rows)
+    var nv = n // VW
+    var f = bwd_flags[LN](params)
+    var tid = thread_idx.x  # this thread's first column vector
+    var first_row = block_idx.x
+    var step = grid_dim.x
+    comptime if TILED:
+        var chunks = (nv + BLK * NV - 1) // (BLK * NV)
+        tid += (block_idx.x % chunks) * (BLK * NV)
+        first_row = block_idx.x // chunks
+        step = grid_dim.x // chunks
+    var aw = SIMD[F32, C](0)  # this thread's dw partials
+    # db partials (layer_norm with bias): element e of thread t at e * BLK + t
+    var sb = unsafe_stack_allocation[BLK * C if LN else 1, Float32, address_space=AddressSpace.SHARED]()
+    comptime if LN:
+        comptime for e in range(C):
+            sb[unsafe_offset=e * BLK + thread_idx.x] = 0
+    var row = first_row
+    while row < m:
+        var off = row * n
+        var xc = _load_cols[dtype, BLK, NV](xin.unsafe_offset(off), tid, nv)
+        var gc = _load_cols[dtype, BLK, NV](dy.unsafe_offset(off), tid, nv)
+        var hc = SIMD[dtype, C](0)
+        if f.has_dh:  # needed only after the reduction: its latency hides behind it
+            hc = _load_cols[dtype, BLK, NV](dh.unsafe_offset(off), tid, nv)
+        var wc = SIMD[F32, C](0)  # weff (w, or 1 + w for gemma): an L1 hit, cheaper than C registers
+        comptime for k in range(NV):
+            var j = tid + k * BLK
+            if j < nv:
+                wc = wc.insert[offset = k * VW](_weff[wdtype, VW, 16](w, j * VW, f))
+        var mu = Float32(0)
+        comptime if LN:
+            mu = mean_in[unsafe_offset=row]
+        var r = rstd_in[unsafe_offset=row]
+        # padding lanes (columns past N) have x = dy = w = 0, so g = 0 and they add nothing below
+        var xh = (xc.cast[F32]() - mu) * r
+        var dyv = gc.cast[F32]()
+        var g = dyv * wc
+        var s2 = Float32(0)
+        comptime if LN:
+            s2 = g.reduce_add()
+            if f.has_bias:
+                comptime for e in range(C):
+                    sb[unsafe_offset=e * BLK + thread_idx.x] += dyv[e]
+        aw += _dw_term[dtype](dyv, xh, f)
+        var c1: Float32
+        var c2: Float32
+        comptime if TILED:
+            c1 = sums[unsafe_offset=2 * row]
+            c2 = sums[unsafe_offset=2 * row + 1]
+        else:
+            var tot = _block_allsum2[BLK]((g * xh).reduce_add(), s2, red)
+            c1 = tot[0] / Float32(n)
+            c2 = tot[1] / Float32(n)
+        var d: SIMD[F32, C]
+        comptime if LN:
+            d = r * (g - c2 - xh * c1)
+        else:
+            d = r * (g - xh * c1)
+        if f.has_dh:
+            d += hc.cast[F32]()
+        var dxr = dx.unsafe_offset(off)
+        var dd = d.cast[dtype]()
+        comptime for k in range(NV):
+            var j = tid + k * BLK
+            if j < nv:
+                dxr.unsafe_store[alignment=16](j * VW, dd.slice[VW, offset = k * VW]())
+        row += step
+        comptime if not TILED:
+            barrier()  # `red` is rewritten for the next row
+    var pw = part_w.unsafe_offset(first_row * n)
+    var pb = part_b.unsafe_offset(first_row * n)
+    comptime for k in range(NV):
+        var j = tid + k * BLK
+        if j < nv:
+            pw.unsafe_store[alignment=16](j * VW, aw.slice[VW, offset = k * VW]())
+            comptime if LN:
+                if f.has_bias:
+                    var bv = SIMD[F32, VW](0)
+                    comptime for e in range(VW):
+                        bv[e] = sb[unsafe_offset=(k * VW + e) * BLK + thread_idx.x]
+                    pb.unsafe_store[alignment=16](j * VW, bv)
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLK)))
+def _row_sums_kernel[
+    dtype: DType, wdtype: DType, LN: Bool, BLK: Int, W: Int
+](
+    sums: FPtr,
+    dy: Pointer[Scalar[dtype], MutAnyOrigin],
+    xin: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
+    mean_in: FPtr,
+    rstd_in: FPtr,
+    params: FPtr,
+    n_rows: Int64,
+    n_cols: Int64,
+):
+    """sums[row] = (mean(g x̂), mean(g)) for the column-tiled kernel: one block per row (grid-stride),
+    two vectors of dy and xin in flight per thread."""
+    var red = unsafe_stack_allocation[2 * MAX_WARPS, Float32, address_space=AddressSpace.SHARED]()
+    var n = Int(n_cols)
+    var nw = n // W
+    var f = bwd_flags[LN](params)
+    var tid = thread_idx.x
+    var row = block_idx.x
+    while row < Int(n_rows):
+        var off = row * n
+        var xr = xin.unsafe_offset(off)
+        var gr = dy.unsafe_offset(off)
+        var mu = Float32(0)
+        comptime if LN:
+            mu = mean_in[unsafe_offset=row]
+        var r = rstd_in[unsafe_offset=row]
+        var s1 = SIMD[F32, W](0)
+        var s2 = SIMD[F32, W](0)
+        var j = tid
+        while j + BLK < nw:
+            var x0 = xr.unsafe_load[width=W, alignment=16](j * W)
+            var x1 = xr.unsafe_load[width=W, alignment=16]((j + BLK) * W)
+            var g0 = gr.unsafe_load[width=W, alignment=16](j * W).cast[F32]() * _weff[wdtype, W, 16](w, j * W, f)
+            var g1 = gr.unsafe_load[width=W, alignment=16]((j + BLK) * W).cast[F32]() * _weff[wdtype, W, 16](
+                w, (j + BLK) * W, f
+            )
+            s1 += g0 * ((x0.cast[F32]() - mu) * r) + g1 * ((x1.cast[F32]() - mu) * r)
+            s2 += g0 + g1
+            j += 2 * BLK
+        if j < nw:
+            var g0 = gr.unsafe_load[width=W, alignment=16](j * W).cast[F32]() * _weff[wdtype, W, 16](w, j * W, f)
+            s1 += g0 * ((xr.unsafe_load[width=W, alignment=16](j * W).cast[F32]() - mu) * r)
+            s2 += g0
+        var tot = _block_allsum2[BLK](s1.reduce_add(), s2.reduce_add(), red)
+        if tid == 0:
+            sums[unsafe_offset=2 * row] = tot[0] / Float32(n)
+            sums[unsafe_offset=2 * row + 1] = tot[1] / Float32(n)
+        row += grid_dim.x
+        barrier()
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLK)))
+def _norm_bwd_loop_kernel[
+    dtype: DType, wdtype: DType, LN: Bool, BLK: Int, W: Int
+](
+    dx: Pointer[Scalar[dtype], MutAnyOrigin],
+    part_w: FPtr,
+    part_b: FPtr,
+    dy: Pointer[Scalar[dtype], MutAnyOrigin],
+    dh: Pointer[Scalar[dtype], MutAnyOrigin],
+    xin: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
+    mean_in: FPtr,
+    rstd_in: FPtr,
+    params: FPtr,
+    n_rows: Int64,
+    n_cols: Int64,
+):
+    """Any N / alignment (launched with W = 1 for unaligned rows; W > 1 works too): a row-sum pass and a
+    dx pass (dy / xin re-read from L2); the block's partials live in its row of part_w / part_b, each
+    element read-modified-written only by the thread that owns the column (no race, no atomics)."""
+    comptime AL = 16 if W > 1 else align_of[dtype]()
+    comptime AW = 16 if W > 1 else align_of[wdtype]()
+    comptime AF = 16 if W > 1 else 4
+    var red = unsafe_stack_allocation[2 * MAX_WARPS, Float32, address_space=AddressSpace.SHARED]()
+    var n = Int(n_cols)
+    var nw = n // W
+    var f = bwd_flags[LN](params)
+    var tid = thread_idx.x
+    var pw = part_w.unsafe_offset(block_idx.x * n)
+    var pb = part_b.unsafe_offset(block_idx.x * n)
+    var first = True
+    var row = block_idx.x
+    while row < Int(n_rows):
+        var off = row * n
+        var xr = xin.unsafe_offset(off)
+        var gr = dy.unsafe_offset(off)
+        var mu = Float32(0)
+        comptime if LN:
+            mu = mean_in[unsafe_offset=row]
+        var r = rstd_in[unsafe_offset=row]
+        var s1 = SIMD[F32, W](0)
+        var s2 = SIMD[F32, W](0)
+        var j = tid
+        while j < nw:
+            var xh = (xr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]() - mu) * r
+            var g = gr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]() * _weff[wdtype, W, AW](w, j * W, f)
+            s1 += g * xh
+            comptime if LN:
+                s2 += g
+            j += BLK
+        var tot = _block_allsum2[BLK](s1.reduce_add(), s2.reduce_add(), red)
+        var c1 = tot[0] / Float32(n)
+        var c2 = tot[1] / Float32(n)
+        var dxr = dx.unsafe_offset(off)
+        var dhr = dh.unsafe_offset(off)
+        j = tid
+        while j < nw:
+            var xh = (xr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]() - mu) * r
+            var dyv = gr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]()
+            var g = dyv * _weff[wdtype, W, AW](w, j * W, f)
+            var d: SIMD[F32, W]
+            comptime if LN:
+                d = r * (g - c2 - xh * c1)
+            else:
+                d = r * (g - xh * c1)
+            if f.has_dh:
+                d += dhr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]()
+            dxr.unsafe_store[alignment=AL](j * W, d.cast[dtype]())
+            var tw = _dw_term[dtype](dyv, xh, f)
+            if not first:
+                tw = pw.unsafe_load[width=W, alignment=AF](j * W) + tw
+            pw.unsafe_store[alignment=AF](j * W, tw)
+            comptime if LN:
+                if f.has_bias:
+                    var tb = dyv
+                    if not first:
+                        tb = pb.unsafe_load[width=W, alignment=AF](j * W) + tb
+                    pb.unsafe_store[alignment=AF](j * W, tb)
+            j += BLK
+        first = False
+        row += grid_dim.x
+        barrier()
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(RED_COLS * RED_ROWS)))
+def _partials_sum_kernel[
+    wdtype: DType
+](res: Pointer[Scalar[wdtype], MutAnyOrigin], part: FPtr, params: FPtr, flag: Int64, n_parts: Int64, n_cols: Int64):
+    """res[c] = Σ_p part[p, c] in a fixed order; nothing when params[flag] == 0 (flag >= 0)."""
+    if flag >= 0 and params[unsafe_offset=Int(flag)] == 0:
+        return  # uniform over the grid: the gradient is not wanted (db of a layer_norm without bias)
+    var red = unsafe_stack_allocation[RED_COLS * RED_ROWS, Float32, address_space=AddressSpace.SHARED]()
+    var n = Int(n_cols)
+    var np = Int(n_parts)
+    var c = thread_idx.x % RED_COLS
+    var lane = thread_idx.x // RED_COLS
+    var col = block_idx.x * RED_COLS + c
+    var a = SIMD[F32, 4](0)  # 4 independent chains: 4 loads in flight per thread
+    if col < n:
+        var p = lane
+        while p + 3 * RED_ROWS < np:
+            comptime for u in range(4):
+                a[u] += part[unsafe_offset=(p + u * RED_ROWS) * n + col]
+            p += 4 * RED_ROWS
+        while p < np:
+            a[0] += part[unsafe_offset=p * n + col]
+            p += RED_ROWS
+    red[unsafe_offset=lane * RED_COLS + c] = (a[0] + a[1]) + (a[2] + a[3])
+    barrier()
+    if lane == 0 and col < n:
+        var t = Float32(0)
+        comptime for i in range(RED_ROWS):
+            t += red[unsafe_offset=i * RED_COLS + c]
+        res[unsafe_offset=col] = t.cast[wdtype]()
+
+
+def norm_bwd_gpu[
+    dtype: DType, wdtype: DType, LN: Bool
+](
+    ctx: DeviceContext,
+    dx: Pointer[Scalar[dtype], MutAnyOrigin],
+    dw: Pointer[Scalar[wdtype], MutAnyOrigin],
+    db: Pointer[Scalar[wdtype], MutAnyOrigin],
+    dy: Pointer[Scalar[dtype], MutAnyOrigin],
+    dh: Pointer[Scalar[dtype], MutAnyOrigin],
+    xin: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
+    mean_in: FPtr,
+    rstd_in: FPtr,
+    params: FPtr,
+    m: Int,
+    n: Int,
+) raises:
+    """Pick the kernel by row length and alignment, launch it on a persistent grid, then reduce the
+    partials. dh (and db, and mean_in for rms_norm) may be dummies: only dh's address is looked at."""
+    comptime VW = vec_width[dtype]()
+    var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
+    var vec_ok = n % VW == 0 and is_aligned16(dx) and is_aligned16(dy) and is_aligned16(xin)
+    vec_ok = vec_ok and is_aligned16(w) and is_aligned16(dh)
+    comptime NV = max(1, REG_ELEMS // VW)
+    var nv = n // VW
+    var M = Int64(m)
+    var N = Int64(n)
+    var sums = ctx.enqueue_create_buffer[F32](2 * m if vec_ok and nv > 1024 * NV else 1)
+    var sp = rebind[FPtr](sums.unsafe_ptr())
+    var progs: Int  # rows of partials
+    var part_w: DeviceBuffer[F32]
+    var part_b: DeviceBuffer[F32]
+    if not vec_ok:
+        # unaligned: the W = 1 loop kernel, ~1024 resident threads per SM (P * N <= SMs * 8 * 4096)
+        var blk = 128 if n <= 4096 else LOOP_BLK
+        progs = min(m, sms * (1024 // blk))
+        part_w = ctx.enqueue_create_buffer[F32](progs * n)
+        part_b = ctx.enqueue_create_buffer[F32](progs * n if LN else 1)
+        var pw = rebind[FPtr](part_w.unsafe_ptr())
+        var pb = rebind[FPtr](part_b.unsafe_ptr())
+        if blk == 128:
+            ctx.enqueue_function[_norm_bwd_loop_kernel[dtype, wdtype, LN, 128, 1]](
+                dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, params, M, N, grid_dim=progs, block_dim=128
+            )
+        else:
+            ctx.enqueue_function[_norm_bwd_loop_kernel[dtype, wdtype, LN, LOOP_BLK, 1]](
+                dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, params, M, N, grid_dim=progs, block_dim=LOOP_BLK
+            )
+    elif nv > 1024 * NV:
+        # long rows: row sums first, then 1024 x 8-column chunks x row groups, ~one block per SM
+        ctx.enqueue_function[_row_sums_kernel[dtype, wdtype, LN, LOOP_BLK, VW]](
+            sp, dy, xin, w, mean_in, rstd_in, params, M, N, grid_dim=min(m, 1 << 30), block_dim=LOOP_BLK
+        )
+        var chunks = cdiv(nv, 1024 * NV)
+        progs = max(1, min(m, cdiv(sms, chunks)))
+        part_w = ctx.enqueue_create_buffer[F32](progs * n)
+        part_b = ctx.enqueue_create_buffer[F32](progs * n if LN else 1)
+        ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 1024, NV, True]](
+            dx, rebind[FPtr](part_w.unsafe_ptr()), rebind[FPtr](part_b.unsafe_ptr()), dy, dh, xin, w, mean_in,
+            rstd_in, sp, params, M, N, grid_dim=chunks * progs, block_dim=1024
+        )
+    else:
+        # whole rows in registers: the smallest block holding the row in NV vectors per thread, and
+        # ~1024 resident threads per SM (enough bytes in flight; P * N <= SMs * 8 K partials)
+        var blk = 64
+        while blk * NV < nv:
+            blk *= 2
+        progs = min(m, sms * max(1, 1024 // blk))
+        part_w = ctx.enqueue_create_buffer[F32](progs * n)
+        part_b = ctx.enqueue_create_buffer[F32](progs * n if LN else 1)
+        var pw = rebind[FPtr](part_w.unsafe_ptr())
+        var pb = rebind[FPtr](part_b.unsafe_ptr())
+        if blk == 64:
+            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 64, NV, False]](
+                dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=64
+            )
+        elif blk == 128:
+            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 128, NV, False]](
+                dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=128
+            )
+        elif blk == 256:
+            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 256, NV, False]](
+                dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=256
+            )
+        elif blk == 512:
+            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 512, NV, False]](
+                dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=512
+            )
+        else:
+            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 1024, NV, False]](
+                dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=1024
+            )
+    var pw = rebind[FPtr](part_w.unsafe_ptr())
+    var pb = rebind[FPtr](part_b.unsafe_ptr())
+    var grid = cdiv(n, RED_COLS)
+    var P = Int64(progs)
+    ctx.enqueue_function[_partials_sum_kernel[wdtype]](
+        dw, pw, params, Int64(-1), P, N, grid_dim=grid, block_dim=RED_COLS * RED_ROWS
+    )
+    comptime if LN:
+        ctx.enqueue_function[_partials_sum_kernel[wdtype]](
+            db, pb, params, Int64(2), P, N, grid_dim=grid, block_dim=RED_COLS * RED_ROWS
+        )
+    _ = part_w^
+    _ = part_b^
+    _ = sums^
+
+
+def norm_bwd_cpu[
+    dtype: DType, wdtype: DType, LN: Bool
+](
+    dx: Pointer[Scalar[dtype], MutAnyOrigin],
+    dw: Pointer[Scalar[wdtype], MutAnyOrigin],
+    db: Pointer[Scalar[wdtype], MutAnyOrigin],
+    dy: Pointer[Scalar[dtype], MutAnyOrigin],
+    dh: Pointer[Scalar[dtype], MutAnyOrigin],
+    xin: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
+    mean_in: FPtr,
+    rstd_in: FPtr,
+    params: FPtr,
+    m: Int,
+    n: Int,
+):
+    """Plain fp32 loops, rows in order (deterministic); dw / db accumulate in fp32, cast at the end."""
+    var f = bwd_flags[LN](params)
+    var aw = List[Float32](length=n, fill=0)
+    var ab = List[Float32](length=n if LN else 1, fill=0)
+    for row in range(m):
+        var off = row * n
+        var mu = Float32(0)
+        comptime if LN:
+            mu = mean_in[unsafe_offset=row]
+        var r = rstd_in[unsafe_offset=row]
+        var s1 = Float32(0)
+        var s2 = Float32(0)
+        for j in range(n):
+            var xh = (xin[unsafe_offset=off + j].cast[F32]() - mu) * r
+            var g = dy[unsafe_offset=off + j].cast[F32]() * _weff[wdtype, 1, align_of[wdtype]()](w, j, f)[0]
+            s1 += g * xh
+            s2 += g
+        var c1 = s1 / Float32(n)
+        var c2 = s2 / Float32(n)
+        for j in range(n):
+            var xh = (xin[unsafe_offset=off + j].cast[F32]() - mu) * r
+            var dyv = dy[unsafe_offset=off + j].cast[F32]()
+            var g = dyv * _weff[wdtype, 1, align_of[wdtype]()](w, j, f)[0]
+            var d: Float32
+            comptime if LN:
+                d = r * (g - c2 - xh * c1)
+                ab[j] += dyv
+            else:
+                d = r * (g - xh * c1)
+            if f.has_dh:
+                d += dh[unsafe_offset=off + j].cast[F32]()
+            dx[unsafe_offset=off + j] = d.cast[dtype]()
+            aw[j] += _dw_term[dtype, 1](dyv, xh, f)[0]
+    for j in range(n):
+        dw[unsafe_offset=j] = aw[j].cast[wdtype]()
+        comptime if LN:
+            if f.has_bias:
+                db[unsafe_offset=j] = ab[j].cast[wdtype]()

@@ -1,0 +1,168 @@
+"""The "fusekit" entry of transformers' attention and attention-mask registries.
+
+transformers calls the attention function with query [B, H, S, D] and key/value [B, Hkv, Skv, D]
+(the KV cache already appended, kv heads not repeated) and the mask its mask registry built for the
+implementation's name. fusekit's attention expresses two masks: none, and causal aligned bottom-right
+(query i sees key j iff j <= i + Skv - S, which is also what a decode step with a cache needs). So:
+
+- The mask function is transformers' sdpa_mask, except that where sdpa would return None and rely on
+  torch sdpa's *top-left* `is_causal` (a prefill into a longer, pre-allocated static cache) it
+  materializes the mask, because fusekit's causal is bottom-right. None therefore always means "plain
+  causal" (or no mask for S = 1).
+- A materialized mask is checked once per forward (the same tensor reaches every layer; the verdict
+  is cached on it): all visible, or bottom-right causal, over all keys or over a prefix of them that
+  every row shares (a static cache's unused tail is masked for everyone: those keys are sliced off).
+  Anything else (padding, a window shorter than the keys, packed sequences, an additive bias) cannot
+  run on fusekit: by default the call falls back to transformers' "sdpa" implementation with a
+  one-time warning naming the feature; with `patch(model, strict=True)` it raises ValueError instead.
+  The same rule covers fp32 attention on CUDA (fusekit's GPU attention kernels are fp16/bf16).
+  Nothing is silently wrong.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from torch import Tensor
+
+from fusekit import ops
+
+NAME = "fusekit"
+CAUSAL, FULL = "causal", "full"
+_warned: set[str] = set()
+# (weakref to the last mask checked, its _version, (S, Skv), verdict): one check per forward, not per layer.
+_last: tuple[weakref.ref, int, tuple, tuple[str, int]] | None = None
+
+
+def _verdict(mask: Tensor, s: int, skv: int) -> tuple[str, int]:
+    """(CAUSAL or FULL, number of leading keys to attend over), or (what fusekit cannot express, 0)."""
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, skv):
+        return f"an attention_mask of shape {tuple(mask.shape)} (expected [B, 1|H, {s}, {skv}])", 0
+    if mask.dtype == torch.bool:
+        visible = mask
+    else:
+        # Additive float masks: 0 where visible, a huge negative (or -inf) where masked. Any other value
+        # is a bias (ALiBi and the like), which fusekit does not add.
+        visible = mask == 0
+        masked = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((visible | masked).all()):
+            return "an additive attention bias (mask values other than 0 and -inf)", 0
+    # Keys no query of any row sees, all at the end: a pre-allocated (static) cache's unused tail.
+    seen = visible.reshape(-1, skv).any(dim=0)
+    n = int(seen.sum())
+    if 0 < n < skv and bool(seen[:n].all()):
+        visible = visible[..., :n]
+    else:
+        n = skv
+    if bool(visible.all()):
+        return FULL, n
+    i = torch.arange(s, device=mask.device)[:, None]
+    j = torch.arange(n, device=mask.device)[None, :]
+    if bool((visible == (j <= i + (n - s))).all()):
+        return CAUSAL, n
+    return "padding in the attention_mask (or a sliding-window / packed-sequence pattern)", 0
+
+
+def mask_kind(mask: object, s: int, skv: int, is_causal: bool) -> tuple[str, int]:
+    """What `mask` asks of a query block of length s over skv keys: (CAUSAL or FULL, keys to use), or
+    (why fusekit cannot run it, 0)."""
+    global _last
+    if mask is None:
+        return (CAUSAL if is_causal and s > 1 else FULL), skv
+    if not isinstance(mask, Tensor):
+        return f"a {type(mask).__name__} attention mask (flex attention)", 0
+    if torch.compiler.is_compiling():
+        return _verdict(mask, s, skv)
+    if _last is not None and _last[0]() is mask and _last[1] == mask._version and _last[2] == (s, skv):
+        return _last[3]
+    v = _verdict(mask, s, skv)
+    _last = (weakref.ref(mask), mask._version, (s, skv), v)
+    return v
+
+
+def _fallback(module, query, key, value, attention_mask, reason: str, **kwargs):
+    if getattr(module, "_fusekit_strict", False):
+        raise ValueError(
+            f"attention: fusekit attention does not support {reason} (it supports no mask or a causal one, "
+            "fp16/bf16 on CUDA); patch(model, strict=False) falls back to transformers' sdpa for such calls"
+        )
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"fusekit attention: {reason} is not supported; these calls run transformers' sdpa attention "
+            "instead (patch(model, strict=True) raises instead)",
+            stacklevel=3,
+        )
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def fusekit_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers AttentionInterface entry: returns (attn_output [B, S, H, D], None)."""
+    if dropout:
+        raise ValueError(
+            f"attention dropout ({dropout}) in training is not supported by fusekit attention; set "
+            "model.config.attention_dropout = 0.0"
+        )
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attention logit softcapping is not supported by fusekit attention")
+    is_causal = kwargs.pop("is_causal", None)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    window = kwargs.get("sliding_window")
+    kind, n = mask_kind(attention_mask, query.shape[2], key.shape[2], bool(is_causal))
+    if query.device.type == "cuda" and query.dtype in (torch.float32, torch.float64):
+        kind = f"{str(query.dtype).removeprefix('torch.')} attention on CUDA (fusekit's GPU kernels are fp16/bf16)"
+    elif window is not None and (keys := n if kind in (CAUSAL, FULL) else key.shape[2]) > window:
+        # HF's window: query q sees keys k > q - window; with more keys than that, some are cut off.
+        kind = f"a sliding window ({window}) shorter than the {keys} keys"
+    if kind not in (CAUSAL, FULL):
+        return _fallback(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            kind,
+            scaling=scaling,
+            dropout=dropout,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    if n < key.shape[2]:  # the keys past n are masked for every query (a static cache's unused tail)
+        key, value = key[:, :, :n], value[:, :, :n]
+    backend = getattr(module, "_fusekit_backend", "auto")
+    out = ops.attention(query, key, value, causal=kind == CAUSAL, scale=scaling, backend=backend)
+    return out.transpose(1, 2), None
+
+
+def fusekit_mask(*args, **kwargs):
+    """transformers' sdpa_mask, materialized where sdpa would lean on its top-left `is_causal`."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    q, kv = kwargs.get("q_length"), kwargs.get("kv_length")
+    if mask is None and q is not None and kv is not None and not (q == 1 or q == kv):
+        mask = sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+    return mask
+
+
+def register() -> None:
+    """Register "fusekit" in transformers' attention and mask registries (idempotent, global)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, fusekit_attention)
+    AttentionMaskInterface.register(NAME, fusekit_mask)

@@ -1,0 +1,294 @@
+"""patch / unpatch: run an instantiated transformers Llama / Mistral / Qwen2 model on fusekit ops.
+
+What patch changes (in place; unpatch puts every original object back):
+- every RMSNorm module -> fusekit.nn.RMSNorm(casting="llama"), sharing the original weight Parameter;
+- every MLP -> fusekit.nn.SwiGLUMLP around the original gate/up/down nn.Linear modules (ops.swiglu_ffn);
+- every attention module's class -> a subclass whose forward is HF's with ops.rope for the rotary step
+  (HF's cos/sin [B, S, D] carry duplicated halves; their first halves are fusekit's tables) and the
+  attention core through transformers' registry: config._attn_implementation = "fusekit";
+- every decoder layer's class -> a subclass that fuses the residual add after attention into the
+  post-attention RMSNorm (ops.rms_norm(..., residual=) returns the norm and the new residual stream in
+  one pass). The add after the MLP stays a torch add: fusing it into the next layer's input norm would
+  need the model's layer loop rewritten.
+The q/k/v/o projections (with Qwen2's q/k/v biases), the embedding, the rotary-table module and the
+LM head stay HF's. Parameters are shared, never copied: state_dict keys and optimizers are unaffected.
+
+Checks before anything changes (ValueError naming the feature): model type, rope type (default and
+llama3 only), hidden_act (silu), MLP biases, attention logit softcapping, attention dropout, and a
+sliding window shorter than max_position_embeddings (opt in with allow_sliding_window=True: calls whose
+mask then has a window pattern fall back to sdpa or raise, see fusekit.hf._attention).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fusekit.hf import _attention
+from fusekit.nn import RMSNorm, SwiGLUMLP
+from fusekit.nn.rotary import apply_rope, rope_parameters
+
+FAMILIES = ("llama", "mistral", "qwen2")
+_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_ATTR = "_fusekit_patch"
+
+
+@dataclass
+class _Record:
+    backend: str
+    attn_implementation: str | None
+    children: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)  # parent, name, original
+    classes: list[tuple[nn.Module, type]] = field(default_factory=list)  # module, original class
+    attrs: list[tuple[nn.Module, str]] = field(default_factory=list)  # instance attributes to delete
+
+
+def _family_classes(family: str) -> dict[str, type]:
+    mod = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=["_"])
+    p = _PREFIX[family]
+    return {k: getattr(mod, f"{p}{k}") for k in ("RMSNorm", "MLP", "Attention", "DecoderLayer")}
+
+
+# --- class swaps -------------------------------------------------------------------------------------
+class _AttentionMixin:
+    """HF's Llama/Mistral/Qwen2 attention forward (transformers 5) with fusekit's rope."""
+
+    _fusekit_passes_sliding_window = False
+
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs
+    ):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        backend = self._fusekit_backend
+        # ops.rope takes [B, S, H, D]: rotate before the transpose HF does, straight off the projection.
+        q = self.q_proj(hidden_states).view(hidden_shape)
+        k = self.k_proj(hidden_states).view(hidden_shape)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        half = self.head_dim // 2
+        cos, sin = cos[..., :half], sin[..., :half]  # HF's tables repeat the angles in both halves
+        q = apply_rope(q, cos, sin, backend=backend).transpose(1, 2)
+        k = apply_rope(k, cos, sin, backend=backend).transpose(1, 2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, self._fusekit_eager
+        )
+        if self._fusekit_passes_sliding_window:
+            kwargs["sliding_window"] = (
+                self.sliding_window
+                if hasattr(self, "sliding_window")
+                else getattr(self.config, "sliding_window", None)
+            )
+        out, weights = interface(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        out = out.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), weights
+
+
+class _DecoderLayerMixin:
+    """HF's decoder layer with the residual add after attention fused into the post-attention norm."""
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        # (y, h) = (norm(attn + residual), attn + residual): one pass instead of an add and a norm.
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+def _subclass(mixin: type, cls: type, **attrs) -> type:
+    """Fusekit<cls>, cached and published in this module so pickle finds it by name."""
+    name = f"Fusekit{cls.__name__}"
+    new = globals().get(name)
+    if new is None or cls not in new.__mro__:
+        new = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name, **attrs})
+        globals()[name] = new
+    return new
+
+
+# --- checks ------------------------------------------------------------------------------------------
+def _check_transformers() -> None:
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5:
+        raise ImportError(
+            f"fusekit.hf needs transformers >= 5 (verified with 5.23.0); found {transformers.__version__}"
+        )
+
+
+def _sliding_window(config) -> int | None:
+    """The window of the layers that use one, or None when no layer does."""
+    sw = getattr(config, "sliding_window", None)
+    if sw is None:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return sw
+
+
+def _check_config(config, allow_sliding_window: bool) -> str:
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        raise ValueError(
+            f"model_type: {family!r} is not supported by fusekit.hf.patch (supported: {', '.join(FAMILIES)})"
+        )
+    rope_parameters(config)  # raises naming the rope type
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act: {act!r} is not supported; fusekit's MLP is SwiGLU (silu) only")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias: MLP biases are not supported by fusekit's SwiGLU MLP")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("attn_logit_softcapping: attention logit softcapping is not supported by fusekit")
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError(
+            f"attention_dropout: attention dropout ({config.attention_dropout}) is not supported by fusekit "
+            "attention; set model.config.attention_dropout = 0.0 before patching"
+        )
+    sw = _sliding_window(config)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if sw is not None and (max_pos is None or sw < max_pos) and not allow_sliding_window:
+        raise ValueError(
+            f"sliding_window: a sliding window ({sw}) shorter than max_position_embeddings ({max_pos}) is not "
+            "supported by fusekit attention. patch(..., allow_sliding_window=True) patches anyway: sequences "
+            f"up to {sw} tokens run on fusekit, longer ones fall back to sdpa (or raise with strict=True)"
+        )
+    return family
+
+
+# --- public ------------------------------------------------------------------------------------------
+def patch(
+    model: nn.Module,
+    backend: str = "auto",
+    *,
+    strict: bool = False,
+    allow_sliding_window: bool = False,
+) -> nn.Module:
+    """Run a transformers Llama / Mistral / Qwen2 model's norms, MLPs, rope and attention on fusekit.
+
+    In place; returns `model`. backend: "auto", "torch", "triton" or "mojo" for every op. strict: a
+    call whose attention mask fusekit cannot express (padding, a sliding-window pattern) raises instead
+    of falling back to transformers' sdpa with a one-time warning. Raises ValueError naming the
+    unsupported feature before changing anything; fusekit.hf.unpatch(model) restores the original.
+    """
+    _check_transformers()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a transformers model (nn.Module), got {type(model).__name__}")
+    if hasattr(model, _ATTR):
+        raise ValueError("model: already patched by fusekit; call fusekit.hf.unpatch(model) first")
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"model: {type(model).__name__} has no `config`; expected a transformers model")
+    family = _check_config(config, allow_sliding_window)
+    classes = _family_classes(family)
+    eager = sys.modules[classes["Attention"].__module__].eager_attention_forward
+
+    # Plan every change first, so an unsupported module raises with the model untouched.
+    children: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []
+    attentions: list[nn.Module] = []
+    layers: list[nn.Module] = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is classes["RMSNorm"]:
+                children.append(
+                    (parent, name, child, RMSNorm.from_module(child, casting="llama", backend=backend))
+                )
+            elif type(child) is classes["MLP"]:
+                children.append((parent, name, child, SwiGLUMLP.from_module(child, backend=backend)))
+        if type(parent) is classes["Attention"]:
+            attentions.append(parent)
+        elif type(parent) is classes["DecoderLayer"]:
+            if not isinstance(parent.post_attention_layernorm, classes["RMSNorm"]):
+                raise TypeError(f"model: {type(parent).__name__}.post_attention_layernorm is not an RMSNorm")
+            layers.append(parent)
+    if not attentions:
+        raise ValueError(f"model: no {classes['Attention'].__name__} modules found in {type(model).__name__}")
+
+    rec = _Record(backend=backend, attn_implementation=getattr(config, "_attn_implementation", None))
+    _attention.register()
+    for parent, name, old, new in children:
+        setattr(parent, name, new)
+        rec.children.append((parent, name, old))
+    attn_cls = _subclass(
+        _AttentionMixin,
+        classes["Attention"],
+        _fusekit_eager=staticmethod(eager),
+        _fusekit_passes_sliding_window=family != "llama",
+    )
+    for m in attentions:
+        rec.classes.append((m, type(m)))
+        m.__class__ = attn_cls
+        m._fusekit_backend = backend
+        m._fusekit_strict = strict
+        rec.attrs += [(m, "_fusekit_backend"), (m, "_fusekit_strict")]
+    layer_cls = _subclass(_DecoderLayerMixin, classes["DecoderLayer"])
+    for m in layers:
+        rec.classes.append((m, type(m)))
+        m.__class__ = layer_cls
+    _set_attn_implementation(model, _attention.NAME)
+    object.__setattr__(model, _ATTR, rec)
+    return model
+
+
+def _set_attn_implementation(model: nn.Module, name: str | None) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None and name is not None:
+        setter(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo fusekit.hf.patch: the original modules, classes and attention implementation come back."""
+    rec: _Record | None = getattr(model, _ATTR, None)
+    if rec is None:
+        raise ValueError("model: not patched by fusekit (nothing to unpatch)")
+    _set_attn_implementation(model, rec.attn_implementation)
+    for m, attr in reversed(rec.attrs):
+        m.__dict__.pop(attr, None)
+    for m, cls in reversed(rec.classes):
+        m.__class__ = cls
+    for parent, name, old in reversed(rec.children):
+        setattr(parent, name, old)
+    object.__delattr__(model, _ATTR)
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    return hasattr(model, _ATTR)

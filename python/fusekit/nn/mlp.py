@@ -1,0 +1,94 @@
+"""SwiGLUMLP: the Llama MLP (HF gate_proj / up_proj / down_proj layout) running ops.swiglu_ffn."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fusekit import ops
+
+
+def _is_silu(act: object) -> bool:
+    """True for torch's SiLU and HF's SiLUActivation (ACT2FN["silu"]) and the functional silu."""
+    if isinstance(act, nn.SiLU) or act is nn.functional.silu:
+        return True
+    return type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
+class SwiGLUMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) in one op, with HF LlamaMLP's submodule names.
+
+    gate_proj, up_proj: nn.Linear(hidden_size, intermediate_size, bias=False); down_proj:
+    nn.Linear(intermediate_size, hidden_size, bias=False), so an HF LlamaMLP / MistralMLP / Qwen2MLP
+    state_dict loads unchanged. The Linear modules hold the weights; forward passes them to
+    ops.swiglu_ffn (fp32 accumulation, g and u kept in fp32 until the product is rounded once).
+
+    Biases are not supported (the op has none): bias=True raises. forward(x [..., hidden]) -> [...,
+    hidden] in x's dtype; x and the weights share one dtype (fp32, bf16, fp16). Gradients flow to x and
+    the three weights.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        *,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if bias:
+            raise ValueError(
+                "bias: SwiGLUMLP has no biases (fusekit's swiglu_ffn op takes none); use bias=False"
+            )
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.backend = backend
+        kw = {"bias": False, "device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.swiglu_ffn(
+            x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, backend=self.backend
+        )
+
+    @classmethod
+    def from_module(cls, module: nn.Module, *, backend: str = "auto") -> SwiGLUMLP:
+        """A SwiGLUMLP around an HF-style MLP's own Linear modules (shared, not copied).
+
+        Raises ValueError naming the feature when the module has biases or an activation other than SiLU.
+        """
+        projs = {}
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(module, name, None)
+            if not isinstance(lin, nn.Linear):
+                raise TypeError(
+                    f"module: {type(module).__name__}.{name} must be an nn.Linear, got {type(lin).__name__}"
+                )
+            if lin.bias is not None:
+                raise ValueError(
+                    f"mlp bias: {type(module).__name__}.{name} has a bias; fusekit's SwiGLU MLP supports none"
+                )
+            projs[name] = lin
+        act = getattr(module, "act_fn", nn.SiLU())
+        if not _is_silu(act):
+            raise ValueError(
+                f"hidden_act: {type(module).__name__}.act_fn is {type(act).__name__}; fusekit's SwiGLU MLP is SiLU only"
+            )
+        f, d = projs["gate_proj"].weight.shape
+        if projs["up_proj"].weight.shape != (f, d) or projs["down_proj"].weight.shape != (d, f):
+            raise ValueError(
+                f"module: inconsistent projection shapes gate {tuple(projs['gate_proj'].weight.shape)}, up "
+                f"{tuple(projs['up_proj'].weight.shape)}, down {tuple(projs['down_proj'].weight.shape)}"
+            )
+        new = cls(d, f, backend=backend, device="meta")
+        for name, lin in projs.items():
+            setattr(new, name, lin)
+        return new
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, backend={self.backend!r}"

@@ -1,0 +1,50 @@
+"""What the two norms (RMSNorm, LayerNorm) share: dtype rules, the residual add, argument checks, return shapes."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fusekit.ops import _checks as C
+
+F64 = torch.float64
+# (x, w): the weight (and bias) in x's dtype, or fp32 under fp16/bf16 x; float64 for gradcheck.
+NORM_DTYPES = frozenset(
+    [(d, d) for d in C.ANY_FLOAT] + [(d, torch.float32) for d in (torch.float16, torch.bfloat16)]
+)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Math dtype of the norms: fp32, or fp64 for fp64 inputs."""
+    return F64 if dtype == F64 else torch.float32
+
+
+def add_residual(x: Tensor, residual: Tensor | None) -> Tensor | None:
+    """h = x + residual, added in fp32 and rounded once to x's dtype (None without a residual)."""
+    if residual is None:
+        return None
+    acc = acc_dtype(x.dtype)
+    return (x.to(acc) + residual.to(acc)).to(x.dtype)
+
+
+def check_norm_inputs(x: object, weight: object, bias: object, residual: object) -> int:
+    """Checks x, weight, bias, residual of a norm; returns N (the normalized extent)."""
+    x = C.tensor("x", x, C.ANY_FLOAT)
+    n = C.normalized_dim(x)
+    wd = C.weight_dtypes(x)
+    weight = C.like("weight", weight, "x", x, (n,), wd)
+    if bias is not None:
+        C.like("bias", bias, "weight", weight, (n,))  # the same dtype as the weight
+    if residual is not None:
+        C.like("residual", residual, "x", x, tuple(x.shape))
+    return n
+
+
+def norm_returns(x: Tensor, n: int, y: Tensor, h: Tensor | None, stats: tuple[Tensor, ...]) -> Tensor | tuple:
+    """y (and h) back in x's shape, stats in x's leading shape: y, (y, h), (y, *stats) or (y, h, *stats)."""
+    lead = x.shape[:-1]
+    res = [y.view(x.shape)]
+    if h is not None:
+        res.append(h.view(x.shape))
+    res.extend(s.view(lead) for s in stats)
+    return res[0] if len(res) == 1 else tuple(res)

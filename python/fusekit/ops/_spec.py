@@ -1,0 +1,192 @@
+"""What an op is to fusekit: its tensors, scalars, phases and reference, as data every layer reads.
+
+One `OpSpec` per op lives in `fusekit/ops/<op>.py` beside the op's validation, float64-exact reference
+(forward and backward) and public function. The custom-op registration and autograd wiring
+(`fusekit.library`), the providers (`fusekit.backends`), the Mojo graph signatures and the
+conformance suite all derive from it, so an op's argument list is written once.
+
+Providers see a phase in destination-passing form, positionally:
+
+    run(spec, phase, outputs, inputs, scalars)   # outputs first, then inputs, then scalars
+
+- `TensorArg.dims` are symbolic ("M N"): the same symbol is the same extent; an output's shape is
+  read off the inputs through them (ops with outputs of other shapes give `Phase.shapes`).
+- `TensorArg.dtype` is a dtype variable of the op ("x", "w", "out") or a fixed dtype ("float32").
+  "x" binds to the first input typed "x"; "w" (weights that may be fp32 under mixed precision) to the
+  first present input typed "w", else to x's dtype; a variable no present input binds comes from the
+  scalar `<var>_dtype` (reduce_sum's "out").
+- `TensorArg.when` names a condition: the tensor exists only when it holds, and is `None` otherwise.
+  Forward conditions are read off the inputs (an optional input is present or not) plus "save"
+  (the call records for backward); the backward phase reuses the forward's values.
+- `TensorArg.strided` (inputs only): the tensor may arrive as a strided view whose last dim is
+  contiguous (a KV cache read in place). The library passes such a view as is to a provider that
+  declares `reads_strides` and whose last stride is 1, and a contiguous copy otherwise; the view's
+  strides are part of the call's plan signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+FORWARD, BACKWARD = "forward", "backward"
+PHASES = (FORWARD, BACKWARD)
+SAVE = "save"  # the condition "this forward call records what its backward needs"
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """One tensor of a phase: name, symbolic dims, dtype variable or fixed dtype, presence condition."""
+
+    name: str
+    dims: tuple[str, ...]
+    dtype: str
+    when: str | None = None  # None: always present
+    grad: bool = True  # outputs: False for statistics and saved values (no gradient flows into them)
+    strided: bool = False  # inputs: may be passed as a strided view (see the module docstring)
+
+    @property
+    def optional(self) -> bool:
+        return self.when is not None
+
+
+def t(
+    name: str, dims: str, dtype: str = "x", when: str | None = None, grad: bool = True, strided: bool = False
+) -> TensorArg:
+    """Shorthand: t("weight", "N", "w") is a tensor [N] of the weight dtype."""
+    return TensorArg(name, tuple(dims.split()), dtype, when, grad, strided)
+
+
+# Schema types of the scalar kinds, for torch.library.
+_SCHEMA = {float: "float", int: "int", bool: "bool", str: "str", torch.dtype: "ScalarType"}
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """One non-tensor argument. `check(value) -> normalized value` raises naming the argument."""
+
+    name: str
+    kind: type
+    check: Callable[[object], object]
+    choices: tuple[str, ...] = ()  # str scalars: the allowed values (kernels receive the index)
+
+    @property
+    def schema(self) -> str:
+        return f"{_SCHEMA[self.kind]} {self.name}"
+
+
+@dataclass(frozen=True)
+class Phase:
+    outputs: tuple[TensorArg, ...]
+    inputs: tuple[TensorArg, ...]
+    # Conditions passed to kernels as flags, in this order (the Mojo params after the scalars).
+    conditions: tuple[str, ...] = ()
+    # Output shapes that are not read off the inputs' dims: (inputs by name) -> {output name: shape}.
+    shapes: Callable[[dict[str, Tensor | None]], dict[str, tuple[int, ...]]] | None = None
+
+    @property
+    def tensors(self) -> tuple[TensorArg, ...]:
+        return self.outputs + self.inputs
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An op: phases, scalars, dtype rules, reference and autograd glue."""
+
+    name: str
+    forward: Phase
+    scalars: tuple[Scalar, ...]
+    # The dtype variables in compile-key order, and the allowed combinations (validation enforces them).
+    dtype_vars: tuple[str, ...]
+    allowed: frozenset[tuple[torch.dtype, ...]]
+    # reference[phase](*inputs, *scalars) -> outputs (None where absent): the torch provider runs it.
+    reference: dict[str, Callable[..., tuple[Tensor | None, ...]]]
+    backward: Phase | None = None
+    # Differentiable forward inputs (by name).
+    grad_inputs: tuple[str, ...] = ()
+    # Autograd glue (see fusekit.library): what forward saves, how backward's inputs are formed from
+    # (saved, output grads, conditions), and how backward's outputs map to the forward inputs' grads.
+    save: Callable[..., tuple[Tensor | None, ...]] | None = None
+    backward_inputs: Callable[..., tuple[Tensor | None, ...]] | None = None
+    input_grads: Callable[..., tuple[Tensor | None, ...]] | None = None
+    # An op whose gradient is a view of the output grads needs no backward kernel:
+    # (output grads by name, forward input shapes) -> forward input grads.
+    grad_view: Callable[..., tuple[Tensor | None, ...]] | None = None
+    # Facts a provider needs to say whether it runs a call (head_dim, ...): (the phase's inputs by name,
+    # scalars by name) -> dict; must give the same answer for both phases (it reads tensors both have).
+    meta: Callable[[dict[str, Tensor | None], dict[str, object]], dict[str, object]] = field(
+        default=lambda inputs, scalars: {}
+    )
+
+    def phase(self, name: str) -> Phase:
+        p = self.forward if name == FORWARD else self.backward
+        if p is None:
+            raise ValueError(f"{self.name} has no {name} phase")
+        return p
+
+    @property
+    def scalar_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.scalars)
+
+    def kernel_scalars(self, scalars: tuple) -> tuple:
+        """The scalars providers and references receive: dtype scalars only size the outputs."""
+        return tuple(v for s, v in zip(self.scalars, scalars) if s.kind is not torch.dtype)
+
+    @property
+    def differentiable(self) -> bool:
+        return self.backward is not None or self.grad_view is not None
+
+    # --- binding a call ------------------------------------------------------------------------------
+    def conditions(self, inputs: tuple[Tensor | None, ...], save: bool) -> dict[str, bool]:
+        """Forward condition values: an optional input's condition holds iff it is present."""
+        cond = {SAVE: save}
+        for arg, value in zip(self.forward.inputs, inputs):
+            if arg.when is not None:
+                cond[arg.when] = cond.get(arg.when, False) or value is not None
+        return cond
+
+    def dtype_of(
+        self, var: str, args: tuple[TensorArg, ...], values: tuple[Tensor | None, ...], scalars: dict
+    ) -> torch.dtype:
+        """The dtype a variable takes in a call (see the module docstring)."""
+        for arg, value in zip(args, values):
+            if arg.dtype == var and value is not None:
+                return value.dtype
+        if f"{var}_dtype" in scalars:
+            return scalars[f"{var}_dtype"]  # type: ignore[return-value]
+        if var != "x":
+            return self.dtype_of("x", args, values, scalars)
+        raise ValueError(f"{self.name}: no tensor binds dtype variable {var!r}")
+
+    def output_layout(
+        self, phase: str, inputs: tuple[Tensor | None, ...], scalars: dict, cond: dict[str, bool]
+    ) -> list[tuple[tuple[int, ...], torch.dtype] | None]:
+        """(shape, dtype) of each output of `phase`, None for an absent one."""
+        p = self.phase(phase)
+        sizes: dict[str, int] = {}
+        named = {}
+        for arg, value in zip(p.inputs, inputs):
+            named[arg.name] = value
+            if value is not None:
+                for d, n in zip(arg.dims, value.shape):
+                    sizes.setdefault(d, n)
+        extra = p.shapes(named) if p.shapes is not None else {}
+        layout: list[tuple[tuple[int, ...], torch.dtype] | None] = []
+        for arg in p.outputs:
+            if arg.when is not None and not cond.get(arg.when, False):
+                layout.append(None)
+                continue
+            shape = extra.get(arg.name) or tuple(sizes[d] for d in arg.dims)
+            if arg.dtype in self.dtype_vars:
+                dtype = self.dtype_of(arg.dtype, p.inputs, inputs, scalars)
+            else:
+                dtype = getattr(torch, arg.dtype)
+            layout.append((tuple(shape), dtype))
+        return layout
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,129 @@
+"""layer_norm: LayerNorm over the last dim (as F.layer_norm), with an optional fused residual add."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from fusekit import library
+from fusekit.ops import _checks as C
+from fusekit.ops._norms import NORM_DTYPES, acc_dtype, add_residual, check_norm_inputs, norm_returns
+from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
+
+
+# --- reference (what the op means; the torch backend runs it) ---------------------------------------
+def reference_forward(
+    x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """x [M, N] (+ residual) -> (y [M, N] x dtype, h or None, mean [M] fp32, rstd [M] fp32).
+
+    Biased variance as torch; y = (xin - mean) * rstd * w + b in fp32, one rounding; xin = h or x.
+    """
+    acc = acc_dtype(x.dtype)
+    h = add_residual(x, residual)
+    xin = (h if h is not None else x).to(acc)
+    mean = xin.mean(dim=-1)
+    xc = xin - mean[:, None]
+    rstd = (xc.square().mean(dim=-1) + eps).rsqrt()
+    y = xc * rstd[:, None] * weight.to(acc)
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype), h, mean.float(), rstd.float()
+
+
+def reference_backward(
+    dy: Tensor, dh: Tensor | None, xin: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx [M, N] x dtype, dw [N], db [N] in the weight's dtype); dx also is d residual.
+
+    x̂ = (xin - mean) * rstd; g = dy * w; dx = rstd * (g - mean(g) - x̂ * mean(g x̂)) [+ dh];
+    dw = Σ_rows dy * x̂; db = Σ_rows dy. fp32 math, one rounding each.
+    """
+    acc = acc_dtype(xin.dtype)
+    r = rstd.to(acc)[:, None]
+    xhat = (xin.to(acc) - mean.to(acc)[:, None]) * r
+    dyf = dy.to(acc)
+    g = dyf * weight.to(acc)
+    dx = r * (g - g.mean(dim=-1, keepdim=True) - xhat * (g * xhat).mean(dim=-1, keepdim=True))
+    if dh is not None:
+        dx = dx + dh.to(acc)
+    return dx.to(xin.dtype), (dyf * xhat).sum(dim=0).to(weight.dtype), dyf.sum(dim=0).to(weight.dtype)
+
+
+SPEC = library.register(
+    OpSpec(
+        name="layer_norm",
+        forward=Phase(
+            outputs=(
+                t("y", "M N"),
+                t("h", "M N", when="residual"),
+                t("mean", "M", "float32", None, grad=False),
+                t("rstd", "M", "float32", None, grad=False),
+            ),
+            inputs=(
+                t("x", "M N"),
+                t("residual", "M N", when="residual"),
+                t("weight", "N", "w"),
+                t("bias", "N", "w", when="bias"),
+            ),
+            conditions=("residual", "bias"),
+        ),
+        backward=Phase(
+            outputs=(t("dx", "M N"), t("dw", "N", "w"), t("db", "N", "w", when="bias")),
+            inputs=(
+                t("dy", "M N"),
+                t("dh", "M N", when="residual"),
+                t("xin", "M N"),
+                t("weight", "N", "w"),
+                t("mean", "M", "float32"),
+                t("rstd", "M", "float32"),
+            ),
+            conditions=("residual", "bias"),
+        ),
+        scalars=(Scalar("eps", float, lambda v: C.real("eps", v, nonnegative=True)),),
+        dtype_vars=("x", "w"),
+        allowed=NORM_DTYPES,
+        reference={FORWARD: reference_forward, BACKWARD: reference_backward},
+        grad_inputs=("x", "residual", "weight", "bias"),
+        save=lambda ins, outs: (
+            outs["h"] if outs["h"] is not None else ins["x"],
+            ins["weight"],
+            outs["mean"],
+            outs["rstd"],
+        ),
+        backward_inputs=lambda saved, g, cond: (g["y"], g["h"], *saved),
+        input_grads=lambda g, cond: (g["dx"], g["dx"] if cond["residual"] else None, g["dw"], g["db"]),
+    )
+)
+
+
+# --- public ------------------------------------------------------------------------------------------
+def layer_norm(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    residual: Tensor | None = None,
+    return_stats: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, ...]:
+    """LayerNorm over the last dim as torch.nn.functional.layer_norm (biased variance), math in fp32.
+
+    x [..., N] fp16/bf16/fp32 (fp64 on the torch backend), any strides; weight [N] and bias [N] or None
+    of x's dtype, or fp32 with fp16/bf16 x (mixed precision). y [..., N] in x's dtype.
+
+    residual [..., N]: fused residual add, h = x + residual is normalized and returned: (y, h).
+    `return_stats` appends mean [...] and rstd [...] (fp32). Returns y, (y, h), (y, mean, rstd) or
+    (y, h, mean, rstd).
+
+    backend: "auto" (default), "torch", "triton" or "mojo". Gradients flow to x, residual, weight and
+    bias (a backend without a backward for the call raises before running). Errors: TypeError/ValueError
+    naming `x`, `weight`, `bias`, `residual` or `eps`.
+    """
+    n = check_norm_inputs(x, weight, bias, residual)
+    scalars = (SPEC.scalars[0].check(eps),)
+    C.backend_name(backend)
+    r = C.rows(residual) if residual is not None else None
+    b = bias.contiguous() if bias is not None else None
+    y, h, mean, rstd = library.apply(SPEC, (C.rows(x), r, weight.contiguous(), b), scalars, backend)
+    return norm_returns(x, n, y, h, (mean, rstd) if return_stats else ())

@@ -1,0 +1,104 @@
+"""attention cases: (B, H, Hkv, S, Skv, D) incl. GQA, S ≠ Skv both ways (causal rows with no key);
+per-sequence lengths (`kv_len`: odd ones, a 0, one equal to Skv; the keys past them NaN, which must never
+be read) and k/v as strided views of a KV cache [B, max_len, Hkv, D] (`cache`: max_len - Skv), read in
+place by backends that read strides. S <= 16 runs the triton split-KV decode kernels."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cases import randn
+
+F64 = torch.float64
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GRAD = DTYPES
+_CPU = [
+    (1, 2, 2, 16, 16, 64),
+    (2, 4, 2, 37, 37, 64),
+    (1, 4, 1, 16, 45, 64),
+    (1, 2, 2, 45, 16, 128),
+    (1, 2, 1, 33, 33, 256),
+    (1, 1, 1, 1, 1, 64),
+    (1, 2, 2, 0, 8, 64),
+    (1, 4, 1, 37, 53, 64),
+    (1, 2, 2, 53, 37, 128),
+]
+_CUDA = [
+    (2, 8, 2, 1024, 1024, 128),
+    (1, 16, 16, 777, 1025, 64),
+    (1, 8, 4, 513, 256, 256),
+    (4, 32, 32, 2048, 2048, 128),
+]
+# (dims, kv_len or None, cache slack or None)
+_CPU_KV = [
+    ((3, 4, 2, 5, 37, 64), (37, 0, 18), 3),  # decode: GQA 2, a 0 length, a full one
+    ((2, 4, 1, 1, 53, 64), (1, 29), 11),  # one query, GQA 4
+    ((2, 2, 2, 21, 45, 64), (45, 13), None),  # FlashAttention path; causal with S > kv_len: empty rows
+    ((2, 8, 2, 16, 33, 128), None, 5),  # a strided cache without kv_len, 64 rows per GQA group
+]
+_CUDA_KV = [
+    ((4, 32, 8, 1, 4099, 128), (4099, 1, 2048, 3001), 61),
+    ((2, 16, 2, 16, 2053, 64), (777, 2053), 17),
+    ((2, 8, 1, 5, 1000, 256), (515, 1000), 24),
+    ((2, 8, 8, 300, 777, 128), (777, 299), 9),
+]
+CPU = [{"dims": d, "causal": c} for d in _CPU for c in (False, True)] + [
+    {"dims": d, "causal": c, "kv_len": kl, "cache": m} for d, kl, m in _CPU_KV for c in (False, True)
+]
+CUDA = [{"dims": d, "causal": c} for d in _CUDA for c in (False, True)] + [
+    {"dims": d, "causal": c, "kv_len": kl, "cache": m} for d, kl, m in _CUDA_KV for c in (False, True)
+]
+
+
+def make(case: dict, dtype: torch.dtype, device: str) -> tuple[tuple, dict]:
+    b, h, hkv, s, skv, d = case["dims"]
+    q = randn(b, h, s, d, dtype=dtype, device=device)
+    slack = case.get("cache")
+    if slack is None:
+        k = randn(b, hkv, skv, d, dtype=dtype, device=device)
+        v = randn(b, hkv, skv, d, dtype=dtype, device=device)
+    else:  # views of caches [B, max_len, Hkv, D] whose slots past Skv hold NaN (outside the view)
+        k_cache = randn(b, skv + slack, hkv, d, dtype=dtype, device=device)
+        v_cache = randn(b, skv + slack, hkv, d, dtype=dtype, device=device)
+        k_cache[:, skv:] = math.nan
+        v_cache[:, skv:] = math.nan
+        k, v = k_cache.transpose(1, 2)[:, :, :skv], v_cache.transpose(1, 2)[:, :, :skv]
+    kwargs = {"causal": case["causal"]}
+    if case.get("kv_len") is not None:
+        kv_len = case["kv_len"]
+        with torch.no_grad():
+            for i, n in enumerate(kv_len):  # keys past a sequence's length are garbage: never read
+                k[i, :, n:] = math.nan
+                v[i, :, n:] = math.nan
+        kwargs["kv_len"] = torch.tensor(kv_len, dtype=torch.int32, device=device)
+    return (q, k, v), kwargs
+
+
+def oracle(q, k, v, causal=False, scale=None, kv_len=None):
+    H, S, D = q.shape[1], q.shape[2], q.shape[3]
+    Hkv, Skv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    j = torch.arange(Skv, device=q.device)[None, :]
+    lens = torch.full((q.shape[0],), Skv, device=q.device) if kv_len is None else kv_len.long()
+    if kv_len is not None:  # sequence b sees keys 0..kv_len[b]-1 only, whatever the others hold
+        in_range = (j < lens[:, None])[:, None, :, None]
+        k = torch.where(in_range, k.to(F64), torch.zeros((), dtype=F64, device=q.device))
+        v = torch.where(in_range, v.to(F64), torch.zeros((), dtype=F64, device=q.device))
+    kv_head = torch.arange(H, device=q.device) // (H // Hkv)
+    kd, vd = k.to(F64)[:, kv_head], v.to(F64)[:, kv_head]
+    s = torch.einsum("bhsd,bhtd->bhst", q.to(F64), kd) * scale
+    if causal or kv_len is not None:
+        i = torch.arange(S, device=q.device)[:, None]
+        seen = j < lens[:, None, None, None]  # [B, 1, 1, Skv]
+        if causal:  # bottom-right against each sequence's own length
+            seen = seen & (j <= i + (lens[:, None, None, None] - S))
+        s = torch.where(seen, s, torch.tensor(-math.inf, dtype=F64, device=q.device))
+    m = s.amax(-1, keepdim=True)
+    # A row with no visible key (m = -inf) is defined as zeros; NaN anywhere in a row stays NaN.
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m).detach()
+    p = torch.exp(s - m)
+    denom = p.sum(-1, keepdim=True)
+    p = torch.where(denom == 0, torch.zeros_like(p), p / torch.where(denom == 0, 1.0, denom))
+    return (torch.einsum("bhst,bhtd->bhsd", p, vd),)

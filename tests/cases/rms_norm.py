@@ -1,0 +1,73 @@
+"""rms_norm cases: odd hidden sizes, N = 1, empty rows; residual, casting modes, fp32 weights."""
+
+from __future__ import annotations
+
+import torch
+
+from cases import randn
+
+F32 = torch.float32
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GRAD = DTYPES
+_SHAPES_CPU = [
+    (4, 64),
+    (1, 1),
+    (5, 111),
+    (3, 4, 760),
+    (2, 1128),
+    (7, 3000),
+    (0, 64),
+    (2, 8192),
+    (1, 70000),
+    (9, 4097),
+]
+CPU = (
+    [{"shape": s} for s in _SHAPES_CPU]
+    + [{"shape": (5, 33), "residual": True}, {"shape": (3, 760), "residual": True, "wf32": True}]
+    + [{"shape": (6, 96), "casting": c} for c in ("llama", "gemma")]
+    + [
+        {"shape": (4, 200), "casting": "llama", "wf32": True, "residual": True},
+        {"shape": (3, 4097), "wf32": True},
+    ]
+)
+CUDA = [{"shape": s} for s in [(4096, 8192), (37, 65536), (4, 262144), (199, 4097), (1024, 5120)]] + [
+    {"shape": (4096, 4096), "residual": True, "wf32": True},
+    {"shape": (1024, 8192), "casting": "llama", "wf32": True},
+    {"shape": (333, 2048), "casting": "gemma", "residual": True},
+]
+
+
+def make(case: dict, dtype: torch.dtype, device: str) -> tuple[tuple, dict]:
+    shape = case["shape"]
+    x = randn(*shape, dtype=dtype, device=device, scale=3.0)
+    wdt = F32 if case.get("wf32") and dtype != F32 else dtype
+    w = randn(shape[-1], dtype=wdt, device=device, scale=0.5, shift=1.0)
+    kwargs = {"eps": 1e-6, "return_rstd": True, "casting": case.get("casting", "fp32")}
+    if case.get("residual"):
+        kwargs["residual"] = randn(*shape, dtype=dtype, device=device)
+    return (x, w), kwargs
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rounding to `dtype` that float64 autograd passes straight through (as the kernels' backward)."""
+    return t.to(dtype).to(torch.float64)
+
+
+def oracle(x, w, eps, residual=None, casting="fp32", return_rstd=True):
+    xd = x.to(torch.float64)
+    h = None
+    if residual is not None:
+        h = _round(xd + residual.to(torch.float64), x.dtype)
+        xd = h
+    ms = (xd * xd).sum(-1, keepdim=True) / x.shape[-1]
+    rstd = 1.0 / torch.sqrt(ms + eps)
+    xhat = xd * rstd
+    wd = w.to(torch.float64)
+    if casting == "llama":
+        y = _round(xhat, x.dtype) * wd
+    elif casting == "gemma":
+        y = xhat * (1.0 + wd)
+    else:
+        y = xhat * wd
+    out = (y,) if h is None else (y, h)
+    return (*out, rstd.squeeze(-1)) if return_rstd else out

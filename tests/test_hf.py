@@ -1,0 +1,387 @@
+"""fusekit.hf.patch on tiny random transformers models (Llama-2, Llama-3 with llama3 rope scaling,
+Mistral, Qwen2): logits, greedy generate, a training step's gradients, torch.compile, unpatch, proof
+that fusekit's ops ran, the mask rules and the unsupported-config errors.
+
+CPU only, no downloads (models from config classes, HF_HUB_OFFLINE=1), backend "auto" (torch on the
+CPU). Tiny configs: hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 128.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+
+import fusekit.hf as fh  # noqa: E402
+from fusekit import nn as fnn  # noqa: E402
+from fusekit import ops  # noqa: E402
+from fusekit.hf import _attention  # noqa: E402
+from tests.checks import rel_error  # noqa: E402
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # short, so the 12..40-token sequences here use the scaled bands
+}
+CONFIGS = {
+    "llama2": lambda **kw: LlamaConfig(**{**TINY, **kw}),
+    "llama3": lambda **kw: LlamaConfig(**{**TINY, "rope_parameters": dict(LLAMA3_ROPE), **kw}),
+    "mistral": lambda **kw: MistralConfig(**{**TINY, "sliding_window": None, **kw}),
+    "qwen2": lambda **kw: Qwen2Config(**{**TINY, **kw}),  # q/k/v projections with biases
+}
+FAMILIES = tuple(CONFIGS)
+FP32_TOL = 1e-5  # patched vs unpatched logits, relative 2-norm
+GRAD_TOL = 4e-5  # CONTRACT.md: gradients get up to 2x the fp32 tolerance
+
+
+def build(family: str = "llama2", seed: int = 0, **kw) -> torch.nn.Module:
+    """A tiny random model with non-trivial weights: norm weights around 1, biases non-zero."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family](**kw), attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def ids(batch: int = 2, seq: int = 13, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits(model, x, **kw) -> torch.Tensor:
+    return model(x, **kw).logits.float()
+
+
+def generate(model, x, n: int = 12, **kw) -> torch.Tensor:
+    return model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(_attention, "_warned", set())
+
+
+# --- numerics ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_greedy_generate_match_fp32(family):
+    model = build(family)
+    x = ids(seq=37)
+    ref = logits(model, x)
+    ref_gen = generate(model, x[:1])
+    fh.patch(model)
+    err = rel_error(logits(model, x), ref)
+    assert err <= FP32_TOL, f"{family}: patched logits relative error {err:.2e}"
+    gen = generate(model, x[:1])
+    assert torch.equal(gen, ref_gen), (
+        f"{family}: greedy tokens {gen[0, 37:].tolist()} vs {ref_gen[0, 37:].tolist()}"
+    )
+    assert gen.shape[1] == 37 + 12
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_low_precision_logits_and_generate(family, dtype):
+    """Patched and unpatched half-precision models against the fp32 model: fusekit's error within 2x HF's own."""
+    model = build(family)
+    x = ids(seq=29)
+    exact = logits(model, x)
+    model.to(dtype)
+    hf_err = rel_error(logits(model, x), exact)
+    fh.patch(model)
+    out = logits(model, x)
+    fk_err = rel_error(out, exact)
+    assert fk_err <= 2 * hf_err + 1e-3, f"{family} {dtype}: fusekit error {fk_err:.2e}, HF's {hf_err:.2e}"
+    gen = generate(model, x[:1], n=4)
+    assert gen.shape == (1, 33) and bool((gen >= 0).all() and (gen < TINY["vocab_size"]).all())
+
+
+def _grads(model, x) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x, labels=x).loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_training_step_gradients_match_every_parameter(family):
+    model = build(family).train()
+    x = ids(seq=21)
+    ref = _grads(model, x)
+    assert len(ref) == len(list(model.parameters()))
+    fh.patch(model)
+    got = _grads(model, x)
+    assert got.keys() == ref.keys(), f"parameters without a gradient: {sorted(ref.keys() - got.keys())}"
+    worst = max((rel_error(got[n], ref[n]), n) for n in ref)
+    assert worst[0] <= GRAD_TOL, f"{family}: gradient of {worst[1]} relative error {worst[0]:.2e}"
+    # one optimizer step moves the shared parameters; unpatching keeps them
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.lm_head.weight.detach().clone()
+    opt.step()
+    fh.unpatch(model)
+    assert not torch.equal(model.lm_head.weight, before)
+
+
+def test_bf16_training_step_runs_and_tracks_fp32():
+    model = build("llama2").train()
+    x = ids(seq=17)
+    exact = _grads(model, x)
+    model.to(torch.bfloat16)
+    fh.patch(model)
+    got = _grads(model, x)
+    assert got.keys() == exact.keys()
+    for n in exact:
+        assert torch.isfinite(got[n]).all(), n
+        assert rel_error(got[n], exact[n]) <= 0.1, f"bf16 gradient of {n} far from fp32"
+
+
+def test_torch_compile_of_patched_model():
+    model = build("llama3", num_hidden_layers=1)
+    x = ids(seq=11)
+    fh.patch(model)
+    want = logits(model, x)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    got = logits(compiled, x)
+    assert rel_error(got, want) <= FP32_TOL
+
+
+# --- patch / unpatch mechanics -----------------------------------------------------------------------
+def test_unpatch_restores_bit_identical_outputs_and_objects():
+    model = build("mistral")
+    x = ids(seq=19)
+    before = logits(model, x)
+    gen_before = generate(model, x[:1], n=5)
+    snapshot = {id(m): type(m) for m in model.modules()}
+    params = {n: p for n, p in model.named_parameters()}
+    impl = model.config._attn_implementation
+    assert fh.patch(model) is model and fh.is_patched(model)
+    assert model.config._attn_implementation == "fusekit"
+    assert model.state_dict().keys() == params.keys() | {
+        k for k in model.state_dict() if k not in params
+    }  # the same parameter names
+    assert all(p is params[n] for n, p in model.named_parameters()), "patch must share, not copy, parameters"
+    patched = logits(model, x)
+    twin = copy.deepcopy(model)  # a copy is patched too, and unpatches on its own
+    assert fh.is_patched(twin) and torch.equal(logits(twin, x), patched)
+    fh.unpatch(twin)
+    assert fh.is_patched(model) and torch.equal(logits(twin, x), before)
+    assert fh.unpatch(model) is model and not fh.is_patched(model)
+    assert model.config._attn_implementation == impl
+    assert {id(m): type(m) for m in model.modules()} == snapshot
+    assert not any(k.startswith("_fusekit") for m in model.modules() for k in vars(m))
+    assert torch.equal(logits(model, x), before)
+    assert torch.equal(generate(model, x[:1], n=5), gen_before)
+    fh.patch(model)  # patchable again
+    with pytest.raises(ValueError, match="already patched"):
+        fh.patch(model)
+    fh.unpatch(model)
+    with pytest.raises(ValueError, match="not patched"):
+        fh.unpatch(model)
+
+
+def test_fusekit_ops_ran_and_hf_originals_did_not(monkeypatch):
+    model = build("llama2")
+    fh.patch(model)
+    L = model.config.num_hidden_layers
+    counts: dict[str, int] = {}
+
+    def counting(name):
+        real = getattr(ops, name)
+
+        def wrapper(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return real(*a, **k)
+
+        return wrapper
+
+    for name in ("rms_norm", "swiglu_ffn", "rope", "attention"):
+        monkeypatch.setattr(ops, name, counting(name))
+
+    def banned(*a, **k):
+        raise AssertionError("an HF original ran in a patched model")
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama import modeling_llama as ML
+
+    monkeypatch.setattr(ML, "apply_rotary_pos_emb", banned)
+    monkeypatch.setattr(ML, "eager_attention_forward", banned)
+    monkeypatch.setattr(ML.LlamaRMSNorm, "forward", banned)
+    monkeypatch.setattr(ML.LlamaMLP, "forward", banned)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", banned)
+    logits(model, ids(seq=9))
+    assert counts == {"rms_norm": 2 * L + 1, "swiglu_ffn": L, "rope": 2 * L, "attention": L}, counts
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, fnn.RMSNorm) and layer.input_layernorm.casting == "llama"
+    assert isinstance(layer.mlp, fnn.SwiGLUMLP) and isinstance(model.model.norm, fnn.RMSNorm)
+    # decode through the KV cache: S = 1 queries, no HF original either
+    counts.clear()
+    generate(model, ids(batch=1, seq=5), n=3)
+    assert counts["attention"] == 3 * L and counts["rope"] == 6 * L
+
+
+# --- masks -------------------------------------------------------------------------------------------
+def test_padded_batch_falls_back_to_sdpa_once_or_raises_when_strict():
+    model = build("llama2")
+    x = ids(batch=2, seq=12)
+    mask = torch.ones_like(x)
+    mask[1, :4] = 0  # left padding: positions differ per row (rope per row) and the mask has padding
+    ref = generate(model, x, n=6, attention_mask=mask)
+    ref_logits = logits(model, x, attention_mask=mask)
+    fh.patch(model)
+    with pytest.warns(UserWarning, match="padding") as rec:
+        got = generate(model, x, n=6, attention_mask=mask)
+    assert sum("fusekit attention" in str(w.message) for w in rec) == 1, "warn once, not per call"
+    assert torch.equal(got, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = logits(model, x, attention_mask=mask)
+    assert (
+        rel_error(out[0], ref_logits[0]) <= FP32_TOL and rel_error(out[1, 4:], ref_logits[1, 4:]) <= FP32_TOL
+    )
+    # an all-ones mask is plain causal: fusekit runs, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logits(model, x, attention_mask=torch.ones_like(x))
+    fh.unpatch(model)
+    fh.patch(model, strict=True)
+    with pytest.raises(ValueError, match="padding"):
+        logits(model, x, attention_mask=mask)
+
+
+def test_mask_kind_recognizes_causal_full_prefix_and_other():
+    s, skv = 3, 7
+    i, j = torch.arange(s)[:, None], torch.arange(skv)[None, :]
+    causal = (j <= i + skv - s)[None, None].expand(2, 1, s, skv)
+    C, F = _attention.CAUSAL, _attention.FULL
+    assert _attention.mask_kind(None, s, skv, True) == (C, skv)
+    assert _attention.mask_kind(None, 1, skv, True) == (F, skv)
+    assert _attention.mask_kind(causal.clone(), s, skv, True) == (C, skv)
+    assert _attention.mask_kind(torch.ones(2, 1, s, skv, dtype=torch.bool), s, skv, True) == (F, skv)
+    # a static cache of 9 slots with 7 filled: the last 2 keys masked for every query -> 7 keys, causal
+    padded = torch.cat((causal, torch.zeros(2, 1, s, 2, dtype=torch.bool)), dim=-1)
+    assert _attention.mask_kind(padded, s, skv + 2, True) == (C, skv)
+    # sdpa's top-left is_causal over 7 keys = bottom-right causal over the first 3 (keys 3.. unseen)
+    top_left = (j <= i)[None, None].expand(2, 1, s, skv).clone()
+    assert _attention.mask_kind(top_left, s, skv, True) == (C, s)
+    shifted = top_left.clone()
+    shifted[..., 0, 1] = True  # query 0 also sees key 1: neither causal alignment
+    assert "padding" in _attention.mask_kind(shifted, s, skv, True)[0]
+    row_padding = causal.clone()
+    row_padding[1, :, :, :2] = False  # left padding in one row only
+    assert "padding" in _attention.mask_kind(row_padding, s, skv, True)[0]
+    additive = torch.zeros(2, 1, s, skv).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert _attention.mask_kind(additive, s, skv, True) == (C, skv)
+    assert "bias" in _attention.mask_kind(additive + 0.5, s, skv, True)[0]
+
+
+def test_static_cache_generate_runs_fusekit_over_the_filled_prefix(monkeypatch):
+    model = build("qwen2")
+    x = ids(batch=1, seq=9)
+    ref = generate(model, x, n=5, cache_implementation="static")
+    fh.patch(model)
+    seen: list[int] = []
+    real = ops.attention
+
+    def spy(q, k, v, **kw):
+        seen.append(k.shape[2])
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(ops, "attention", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to sdpa
+        got = generate(model, x, n=5, cache_implementation="static")
+    assert torch.equal(got, ref)
+    L = model.config.num_hidden_layers
+    assert seen == [n for n in range(9, 14) for _ in range(L)], seen  # the filled keys, not the cache's size
+
+
+def test_sliding_window_refused_unless_allowed_then_fusekit_within_window():
+    with pytest.raises(ValueError, match="sliding_window"):
+        fh.patch(build("mistral", sliding_window=16))
+    model = build("mistral", sliding_window=16)
+    short, long = ids(seq=13), ids(seq=24)
+    ref_short, ref_long = logits(model, short), logits(model, long)
+    fh.patch(model, allow_sliding_window=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the window: fusekit, no fallback
+        assert rel_error(logits(model, short), ref_short) <= FP32_TOL
+    with pytest.warns(UserWarning, match="sliding window"):
+        assert rel_error(logits(model, long), ref_long) <= FP32_TOL
+    fh.unpatch(model)
+    fh.patch(model, allow_sliding_window=True, strict=True)
+    with pytest.raises(ValueError, match="sliding window"):
+        logits(model, long)
+
+
+# --- unsupported -------------------------------------------------------------------------------------
+UNSUPPORTED = [
+    (
+        "rope_yarn",
+        "llama2",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+        "rope_type: 'linear'",
+    ),
+    (
+        "rope_dynamic",
+        "llama2",
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+        "rope_type: 'dynamic'",
+    ),
+    ("softcap", "llama2", {"attn_logit_softcapping": 50.0}, "softcapping"),
+    ("mlp_bias", "llama2", {"mlp_bias": True}, "mlp_bias"),
+    ("dropout", "qwen2", {"attention_dropout": 0.1}, "attention_dropout"),
+    ("gelu", "llama2", {"hidden_act": "gelu"}, "hidden_act"),
+    (
+        "sliding_window",
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+        "sliding_window",
+    ),
+]
+
+
+@pytest.mark.parametrize("family,kw,match", [u[1:] for u in UNSUPPORTED], ids=[u[0] for u in UNSUPPORTED])
+def test_unsupported_config_raises_naming_the_feature_and_leaves_model_alone(family, kw, match):
+    model = build(family, **kw)
+    types = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=match):
+        fh.patch(model)
+    assert not fh.is_patched(model) and [type(m) for m in model.modules()] == types
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unsupported_model_type_and_runtime_dropout():
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="model_type: 'gpt2'"):
+        fh.patch(gpt2)
+    model = fh.patch(build("llama2"))
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1  # changed after patching
+    model.train()
+    with pytest.raises(ValueError, match="dropout"):
+        model(ids(seq=5))

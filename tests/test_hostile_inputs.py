@@ -1,0 +1,213 @@
+"""Hostile but legal inputs (issue #16): NaN propagation, scalar ranges, loose flags, threads, hangs.
+
+Every backend must give the float64 answer or a clear error naming the argument — never a silent
+wrong result and never a hang (potential hangs run in a subprocess under a timeout).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fusekit import ops
+
+PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
+
+
+def _attn(backend: str, q, k, v, causal: bool):
+    try:
+        return ops.attention(q, k, v, causal=causal, backend=backend)
+    except ValueError as exc:
+        if "cannot run" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+# --- 1. attention propagates NaN exactly like a float64 softmax -------------------------------------
+def _qkv(device: str, s: int = 16, skv: int = 16, dtype=torch.float32):
+    if device == "cuda":
+        dtype = torch.float16
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(1, 1, n, 64, generator=g).to(device=device, dtype=dtype) for n in (s, skv, skv)]
+
+
+def test_attention_nan_in_one_query_row_reaches_only_that_row(backend_name, device):
+    q, k, v = _qkv(device)
+    q[0, 0, 3, 0] = float("nan")
+    out = _attn(backend_name, q, k, v, causal=False)[0, 0]
+    nan_rows = out.isnan().any(-1)
+    assert nan_rows[3] and out[3].isnan().all(), "the NaN query row must be NaN"
+    assert not nan_rows[torch.arange(16) != 3].any(), "NaN leaked into other rows"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_nan_key_reaches_the_rows_that_see_it(backend_name, device, causal):
+    q, k, v = _qkv(device)
+    k[0, 0, 5, 0] = float("nan")
+    out = _attn(backend_name, q, k, v, causal=causal)[0, 0]
+    sees = torch.arange(16) >= 5 if causal else torch.ones(16, dtype=torch.bool)
+    got = out.isnan().all(-1).cpu()
+    assert torch.equal(got, sees), f"rows with NaN: {got.int().tolist()}, expected {sees.int().tolist()}"
+    assert not out[~sees.to(out.device)].isnan().any()
+
+
+def test_attention_masked_nan_key_does_not_leak_and_empty_rows_are_zero(backend_name, device):
+    """A NaN key is seen only by the last row. (A NaN in v at a masked position is not part of the
+    contract: flash kernels multiply it by p = 0 inside a diagonal tile, which gives NaN — loud, not silent.)"""
+    q, k, v = _qkv(device, s=12, skv=8)  # causal with S > Skv: rows 0..3 see no key
+    k[0, 0, 7, :] = float("nan")
+    out = _attn(backend_name, q, k, v, causal=True)[0, 0]
+    assert torch.equal(out[:4], torch.zeros_like(out[:4])), "rows with no visible key must be zero"
+    assert not out[4:11].isnan().any(), "a masked NaN key leaked"
+    assert out[11].isnan().all()
+
+
+# --- 2. scalars: finite and representable in float32, or a ValueError naming them ------------------
+x4 = torch.randn(1, 3, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: ops.rope(x4, theta=1e39), r"^theta: 1e\+39 is not representable in float32"),
+        (lambda: ops.rope(x4, theta=3.5e38), r"^theta: 3.5e\+38 is not representable"),
+        (lambda: ops.rope(x4, theta=1e-46), r"^theta: 1e-46 is not representable"),
+        (lambda: ops.rope(x4, theta=math.inf), r"^theta: must be positive and finite"),
+        (lambda: ops.rope(x4, theta=math.nan), r"^theta: must be positive and finite"),
+        (lambda: ops.rms_norm(x4, torch.ones(8), eps=1e39), r"^eps: 1e\+39 is not representable"),
+        (lambda: ops.layer_norm(x4, torch.ones(8), eps=1e-50), r"^eps: 1e-50 is not representable"),
+        (lambda: ops.attention(x4, x4, x4, scale=1e39), r"^scale: 1e\+39 is not representable"),
+        (lambda: ops.attention(x4, x4, x4, scale=0.0), r"^scale: must be positive"),
+        (
+            lambda: ops.rope(x4, start_pos=2**31 - 4),
+            r"^start_pos: positions up to start_pos \+ S = 2147483647",
+        ),
+        (lambda: ops.rope(x4, start_pos=2**63), r"^start_pos: positions up to"),
+        (lambda: ops.rope(x4, start_pos=(1 << 24) - 2), r"^start_pos: positions up to .* exceed 2\^24"),
+        (
+            lambda: ops.rms_norm(x4, torch.ones(8), casting="bf16"),
+            r"^casting: expected one of 'fp32', 'llama'",
+        ),
+    ],
+)
+def test_scalar_ranges_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_rope_position_bound_is_inclusive():
+    y = ops.rope(torch.randn(1, 3, 2, 8, dtype=torch.float64), start_pos=(1 << 24) - 3, backend="torch")
+    assert y.isfinite().all()
+
+
+# --- 3. flags must be bools; integer-like positions are accepted -------------------------------------
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: ops.attention(x4, x4, x4, causal="no"), r"^causal: expected a bool, got str 'no'"),
+        (lambda: ops.attention(x4, x4, x4, causal=1), r"^causal: expected a bool, got int"),
+        (lambda: ops.rope(x4, interleaved="yes"), r"^interleaved: expected a bool"),
+        (lambda: ops.rope(x4, interleaved=None), r"^interleaved: expected a bool"),
+        (lambda: ops.rope(x4, start_pos=1.0), r"^start_pos: expected an int, got float"),
+        (lambda: ops.rope(x4, start_pos=True), r"^start_pos: expected an int, got bool"),
+        (lambda: ops.rope(x4, start_pos=torch.tensor([1])), r"^start_pos: expected an int or a 0-d"),
+        (lambda: ops.rope(x4, start_pos=torch.tensor(1.0)), r"^start_pos: expected an int or a 0-d"),
+        (lambda: ops.rms_norm(x4, torch.ones(8), casting=1), r"^casting: expected one of"),
+    ],
+)
+def test_loose_flags_rejected(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+@pytest.mark.parametrize(
+    "start_pos", [np.int64(5), np.int32(5), torch.tensor(5), torch.tensor(5, dtype=torch.int32)]
+)
+def test_integer_like_start_pos(start_pos):
+    want = ops.rope(x4, start_pos=5, backend="torch")
+    assert torch.equal(ops.rope(x4, start_pos=start_pos, backend="torch"), want)
+
+
+def test_numpy_bool_flags():
+    want = ops.attention(x4, x4, x4, causal=True, backend="torch")
+    assert torch.equal(ops.attention(x4, x4, x4, causal=np.bool_(True), backend="torch"), want)
+
+
+# --- 4. thread safety: many threads give the serial results -----------------------------------------
+def _workload(backend: str, device: str):
+    g = torch.Generator().manual_seed(3)
+
+    def r(*s):
+        return torch.randn(*s, generator=g).to(device)
+
+    x, w, xr = r(37, 96), r(96), r(2, 5, 3, 16)
+    calls = [
+        lambda: ops.reduce_sum(x, backend=backend),
+        lambda: ops.rms_norm(x, w, backend=backend),
+        lambda: ops.layer_norm(x, w, w, backend=backend),
+        lambda: ops.rope(xr, start_pos=3, backend=backend),
+    ]
+    return calls
+
+
+def test_threads_give_serial_results(backend_name, device):
+    calls = _workload(backend_name, device)
+    serial = [c() for c in calls]
+    results: dict[tuple[int, int], torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for rep in range(3):
+                for i, c in enumerate(calls):
+                    results[(t, rep * len(calls) + i)] = c()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+    for (_, j), got in results.items():
+        want = serial[j % len(calls)]
+        assert torch.equal(got, want), f"call {j % len(calls)} differed under threads"
+
+
+# --- 5. no hang for extreme but legal thetas (each backend, in a subprocess) -------------------------
+@pytest.mark.parametrize("theta", [1e-30, 1e-38, 3e38])
+def test_rope_extreme_theta_finishes(backend_name, device, theta):
+    """Angles far beyond 2^26 rad (theta < 1) must come out finite and still be rotations.
+
+    No two implementations agree on cos/sin of an fp32 angle of 1e30 (one ulp of the fp32 inverse
+    frequency moves it by 1e23 rad), so the check is what every rotation keeps: the norm of each pair.
+    """
+    code = (
+        "import torch, sys; from fusekit import ops\n"
+        f"x = torch.randn(1, 4, 2, 16).to('{device}')\n"
+        "try:\n"
+        f"    y = ops.rope(x, start_pos=7, theta={theta!r}, backend='{backend_name}')\n"
+        "except ValueError as e:\n"
+        "    print('refused', e); sys.exit(3)\n"
+        "assert y.isfinite().all(), y\n"
+        "pair = lambda t: t[..., :8].double() ** 2 + t[..., 8:].double() ** 2\n"
+        "err = ((pair(y) - pair(x)).abs() / pair(x).clamp_min(1e-6)).max().item()\n"
+        "print('err', err); assert err < 1e-5, err\n"
+    )
+    env = {
+        "PYTHONPATH": f"{PYTHON_DIR}:{PYTHON_DIR.parent}",
+        "TRITON_INTERPRET": "1" if device == "cpu" else "0",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,251 @@
+"""Triton attention forward (o, lse) and backward (dq, dk, dv) against float64 autograd (CONTRACT.md).
+
+    pytest tests/test_triton_attention_grad.py                 # CPU: Triton's interpreter (conftest sets it)
+    pytest tests/test_triton_attention_grad.py --device cuda   # GPU: the autotuned kernels, bf16 included
+
+The reference is a plain float64 softmax attention over the visible keys (bottom-right causal mask; a row
+with no visible key gives o = 0 and lse = -inf and passes no gradient), differentiated by torch autograd.
+On the CPU, bf16 is skipped: the interpreter's bf16 tl.dot is wrong (TRITON_FACTS.md). Small shapes with
+odd lengths (S = 9, 37, 53) so every path runs: unmasked tiles, diagonal tiles, ragged tails on both sides,
+S > Skv rows with no visible key, GQA ratios 1/2/4/8, head dims 64/128/256. The interpreter runs 16 x 16
+tiles unless a test forces others. Outputs are poisoned with NaN before each call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checks import rel_error
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT / "python"), str(ROOT)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+NAN = float("nan")
+# CONTRACT.md tolerances (relative 2-norm vs float64); gradients get 2x.
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BF16_REASON = "bf16 tl.dot is wrong in the Triton CPU interpreter; bf16 is checked on the GPU (--device cuda)"
+
+
+@pytest.fixture(scope="module")
+def dev(device: str) -> str:
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip(
+            "the CPU run needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)"
+        )
+    return device
+
+
+@pytest.fixture(scope="module")
+def attn():
+    import kernels_triton.attention as mod
+
+    return mod
+
+
+def _skip(dtype: torch.dtype, dev: str) -> None:
+    if dtype == torch.bfloat16 and dev == "cpu":
+        print(f"SKIP: {BF16_REASON}")
+        pytest.skip(BF16_REASON)
+    if dtype == torch.float32 and dev == "cuda":
+        pytest.skip("fp32 attention is an interpreter (CPU) path; the GPU kernels are tuned for fp16/bf16")
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (o, lse) of softmax(q k^T * scale) v over the visible keys; autograd-friendly.
+
+    Masked scores are replaced by -inf before the softmax (a masked key never matters, NaN or not); a row
+    with no visible key gets dummy scores 0 (no NaN, also not in autograd), then o = 0 and lse = -inf.
+    """
+    H, S, Skv = q.shape[1], q.shape[2], k.shape[2]
+    g = H // k.shape[1]
+    kf = k.double().repeat_interleave(g, dim=1)
+    vf = v.double().repeat_interleave(g, dim=1)
+    s = (q.double() @ kf.transpose(-1, -2)) * scale
+    i = torch.arange(S, device=q.device)[:, None]
+    j = torch.arange(Skv, device=q.device)[None, :]
+    vis = (j <= i + (Skv - S)) if causal else torch.ones(S, Skv, dtype=torch.bool, device=q.device)
+    has = vis.any(-1)[:, None]
+    s = torch.where(has, s.masked_fill(~vis, float("-inf")), 0.0)
+    p = torch.softmax(s, dim=-1).masked_fill(~vis, 0.0)
+    o = torch.where(has, p @ vf, 0.0)
+    lse = torch.where(has[:, 0], torch.logsumexp(s, dim=-1), float("-inf"))
+    return o, lse
+
+
+def _inputs(B, H, Hkv, S, Skv, D, dtype, dev, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (
+        torch.randn(*shape, generator=g) for shape in [(B, H, S, D), *[(B, Hkv, Skv, D)] * 2, (B, H, S, D)]
+    )
+    return [t.to(device=dev, dtype=dtype) for t in (q, k, v, do)]
+
+
+def _forward(attn, q, k, v, causal, scale, **kw):
+    o = torch.full_like(q, NAN)
+    lse = torch.full(q.shape[:3], NAN, dtype=torch.float32, device=q.device)
+    attn.forward(o, lse, q, k, v, causal, scale, **kw)
+    return o, lse
+
+
+def _backward(attn, do, q, k, v, o, lse, causal, scale, **kw):
+    grads = tuple(torch.full_like(t, NAN) for t in (q, k, v))
+    attn.backward(*grads, do, q, k, v, o, lse, causal, scale, **kw)
+    return grads
+
+
+def _check_lse(lse: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    lse, ref = lse.double().cpu(), ref.double().cpu()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref)), f"{what}: -inf rows differ"
+    fin = torch.isfinite(ref)
+    err = rel_error(lse[fin], ref[fin])
+    assert err < tol, f"{what}: lse rel err {err:.2e} > {tol:.1e}"
+
+
+def _check_all(attn, q, k, v, do, causal, scale, tol, what, fwd_kw=None, bwd_kw=None) -> tuple:
+    o, lse = _forward(attn, q, k, v, causal, scale, **(fwd_kw or {}))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ro, rlse = reference(qd, kd, vd, causal, scale)
+    err = rel_error(o, ro.detach())
+    assert err < tol, f"{what}: o rel err {err:.2e} > {tol:.1e}"
+    _check_lse(lse, rlse.detach(), tol, what)
+    S, Skv = q.shape[2], k.shape[2]
+    if causal and Skv < S:  # the first S - Skv rows see no key: exactly 0
+        assert bool((o[:, :, : S - Skv] == 0).all()), f"{what}: rows with no visible key must be exact zeros"
+    grads = _backward(attn, do, q, k, v, o, lse, causal, scale, **(bwd_kw or {}))
+    ro.backward(do.double())
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (qd.grad, kd.grad, vd.grad), strict=True):
+        err = rel_error(got, ref)
+        assert err < 2 * tol, f"{what}: {name} rel err {err:.2e} > {2 * tol:.1e}"
+    if causal and Skv < S:
+        assert bool((grads[0][:, :, : S - Skv] == 0).all()), (
+            f"{what}: dq of rows with no visible key must be 0"
+        )
+    return o, lse, grads
+
+
+CASES = [
+    (1, 2, 2, 16, 16, 64),  # MHA, one tile
+    (1, 4, 1, 37, 53, 64),  # GQA 4:1, S < Skv (diagonal shifted right), ragged tails
+    (1, 2, 2, 53, 37, 128),  # S > Skv: causal rows 0..15 see no key
+    (1, 2, 1, 9, 33, 256),  # GQA 2:1, a short query block against several key tiles
+    (2, 8, 1, 21, 19, 64),  # GQA 8:1, batch 2, S > Skv by 2
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B,H,Hkv,S,Skv,D", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_forward_backward(attn, dev, B, H, Hkv, S, Skv, D, causal, dtype) -> None:
+    _skip(dtype, dev)
+    q, k, v, do = _inputs(B, H, Hkv, S, Skv, D, dtype, dev, seed=S * 131 + Skv * 7 + D + causal)
+    scale = 1.3 / D**0.5  # a little peakier than 1/sqrt(D)
+    _check_all(
+        attn, q, k, v, do, causal, scale, TOL[dtype], f"{(B, H, Hkv, S, Skv, D)} causal={causal} {dtype}"
+    )
+
+
+# (dk/dv tile, dq tile): unequal BLOCK_M / BLOCK_N move the causal split between unmasked, diagonal and tail
+# blocks; 32-row query steps against 16-key blocks and the converse.
+FORCED = {
+    "kv16x32-q32x16": ((16, 32, 1, 1), (32, 16, 1, 1)),
+    "kv32x16-q16x32": ((32, 16, 1, 1), (16, 32, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("tiles", FORCED.values(), ids=FORCED.keys())
+@pytest.mark.parametrize("S,Skv", [(37, 70), (70, 37)], ids=["S<Skv", "S>Skv"])
+def test_backward_forced_tiles(attn, dev, tiles, S, Skv) -> None:
+    if dev != "cpu":
+        pytest.skip("interpreter tile sizes")
+    q, k, v, do = _inputs(1, 2, 1, S, Skv, 64, torch.float32, dev, seed=S + Skv)
+    for causal in (True, False):
+        _check_all(attn, q, k, v, do, causal, 0.125, TOL[torch.float32], f"S={S} Skv={Skv} causal={causal}",
+                   bwd_kw={"_config": tiles})  # fmt: skip
+
+
+def test_backward_is_deterministic_and_slabs(attn, dev, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs give bit-identical gradients (GQA group summed in a fixed order, no atomics); then B*H past
+    grid axis 1's limit (lowered to force 3 batch slabs) gives the same bits again."""
+    dtype = torch.float16
+    q, k, v, do = _inputs(3, 2, 1, 21, 29, 64, dtype, dev, seed=5)
+    o, lse = _forward(attn, q, k, v, True, 0.125)
+    g1 = _backward(attn, do, q, k, v, o, lse, True, 0.125)
+    g2 = _backward(attn, do, q, k, v, o, lse, True, 0.125)
+    for a, b in zip(g1, g2, strict=True):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(attn, "_MAX_GRID_Y", 3)  # H = 2: one batch per slab
+    o3, lse3 = _forward(attn, q, k, v, True, 0.125)
+    assert torch.equal(o3, o) and torch.equal(lse3, lse)
+    g3 = _backward(attn, do, q, k, v, o, lse, True, 0.125)
+    for a, b in zip(g1, g3, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_backward_negative_scale(attn, dev) -> None:
+    """The forward runs a negative scale through -q; the backward needs no row max and takes it as is."""
+    q, k, v, do = _inputs(1, 2, 1, 19, 23, 64, torch.float32 if dev == "cpu" else torch.float16, dev, seed=9)
+    for causal in (False, True):
+        _check_all(attn, q, k, v, do, causal, -0.2, TOL[q.dtype], f"scale=-0.2 causal={causal}")
+
+
+# ---------------------------------------------------------------------------------------------- NaN
+def _nan_pattern(
+    o: torch.Tensor, lse: torch.Tensor, ro: torch.Tensor, rlse: torch.Tensor, tol: float
+) -> None:
+    o, lse, ro, rlse = (t.double().cpu() for t in (o, lse, ro, rlse))
+    assert torch.equal(torch.isnan(o), torch.isnan(ro)), (
+        f"NaN rows of o: got {torch.isnan(o).any(-1).int().tolist()}, want {torch.isnan(ro).any(-1).int().tolist()}"
+    )
+    assert torch.equal(torch.isnan(lse), torch.isnan(rlse)), "NaN pattern of lse differs"
+    fin = torch.isfinite(ro)
+    assert rel_error(o[fin], ro[fin]) < tol
+    _check_lse(lse.nan_to_num(0.0), rlse.nan_to_num(0.0), tol, "finite lse")
+
+
+@pytest.mark.parametrize(
+    "case,causal",
+    [("q_row", False), ("q_row", True), ("visible_key", False), ("visible_key", True), ("masked_key", True)],
+)
+def test_forward_nan(attn, dev, case: str, causal: bool) -> None:
+    """NaN reaches exactly the rows a float64 softmax over the visible keys sends it to."""
+    dtype = torch.float32 if dev == "cpu" else torch.float16
+    B, H, Hkv, S, Skv, D = (
+        1,
+        2,
+        1,
+        21,
+        13,
+        64,
+    )  # S > Skv: causal rows 0..7 see no key, row i sees keys <= i - 8
+    q, k, v, _ = _inputs(B, H, Hkv, S, Skv, D, dtype, dev, seed=len(case) + causal)
+    if case == "q_row":
+        q[0, 1, 11, 5] = NAN  # row 11 of head 1 only
+    elif case == "visible_key":
+        k[0, 0, 4, 9] = NAN  # causal: rows 12.. see key 4; rows 8..11 see keys before it only
+    else:
+        k[0, 0, 12, :] = NAN  # the last key: seen by the last row only; masked in every other row's tile
+    o, lse = _forward(attn, q, k, v, causal, D**-0.5)
+    ro, rlse = reference(q, k, v, causal, D**-0.5)
+    _nan_pattern(o, lse, ro, rlse, TOL[dtype])
+    nan_rows = torch.isnan(o[0]).any(-1).cpu()  # [H, S]
+    if case == "q_row":
+        assert nan_rows[1, 11] and int(nan_rows.sum()) == 1, "only the NaN query row is NaN"
+        return
+    # both query heads read the one kv head: the same rows of each are NaN
+    first = {"visible_key": 12, "masked_key": S - 1}[case] if causal else 0  # first row that sees the key
+    want = torch.arange(S) >= first
+    assert torch.equal(nan_rows, want.expand(H, S)), f"NaN rows {nan_rows.int().tolist()}, want from {first}"
+    if causal:
+        assert bool((o[0, :, : S - Skv] == 0).all()), "rows with no visible key stay exact zeros"
