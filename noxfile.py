@@ -19,7 +19,14 @@ TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 EXTRAS = {"torch": "test,bench", "triton": "test,triton", "mojo": "test,mojo"}
 # Which test files each backend session runs: the cross-backend files, plus tests/test_<backend>_*.py.
 # The torch session also runs every backend-independent file (everything not named for a backend).
-SHARED_TESTS = ["tests/test_conformance.py", "tests/test_hostile_inputs.py"]
+# every backend's session runs these (the torch session runs all of tests/)
+SHARED_TESTS = [
+    "tests/test_conformance.py",
+    "tests/test_hostile_inputs.py",
+    "tests/test_fuzz.py",
+    "tests/test_layouts.py",
+    "tests/test_cuda_graphs.py",
+]
 
 
 def _backend_files(backend: str) -> list[str]:

@@ -99,6 +99,19 @@ def _signature(spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend:
     return sig
 
 
+def _refuse_first_call_in_capture(spec: OpSpec, phase: str, plan: _Plan) -> None:
+    """A provider's first call of a signature may compile or tune (timing runs, synchronization): inside
+    a CUDA graph capture that would fail deep in CUDA or record the tuning runs, so it is refused here."""
+    setup = plan.provider is not None and plan.provider.first_call_setup
+    if plan.guard and setup and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"fusekit.{spec.name} ({phase}, backend {plan.provider.name!r}): the first call of this "
+            "shape/dtype/layout is inside a CUDA graph capture, and a first call compiles and tunes. "
+            "Run the same call once before capturing (a warm-up, as torch.cuda.graph requires); "
+            "later calls only launch and capture fine"
+        )
+
+
 def run(
     spec: OpSpec,
     phase: str,
@@ -112,6 +125,7 @@ def run(
     plan = _PLANS.get(sig)
     if plan is None:
         plan = _Plan(spec, phase, inputs, scalars, backend, cond)
+        _refuse_first_call_in_capture(spec, phase, plan)
         if len(_PLANS) >= _PLAN_CACHE:
             _PLANS.clear()
         _PLANS[sig] = plan

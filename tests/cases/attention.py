@@ -102,3 +102,12 @@ def oracle(q, k, v, causal=False, scale=None, kv_len=None):
     denom = p.sum(-1, keepdim=True)
     p = torch.where(denom == 0, torch.zeros_like(p), p / torch.where(denom == 0, 1.0, denom))
     return (torch.einsum("bhst,bhtd->bhsd", p, vd),)
+
+
+def grad_magnitude(args: tuple, kwargs: dict) -> float:
+    """How much larger than O(1) the gradients' rounding may be: an fp32/half backward recomputes
+    p = exp(logit - lse), whose relative error is ~u·|logit|, and |logit| ~ scale·√D for O(1) inputs.
+    With the default scale (1/√D) that is 1; a drawn scale of 2.0 at D 64 makes it 16."""
+    d = args[0].shape[-1]
+    scale = kwargs.get("scale")
+    return max(1.0, (1.0 / math.sqrt(d) if scale is None else abs(scale)) * math.sqrt(d))

@@ -32,6 +32,10 @@ class Backend:
     # True: the kernels read `strided` spec inputs through their strides (last dim contiguous), so the
     # library passes such views without copying them; False: the library makes them contiguous first.
     reads_strides: bool = False
+    # True: a signature's first call may compile, tune (time candidates, synchronize) or allocate a
+    # workspace, none of which a CUDA graph capture allows; the library refuses such a first call inside
+    # a capture with a clear error instead of corrupting the capture (warm up first, as torch requires).
+    first_call_setup: bool = False
 
     def __init__(self) -> None:
         self._checked = False

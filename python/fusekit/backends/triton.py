@@ -35,6 +35,7 @@ class TritonBackend(Backend):
     name = "triton"
     install_hint = "pip install 'fusekit[triton]'"
     reads_strides = True  # attention reads k/v views (a KV cache in place) through their strides
+    first_call_setup = True  # JIT compile, norm/GEMM config tuning on a new shape (see Backend)
 
     def __init__(self) -> None:
         super().__init__()

@@ -216,6 +216,9 @@ def _kv_len(kv_len: object, q: Tensor, k: Tensor) -> Tensor | None:
     return kv_len.contiguous()
 
 
+LAYOUTS = ("bhsd", "bshd")
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -224,6 +227,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     kv_len: Tensor | None = None,
+    layout: str = "bhsd",
     backend: str = "auto",
 ) -> Tensor:
     """Scaled dot-product attention, softmax(q k^T * scale) v, with GQA and per-sequence KV lengths.
@@ -248,14 +252,25 @@ def attention(
     never matters. (A NaN in v at a causally masked position may reach a row through 0·NaN, as in
     every flash kernel: loud, never silent; keys past kv_len are never read at all.)
 
+    layout: "bhsd" (default: q [B, H, S, D], k/v [B, Hkv, Skv, D], as HF's attention receives them) or
+    "bshd" (q [B, S, H, D], k/v [B, Skv, Hkv, D], as flash-attention and KV caches hold them; k/v are
+    read as views, q costs a transposing copy); the output has q's layout (a view for "bshd"). A
+    [B, S, H, D] tensor passed as "bhsd" cannot be told apart from a valid call when its shapes fit:
+    name the layout whenever tensors come from a [B, S, H, D] source.
     backend: "auto" (default), "torch", "triton" or "mojo". Gradients flow to q, k and v
     (FlashAttention-2 backward from the saved log-sum-exp; keys past kv_len get zero gradients).
-    Errors: TypeError/ValueError naming `q`, `k`, `v`, `kv_len`, `causal` or `scale`.
+    Errors: TypeError/ValueError naming `q`, `k`, `v`, `kv_len`, `causal`, `scale` or `layout`.
     """
+    bshd = C.choice("layout", layout, LAYOUTS) == "bshd"
+    if bshd:  # shapes are checked (and named) in [B, H, S, D] terms after the transposing views
+        q, k, v = (
+            C.tensor(n, t, C.ANY_FLOAT, ndim=4).transpose(1, 2) for n, t in (("q", q), ("k", k), ("v", v))
+        )
     _check(q, k, v)
     causal = SPEC.scalars[0].check(causal)
     s = SPEC.scalars[1].check(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     kv_len = _kv_len(kv_len, q, k)
     C.backend_name(backend)
     # k, v go as they are: the library copies them for providers that do not read strides.
-    return library.apply(SPEC, (q.contiguous(), k, v, kv_len), (causal, s), backend)[0]
+    o = library.apply(SPEC, (q.contiguous(), k, v, kv_len), (causal, s), backend)[0]
+    return o.transpose(1, 2) if bshd else o

@@ -121,10 +121,30 @@ def _check(x: object, start_pos: int, cos: object, sin: object) -> None:
             continue
         tab = C.tensor(name, tab, C.ANY_FLOAT, ndim=2)
         C.same_device(name, tab, "x", x)
-        if tab.shape[1] != d // 2 or tab.shape[0] < start_pos + s:
+        if tab.shape[1] not in (d // 2, d) or tab.shape[0] < start_pos + s:
             raise ValueError(
-                f"{name}: expected shape [>= start_pos + S = {start_pos + s}, D/2 = {d // 2}], got {tuple(tab.shape)}"
+                f"{name}: expected shape [>= start_pos + S = {start_pos + s}, D/2 = {d // 2}] (or [.., D = {d}] "
+                f"as HF builds it), got {tuple(tab.shape)}"
             )
+
+
+LAYOUTS = ("bshd", "bhsd")
+
+
+def _half_table(name: str, tab: Tensor, d: int, interleaved: bool) -> Tensor:
+    """A table [St, D/2] from one of [St, D/2] or HF's [St, D]: HF repeats each angle for both elements
+    of its pair, cat(f, f) for half-split pairs and repeat_interleave(f, 2) for interleaved ones. Such a
+    [St, D] table is checked for that repetition on the CPU (on CUDA it would cost a host sync: trusted)."""
+    if tab.shape[1] == d // 2:
+        return tab
+    a, b = (tab[:, 0::2], tab[:, 1::2]) if interleaved else (tab[:, : d // 2], tab[:, d // 2 :])
+    if tab.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.equal(a, b):
+        pairing = "repeat_interleave(f, 2)" if interleaved else "cat(f, f)"
+        raise ValueError(
+            f"{name}: a [St, D] table must repeat each angle for both elements of its pair ({pairing}, "
+            f"interleaved={interleaved}); this one does not. Pass the [St, D/2] table instead"
+        )
+    return a
 
 
 def rope(
@@ -135,26 +155,37 @@ def rope(
     interleaved: bool = False,
     cos: Tensor | None = None,
     sin: Tensor | None = None,
+    layout: str = "bshd",
     backend: str = "auto",
 ) -> Tensor:
     """Rotary position embedding of x [B, S, H, D] (D even), same dtype out.
 
     Pairs are the two halves of the head dim (HF Llama) or adjacent elements (`interleaved`), rotated
     by angle (start_pos + s) * theta^(-2i/D), computed in-kernel in fp32. Tables cos/sin [St, D/2]
-    (St >= start_pos + S) replace the in-kernel angles; row start_pos + s is used.
+    (St >= start_pos + S) replace the in-kernel angles; row start_pos + s is used. HF's [St, D] tables
+    (each angle repeated for both elements of its pair: cat(f, f), or repeat_interleave(f, 2) with
+    `interleaved`) are accepted too (checked on the CPU).
+
+    layout: "bshd" (default, x is [B, S, H, D]) or "bhsd" (x is [B, H, S, D], as HF's attention holds q
+    and k); the result has x's layout (a view; "bhsd" costs a transposing copy of x).
 
     start_pos: int, numpy integer or 0-d integer tensor, with start_pos + S <= 2^24 (float32 angles
     are not exact beyond). theta: positive, representable in float32. interleaved: a bool.
     backend: "auto" (default), "torch", "triton" or "mojo". Gradient: d x = d y rotated back.
-    Errors: TypeError/ValueError naming `x`, `start_pos`, `theta`, `interleaved`, `cos` or `sin`.
+    Errors: TypeError/ValueError naming `x`, `start_pos`, `theta`, `interleaved`, `cos`, `sin` or `layout`.
     """
     start_pos, theta, interleaved = (
         s.check(v) for s, v in zip(SPEC.scalars, (start_pos, theta, interleaved))
     )
+    bhsd = C.choice("layout", layout, LAYOUTS) == "bhsd"
+    x = C.tensor("x", x, C.ANY_FLOAT, ndim=4)
+    if bhsd:
+        x = x.transpose(1, 2)
     _check(x, start_pos, cos, sin)
     C.backend_name(backend)
     if cos is not None and sin is not None:
-        cos = cos.to(torch.float32).contiguous()
-        sin = sin.to(torch.float32).contiguous()
+        d = x.shape[-1]
+        cos = _half_table("cos", cos, d, interleaved).to(torch.float32).contiguous()
+        sin = _half_table("sin", sin, d, interleaved).to(torch.float32).contiguous()
     (y,) = library.apply(SPEC, (x.contiguous(), cos, sin), (start_pos, theta, interleaved), backend)
-    return y
+    return y.transpose(1, 2) if bhsd else y

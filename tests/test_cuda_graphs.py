@@ -1,0 +1,134 @@
+"""CUDA graphs (issue #11, item 2): every op captures in `torch.cuda.graph` and replays on new inputs.
+
+    pytest tests/test_cuda_graphs.py --device cuda --backends triton      (the capture tests need a GPU)
+
+For each op × backend, on the first CUDA case of `tests/cases/<op>.py` (forward, and forward+backward for
+differentiable ops): one warm-up call, a capture, then the captured inputs are overwritten in place with
+fresh random values and the graph replayed; the replayed outputs must equal an eager call on the new
+inputs (same kernels, same configs: bit-identical except where a kernel is documented nondeterministic).
+A first call of a signature inside a capture is refused with a clear error (it compiles and tunes); the
+mojo backend refuses every call inside a capture (MAX runs on its own stream). On the CPU only the
+refusal logic is checked (with a stand-in plan), the rest skips.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from cases import module
+from checks import assert_close
+
+from fusekit import backends, library, ops
+from fusekit.tolerances import rtol
+
+GRAPH_DTYPE = torch.bfloat16
+
+
+def test_first_call_in_capture_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU check of the guard: a provider that sets up on first calls is refused while capturing."""
+    spec = ops.rms_norm.__globals__["SPEC"]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    setup = SimpleNamespace(guard=True, provider=SimpleNamespace(name="triton", first_call_setup=True))
+    with pytest.raises(RuntimeError, match=r"rms_norm \(forward, backend 'triton'\).*warm-up"):
+        library._refuse_first_call_in_capture(spec, "forward", setup)
+    plain = SimpleNamespace(guard=True, provider=SimpleNamespace(name="torch", first_call_setup=False))
+    library._refuse_first_call_in_capture(spec, "forward", plain)  # the torch backend needs no warm-up
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    library._refuse_first_call_in_capture(spec, "forward", setup)  # not capturing: nothing to refuse
+    assert backends.get("triton").first_call_setup and not backends.get("torch").first_call_setup
+
+
+def _cuda_case(op: str) -> tuple[tuple, dict]:
+    mod = module(op)
+    dtype = GRAPH_DTYPE if GRAPH_DTYPE in mod.DTYPES else mod.DTYPES[0]
+    return mod.make(mod.CUDA[0], dtype, "cuda")
+
+
+def _refill(t: object) -> None:
+    """New random values in place (the captured addresses stay)."""
+    if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.numel():
+        with torch.no_grad():
+            t.copy_(torch.randn(t.shape, device=t.device).to(t.dtype))
+
+
+def _outputs(out) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("op", ops.OPS)
+@pytest.mark.parametrize("phase", ("forward", "backward"))
+def test_capture_and_replay(op: str, phase: str, backend_name: str, device: str) -> None:
+    if device != "cuda":
+        pytest.skip("CUDA graphs need --device cuda")
+    fn = getattr(ops, op)
+    torch.manual_seed(0)
+    args, kwargs = _cuda_case(op)
+    grad = phase == "backward"
+    if grad:
+        args = tuple(
+            a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a
+            for a in args
+        )
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if grad and not leaves:
+        pytest.skip(f"{op} has no floating inputs")
+
+    def step() -> tuple[torch.Tensor, ...]:
+        outs = _outputs(fn(*args, **kwargs, backend=backend_name))
+        if not grad:
+            return outs
+        y = [o for o in outs if o.requires_grad]
+        return outs + torch.autograd.grad(y, leaves, [torch.ones_like(o) for o in y])
+
+    if backend_name == "mojo":
+        graph = torch.cuda.CUDAGraph()
+        with (
+            pytest.raises(RuntimeError, match="CUDA graph capture is not supported"),
+            torch.cuda.graph(graph),
+        ):
+            step()
+        return
+    try:
+        side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph's docs do
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+    except ValueError as exc:
+        if "cannot run" in str(exc) or "has no backward here" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for a in args:
+        _refill(a)
+    for v in kwargs.values():
+        _refill(v)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = step()
+    for i, (g, w) in enumerate(zip(captured, want)):
+        assert_close(
+            f"{op}.{phase}[{i}] replay", g, w.double(), rtol(op, g.dtype, phase), f"{op} {backend_name}"
+        )
+
+
+def test_first_call_inside_capture_raises_then_warm_capture_works(backend_name: str, device: str) -> None:
+    if device != "cuda" or backend_name != "triton":
+        pytest.skip("needs --device cuda and the triton backend")
+    x = torch.randn(3, 4099, device="cuda", dtype=torch.float16)  # a shape no other test warms up
+    w = torch.randn(4099, device="cuda", dtype=torch.float16)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="warm-up"), torch.cuda.graph(graph):
+        ops.rms_norm(x, w, backend="triton")
+    ops.rms_norm(x, w, backend="triton")  # the warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ops.rms_norm(x, w, backend="triton")
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, ops.rms_norm(x, w, backend="triton"))

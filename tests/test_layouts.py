@@ -1,0 +1,111 @@
+"""HF-shaped inputs (issue #18, item 5): `layout=` of rope and attention, and HF's [S, D] rope tables.
+
+Each check compares the new form with the canonical call of the same backend on the same values
+(identical kernels, so exact equality, except where the canonical call itself goes through a
+different copy), and the canonical call is checked against float64 by the conformance suite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fusekit import ops
+
+F32 = torch.float32
+
+
+def _dtype(backend: str, device: str) -> torch.dtype:
+    # fp32 attention is CPU-only; bf16 tl.dot is wrong in the Triton CPU interpreter
+    return F32 if device == "cpu" else torch.float16
+
+
+def _hf_tables(s: int, d: int, theta: float, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [S, D] built as HF does (each angle repeated for both elements of its pair)."""
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    f = torch.arange(s, dtype=torch.float64)[:, None] * inv[None, :]
+    emb = f.repeat_interleave(2, dim=-1) if interleaved else torch.cat((f, f), dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+@pytest.mark.parametrize("interleaved", (False, True))
+def test_rope_hf_tables_and_bhsd(interleaved: bool, backend_name: str, device: str) -> None:
+    torch.manual_seed(0)
+    b, s, h, d = 2, 7, 3, 64
+    dt = _dtype(backend_name, device)
+    x = torch.randn(b, s, h, d, device=device).to(dt)
+    cos_full, sin_full = (t.to(device) for t in _hf_tables(s + 2, d, 10000.0, interleaved))
+    cos_half = cos_full[:, 0::2] if interleaved else cos_full[:, : d // 2]
+    sin_half = sin_full[:, 0::2] if interleaved else sin_full[:, : d // 2]
+    kw = {"interleaved": interleaved, "start_pos": 2, "backend": backend_name}
+    want = ops.rope(x, cos=cos_half.contiguous(), sin=sin_half.contiguous(), **kw)
+    got = ops.rope(x, cos=cos_full, sin=sin_full, **kw)
+    assert torch.equal(got, want)
+    # [B, H, S, D] in, [B, H, S, D] out: the same rotation as the [B, S, H, D] call
+    got_bhsd = ops.rope(x.transpose(1, 2).contiguous(), cos=cos_full, sin=sin_full, layout="bhsd", **kw)
+    assert got_bhsd.shape == (b, h, s, d)
+    assert torch.equal(got_bhsd.transpose(1, 2), want)
+    # the in-kernel angles too
+    assert torch.equal(
+        ops.rope(x.transpose(1, 2).contiguous(), layout="bhsd", **kw).transpose(1, 2), ops.rope(x, **kw)
+    )
+
+
+def test_rope_bhsd_gradient(backend_name: str, device: str) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(1, 4, 5, 64, device=device, dtype=_dtype(backend_name, device), requires_grad=True)
+    g = torch.randn_like(x)
+    (dx,) = torch.autograd.grad(ops.rope(x, layout="bhsd", backend=backend_name), x, g)
+    x2 = x.detach().transpose(1, 2).contiguous().requires_grad_()
+    (dx2,) = torch.autograd.grad(ops.rope(x2, backend=backend_name), x2, g.transpose(1, 2))
+    assert torch.equal(dx, dx2.transpose(1, 2))
+
+
+def test_rope_table_errors() -> None:
+    x = torch.randn(1, 4, 2, 8)
+    cos, sin = _hf_tables(4, 8, 10000.0, interleaved=False)
+    with pytest.raises(ValueError, match=r"^cos: a \[St, D\] table must repeat"):
+        ops.rope(x, cos=cos, sin=sin, interleaved=True, backend="torch")  # half-split table, interleaved op
+    with pytest.raises(ValueError, match=r"^sin: expected shape"):
+        ops.rope(x, cos=cos, sin=sin[:, :3], backend="torch")
+    with pytest.raises(ValueError, match=r"^layout: expected one of 'bshd', 'bhsd'"):
+        ops.rope(x, layout="sbhd", backend="torch")
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_attention_bshd(causal: bool, backend_name: str, device: str) -> None:
+    torch.manual_seed(2)
+    b, h, hkv, s, skv, d = 2, 4, 2, 5, 9, 64
+    dt = _dtype(backend_name, device)
+    q = torch.randn(b, s, h, d, device=device).to(dt)
+    k_cache = torch.randn(b, skv + 3, hkv, d, device=device).to(dt)  # a cache [B, max_len, Hkv, D]
+    v_cache = torch.randn(b, skv + 3, hkv, d, device=device).to(dt)
+    k, v = k_cache[:, :skv], v_cache[:, :skv]
+    try:
+        got = ops.attention(q, k, v, causal=causal, layout="bshd", backend=backend_name)
+    except ValueError as exc:
+        if "cannot run" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    want = ops.attention(
+        q.transpose(1, 2).contiguous(),
+        k.transpose(1, 2).contiguous(),
+        v.transpose(1, 2).contiguous(),
+        causal=causal,
+        backend=backend_name,
+    )
+    assert got.shape == (b, s, h, d)
+    assert torch.allclose(got.transpose(1, 2).float(), want.float(), rtol=1e-3, atol=1e-3 * math.sqrt(d))
+
+
+def test_attention_layout_errors() -> None:
+    q = torch.randn(1, 5, 4, 64)
+    k = torch.randn(1, 9, 3, 64)  # 4 q heads, 3 kv heads in [B, S, H, D]
+    with pytest.raises(ValueError, match=r"^k: q heads H=4 must be a multiple of kv heads Hkv=3"):
+        ops.attention(q, k, k, layout="bshd", backend="torch")
+    with pytest.raises(ValueError, match=r"^layout: expected one of 'bhsd', 'bshd'"):
+        ops.attention(q, k, k, layout="BSHD", backend="torch")
+    with pytest.raises(ValueError, match=r"^q: expected 4 dimensions"):
+        ops.attention(q[0], k, k, layout="bshd", backend="torch")
