@@ -51,13 +51,13 @@ class _Plan:
     provider, the scalars it receives, whether the problem is empty, the device guard, and which strided
     inputs the provider needs as contiguous copies (`contig`)."""
 
-    __slots__ = ("contig", "empty", "guard", "kscalars", "layout", "provider")
+    __slots__ = ("contig", "device", "empty", "guard", "kscalars", "layout", "provider")
 
     def __init__(
         self, spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend: str, cond: dict
     ) -> None:
         named = dict(zip(spec.scalar_names, scalars))
-        device = _device(inputs)
+        device = self.device = _device(inputs)
         p = spec.phase(phase)
         self.layout = tuple(spec.output_layout(phase, inputs, named, cond))
         self.empty = inputs[0] is not None and inputs[0].numel() == 0
@@ -129,7 +129,7 @@ def run(
         if len(_PLANS) >= _PLAN_CACHE:
             _PLANS.clear()
         _PLANS[sig] = plan
-    device = _device(inputs)
+    device = plan.device  # in the signature
     if plan.contig:
         inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
     empty = outputs.empty
@@ -153,14 +153,19 @@ def clear_plans() -> None:
 
 
 # --- the public entry ------------------------------------------------------------------------------
+_GRAD_POS: dict[str, tuple[tuple[int, str], ...]] = {}
+
+
 def _needs_grad(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> list[str]:
+    """Names of the inputs that require grad (none under no_grad)."""
     if not torch.is_grad_enabled():
         return []
-    return [
-        a.name
-        for a, v in zip(spec.forward.inputs, inputs)
-        if a.name in spec.grad_inputs and v is not None and v.requires_grad
-    ]
+    pos = _GRAD_POS.get(spec.name)
+    if pos is None:
+        pos = _GRAD_POS[spec.name] = tuple(
+            (i, a.name) for i, a in enumerate(spec.forward.inputs) if a.name in spec.grad_inputs
+        )
+    return [n for i, n in pos if inputs[i] is not None and inputs[i].requires_grad]
 
 
 def _check_backward(

@@ -127,10 +127,10 @@ class KVCache:
         shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
         k = torch.full(shape, math.nan, device=device, dtype=dtype)
         v = torch.full(shape, math.nan, device=device, dtype=dtype)
-        if filled:
-            for t in (k, v):
-                t[:, :filled] = torch.randn(
-                    (batch, filled, *shape[2:]), generator=gen, device=device, dtype=torch.float32
+        for t in (k, v):
+            for b in range(batch if filled else 0):  # one sequence at a time: no cache-sized fp32 temporary
+                t[b, :filled] = torch.randn(
+                    (filled, *shape[2:]), generator=gen, device=device, dtype=torch.float32
                 ).to(dtype)
         kv_len = torch.full((batch,), filled, device=device, dtype=torch.int32)
         return cls(k, v, kv_len)
@@ -162,7 +162,7 @@ def _eager_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(x.dtype)
 
 
-def _attends_kv_len(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def attends_kv_len(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the fusekit backend's attention takes kv_len (mojo's does not yet)."""
     from fusekit import backends
 
@@ -197,7 +197,7 @@ class DecoderLayer(nn.Module):
             self.register_buffer("sin", sin, persistent=False)
             self.use_kv_len = False
         else:
-            self.use_kv_len = _attends_kv_len(backend, cache.k.device, cache.k.dtype, cfg.head_dim)
+            self.use_kv_len = attends_kv_len(backend, cache.k.device, cache.k.dtype, cfg.head_dim)
 
     def forward(self, x: Tensor, residual: Tensor, start_pos: int) -> tuple[Tensor, Tensor]:
         if self.backend == "eager":
@@ -219,14 +219,13 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(y, self.w_qkv).view(b, s, h_q + 2 * h_kv, d)
         qk = ops.rope(qkv[:, :, : h_q + h_kv], start_pos=start_pos, theta=cfg.theta, backend=be)
         self._write_cache(qk[:, :, h_q:], qkv[:, :, h_q + h_kv :], start_pos)
-        kc, vc = self.k_cache.transpose(1, 2), self.v_cache.transpose(1, 2)  # [B, Hkv, max_len, D] views
-        q = qk[:, :, :h_q].transpose(1, 2)
+        q, kc, vc = qk[:, :, :h_q], self.k_cache, self.v_cache  # [B, S|max_len, H|Hkv, D]: "bshd"
         if self.use_kv_len:
-            o = ops.attention(q, kc, vc, causal=True, kv_len=self.kv_len, backend=be)
+            o = ops.attention(q, kc, vc, causal=True, kv_len=self.kv_len, layout="bshd", backend=be)
         else:
             n = start_pos + s
-            o = ops.attention(q, kc[:, :, :n], vc[:, :, :n], causal=True, backend=be)
-        a = F.linear(o.transpose(1, 2).reshape(b, s, h_q * d), self.w_o)
+            o = ops.attention(q, kc[:, :n], vc[:, :n], causal=True, layout="bshd", backend=be)
+        a = F.linear(o.reshape(b, s, h_q * d), self.w_o)
         y2, h2 = ops.rms_norm(a, self.post_norm, cfg.eps, residual=h, casting=CASTING, backend=be)
         return ops.swiglu_ffn(y2, self.w_gate, self.w_up, self.w_down, backend=be), h2
 

@@ -185,4 +185,4 @@ def swiglu_ffn(
     nw = norm_weight.contiguous() if norm_weight is not None else None
     ins = (C.rows(x), w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), nw)
     y = library.apply(SPEC, ins, scalars, backend)[0]
-    return y.view(x.shape)
+    return y if x.dim() == 2 else y.view(*x.shape)

@@ -1,0 +1,133 @@
+"""CPU tests of the decoder-layer benchmark (fusekit/bench/layer.py, fusekit/bench/model.py).
+
+    pytest tests/test_bench_model.py -x -q          # well under 30 s; triton runs in its interpreter
+
+The fusekit layer on each installed backend must match the plain-torch (eager) layer in fp32 (the
+Triton interpreter's bf16 tl.dot is wrong) for decode against a KV cache read in place with kv_len (the
+slots past kv_len hold NaN: never read), a chunk after a prefix and a prefill from 0, and must write the
+same k/v into the cache. Then the floors, the refusal to time a wrong provider, and the CLI end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from fusekit.bench import model
+from fusekit.bench.layer import CONFIGS, DecoderLayer, KVCache, LayerConfig, make_weights
+from fusekit.bench.run import rel_error
+
+# head_dim 64 (the smallest the triton and mojo attention kernels take), GQA group 2, small FFN: the
+# Triton interpreter runs one layer call in about a second.
+MICRO = LayerConfig("micro", hidden=128, ffn=192, heads=2, kv_heads=1, theta=10000.0)
+TOL = 1e-4  # fp32; measured errors are ~1e-6
+CPU = torch.device("cpu")
+
+# (batch, context, new tokens): decode with a cached context, a chunk after a prefix, a prefill from 0.
+SHAPES = {"decode": (2, 37, 1), "chunk": (1, 20, 5), "prefill": (1, 0, 24)}
+
+
+def _setup(b: int, ctx: int, s: int, spare: int = 5, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = make_weights(MICRO, CPU, torch.float32, gen)
+    cache = KVCache.allocate(MICRO, b, ctx + s + spare, CPU, torch.float32, gen, filled=ctx)
+    cache.kv_len.fill_(ctx + s)
+    x = torch.randn(b, s, MICRO.hidden, generator=gen)
+    r = torch.randn(b, s, MICRO.hidden, generator=gen)
+    return w, cache, x, r
+
+
+def _copy(cache: KVCache) -> KVCache:
+    return KVCache(cache.k.clone(), cache.v.clone(), cache.kv_len.clone())
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_layer_matches_eager(shape: str, backend_name: str) -> None:
+    b, ctx, s = SHAPES[shape]
+    w, cache, x, r = _setup(b, ctx, s)
+    assert torch.isnan(cache.k[:, ctx:]).all()  # the unused slots are NaN: reading one would show
+    ref_cache, fk_cache = _copy(cache), _copy(cache)
+    with torch.no_grad():
+        ref = DecoderLayer(MICRO, w, ref_cache, "eager")(x, r, ctx)
+        layer = DecoderLayer(MICRO, w, fk_cache, backend_name)
+        out = layer(x, r, ctx)
+    if backend_name in ("torch", "triton"):
+        assert layer.use_kv_len  # the whole cache view goes in, with kv_len
+    for o, e in zip(out, ref):
+        assert o.shape == e.shape
+        assert rel_error(o, e) < TOL
+    n = ctx + s
+    for got, want, before in ((fk_cache.k, ref_cache.k, cache.k), (fk_cache.v, ref_cache.v, cache.v)):
+        assert rel_error(got[:, ctx:n], want[:, ctx:n]) < TOL  # the new tokens' k/v, written in place
+        assert torch.equal(got[:, :ctx], before[:, :ctx])  # the context is left alone
+        assert torch.isnan(got[:, n:]).all()  # nothing written past kv_len
+
+
+def test_configs_and_floors() -> None:
+    # Per-layer parameters of the real models (x32 layers + embeddings = 6.7B and 8.0B).
+    assert CONFIGS["llama2-7b"].weight_numel() == 202_383_360
+    assert CONFIGS["llama3-8b"].weight_numel() == 218_112_000
+    cfg = CONFIGS["llama3-8b"]
+    sc = model.SCENARIOS["decode-b1-2k"]
+    nbytes, flops = model.floors(cfg, sc, torch.bfloat16)
+    kv = (2048 + 2) * 8 * 128 * 2 * 2  # k and v of 2049 positions read, the new one written
+    assert nbytes == 2 * 218_112_000 + kv + 4 * 4096 * 2
+    assert flops == 2 * cfg.gemm_params() + 4 * 32 * 128 * 2049
+    tiny = model.scenario_for("decode-b32-32k", CONFIGS["tiny"])
+    assert (tiny.batch, tiny.context, tiny.tokens) == (4, 2048, 1)
+
+
+class _Wrong(model.Eager):
+    """The eager layer with its output off by a little: must be refused, not timed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "wrong"
+
+    def build(self, st):
+        call = super().build(st)
+        return lambda: tuple(t * 1.01 for t in call())
+
+
+def test_wrong_provider_is_not_timed() -> None:
+    sc = model.Scenario("t", "decode", 1, 16, 1)
+    w = make_weights(MICRO, CPU, torch.float32, torch.Generator().manual_seed(0))
+    ceil = {"copy": {"gbps": 10.0}, "matmul": {"tflops": 0.1}}
+    rows = model.run_scenario(MICRO, sc, w, [model.Eager(), _Wrong()], CPU, "fp32", ceil, rep_ms=2)
+    good, bad = rows
+    assert good["status"] == "ok" and good["ok"] and good["rel_error"] == 0.0
+    assert bad["status"] == "failed" and not bad["ok"] and "not timed" in bad["reason"]
+    assert bad["wall_us"] is None
+    assert bad["rel_error"] > TOL
+
+
+def test_cli_end_to_end(tmp_path) -> None:
+    provs = "torch-eager,fusekit-torch,torch-compile-ro,fusekit-triton-graph"
+    argv = ["--device", "cpu", "--config", "tiny", "--quick", "--providers", provs, "--rep-ms", "4"]
+    assert model.main([*argv, "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "cpu" / "model.json").read_text())
+    assert doc["op"] == "model" and doc["meta"]["device"] == "cpu"
+    assert doc["meta"]["git_commit"] is None or len(doc["meta"]["git_commit"]) == 40
+    rows = doc["rows"]
+    assert {r["scenario"] for r in rows} == set(model.QUICK)
+    assert {r["provider"] for r in rows} == set(provs.split(","))
+    for r in rows:
+        assert {"provider", "scenario", "wall_us", "ok"} <= r.keys()
+        if r["provider"] in ("torch-eager", "fusekit-torch"):
+            assert r["ok"] and r["status"] == "ok", r["reason"]
+            assert r["wall_us"] > 0 and math.isfinite(r["pct_of_ceiling"])
+            assert r["rel_error"] <= r["tolerance"]
+        else:  # CUDA graphs on the CPU: skipped with the reason, not an error
+            assert r["status"] == "skipped" and not r["ok"] and "CUDA" in r["reason"]
+    fk = next(r for r in rows if r["provider"] == "fusekit-torch")
+    assert "torch-eager" in fk["speedup_vs"] and "torch-eager" in fk["wall_speedup_vs"]
+    assert "fusekit-triton-graph" in doc["meta"]["skipped_backends"]
+    assert "torch-compile-ro" in doc["meta"]["skipped_baselines"]
+
+
+def test_cli_rejects_unknown_names(tmp_path, capsys) -> None:
+    assert model.main(["--device", "cpu", "--providers", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown providers" in capsys.readouterr().err
