@@ -68,3 +68,22 @@ def backend_name(backend: str) -> str:
     if why is not None:
         pytest.skip(f"backend {backend!r} is not installed: {why}")
     return backend
+
+
+# --- Triton kernel tests (tests/test_triton_*.py) ---------------------------------------------------
+@pytest.fixture(scope="module")
+def dev(device: str) -> str:
+    """The device of a Triton kernel test; on the CPU it needs the interpreter (set above)."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip(
+            "the CPU run needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)"
+        )
+    return device
+
+
+@pytest.fixture(scope="module")
+def attn():
+    """kernels_triton.attention (imported on first use: only Triton sessions have triton)."""
+    import kernels_triton.attention as mod
+
+    return mod

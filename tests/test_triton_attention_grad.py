@@ -14,7 +14,6 @@ tiles unless a test forces others. Outputs are poisoned with NaN before each cal
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -34,22 +33,6 @@ NAN = float("nan")
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BF16_REASON = "bf16 tl.dot is wrong in the Triton CPU interpreter; bf16 is checked on the GPU (--device cuda)"
-
-
-@pytest.fixture(scope="module")
-def dev(device: str) -> str:
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip(
-            "the CPU run needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)"
-        )
-    return device
-
-
-@pytest.fixture(scope="module")
-def attn():
-    import kernels_triton.attention as mod
-
-    return mod
 
 
 def _skip(dtype: torch.dtype, dev: str) -> None:

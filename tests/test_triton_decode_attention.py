@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -38,22 +37,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 NAN = float("nan")
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # CONTRACT.md
 LSE_TOL = 2e-5  # lse is fp32 math on the inputs as stored, whatever their dtype
-
-
-@pytest.fixture(scope="module")
-def dev(device: str) -> str:
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip(
-            "the CPU run needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)"
-        )
-    return device
-
-
-@pytest.fixture(scope="module")
-def attn():
-    import kernels_triton.attention as mod
-
-    return mod
 
 
 def _dtype(dtype: torch.dtype, dev: str) -> torch.dtype:

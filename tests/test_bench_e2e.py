@@ -1,0 +1,177 @@
+"""`python -m fusekit.bench.e2e` on the CPU at the tiny config: the CLI runs end to end, the JSON has one
+row per (provider, scenario, case) with its status, the fusekit rows passed the correctness gate and carry
+the evidence that fusekit's kernels ran, and --merge keeps other runs' providers.
+
+One CLI run (a subprocess, --quick --reps 1, ~20-30 s on 2 cores) shared by the tests: eager,
+fusekit-torch, fusekit-triton (Triton's interpreter: seconds at this size in fp32) and liger (always
+skipped on the CPU). torch.compile is left out (inductor's first compile of the model takes ~35 s here).
+No timing assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from fusekit.bench import e2e, results
+
+ROOT = Path(__file__).resolve().parents[1]
+PROVIDERS = ("eager", "fusekit-torch", "fusekit-triton", "liger")
+LAYERS = e2e.MODELS["tiny"]["layers"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("e2e")
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'python'}:{ROOT}",
+        "TRITON_INTERPRET": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "fusekit.bench.e2e",
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--quick",
+        "--reps",
+        "1",
+        "--providers",
+        ",".join(PROVIDERS),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    path = out / "cpu" / e2e.FILE
+    assert path.exists(), proc.stdout[-2000:]
+    return json.loads(path.read_text()), proc.stdout
+
+
+def _rows(doc: dict, provider: str) -> list[dict]:
+    return [r for r in doc["rows"] if r["provider"] == provider]
+
+
+def test_file_has_provenance_and_the_setup(run):
+    doc, stdout = run
+    assert doc["schema"] == e2e.SCHEMA and doc["meta"]["schema"] == e2e.SCHEMA
+    meta = doc["meta"]
+    for key in ("git_commit", "date", "torch", "transformers", "command", "device", "host"):
+        assert key in meta, key
+    assert meta["device"] == "cpu" and meta["command"].startswith("python -m fusekit.bench.e2e")
+    setup = doc["setup"]
+    assert (setup["model"], setup["dtype"], setup["layers"]) == ("tiny", "fp32", LAYERS)
+    assert setup["parameters"] > 0 and doc["runs"] == [meta]
+    assert "provider" in stdout and "fusekit-torch" in stdout  # the table was printed
+
+
+def test_one_row_per_provider_scenario_and_case(run):
+    doc, _ = run
+    want = {(p, sc) for p in PROVIDERS for sc in e2e.SCENARIOS}
+    got = [(r["provider"], r["scenario"]) for r in doc["rows"]]
+    assert sorted(got) == sorted(want), got  # the tiny config has one case per scenario
+    assert set(doc["providers"]) == set(PROVIDERS)
+    for r in doc["rows"]:
+        assert r["status"] in ("ok", "skipped"), r
+        if r["status"] == "skipped":
+            assert r["reason"], r
+    for r in _rows(doc, "liger"):
+        assert r["status"] == "skipped" and ("liger" in r["reason"].lower()), r
+
+
+@pytest.mark.parametrize("provider", ["eager", "fusekit-torch"])
+def test_eager_and_fusekit_torch_rows_are_timed(run, provider):
+    doc, _ = run
+    rows = _rows(doc, provider)
+    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    for r in rows:
+        assert r["tokens"] > 0 and len(r["times_s"]) == 1 and r["peak_mem_bytes"] is None
+        if r["scenario"] != "decode":  # decode's rate is null when t(N) - t(1) is below the noise
+            assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0
+            assert r["speedup_vs"]["eager"] > 0 and "compile" not in r["speedup_vs"]
+        else:
+            assert r["generate_tokens_per_s"] > 0 and r["generate_kwargs"] == {}
+    train = next(r for r in rows if r["scenario"] == "train")
+    assert train["loss_first"] > 0 and train["loss_last"] > 0
+    if provider == "eager":
+        assert all(r["speedup_vs"]["eager"] == 1.0 for r in rows if r.get("speedup_vs"))
+
+
+@pytest.mark.parametrize("provider", ["fusekit-torch", "fusekit-triton"])
+def test_fusekit_gate_passed_and_its_kernels_ran(run, provider):
+    doc, _ = run
+    rec = doc["providers"][provider]
+    if provider == "fusekit-triton" and rec["status"] == "skipped":
+        pytest.skip(f"triton not usable here: {rec['reason']}")
+    assert rec["status"] == "ok", rec
+    g = rec["gate"]
+    assert g["passed"] and g["logits_rel_error"] <= e2e.FP32_LOGITS_RTOL
+    assert g["generate_same_tokens"], g
+    # every norm, rope, attention and MLP of one forward reached this backend's kernels
+    expected = {
+        "rms_norm:forward": 2 * LAYERS + 1,
+        "rope:forward": 2 * LAYERS,
+        "attention:forward": LAYERS,
+        "swiglu_ffn:forward": LAYERS,
+    }
+    assert g["kernel_runs"] == expected == g["kernel_runs_expected"]
+    train = next(r for r in _rows(doc, provider) if r["scenario"] == "train")
+    assert train["status"] == "ok", train
+    runs = train["kernel_runs_first_step"]
+    for op in ("rms_norm", "rope", "attention", "swiglu_ffn"):
+        assert runs[f"{op}:backward"] == expected[f"{op}:forward"], runs
+
+
+def test_eager_gate_is_the_reference(run):
+    doc, _ = run
+    g = doc["providers"]["eager"]["gate"]
+    assert g["passed"] and g["logits_rel_error"] == 0.0 and "kernel_runs" not in g
+
+
+def test_the_op_report_ignores_e2e_files(tmp_path):
+    d = tmp_path / "cpu"
+    d.mkdir()
+    (d / e2e.FILE).write_text(json.dumps({"schema": e2e.SCHEMA, "meta": {"schema": e2e.SCHEMA}, "rows": []}))
+    assert results.load_all(tmp_path) == []
+
+
+def test_merge_keeps_other_providers_and_recomputes_ratios():
+    def row(p, tps, run):
+        return {
+            "provider": p,
+            "scenario": "prefill",
+            "case": "1x16",
+            "status": "ok",
+            "tokens_per_s": tps,
+            "run": run,
+        }
+
+    old = {
+        "runs": [{"date": "a"}],
+        "providers": {"eager": {"status": "ok"}, "fusekit-mojo": {"status": "ok"}},
+        "rows": [row("eager", 100.0, 0), row("fusekit-mojo", 50.0, 0)],
+    }
+    new = {"meta": {"date": "b"}, "providers": {"eager": {"status": "ok"}}, "rows": [row("eager", 200.0, 1)]}
+    doc = e2e.compose(new, old)
+    assert doc["runs"] == [{"date": "a"}, {"date": "b"}]
+    assert [(r["provider"], r["run"]) for r in doc["rows"]] == [("eager", 1), ("fusekit-mojo", 0)]
+    mojo = doc["rows"][1]["speedup_vs"]
+    assert mojo == {"eager": 0.25, "eager_other_run": True}
+    assert list(doc["providers"]) == ["eager", "fusekit-mojo"]
+
+
+def test_cpu_timings_never_go_to_the_committed_results(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert e2e.main(["--device", "cpu", "--out", str(results.COMMITTED_RESULTS)]) == 2
+    assert "refusing" in capsys.readouterr().err
