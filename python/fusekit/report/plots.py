@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from fusekit.bench import cases
 from fusekit.report.tables import is_matmul, ok_rows
 
 # Fixed colours so a provider looks the same in every plot.
@@ -26,14 +27,6 @@ COLORS = {
     "max-attention": "tab:purple",
     "liger": "tab:olive",
     "torch-native": "tab:pink",
-}
-MARKERS = {
-    "reduce_sum": "o",
-    "rms_norm": "s",
-    "layer_norm": "D",
-    "rope": "^",
-    "swiglu_ffn": "v",
-    "attention": "*",
 }
 
 
@@ -134,7 +127,7 @@ def roofline_plot(docs: list[dict], path: Path, draw: bool = True) -> Path | Non
             r["flops"] / r["bytes"],
             r["tflops"],
             color=_color(r["provider"]),
-            marker=MARKERS.get(d["op"], "o"),
+            marker=cases.marker(d["op"]),
             s=28,
             alpha=0.8,
             label=lbl,

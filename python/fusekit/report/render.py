@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fusekit.bench import cases
 from fusekit.bench.results import load_all, runs, suite_of
 from fusekit.report import plots, tables
 
-# Presentation order: the memory-bound ops first, then the matrix ops; ops not listed follow by name.
-ORDER = ("reduce_sum", "rms_norm", "layer_norm", "rope", "swiglu_ffn", "attention")
 SUITE_ORDER = ("sweep", "train", "small")
 SUITE_TITLES = {
     "sweep": "",
@@ -28,7 +27,7 @@ def _order(item: tuple[str, Path, dict]) -> tuple:
     dev, _, doc = item
     op, suite = doc["op"], suite_of(doc)
     s = SUITE_ORDER.index(suite) if suite in SUITE_ORDER else len(SUITE_ORDER)
-    return (dev == "cpu", dev, s, ORDER.index(op) if op in ORDER else len(ORDER), op)
+    return (dev == "cpu", dev, s, cases.report_rank(op), op)  # bench/cases/<op>.py REPORT_RANK
 
 
 def _rel(path: Path, root: Path) -> str:

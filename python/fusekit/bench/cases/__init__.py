@@ -13,7 +13,19 @@ from types import ModuleType
 
 from fusekit.bench.cases._base import DTYPE_NAMES, DTYPES, GRAD, SUITES, Case
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "GRAD", "SUITES", "Case", "baselines", "cases", "module", "ops"]
+__all__ = [
+    "DTYPES",
+    "DTYPE_NAMES",
+    "GRAD",
+    "SUITES",
+    "Case",
+    "baselines",
+    "cases",
+    "marker",
+    "module",
+    "ops",
+    "report_rank",
+]
 
 
 def ops() -> tuple[str, ...]:
@@ -40,3 +52,13 @@ def cases(op: str, suite: str = "sweep", *, quick: bool = False, cpu: bool = Fal
 def baselines(op: str) -> tuple:
     """The op's own baselines (providers), beyond torch-eager and torch.compile."""
     return tuple(module(op).BASELINES)
+
+
+def report_rank(op: str) -> int:
+    """Where the report puts the op (its cases module's REPORT_RANK; unknown ops last)."""
+    return getattr(module(op), "REPORT_RANK", 99) if op in ops() else 99
+
+
+def marker(op: str) -> str:
+    """The op's plot marker (its cases module's MARKER)."""
+    return getattr(module(op), "MARKER", "o") if op in ops() else "o"

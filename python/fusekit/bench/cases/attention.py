@@ -24,6 +24,10 @@ from fusekit.bench.baselines import Provider
 from fusekit.bench.cases._base import GRAD, Case, Rand
 from fusekit.ops.attention import SPEC
 
+# Where the report puts this op (memory-bound ops first, then the matrix ops) and its plot marker.
+REPORT_RANK = 5
+MARKER = "*"
+
 _REF = SPEC.reference["forward"]
 # Eager / compiled reference attention materializes several fp32 S×Skv score tensors; above this many
 # bytes for one of them the case is skipped (reason recorded) instead of exhausting the GPU.

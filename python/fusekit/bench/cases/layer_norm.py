@@ -20,6 +20,10 @@ from fusekit.bench.cases._base import Case, Rand
 from fusekit.bench.cases._liger import Liger
 from fusekit.ops.layer_norm import SPEC
 
+# Where the report puts this op (memory-bound ops first, then the matrix ops) and its plot marker.
+REPORT_RANK = 2
+MARKER = "D"
+
 EPS = 1e-5
 _REF = SPEC.reference["forward"]
 

@@ -19,6 +19,10 @@ from fusekit.bench.baselines import Provider
 from fusekit.bench.cases._base import DTYPES, Case, Rand
 from fusekit.ops.reduce_sum import SPEC
 
+# Where the report puts this op (memory-bound ops first, then the matrix ops) and its plot marker.
+REPORT_RANK = 0
+MARKER = "o"
+
 _REF = SPEC.reference["forward"]
 
 

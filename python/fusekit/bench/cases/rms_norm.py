@@ -21,6 +21,10 @@ from fusekit.bench.cases._base import Case, Rand
 from fusekit.bench.cases._liger import Liger
 from fusekit.ops.rms_norm import SPEC
 
+# Where the report puts this op (memory-bound ops first, then the matrix ops) and its plot marker.
+REPORT_RANK = 1
+MARKER = "s"
+
 EPS = 1e-6
 _REF = SPEC.reference["forward"]
 

@@ -22,6 +22,10 @@ from fusekit.bench.cases._base import Case, Rand
 from fusekit.bench.cases._liger import Liger
 from fusekit.ops.rope import SPEC, tables
 
+# Where the report puts this op (memory-bound ops first, then the matrix ops) and its plot marker.
+REPORT_RANK = 3
+MARKER = "^"
+
 THETA = 10000.0
 _REF = SPEC.reference["forward"]
 

@@ -23,6 +23,10 @@ from fusekit.bench.cases._base import Case, Rand
 from fusekit.bench.cases._liger import Liger
 from fusekit.ops.swiglu_ffn import SPEC
 
+# Where the report puts this op (memory-bound ops first, then the matrix ops) and its plot marker.
+REPORT_RANK = 4
+MARKER = "v"
+
 EPS = 1e-6
 _REF = SPEC.reference["forward"]
 
