@@ -1,9 +1,11 @@
 """Rotary position embedding on x[B, S, H, D] (HF halves or interleaved pairs), fp32 math, one cast.
 
-Entry points (CONTRACT.md): `forward(y, x, cos, sin, start_pos, theta, interleaved)` rotates by the angle,
-`backward(dx, dy, cos, sin, start_pos, theta, interleaved)` by its negative (a rotation's transpose is its
-inverse: (a, b) -> (a c + b s, b c - a s)). Both launch the same kernels; the direction is a runtime fp32
-`sign` that multiplies the [D/2] sine vector once per program, so backward adds no compiled variant.
+Entry points (CONTRACT.md): `forward(y, x, cos, sin, positions, start_pos, theta, interleaved)` rotates by
+the angle, `backward(dx, dy, cos, sin, positions, start_pos, theta, interleaved)` by its negative (a
+rotation's transpose is its inverse: (a, b) -> (a c + b s, b c - a s)). Both launch the same kernels; the
+direction is a runtime fp32 `sign` that multiplies the [D/2] sine vector once per program, so backward adds
+no compiled variant. (The pre-positions forms forward(y, x, cos, sin, start_pos, theta, interleaved) /
+backward(...) still work.)
 
 Byte floor (forward and backward alike): read x once, write out once (tables, when given, are S x D/2 fp32:
 small and L2-resident). 16 x 4096 x 32 x 128 bf16 = 2 x 537 MB -> 0.25 ms at ~4.3 TB/s.
@@ -11,7 +13,10 @@ small and L2-resident). 16 x 4096 x 32 x 128 bf16 = 2 x 537 MB -> 0.25 ms at ~4.
 Positions: start_pos is widened to int64 before s is added (start_pos = 2^31 - 4 with S > 4 would wrap an
 int32 and flip the sine's sign) and is not specialized (no recompile per value); validation keeps
 start_pos + S <= 2^24, where fp32 holds every position exactly. Element offsets are int64 (b*S*H*D can
-pass 2^31).
+pass 2^31). `positions` (int32 [B, S] or None) replaces start_pos + s by positions[b, s]: one scalar load
+per program behind a runtime flag (`has_positions`, not specialized, like start_pos), so it adds no compiled
+variant. The values are untrusted (CUDA callers skip a host-synced check): they are clamped to
+[0, max_position] = [0, St - 1] with tables, [0, 2^24] without, so no value reads outside the tables.
 
 Tile: one program per (b, s) and BLOCK_H heads x all D, so cos/sin of position s are computed (or read)
 once as a [D/2] vector and reused by every head of the tile; each element of x is read and written once.
@@ -31,21 +36,28 @@ from kernels_triton._config import device_index, next_pow2, warps_for
 
 
 @triton.jit
-def _position(pid_bs, S, start_pos):
-    """start_pos + s in int64: an int32 sum wraps for start_pos near 2^31."""
-    return start_pos.to(tl.int64) + pid_bs % S
+def _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position):
+    """The token's position in int64: start_pos + s (an int32 sum wraps for start_pos near 2^31), or
+    positions[b, s] clamped to [0, max_position] (untrusted values never index outside the tables)."""
+    pos = start_pos.to(tl.int64) + pid_bs % S
+    if has_positions:
+        p = tl.load(pos_ptr + pid_bs)  # positions is [B, S] contiguous: row b*S + s is program pid_bs
+        pos = tl.minimum(tl.maximum(p, 0), max_position).to(tl.int64)
+    return pos
 
 
-@triton.jit(do_not_specialize=["start_pos"])  # one binary for every start_pos (no ==1 / %16 variants)
+# One binary for every start_pos / positions / table length (no ==1 / %16 variants of these ints).
+@triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position"])
 def _rope_kernel(
-    x_ptr, out_ptr, cos_ptr, sin_ptr, S, H, start_pos, inv_freq_log2_step, sign,
+    x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, start_pos, has_positions, max_position,
+    inv_freq_log2_step, sign,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr, INTERLEAVED: tl.constexpr,
     HALVES_AS_PAIRS: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_bs = tl.program_id(0)
     pid_h = tl.program_id(1)
-    pos = _position(pid_bs, S, start_pos)
+    pos = _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position)
     i = tl.arange(0, HALF)
     if HAS_TABLE:
         c = tl.load(cos_ptr + pos * HALF + i)
@@ -82,16 +94,17 @@ def _rope_kernel(
         tl.store(out_ptr + offs + HALF, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=hmask)
 
 
-@triton.jit(do_not_specialize=["start_pos"])
+@triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position"])
 def _rope_any_d_kernel(
-    x_ptr, out_ptr, cos_ptr, sin_ptr, S, H, start_pos, inv_freq_log2_step, sign,
+    x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, start_pos, has_positions, max_position,
+    inv_freq_log2_step, sign,
     HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """Head dims that are not a power of two (e.g. 96): pairs are gathered with masked index vectors."""
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_bs = tl.program_id(0)
-    pos = _position(pid_bs, S, start_pos)
+    pos = _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position)
     i = tl.arange(0, BLOCK_HALF)
     imask = i < HALF
     if HAS_TABLE:
@@ -135,6 +148,7 @@ def _launch(
     x: torch.Tensor,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
+    positions: torch.Tensor | None,
     start_pos: int,
     theta: float,
     interleaved: bool,
@@ -150,19 +164,52 @@ def _launch(
     step = -2.0 * math.log2(theta) / D
     grid = (B * S, triton.cdiv(H, block_h))
     cos_t, sin_t = (cos, sin) if has_table else (x, x)  # dummies the kernel never reads
+    positions = _check_positions(positions, B, S, x.device, cos, sin)
+    # Without positions an int32 view of x stands in (never read): the pointer type stays *i32, so the
+    # flag is all that differs and no second binary is compiled.
+    pos_t = positions if positions is not None else x.view(-1).view(torch.int32)
+    max_position = min(cos.shape[0], sin.shape[0]) - 1 if has_table else _MAX_POSITION
+    pos_args = (pos_t, S, H, int(start_pos), int(positions is not None), max_position, step, sign)
     if D & (D - 1):  # the register-pairing tiles need a power-of-two D; gather the pairs instead
         _rope_any_d_kernel[grid](
-            x, out, cos_t, sin_t, S, H, int(start_pos), step, sign,
+            x, out, cos_t, sin_t, *pos_args,
             HEAD_DIM=D, BLOCK_HALF=next_pow2(D // 2), BLOCK_H=block_h, HAS_TABLE=has_table,
             INTERLEAVED=interleaved, num_warps=num_warps or nw,
         )  # fmt: skip
         return
     _rope_kernel[grid](
-        x, out, cos_t, sin_t, S, H, int(start_pos), step, sign,
+        x, out, cos_t, sin_t, *pos_args,
         HEAD_DIM=D, BLOCK_H=block_h, HAS_TABLE=has_table, INTERLEAVED=interleaved,
         HALVES_AS_PAIRS=HALVES_AS_PAIRS if halves_as_pairs is None else halves_as_pairs,
         num_warps=num_warps or nw,
     )  # fmt: skip
+
+
+_MAX_POSITION = 1 << 24  # in-kernel angles: positions are clamped to [0, 2^24] (fp32 holds them exactly)
+_LEGACY = object()  # marks the pre-positions call forms (…, start_pos, theta, interleaved) below
+
+
+def _pos_args(positions, start_pos, theta, interleaved) -> tuple:
+    """(positions, start_pos, theta, interleaved) of a call; the pre-positions form passes (start_pos,
+    theta, interleaved) in the first three slots."""
+    if interleaved is _LEGACY:
+        return None, positions, start_pos, theta
+    return positions, start_pos, theta, interleaved
+
+
+def _check_positions(
+    positions: torch.Tensor | None, B: int, S: int, device: torch.device, cos, sin
+) -> torch.Tensor | None:
+    if positions is None:
+        return None
+    if positions.shape != (B, S) or positions.dtype != torch.int32 or positions.device != device:
+        raise ValueError(
+            f"rope: positions must be int32 [{B}, {S}] on {device}, got {positions.dtype} "
+            f"{tuple(positions.shape)} on {positions.device}"
+        )
+    if cos is not None and sin is not None and min(cos.shape[0], sin.shape[0]) == 0:
+        raise ValueError("rope: positions index the tables' rows, but the tables have none")
+    return positions.contiguous()
 
 
 def forward(
@@ -170,18 +217,23 @@ def forward(
     x: torch.Tensor,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
+    positions: torch.Tensor | None,
     start_pos: int,
     theta: float,
-    interleaved: bool,
+    interleaved: object = _LEGACY,
     *,
     _block_h: int | None = None,
     _num_warps: int | None = None,
     _halves_as_pairs: bool | None = None,
 ) -> None:
-    """y[B, S, H, D] <- x rotated by (start_pos + s) * theta^(-2i/D) (or tables cos/sin [St, D/2] fp32 at row
-    start_pos + s): pair (a, b) -> (a c - b s, b c + a s). Private `_block_h`/`_num_warps`/`_halves_as_pairs`
-    force a tile (tests)."""
-    _launch(y, x, cos, sin, start_pos, theta, interleaved, 1.0, _block_h, _num_warps, _halves_as_pairs)
+    """y[B, S, H, D] <- x rotated by p * theta^(-2i/D) with p = start_pos + s, or positions[b, s] (int32
+    [B, S], clamped to [0, 2^24]; then start_pos is 0), or by tables cos/sin [St, D/2] fp32 at row p
+    (positions clamped to [0, St - 1]): pair (a, b) -> (a c - b s, b c + a s). Private
+    `_block_h`/`_num_warps`/`_halves_as_pairs` force a tile (tests)."""
+    positions, start_pos, theta, interleaved = _pos_args(positions, start_pos, theta, interleaved)
+    _launch(
+        y, x, cos, sin, positions, start_pos, theta, interleaved, 1.0, _block_h, _num_warps, _halves_as_pairs
+    )
 
 
 def backward(
@@ -189,16 +241,32 @@ def backward(
     dy: torch.Tensor,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
+    positions: torch.Tensor | None,
     start_pos: int,
     theta: float,
-    interleaved: bool,
+    interleaved: object = _LEGACY,
     *,
     _block_h: int | None = None,
     _num_warps: int | None = None,
     _halves_as_pairs: bool | None = None,
 ) -> None:
-    """dx[B, S, H, D] <- dy rotated by the negative angle: pair (a, b) -> (a c + b s, b c - a s)."""
-    _launch(dx, dy, cos, sin, start_pos, theta, interleaved, -1.0, _block_h, _num_warps, _halves_as_pairs)
+    """dx[B, S, H, D] <- dy rotated by the negative angle at the same positions: pair (a, b) ->
+    (a c + b s, b c - a s)."""
+    positions, start_pos, theta, interleaved = _pos_args(positions, start_pos, theta, interleaved)
+    _launch(
+        dx,
+        dy,
+        cos,
+        sin,
+        positions,
+        start_pos,
+        theta,
+        interleaved,
+        -1.0,
+        _block_h,
+        _num_warps,
+        _halves_as_pairs,
+    )
 
 
 rope = forward  # the name the mode tests (tests/test_triton_modes.py) import
@@ -206,12 +274,15 @@ rope = forward  # the name the mode tests (tests/test_triton_modes.py) import
 
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
 # start_pos is i32 here (validation keeps it <= 2^24); the JIT types a Python int past 2^31 as i64.
-_SCALAR_SIG = {"S": "i32", "H": "i32", "start_pos": "i32", "inv_freq_log2_step": "fp32", "sign": "fp32"}
+# positions adds no variant: pos_ptr is *i32 with or without it (has_positions is a runtime flag).
+_SCALAR_SIG = {"pos_ptr": "*i32", "S": "i32", "H": "i32", "start_pos": "i32", "has_positions": "i32"}
+_SCALAR_SIG |= {"max_position": "i32", "inv_freq_log2_step": "fp32", "sign": "fp32"}
 
 
 def aot_specs() -> list[tuple[str, object, dict, dict]]:
     """D in {64, 128} x both layouts x table/in-kernel angles in bf16, plus fp16/fp32 at D = 128. forward and
-    backward share every binary (the direction is the runtime `sign`)."""
+    backward share every binary (the direction is the runtime `sign`), and so do calls with and without
+    `positions` (the runtime `has_positions`)."""
     specs: list[tuple[str, object, dict, dict]] = []
     for dt, ds in (("bf16", (64, 128)), ("fp16", (128,)), ("fp32", (128,))):
         es = 4 if dt == "fp32" else 2

@@ -418,6 +418,24 @@ def layer_norm(draw, prof: Profile, device: str) -> Case:
     return Case("layer_norm", (x, w, b, eps), kwargs, dtype, " ".join(m.parts), {"shape": shape, "wdt": wdt})
 
 
+def _rope_positions(m: Maker, b: int, s: int) -> torch.Tensor | None:
+    """rope's per-token positions in one case of four: [B, S] or [S], int32 or int64, contiguous, sliced
+    or permuted. Drawn from the case's seed, not from hypothesis, so the examples hypothesis draws (and
+    the breakers test_fuzz_invalid picks for them) stay those drawn before positions existed. Values lie
+    in [0, S): the fuzz driver's angle-error estimate (made for start_pos 0, positions 0..S-1) bounds them,
+    and a table of start_pos + S rows covers them."""
+    pick = torch.randint(0, 1 << 16, (4,), generator=m.gen).tolist()
+    if pick[0] % 4:
+        return None
+    shape = (b, s) if pick[1] % 2 else (s,)
+    dtype = (I32, I64)[pick[2] % 2]
+    lay = [CONTIGUOUS, Layout("sliced", steps=(2,) * len(shape), offsets=(1,) * len(shape))]
+    lay += [Layout("permuted", perm=(1, 0))] if len(shape) == 2 else []
+    layout = lay[pick[3] % len(lay)]
+    vals = torch.randint(0, max(s, 1), shape, generator=m.gen, dtype=I64).to(dtype)
+    return m._put("positions", vals, shape, dtype, layout, f" in [0, {max(s, 1)})")
+
+
 @st.composite
 def rope(draw, prof: Profile, device: str) -> Case:
     m = Maker(draw(st.integers(0, 2**31 - 1)), device)
@@ -440,6 +458,10 @@ def rope(draw, prof: Profile, device: str) -> Case:
     }[regime]()
     theta = draw(st.one_of(st.sampled_from([10000.0, 500000.0, 1.0, 1e6]), st.floats(1.0, 1e6)))
     kwargs: dict = {"start_pos": start, "theta": theta, "interleaved": draw(st.booleans())}
+    positions = _rope_positions(m, b, s)
+    if positions is not None:  # instead of start_pos
+        kwargs["start_pos"] = start = 0
+        kwargs["positions"] = positions
     if tables:
         rows = start + s + draw(st.integers(0, 5))
         tdt = draw(st.sampled_from([F32, F32, F16, BF16, F64]))

@@ -148,8 +148,100 @@ def run(
 
 
 def clear_plans() -> None:
-    """Forget cached call plans (dispatch.clear_cache calls this)."""
+    """Forget cached call plans and the ops' validated-call memos (dispatch.clear_cache calls this)."""
     _PLANS.clear()
+    for m in _MEMOS:
+        m.clear()
+
+
+# --- the hot path: validated calls remembered per signature --------------------------------------
+# A public op builds a key from what its checks depend on (each tensor's type, shape, strides, dtype,
+# device and requires_grad; the scalars as (type, value); backend; grad mode). The first call with a
+# key runs the checks and `apply`; a forward-only eager call then stores a `Runner`, and every later
+# call with that key skips the checks, the resolution and the plan search: it allocates the outputs
+# and launches (FlashInfer's plan/run split). Calls that record a gradient or are traced by
+# torch.compile never use or fill a memo. Checks that read tensor *values* (attention's kv_len on the
+# CPU, rope's [S, D] tables on the CPU) are not in a key, so ops skip the memo for such calls.
+_MEMOS: list[dict] = []
+_MEMO_SIZE = 1024  # keys per op; a model has a few dozen
+
+
+def memo() -> dict:
+    """A new per-op memo {key: Runner}, cleared by `clear_plans`."""
+    m: dict = {}
+    _MEMOS.append(m)
+    return m
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def call_key(tensors: tuple, scalars: tuple, backend: object) -> tuple | None:
+    """A public call's memo key, or None where it must take the checked path: while torch.compile
+    traces, for non-tensor arguments, and for scalars that are not plain Python values (a 0-d tensor
+    or numpy start_pos could change value under the same identity)."""
+    if type(backend) is not str or torch.compiler.is_compiling():
+        return None
+    try:
+        tk = tuple(
+            None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+            for t in tensors
+        )
+    except (AttributeError, TypeError):
+        return None
+    for v in scalars:
+        if type(v) not in _PLAIN:
+            return None
+    # (type, value): True and 1 hash alike but check differently; grad mode decides the path
+    return (tk, tuple((type(v), v) for v in scalars), backend, torch.is_grad_enabled())
+
+
+class Runner:
+    """A validated forward signature's plan: `runner(inputs)` allocates the outputs and launches."""
+
+    __slots__ = ("plan", "spec")
+
+    def __init__(self, spec: OpSpec, plan: _Plan) -> None:
+        self.spec, self.plan = spec, plan
+
+    def __call__(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        plan, device = self.plan, self.plan.device
+        if plan.contig:
+            inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
+        empty = outputs.empty
+        outs = tuple(None if lay is None else empty(lay[0], lay[1], device) for lay in plan.layout)
+        if plan.empty:
+            for o in outs:
+                if o is not None:
+                    o.zero_()
+        elif plan.guard and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                plan.provider.run(self.spec, FORWARD, outs, inputs, plan.kscalars)
+        else:
+            plan.provider.run(self.spec, FORWARD, outs, inputs, plan.kscalars)
+        return outs
+
+
+def apply_memo(
+    memo_: dict,
+    key: tuple | None,
+    spec: OpSpec,
+    inputs: tuple[Tensor | None, ...],
+    scalars: tuple,
+    backend: str,
+) -> tuple[Tensor | None, ...]:
+    """`apply`, remembering a forward-only eager call's plan under `key` (None: do not remember)."""
+    if key is None or torch.compiler.is_compiling() or _needs_grad(spec, inputs):
+        return apply(spec, inputs, scalars, backend)
+    outs = apply(spec, inputs, scalars, backend)
+    plan = _PLANS.get(
+        _signature(spec, FORWARD, inputs, scalars, backend, spec.conditions(inputs, save=False))
+    )
+    if plan is not None:
+        if len(memo_) >= _MEMO_SIZE:
+            memo_.clear()
+        memo_[key] = Runner(spec, plan)
+    return outs
 
 
 # --- the public entry ------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""rope cases: [B, S, H, D], start positions, halves/interleaved, in-kernel angles or tables."""
+"""rope cases: [B, S, H, D], start positions or per-token `positions` ([B, S] with different rows, as a
+left-padded batch; [S], broadcast over B), halves/interleaved, in-kernel angles or tables."""
 
 from __future__ import annotations
 
@@ -20,6 +21,26 @@ CPU = [
 CUDA = [
     {"shape": s, "start_pos": p, "interleaved": False, "tables": tb} for s, p in _CUDA for tb in (False, True)
 ]
+# positions: "rows" ([B, S] int64, a different run per sequence, left padding at position 1 as HF's
+# position_ids have it) or "shared" ([S] int32, out of order, repeats).
+_CPU_POS = [
+    ((2, 5, 3, 8), "rows"),
+    ((3, 7, 2, 64), "shared"),
+    ((3, 6, 3, 12), "rows"),
+    ((2, 9, 1, 16), "shared"),
+]
+_CUDA_POS = [((4, 512, 32, 128), "rows"), ((2, 1024, 8, 96), "shared")]
+CPU += [
+    {"shape": s, "start_pos": 0, "positions": kind, "interleaved": il, "tables": tb}
+    for s, kind in _CPU_POS
+    for il in (False, True)
+    for tb in (False, True)
+]
+CUDA += [
+    {"shape": s, "start_pos": 0, "positions": kind, "interleaved": False, "tables": tb}
+    for s, kind in _CUDA_POS
+    for tb in (False, True)
+]
 
 
 def _angles(positions: torch.Tensor, d: int, theta: float) -> torch.Tensor:
@@ -27,30 +48,50 @@ def _angles(positions: torch.Tensor, d: int, theta: float) -> torch.Tensor:
     return positions.to(F64)[:, None] * inv[None, :]
 
 
+def _positions(kind: str, b: int, s: int, device: str) -> torch.Tensor:
+    if kind == "shared":  # out of order, with repeats
+        return ((torch.arange(s) * 7) % 23 + 2).to(device=device, dtype=torch.int32)
+    rows = []
+    for i in range(b):  # sequence i: i + 1 left-padding tokens at position 1, then 0, 1, ... (+ 5 i)
+        pad = min(i + 1, s)
+        row = torch.arange(s) - pad + 5 * i
+        row[:pad] = 1
+        rows.append(row.clamp(min=0))
+    return torch.stack(rows).to(device=device, dtype=torch.int64)
+
+
 def make(case: dict, dtype: torch.dtype, device: str) -> tuple[tuple, dict]:
     shape, start = case["shape"], case["start_pos"]
     x = randn(*shape, dtype=dtype, device=device)
     theta = 500000.0 if shape[-1] >= 128 else 10000.0
     kwargs = {"start_pos": start, "theta": theta, "interleaved": case["interleaved"]}
-    if case["tables"]:  # tables longer than needed, read from row start_pos
-        ang = _angles(torch.arange(start + shape[1] + 5, device=device), shape[-1], theta)
+    rows = start + shape[1]
+    if case.get("positions"):
+        kwargs["positions"] = _positions(case["positions"], shape[0], shape[1], device)
+        rows = int(kwargs["positions"].max()) + 1 if kwargs["positions"].numel() else 0
+    if case["tables"]:  # tables longer than needed, read from row start_pos (or the positions)
+        ang = _angles(torch.arange(rows + 5, device=device), shape[-1], theta)
         kwargs["cos"], kwargs["sin"] = torch.cos(ang).float(), torch.sin(ang).float()
     return (x,), kwargs
 
 
-def oracle(x, start_pos=0, theta=10000.0, interleaved=False, cos=None, sin=None):
-    S, D = x.shape[1], x.shape[3]
+def oracle(x, start_pos=0, theta=10000.0, interleaved=False, cos=None, sin=None, positions=None):
+    B, S, D = x.shape[0], x.shape[1], x.shape[3]
     half = D // 2
+    if positions is None:
+        pos = torch.arange(start_pos, start_pos + S, device=x.device).repeat(B, 1)
+    else:  # [B, S], or [S] for every sequence
+        pos = positions.to(torch.int64).expand(B, S)
     if cos is None:
-        ang = _angles(torch.arange(start_pos, start_pos + S, device=x.device), D, theta)
+        ang = _angles(pos.reshape(-1), D, theta).reshape(B, S, half)
         c, s = torch.cos(ang), torch.sin(ang)
     else:
-        c, s = cos[start_pos : start_pos + S].to(F64), sin[start_pos : start_pos + S].to(F64)
+        c, s = cos.to(F64)[pos], sin.to(F64)[pos]  # [B, S, D/2]: row p of the tables
     xd = x.to(F64)
     idx = torch.arange(half, device=x.device)
     i0, i1 = (2 * idx, 2 * idx + 1) if interleaved else (idx, idx + half)
     a, b = xd[..., i0], xd[..., i1]
-    c, s = c[None, :, None, :], s[None, :, None, :]
+    c, s = c[:, :, None, :], s[:, :, None, :]
     y = torch.zeros_like(xd)
     y = y.index_copy(-1, i0, a * c - b * s)
     y = y.index_copy(-1, i1, a * s + b * c)

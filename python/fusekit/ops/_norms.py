@@ -40,7 +40,7 @@ def check_norm_inputs(x: object, weight: object, bias: object, residual: object)
     return n
 
 
-def norm_returns(x: Tensor, n: int, y: Tensor, h: Tensor | None, stats: tuple[Tensor, ...]) -> Tensor | tuple:
+def norm_returns(x: Tensor, y: Tensor, h: Tensor | None, stats: tuple[Tensor, ...]) -> Tensor | tuple:
     """y (and h) back in x's shape, stats in x's leading shape: y, (y, h), (y, *stats) or (y, h, *stats)."""
     # y/h are [M, N] and stats [M]: views only where x is not 2-d (view(*sizes) is ~3x cheaper than
     # view(torch.Size) on the host path)

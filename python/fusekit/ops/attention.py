@@ -217,6 +217,7 @@ def _kv_len(kv_len: object, q: Tensor, k: Tensor) -> Tensor | None:
 
 
 LAYOUTS = ("bhsd", "bshd")
+_MEMO = library.memo()  # validated calls (see library.call_key)
 
 
 def attention(
@@ -261,16 +262,24 @@ def attention(
     (FlashAttention-2 backward from the saved log-sum-exp; keys past kv_len get zero gradients).
     Errors: TypeError/ValueError naming `q`, `k`, `v`, `kv_len`, `causal`, `scale` or `layout`.
     """
-    bshd = C.choice("layout", layout, LAYOUTS) == "bshd"
+    key = library.call_key((q, k, v, kv_len), (causal, scale, layout), backend)
+    if key is not None and kv_len is not None and kv_len.device.type == "cpu":
+        key = None  # its values are checked on the CPU: no memo
+    run = _MEMO.get(key) if key is not None else None
+    bshd = (layout == "bshd") if run is not None else C.choice("layout", layout, LAYOUTS) == "bshd"
     if bshd:  # shapes are checked (and named) in [B, H, S, D] terms after the transposing views
-        q, k, v = (
-            C.tensor(n, t, C.ANY_FLOAT, ndim=4).transpose(1, 2) for n, t in (("q", q), ("k", k), ("v", v))
-        )
-    _check(q, k, v)
-    causal = SPEC.scalars[0].check(causal)
-    s = SPEC.scalars[1].check(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    kv_len = _kv_len(kv_len, q, k)
-    C.backend_name(backend)
+        if run is None:
+            q, k, v = (C.tensor(n, t, C.ANY_FLOAT, ndim=4) for n, t in (("q", q), ("k", k), ("v", v)))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if run is None:  # the checked path (first call of a signature, grad, compile)
+        _check(q, k, v)
+        causal = SPEC.scalars[0].check(causal)
+        s = SPEC.scalars[1].check(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        kv_len = _kv_len(kv_len, q, k)
+        C.backend_name(backend)
+    elif kv_len is not None:  # as _kv_len makes it: contiguous int32
+        kv_len = (kv_len if kv_len.dtype == torch.int32 else kv_len.to(torch.int32)).contiguous()
     # k, v go as they are: the library copies them for providers that do not read strides.
-    o = library.apply(SPEC, (q.contiguous(), k, v, kv_len), (causal, s), backend)[0]
+    ins = (q.contiguous(), k, v, kv_len)
+    o = run(ins)[0] if run is not None else library.apply_memo(_MEMO, key, SPEC, ins, (causal, s), backend)[0]
     return o.transpose(1, 2) if bshd else o

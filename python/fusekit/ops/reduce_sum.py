@@ -70,6 +70,9 @@ def _check(x: object, dim: object, dtype: object) -> torch.dtype:
     return dtype
 
 
+_MEMO = library.memo()  # validated calls (see library.call_key)
+
+
 def reduce_sum(
     x: Tensor, dim: int | None = None, *, dtype: torch.dtype | None = None, backend: str = "auto"
 ) -> Tensor:
@@ -83,12 +86,16 @@ def reduce_sum(
     Gradients: d x = the output's gradient broadcast over the summed dimension (floating x).
     Errors: TypeError/ValueError naming `x`, `dim` or `dtype`.
     """
-    out_dtype = _check(x, dim, dtype)
-    C.backend_name(backend)
+    key = library.call_key((x,), (dim, dtype), backend)  # None with a dtype (not a plain scalar)
+    run = _MEMO.get(key) if key is not None else None
+    if run is None:  # the checked path (first call of a signature, grad, compile)
+        out_dtype = _check(x, dim, dtype)
+        C.backend_name(backend)
     if dim is None or x.dim() == 0:
         rows, shape = x.reshape(1, x.numel()), ()
     else:
-        xm = x.movedim(dim, -1)
-        rows, shape = C.rows(xm), xm.shape[:-1]
-    (out,) = library.apply(SPEC, (rows.contiguous(),), (out_dtype,), backend)
-    return out.view(shape)
+        xm = x.movedim(dim, -1) if dim != -1 and dim != x.dim() - 1 else x
+        rows, shape = C.rows(xm), tuple(xm.shape[:-1])
+    ins = (rows.contiguous(),)
+    (out,) = run(ins) if run is not None else library.apply_memo(_MEMO, key, SPEC, ins, (out_dtype,), backend)
+    return out if len(shape) == 1 else out.view(shape)

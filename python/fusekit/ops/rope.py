@@ -25,22 +25,41 @@ def tables(
 
 
 # --- reference (what the op means; the torch backend runs it) ---------------------------------------
+_LEGACY = object()  # marks the pre-positions call form (x, cos, sin, start_pos, theta, interleaved)
+
+
+def _token_positions(x: Tensor, positions: Tensor | None, start_pos: int, rows: int | None) -> Tensor:
+    """int64 [B, S] positions of the tokens, clamped to [0, rows - 1] (tables) or [0, 2^24] as every
+    kernel clamps them. Both forms build the same [B, S] layout, so positions = start_pos + arange(S)
+    computes exactly what start_pos does (the vectorized cos/sin see the same elements)."""
+    b, s = x.shape[0], x.shape[1]
+    if positions is None:
+        pos = torch.arange(start_pos, start_pos + s, device=x.device)
+    else:
+        pos = positions.to(device=x.device, dtype=torch.int64)
+    hi = C.MAX_POSITION if rows is None else max(rows - 1, 0)
+    return pos.expand(b, s).clamp(0, hi)
+
+
 def _rotate(
     x: Tensor,
     cos: Tensor | None,
     sin: Tensor | None,
+    positions: Tensor | None,
     start_pos: int,
     theta: float,
     interleaved: bool,
     sign: float,
 ) -> Tensor:
-    _, S, _, D = x.shape
+    B, S, _, D = x.shape
     acc = F64 if x.dtype == F64 else torch.float32
     if cos is None or sin is None:
-        cos, sin = tables(torch.arange(start_pos, start_pos + S, device=x.device), D, theta, acc)
+        pos = _token_positions(x, positions, start_pos, None)
+        cos, sin = (t.view(B, S, D // 2) for t in tables(pos.reshape(-1), D, theta, acc))
     else:
-        cos, sin = cos[start_pos : start_pos + S].to(acc), sin[start_pos : start_pos + S].to(acc)
-    c, s = cos[None, :, None, :], sign * sin[None, :, None, :]
+        pos = _token_positions(x, positions, start_pos, min(cos.shape[0], sin.shape[0]))
+        cos, sin = cos.to(acc)[pos], sin.to(acc)[pos]  # [B, S, D/2]
+    c, s = cos[:, :, None, :], sign * sin[:, :, None, :]
     xf = x.to(acc)
     if interleaved:
         a, b = xf[..., 0::2], xf[..., 1::2]
@@ -49,19 +68,36 @@ def _rotate(
     return torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(x.dtype)
 
 
-def reference_forward(x, cos, sin, start_pos: int, theta: float, interleaved: bool) -> tuple[Tensor]:
+def _args(positions, start_pos, theta, interleaved) -> tuple:
+    """(positions, start_pos, theta, interleaved); the pre-positions form passes (start_pos, theta,
+    interleaved) in the first three slots."""
+    if interleaved is _LEGACY:
+        return None, positions, start_pos, theta
+    return positions, start_pos, theta, interleaved
+
+
+def reference_forward(
+    x, cos, sin, positions, start_pos, theta, interleaved: object = _LEGACY
+) -> tuple[Tensor]:
     """x [B, S, H, D] -> rotated x, same dtype.
 
     Pair (a, b) = (x[..., i], x[..., i + D/2]) (HF Llama halves) or (x[..., 2i], x[..., 2i+1])
-    (`interleaved`) becomes (a cos - b sin, b cos + a sin) with angle (start_pos + s) * theta^(-2i/D)
-    formed in fp32. Tables cos/sin [St, D/2] (St >= start_pos + S) are read at row start_pos + s.
+    (`interleaved`) becomes (a cos - b sin, b cos + a sin) with angle p * theta^(-2i/D) formed in fp32,
+    where token (b, s) sits at p = start_pos + s, or p = positions[b, s] (int [B, S]; then start_pos is
+    0). Tables cos/sin [St, D/2] are read at row p instead. Positions are clamped to [0, St - 1] (tables)
+    or [0, 2^24], as the kernels clamp untrusted values. (The older call reference_forward(x, cos, sin,
+    start_pos, theta, interleaved) is still accepted.)
     """
-    return (_rotate(x, cos, sin, start_pos, theta, interleaved, 1.0),)
+    positions, start_pos, theta, interleaved = _args(positions, start_pos, theta, interleaved)
+    return (_rotate(x, cos, sin, positions, start_pos, theta, interleaved, 1.0),)
 
 
-def reference_backward(dy, cos, sin, start_pos: int, theta: float, interleaved: bool) -> tuple[Tensor]:
-    """dx = dy rotated by the negative angle (a rotation's transpose is its inverse)."""
-    return (_rotate(dy, cos, sin, start_pos, theta, interleaved, -1.0),)
+def reference_backward(
+    dy, cos, sin, positions, start_pos, theta, interleaved: object = _LEGACY
+) -> tuple[Tensor]:
+    """dx = dy rotated by the negative angle at the same positions (a rotation's transpose is its inverse)."""
+    positions, start_pos, theta, interleaved = _args(positions, start_pos, theta, interleaved)
+    return (_rotate(dy, cos, sin, positions, start_pos, theta, interleaved, -1.0),)
 
 
 SPEC = library.register(
@@ -73,8 +109,9 @@ SPEC = library.register(
                 t("x", "B S H D"),
                 t("cos", "St Dh", "float32", "tables"),
                 t("sin", "St Dh", "float32", "tables"),
+                t("positions", "B S", "int32", "positions"),
             ),
-            conditions=("tables",),
+            conditions=("tables", "positions"),
         ),
         backward=Phase(
             outputs=(t("dx", "B S H D"),),
@@ -82,8 +119,9 @@ SPEC = library.register(
                 t("dy", "B S H D"),
                 t("cos", "St Dh", "float32", "tables"),
                 t("sin", "St Dh", "float32", "tables"),
+                t("positions", "B S", "int32", "positions"),
             ),
-            conditions=("tables",),
+            conditions=("tables", "positions"),
         ),
         scalars=(
             Scalar("start_pos", int, lambda v: C.integer("start_pos", v)),
@@ -94,17 +132,18 @@ SPEC = library.register(
         allowed=frozenset((d,) for d in C.ANY_FLOAT),
         reference={FORWARD: reference_forward, BACKWARD: reference_backward},
         grad_inputs=("x",),
-        save=lambda ins, outs: (ins["cos"], ins["sin"]),
+        save=lambda ins, outs: (ins["cos"], ins["sin"], ins["positions"]),
         backward_inputs=lambda saved, g, cond: (g["y"], *saved),
-        input_grads=lambda g, cond: (g["dx"], None, None),
+        input_grads=lambda g, cond: (g["dx"], None, None, None),  # positions: integers, no gradient
+        meta=lambda ins, scalars: {"positions": ins["positions"] is not None},
     )
 )
 
 
 # --- public ------------------------------------------------------------------------------------------
-def _check(x: object, start_pos: int, cos: object, sin: object) -> None:
+def _check(x: object, start_pos: int, cos: object, sin: object, positions: bool) -> None:
     x = C.tensor("x", x, C.ANY_FLOAT, ndim=4)
-    _, s, _, d = x.shape
+    b, s, _, d = x.shape
     if d == 0 or d % 2:
         raise ValueError(f"x: head dim (last dimension) must be even and > 0, got {d}")
     if start_pos < 0:
@@ -116,19 +155,57 @@ def _check(x: object, start_pos: int, cos: object, sin: object) -> None:
         )
     if (cos is None) != (sin is None):
         raise ValueError("cos, sin: give both tables or neither")
+    # With `positions` the rows read are only known from the values (checked by _positions on the CPU).
+    need, what = (min(1, b * s), "1") if positions else (start_pos + s, f"start_pos + S = {start_pos + s}")
     for name, tab in (("cos", cos), ("sin", sin)):
         if tab is None:
             continue
         tab = C.tensor(name, tab, C.ANY_FLOAT, ndim=2)
         C.same_device(name, tab, "x", x)
-        if tab.shape[1] not in (d // 2, d) or tab.shape[0] < start_pos + s:
+        if tab.shape[1] not in (d // 2, d) or tab.shape[0] < need:
             raise ValueError(
-                f"{name}: expected shape [>= start_pos + S = {start_pos + s}, D/2 = {d // 2}] (or [.., D = {d}] "
-                f"as HF builds it), got {tuple(tab.shape)}"
+                f"{name}: expected shape [>= {what}, D/2 = {d // 2}] (or [.., D = {d}] as HF builds it), "
+                f"got {tuple(tab.shape)}"
             )
+    if positions and cos is not None and cos.shape[0] != sin.shape[0]:
+        raise ValueError(
+            f"cos: with positions, cos and sin must have the same number of rows St (positions are "
+            f"clamped to [0, St - 1]), got {cos.shape[0]} and {sin.shape[0]}"
+        )
+
+
+def _positions(positions: object, x: Tensor, start_pos: int, rows: int | None) -> Tensor | None:
+    """positions as contiguous int32 [B, S] on x's device ([S] is broadcast over B).
+
+    Values must lie in [0, 2^24] (in-kernel angles) or [0, St) (tables with St = `rows`): checked on the
+    CPU; on CUDA they are trusted (checking would be a host sync per call) and every backend clamps them
+    into that range, so a bad position can never read outside the tables. (int64 values are converted
+    to int32 first; on CUDA one outside int32 wraps, and is then clamped.)"""
+    if positions is None:
+        return None
+    positions = C.tensor("positions", positions, C.INT_DTYPES)
+    C.same_device("positions", positions, "x", x)
+    b, s = x.shape[0], x.shape[1]
+    if tuple(positions.shape) not in ((b, s), (s,)):
+        raise ValueError(f"positions: expected shape [B={b}, S={s}] or [S={s}], got {tuple(positions.shape)}")
+    if start_pos != 0:
+        raise ValueError(
+            f"positions: per-token positions and a nonzero start_pos (= {start_pos}) exclude each other; "
+            "add start_pos to positions instead"
+        )
+    hi = C.MAX_POSITION if rows is None else rows - 1
+    if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+        lo, top = (int(v) for v in torch.aminmax(positions))
+        if lo < 0 or top > hi:
+            bound = "2^24 (in-kernel angles)" if rows is None else f"St - 1 = {hi} (the tables' last row)"
+            raise ValueError(f"positions: every value must be in [0, {bound}], got values in [{lo}, {top}]")
+    if positions.dtype != torch.int32:
+        positions = positions.to(torch.int32)  # int32 callers skip this conversion (one small kernel)
+    return positions.expand(b, s).contiguous()  # [B, S] callers: no copy
 
 
 LAYOUTS = ("bshd", "bhsd")
+_MEMO = library.memo()  # validated calls (see library.call_key)
 
 
 def _half_table(name: str, tab: Tensor, d: int, interleaved: bool) -> Tensor:
@@ -155,37 +232,67 @@ def rope(
     interleaved: bool = False,
     cos: Tensor | None = None,
     sin: Tensor | None = None,
+    positions: Tensor | None = None,
     layout: str = "bshd",
     backend: str = "auto",
 ) -> Tensor:
     """Rotary position embedding of x [B, S, H, D] (D even), same dtype out.
 
     Pairs are the two halves of the head dim (HF Llama) or adjacent elements (`interleaved`), rotated
-    by angle (start_pos + s) * theta^(-2i/D), computed in-kernel in fp32. Tables cos/sin [St, D/2]
-    (St >= start_pos + S) replace the in-kernel angles; row start_pos + s is used. HF's [St, D] tables
-    (each angle repeated for both elements of its pair: cat(f, f), or repeat_interleave(f, 2) with
-    `interleaved`) are accepted too (checked on the CPU).
+    by angle p * theta^(-2i/D), computed in-kernel in fp32, where token s sits at p = start_pos + s.
+    Tables cos/sin [St, D/2] (St >= start_pos + S) replace the in-kernel angles; row p is used. HF's
+    [St, D] tables (each angle repeated for both elements of its pair: cat(f, f), or
+    repeat_interleave(f, 2) with `interleaved`) are accepted too (checked on the CPU).
+
+    positions: per-token positions instead of start_pos (HF's `position_ids`; left-padded batches; a
+    CUDA-graph decode loop, whose device tensor can be updated in place between replays where an int
+    start_pos would be baked into the graph): an int32 or int64 tensor [B, S] (or [S], the same for
+    every sequence) on x's device; token (b, s) sits at p = positions[b, s]. Not with a nonzero
+    start_pos. Values must lie in [0, 2^24] (in-kernel angles) or [0, St) (tables; then cos and sin
+    have the same St): checked on the CPU (ValueError); on CUDA they are trusted (no host sync) and
+    clamped into that range, so a bad value can never read outside the tables. Positions carry no
+    gradient; int32 [B, S] is passed as is, other forms cost one small conversion kernel.
 
     layout: "bshd" (default, x is [B, S, H, D]) or "bhsd" (x is [B, H, S, D], as HF's attention holds q
-    and k); the result has x's layout (a view; "bhsd" costs a transposing copy of x).
+    and k); the result has x's layout (a view; "bhsd" costs a transposing copy of x). positions are
+    [B, S] in both layouts.
 
     start_pos: int, numpy integer or 0-d integer tensor, with start_pos + S <= 2^24 (float32 angles
     are not exact beyond). theta: positive, representable in float32. interleaved: a bool.
-    backend: "auto" (default), "torch", "triton" or "mojo". Gradient: d x = d y rotated back.
-    Errors: TypeError/ValueError naming `x`, `start_pos`, `theta`, `interleaved`, `cos`, `sin` or `layout`.
+    backend: "auto" (default), "torch", "triton" or "mojo" (mojo takes no positions yet: it refuses
+    such calls). Gradient: d x = d y rotated back, at the same positions.
+    Errors: TypeError/ValueError naming `x`, `start_pos`, `theta`, `interleaved`, `cos`, `sin`,
+    `positions` or `layout`.
     """
-    start_pos, theta, interleaved = (
-        s.check(v) for s, v in zip(SPEC.scalars, (start_pos, theta, interleaved))
-    )
-    bhsd = C.choice("layout", layout, LAYOUTS) == "bhsd"
-    x = C.tensor("x", x, C.ANY_FLOAT, ndim=4)
-    if bhsd:
-        x = x.transpose(1, 2)
-    _check(x, start_pos, cos, sin)
-    C.backend_name(backend)
+    key = library.call_key((x, cos, sin, positions), (start_pos, theta, interleaved, layout), backend)
+    if key is not None and x.device.type == "cpu" and (cos is not None or positions is not None):
+        key = None  # table and position values are checked on the CPU: no memo
+    run = _MEMO.get(key) if key is not None else None
+    if run is None:  # the checked path (first call of a signature, grad, compile)
+        start_pos, theta, interleaved = (
+            s.check(v) for s, v in zip(SPEC.scalars, (start_pos, theta, interleaved))
+        )
+        bhsd = C.choice("layout", layout, LAYOUTS) == "bhsd"
+        x = C.tensor("x", x, C.ANY_FLOAT, ndim=4)
+        if bhsd:
+            x = x.transpose(1, 2)
+        _check(x, start_pos, cos, sin, positions is not None)
+        positions = _positions(positions, x, start_pos, None if cos is None else cos.shape[0])
+        C.backend_name(backend)
+    else:  # as _positions makes them: contiguous int32 [B, S]
+        bhsd = layout == "bhsd"
+        if bhsd:
+            x = x.transpose(1, 2)
+        if positions is not None:
+            p = positions if positions.dtype == torch.int32 else positions.to(torch.int32)
+            positions = p.expand(x.shape[0], x.shape[1]).contiguous()
     if cos is not None and sin is not None:
         d = x.shape[-1]
         cos = _half_table("cos", cos, d, interleaved).to(torch.float32).contiguous()
         sin = _half_table("sin", sin, d, interleaved).to(torch.float32).contiguous()
-    (y,) = library.apply(SPEC, (x.contiguous(), cos, sin), (start_pos, theta, interleaved), backend)
+    ins = (x.contiguous(), cos, sin, positions)
+    if run is not None:
+        (y,) = run(ins)
+    else:
+        (y,) = library.apply_memo(_MEMO, key, SPEC, ins, (start_pos, theta, interleaved), backend)
     return y.transpose(1, 2) if bhsd else y

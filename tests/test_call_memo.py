@@ -1,0 +1,154 @@
+"""The hot path (issue #11, item 1): validated calls remembered per signature (`library.call_key`).
+
+A repeated forward-only call skips the checks and the plan search; everything that could make the
+remembered plan wrong must take the checked path instead: a gradient to record, a different layout,
+dtype, device or scalar, values that the checks read (kv_len on the CPU), non-plain scalars.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import fusekit
+from fusekit import backends, dispatch, library, ops
+
+RMS = sys.modules["fusekit.ops.rms_norm"]
+
+
+@pytest.fixture
+def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the norm checks rms_norm runs (each checked-path call runs them once)."""
+    dispatch.clear_cache()
+    calls: list[int] = []
+    real = RMS.check_norm_inputs
+
+    def spy(*a):
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(RMS, "check_norm_inputs", spy)
+    return calls
+
+
+def test_repeat_call_skips_checks_and_matches(checks: list[int]) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 64), torch.randn(64)
+    y1 = ops.rms_norm(x, w, backend="torch")
+    y2 = ops.rms_norm(x, w, backend="torch")
+    assert len(checks) == 1
+    assert torch.equal(y1, y2) and y1.data_ptr() != y2.data_ptr()  # fresh outputs every call
+    x2 = torch.randn(5, 64)  # new values, same signature: still the memo, and the new answer
+    assert torch.equal(
+        ops.rms_norm(x2, w, backend="torch"), RMS.SPEC.reference["forward"](x2, None, w, 1e-6, "fp32")[0]
+    )
+    assert len(checks) == 1
+
+
+def test_anything_in_the_signature_takes_the_checked_path(checks: list[int]) -> None:
+    x, w = torch.randn(6, 32), torch.randn(32)
+    ops.rms_norm(x, w, backend="torch")
+    ops.rms_norm(x.t().contiguous().t(), w, backend="torch")  # other strides
+    ops.rms_norm(x.half(), w.half(), backend="torch")  # other dtype
+    ops.rms_norm(x, w, 1e-5, backend="torch")  # other eps
+    ops.rms_norm(x, w, backend="torch", casting="llama")  # other casting
+    ops.rms_norm(x[:5], w, backend="torch")  # other shape
+    assert len(checks) == 6
+    with pytest.raises(TypeError, match=r"^weight"):  # a bad call after good ones still raises
+        ops.rms_norm(x, w.to(torch.int32), backend="torch")
+    with pytest.raises(ValueError, match=r"^eps"):
+        ops.rms_norm(x, w, -1.0, backend="torch")
+
+
+def test_grad_mode_is_part_of_the_key(checks: list[int]) -> None:
+    """A plan remembered under no_grad must never serve a call that records a gradient."""
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(16)
+    with torch.no_grad():
+        ops.rms_norm(x, w, backend="torch")
+        y = ops.rms_norm(x, w, backend="torch")
+    assert y.grad_fn is None and len(checks) == 1
+    y = ops.rms_norm(x, w, backend="torch")
+    assert y.grad_fn is not None  # not silently detached
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    ops.rms_norm(x, w, backend="torch")  # grad calls are never remembered
+    assert len(checks) == 3
+
+
+def test_clear_cache_forgets_memos(checks: list[int]) -> None:
+    x, w = torch.randn(3, 8), torch.randn(8)
+    ops.rms_norm(x, w, backend="torch")
+    ops.rms_norm(x, w, backend="torch")
+    dispatch.clear_cache()
+    ops.rms_norm(x, w, backend="torch")
+    assert len(checks) == 2
+
+
+def test_memo_path_outputs_are_poisoned_like_the_checked_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unwritten outputs show up on the remembered path too (poisoned allocation at call time)."""
+    x, w = torch.randn(3, 8), torch.randn(8)
+    ops.rms_norm(x, w, backend="torch")  # remembered
+    monkeypatch.setattr(backends.get("torch"), "run", lambda *a: None)  # a provider that writes nothing
+    with fusekit.poisoned():
+        y = ops.rms_norm(x, w, backend="torch")
+    assert torch.isnan(y).all()
+
+
+def test_values_read_by_checks_are_never_memoized() -> None:
+    """kv_len's values are checked on the CPU on every call, however often its signature was seen."""
+    q = torch.randn(2, 2, 3, 64)
+    k = torch.randn(2, 2, 7, 64)
+    good = torch.tensor([7, 4], dtype=torch.int32)
+    for _ in range(3):
+        ops.attention(q, k, k, kv_len=good, backend="torch")
+    with pytest.raises(ValueError, match=r"^kv_len"):
+        ops.attention(q, k, k, kv_len=torch.tensor([8, 4], dtype=torch.int32), backend="torch")
+
+
+def test_non_plain_scalars_take_the_checked_path() -> None:
+    assert library.call_key((torch.ones(1),), (torch.tensor(3),), "torch") is None
+    assert library.call_key((torch.ones(1),), (3,), ["torch"]) is None
+    assert library.call_key(([1.0],), (), "torch") is None
+    k1 = library.call_key((torch.ones(1),), (True,), "torch")
+    k2 = library.call_key((torch.ones(1),), (1,), "torch")
+    assert k1 is not None and k1 != k2  # True and 1 check differently
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ops.layer_norm(torch.randn(4, 32), torch.randn(32), torch.randn(32), backend="torch"),
+        lambda: ops.reduce_sum(torch.randn(4, 9), -1, backend="torch"),
+        lambda: ops.reduce_sum(torch.randn(4, 9), backend="torch"),
+        lambda: ops.reduce_sum(torch.randn(4, 9, 2), 1, backend="torch"),
+        lambda: ops.attention(
+            torch.randn(1, 2, 3, 64), torch.randn(1, 1, 5, 64), torch.randn(1, 1, 5, 64), backend="torch"
+        ),
+        lambda: ops.attention(
+            torch.randn(1, 3, 2, 64),
+            torch.randn(1, 5, 1, 64),
+            torch.randn(1, 5, 1, 64),
+            layout="bshd",
+            backend="torch",
+        ),
+        lambda: ops.swiglu_ffn(
+            torch.randn(3, 16),
+            torch.randn(24, 16),
+            torch.randn(24, 16),
+            torch.randn(16, 24),
+            norm_weight=torch.randn(16),
+            backend="torch",
+        ),
+    ],
+)
+def test_every_op_memo_path_equals_checked_path(call) -> None:
+    """Same seed, same inputs: the checked first call and the remembered second call agree exactly."""
+    dispatch.clear_cache()
+    torch.manual_seed(1)
+    first = call()
+    torch.manual_seed(1)
+    second = call()
+    assert first.shape == second.shape and torch.equal(first, second)

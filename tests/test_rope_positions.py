@@ -1,0 +1,220 @@
+"""ops.rope(x, positions=...): per-token positions as a tensor (HF's position_ids, CUDA-graph decode loops).
+
+    pytest tests/test_rope_positions.py --backends torch,triton,mojo [--device cuda]
+
+positions = start_pos + arange(S) computes exactly what start_pos does (bit for bit, forward and
+backward, both layouts, tables or in-kernel angles); [S] equals [B, S] with the row repeated; rows are
+independent; bad positions raise naming `positions` on the CPU and are clamped (never read outside the
+tables) where they are trusted; torch.compile(fullgraph=True) takes them; mojo refuses them with its
+reason; on `--device cuda` a captured graph replays with positions updated in place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checks import assert_close
+
+from fusekit import backends, ops
+from fusekit.ops.rope import tables
+from fusekit.tolerances import rtol
+
+GRAPH_BACKENDS = ("torch", "triton")
+
+
+def _x(shape, dtype, device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+
+
+def _tables(rows: int, d: int, theta: float, device: str) -> dict:
+    cos, sin = tables(torch.arange(rows, device=device), d, theta)
+    return {"cos": cos, "sin": sin}
+
+
+def _skip_refused(backend: str) -> None:
+    if backend not in GRAPH_BACKENDS:
+        pytest.skip(f"backend {backend!r} takes no positions (see test_mojo_refuses_positions)")
+
+
+@pytest.mark.parametrize("use_tables", (False, True), ids=("angles", "tables"))
+@pytest.mark.parametrize("interleaved", (False, True), ids=("halves", "interleaved"))
+@pytest.mark.parametrize("d", (16, 12))  # 12: the triton gather kernel for non-power-of-two head dims
+@pytest.mark.parametrize("layout", ("bshd", "bhsd"))
+def test_positions_equal_start_pos_bitwise(use_tables, interleaved, d, layout, backend_name, device):
+    _skip_refused(backend_name)
+    b, s, h, start, theta = 3, 6, 2, 37, 10000.0
+    x = _x((b, s, h, d) if layout == "bshd" else (b, h, s, d), torch.float32, device)
+    kw = {"theta": theta, "interleaved": interleaved, "layout": layout, "backend": backend_name}
+    if use_tables:
+        kw |= _tables(start + s + 3, d, theta, device)
+    want = ops.rope(x, start_pos=start, **kw)
+    ar = torch.arange(start, start + s, device=device)
+    for pos in (ar.expand(b, s), ar.to(torch.int32), ar.expand(b, s).to(torch.int32).contiguous()):
+        got = ops.rope(x, positions=pos, **kw)
+        assert torch.equal(got, want), f"positions {pos.dtype} {tuple(pos.shape)} differ from start_pos"
+    # backward: the rotation back at the same positions
+    g = _x(want.shape, torch.float32, device, seed=1)
+    grads = []
+    for extra in ({"start_pos": start}, {"positions": ar.expand(b, s)}):
+        xl = x.clone().requires_grad_()
+        (dx,) = torch.autograd.grad(ops.rope(xl, **extra, **kw), xl, g)
+        grads.append(dx)
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("use_tables", (False, True), ids=("angles", "tables"))
+def test_shared_positions_equal_repeated_rows(use_tables, backend_name, device):
+    _skip_refused(backend_name)
+    b, s, h, d, theta = 3, 7, 2, 8, 500.0
+    x = _x((b, s, h, d), torch.float16, device)
+    pos = torch.tensor([5, 0, 9, 9, 2, 31, 1], device=device)
+    kw = {"theta": theta, "backend": backend_name} | (_tables(40, d, theta, device) if use_tables else {})
+    got = ops.rope(x, positions=pos, **kw)
+    assert torch.equal(got, ops.rope(x, positions=pos.repeat(b, 1), **kw))
+    assert torch.equal(got, ops.rope(x, positions=pos.to(torch.int32).expand(b, s), **kw))
+
+
+@pytest.mark.parametrize("use_tables", (False, True), ids=("angles", "tables"))
+def test_rows_are_independent(use_tables, backend_name, device):
+    """A left-padded batch: sequence i rotated at its own positions, as if it were alone at start_pos."""
+    _skip_refused(backend_name)
+    b, s, h, d, theta = 3, 5, 2, 16, 10000.0
+    x = _x((b, s, h, d), torch.float32, device)
+    kw = {"theta": theta, "backend": backend_name} | (_tables(20, d, theta, device) if use_tables else {})
+    starts = (0, 4, 11)
+    pos = torch.stack([torch.arange(p, p + s) for p in starts]).to(device)
+    got = ops.rope(x, positions=pos, **kw)
+    for i, p in enumerate(starts):
+        want = ops.rope(x[i : i + 1], start_pos=p, **kw)
+        assert_close(f"rope row {i}", got[i : i + 1], want, rtol("rope", torch.float32), f"row {i}")
+
+
+def test_validation_names_positions() -> None:
+    x = torch.randn(2, 4, 1, 8)
+    tab = _tables(10, 8, 10000.0, "cpu")
+    ok = torch.arange(4)
+    cases = [
+        ({"positions": ok, "start_pos": 3}, ValueError, r"^positions: per-token positions and a nonzero"),
+        ({"positions": torch.arange(5)}, ValueError, r"^positions: expected shape \[B=2, S=4\] or \[S=4\]"),
+        ({"positions": torch.zeros(3, 4, dtype=torch.int64)}, ValueError, r"^positions: expected shape"),
+        ({"positions": torch.zeros(1, 2, 4, dtype=torch.int64)}, ValueError, r"^positions: expected shape"),
+        ({"positions": ok.float()}, TypeError, r"^positions: dtype float32 is not supported"),
+        ({"positions": ok.tolist()}, TypeError, r"^positions: expected a torch.Tensor"),
+        ({"positions": ok - 1}, ValueError, r"^positions: every value must be in \[0, 2\^24"),
+        ({"positions": ok + (1 << 24) - 2}, ValueError, r"^positions: every value must be in \[0, 2\^24"),
+        ({"positions": ok + 7, **tab}, ValueError, r"^positions: every value must be in \[0, St - 1 = 9"),
+        ({"positions": ok, "cos": tab["cos"][:9], "sin": tab["sin"]}, ValueError, r"^cos: with positions"),
+        (
+            {"positions": ok, "cos": tab["cos"][:0], "sin": tab["sin"][:0]},
+            ValueError,
+            r"^cos: expected shape",
+        ),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            ops.rope(x, **kw, backend="torch")
+    # the bounds are inclusive: 2^24 with in-kernel angles, St - 1 with tables; start_pos=0 is allowed
+    y = ops.rope(x.double(), positions=ok + (1 << 24) - 3, start_pos=0, backend="torch")
+    assert y.isfinite().all()
+    ops.rope(x, positions=ok + 6, **tab, backend="torch")
+
+
+@pytest.mark.parametrize("use_tables", (False, True), ids=("angles", "tables"))
+def test_untrusted_positions_are_clamped(use_tables, backend_name, device):
+    """What CUDA callers get for out-of-range positions (trusted there, no host sync): every backend
+    clamps them to [0, St - 1] / [0, 2^24] instead of reading outside the tables. Checked here through
+    the backends directly (the CPU front end raises first)."""
+    _skip_refused(backend_name)
+    from fusekit import library
+    from fusekit.ops.rope import SPEC
+
+    b, s, h, d, theta = 2, 3, 1, 8, 10000.0
+    x = _x((b, s, h, d), torch.float32, device)
+    tab = _tables(6, d, theta, device) if use_tables else {"cos": None, "sin": None}
+    hi = 5 if use_tables else 1 << 24
+    bad = torch.tensor([[-7, 0, hi + 1], [2**31 - 1, -(2**31), hi]], dtype=torch.int32, device=device)
+    ok = bad.clamp(0, hi)
+    run = [
+        library.run(SPEC, "forward", (x, tab["cos"], tab["sin"], p), (0, theta, False), backend_name, {})[0]
+        for p in (bad, ok)
+    ]
+    assert torch.equal(run[0], run[1])
+
+
+def test_compile_fullgraph_with_positions(monkeypatch) -> None:
+    """torch.compile(fullgraph=True) with positions (forward and backward: the backward custom op takes
+    positions and its condition flag), [B, S] int64 converted inside the graph, equals eager."""
+
+    def step(x, positions, cos, sin):
+        return ops.rope(x, positions=positions, cos=cos, sin=sin, layout="bhsd", backend="torch")
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 5, 16, generator=g)  # [B, H, S, D]
+    pos = torch.tensor([[1, 1, 0, 1, 2], [4, 5, 6, 7, 8]])
+    cos, sin = tables(torch.arange(12), 16, 10000.0)
+    torch._dynamo.reset()
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    compiled = torch.compile(step, fullgraph=True)
+    results = []
+    for fn in (step, compiled):  # eager first: it resolves the backend (dispatch's import is not traced)
+        for c, s in ((None, None), (cos, sin)):
+            xg = x.clone().requires_grad_()
+            out = fn(xg, pos, c, s)
+            out.backward(torch.ones_like(out))
+            results.append((out.detach(), xg.grad))
+    for want, got in zip(results[:2], results[2:]):
+        for w, o in zip(want, got):
+            torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-6)
+
+
+def test_mojo_refuses_positions() -> None:
+    from fusekit.backends.mojo import _phase_spec
+
+    be = backends.get("mojo")
+    cpu = torch.device("cpu")
+    for phase in ("forward", "backward"):
+        why = be.supports("rope", phase, cpu, (torch.float32,), positions=True)
+        assert why is not None and "positions" in why
+        assert be.supports("rope", phase, cpu, (torch.float32,), positions=False) is None
+        # the MAX signature keeps the Mojo kernels' argument lists (positions left out)
+        ms = _phase_spec("rope", phase)
+        assert [t.name for t in ms.inputs][1:] == ["cos", "sin"]
+        assert ms.params == ("start_pos", "theta", "interleaved", "has_tables")
+    if backends.available()["mojo"] is None:  # end to end: refused before anything compiles
+        with pytest.raises(ValueError, match=r"cannot run rope .*positions"):
+            ops.rope(torch.randn(1, 2, 1, 8), positions=torch.arange(2), backend="mojo")
+
+
+@pytest.mark.parametrize("dtype", (torch.int32, torch.int64))
+def test_cuda_graph_replays_with_positions_updated_in_place(dtype, backend_name, device):
+    """A decode step captured once; each replay reads the positions tensor as updated in place."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need --device cuda")
+    _skip_refused(backend_name)
+    b, h, d, theta = 4, 8, 128, 500000.0
+    x = _x((b, 1, h, d), torch.bfloat16, device)
+    pos = torch.tensor([[3], [17], [0], [250]], dtype=dtype, device=device)
+    tab = _tables(512, d, theta, device)
+    for kw in ({}, tab):
+
+        def step(kw=kw):
+            return ops.rope(x, positions=pos, theta=theta, backend=backend_name, **kw)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warm-up: a first call compiles, never inside a capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = step()
+        for t in range(3):
+            with torch.no_grad():
+                pos.add_(1 + t)  # in place: the captured address stays
+                x.copy_(_x(x.shape, x.dtype, device, seed=10 + t))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, step()), f"replay {t} ignored the updated positions"
