@@ -9,6 +9,10 @@ Suites: "sweep" (forward size sweeps), "train" (forward + backward at training s
 <op>.<suite>.json after each op (so an interrupted run keeps the finished ones) and prints a short
 table per op, with what was skipped and why. GPU results go to benchmarks/results (committed); CPU
 results to build/bench/results (git-ignored): CPU timings never enter the committed report.
+
+Beyond single ops: `python -m fusekit.bench.model` times a Llama decoder layer built from fusekit ops
+(decode and prefill, eager and CUDA-graphed, against torch eager / torch.compile), and
+`python -m fusekit.bench.e2e` a patched Hugging Face model (prefill, decode, training step).
 """
 
 from __future__ import annotations
