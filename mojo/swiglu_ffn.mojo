@@ -1,11 +1,16 @@
 # fusekit.swiglu_ffn: out = (silu(xn @ w_gate^T) * (xn @ w_up^T)) @ w_down^T, xn = rms_norm(x) or x.
 #
-# Contract: out [T, D], rstd [T] f32 (written when has_norm), gu [T, 2F] (training save: not supported
-# here, the op has no mojo backward, so the Python side never asks for it) <- x [T, D], w_gate [F, D],
-# w_up [F, D], w_down [D, F], norm_weight [D] (x's dtype), params [3] f32 = [eps, has_norm, save].
+# Contract: out [T, D], rstd [T] f32 (written when has_norm), gu [T, 2F] = [round(g), round(u)] (written
+# when save: a training call, for fusekit.swiglu_ffn_backward) <- x [T, D], w_gate [F, D], w_up [F, D],
+# w_down [D, F], norm_weight [D] (x's dtype), params [3] f32 = [eps, has_norm, save].
 # Precision = python/fusekit/ops/swiglu_ffn.py: xn rounded to x.dtype, g/u accumulated in fp32,
 # h = silu(g) * u in fp32 rounded to x.dtype, out accumulated in fp32.
-# norm_weight and rstd are not touched when has_norm == 0 (they may be dummies); gu is never touched.
+# norm_weight and rstd are not touched when has_norm == 0 (they may be dummies), gu not when save == 0
+# (a [1, 1] dummy; the GPU path tells save from gu's shape, [T, 2F] with 2F >= 2, as params live on the
+# device). With save the gate/up epilogue (GEMV or tensor-core path) also stores round(g) and round(u).
+#
+# fusekit.swiglu_ffn_backward (the struct at the end; kernels in _swiglu_backward.mojo) is the backward's
+# element-wise part only: the five GEMMs run as torch matmuls in python/fusekit/backends/mojo/__init__.py.
 #
 # Floors (H200, bf16, D 4096, F 11008):
 # - decode (T = 1): the three weight matrices, 3*D*F*2 B = 270 MB, at ~4.3 TB/s -> ~63 us; FLOPs are
@@ -33,6 +38,8 @@ from max.gpu.host import DeviceContext
 from max.gpu.primitives import warp, block
 from layout import TileTensor, row_major, Coord, Idx
 from linalg.matmul.gpu import _matmul_gpu
+
+from ._swiglu_backward import swiglu_bwd_gpu, swiglu_bwd_cpu
 
 comptime GEMV_WARPS = 4  # warps per block in the GEMV kernels (one weight row per warp)
 comptime NORM_THREADS = 256
@@ -94,13 +101,16 @@ def _gemv_kernel[
     xa: Pointer[Scalar[dtype], MutAnyOrigin],
     w1: Pointer[Scalar[dtype], MutAnyOrigin],
     w2: Pointer[Scalar[dtype], MutAnyOrigin],
+    gu: Pointer[Scalar[dtype], MutAnyOrigin],
+    save: Int32,
     T: Int32,
     K: Int32,
     N: Int32,
 ):
     """res[t, n] = epi(sum_k xa[t, k] * w1[n, k] [, same with w2]) for t < T <= NT, one warp per n.
 
-    GATED: res = silu(x @ w1^T) * (x @ w2^T) (gate/up); else res = x @ w1^T (w2 unused).
+    GATED: res = silu(x @ w1^T) * (x @ w2^T) (gate/up), and with save != 0 also gu[t, n] = round(x @ w1^T),
+    gu[t, N + n] = round(x @ w2^T) (gu rows of 2N); else res = x @ w1^T (w2, gu unused).
     Each lane reads W contiguous weights (16 B for W = 8) per step; activations (<= NT rows) are
     re-read from L1/L2, the weights are streamed from HBM once.
     """
@@ -153,6 +163,9 @@ def _gemv_kernel[
                 var s2 = warp.sum(acc2[t])
                 if lane == 0:
                     res[unsafe_offset=t * Int(N) + n] = _silu_mul(s1, s2).cast[dtype]()
+                    if save != 0:
+                        gu[unsafe_offset=2 * t * Int(N) + n] = s1.cast[dtype]()
+                        gu[unsafe_offset=2 * t * Int(N) + Int(N) + n] = s2.cast[dtype]()
             else:
                 if lane == 0:
                     res[unsafe_offset=t * Int(N) + n] = s1.cast[dtype]()
@@ -169,6 +182,8 @@ def _gemv[
     K: Int,
     N: Int,
     ctx: DeviceContext,
+    gu: Pointer[Scalar[dtype], MutAnyOrigin],
+    save: Bool,
 ) raises:
     """Pick the activation-count bucket (compile-time NT) and vector width for one GEMV launch."""
 
@@ -179,6 +194,8 @@ def _gemv[
             xa,
             w1,
             w2,
+            gu,
+            Int32(1 if save else 0),
             Int32(T),
             Int32(K),
             Int32(N),
@@ -220,8 +237,11 @@ def _ffn_tc[
     wd: Pointer[BFloat16, MutAnyOrigin],
     T: Int,
     ctx: DeviceContext,
+    gu: Pointer[BFloat16, MutAnyOrigin],
+    save: Bool,
 ) raises:
-    """Prefill on Hopper: three wgmma matmuls (MAX's sm90 kernel) with the SiLU*mul epilogue fused."""
+    """Prefill on Hopper: three wgmma matmuls (MAX's sm90 kernel) with the SiLU*mul epilogue fused; with
+    save the epilogue also stores gu = [round(g), u] (u arrives rounded to bf16 already: exactly gu's u)."""
     var gbuf = ctx.enqueue_create_buffer[DType.float32](T * F)
     var hbuf = ctx.enqueue_create_buffer[DType.bfloat16](T * F)
     var gp = rebind[Pointer[Float32, MutAnyOrigin]](gbuf.unsafe_ptr())
@@ -236,15 +256,21 @@ def _ffn_tc[
 
     @always_inline
     @__parameter
-    @__copy_capture(gp, hp)  # by value: a by-reference capture would hand the GPU a host stack address
+    # by value: a by-reference capture would hand the GPU a host stack address
+    @__copy_capture(gp, hp, gu, save)
     def silu_mul_epi[
         _dtype: DType, width: SIMDLength, *, alignment: Int = 1
     ](idx: Coord, val: SIMD[_dtype, width]):
-        var off = Int(idx[0].value()) * F + Int(idx[1].value())
+        var row = Int(idx[0].value())
+        var col = Int(idx[1].value())
+        var off = row * F + col
         var g = gp.unsafe_load[width=width](off)
         var u = val.cast[DType.float32]()
         var hv = g / (1.0 + exp(-g)) * u
         hp.unsafe_store[width=width](off, hv.cast[DType.bfloat16]())
+        if save:
+            gu.unsafe_store[width=width](2 * row * F + col, g.cast[DType.bfloat16]())
+            gu.unsafe_store[width=width](2 * row * F + F + col, val.cast[DType.bfloat16]())
 
     _matmul_gpu[use_tensor_core=True, transpose_b=True](gt, xt, wgt, ctx)
     _matmul_gpu[use_tensor_core=True, transpose_b=True, elementwise_lambda_fn=silu_mul_epi](ht, xt, wut, ctx)
@@ -271,6 +297,30 @@ def swiglu_ffn_gpu[
     allow_tc: Bool = True,
     tc_min_t: Int = TC_MIN_T,
 ) raises:
+    swiglu_ffn_gpu_save[dtype](o, rstd, o, False, x, wg, wu, wd, nw, params, T, D, F, ctx, allow_tc, tc_min_t)
+
+
+def swiglu_ffn_gpu_save[
+    dtype: DType
+](
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    rstd: Pointer[Float32, MutAnyOrigin],
+    gu: Pointer[Scalar[dtype], MutAnyOrigin],
+    save: Bool,
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    wg: Pointer[Scalar[dtype], MutAnyOrigin],
+    wu: Pointer[Scalar[dtype], MutAnyOrigin],
+    wd: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    T: Int,
+    D: Int,
+    F: Int,
+    ctx: DeviceContext,
+    allow_tc: Bool = True,
+    tc_min_t: Int = TC_MIN_T,
+) raises:
+    """The forward of swiglu_ffn_gpu, and with save also gu [T, 2F] (both paths)."""
     var xnbuf = ctx.enqueue_create_buffer[dtype](T * D)
     var xn = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](xnbuf.unsafe_ptr())
     ctx.enqueue_function[_norm_kernel[dtype]](xn, rstd, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
@@ -289,6 +339,8 @@ def swiglu_ffn_gpu[
                         rebind[Pointer[BFloat16, MutAnyOrigin]](wd),
                         T,
                         ctx,
+                        rebind[Pointer[BFloat16, MutAnyOrigin]](gu),
+                        save,
                     )
                     _ = xnbuf^
                     return
@@ -299,8 +351,9 @@ def swiglu_ffn_gpu[
     var t0 = 0
     while t0 < T:
         var tc = min(DECODE_MAX_T, T - t0)
-        _gemv[dtype, True](hp, xn.unsafe_offset(t0 * D), wg, wu, tc, D, F, ctx)
-        _gemv[dtype, False](o.unsafe_offset(t0 * D), hp, wd, wd, tc, F, D, ctx)
+        var gu_t = gu.unsafe_offset(t0 * 2 * F) if save else gu
+        _gemv[dtype, True](hp, xn.unsafe_offset(t0 * D), wg, wu, tc, D, F, ctx, gu_t, save)
+        _gemv[dtype, False](o.unsafe_offset(t0 * D), hp, wd, wd, tc, F, D, ctx, gu_t, False)
         t0 += tc
     _ = xnbuf^
     _ = hbuf^
@@ -311,6 +364,8 @@ def swiglu_ffn_cpu[
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     rstd_out: Pointer[Float32, MutAnyOrigin],
+    gu: Pointer[Scalar[dtype], MutAnyOrigin],
+    save: Bool,
     x: Pointer[Scalar[dtype], MutAnyOrigin],
     wg: Pointer[Scalar[dtype], MutAnyOrigin],
     wu: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -346,6 +401,9 @@ def swiglu_ffn_cpu[
                 g += xn[j] * wg[unsafe_offset=f * D + j].cast[DType.float32]()
                 u += xn[j] * wu[unsafe_offset=f * D + j].cast[DType.float32]()
             hh[f] = _silu_mul(g, u).cast[dtype]().cast[DType.float32]()
+            if save:
+                gu[unsafe_offset=2 * t * F + f] = g.cast[dtype]()
+                gu[unsafe_offset=2 * t * F + F + f] = u.cast[dtype]()
         for d in range(D):
             var acc: Float32 = 0
             for f in range(F):
@@ -381,9 +439,53 @@ struct SwigluFfn:
         var dp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_down.unsafe_ptr())
         var np = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](norm_weight.unsafe_ptr())
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
+        var gup = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](gu.unsafe_ptr())
+        var save = gu.dim_size(1) == 2 * F  # a [1, 1] dummy without save (2F >= 2)
         comptime if target == "gpu":
-            swiglu_ffn_gpu[dtype](op, rp, xp, gp, up, dp, np, pp, T, D, F, ctx)
+            swiglu_ffn_gpu_save[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp, T, D, F, ctx)
         else:
-            if pp[unsafe_offset=2] != 0:
-                raise Error("fusekit.swiglu_ffn (mojo): saving g/u for a backward is not supported")
-            swiglu_ffn_cpu[dtype](op, rp, xp, gp, up, dp, np, pp[unsafe_offset=0], pp[unsafe_offset=1] != 0, T, D, F)
+            var has_norm = pp[unsafe_offset=1] != 0
+            swiglu_ffn_cpu[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp[unsafe_offset=0], has_norm, T, D, F)
+
+
+@register("fusekit.swiglu_ffn_backward")
+struct SwigluFfnBackward:
+    """The backward's element-wise part (_swiglu_backward.mojo): outputs h, dg, du [T, F] (x's dtype),
+    xn [T, D] (written when has_norm, else a [1, 1] dummy); inputs dh [T, F], gu [T, 2F], x [T, D],
+    norm_weight [D] (x's dtype), rstd [T] f32 (dummies [1] without a norm), params [1] = [has_norm]."""
+
+    @staticmethod
+    def execute[
+        dtype: DType, //, target: StaticString
+    ](
+        h: MutableInputTensor[dtype=dtype, rank=2, ...],
+        dg: MutableInputTensor[dtype=dtype, rank=2, ...],
+        du: MutableInputTensor[dtype=dtype, rank=2, ...],
+        xn: MutableInputTensor[dtype=dtype, rank=2, ...],
+        dh: InputTensor[dtype=dtype, rank=2, ...],
+        gu: InputTensor[dtype=dtype, rank=2, ...],
+        x: InputTensor[dtype=dtype, rank=2, ...],
+        norm_weight: InputTensor[dtype=dtype, rank=1, ...],
+        rstd: InputTensor[dtype=DType.float32, rank=1, ...],
+        params: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var T = dh.dim_size(0)
+        var F = dh.dim_size(1)
+        var hp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](h.unsafe_ptr())
+        var dgp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](dg.unsafe_ptr())
+        var dup = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](du.unsafe_ptr())
+        var xnp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](xn.unsafe_ptr())
+        var dhp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](dh.unsafe_ptr())
+        var gup = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](gu.unsafe_ptr())
+        var xp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](x.unsafe_ptr())
+        var np = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](norm_weight.unsafe_ptr())
+        var rp = rebind[Pointer[Float32, MutAnyOrigin]](rstd.unsafe_ptr())
+        var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
+        comptime if target == "gpu":
+            swiglu_bwd_gpu[dtype](
+                ctx, hp, dgp, dup, xnp, dhp, gup, xp, np, rp, pp, T, F, xn.dim_size(0), xn.dim_size(1)
+            )
+        else:
+            var has_norm = pp[unsafe_offset=0] != 0
+            swiglu_bwd_cpu[dtype](hp, dgp, dup, xnp, dhp, gup, xp, np, rp, has_norm, T, F, x.dim_size(1))

@@ -108,7 +108,7 @@ PROFILES: dict[str, Profile] = {
     ),
     # One MAX graph compile per (op, phase, dtypes) costs 20 s to minutes on a CPU: only fp32 and bf16
     # (and the integer pairs), all compiled by the conformance suite earlier in the same session. The
-    # mojo swiglu_ffn kernel takes norm_weight in x's dtype only (and has no backward yet).
+    # mojo swiglu_ffn kernel takes norm_weight in x's dtype only.
     "mojo": Profile(
         floats=(F32, BF16),
         wf32=True,

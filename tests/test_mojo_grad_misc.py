@@ -12,6 +12,9 @@ argument layout of .dev/CONTRACT.md ("Mojo" section), independent of the Python 
 - fusekit.attention: (o, lse) <- (q, k, v), params [causal, scale]; a float64 softmax over the
   visible keys, incl. NaN/Inf inputs, GQA, causal with S < Skv and S > Skv (rows with no visible key).
 - fusekit.attention_backward: (dq, dk, dv) <- (do, q, k, v, o, lse) vs float64 autograd.
+- swiglu_ffn backward (issue #10) through the provider (`swiglu_ffn(..., backend="mojo")`: the training
+  forward saving gu, torch GEMMs + fusekit.swiglu_ffn_backward + fusekit.rms_norm_backward) vs float64
+  autograd, with and without the norm weight, in fp32 / fp16 / bf16.
 
 MAX CPU graph compiles are slow (~10-40 s each), so there are few distinct (op, dtype) specs; they
 are cached on disk (FUSEKIT_CACHE_DIR), so a second run takes seconds.
@@ -37,6 +40,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from fusekit.backends.mojo.dispatch import Dispatcher
 from fusekit.backends.mojo.runtime import OpCompiler
 from fusekit.backends.mojo.specs import OpSpec, TensorSpec
+from fusekit.ops.swiglu_ffn import swiglu_ffn
+from fusekit.tolerances import rtol
 
 CPU = torch.device("cpu")
 TESTS_DIR = Path(__file__).resolve().parent
@@ -479,3 +484,47 @@ def test_attention_backward(run: Runner, H: int, Hkv: int, S: int, Skv: int, cau
     run(ATTENTION_BWD, again, (do, q, k, v, o, lse), (float(causal), scale))
     for g, g2 in zip(grads, again, strict=True):
         assert torch.equal(g, g2)
+
+
+# --- swiglu_ffn backward -----------------------------------------------------------------------------
+def swiglu_ref64(x, wg, wu, wd, nw, eps: float) -> torch.Tensor:
+    """float64 swiglu_ffn (no intermediate rounding): the autograd oracle of the gradients."""
+    if nw is not None:
+        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * nw
+    g, u = x @ wg.T, x @ wu.T
+    return (g * torch.sigmoid(g) * u) @ wd.T
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=["fp32", "fp16", "bf16"])
+def test_swiglu_ffn_backward(dtype: torch.dtype, norm: bool) -> None:
+    torch.manual_seed(17 + 2 * FLOATS.index(dtype) + norm)
+    T, D, F, eps = 9, 64, 72, 1e-6
+    args = [
+        torch.randn(T, D),
+        torch.randn(F, D) * D**-0.5,
+        torch.randn(F, D) * D**-0.5,
+        torch.randn(D, F) * F**-0.5,
+    ]
+    if norm:
+        args.append(1.0 + 0.1 * torch.randn(D))
+    args = [a.to(dtype) for a in args]
+    leaves = [a.clone().requires_grad_() for a in args]
+    nw = leaves[4] if norm else None
+    y = swiglu_ffn(*leaves[:4], norm_weight=nw, eps=eps, backend="mojo")
+    # the training forward (which also writes gu) gives the inference forward's output, bit for bit
+    with torch.no_grad():
+        y0 = swiglu_ffn(*args[:4], norm_weight=args[4] if norm else None, eps=eps, backend="mojo")
+    assert torch.equal(y.detach(), y0)
+    dy = torch.randn(T, D).to(dtype)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref = [a.double().requires_grad_() for a in args]
+    want = torch.autograd.grad(swiglu_ref64(*ref[:4], ref[4] if norm else None, eps), ref, dy.double())
+    tol = rtol("swiglu_ffn", dtype, "backward")
+    names = ("dx", "dw_gate", "dw_up", "dw_down", "dnorm_weight")
+    for name, a, g, w in zip(names, args, grads, want, strict=False):
+        assert g.dtype == a.dtype and g.shape == a.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
+        # O(1) gradients per element: the floor keeps a near-zero gradient from reading as a huge error
+        floor = torch.full((1,), 0.1 * w.numel() ** 0.5, dtype=torch.float64)
+        err = rel_error(g, w, floor)
+        assert err < tol, f"{name} ({dtype}, norm={norm}): rel err {err:.2e} > {tol:.1e}"

@@ -6,7 +6,7 @@ from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
 from std.math import exp, sqrt
 
-from ..swiglu_ffn import SwigluFfn, swiglu_ffn_gpu
+from ..swiglu_ffn import SwigluFfn, SwigluFfnBackward, swiglu_ffn_gpu
 from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params
 
 
@@ -123,6 +123,79 @@ def _case[
         check(name + " vs GEMV GPU path", e.value(), tol, failures)
 
 
+def _backward_case[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, mut failures: Int, seed: Int) raises:
+    """fusekit.swiglu_ffn_backward (the element-wise part; the GEMMs are torch's) against host float64:
+    h = g sig u, dg = dh u sig (1 + g (1 - sig)), du = dh g sig from gu = [g, u]; xn = (x rstd) nw."""
+    comptime s2 = StaticTensorSpec[dtype, 2, ...].get_unknown()
+    comptime s1 = StaticTensorSpec[dtype, 1, ...].get_unknown()
+    comptime f1 = StaticTensorSpec[DType.float32, 1, ...].get_unknown()
+    var gub = ctx.enqueue_create_buffer[dtype](T * 2 * F)
+    var dhb = ctx.enqueue_create_buffer[dtype](T * F)
+    var hb = ctx.enqueue_create_buffer[dtype](T * F)
+    var dgb = ctx.enqueue_create_buffer[dtype](T * F)
+    var dub = ctx.enqueue_create_buffer[dtype](T * F)
+    var xb = ctx.enqueue_create_buffer[dtype](T * D)
+    var xnb = ctx.enqueue_create_buffer[dtype](T * D)
+    var nb = ctx.enqueue_create_buffer[dtype](D)
+    var rb = ctx.enqueue_create_buffer[DType.float32](T)
+    fill_random(ctx, gub, T * 2 * F, seed, -4.0, 4.0)
+    fill_random(ctx, dhb, T * F, seed + 1, -1.0, 1.0)
+    fill_random(ctx, xb, T * D, seed + 2, -1.0, 1.0)
+    fill_random(ctx, nb, D, seed + 3, 0.8, 1.2)
+    fill_random(ctx, rb, T, seed + 4, 0.5, 2.0)
+    poison(ctx, hb)
+    poison(ctx, dgb)
+    poison(ctx, dub)
+    poison(ctx, xnb)
+    var pb = device_params(ctx, Float32(1.0), Float32(0.0), Float32(0.0))  # has_norm = 1
+    var tf = IndexList[2](T, F)
+    var sf = IndexList[2](F, 1)
+    var td = IndexList[2](T, D)
+    var sd = IndexList[2](D, 1)
+    var h = MutableInputTensor[static_spec=s2](_mut(hb.unsafe_ptr()), tf, sf)
+    var dg = MutableInputTensor[static_spec=s2](_mut(dgb.unsafe_ptr()), tf, sf)
+    var du = MutableInputTensor[static_spec=s2](_mut(dub.unsafe_ptr()), tf, sf)
+    var xn = MutableInputTensor[static_spec=s2](_mut(xnb.unsafe_ptr()), td, sd)
+    var dh = InputTensor[static_spec=s2](_mut(dhb.unsafe_ptr()), tf, sf)
+    var gu = InputTensor[static_spec=s2](_mut(gub.unsafe_ptr()), IndexList[2](T, 2 * F), IndexList[2](2 * F, 1))
+    var x = InputTensor[static_spec=s2](_mut(xb.unsafe_ptr()), td, sd)
+    var nw = InputTensor[static_spec=s1](_mut(nb.unsafe_ptr()), IndexList[1](D), IndexList[1](1))
+    var rs = InputTensor[static_spec=f1](_mut(rb.unsafe_ptr()), IndexList[1](T), IndexList[1](1))
+    var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](3), IndexList[1](1))
+    SwigluFfnBackward.execute["gpu"](h, dg, du, xn, dh, gu, x, nw, rs, p, ctx)
+    var hgu = to_host(ctx, gub, T * 2 * F)
+    var hdh = to_host(ctx, dhb, T * F)
+    var hh = to_host(ctx, hb, T * F)
+    var hdg = to_host(ctx, dgb, T * F)
+    var hdu = to_host(ctx, dub, T * F)
+    var hx = to_host(ctx, xb, T * D)
+    var hxn = to_host(ctx, xnb, T * D)
+    var hn = to_host(ctx, nb, D)
+    var hr = to_host(ctx, rb, T)
+    var eh = RelErr()
+    var edg = RelErr()
+    var edu = RelErr()
+    var exn = RelErr()
+    for t in range(T):
+        for f in range(F):
+            var g = hgu[2 * t * F + f].cast[DType.float64]()
+            var u = hgu[2 * t * F + F + f].cast[DType.float64]()
+            var d = hdh[t * F + f].cast[DType.float64]()
+            var sig = 1.0 / (1.0 + exp(-g))
+            eh.add(hh[t * F + f].cast[DType.float64](), g * sig * u)
+            edg.add(hdg[t * F + f].cast[DType.float64](), d * u * sig * (1.0 + g * (1.0 - sig)))
+            edu.add(hdu[t * F + f].cast[DType.float64](), d * g * sig)
+        for j in range(D):
+            var want = hx[t * D + j].cast[DType.float64]() * hr[t].cast[DType.float64]() * hn[j].cast[DType.float64]()
+            exn.add(hxn[t * D + j].cast[DType.float64](), want)
+    var name = String("swiglu_ffn_backward ", dtype, " T=", T, " D=", D, " F=", F)
+    var tol = 1e-2 if dtype == DType.bfloat16 else 2e-3
+    check(name + " h", eh.value(), tol, failures)
+    check(name + " dg", edg.value(), tol, failures)
+    check(name + " du", edu.value(), tol, failures)
+    check(name + " xn", exn.value(), tol, failures)
+
+
 def _bench[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, iters: Int) raises:
     var bufs = _Bufs[dtype](ctx, T, D, F, 5)
     var pb = device_params(ctx, Float32(1e-6), Float32(1.0), Float32(0.0))
@@ -175,6 +248,9 @@ def run(bench: Bool = True) raises:
         _case[DType.bfloat16](ctx, 64, 4096, 11008, False, False, failures, 42)
         _case[DType.bfloat16](ctx, 4096, 4096, 11008, True, False, failures, 38)  # wgmma prefill path
         _case[DType.bfloat16](ctx, 300, 4096, 11008, False, False, failures, 39)
+        _backward_case[DType.float32](ctx, 3, 64, 96, failures, 50)
+        _backward_case[DType.float16](ctx, 5, 72, 37, failures, 51)  # odd F: the scalar (W = 1) path
+        _backward_case[DType.bfloat16](ctx, 16, 4096, 11008, failures, 52)
         if bench:
             _bench[DType.bfloat16](ctx, 1, 4096, 11008, 50)
             _bench[DType.bfloat16](ctx, 4, 4096, 11008, 50)

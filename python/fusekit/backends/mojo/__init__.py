@@ -16,12 +16,15 @@ import threading
 import torch
 
 from fusekit.backends.base import Backend, BackendUnavailable
-from fusekit.backends.mojo.specs import X_DTYPE_WEIGHTS, max_spec, phase_spec
+from fusekit.backends.mojo.specs import SWIGLU_FFN_BACKWARD, X_DTYPE_WEIGHTS, max_spec, phase_spec
 
 HEAD_DIMS = (64, 128, 256)
 # Optional spec inputs (by condition) the Mojo kernels do not take yet: `supports` refuses calls that pass
 # them, and they are left out of the MAX signature, so the graphs keep the kernels' argument lists.
-NOT_TAKEN: dict[str, frozenset[str]] = {"attention": frozenset({"kv_len"})}
+NOT_TAKEN: dict[str, frozenset[str]] = {
+    "attention": frozenset({"kv_len"}),
+    "rope": frozenset({"positions"}),
+}
 
 
 @functools.cache
@@ -117,6 +120,11 @@ class MojoBackend(Backend):
                 "the mojo attention kernels take no kv_len (per-sequence KV lengths) yet; "
                 "use backend='triton' or 'torch'"
             )
+        if op == "rope" and meta.get("positions"):
+            return (
+                "the mojo rope kernels take no positions (per-token positions) yet; use start_pos, or "
+                "backend='triton' or 'torch'"
+            )
         return None
 
     # --- ops ------------------------------------------------------------------------------------
@@ -125,7 +133,6 @@ class MojoBackend(Backend):
         drop = NOT_TAKEN.get(spec.name)
         if drop:  # refused by supports() when present, so these are all None here
             inputs = tuple(v for a, v in zip(spec.phase(phase).inputs, inputs) if a.when not in drop)
-        outs, ins, params = ms.bind(outputs, inputs, scalars)
         device = next(t.device for t in outputs if t is not None)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # MAX runs on its own stream with host-side work per call (and may compile on first use):
@@ -134,6 +141,44 @@ class MojoBackend(Backend):
                 f"mojo {ms.op}: running inside a CUDA graph capture is not supported; use backend='triton' "
                 "for captured regions (or call the op outside the capture)"
             )
+        if spec.name == "swiglu_ffn" and phase == "backward":
+            self._swiglu_ffn_backward(outputs, inputs, scalars)
+        else:
+            self._call(ms, device, outputs, inputs, scalars)
+
+    def _call(self, ms, device: torch.device, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
+        """One MAX custom op call (ms: a specs.OpSpec) on the provider's arguments."""
+        outs, ins, params = ms.bind(outputs, inputs, scalars)
         compiled = self.compiler.get(ms, ms.dtype_key(outs, ins), device)
         disp = self.dispatcher
         disp.run(compiled, disp.state(device), outs, ins, params)
+
+    def _swiglu_ffn_backward(self, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
+        """swiglu_ffn's backward (ops/swiglu_ffn.py reference_backward), laid out as the Triton backend's.
+
+        The five GEMMs are torch matmuls (cuBLAS on the GPU: fp32 accumulation, results in x's dtype),
+        the element-wise parts Mojo ops: fusekit.swiglu_ffn_backward gives h, dg, du from dh and the
+        saved gu (and xn = round(x * rstd * nw) with a norm), fusekit.rms_norm_backward (casting "fp32":
+        the same formula) gives dx and dnorm_weight through xn. dh and dxn are rounded to x's dtype (one
+        rounding more than the reference each; Triton does the same, the backward tolerance covers it).
+        """
+        dx, dw_gate, dw_up, dw_down, dnw = outputs
+        dy, x, w_gate, w_up, w_down, nw, rstd, gu = inputs
+        device = x.device
+        dh = torch.matmul(dy, w_down)  # [T, F]
+        h, dg, du = (torch.empty_like(dh) for _ in range(3))
+        xn = torch.empty_like(x) if nw is not None else None
+        self._call(SWIGLU_FFN_BACKWARD, device, (h, dg, du, xn), (dh, gu, x, nw, rstd), ())
+        del dh
+        torch.matmul(dy.t(), h, out=dw_down)
+        del h
+        xa = x if xn is None else xn
+        torch.matmul(dg.t(), xa, out=dw_gate)
+        torch.matmul(du.t(), xa, out=dw_up)
+        del xn, xa
+        dxn = dx if nw is None else torch.empty_like(x)
+        torch.matmul(dg, w_gate, out=dxn)
+        dxn.addmm_(du, w_up)
+        if nw is not None:  # rms_norm's scalars: (eps, casting); eps is unused (rstd is saved)
+            rms = _phase_spec("rms_norm", "backward")
+            self._call(rms, device, (dx, dnw), (dxn, None, x, nw, rstd), (scalars[0], "fp32"))

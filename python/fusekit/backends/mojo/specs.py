@@ -147,6 +147,51 @@ def max_spec(spec, phase: str) -> OpSpec:
     )
 
 
+def _bind_swiglu_backward(outs: tuple, ins: tuple, values: tuple) -> Bound:
+    """(h, dg, du, xn?), (dh, gu, x, norm_weight?, rstd?), () -> the kernel's arguments (has_norm = xn given)."""
+    h, dg, du, xn = outs
+    dh, gu, x, nw, rstd = ins
+    dt = dh.dtype
+    return (
+        (h, dg, du, xn if xn is not None else dummy(dt, 2, 3)),
+        (
+            dh,
+            gu,
+            x,
+            nw if nw is not None else dummy(dt, 1, 7),
+            rstd if rstd is not None else dummy(torch.float32, 1, 8),
+        ),
+        (float(xn is not None),),
+    )
+
+
+# The element-wise part of the swiglu_ffn backward (mojo/_swiglu_backward.mojo). It is not the spec's
+# backward phase: the provider runs the phase's five GEMMs as torch matmuls (see __init__.py) and calls
+# this op between them, and the norm part through fusekit.rms_norm_backward. It holds the phase's MAX
+# name, so the package registering it is what makes the backward available.
+SWIGLU_FFN_BACKWARD = OpSpec(
+    op="swiglu_ffn_backward",
+    max_op="fusekit.swiglu_ffn_backward",
+    outputs=(
+        TensorSpec("h", ("T", "F"), "x"),
+        TensorSpec("dg", ("T", "F"), "x"),
+        TensorSpec("du", ("T", "F"), "x"),
+        TensorSpec("xn", ("T_xn", "D_xn"), "x"),
+    ),
+    inputs=(
+        TensorSpec("dh", ("T", "F"), "x"),
+        TensorSpec("gu", ("T", "G"), "x"),
+        TensorSpec("x", ("T", "D"), "x"),
+        TensorSpec("norm_weight", ("D_norm_weight",), "x"),
+        TensorSpec("rstd", ("T_rstd",), "float32"),
+    ),
+    params=("has_norm",),
+    dtype_vars=("x",),
+    allowed=frozenset((d,) for d in (torch.float32, torch.float16, torch.bfloat16)),
+    bind=_bind_swiglu_backward,
+)
+
+
 @functools.cache
 def phase_spec(op: str, phase: str) -> OpSpec:
     """The MAX spec of one phase of a registered fusekit op (cached)."""
