@@ -285,8 +285,9 @@ def _breakers(case: Case):
         brk("one table only", ("cos, sin",), ValueError, None, cos=table(rows + 1), sin=_DROP)
         if rows:
             brk("table too short", ("cos",), ValueError, None, cos=table(rows - 1), sin=table(rows))
-        brk("table width", ("cos",), ValueError, None, cos=table(rows, d // 2 + 1), sin=table(rows))
-        brk("sin table width", ("sin",), ValueError, None, cos=table(rows), sin=table(rows, d // 2 + 1))
+        bad = d // 2 + 1 if d // 2 + 1 != d else d + 1  # neither D/2 nor HF's D (at D = 2, D/2 + 1 is D)
+        brk("table width", ("cos",), ValueError, None, cos=table(rows, bad), sin=table(rows))
+        brk("sin table width", ("sin",), ValueError, None, cos=table(rows), sin=table(rows, bad))
         brk("table int", ("cos",), TypeError, None, cos=table(rows, dtype=I32), sin=table(rows))
     if op == "swiglu_ffn":
         wg, wu, wd = a[1:]
