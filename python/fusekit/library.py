@@ -20,6 +20,8 @@ None. Empty problems are answered here (outputs zero-filled), so providers never
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -99,6 +101,22 @@ def _signature(spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend:
     return sig
 
 
+def _allocate(spec: OpSpec, phase: str, plan: _Plan) -> tuple[Tensor | None, ...]:
+    """The phase's outputs (poisoned in tests). Out of GPU memory: torch's OutOfMemoryError again, naming
+    the op and what it asked for (what was allocated before the failure is freed with this frame)."""
+    empty, device = outputs.empty, plan.device
+    try:
+        return tuple(None if lay is None else empty(lay[0], lay[1], device) for lay in plan.layout)
+    except torch.OutOfMemoryError as exc:
+        lays = [lay for lay in plan.layout if lay is not None]
+        wanted = [(tuple(shape), str(dt).removeprefix("torch.")) for shape, dt in lays]
+        total = sum(math.prod(shape) * dt.itemsize for shape, dt in lays)
+        raise torch.OutOfMemoryError(
+            f"fusekit.{spec.name} ({phase}): out of memory allocating its outputs {wanted} "
+            f"({total / 2**30:.2f} GiB in all) on {device}. {exc}"
+        ) from exc
+
+
 def _refuse_first_call_in_capture(spec: OpSpec, phase: str, plan: _Plan) -> None:
     """A provider's first call of a signature may compile or tune (timing runs, synchronization): inside
     a CUDA graph capture that would fail deep in CUDA or record the tuning runs, so it is refused here."""
@@ -132,8 +150,7 @@ def run(
     device = plan.device  # in the signature
     if plan.contig:
         inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
-    empty = outputs.empty
-    outs = tuple(None if lay is None else empty(lay[0], lay[1], device) for lay in plan.layout)
+    outs = _allocate(spec, phase, plan)
     if plan.empty:
         for o in outs:
             if o is not None:
@@ -208,8 +225,7 @@ class Runner:
         plan, device = self.plan, self.plan.device
         if plan.contig:
             inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
-        empty = outputs.empty
-        outs = tuple(None if lay is None else empty(lay[0], lay[1], device) for lay in plan.layout)
+        outs = _allocate(self.spec, FORWARD, plan)
         if plan.empty:
             for o in outs:
                 if o is not None:
