@@ -289,6 +289,7 @@ def norm_should_tune(x: torch.Tensor) -> bool:
 
 
 _NORM_TUNED: dict[tuple, NormConfig] = {}
+_NORM_SELECTED: dict[tuple, NormConfig] = {}  # (op key, M, device, step, res) -> the config norm_select chose
 
 
 def norm_m_bucket(M: int, dev: int) -> int:
@@ -310,6 +311,10 @@ def norm_select(
     device), else the heuristic default. `res`: the call fuses a residual add. Shared by rms_norm and
     layer_norm."""
     M, N = x.shape
+    memo_key = (key, M, x.device, step, res)
+    hit = _NORM_SELECTED.get(memo_key)
+    if hit is not None and all(v is None for v in force.values()):
+        return hit  # the hot path: a config decided before for this exact problem (plan/run split)
     dev = device_index(x)
     es = x.element_size()
     cfg = norm_forced(M, N, es, dev, *step, **force)
@@ -317,9 +322,17 @@ def norm_select(
         return cfg
     default = norm_default(M, N, es, dev, *step)
     if default.mode == "split" or not norm_should_tune(x):
-        return default
-    cands = norm_candidates(M, N, es, dev, default, res)
-    return norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check)
+        cfg = default
+    else:
+        cands = norm_candidates(M, N, es, dev, default, res)
+        cfg = norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check)
+    # Remembered unless the decision depended on a CUDA graph capture (no tuning inside one: a later call
+    # outside may tune) or on the FUSEKIT_NORM_TUNE switch, which tests flip.
+    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()) and "FUSEKIT_NORM_TUNE" not in os.environ:
+        if len(_NORM_SELECTED) >= 4096:
+            _NORM_SELECTED.clear()
+        _NORM_SELECTED[memo_key] = cfg
+    return cfg
 
 
 def norm_aot_configs(n: int, es: int, step: tuple[int, int], res: bool = False) -> list[NormConfig]:

@@ -322,6 +322,7 @@ def test_norm_tuner_rejects_wrong_candidate(
     monkeypatch.setattr(mod, "_launch", launch)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), [times[current[0]]])[1])
     monkeypatch.setattr(_config, "_NORM_TUNED", {})
+    monkeypatch.setattr(_config, "_NORM_SELECTED", {})  # no config remembered from an earlier call
     # With a residual: fp16 x, fp32 weight (AMP). Not bf16: the interpreter truncates fp32 -> bf16 casts, so
     # h (and with it rstd) would differ from the check's correctly rounded reference by ~2e-3.
     dt = torch.float16 if res else torch.bfloat16
