@@ -83,7 +83,9 @@ def _attn_fwd_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < S, other=0.0)
+    # int64 row offsets within the head too: offs_m * HEAD_DIM passes 2^31 at S * HEAD_DIM >= 2^31.
+    q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < S,
+                other=0.0)  # fmt: skip
     # k/v are read through their strides (a KV cache view; the last dim is contiguous). K as a
     # [HEAD_DIM, BLOCK_N] view (K-major B operand); tile offsets in int64 (start_n * stride can pass 2^31).
     skn = stride_kn.to(tl.int64)
@@ -146,8 +148,8 @@ def _attn_fwd_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no visible key: acc is 0, so the row stays exactly 0
     out = acc / l_safe[:, None]
-    tl.store(o_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=offs_m[:, None] < S)  # fmt: skip
+    tl.store(o_base + offs_m.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < S)  # fmt: skip
     # lse in the natural log: (m + log2 l) * ln 2, as m is the exp2-domain row max. No visible key: -inf;
     # a +inf score: +inf (as logsumexp); a NaN score: l is NaN, so lse is NaN.
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453

@@ -199,18 +199,18 @@ def call_key(tensors: tuple, scalars: tuple, backend: object) -> tuple | None:
     or numpy start_pos could change value under the same identity)."""
     if type(backend) is not str or torch.compiler.is_compiling():
         return None
-    try:
-        tk = tuple(
+    try:  # list comprehensions: cheaper than generators on this path
+        tk = tuple([
             None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
             for t in tensors
-        )
+        ])  # fmt: skip
     except (AttributeError, TypeError):
         return None
-    for v in scalars:
-        if type(v) not in _PLAIN:
+    sk = tuple([(type(v), v) for v in scalars])  # (type, value): True and 1 hash alike, check differently
+    for tv in sk:
+        if tv[0] not in _PLAIN:
             return None
-    # (type, value): True and 1 hash alike but check differently; grad mode decides the path
-    return (tk, tuple((type(v), v) for v in scalars), backend, torch.is_grad_enabled())
+    return (tk, sk, backend, torch.is_grad_enabled())  # grad mode decides the path
 
 
 class Runner:

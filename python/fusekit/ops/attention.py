@@ -8,7 +8,8 @@ import math
 import torch
 from torch import Tensor
 
-from fusekit import library
+from fusekit import distributed, library
+from fusekit.distributed import PLAIN
 from fusekit.ops import _checks as C
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 
@@ -262,6 +263,10 @@ def attention(
     (FlashAttention-2 backward from the saved log-sum-exp; keys past kv_len get zero gradients).
     Errors: TypeError/ValueError naming `q`, `k`, `v`, `kv_len`, `causal`, `scale` or `layout`.
     """
+    if (
+        type(q) not in PLAIN or type(k) not in PLAIN or type(v) not in PLAIN or type(kv_len) not in PLAIN
+    ) and (out := distributed.attention(q, k, v, causal, scale, kv_len, layout, backend)) is not None:
+        return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     key = library.call_key((q, k, v, kv_len), (causal, scale, layout), backend)
     if key is not None and kv_len is not None and kv_len.device.type == "cpu":
         key = None  # its values are checked on the CPU: no memo

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from fusekit import library
+from fusekit import distributed, library
+from fusekit.distributed import PLAIN
 from fusekit.ops import _checks as C
 from fusekit.ops._norms import NORM_DTYPES, acc_dtype, add_residual, check_norm_inputs, norm_returns
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
@@ -123,6 +124,13 @@ def layer_norm(
     bias (a backend without a backward for the call raises before running). Errors: TypeError/ValueError
     naming `x`, `weight`, `bias`, `residual` or `eps`.
     """
+    if (
+        type(x) not in PLAIN
+        or type(weight) not in PLAIN
+        or type(bias) not in PLAIN
+        or type(residual) not in PLAIN
+    ) and (out := distributed.layer_norm(x, weight, bias, eps, residual, return_stats, backend)) is not None:
+        return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     key = library.call_key((x, weight, bias, residual), (eps,), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)

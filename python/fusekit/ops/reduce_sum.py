@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusekit import library
+from fusekit import distributed, library
+from fusekit.distributed import PLAIN
 from fusekit.ops import _checks as C
 from fusekit.ops._spec import FORWARD, OpSpec, Phase, Scalar, t
 
@@ -86,6 +87,8 @@ def reduce_sum(
     Gradients: d x = the output's gradient broadcast over the summed dimension (floating x).
     Errors: TypeError/ValueError naming `x`, `dim` or `dtype`.
     """
+    if type(x) not in PLAIN and (out := distributed.reduce_sum(x, dim, dtype, backend)) is not None:
+        return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     key = library.call_key((x,), (dim, dtype), backend)  # None with a dtype (not a plain scalar)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)

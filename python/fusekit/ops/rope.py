@@ -7,7 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-from fusekit import library
+from fusekit import distributed, library
+from fusekit.distributed import PLAIN
 from fusekit.ops import _checks as C
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 
@@ -264,6 +265,15 @@ def rope(
     Errors: TypeError/ValueError naming `x`, `start_pos`, `theta`, `interleaved`, `cos`, `sin`,
     `positions` or `layout`.
     """
+    if (
+        type(x) not in PLAIN
+        or type(cos) not in PLAIN
+        or type(sin) not in PLAIN
+        or type(positions) not in PLAIN
+    ) and (
+        out := distributed.rope(x, start_pos, theta, interleaved, cos, sin, positions, layout, backend)
+    ) is not None:
+        return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     key = library.call_key((x, cos, sin, positions), (start_pos, theta, interleaved, layout), backend)
     if key is not None and x.device.type == "cpu" and (cos is not None or positions is not None):
         key = None  # table and position values are checked on the CPU: no memo

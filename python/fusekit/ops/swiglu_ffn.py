@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusekit import library
+from fusekit import distributed, library
+from fusekit.distributed import PLAIN
 from fusekit.ops import _checks as C
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 
@@ -182,6 +183,14 @@ def swiglu_ffn(
     norm_weight; a training call saves gu = [x W_gate^T, x W_up^T] (2·T·F elements) and rstd, and the
     backward recomputes xn and silu(g)·u from them. Errors: TypeError/ValueError naming the argument.
     """
+    if (
+        type(x) not in PLAIN
+        or type(w_gate) not in PLAIN
+        or type(w_up) not in PLAIN
+        or type(w_down) not in PLAIN
+        or type(norm_weight) not in PLAIN
+    ) and (out := distributed.swiglu_ffn(x, w_gate, w_up, w_down, norm_weight, eps, backend)) is not None:
+        return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     key = library.call_key((x, w_gate, w_up, w_down, norm_weight), (eps,), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)
