@@ -79,3 +79,10 @@ def report(session: nox.Session) -> None:
     """Render benchmarks/report/ (markdown + PNG plots) from the committed results; needs no GPU."""
     _install(session, "bench")
     session.run("python", "-m", "fusekit.report", *session.posargs)
+
+
+@nox.session(python=False)
+def sanitize(session: nox.Session) -> None:
+    """compute-sanitizer memcheck, racecheck and synccheck over every kernel (a GPU host; runs in the current
+    environment, since the device machine cannot install): see tests/sanitize_gpu.sh."""
+    session.run("bash", "tests/sanitize_gpu.sh", *session.posargs, external=True)

@@ -26,6 +26,7 @@ so loads stay 16-byte vectors instead of stride-2 gathers.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -138,6 +139,7 @@ _MAX_TILE_ELEMS = 4096
 HALVES_AS_PAIRS = True
 
 
+@functools.cache  # pure: decided once per (H, D, dtype size, device), not per call
 def _tile(H: int, D: int, elsize: int, dev: int) -> tuple[int, int]:
     block_h = max(1, min(next_pow2(H), _MAX_TILE_ELEMS // D))
     return block_h, warps_for(block_h * D, 16 // elsize, dev, lo=1, hi=8)

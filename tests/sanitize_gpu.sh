@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# compute-sanitizer over every kernel at small odd shapes (issue #15, item 1), on a GPU host:
+#   BACKENDS="triton mojo" TOOLS="memcheck racecheck synccheck" bash tests/sanitize_gpu.sh [pytest args]
+# Each tool runs the fast conformance subset (-m fast: the first two CPU cases of every op, dtype and
+# phase, odd sizes included) and, for triton, the decode-attention tests, with --device cuda,
+# under `compute-sanitizer --tool <tool> --error-exitcode 97`. One log per (backend, tool) in $OUT and a
+# summary line each: the sanitizer's "ERROR SUMMARY" and pytest's counts. Needs no installs (nox
+# sessions cannot create environments on the device machine); MAX staged by pack_max.sh is sourced.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck disable=SC1091
+if [ -f /tmp/maxsite/env.sh ]; then source /tmp/maxsite/env.sh; fi
+export PYTHONPATH="python:.${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Triton and MAX compile on first use; the sanitizer slows kernels ~100x: keep the cases small.
+export FUSEKIT_NORM_TUNE=0
+out=${OUT:-/tmp}
+san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+rc=0
+run() {  # run <log> <pytest args...>: one pytest process under the sanitizer
+  local log=$1 code
+  shift
+  "$san" --tool "$tool" --error-exitcode 97 --print-limit 20 python3 -m pytest "$@" --device cuda \
+    --backends "$b" -q -p no:cacheprovider > "$log" 2>&1
+  code=$?
+  [ $code -ne 0 ] && rc=1
+  echo "$b $tool $(basename "$log") exit=$code $(grep -E 'ERROR SUMMARY' "$log" | tail -n 1)" \
+    "$(grep -E 'passed|failed' "$log" | tail -n 1)"
+}
+for b in ${BACKENDS:-triton mojo}; do
+  for tool in ${TOOLS:-memcheck racecheck synccheck}; do
+    run "$out/sanitize-$b-$tool.log" tests/test_conformance.py -m fast "$@"
+    if [ "$b" = triton ]; then
+      run "$out/sanitize-$b-$tool-decode.log" tests/test_triton_decode_attention.py "$@"
+    fi
+  done
+done
+exit $rc
