@@ -583,7 +583,8 @@ def attention_gpu[
         )
 
     comptime if DeviceContext.default_device_info.api == "cuda" and (dtype == DType.bfloat16 or dtype == DType.float16):
-        if not force_rowwise:
+        # fa2's grid axis 1 is B * H, which CUDA caps at 65535 blocks: larger batches take the row-wise kernel
+        if not force_rowwise and B * H <= 65535:
             if D == 64:
                 launch_fa2[64]()
                 return
