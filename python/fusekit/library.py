@@ -147,7 +147,13 @@ def run(
         if len(_PLANS) >= _PLAN_CACHE:
             _PLANS.clear()
         _PLANS[sig] = plan
-    device = plan.device  # in the signature
+    return _execute(spec, phase, plan, inputs)
+
+
+def _execute(
+    spec: OpSpec, phase: str, plan: _Plan, inputs: tuple[Tensor | None, ...]
+) -> tuple[Tensor | None, ...]:
+    """One call of a planned signature: contiguous copies where the plan says, outputs, the launch."""
     if plan.contig:
         inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
     outs = _allocate(spec, phase, plan)
@@ -156,6 +162,7 @@ def run(
             if o is not None:
                 o.zero_()
         return outs
+    device = plan.device  # in the signature
     if plan.guard and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # launch on the tensors' GPU, not the current one
             plan.provider.run(spec, phase, outs, inputs, plan.kscalars)
@@ -222,20 +229,7 @@ class Runner:
         self.spec, self.plan = spec, plan
 
     def __call__(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-        plan, device = self.plan, self.plan.device
-        if plan.contig:
-            inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
-        outs = _allocate(self.spec, FORWARD, plan)
-        if plan.empty:
-            for o in outs:
-                if o is not None:
-                    o.zero_()
-        elif plan.guard and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                plan.provider.run(self.spec, FORWARD, outs, inputs, plan.kscalars)
-        else:
-            plan.provider.run(self.spec, FORWARD, outs, inputs, plan.kscalars)
-        return outs
+        return _execute(self.spec, FORWARD, self.plan, inputs)
 
 
 def apply_memo(
