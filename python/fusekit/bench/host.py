@@ -1,0 +1,246 @@
+"""`python -m fusekit.bench.host`: the host path of small (decode-shaped) calls, against a bare launch.
+
+For each case, per-call host wall-clock of N back-to-back calls (sync, N calls, sync; median of
+loops: `timing.wall_per_call_ms`) for:
+  - `fusekit`: the public op (`fusekit.ops.<op>(..., backend=B)`), remembered path after warm-up;
+  - `bare`: the very Triton kernel(s) that call launched, re-launched directly through
+    `JITFunction.run` with the arguments recorded from one fusekit call (the output buffers reused,
+    nothing allocated, no fusekit Python): the floor of what a Python-launched Triton kernel costs;
+  - `torch`: the torch eager equivalent (F.rms_norm / F.layer_norm / SDPA / HF-style rope), where
+    one exists;
+  - `liger`: Liger-Kernel's op where installed and the op exists there.
+Also the GPU time of the fusekit call (CUDA events), so host-bound cases are visible as wall >> GPU.
+The target of issue #11: fusekit wall <= 1.3x bare.
+
+Results: <out>/<device slug>/host.json (schema fusekit-bench-host/1) with meta like the other suites.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from fusekit.bench.results import environment, slug
+from fusekit.bench.timing import bench_ms, wall_per_call_ms
+
+
+@contextlib.contextmanager
+def _record_launches() -> Iterator[list[tuple]]:
+    """Records every JITFunction.run (fn, args, kwargs) made inside the block."""
+    from triton.runtime.jit import JITFunction
+
+    seen: list[tuple] = []
+    orig = JITFunction.run
+
+    def run(self, *args, **kwargs):
+        seen.append((self, args, dict(kwargs)))
+        return orig(self, *args, **kwargs)
+
+    JITFunction.run = run
+    try:
+        yield seen
+    finally:
+        JITFunction.run = orig
+
+
+def _bare(launches: list[tuple]) -> Callable[[], None]:
+    def call() -> None:
+        for fn, args, kwargs in launches:
+            fn.run(*args, **kwargs)
+
+    return call
+
+
+def _cases(dev: str, dtype: torch.dtype) -> list[tuple[str, dict, Callable, Callable | None, str | None]]:
+    """(name, params, fusekit(backend), torch eager call or None, liger op name or None)."""
+    import torch.nn.functional as F
+
+    from fusekit import ops
+
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*s: int) -> torch.Tensor:
+        return torch.randn(*s, device=dev, dtype=dtype, generator=g)
+
+    out = []
+    for m in (1, 4, 32):
+        x, w, r, b = rnd(m, 4096), rnd(4096), rnd(m, 4096), rnd(4096)
+        out.append(
+            (
+                f"rms_norm {m}x4096",
+                {"M": m, "N": 4096},
+                lambda be, x=x, w=w: ops.rms_norm(x, w, backend=be),
+                lambda x=x, w=w: F.rms_norm(x, (4096,), w, 1e-6),
+                "rms_norm",
+            )
+        )
+        out.append(
+            (
+                f"rms_norm+residual {m}x4096",
+                {"M": m, "N": 4096, "residual": True},
+                lambda be, x=x, w=w, r=r: ops.rms_norm(x, w, residual=r, backend=be),
+                lambda x=x, w=w, r=r: F.rms_norm(x + r, (4096,), w, 1e-6),
+                None,
+            )
+        )
+        out.append(
+            (
+                f"layer_norm {m}x4096",
+                {"M": m, "N": 4096},
+                lambda be, x=x, w=w, b=b: ops.layer_norm(x, w, b, backend=be),
+                lambda x=x, w=w, b=b: F.layer_norm(x, (4096,), w, b, 1e-5),
+                "layer_norm",
+            )
+        )
+    q1 = rnd(1, 1, 32, 128)
+    cos = torch.randn(1, 1, 128, device=dev, dtype=dtype, generator=g)
+    sin = torch.randn(1, 1, 128, device=dev, dtype=dtype, generator=g)
+
+    def hf_rope(x=q1, cos=cos, sin=sin):
+        x1, x2 = x[..., :64], x[..., 64:]
+        return x * cos.unsqueeze(2) + torch.cat((-x2, x1), -1) * sin.unsqueeze(2)
+
+    out.append(
+        (
+            "rope 1 token 32x128",
+            {"B": 1, "S": 1, "H": 32, "D": 128},
+            lambda be: ops.rope(q1, start_pos=2047, backend=be),
+            hf_rope,
+            None,
+        )
+    )
+    xs = rnd(4096)
+    out.append(
+        ("reduce_sum 4096", {"N": 4096}, lambda be: ops.reduce_sum(xs, backend=be), lambda: xs.sum(), None)
+    )
+    for b, skv in ((1, 2048), (32, 2048)):
+        qd, kc, vc = rnd(b, 32, 1, 128), rnd(b, 8, skv, 128), rnd(b, 8, skv, 128)
+        kv_len = torch.full((b,), skv - 5, device=dev, dtype=torch.int32)
+        ke, ve = kc.repeat_interleave(4, 1), vc.repeat_interleave(4, 1)
+        out.append(
+            (
+                f"attention decode b{b} kv{skv}",
+                {"B": b, "H": 32, "Hkv": 8, "S": 1, "Skv": skv, "D": 128},
+                lambda be, qd=qd, kc=kc, vc=vc, kv_len=kv_len: ops.attention(
+                    qd, kc, vc, kv_len=kv_len, backend=be
+                ),
+                lambda qd=qd, ke=ke, ve=ve: F.scaled_dot_product_attention(qd, ke, ve),
+                None,
+            )
+        )
+    return out
+
+
+def _liger(name: str | None, dev: str, dtype: torch.dtype) -> Callable | None:
+    if name is None:
+        return None
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError:
+        return None
+    return {"rms_norm": LigerRMSNormFunction, "layer_norm": LigerLayerNormFunction}[name]
+
+
+def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float) -> list[dict]:
+    rows = []
+    for name, params, fk, eager, liger_name in _cases(dev, dtype):
+        for be in backends:
+            row: dict = {"case": name, "params": params, "backend": be, "dtype": str(dtype).split(".")[-1]}
+            try:
+                fn = lambda fk=fk, be=be: fk(be)
+                for _ in range(3):
+                    fn()  # compile, tune, remember
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                row["fusekit_wall_us"] = wall_per_call_ms(fn, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
+                if dev == "cuda":
+                    row["fusekit_gpu_us"] = bench_ms(fn, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
+                if be == "triton":
+                    with _record_launches() as seen:
+                        fn()
+                    row["bare_kernels"] = [f.fn.__name__ if hasattr(f, "fn") else str(f) for f, _, _ in seen]
+                    if seen:
+                        bare = _bare(seen)
+                        row["bare_wall_us"] = (
+                            wall_per_call_ms(bare, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
+                        )
+                        row["wall_vs_bare"] = row["fusekit_wall_us"] / row["bare_wall_us"]
+                if eager is not None:
+                    row["torch_wall_us"] = wall_per_call_ms(eager, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
+                    row["wall_speedup_vs_torch"] = row["torch_wall_us"] / row["fusekit_wall_us"]
+                lg = _liger(liger_name, dev, dtype)
+                if lg is not None and be == backends[0]:
+                    row["liger_wall_us"] = _liger_wall(lg, liger_name, params, dev, dtype, rep_ms)
+                row["status"] = "ok"
+            except Exception as e:
+                row["status"], row["reason"] = "error", f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(_line(row), flush=True)
+    return rows
+
+
+def _liger_wall(fn, name: str, p: dict, dev: str, dtype: torch.dtype, rep_ms: float) -> float:
+    x = torch.randn(p["M"], p["N"], device=dev, dtype=dtype)
+    w = torch.randn(p["N"], device=dev, dtype=dtype)
+    if name == "rms_norm":
+        call = lambda: fn.apply(x, w, 1e-6)
+    else:
+        b = torch.randn(p["N"], device=dev, dtype=dtype)
+        call = lambda: fn.apply(x, w, b, 1e-5)
+    for _ in range(3):
+        call()
+    return wall_per_call_ms(call, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
+
+
+def _line(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"{r['case']:<28} {r['backend']:<7} {r['status']}: {r.get('reason')}"
+    f = lambda k: f"{r[k]:7.1f}" if k in r else "      -"
+    ratio = f"{r['wall_vs_bare']:.2f}x bare" if "wall_vs_bare" in r else ""
+    return (
+        f"{r['case']:<28} {r['backend']:<7} wall {f('fusekit_wall_us')} us  gpu {f('fusekit_gpu_us')}  "
+        f"bare {f('bare_wall_us')}  torch {f('torch_wall_us')}  liger {f('liger_wall_us')}  {ratio}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fusekit.bench.host", description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default="triton,torch")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--rep-ms", type=float, default=200.0)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    rows = run([b.strip() for b in a.backends.split(",") if b.strip()], a.device, dtype, a.rep_ms)
+    root = Path(a.out or ("benchmarks/results" if a.device == "cuda" else "build/bench/results"))
+    name = slug(torch.cuda.get_device_name()) if a.device == "cuda" else "cpu"
+    path = root / name / "host.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = environment(torch.device(a.device))
+    meta["command"] = " ".join(
+        ["python -m fusekit.bench.host", *(argv if argv is not None else sys.argv[1:])]
+    )
+    doc = {
+        "schema": "fusekit-bench-host/1",
+        "meta": meta,
+        "method": "host wall-clock per call of back-to-back calls (timing.wall_per_call_ms); gpu = CUDA events",
+        "rows": rows,
+    }
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    print(f"wrote {path}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "host.json").write_text(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
