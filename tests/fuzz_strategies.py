@@ -498,7 +498,8 @@ def swiglu_ffn(draw, prof: Profile, device: str) -> Case:
 @st.composite
 def attention(draw, prof: Profile, device: str, kv_len: bool = False) -> Case:
     m = Maker(draw(st.integers(0, 2**31 - 1)), device)
-    dtype = draw(st.sampled_from(prof.dot_floats))
+    # fp32 attention is refused on CUDA (a TypeError naming q): fuzz the half types there
+    dtype = draw(st.sampled_from([t for t in prof.dot_floats if device != "cuda" or t != F32]))
     if prof.head_dims:
         d = draw(st.sampled_from(prof.head_dims))
     else:

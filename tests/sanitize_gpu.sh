@@ -4,7 +4,9 @@
 # Each tool runs the fast conformance subset (-m fast: the first two CPU cases of every op, dtype and
 # phase, odd sizes included) and, for triton, the decode-attention tests, with --device cuda,
 # under `compute-sanitizer --tool <tool> --error-exitcode 97`. One log per (backend, tool) in $OUT and a
-# summary line each: the sanitizer's "ERROR SUMMARY" and pytest's counts. Needs no installs (nox
+# summary line each (also appended to its log): the sanitizer's "ERROR SUMMARY" and pytest's counts.
+# Each run's JUnit XML and log become $OUT/reliability-sanitize-<backend>.json (tests/reliability.py);
+# the XMLs are then removed to keep $OUT small (KEEP_JUNIT=1 keeps them). Needs no installs (nox
 # sessions cannot create environments on the device machine); MAX staged by pack_max.sh is sourced.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,11 +22,12 @@ run() {  # run <log> <pytest args...>: one pytest process under the sanitizer
   local log=$1 code
   shift
   "$san" --tool "$tool" --error-exitcode 97 --print-limit 20 python3 -m pytest "$@" --device cuda \
-    --backends "$b" -q -p no:cacheprovider > "$log" 2>&1
+    --backends "$b" -q -p no:cacheprovider --junitxml "${log%.log}.xml" -o junit_suite_name="$b-cuda" \
+    > "$log" 2>&1
   code=$?
   [ $code -ne 0 ] && rc=1
   echo "$b $tool $(basename "$log") exit=$code $(grep -E 'ERROR SUMMARY' "$log" | tail -n 1)" \
-    "$(grep -E 'passed|failed' "$log" | tail -n 1)"
+    "$(grep -E 'passed|failed' "$log" | tail -n 1)" | tee -a "$log"
 }
 for b in ${BACKENDS:-triton mojo}; do
   for tool in ${TOOLS:-memcheck racecheck synccheck}; do
@@ -33,5 +36,11 @@ for b in ${BACKENDS:-triton mojo}; do
       run "$out/sanitize-$b-$tool-decode.log" tests/test_triton_decode_attention.py "$@"
     fi
   done
+  records=$(ls "$out"/sanitize-"$b"-*.xml "$out"/sanitize-"$b"-*.log 2>/dev/null)
+  # shellcheck disable=SC2086
+  if [ -n "$records" ] && python3 tests/reliability.py --out "$out/reliability-sanitize-$b.json" $records \
+    && [ "${KEEP_JUNIT:-0}" != 1 ]; then
+    rm -f "$out"/sanitize-"$b"-*.xml
+  fi
 done
 exit $rc

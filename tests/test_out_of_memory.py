@@ -64,6 +64,7 @@ def test_real_gpu_oom_frees_everything(device: str) -> None:
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     ops.rms_norm(x, w, backend="triton")  # warm (plan, compile)
+    torch.cuda.empty_cache()  # the warm call's freed output would otherwise be reused from the cache
     free, _ = torch.cuda.mem_get_info()
     blocker = torch.empty(max(0, free - x.numel() * x.element_size() // 2), dtype=torch.uint8, device="cuda")
     before = torch.cuda.memory_allocated()
@@ -73,4 +74,4 @@ def test_real_gpu_oom_frees_everything(device: str) -> None:
     assert torch.cuda.memory_allocated() == before  # nothing leaked
     del blocker
     y = ops.rms_norm(x, w, backend="triton")
-    assert torch.isfinite(y.float()).all()
+    assert torch.isfinite(y).all()  # (y.float() would need 2x the memory the test filled)

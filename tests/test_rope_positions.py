@@ -5,8 +5,9 @@
 positions = start_pos + arange(S) computes exactly what start_pos does (bit for bit, forward and
 backward, both layouts, tables or in-kernel angles); [S] equals [B, S] with the row repeated; rows are
 independent; bad positions raise naming `positions` on the CPU and are clamped (never read outside the
-tables) where they are trusted; torch.compile(fullgraph=True) takes them; mojo refuses them with its
-reason; on `--device cuda` a captured graph replays with positions updated in place.
+tables) where they are trusted; torch.compile(fullgraph=True) takes them; on `--device cuda` a captured
+graph replays with positions updated in place (torch and triton: mojo refuses every call inside a
+capture). The mojo MAX signature with positions is checked in tests/test_mojo_rope_positions.py.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import pytest
 import torch
 from checks import assert_close
 
-from fusekit import backends, ops
+from fusekit import ops
 from fusekit.ops.rope import tables
 from fusekit.tolerances import rtol
 
-GRAPH_BACKENDS = ("torch", "triton")
+GRAPH_BACKENDS = ("torch", "triton")  # backends that run inside a CUDA graph capture
 
 
 def _x(shape, dtype, device, seed: int = 0) -> torch.Tensor:
@@ -32,17 +33,11 @@ def _tables(rows: int, d: int, theta: float, device: str) -> dict:
     return {"cos": cos, "sin": sin}
 
 
-def _skip_refused(backend: str) -> None:
-    if backend not in GRAPH_BACKENDS:
-        pytest.skip(f"backend {backend!r} takes no positions (see test_mojo_refuses_positions)")
-
-
 @pytest.mark.parametrize("use_tables", (False, True), ids=("angles", "tables"))
 @pytest.mark.parametrize("interleaved", (False, True), ids=("halves", "interleaved"))
 @pytest.mark.parametrize("d", (16, 12))  # 12: the triton gather kernel for non-power-of-two head dims
 @pytest.mark.parametrize("layout", ("bshd", "bhsd"))
 def test_positions_equal_start_pos_bitwise(use_tables, interleaved, d, layout, backend_name, device):
-    _skip_refused(backend_name)
     b, s, h, start, theta = 3, 6, 2, 37, 10000.0
     x = _x((b, s, h, d) if layout == "bshd" else (b, h, s, d), torch.float32, device)
     kw = {"theta": theta, "interleaved": interleaved, "layout": layout, "backend": backend_name}
@@ -65,7 +60,6 @@ def test_positions_equal_start_pos_bitwise(use_tables, interleaved, d, layout, b
 
 @pytest.mark.parametrize("use_tables", (False, True), ids=("angles", "tables"))
 def test_shared_positions_equal_repeated_rows(use_tables, backend_name, device):
-    _skip_refused(backend_name)
     b, s, h, d, theta = 3, 7, 2, 8, 500.0
     x = _x((b, s, h, d), torch.float16, device)
     pos = torch.tensor([5, 0, 9, 9, 2, 31, 1], device=device)
@@ -78,7 +72,6 @@ def test_shared_positions_equal_repeated_rows(use_tables, backend_name, device):
 @pytest.mark.parametrize("use_tables", (False, True), ids=("angles", "tables"))
 def test_rows_are_independent(use_tables, backend_name, device):
     """A left-padded batch: sequence i rotated at its own positions, as if it were alone at start_pos."""
-    _skip_refused(backend_name)
     b, s, h, d, theta = 3, 5, 2, 16, 10000.0
     x = _x((b, s, h, d), torch.float32, device)
     kw = {"theta": theta, "backend": backend_name} | (_tables(20, d, theta, device) if use_tables else {})
@@ -125,7 +118,6 @@ def test_untrusted_positions_are_clamped(use_tables, backend_name, device):
     """What CUDA callers get for out-of-range positions (trusted there, no host sync): every backend
     clamps them to [0, St - 1] / [0, 2^24] instead of reading outside the tables. Checked here through
     the backends directly (the CPU front end raises first)."""
-    _skip_refused(backend_name)
     from fusekit import library
     from fusekit.ops.rope import SPEC
 
@@ -170,30 +162,13 @@ def test_compile_fullgraph_with_positions(monkeypatch) -> None:
             torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-6)
 
 
-def test_mojo_refuses_positions() -> None:
-    from fusekit.backends.mojo import _phase_spec
-
-    be = backends.get("mojo")
-    cpu = torch.device("cpu")
-    for phase in ("forward", "backward"):
-        why = be.supports("rope", phase, cpu, (torch.float32,), positions=True)
-        assert why is not None and "positions" in why
-        assert be.supports("rope", phase, cpu, (torch.float32,), positions=False) is None
-        # the MAX signature keeps the Mojo kernels' argument lists (positions left out)
-        ms = _phase_spec("rope", phase)
-        assert [t.name for t in ms.inputs][1:] == ["cos", "sin"]
-        assert ms.params == ("start_pos", "theta", "interleaved", "has_tables")
-    if backends.available()["mojo"] is None:  # end to end: refused before anything compiles
-        with pytest.raises(ValueError, match=r"cannot run rope .*positions"):
-            ops.rope(torch.randn(1, 2, 1, 8), positions=torch.arange(2), backend="mojo")
-
-
 @pytest.mark.parametrize("dtype", (torch.int32, torch.int64))
 def test_cuda_graph_replays_with_positions_updated_in_place(dtype, backend_name, device):
     """A decode step captured once; each replay reads the positions tensor as updated in place."""
     if device != "cuda":
         pytest.skip("CUDA graphs need --device cuda")
-    _skip_refused(backend_name)
+    if backend_name not in GRAPH_BACKENDS:
+        pytest.skip(f"backend {backend_name!r} refuses calls inside a CUDA graph capture")
     b, h, d, theta = 4, 8, 128, 500000.0
     x = _x((b, 1, h, d), torch.bfloat16, device)
     pos = torch.tensor([[3], [17], [0], [250]], dtype=dtype, device=device)

@@ -283,18 +283,6 @@ def test_kv_len_validation() -> None:
         ops.attention(q, k, k, kv_len=torch.tensor(3, dtype=torch.int32))
 
 
-def test_mojo_refuses_kv_len() -> None:
-    from fusekit import backends
-
-    be = backends.get("mojo")
-    cpu = torch.device("cpu")
-    why = be.supports("attention", "forward", cpu, (torch.float32,), head_dim=64, kv_len=True)
-    assert why is not None and "kv_len" in why
-    why = be.supports("attention", "backward", cpu, (torch.float32,), head_dim=64, kv_len=True)
-    assert why is not None and "kv_len" in why
-    assert be.supports("attention", "forward", cpu, (torch.float32,), head_dim=64, kv_len=False) is None
-
-
 def test_compile_fullgraph_kv_len_cache_view(monkeypatch) -> None:
     """torch.compile(fullgraph=True) of a decode step on a cache view with kv_len, forward and backward
     (the backward custom op's schema takes kv_len and its condition flag), equals eager."""

@@ -10,14 +10,18 @@ local (no dependency on the Python layer).
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before torch/triton are imported
+import pytest
+
+# CPU interpreter only (tests/conftest.py sets TRITON_INTERPRET=1 for --device cpu before triton is
+# imported); setting it here would switch a whole --device cuda process into the interpreter.
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("CPU interpreter tests (run with --device cpu)", allow_module_level=True)
 
 import importlib.util
 import sys
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
 from checks import rel_error
 

@@ -301,7 +301,10 @@ def apply(
         backend = _check_backward(spec, inputs, scalars, backend, who)
     elif not torch.compiler.is_compiling():
         return run(spec, FORWARD, inputs, scalars, backend, spec.conditions(inputs, save=False))
-    outs = _as_tuple(getattr(torch.ops.fusekit, spec.name)(*inputs, *scalars, backend, bool(who)))
+    if torch.compiler.is_compiling():
+        outs = _as_tuple(getattr(torch.ops.fusekit, spec.name)(*inputs, *scalars, backend, bool(who)))
+    else:  # eager with grads: the same formula as a plain autograd.Function (no dispatcher round trips)
+        outs = _as_tuple(_EAGER[spec.name].apply(*inputs, *scalars, backend, bool(who)))
     cond = spec.conditions(inputs, save=bool(who))
     return tuple(
         None if a.when is not None and not cond.get(a.when) else o for a, o in zip(spec.forward.outputs, outs)
@@ -309,6 +312,25 @@ def apply(
 
 
 # --- custom ops ------------------------------------------------------------------------------------
+# Eager calls that record a gradient run the registered autograd formula as a plain
+# torch.autograd.Function: torch.library's custom-op dispatch (autograd kernel, redispatch, the
+# aliasing check, dynamo-disable wrappers) costs ~0.5 ms of host time per forward+backward on the H200's
+# host, more than the kernels at most training shapes. torch.compile still traces the custom ops.
+_EAGER: dict[str, type[torch.autograd.Function]] = {}
+
+
+def _eager_function(name: str, forward, setup_context, backward) -> type[torch.autograd.Function]:
+    return type(
+        f"{name}_eager",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+        },
+    )
+
+
 def _schema_tensor(arg, optional: bool) -> str:
     return f"Tensor{'?' if optional else ''} {arg.name}"
 
@@ -357,7 +379,7 @@ def _register(spec: OpSpec) -> None:
     out_names = tuple(a.name for a in spec.forward.outputs)
     if spec.backward is None:
         if spec.grad_view is not None:
-            _register_view_grad(op, spec, split, in_names, out_names, n_sc)
+            _register_view_grad(op, spec, split, in_names, out_names, n_sc, forward_impl)
         return
 
     bp = spec.backward
@@ -410,7 +432,10 @@ def _register(spec: OpSpec) -> None:
         if stats:
             ctx.mark_non_differentiable(*stats)
 
-    def backward(ctx, *grads):
+    def make_backward(eager: bool):
+        return lambda ctx, *grads: backward(ctx, grads, eager)
+
+    def backward(ctx, grads, eager: bool):
         sc, backend, cond, present = ctx.fusekit
         # Autograd materializes unused outputs' grads as zeros; absent outputs' placeholders map to None.
         g = {
@@ -418,7 +443,7 @@ def _register(spec: OpSpec) -> None:
             for n, a, gr in zip(out_names, spec.forward.outputs, grads)
         }
         bins = spec.backward_inputs(ctx.saved_tensors, g, cond)
-        bop_ = getattr(torch.ops.fusekit, f"{spec.name}_backward")
+        bop_ = backward_impl if eager else getattr(torch.ops.fusekit, f"{spec.name}_backward")
         bouts = _as_tuple(bop_(*bins, *sc, backend, *(cond[c] for c in bp.conditions)))
         named = {
             a.name: (None if a.when is not None and not cond.get(a.when) else o)
@@ -428,10 +453,11 @@ def _register(spec: OpSpec) -> None:
         gin = tuple(v if p and needed else None for v, p, needed in zip(gin, present, ctx.needs_input_grad))
         return (*gin, *(None for _ in range(n_sc + 2)))
 
-    op.register_autograd(backward, setup_context=setup_context)
+    op.register_autograd(make_backward(False), setup_context=setup_context)
+    _EAGER[spec.name] = _eager_function(spec.name, forward_impl, setup_context, make_backward(True))
 
 
-def _register_view_grad(op, spec: OpSpec, split, in_names, out_names, n_sc: int) -> None:
+def _register_view_grad(op, spec: OpSpec, split, in_names, out_names, n_sc: int, forward_impl) -> None:
     """Autograd for an op whose gradient is a view of its output grads (no backward kernel)."""
 
     def setup_context(ctx, inputs, output) -> None:
@@ -444,6 +470,7 @@ def _register_view_grad(op, spec: OpSpec, split, in_names, out_names, n_sc: int)
         return (*gin, *(None for _ in range(n_sc + 2)))
 
     op.register_autograd(backward, setup_context=setup_context)
+    _EAGER[spec.name] = _eager_function(spec.name, forward_impl, setup_context, backward)
 
 
 def register(spec: OpSpec) -> OpSpec:

@@ -14,6 +14,7 @@ from cases import randn
 F64 = torch.float64
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GRAD = DTYPES
+CUDA_DTYPES = (torch.float16, torch.bfloat16)  # fp32 attention on CUDA is refused (TypeError)
 _CPU = [
     (1, 2, 2, 16, 16, 64),
     (2, 4, 2, 37, 37, 64),

@@ -3,7 +3,8 @@
 Provenance is stated exactly: a file merged from several runs lists each run's commit in the Sources
 table, every timed cell carries its run's number when a file has more than one, and each op's table is
 followed by its runs (commit, date, versions, command). The timing method is stated per device: CUDA
-events with a cold L2 on a GPU, host wall-clock on the CPU.
+events with a cold L2 on a GPU, host wall-clock on the CPU. The report ends with the Reliability section
+(report/reliability.py: the test and sanitizer records found beside the results).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from fusekit.bench import cases
 from fusekit.bench.results import load_all, runs, suite_of
-from fusekit.report import plots, tables
+from fusekit.report import plots, reliability, tables
 
 SUITE_ORDER = ("sweep", "train", "small")
 SUITE_TITLES = {
@@ -172,6 +173,7 @@ def render(results_dir: Path, out_dir: Path, draw: bool = True) -> Path | None:
             rep = next((r["repro"] for r in doc["rows"] if r.get("status") == "ok"), None)
             if rep:
                 md += [f"Repro one row: `{rep}` (each row's command is in the JSON).", ""]
+    md += reliability.section_md(results_dir, src_root)
     path = out_dir / "README.md"
     path.write_text("\n".join(md).rstrip() + "\n")
     return path
