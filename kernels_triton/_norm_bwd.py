@@ -135,10 +135,20 @@ def bwd_plan(M: int, N: int, es: int, dev: int, streams: int = 2) -> BwdConfig:
     return bwd_col_config(M, N, es, dev)
 
 
+_SELECTED: dict[tuple, BwdConfig] = {}
+
+
 def bwd_select(
     M: int, N: int, es: int, dev: int, streams: int = 2, mode: str | None = None, **force: int | None
 ) -> BwdConfig:
-    """The tests' forced mode/fields over the heuristic config of that mode."""
+    """The tests' forced mode/fields over the heuristic config of that mode (the plain heuristic pick
+    is remembered per (M, N, es, device, streams): it is on every training step's host path)."""
+    if mode is None and not any(v is not None for v in force.values()):
+        key = (M, N, es, dev, streams)
+        cfg = _SELECTED.get(key)
+        if cfg is None:
+            cfg = _SELECTED[key] = bwd_plan(M, N, es, dev, streams)
+        return cfg
     if mode is None:
         cfg = bwd_plan(M, N, es, dev, streams)
     elif mode == "rows":

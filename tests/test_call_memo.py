@@ -74,8 +74,16 @@ def test_grad_mode_is_part_of_the_key(checks: list[int]) -> None:
     assert y.grad_fn is not None  # not silently detached
     y.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
-    ops.rms_norm(x, w, backend="torch")  # grad calls are never remembered
-    assert len(checks) == 3
+    g1 = x.grad.clone()
+    x.grad = None
+    y2 = ops.rms_norm(x, w, backend="torch")  # a grad call is remembered under its own key (GradRunner)
+    assert len(checks) == 2
+    assert y2.grad_fn is not None  # the remembered grad call still records its gradient
+    y2.sum().backward()
+    assert torch.equal(x.grad, g1)
+    with torch.no_grad():  # ... and never serves a no_grad call, nor the reverse
+        assert ops.rms_norm(x, w, backend="torch").grad_fn is None
+    assert len(checks) == 2
 
 
 def test_clear_cache_forgets_memos(checks: list[int]) -> None:

@@ -74,4 +74,4 @@ def test_real_gpu_oom_frees_everything(device: str) -> None:
     assert torch.cuda.memory_allocated() == before  # nothing leaked
     del blocker
     y = ops.rms_norm(x, w, backend="triton")
-    assert torch.isfinite(y).all()  # (y.float() would need 2x the memory the test filled)
+    assert torch.isfinite(y[:: max(1, m // 64)]).all()  # a sample: isfinite(y) makes y-sized temporaries

@@ -240,9 +240,16 @@ def apply_memo(
     scalars: tuple,
     backend: str,
 ) -> tuple[Tensor | None, ...]:
-    """`apply`, remembering a forward-only eager call's plan under `key` (None: do not remember)."""
-    if key is None or torch.compiler.is_compiling() or _needs_grad(spec, inputs):
+    """`apply`, remembering an eager call under `key` (None: do not remember): a forward-only call's
+    plan (Runner), or a call that records a gradient with its backend pinned (GradRunner)."""
+    if key is None or torch.compiler.is_compiling():
         return apply(spec, inputs, scalars, backend)
+    if _needs_grad(spec, inputs):
+        outs, pinned = _apply(spec, inputs, scalars, backend)
+        if len(memo_) >= _MEMO_SIZE:
+            memo_.clear()
+        memo_[key] = GradRunner(spec, scalars, pinned)
+        return outs
     outs = apply(spec, inputs, scalars, backend)
     plan = _PLANS.get(
         _signature(spec, FORWARD, inputs, scalars, backend, spec.conditions(inputs, save=False))
@@ -288,10 +295,40 @@ def _check_backward(
     return chosen
 
 
+class GradRunner:
+    """A remembered eager call that records a gradient (the key holds requires_grad and grad mode):
+    the backend both phases run on was resolved and checked for a backward on the first call, so a
+    repeat goes straight to the autograd.Function (forward and backward plans are cached per signature)."""
+
+    __slots__ = ("apply", "spec", "tail")
+
+    def __init__(self, spec: OpSpec, scalars: tuple, backend: str) -> None:
+        self.spec, self.apply, self.tail = spec, _EAGER[spec.name].apply, (*scalars, backend, True)
+
+    def __call__(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        outs = _as_tuple(self.apply(*inputs, *self.tail))
+        return _present(self.spec, inputs, outs, True)
+
+
+def _present(spec: OpSpec, inputs: tuple, outs: tuple, save: bool) -> tuple:
+    """Placeholders of outputs the call does not produce back to None."""
+    cond = spec.conditions(inputs, save=save)
+    return tuple(
+        None if a.when is not None and not cond.get(a.when) else o for a, o in zip(spec.forward.outputs, outs)
+    )
+
+
 def apply(
     spec: OpSpec, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str
 ) -> tuple[Tensor | None, ...]:
     """Forward of `spec` on prepared inputs: direct, or through the custom op when grads or compile need it."""
+    return _apply(spec, inputs, scalars, backend)[0]
+
+
+def _apply(
+    spec: OpSpec, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str
+) -> tuple[tuple[Tensor | None, ...], str]:
+    """`apply`, and the backend the call was pinned to (the given one where nothing was pinned)."""
     who = _needs_grad(spec, inputs)
     if who and spec.backward is None:
         if spec.grad_view is None:
@@ -300,15 +337,12 @@ def apply(
         # Pin the backend for both phases: forward and backward must be one backend's pair.
         backend = _check_backward(spec, inputs, scalars, backend, who)
     elif not torch.compiler.is_compiling():
-        return run(spec, FORWARD, inputs, scalars, backend, spec.conditions(inputs, save=False))
+        return run(spec, FORWARD, inputs, scalars, backend, spec.conditions(inputs, save=False)), backend
     if torch.compiler.is_compiling():
         outs = _as_tuple(getattr(torch.ops.fusekit, spec.name)(*inputs, *scalars, backend, bool(who)))
     else:  # eager with grads: the same formula as a plain autograd.Function (no dispatcher round trips)
         outs = _as_tuple(_EAGER[spec.name].apply(*inputs, *scalars, backend, bool(who)))
-    cond = spec.conditions(inputs, save=bool(who))
-    return tuple(
-        None if a.when is not None and not cond.get(a.when) else o for a, o in zip(spec.forward.outputs, outs)
-    )
+    return _present(spec, inputs, outs, bool(who)), backend
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -320,14 +354,23 @@ _EAGER: dict[str, type[torch.autograd.Function]] = {}
 
 
 def _eager_function(name: str, forward, setup_context, backward) -> type[torch.autograd.Function]:
+    # forward(ctx, *args) calling setup_context itself: a Function with a separate setup_context binds
+    # its arguments through inspect.signature on every call (~15 us).
+    def fwd(ctx, *args):
+        out = forward(*args)
+        setup_context(ctx, args, out)
+        # Grads of unused outputs stay None (no zero-fill launch per statistic); the backward fills
+        # zeros only for a differentiable output that is present and got no gradient.
+        ctx.set_materialize_grads(False)
+        ctx.fusekit_like = tuple(
+            (o.shape, o.dtype, o.device) for o in (out if isinstance(out, tuple) else (out,))
+        )
+        return out
+
     return type(
         f"{name}_eager",
         (torch.autograd.Function,),
-        {
-            "forward": staticmethod(forward),
-            "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(backward),
-        },
+        {"forward": staticmethod(fwd), "backward": staticmethod(backward)},
     )
 
 
@@ -437,6 +480,11 @@ def _register(spec: OpSpec) -> None:
 
     def backward(ctx, grads, eager: bool):
         sc, backend, cond, present = ctx.fusekit
+        if eager:
+            grads = tuple(
+                torch.zeros(sh, dtype=dt, device=dv) if gr is None and a.grad else gr
+                for gr, a, (sh, dt, dv) in zip(grads, spec.forward.outputs, ctx.fusekit_like)
+            )
         # Autograd materializes unused outputs' grads as zeros; absent outputs' placeholders map to None.
         g = {
             n: None if gr is None or (a.when is not None and not cond.get(a.when)) else gr.contiguous()
