@@ -30,6 +30,8 @@ import torch
 from fusekit.bench.results import environment, slug
 from fusekit.bench.timing import bench_ms, wall_per_call_ms
 
+SCHEMA = "fusekit-bench-host/1"
+
 
 @contextlib.contextmanager
 def _record_launches() -> Iterator[list[tuple]]:
@@ -226,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     path = root / name / "host.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = environment(torch.device(a.device))
+    meta["schema"] = SCHEMA  # not the op-results schema: the op report skips this file
     meta["command"] = " ".join(
         ["python -m fusekit.bench.host", *(argv if argv is not None else sys.argv[1:])]
     )
     doc = {
-        "schema": "fusekit-bench-host/1",
+        "schema": SCHEMA,
         "meta": meta,
         "method": "host wall-clock per call of back-to-back calls (timing.wall_per_call_ms); gpu = CUDA events",
         "rows": rows,
