@@ -3,14 +3,19 @@
 #
 # Contract (.dev/CONTRACT.md, "attention"):
 #   attention:          outputs (o [B, H, S, D], lse [B, H, S] f32), inputs (q [B, H, S, D],
-#                       k [B, Hkv, Skv, D], v [B, Hkv, Skv, D], params [2] f32 = [causal, scale]).
+#                       k [B, Hkv, Skv, D], v [B, Hkv, Skv, D], kv_len? [B] int32,
+#                       params [3] f32 = [causal, scale, has_kv_len]).
 #   attention_backward: outputs (dq [B, H, S, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, D]), inputs
-#                       (do [B, H, S, D], q, k, v, o, lse [B, H, S] f32, params = [causal, scale]).
-# Head h reads kv head h // (H // Hkv). Causal is bottom-right aligned: query i sees key j iff
-# j <= i + (Skv - S). lse = logsumexp over the visible keys of s = q.k * scale (natural log).
+#                       (do [B, H, S, D], q, k, v, o, lse [B, H, S] f32, kv_len?, params as above).
+# Head h reads kv head h // (H // Hkv). Sequence b uses keys 0..L_b - 1 only, L_b = clamp(kv_len[b], 0,
+# Skv) with has_kv_len (the values are untrusted on CUDA: clamped, so no length reads outside k/v), else
+# Skv; keys past L_b are never read and get zero gradients (a KV cache may hold anything there). An
+# absent kv_len is a [1] dummy never read. Causal is bottom-right aligned per sequence: query i sees key
+# j iff j <= i + (L_b - S). lse = logsumexp over the visible keys of s = q.k * scale (natural log).
+# Every kernel below takes L_b where it took Skv for masking; Skv stays the row stride of k / v.
 #
 # Non-finite inputs behave as a float64 softmax over the VISIBLE keys (issue #16): a row with no visible
-# key (only causal with S > Skv) writes o = 0 and lse = -inf (decided from indices, not from scores);
+# key (L_b = 0, or causal with S > L_b) writes o = 0 and lse = -inf (decided from indices, not from scores);
 # a NaN in q row i or in a key k_j that row i sees makes row i NaN (lse NaN); a NaN/Inf in v_j[d] makes
 # o[i, d] non-finite for exactly the rows i that see j; a visible score of +inf makes the row NaN with
 # lse = +inf, visible scores all -inf make it NaN with lse = -inf (torch.logsumexp); masked keys never
@@ -115,11 +120,19 @@ def _nonfinite(x: Float32) -> Bool:
 
 
 @always_inline
-def _row_last_key(i: Int, s_len: Int, skv: Int, causal: Bool) -> Int:
-    """The last key row i sees (-1: none)."""
+def _seq_len(kv_len: Pointer[Int32, MutAnyOrigin], has_len: Bool, b: Int, skv: Int) -> Int:
+    """Sequence b's key count L_b: kv_len[b] clamped to [0, Skv] (untrusted), or Skv without kv_len."""
+    if not has_len:
+        return skv
+    return min(max(Int(kv_len[unsafe_offset=b]), 0), skv)
+
+
+@always_inline
+def _row_last_key(i: Int, s_len: Int, n_keys: Int, causal: Bool) -> Int:
+    """The last key row i sees (-1: none), n_keys = its sequence's key count L_b."""
     if causal:
-        return min(skv - 1, i + skv - s_len)
-    return skv - 1
+        return min(n_keys - 1, i + n_keys - s_len)
+    return n_keys - 1
 
 
 @always_inline
@@ -168,6 +181,7 @@ def _fa2_kernel[
     q: Pointer[Scalar[dtype], MutAnyOrigin],
     k: Pointer[Scalar[dtype], MutAnyOrigin],
     v: Pointer[Scalar[dtype], MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     H: Int32,
     Hkv: Int32,
@@ -192,7 +206,7 @@ def _fa2_kernel[
     var t4 = lane % 4
 
     var s_len = Int(S)
-    var skv = Int(Skv)
+    var skv = Int(Skv)  # k/v row stride; the keys this sequence uses are 0..kvl - 1
     var n_mblk = ceildiv(s_len, BM)
     var mblk = n_mblk - 1 - block_idx.x  # heaviest (causal) blocks first
     var bh = block_idx.y
@@ -202,15 +216,16 @@ def _fa2_kernel[
     var m0 = mblk * BM
     var causal = params[unsafe_offset=0] != 0
     var scale2 = params[unsafe_offset=1] * LOG2E
-    var off = skv - s_len  # bottom-right alignment
+    var kvl = _seq_len(kv_len, params[unsafe_offset=2] != 0, b, skv)
+    var off = kvl - s_len  # bottom-right alignment against this sequence's length
 
     var q_base = (bh * s_len) * D
     var kv_base = ((b * Int(Hkv) + hk) * skv) * D
 
-    # key range this block needs
-    var kv_end = skv
+    # key range this block needs (keys past kvl are never read)
+    var kv_end = kvl
     if causal:
-        kv_end = min(skv, m0 + BM + off)
+        kv_end = min(kvl, m0 + BM + off)
     var n_tiles = ceildiv(kv_end, BN) if kv_end > 0 else 0
 
     var row0 = m0 + wid * 16 + g  # this thread's two rows: row0, row0 + 8
@@ -246,7 +261,7 @@ def _fa2_kernel[
             if c < CHUNKS:
                 var r = c // (D // 8)
                 var col = (c % (D // 8)) * 8
-                var kr = min(kbase + r, skv - 1)  # clamp: rows past Skv are masked to p = 0
+                var kr = min(kbase + r, kvl - 1)  # clamp: rows past kvl are masked to p = 0
                 var src = kv_base + kr * D + col
                 var dst = stage * STAGE + r * LD + col
                 async_copy[16](kg.unsafe_offset(src), smem.unsafe_offset(dst))
@@ -274,7 +289,7 @@ def _fa2_kernel[
         # ---- a tile that some row of this block must not fully see: zero its non-finite V values so
         # that p = 0 (masked) * V cannot make NaN in the MMA; rows that do see them get them back after
         # the loop (vbad stays set)
-        var block_masked = kbase + BN > skv or (causal and kbase + BN - 1 > m0 + off)
+        var block_masked = kbase + BN > kvl or (causal and kbase + BN - 1 > m0 + off)
         if block_masked:
             comptime for i in range(ceildiv(CHUNKS, NT)):
                 var c = tid + i * NT
@@ -309,16 +324,16 @@ def _fa2_kernel[
                 mma(sacc[jn], qf[kc], kb.slice[4, offset=0](), sacc[jn])
                 mma(sacc[jn + 1], qf[kc], kb.slice[4, offset=4](), sacc[jn + 1])
 
-        # ---- mask (only tiles that cross Skv or the causal diagonal) and scale to log2 domain;
+        # ---- mask (only tiles that cross kvl or the causal diagonal) and scale to log2 domain;
         # a masked score is -inf whatever q.k was (a NaN in a masked key never matters)
-        var need_mask = kbase + BN > skv or (causal and kbase + BN - 1 > m0 + wid * 16 + off)
+        var need_mask = kbase + BN > kvl or (causal and kbase + BN - 1 > m0 + wid * 16 + off)
         comptime for jn in range(NSN):
             var sv = sacc[jn] * scale2
             if need_mask:
                 comptime for e in range(4):
                     var key = kbase + 8 * jn + 2 * t4 + (e % 2)
                     var qrow = row0 + 8 * (e // 2)
-                    var dead = key >= skv or (causal and key > qrow + off)
+                    var dead = key >= kvl or (causal and key > qrow + off)
                     if dead:
                         sv[e] = NEG_INF
             sacc[jn] = sv
@@ -375,7 +390,7 @@ def _fa2_kernel[
         comptime for half in range(2):
             var r = row0 + 8 * half
             if r < s_len:
-                var jend = min(skv, r + off + 1) if causal else skv
+                var jend = min(kvl, r + off + 1) if causal else kvl
                 for j in range(jend):
                     comptime for jo in range(NON):
                         comptime for c in range(2):
@@ -391,7 +406,7 @@ def _fa2_kernel[
         if r < s_len:
             var inv: Float32 = 0
             var lrow = NEG_INF
-            if not causal or r + off >= 0:
+            if kvl > 0 and (not causal or r + off >= 0):
                 var m = m_i[half]
                 if _nonfinite(m):  # NaN, or +-inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
                     inv = m * 0
@@ -414,6 +429,7 @@ def _attn_rowwise_kernel[
     q: Pointer[Scalar[dtype], MutAnyOrigin],
     k: Pointer[Scalar[dtype], MutAnyOrigin],
     v: Pointer[Scalar[dtype], MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     BH: Int32,
     H: Int32,
@@ -446,7 +462,7 @@ def _attn_rowwise_kernel[
         var dd = lane + e * WARP_SIZE
         if dd < d:
             qv[e] = q[unsafe_offset=row * d + dd].cast[DType.float32]()
-    var last = _row_last_key(i, s_len, skv, causal)
+    var last = _row_last_key(i, s_len, _seq_len(kv_len, params[unsafe_offset=2] != 0, b, skv), causal)
     var m = NEG_INF  # running max (log2 domain)
     var l: Float32 = 0
     for j in range(last + 1):
@@ -491,8 +507,10 @@ def attention_cpu[
     q: Pointer[Scalar[dtype], MutAnyOrigin],
     k: Pointer[Scalar[dtype], MutAnyOrigin],
     v: Pointer[Scalar[dtype], MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
     causal: Bool,
     scale: Float32,
+    has_len: Bool,
     B: Int,
     H: Int,
     Hkv: Int,
@@ -505,11 +523,12 @@ def attention_cpu[
     var acc = List[Float32](length=D, fill=0)
     var group = H // Hkv
     for b in range(B):
+        var kvl = _seq_len(kv_len, has_len, b, Skv)
         for h in range(H):
             var kv_base = ((b * Hkv + h // group) * Skv) * D
             var q_base = ((b * H + h) * S) * D
             for i in range(S):
-                var last = _row_last_key(i, S, Skv, causal)
+                var last = _row_last_key(i, S, kvl, causal)
                 for dd in range(D):
                     acc[dd] = 0
                 var mx = NEG_INF
@@ -548,6 +567,7 @@ def attention_gpu[
     q: Pointer[Scalar[dtype], MutAnyOrigin],
     k: Pointer[Scalar[dtype], MutAnyOrigin],
     v: Pointer[Scalar[dtype], MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     B: Int,
     H: Int,
@@ -571,6 +591,7 @@ def attention_gpu[
             q,
             k,
             v,
+            kv_len,
             params,
             Int32(H),
             Int32(Hkv),
@@ -603,6 +624,7 @@ def attention_gpu[
         q,
         k,
         v,
+        kv_len,
         params,
         Int32(B * H),
         Int32(H),
@@ -630,8 +652,10 @@ def attention_backward_cpu[
     v: Pointer[Scalar[dtype], MutAnyOrigin],
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     lse: Pointer[Float32, MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
     causal: Bool,
     scale: Float32,
+    has_len: Bool,
     B: Int,
     H: Int,
     Hkv: Int,
@@ -640,12 +664,13 @@ def attention_backward_cpu[
     D: Int,
 ):
     """Plain loops in fp32: per kv head, dk/dv accumulate over the group's heads and all query rows in
-    a fixed order (deterministic); dq per query row."""
+    a fixed order (deterministic); dq per query row. Keys past kv_len: never read, zero gradients."""
     var group = H // Hkv
     var dka = List[Float32](length=Skv * D, fill=0)
     var dva = List[Float32](length=Skv * D, fill=0)
     var dqa = List[Float32](length=D, fill=0)
     for b in range(B):
+        var kvl = _seq_len(kv_len, has_len, b, Skv)
         for hk in range(Hkv):
             var kv_base = ((b * Hkv + hk) * Skv) * D
             for t in range(Skv * D):
@@ -655,7 +680,7 @@ def attention_backward_cpu[
                 var q_base = ((b * H + h) * S) * D
                 for i in range(S):
                     var qi = q_base + i * D
-                    var last = _row_last_key(i, S, Skv, causal)
+                    var last = _row_last_key(i, S, kvl, causal)
                     for dd in range(D):
                         dqa[dd] = 0
                     if last >= 0:
@@ -717,6 +742,7 @@ def _attn_bwd_dq_kernel[
     v: Pointer[Scalar[dtype], MutAnyOrigin],
     lse: Pointer[Float32, MutAnyOrigin],
     delta: Pointer[Float32, MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     BH: Int32,
     H: Int32,
@@ -751,7 +777,7 @@ def _attn_bwd_dq_kernel[
         if dd < d:
             qv[e] = q[unsafe_offset=row * d + dd].cast[F32]()
             dov[e] = do_[unsafe_offset=row * d + dd].cast[F32]()
-    var last = _row_last_key(i, s_len, skv, causal)
+    var last = _row_last_key(i, s_len, _seq_len(kv_len, params[unsafe_offset=2] != 0, b, skv), causal)
     var lse2 = lse[unsafe_offset=row] * LOG2E
     var dl = delta[unsafe_offset=row]
     for j in range(last + 1):
@@ -785,6 +811,7 @@ def _attn_bwd_dkdv_kernel[
     v: Pointer[Scalar[dtype], MutAnyOrigin],
     lse: Pointer[Float32, MutAnyOrigin],
     delta: Pointer[Float32, MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     BHkv: Int32,
     H: Int32,
@@ -794,7 +821,7 @@ def _attn_bwd_dkdv_kernel[
     D: Int32,
 ):
     """DK/DV: one warp per kv row j, summing the GQA group's heads and the query rows that see j in a
-    fixed order (deterministic, no atomics)."""
+    fixed order (deterministic, no atomics). Keys past kv_len are not read and get zero gradients."""
     comptime PER = 256 // WARP_SIZE
     comptime WPB = 4
     var lane = lane_id()
@@ -815,12 +842,15 @@ def _attn_bwd_dkdv_kernel[
     var vv = SIMD[F32, PER](0)
     var dka = SIMD[F32, PER](0)
     var dva = SIMD[F32, PER](0)
-    comptime for e in range(PER):
-        var dd = lane + e * WARP_SIZE
-        if dd < d:
-            kv[e] = k[unsafe_offset=row * d + dd].cast[F32]()
-            vv[e] = v[unsafe_offset=row * d + dd].cast[F32]()
-    var i0 = max(0, j - (skv - s_len)) if causal else 0  # first query row that sees key j
+    var kvl = _seq_len(kv_len, params[unsafe_offset=2] != 0, b, skv)
+    var i0 = s_len  # first query row that sees key j (s_len: none, for keys past kvl)
+    if j < kvl:
+        comptime for e in range(PER):
+            var dd = lane + e * WARP_SIZE
+            if dd < d:
+                kv[e] = k[unsafe_offset=row * d + dd].cast[F32]()
+                vv[e] = v[unsafe_offset=row * d + dd].cast[F32]()
+        i0 = max(0, j - (kvl - s_len)) if causal else 0
     for h in range(hk * group, (hk + 1) * group):
         var bh = b * Int(H) + h
         for i in range(i0, s_len):
@@ -858,6 +888,7 @@ def attention_backward_gpu[
     v: Pointer[Scalar[dtype], MutAnyOrigin],
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     lse: Pointer[Float32, MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     B: Int,
     H: Int,
@@ -875,12 +906,12 @@ def attention_backward_gpu[
         delta, do_, o, Int64(rows), Int32(D), grid_dim=ceildiv(rows, 4), block_dim=4 * WARP_SIZE
     )
     ctx.enqueue_function[_attn_bwd_dq_kernel[dtype]](
-        dq, do_, q, k, v, lse, delta, params, Int32(B * H), Int32(H), Int32(Hkv), Int32(S), Int32(Skv), Int32(D),
+        dq, do_, q, k, v, lse, delta, kv_len, params, Int32(B * H), Int32(H), Int32(Hkv), Int32(S), Int32(Skv), Int32(D),
         grid_dim=ceildiv(rows, 4), block_dim=4 * WARP_SIZE,
     )
     var kv_rows = B * Hkv * Skv
     ctx.enqueue_function[_attn_bwd_dkdv_kernel[dtype]](
-        dk, dv, do_, q, k, v, lse, delta, params, Int32(B * Hkv), Int32(H), Int32(Hkv), Int32(S), Int32(Skv),
+        dk, dv, do_, q, k, v, lse, delta, kv_len, params, Int32(B * Hkv), Int32(H), Int32(Hkv), Int32(S), Int32(Skv),
         Int32(D), grid_dim=ceildiv(kv_rows, 4), block_dim=4 * WARP_SIZE,
     )
     _ = delta^
@@ -891,7 +922,8 @@ def attention_backward_gpu[
 
 @register("fusekit.attention")
 struct Attention:
-    """Outputs (o [B,H,S,D], lse [B,H,S] f32); inputs (q, k, v, params [causal, scale])."""
+    """Outputs (o [B,H,S,D], lse [B,H,S] f32); inputs (q, k, v, kv_len? [B] int32,
+    params [causal, scale, has_kv_len])."""
 
     @staticmethod
     def execute[
@@ -902,6 +934,7 @@ struct Attention:
         q: InputTensor[dtype=dtype, rank=4, ...],
         k: InputTensor[dtype=dtype, rank=4, ...],
         v: InputTensor[dtype=dtype, rank=4, ...],
+        kv_len: InputTensor[dtype=DType.int32, rank=1, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
@@ -916,19 +949,21 @@ struct Attention:
         var qp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](q.unsafe_ptr())
         var kp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](k.unsafe_ptr())
         var vp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](v.unsafe_ptr())
+        var ip = rebind[Pointer[Int32, MutAnyOrigin]](kv_len.unsafe_ptr())
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":
-            attention_gpu[dtype](op, lp, qp, kp, vp, pp, B, H, Hkv, S, Skv, D, ctx)
+            attention_gpu[dtype](op, lp, qp, kp, vp, ip, pp, B, H, Hkv, S, Skv, D, ctx)
         else:
             attention_cpu[dtype](
-                op, lp, qp, kp, vp, pp[unsafe_offset=0] != 0, pp[unsafe_offset=1], B, H, Hkv, S, Skv, D
+                op, lp, qp, kp, vp, ip, pp[unsafe_offset=0] != 0, pp[unsafe_offset=1], pp[unsafe_offset=2] != 0,
+                B, H, Hkv, S, Skv, D,
             )
 
 
 @register("fusekit.attention_backward")
 struct AttentionBackward:
     """Outputs (dq [B,H,S,D], dk [B,Hkv,Skv,D], dv [B,Hkv,Skv,D]); inputs (do, q, k, v, o, lse [B,H,S] f32,
-    params [causal, scale])."""
+    kv_len? [B] int32, params [causal, scale, has_kv_len])."""
 
     @staticmethod
     def execute[
@@ -943,6 +978,7 @@ struct AttentionBackward:
         v: InputTensor[dtype=dtype, rank=4, ...],
         o: InputTensor[dtype=dtype, rank=4, ...],
         lse: InputTensor[dtype=DType.float32, rank=3, ...],
+        kv_len: InputTensor[dtype=DType.int32, rank=1, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
@@ -962,11 +998,14 @@ struct AttentionBackward:
         var vp = rebind[P](v.unsafe_ptr())
         var outp = rebind[P](o.unsafe_ptr())
         var lp = rebind[Pointer[Float32, MutAnyOrigin]](lse.unsafe_ptr())
+        var ip = rebind[Pointer[Int32, MutAnyOrigin]](kv_len.unsafe_ptr())
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":
-            attention_backward_gpu[dtype](dqp, dkp, dvp, dop, qp, kp, vp, outp, lp, pp, B, H, Hkv, S, Skv, D, ctx)
+            attention_backward_gpu[dtype](
+                dqp, dkp, dvp, dop, qp, kp, vp, outp, lp, ip, pp, B, H, Hkv, S, Skv, D, ctx
+            )
         else:
             attention_backward_cpu[dtype](
-                dqp, dkp, dvp, dop, qp, kp, vp, outp, lp, pp[unsafe_offset=0] != 0, pp[unsafe_offset=1], B, H, Hkv, S,
-                Skv, D,
+                dqp, dkp, dvp, dop, qp, kp, vp, outp, lp, ip, pp[unsafe_offset=0] != 0, pp[unsafe_offset=1],
+                pp[unsafe_offset=2] != 0, B, H, Hkv, S, Skv, D,
             )

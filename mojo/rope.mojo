@@ -1,13 +1,19 @@
 """Ops fusekit.rope / fusekit.rope_backward: rotate pairs of x[B, S, H, D] by angle
-(start_pos + s) * theta^(-2i/D); the backward rotates dy by the negative angle (the transpose of a
+p * theta^(-2i/D), p = start_pos + s or positions[b, s]; the backward rotates dy by the negative angle (the transpose of a
 rotation), (a, b) -> (a c + b s, b c - a s): the same kernel with a compile-time flag NEG.
 
 Layouts: HF halves, pairs (i, i + D/2); interleaved, pairs (2i, 2i + 1). cos/sin come from the tables
-[St, D/2] f32 at row start_pos + s when has_tables, else are computed in-kernel (fp32 angle as
+[St, D/2] f32 at row p when has_tables, else are computed in-kernel (fp32 angle as
 reference.py; exp/sin/cos accurately in fp64: the GPU's fast `cos.approx` is wrong for large angles).
-params = [start_pos, theta, interleaved (0/1), has_tables (0/1)] (CONTRACT.md), read on the device.
-Signatures: rope(y [B,S,H,D], x, cos?, sin?, params), rope_backward(dx [B,S,H,D], dy, cos?, sin?, params);
-absent tables are [1, 1] dummies (has_tables = 0) never read. Every scalar-dependent step is bounded
+params = [start_pos, theta, interleaved (0/1), has_tables (0/1), has_positions (0/1)] (CONTRACT.md),
+read on the device.
+Signatures: rope(y [B,S,H,D], x, cos?, sin?, positions?, params), rope_backward(dx [B,S,H,D], dy, cos?,
+sin?, positions?, params); absent tables are [1, 1] dummies (has_tables = 0), an absent positions a
+[1, 1] int32 dummy (has_positions = 0), never read.
+positions (int32 [B, S] contiguous, ops/rope.py `_positions`) replace start_pos + s by positions[b, s]:
+one scalar load per (b, s) row. Their values are untrusted (CUDA callers skip the host-synced check), so
+they are clamped to [0, St - 1] with tables (St = the shorter table's rows) or [0, 2^24] without, as
+kernels_triton/rope.py does: no value reads outside the tables. Every scalar-dependent step is bounded
 (_util.mojo): theta = inf / 0 / NaN gives NaN outputs, never a hang; sin/cos are right for every
 finite fp32 angle (Payne-Hanek reduction), e.g. theta = 1e-30 makes inv_freq up to ~1e29.
 
@@ -42,6 +48,20 @@ comptime F32 = DType.float32
 comptime FPtr = Pointer[Float32, MutAnyOrigin]
 comptime HU = 4  # heads whose loads are in flight together (2 x 16 B each)
 comptime TPB = 256
+comptime IPtr = Pointer[Int32, MutAnyOrigin]
+comptime MAX_POSITION = 1 << 24  # in-kernel angles: positions are clamped to [0, 2^24] (exact in fp32)
+
+
+@always_inline
+def _position(
+    row: Int, seq: Int, start: Int, pos_t: IPtr, has_pos: Bool, tables: Bool, table_rows: Int
+) -> Int:
+    """Token row (b * S + s)'s position: start_pos + s, or positions[row] clamped to [0, St - 1]
+    (tables) / [0, 2^24] (untrusted values never index outside the tables)."""
+    if not has_pos:
+        return start + row % seq
+    var hi = max(table_rows - 1, 0) if tables else MAX_POSITION
+    return min(max(Int(pos_t[unsafe_offset=row]), 0), hi)
 
 
 @always_inline
@@ -86,11 +106,13 @@ def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
     x: Pointer[Scalar[dtype], MutAnyOrigin],
     cos_t: FPtr,
     sin_t: FPtr,
+    pos_t: IPtr,
     params: FPtr,
     n_rows: Int64,
     seq: Int64,
     heads: Int64,
     dim: Int64,
+    table_rows: Int64,
 ):
     comptime AL = 16 if W > 1 else align_of[dtype]()
     var d = Int(dim)
@@ -100,6 +122,7 @@ def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
     var start = Int(params[unsafe_offset=0])
     var inter = params[unsafe_offset=2] != 0
     var tables = params[unsafe_offset=3] != 0
+    var has_pos = params[unsafe_offset=4] != 0
     var coef = rope_inv_freq_coef(params[unsafe_offset=1], d)
     # element offsets of a unit's two vectors inside one head
     var total = Int(n_rows) * groups
@@ -107,7 +130,8 @@ def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
     while u < total:
         var row = u // groups
         var i0 = (u % groups) * W
-        var cs = _row_cos_sin[W, NEG](cos_t, sin_t, tables, start + row % Int(seq), i0, half, coef)
+        var pos = _position(row, Int(seq), start, pos_t, has_pos, tables, Int(table_rows))
+        var cs = _row_cos_sin[W, NEG](cos_t, sin_t, tables, pos, i0, half, coef)
         var o0 = 2 * i0 if inter else i0
         var o1 = 2 * i0 + W if inter else i0 + half
         var base = row * nh * d
@@ -143,11 +167,13 @@ def rope_gpu[dtype: DType, NEG: Bool = False](
     x: Pointer[Scalar[dtype], MutAnyOrigin],
     cos_t: FPtr,
     sin_t: FPtr,
+    pos_t: IPtr,
     params: FPtr,
     b: Int,
     s: Int,
     h: Int,
     d: Int,
+    table_rows: Int,
 ) raises:
     comptime VW = vec_width[dtype]()
     var half = d // 2
@@ -155,12 +181,14 @@ def rope_gpu[dtype: DType, NEG: Bool = False](
     if vec_ok:
         var grid = min(cdiv(b * s * (half // VW), TPB), 1 << 30)
         ctx.enqueue_function[_rope_kernel[dtype, VW, NEG]](
-            res, x, cos_t, sin_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), grid_dim=grid, block_dim=TPB
+            res, x, cos_t, sin_t, pos_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), Int64(table_rows),
+            grid_dim=grid, block_dim=TPB,
         )
     else:
         var grid = min(cdiv(b * s * half, TPB), 1 << 30)
         ctx.enqueue_function[_rope_kernel[dtype, 1, NEG]](
-            res, x, cos_t, sin_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), grid_dim=grid, block_dim=TPB
+            res, x, cos_t, sin_t, pos_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), Int64(table_rows),
+            grid_dim=grid, block_dim=TPB,
         )
 
 
@@ -169,17 +197,20 @@ def rope_cpu[dtype: DType, NEG: Bool = False](
     x: Pointer[Scalar[dtype], MutAnyOrigin],
     cos_t: FPtr,
     sin_t: FPtr,
+    pos_t: IPtr,
     params: FPtr,
     b: Int,
     s: Int,
     h: Int,
     d: Int,
+    table_rows: Int,
 ):
     """Per (b, s) row: cos/sin for the D/2 pairs once, then every head."""
     var half = d // 2
     var start = Int(params[unsafe_offset=0])
     var inter = params[unsafe_offset=2] != 0
     var tables = params[unsafe_offset=3] != 0
+    var has_pos = params[unsafe_offset=4] != 0
     var coef = rope_inv_freq_coef(params[unsafe_offset=1], d)
     var c = List[Float32]()
     var sn = List[Float32]()
@@ -187,7 +218,7 @@ def rope_cpu[dtype: DType, NEG: Bool = False](
         c.append(0)
         sn.append(0)
     for row in range(b * s):
-        var pos = start + row % s
+        var pos = _position(row, s, start, pos_t, has_pos, tables, table_rows)
         for i in range(half):
             if tables:
                 c[i] = cos_t[unsafe_offset=pos * half + i]
@@ -214,6 +245,7 @@ def _rope_execute[dtype: DType, //, target: StaticString, NEG: Bool](
     x: InputTensor[dtype=dtype, rank=4, ...],
     cos: InputTensor[dtype=DType.float32, rank=2, ...],
     sin: InputTensor[dtype=DType.float32, rank=2, ...],
+    positions: InputTensor[dtype=DType.int32, rank=2, ...],
     params: InputTensor[dtype=DType.float32, rank=1, ...],
     ctx: DeviceContext,
 ) raises:
@@ -225,17 +257,19 @@ def _rope_execute[dtype: DType, //, target: StaticString, NEG: Bool](
     var xp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](x.unsafe_ptr())
     var cp = rebind[FPtr](cos.unsafe_ptr())
     var sp = rebind[FPtr](sin.unsafe_ptr())
+    var ip = rebind[IPtr](positions.unsafe_ptr())
     var pp = rebind[FPtr](params.unsafe_ptr())
+    var table_rows = min(cos.dim_size(0), sin.dim_size(0))  # dummies (no tables): 1, never read
     comptime if target == "gpu":
-        rope_gpu[dtype, NEG](ctx, rp, xp, cp, sp, pp, b, s, h, d)
+        rope_gpu[dtype, NEG](ctx, rp, xp, cp, sp, ip, pp, b, s, h, d, table_rows)
     else:
-        rope_cpu[dtype, NEG](rp, xp, cp, sp, pp, b, s, h, d)
+        rope_cpu[dtype, NEG](rp, xp, cp, sp, ip, pp, b, s, h, d, table_rows)
 
 
 @register("fusekit.rope")
 struct Rope:
-    """RoPE forward, y = rope(x): outputs (y [B,S,H,D]), inputs (x, cos?, sin?, params
-    [start_pos, theta, interleaved, has_tables])."""
+    """RoPE forward, y = rope(x): outputs (y [B,S,H,D]), inputs (x, cos?, sin?, positions? [B,S] int32,
+    params [start_pos, theta, interleaved, has_tables, has_positions])."""
 
     @staticmethod
     def execute[
@@ -245,16 +279,17 @@ struct Rope:
         x: InputTensor[dtype=dtype, rank=4, ...],
         cos: InputTensor[dtype=DType.float32, rank=2, ...],
         sin: InputTensor[dtype=DType.float32, rank=2, ...],
+        positions: InputTensor[dtype=DType.int32, rank=2, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        _rope_execute[target, False](res, x, cos, sin, params, ctx)
+        _rope_execute[target, False](res, x, cos, sin, positions, params, ctx)
 
 
 @register("fusekit.rope_backward")
 struct RopeBackward:
     """RoPE backward, dx = rotation of dy by the negative angle: outputs (dx [B,S,H,D]), inputs
-    (dy, cos?, sin?, params as rope)."""
+    (dy, cos?, sin?, positions?, params as rope)."""
 
     @staticmethod
     def execute[
@@ -264,7 +299,8 @@ struct RopeBackward:
         dy: InputTensor[dtype=dtype, rank=4, ...],
         cos: InputTensor[dtype=DType.float32, rank=2, ...],
         sin: InputTensor[dtype=DType.float32, rank=2, ...],
+        positions: InputTensor[dtype=DType.int32, rank=2, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        _rope_execute[target, True](dx, dy, cos, sin, params, ctx)
+        _rope_execute[target, True](dx, dy, cos, sin, positions, params, ctx)

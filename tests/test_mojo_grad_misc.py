@@ -3,15 +3,16 @@
 The ops run through the mojo runtime directly (OpSpec -> OpCompiler -> Dispatcher) with the
 argument layout of .dev/CONTRACT.md ("Mojo" section), independent of the Python provider:
 
-- fusekit.rope / rope_backward: (y | dx [B,S,H,D]) <- (x | dy, cos?, sin?), params
-  [start_pos, theta, interleaved, has_tables]; compared with a float64 rotation by the kernel's
+- fusekit.rope / rope_backward: (y | dx [B,S,H,D]) <- (x | dy, cos?, sin?, positions?), params
+  [start_pos, theta, interleaved, has_tables, has_positions] (positions absent here: an int32 dummy); compared with a float64 rotation by the kernel's
   fp32 angle (f32(pos) * f32(exp(f32(i) * f32(-2 ln(theta) / D)))), incl. start_pos = 2^24 - S and
   thetas (1e-30, 1e-38, 3e38) that used to hang or give NaN; those run in a subprocess with a
   timeout, so a hang fails one test instead of the suite.
 - fusekit.reduce_sum_backward: dx [M, N] <- dout [M].
-- fusekit.attention: (o, lse) <- (q, k, v), params [causal, scale]; a float64 softmax over the
+- fusekit.attention: (o, lse) <- (q, k, v, kv_len?), params [causal, scale, has_kv_len] (kv_len absent
+  here: an int32 dummy; tests/test_mojo_kv_len.py and the conformance cases cover it); a float64 softmax over the
   visible keys, incl. NaN/Inf inputs, GQA, causal with S < Skv and S > Skv (rows with no visible key).
-- fusekit.attention_backward: (dq, dk, dv) <- (do, q, k, v, o, lse) vs float64 autograd.
+- fusekit.attention_backward: (dq, dk, dv) <- (do, q, k, v, o, lse, kv_len?) vs float64 autograd.
 - swiglu_ffn backward (issue #10) through the provider (`swiglu_ffn(..., backend="mojo")`: the training
   forward saving gu, torch GEMMs + fusekit.swiglu_ffn_backward + fusekit.rms_norm_backward) vs float64
   autograd, with and without the norm weight, in fp32 / fp16 / bf16.
@@ -48,6 +49,8 @@ TESTS_DIR = Path(__file__).resolve().parent
 PYTHON_DIR = TESTS_DIR.parent / "python"
 NAN = float("nan")
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+NO_POSITIONS = torch.zeros(1, 1, dtype=torch.int32)  # absent optional int32 inputs: dummies, flag 0
+NO_KV_LEN = torch.zeros(1, dtype=torch.int32)
 
 
 def _ts(name: str, dims: str, dtype: str) -> TensorSpec:
@@ -66,8 +69,13 @@ def _rope_spec(op: str) -> OpSpec:
         max_op=f"fusekit.{op}",
         outputs=(_ts(y, "B S H D", "x"),),
         # optional tables: their own dim names (a [1, 1] dummy where they are absent)
-        inputs=(_ts(x, "B S H D", "x"), _ts("cos", "St Dh", "float32"), _ts("sin", "St Dh", "float32")),
-        params=("start_pos", "theta", "interleaved", "has_tables"),
+        inputs=(
+            _ts(x, "B S H D", "x"),
+            _ts("cos", "St Dh", "float32"),
+            _ts("sin", "St Dh", "float32"),
+            _ts("positions", "Bp Sp", "int32"),
+        ),
+        params=("start_pos", "theta", "interleaved", "has_tables", "has_positions"),
         dtype_vars=("x",),
         allowed=frozenset((d,) for d in FLOATS),
         bind=_bind,
@@ -90,8 +98,13 @@ ATTENTION = OpSpec(
     op="attention",
     max_op="fusekit.attention",
     outputs=(_ts("o", "B H S D", "x"), _ts("lse", "B H S", "float32")),
-    inputs=(_ts("q", "B H S D", "x"), _ts("k", "B Hkv Skv D", "x"), _ts("v", "B Hkv Skv D", "x")),
-    params=("causal", "scale"),
+    inputs=(
+        _ts("q", "B H S D", "x"),
+        _ts("k", "B Hkv Skv D", "x"),
+        _ts("v", "B Hkv Skv D", "x"),
+        _ts("kv_len", "Bk", "int32"),
+    ),
+    params=("causal", "scale", "has_kv_len"),
     dtype_vars=("x",),
     allowed=frozenset((d,) for d in FLOATS),
     bind=_bind,
@@ -107,8 +120,9 @@ ATTENTION_BWD = OpSpec(
         _ts("v", "B Hkv Skv D", "x"),
         _ts("o", "B H S D", "x"),
         _ts("lse", "B H S", "float32"),
+        _ts("kv_len", "Bk", "int32"),
     ),
-    params=("causal", "scale"),
+    params=("causal", "scale", "has_kv_len"),
     dtype_vars=("x",),
     allowed=frozenset((d,) for d in FLOATS),
     bind=_bind,
@@ -196,8 +210,8 @@ def _rope_call(
     out = torch.full_like(x, NAN)
     # absent tables: [1, 1] dummies (their own symbolic dims), has_tables = 0
     cos, sin = tables if tables is not None else (torch.zeros(1, 1), torch.zeros(1, 1))
-    params = (start_pos, theta, float(interleaved), float(tables is not None))
-    run(ROPE_BWD if backward else ROPE, (out,), (x, cos, sin), params)
+    params = (start_pos, theta, float(interleaved), float(tables is not None), 0.0)
+    run(ROPE_BWD if backward else ROPE, (out,), (x, cos, sin, NO_POSITIONS), params)
     return out
 
 
@@ -370,7 +384,7 @@ def _attention(run: Runner, q, k, v, causal: bool, scale: float) -> tuple[torch.
     B, H, S = q.shape[:3]
     o = torch.full_like(q, NAN)
     lse = torch.full((B, H, S), NAN)
-    run(ATTENTION, (o, lse), (q, k, v), (float(causal), scale))
+    run(ATTENTION, (o, lse), (q, k, v, NO_KV_LEN), (float(causal), scale, 0.0))
     return o, lse
 
 
@@ -474,14 +488,14 @@ def test_attention_backward(run: Runner, H: int, Hkv: int, S: int, Skv: int, cau
     scale = 1.5 / math.sqrt(D)
     o, lse = _attention(run, q, k, v, causal, scale)
     grads = tuple(torch.full_like(t, NAN) for t in (q, k, v))
-    run(ATTENTION_BWD, grads, (do, q, k, v, o, lse), (float(causal), scale))
+    run(ATTENTION_BWD, grads, (do, q, k, v, o, lse, NO_KV_LEN), (float(causal), scale, 0.0))
     refs = attention_grads_ref64(q, k, v, do, causal, scale)
     for name, g, r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
         err = rel_error(g, r)
         assert err < 2 * ATTN_TOL, f"{name}: rel err {err:.2e}"
     # deterministic: a second call gives bit-identical gradients
     again = tuple(torch.full_like(t, NAN) for t in (q, k, v))
-    run(ATTENTION_BWD, again, (do, q, k, v, o, lse), (float(causal), scale))
+    run(ATTENTION_BWD, again, (do, q, k, v, o, lse, NO_KV_LEN), (float(causal), scale, 0.0))
     for g, g2 in zip(grads, again, strict=True):
         assert torch.equal(g, g2)
 

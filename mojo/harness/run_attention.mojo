@@ -1,9 +1,9 @@
 """Harness entry for fusekit.attention (o, lse) and fusekit.attention_backward: execute["gpu"] checks
-(host float64 at small shapes, incl. NaN/Inf inputs; the rowwise fp32 GPU kernel at realistic shapes)
-and FLOP-rate timing."""
+(host float64 at small shapes, incl. NaN/Inf inputs and per-sequence kv_len with NaN keys past each
+length that must never be read; the rowwise fp32 GPU kernel at realistic shapes) and FLOP-rate timing."""
 
 from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, StaticTensorSpec
-from max.gpu import global_idx
+from max.gpu import global_idx, grid_dim, block_dim
 from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
 
@@ -52,7 +52,9 @@ def _host_ref[
     D: Int,
     scale: Float64,
     causal: Bool,
+    lens: List[Int],
 ) -> HostRef:
+    """lens: each sequence's key count L_b (already clamped to [0, Skv]); keys past it are not read."""
     var r = HostRef()
     var nan = Float64(0) / Float64(0)
     var inf = Float64(1) / Float64(0)
@@ -68,10 +70,11 @@ def _host_ref[
         for h in range(H):
             var kvb = ((b * Hkv + h // (H // Hkv)) * Skv) * D
             var qb = ((b * H + h) * S) * D
+            var kvl = lens[b]
             for i in range(S):
-                var last = Skv - 1
+                var last = kvl - 1
                 if causal:
-                    last = min(last, i + Skv - S)
+                    last = min(last, i + kvl - S)
                 var li = (b * H + h) * S + i
                 if last < 0:
                     r.lse[li] = -inf
@@ -120,12 +123,13 @@ def _tensors[
     dtype: DType
 ](
     ob: DeviceBuffer[dtype], lb: DeviceBuffer[DType.float32], qb: DeviceBuffer[dtype], kb: DeviceBuffer[dtype],
-    vb: DeviceBuffer[dtype], pb: DeviceBuffer[DType.float32], B: Int, H: Int, Hkv: Int, S: Int, Skv: Int, D: Int,
-    ctx: DeviceContext,
+    vb: DeviceBuffer[dtype], lenb: DeviceBuffer[DType.int32], pb: DeviceBuffer[DType.float32], B: Int, H: Int,
+    Hkv: Int, S: Int, Skv: Int, D: Int, has_len: Bool, ctx: DeviceContext,
 ) raises:
     comptime s4 = StaticTensorSpec[dtype, 4, ...].get_unknown()
     comptime f3 = StaticTensorSpec[DType.float32, 3, ...].get_unknown()
     comptime f1 = StaticTensorSpec[DType.float32, 1, ...].get_unknown()
+    comptime i1 = StaticTensorSpec[DType.int32, 1, ...].get_unknown()
     var qs = IndexList[4](B, H, S, D)
     var qst = IndexList[4](H * S * D, S * D, D, 1)
     var ks = IndexList[4](B, Hkv, Skv, D)
@@ -135,8 +139,9 @@ def _tensors[
     var q = InputTensor[static_spec=s4](_mut(qb.unsafe_ptr()), qs, qst)
     var k = InputTensor[static_spec=s4](_mut(kb.unsafe_ptr()), ks, kst)
     var v = InputTensor[static_spec=s4](_mut(vb.unsafe_ptr()), ks, kst)
-    var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](2), IndexList[1](1))
-    Attention.execute["gpu"](o, lse, q, k, v, p, ctx)
+    var kl = InputTensor[static_spec=i1](_mut(lenb.unsafe_ptr()), IndexList[1](B if has_len else 1), IndexList[1](1))
+    var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](3), IndexList[1](1))
+    Attention.execute["gpu"](o, lse, q, k, v, kl, p, ctx)
 
 
 def _bwd_tensors[
@@ -144,12 +149,13 @@ def _bwd_tensors[
 ](
     dqb: DeviceBuffer[dtype], dkb: DeviceBuffer[dtype], dvb: DeviceBuffer[dtype], dob: DeviceBuffer[dtype],
     qb: DeviceBuffer[dtype], kb: DeviceBuffer[dtype], vb: DeviceBuffer[dtype], ob: DeviceBuffer[dtype],
-    lb: DeviceBuffer[DType.float32], pb: DeviceBuffer[DType.float32], B: Int, H: Int, Hkv: Int, S: Int, Skv: Int,
-    D: Int, ctx: DeviceContext,
+    lb: DeviceBuffer[DType.float32], lenb: DeviceBuffer[DType.int32], pb: DeviceBuffer[DType.float32], B: Int,
+    H: Int, Hkv: Int, S: Int, Skv: Int, D: Int, has_len: Bool, ctx: DeviceContext,
 ) raises:
     comptime s4 = StaticTensorSpec[dtype, 4, ...].get_unknown()
     comptime f3 = StaticTensorSpec[DType.float32, 3, ...].get_unknown()
     comptime f1 = StaticTensorSpec[DType.float32, 1, ...].get_unknown()
+    comptime i1 = StaticTensorSpec[DType.int32, 1, ...].get_unknown()
     var qs = IndexList[4](B, H, S, D)
     var qst = IndexList[4](H * S * D, S * D, D, 1)
     var ks = IndexList[4](B, Hkv, Skv, D)
@@ -163,8 +169,9 @@ def _bwd_tensors[
     var v = InputTensor[static_spec=s4](_mut(vb.unsafe_ptr()), ks, kst)
     var o = InputTensor[static_spec=s4](_mut(ob.unsafe_ptr()), qs, qst)
     var lse = InputTensor[static_spec=f3](_mut(lb.unsafe_ptr()), IndexList[3](B, H, S), IndexList[3](H * S, S, 1))
-    var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](2), IndexList[1](1))
-    AttentionBackward.execute["gpu"](dq, dk, dv, do_, q, k, v, o, lse, p, ctx)
+    var kl = InputTensor[static_spec=i1](_mut(lenb.unsafe_ptr()), IndexList[1](B if has_len else 1), IndexList[1](1))
+    var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](3), IndexList[1](1))
+    AttentionBackward.execute["gpu"](dq, dk, dv, do_, q, k, v, o, lse, kl, p, ctx)
 
 
 def _set_kernel[dtype: DType](p: Pointer[Scalar[dtype], MutAnyOrigin], idx: Int64, val: Float64):
@@ -175,6 +182,70 @@ def _set_kernel[dtype: DType](p: Pointer[Scalar[dtype], MutAnyOrigin], idx: Int6
 def _set[dtype: DType](ctx: DeviceContext, buf: DeviceBuffer[dtype], idx: Int, val: Float64) raises:
     """buf[idx] = val (to plant a NaN / Inf)."""
     ctx.enqueue_function[_set_kernel[dtype]](buf, Int64(idx), val, grid_dim=1, block_dim=32)
+
+
+def _lens(kvk: Int, B: Int, Skv: Int) -> List[Int32]:
+    """Raw kv_len values: kvk 1 in range (Skv, 0, odd, 1, ...); kvk 2 untrusted values past both ends
+    first (-3, Skv + 5, INT32_MAX, INT32_MIN: clamped to 0, Skv, Skv, 0)."""
+    var res = List[Int32]()
+    for b in range(B):
+        var n = (b * 37 + 5) % (Skv + 1)
+        if b == 0:
+            n = Skv
+        elif b == 1:
+            n = 0
+        elif b == 2:
+            n = (Skv // 2) | 1
+        elif b == 3:
+            n = 1
+        res.append(Int32(n))
+    if kvk == 2:
+        res[0] = -3
+        if B > 1:
+            res[1] = Int32(Skv + 5)
+        if B > 2:
+            res[2] = Int32.MAX
+        if B > 3:
+            res[3] = Int32.MIN
+    return res^
+
+
+def _device_ints(ctx: DeviceContext, vals: List[Int32]) raises -> DeviceBuffer[DType.int32]:
+    """An int32 device buffer holding vals (one 0 when empty: the [1] dummy of an absent kv_len)."""
+    var n = max(len(vals), 1)
+    var h = ctx.enqueue_create_host_buffer[DType.int32](n)
+    ctx.synchronize()
+    h[0] = 0
+    for i in range(len(vals)):
+        h[i] = vals[i]
+    var d = ctx.enqueue_create_buffer[DType.int32](n)
+    ctx.enqueue_copy(d, h)
+    ctx.synchronize()
+    return d
+
+
+def _nan_tail_kernel[dtype: DType](
+    p: Pointer[Scalar[dtype], MutAnyOrigin], lens: Pointer[Int32, MutAnyOrigin], B: Int64, Hkv: Int64, Skv: Int64,
+    D: Int64,
+):
+    """k or v [B, Hkv, Skv, D]: NaN in every key row j >= lens[b] (a cache's garbage, never to be read)."""
+    var nan = Float64(0) / Float64(0)
+    var i = global_idx.x
+    var n = Int(B * Hkv * Skv * D)
+    while i < n:
+        var j = (i // Int(D)) % Int(Skv)
+        var b = i // Int(Hkv * Skv * D)
+        if j >= Int(lens[unsafe_offset=b]):
+            p[unsafe_offset=i] = nan.cast[dtype]()
+        i += grid_dim.x * block_dim.x
+
+
+def _nan_tail[dtype: DType](
+    ctx: DeviceContext, buf: DeviceBuffer[dtype], lens: DeviceBuffer[DType.int32], B: Int, Hkv: Int, Skv: Int, D: Int
+) raises:
+    ctx.enqueue_function[_nan_tail_kernel[dtype]](
+        buf, lens, Int64(B), Int64(Hkv), Int64(Skv), Int64(D), grid_dim=256, block_dim=256
+    )
 
 
 def _case[
@@ -193,8 +264,12 @@ def _case[
     seed: Int,
     bad: Int = 0,
     grads: Bool = False,
+    kvk: Int = 0,
+    rowwise: Bool = False,
 ) raises:
-    """bad: plant non-finite inputs (1 NaN in q row 3 of head 1; 2 NaN in key 6 of kv head 0;
+    """kvk: per-sequence kv_len (0 none; 1, 2 see _lens), keys past each length NaN in k and v;
+    rowwise: the forward through the row-wise kernel (the B*H > 65535 path) instead of execute.
+    bad: plant non-finite inputs (1 NaN in q row 3 of head 1; 2 NaN in key 6 of kv head 0;
     3 NaN + inf + -inf in v; 4 NaN in k and v of the last key and inf in v of the one before (seen by
     the last rows only under causal); 5 +inf in key 6)."""
     var nq = B * H * S * D
@@ -225,15 +300,36 @@ def _case[
         _set(ctx, vb, (0 * Skv + Skv - 2) * D + 4, inf)
     elif bad == 5:
         _set(ctx, kb, (0 * Skv + 6) * D + 10, inf)
+    var has_len = kvk > 0
+    var raw = _lens(kvk, B, Skv) if has_len else List[Int32]()
+    var lens = List[Int]()
+    var clamped = List[Int32]()
+    for b in range(B):
+        var n = min(max(Int(raw[b]), 0), Skv) if has_len else Skv
+        lens.append(n)
+        clamped.append(Int32(n))
+    var lenb = _device_ints(ctx, raw)
+    if has_len:
+        var clb = _device_ints(ctx, clamped)
+        _nan_tail(ctx, kb, clb, B, Hkv, Skv, D)
+        _nan_tail(ctx, vb, clb, B, Hkv, Skv, D)
     poison(ctx, ob)
     poison(ctx, lb)
     poison(ctx, rb)
     poison(ctx, rlb)
     var scale = Float32(1.0) / Float32(D).__pow__(Float32(0.5)) * 2  # x2: peakier softmax than 1/sqrt(D)
-    var pb = device_params(ctx, Float32(1.0) if causal else Float32(0.0), scale)
-    _tensors[dtype](ob, lb, qb, kb, vb, pb, B, H, Hkv, S, Skv, D, ctx)
+    var pb = device_params(ctx, Float32(1.0) if causal else Float32(0.0), scale, Float32(1.0) if has_len else Float32(0.0))
+    if rowwise:
+        attention_gpu[dtype](
+            _mut(ob.unsafe_ptr()), _mut(lb.unsafe_ptr()), _mut(qb.unsafe_ptr()), _mut(kb.unsafe_ptr()),
+            _mut(vb.unsafe_ptr()), _mut(lenb.unsafe_ptr()), _mut(pb.unsafe_ptr()), B, H, Hkv, S, Skv, D, ctx,
+            force_rowwise=True,
+        )
+    else:
+        _tensors[dtype](ob, lb, qb, kb, vb, lenb, pb, B, H, Hkv, S, Skv, D, has_len, ctx)
     var name = String(
-        "attention ", dtype, " B", B, " H", H, " Hkv", Hkv, " S", S, " Skv", Skv, " D", D, " causal=", causal, " bad=", bad
+        "attention ", dtype, " B", B, " H", H, " Hkv", Hkv, " S", S, " Skv", Skv, " D", D, " causal=", causal, " bad=", bad,
+        " kv_len=", kvk, " rowwise=", rowwise,
     )
     var tol = 1e-2 if dtype == DType.bfloat16 else (2e-3 if dtype == DType.float16 else 2e-5)
     var ho = to_host(ctx, ob, nq)
@@ -245,7 +341,7 @@ def _case[
         var dob = ctx.enqueue_create_buffer[dtype](nq)
         fill_random(ctx, dob, nq, seed + 3, -1.0, 1.0)
         var hdo = to_host(ctx, dob, nq)
-        var want = _host_ref[dtype](hq, hk, hv, hdo, grads, B, H, Hkv, S, Skv, D, Float64(scale), causal)
+        var want = _host_ref[dtype](hq, hk, hv, hdo, grads, B, H, Hkv, S, Skv, D, Float64(scale), causal, lens)
         var eo = RelErr()
         for i in range(nq):
             eo.add_pattern(ho[i].cast[F64](), want.o[i])
@@ -261,7 +357,7 @@ def _case[
             poison(ctx, dqb)
             poison(ctx, dkb)
             poison(ctx, dvb)
-            _bwd_tensors[dtype](dqb, dkb, dvb, dob, qb, kb, vb, ob, lb, pb, B, H, Hkv, S, Skv, D, ctx)
+            _bwd_tensors[dtype](dqb, dkb, dvb, dob, qb, kb, vb, ob, lb, lenb, pb, B, H, Hkv, S, Skv, D, has_len, ctx)
             var hdq = to_host(ctx, dqb, nq)
             var hdk = to_host(ctx, dkb, nk)
             var hdv = to_host(ctx, dvb, nk)
@@ -276,8 +372,15 @@ def _case[
             check(name + " dq vs host f64", e1.value(), 2 * tol, failures)
             check(name + " dk vs host f64", e2.value(), 2 * tol, failures)
             check(name + " dv vs host f64", e3.value(), 2 * tol, failures)
+            # keys past kv_len: exactly zero gradients (their NaN values never read)
+            var tail_bad = 0
+            for i in range(nk):
+                var j = (i // D) % Skv
+                if j >= lens[i // (Hkv * Skv * D)] and (hdk[i] != 0 or hdv[i] != 0):
+                    tail_bad += 1
+            check(name + " dk/dv past kv_len are 0", Float64(tail_bad), 0.0, failures)
             # deterministic: a second run is bit-identical
-            _bwd_tensors[dtype](dqb, dkb, dvb, dob, qb, kb, vb, ob, lb, pb, B, H, Hkv, S, Skv, D, ctx)
+            _bwd_tensors[dtype](dqb, dkb, dvb, dob, qb, kb, vb, ob, lb, lenb, pb, B, H, Hkv, S, Skv, D, has_len, ctx)
             var hdk2 = to_host(ctx, dkb, nk)
             var diff = 0
             for i in range(nk):
@@ -287,7 +390,8 @@ def _case[
     else:
         attention_gpu[dtype](
             _mut(rb.unsafe_ptr()), _mut(rlb.unsafe_ptr()), _mut(qb.unsafe_ptr()), _mut(kb.unsafe_ptr()),
-            _mut(vb.unsafe_ptr()), _mut(pb.unsafe_ptr()), B, H, Hkv, S, Skv, D, ctx, force_rowwise=True,
+            _mut(vb.unsafe_ptr()), _mut(lenb.unsafe_ptr()), _mut(pb.unsafe_ptr()), B, H, Hkv, S, Skv, D, ctx,
+            force_rowwise=True,
         )
         var hr = to_host(ctx, rb, nq)
         var hrl = to_host(ctx, rlb, B * H * S)
@@ -311,18 +415,22 @@ def _bench[dtype: DType](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int, cau
     fill_random(ctx, qb, n, 7, -1.0, 1.0)
     fill_random(ctx, kb, n, 8, -1.0, 1.0)
     fill_random(ctx, vb, n, 9, -1.0, 1.0)
-    var pb = device_params(ctx, Float32(1.0) if causal else Float32(0.0), Float32(1.0) / Float32(D).__pow__(Float32(0.5)))
+    var pb = device_params(
+        ctx, Float32(1.0) if causal else Float32(0.0), Float32(1.0) / Float32(D).__pow__(Float32(0.5)), Float32(0.0)
+    )
+    var lenb = _device_ints(ctx, List[Int32]())
+    var kl = _mut(lenb.unsafe_ptr())
     var o = _mut(ob.unsafe_ptr())
     var l = _mut(lb.unsafe_ptr())
     var q = _mut(qb.unsafe_ptr())
     var k = _mut(kb.unsafe_ptr())
     var v = _mut(vb.unsafe_ptr())
     var p = _mut(pb.unsafe_ptr())
-    attention_gpu[dtype](o, l, q, k, v, p, B, H, H, S, S, D, ctx)  # warm-up (module load)
+    attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx)  # warm-up (module load)
     ctx.synchronize()
     var t0 = now_ns()
     for _ in range(iters):
-        attention_gpu[dtype](o, l, q, k, v, p, B, H, H, S, S, D, ctx)
+        attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx)
     ctx.synchronize()
     var ns = Float64(now_ns() - t0) / Float64(iters)
     var flops = 4.0 * Float64(B * H) * Float64(S) * Float64(S) * Float64(D) * (0.5 if causal else 1.0)
@@ -346,7 +454,11 @@ def _bench_bwd[dtype: DType](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int,
     fill_random(ctx, kb, n, 21, -1.0, 1.0)
     fill_random(ctx, vb, n, 22, -1.0, 1.0)
     fill_random(ctx, dob, n, 23, -1.0, 1.0)
-    var pb = device_params(ctx, Float32(1.0) if causal else Float32(0.0), Float32(1.0) / Float32(D).__pow__(Float32(0.5)))
+    var pb = device_params(
+        ctx, Float32(1.0) if causal else Float32(0.0), Float32(1.0) / Float32(D).__pow__(Float32(0.5)), Float32(0.0)
+    )
+    var lenb = _device_ints(ctx, List[Int32]())
+    var kl = _mut(lenb.unsafe_ptr())
     var dq = _mut(dqb.unsafe_ptr())
     var dk = _mut(dkb.unsafe_ptr())
     var dv = _mut(dvb.unsafe_ptr())
@@ -357,12 +469,12 @@ def _bench_bwd[dtype: DType](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int,
     var o = _mut(ob.unsafe_ptr())
     var l = _mut(lb.unsafe_ptr())
     var p = _mut(pb.unsafe_ptr())
-    attention_gpu[dtype](o, l, q, k, v, p, B, H, H, S, S, D, ctx)
-    attention_backward_gpu[dtype](dq, dk, dv, do_, q, k, v, o, l, p, B, H, H, S, S, D, ctx)  # warm-up
+    attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx)
+    attention_backward_gpu[dtype](dq, dk, dv, do_, q, k, v, o, l, kl, p, B, H, H, S, S, D, ctx)  # warm-up
     ctx.synchronize()
     var t0 = now_ns()
     for _ in range(iters):
-        attention_backward_gpu[dtype](dq, dk, dv, do_, q, k, v, o, l, p, B, H, H, S, S, D, ctx)
+        attention_backward_gpu[dtype](dq, dk, dv, do_, q, k, v, o, l, kl, p, B, H, H, S, S, D, ctx)
     ctx.synchronize()
     var ns = Float64(now_ns() - t0) / Float64(iters)
     var flops = 10.0 * Float64(B * H) * Float64(S) * Float64(S) * Float64(D) * (0.5 if causal else 1.0)
@@ -391,12 +503,30 @@ def run(bench: Bool = True) raises:
         _case[DType.float32](ctx, 2, 2, 1, 45, 37, 128, True, True, failures, 17, 0, True)
         for bad in range(1, 6):
             _case[DType.float32](ctx, 1, 2, 1, 9, 13, 64, True, True, failures, 60 + bad, bad)
+        # per-sequence kv_len (a 0, a full one, odd ones; then untrusted values that must be clamped), keys
+        # past each length NaN: tensor-core path (bf16/f16 on NVIDIA), row-wise (f32, forced), and grads
+        comptime for di in range(3):
+            comptime D = 64 * (1 << di)
+            for kvk in range(1, 3):
+                for c in range(2):
+                    _case[DType.bfloat16](ctx, 5, 4, 2, 21, 45, D, c == 1, True, failures, 70 + kvk, 0, False, kvk)
+                    _case[DType.float16](ctx, 4, 4, 1, 3, 37, D, c == 1, True, failures, 72 + kvk, 0, True, kvk)
+                    _case[DType.bfloat16](ctx, 4, 2, 2, 70, 130, D, c == 1, True, failures, 74 + kvk, 0, False, kvk)
+                    _case[DType.bfloat16](ctx, 4, 2, 1, 9, 45, D, c == 1, True, failures, 76 + kvk, 0, False, kvk, True)
+        for c in range(2):
+            _case[DType.float32](ctx, 5, 4, 2, 21, 45, 64, c == 1, True, failures, 80, 0, True, 1)
+            _case[DType.float32](ctx, 4, 2, 2, 1, 53, 128, c == 1, True, failures, 81, 0, True, 2)
+            # a masked tile's non-finite V under kv_len (bad=3/4), and a NaN q row
+            for bad in range(1, 5):
+                _case[DType.bfloat16](ctx, 4, 2, 1, 9, 13, 64, c == 1, True, failures, 82 + bad, bad, True, 1)
         # realistic shapes against the fp32 rowwise GPU kernel
         comptime for di in range(3):
             comptime D = 64 * (1 << di)
             _case[DType.bfloat16](ctx, 2, 8, 2, 1000, 1037, D, False, False, failures, 21)
             _case[DType.bfloat16](ctx, 2, 8, 2, 1000, 1037, D, True, False, failures, 22)
             _case[DType.float16](ctx, 1, 8, 8, 777, 777, D, True, False, failures, 23)
+            _case[DType.bfloat16](ctx, 4, 8, 2, 300, 1037, D, True, False, failures, 24, 0, False, 1)
+            _case[DType.bfloat16](ctx, 4, 8, 2, 5, 1037, D, False, False, failures, 25, 0, False, 2)
         if bench:
             for causal in range(2):
                 _bench[DType.bfloat16](ctx, 4, 32, 4096, 128, causal == 1, 10)

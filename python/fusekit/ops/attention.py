@@ -248,7 +248,7 @@ def attention(
     kv_len[b]). kv_len[b] must lie in [0, Skv]: checked on the CPU (ValueError); on CUDA the values are
     trusted (no host sync) and clamped to [0, Skv]. A row that sees no key (kv_len[b] = 0, or causal
     with S > kv_len[b]) is zero. For S <= 16 the triton backend runs a split-KV (flash-decoding) kernel.
-    (The mojo backend does not take kv_len yet: it refuses such calls.)
+    (The mojo backend takes kv_len too; it reads contiguous copies of strided k/v.)
 
     NaN/Inf in q or k reach exactly the rows that see them, as a float64 softmax would; a masked key
     never matters. (A NaN in v at a causally masked position may reach a row through 0·NaN, as in

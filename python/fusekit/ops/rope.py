@@ -260,8 +260,7 @@ def rope(
 
     start_pos: int, numpy integer or 0-d integer tensor, with start_pos + S <= 2^24 (float32 angles
     are not exact beyond). theta: positive, representable in float32. interleaved: a bool.
-    backend: "auto" (default), "torch", "triton" or "mojo" (mojo takes no positions yet: it refuses
-    such calls). Gradient: d x = d y rotated back, at the same positions.
+    backend: "auto" (default), "torch", "triton" or "mojo". Gradient: d x = d y rotated back, at the same positions.
     Errors: TypeError/ValueError naming `x`, `start_pos`, `theta`, `interleaved`, `cos`, `sin`,
     `positions` or `layout`.
     """

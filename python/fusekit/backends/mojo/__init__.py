@@ -8,44 +8,15 @@ like to MAX is derived from the op's spec (specs.py).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import re
 import threading
 
 import torch
 
 from fusekit.backends.base import Backend, BackendUnavailable
-from fusekit.backends.mojo.specs import SWIGLU_FFN_BACKWARD, X_DTYPE_WEIGHTS, max_spec, phase_spec
+from fusekit.backends.mojo.specs import SWIGLU_FFN_BACKWARD, X_DTYPE_WEIGHTS, phase_spec
 
 HEAD_DIMS = (64, 128, 256)
-# Optional spec inputs (by condition) the Mojo kernels do not take yet: `supports` refuses calls that pass
-# them, and they are left out of the MAX signature, so the graphs keep the kernels' argument lists.
-NOT_TAKEN: dict[str, frozenset[str]] = {
-    "attention": frozenset({"kv_len"}),
-    "rope": frozenset({"positions"}),
-}
-
-
-@functools.cache
-def _phase_spec(op: str, phase: str):
-    """specs.phase_spec without the inputs (and condition flags) of NOT_TAKEN."""
-    drop = NOT_TAKEN.get(op)
-    if not drop:
-        return phase_spec(op, phase)
-    from fusekit.ops import SPECS as OP_SPECS
-
-    spec = OP_SPECS[op]
-
-    def trim(p):
-        if p is None:
-            return None
-        ins = tuple(a for a in p.inputs if a.when not in drop)
-        return dataclasses.replace(p, inputs=ins, conditions=tuple(c for c in p.conditions if c not in drop))
-
-    return max_spec(
-        dataclasses.replace(spec, forward=trim(spec.forward), backward=trim(spec.backward)), phase
-    )
 
 
 class MojoBackend(Backend):
@@ -104,7 +75,7 @@ class MojoBackend(Backend):
             return f"the mojo backend runs on cpu and cuda devices, not {device.type}"
         if dtypes[0] == torch.float64:
             return "float64 runs on the torch backend only"
-        spec = _phase_spec(op, phase)
+        spec = phase_spec(op, phase)
         if self._compiler is not None and spec.max_op not in self.registered():
             return f"the Mojo package {self._compiler.package} has no {spec.max_op} op ({op} {phase})"
         if dtypes not in spec.allowed:
@@ -114,25 +85,13 @@ class MojoBackend(Backend):
             return f"the mojo {op} kernel takes norm_weight in x's dtype only, got {dtypes[1]} with {dtypes[0]} x"
         if op == "attention" and meta.get("head_dim") not in HEAD_DIMS:
             return f"head dim {meta.get('head_dim')} is not supported (supported: 64, 128, 256)"
-        if op == "attention" and meta.get("kv_len"):
-            # (Strided k/v are fine: this backend does not read strides, so the library passes copies.)
-            return (
-                "the mojo attention kernels take no kv_len (per-sequence KV lengths) yet; "
-                "use backend='triton' or 'torch'"
-            )
-        if op == "rope" and meta.get("positions"):
-            return (
-                "the mojo rope kernels take no positions (per-token positions) yet; use start_pos, or "
-                "backend='triton' or 'torch'"
-            )
+        # Every optional input of the specs is taken (attention's kv_len, rope's positions); strided k/v
+        # are fine too: this backend does not read strides, so the library passes contiguous copies.
         return None
 
     # --- ops ------------------------------------------------------------------------------------
     def run(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
-        ms = _phase_spec(spec.name, phase)
-        drop = NOT_TAKEN.get(spec.name)
-        if drop:  # refused by supports() when present, so these are all None here
-            inputs = tuple(v for a, v in zip(spec.phase(phase).inputs, inputs) if a.when not in drop)
+        ms = phase_spec(spec.name, phase)
         device = next(t.device for t in outputs if t is not None)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # MAX runs on its own stream with host-side work per call (and may compile on first use):
@@ -180,5 +139,5 @@ class MojoBackend(Backend):
         torch.matmul(dg, w_gate, out=dxn)
         dxn.addmm_(du, w_up)
         if nw is not None:  # rms_norm's scalars: (eps, casting); eps is unused (rstd is saved)
-            rms = _phase_spec("rms_norm", "backward")
+            rms = phase_spec("rms_norm", "backward")
             self._call(rms, device, (dx, dnw), (dxn, None, x, nw, rstd), (scalars[0], "fp32"))
