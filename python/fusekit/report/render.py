@@ -3,8 +3,10 @@
 Provenance is stated exactly: a file merged from several runs lists each run's commit in the Sources
 table, every timed cell carries its run's number when a file has more than one, and each op's table is
 followed by its runs (commit, date, versions, command). The timing method is stated per device: CUDA
-events with a cold L2 on a GPU, host wall-clock on the CPU. The report ends with the Reliability section
-(report/reliability.py: the test and sanitizer records found beside the results).
+events with a cold L2 on a GPU, host wall-clock on the CPU. After the op sections come the end-to-end
+model (report/e2e.py) and the host path per call (report/host.py), each only where its file exists; the
+report ends with the Reliability section (report/reliability.py: the test and sanitizer records found
+beside the results).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 
 from fusekit.bench import cases
 from fusekit.bench.results import load_all, runs, suite_of
+from fusekit.report import e2e as e2e_section
+from fusekit.report import host as host_section
 from fusekit.report import plots, reliability, tables
 
 SUITE_ORDER = ("sweep", "train", "small")
@@ -81,7 +85,8 @@ def _device_note(doc: dict) -> str:
 
 
 def render(results_dir: Path, out_dir: Path, draw: bool = True) -> Path | None:
-    """Write <out_dir>/README.md plus <device>_<op>.png and <device>_roofline.png; None if no results.
+    """Write <out_dir>/README.md plus <device>_<op>.png, <device>_roofline.png and <device>_e2e.png;
+    None if no op results.
     draw=False writes the markdown only (same text, the PNGs are not drawn)."""
     docs = load_all(results_dir)
     if not docs:
@@ -173,6 +178,8 @@ def render(results_dir: Path, out_dir: Path, draw: bool = True) -> Path | None:
             rep = next((r["repro"] for r in doc["rows"] if r.get("status") == "ok"), None)
             if rep:
                 md += [f"Repro one row: `{rep}` (each row's command is in the JSON).", ""]
+    md += e2e_section.section_md(results_dir, out_dir, src_root, draw)  # e2e.json: its own schema
+    md += host_section.section_md(results_dir, src_root)  # host.json: its own schema
     md += reliability.section_md(results_dir, src_root)
     path = out_dir / "README.md"
     path.write_text("\n".join(md).rstrip() + "\n")

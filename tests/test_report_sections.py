@@ -1,0 +1,244 @@
+"""The report's end-to-end and host-path sections (report/e2e.py, report/host.py) on small synthetic files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from fusekit.bench.results import load_all
+from fusekit.report import e2e, host
+from fusekit.report.render import render
+
+REPO = Path(__file__).resolve().parents[1]
+SLUG = "nvidia-h200"
+GIB = 2**30
+
+
+def _meta(schema: str, commit: str = "abcdef1234567890", date: str = "2031-01-02T03:04:05+00:00") -> dict:
+    return {
+        "schema": schema,
+        "device": "cuda",
+        "gpu_name": "NVIDIA H200",
+        "torch": "2.11.0",
+        "triton": "3.6.0",
+        "liger": "0.8.5",
+        "transformers": "5.23.0",
+        "git_commit": commit,
+        "git_dirty": True,
+        "date": date,
+        "command": "python -m fusekit.bench.e2e --device cuda",
+    }
+
+
+def _row(
+    prov: str, scenario: str, case: str, tps: float, eager: float, compile_: float, run: int = 0
+) -> dict:
+    return {
+        "provider": prov,
+        "scenario": scenario,
+        "case": case,
+        "status": "ok",
+        "tokens_per_s": tps,
+        "ms_per_step": 1e3 / tps,
+        "peak_mem_bytes": int(20 * GIB),
+        "run": run,
+        "speedup_vs": {"eager": tps / eager, "compile": tps / compile_},
+    }
+
+
+def _e2e_doc(wrong: bool = False, merged: bool = False) -> dict:
+    """eager / compile / fusekit-triton over prefill, decode and train; optionally a liger that failed
+    its gate, and a second run that timed fusekit-triton."""
+    base = {"prefill": 1000.0, "decode": 100.0, "train": 400.0}
+    comp = {"prefill": 1200.0, "decode": 250.0, "train": 440.0}
+    fk = {"prefill": 1100.0, "decode": 90.0, "train": 380.0}
+    cases = {"prefill": "1x64", "decode": "1x32+8", "train": "1x64"}
+    rows = []
+    for prov, tps, run in (("eager", base, 0), ("compile", comp, 0), ("fusekit-triton", fk, int(merged))):
+        rows += [_row(prov, sc, cases[sc], tps[sc], base[sc], comp[sc], run) for sc in cases]
+    gate = {"passed": True, "logits_rel_error": 0.02, "logits_tol": 0.05, "generate_matching_prefix": 8}
+    providers = {
+        "eager": {"gate": gate, "gate_s": 0.5, "status": "ok", "run": 0},
+        "compile": {"gate": gate, "gate_s": 9.0, "status": "ok", "run": 0},
+        "fusekit-triton": {
+            "gate": {
+                **gate,
+                "kernel_runs": {"rms_norm:forward": 5},
+                "kernel_runs_expected": {"rms_norm:forward": 5},
+            },
+            "gate_s": 3.0,
+            "status": "ok",
+            "run": int(merged),
+        },
+    }
+    if wrong:
+        why = "correctness gate failed: logits relative error 0.9 > 0.05"
+        providers["liger"] = {"gate": {**gate, "passed": False}, "status": "wrong", "reason": why, "run": 0}
+        rows += [
+            {"provider": "liger", "scenario": sc, "case": c, "status": "wrong", "reason": why, "run": 0}
+            for sc, c in cases.items()
+        ]
+    meta = _meta(e2e.SCHEMA)
+    runs = [meta, _meta(e2e.SCHEMA, commit="fedcba9876543210", date="2031-01-03T00:00:00+00:00")]
+    return {
+        "schema": e2e.SCHEMA,
+        "meta": meta,
+        "setup": {
+            "model": "tiny",
+            "layers": 2,
+            "dtype": "bf16",
+            "attn_implementation": "sdpa",
+            "prefill": [[1, 64]],
+            "decode": [1, 32, 8],
+            "train": [[1, 64]],
+            "config": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4},
+            "parameters": 123_456_789,
+        },
+        "method": {"quick": False},
+        "providers": providers,
+        "rows": rows,
+        "runs": runs if merged else [meta],
+    }
+
+
+def _host_doc() -> dict:
+    def row(case: str, backend: str, wall: float, bare: float | None) -> dict:
+        r = {"case": case, "backend": backend, "fusekit_wall_us": wall, "fusekit_gpu_us": 5.0}
+        if bare is not None:
+            r.update(bare_wall_us=bare, wall_vs_bare=wall / bare, bare_kernels=["_k"], liger_wall_us=70.0)
+        return {**r, "torch_wall_us": 12.0, "status": "ok"}
+
+    return {
+        "schema": host.SCHEMA,
+        "meta": {**_meta(host.SCHEMA), "command": "python -m fusekit.bench.host --backends triton,torch"},
+        "method": "host wall-clock per call",
+        "rows": [
+            row("rms_norm 1x4096", "triton", 39.0, 30.0),  # 1.30x: meets the target
+            row("rms_norm 1x4096", "torch", 50.0, None),
+            row("rope 1 token", "triton", 80.0, 20.0),  # 4x: misses it
+            {
+                "case": "attention decode",
+                "backend": "triton",
+                "status": "error",
+                "reason": "ValueError: no|pe",
+            },
+        ],
+    }
+
+
+def _results(tmp_path: Path, e2e_doc: dict | None = None, host_doc: dict | None = None) -> Path:
+    """A results tree with one committed op file and the given e2e / host files."""
+    res = tmp_path / "res"
+    d = res / SLUG
+    d.mkdir(parents=True)
+    shutil.copy(REPO / "benchmarks/results/nvidia-h200/rope.json", d / "rope.json")
+    if e2e_doc is not None:
+        (d / "e2e.json").write_text(json.dumps(e2e_doc))
+    if host_doc is not None:
+        (d / "host.json").write_text(json.dumps(host_doc))
+    return res
+
+
+def _section(md: str, title: str) -> str:
+    """The text of the `## ` section that starts with `title`, up to the next one."""
+    return md.split(title, 1)[1].split("\n## ", 1)[0]
+
+
+def test_op_loader_ignores_e2e_and_host_files(tmp_path) -> None:
+    res = _results(tmp_path, _e2e_doc(), _host_doc())
+    (res / SLUG / "broken.json").write_text("{not json")
+    assert [p.name for p, _ in load_all(res)] == ["rope.json"]
+    assert [p.name for p, _ in e2e.load(res)] == ["e2e.json"]
+    assert [p.name for p, _ in host.load(res)] == ["host.json"]
+
+
+def test_sections_sit_between_the_op_sections_and_reliability(tmp_path) -> None:
+    res = _results(tmp_path, _e2e_doc(), _host_doc())
+    md = render(res, tmp_path / "rep", draw=False).read_text()
+    i_op, i_e2e = md.index("### rope — "), md.index(e2e.TITLE)
+    i_host, i_rel = md.index(host.TITLE), md.index("## Reliability")
+    assert i_op < i_e2e < i_host < i_rel
+    assert md.count(e2e.TITLE) == 1 and md.count(host.TITLE) == 1
+    assert "e2e.json" not in md.split(e2e.TITLE)[0]  # no op section, Sources row or headline for it
+
+
+def test_absent_files_leave_no_section(tmp_path) -> None:
+    md = render(_results(tmp_path), tmp_path / "rep", draw=False).read_text()
+    assert e2e.TITLE not in md and host.TITLE not in md
+    assert e2e.section_md(tmp_path / "res", tmp_path / "rep", tmp_path) == []
+    assert host.section_md(tmp_path / "res", tmp_path) == []
+    assert not (tmp_path / "rep" / f"{SLUG}_e2e.png").exists()
+
+
+def test_e2e_table_ratios_memory_setup_and_run(tmp_path) -> None:
+    md = render(_results(tmp_path, _e2e_doc()), tmp_path / "rep", draw=False).read_text()
+    part = _section(md, e2e.TITLE)
+    assert "| scenario | eager | compile | fusekit-triton |" in part
+    lines = {ln.split(" | ")[0]: ln for ln in part.splitlines() if ln.startswith("| `")}
+    prefill = lines["| `prefill 1x64`"]
+    assert "1,100 tok/s · 0.909 ms<br>×1.10 eager, ×0.92 compile" in prefill
+    assert "**1,200 tok/s · 0.833 ms**<br>×1.20 eager |" in prefill  # fastest in bold, no self-ratio
+    assert "×0.83 compile |" in prefill  # eager's column
+    assert "peak 20.0 GiB" in lines["| `train 1x64`"] and "GiB" not in prefill
+    assert "| `decode 1x32+8`" in lines
+    assert "Setup: tiny shapes, 2 layers (hidden 64, FFN 128, 4 heads" in part and "0.12 B parameters" in part
+    assert "decode 1x32 prompt + 8 new tokens" in part
+    assert "Run: commit abcdef1234+dirty, 2031-01-02 03:04, torch 2.11.0, triton 3.6.0," in part
+    assert "transformers 5.23.0" in part and "`python -m fusekit.bench.e2e --device cuda`" in part
+    assert f"![end to end on {SLUG}]({SLUG}_e2e.png)" in part
+    assert "| fusekit-triton | ok | 0.02 (0.05) | – | 8 of 8 | all | 3.0 |" in part
+    assert "<sup>" not in part
+
+
+def test_e2e_wrong_provider_and_merged_runs(tmp_path) -> None:
+    md = render(_results(tmp_path, _e2e_doc(wrong=True, merged=True)), tmp_path / "rep", draw=False)
+    part = _section(md.read_text(), e2e.TITLE)
+    assert "| scenario | eager | compile | fusekit-triton | liger |" in part
+    assert "| wrong |" in part  # liger's cells: not timed
+    assert (
+        "| liger | train 1x64 | wrong | correctness gate failed: logits relative error 0.9 > 0.05 |" in part
+    )
+    assert "×1.10 eager, ×0.92 compile<sup>2</sup>" in part  # fusekit-triton's cells are run 2's
+    assert "1. commit abcdef1234+dirty, 2031-01-02 03:04" in part
+    assert "2. commit fedcba9876+dirty, 2031-01-03 00:00" in part
+
+
+def test_e2e_plot_is_drawn(tmp_path) -> None:
+    doc = _e2e_doc(wrong=True)
+    png = e2e.plot(doc, tmp_path / f"{SLUG}_e2e.png")
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert e2e.plot(doc, tmp_path / "x.png", draw=False) == tmp_path / "x.png"
+    assert not (tmp_path / "x.png").exists()
+    no_eager = {**doc, "rows": [r for r in doc["rows"] if r["provider"] != "eager"]}
+    for r in no_eager["rows"]:
+        r.pop("speedup_vs", None)
+    assert e2e.plot(no_eager, tmp_path / "y.png") is None
+
+
+def test_render_draws_the_e2e_png(tmp_path) -> None:
+    md = render(_results(tmp_path, _e2e_doc()), tmp_path / "rep").read_text()
+    assert (tmp_path / "rep" / f"{SLUG}_e2e.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"({SLUG}_e2e.png)" in md
+
+
+def test_host_table_marks_the_target(tmp_path) -> None:
+    md = render(_results(tmp_path, host_doc=_host_doc()), tmp_path / "rep", draw=False).read_text()
+    part = _section(md, host.TITLE)
+    assert e2e.TITLE not in md
+    head = "| case | backend | wall µs | GPU µs | bare Triton launch µs | wall ÷ bare | torch eager µs | Liger µs |"
+    assert head in part
+    assert "| `rms_norm 1x4096` | triton | 39.0 | 5.0 | 30.0 | 1.30× ✓ | 12.0 | 70.0 | `_k` |" in part
+    assert "| `rms_norm 1x4096` | torch | 50.0 | 5.0 | – | – | 12.0 | – | – |" in part
+    assert "| `rope 1 token` | triton | 80.0 | 5.0 | 20.0 | **4.00× ✗** |" in part
+    assert "| `attention decode` | triton | error: ValueError: no/pe |" in part
+    assert "triton: 1 of 2 cases within 1.3× of the bare launch (median 2.65×)." in part
+    assert "Run: commit abcdef1234+dirty, 2031-01-02 03:04, torch 2.11.0, triton 3.6.0, liger 0.8.5;" in part
+    assert "transformers" not in part
+
+
+def test_committed_files_render_both_sections(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(REPO)
+    md = render(Path("benchmarks/results"), tmp_path, draw=False).read_text()
+    assert f"### {SLUG} — `benchmarks/results/{SLUG}/e2e.json`" in md
+    assert f"### {SLUG} — `benchmarks/results/{SLUG}/host.json`" in md
