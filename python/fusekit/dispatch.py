@@ -3,7 +3,10 @@
 Resolution order (never a silent fallback for an explicit choice):
 1. `backend=` argument, when it is not "auto";
 2. `FUSEKIT_BACKEND_<OP>` (e.g. FUSEKIT_BACKEND_RMS_NORM=triton), then `FUSEKIT_BACKEND`;
-3. `auto`: the first backend in `AUTO[device type][op]` that is installed and supports the call.
+3. `auto`: the first backend in the ranking for the call's device type, op and shape class
+   (`AUTO_CLASSES`, generated from the committed results by `python -m fusekit.bench.auto_table`;
+   the op's default order where no class was measured) that is installed and supports the call.
+   Inside a CUDA graph capture `auto` skips backends that refuse capture (mojo).
 
 A backend chosen by 1 or 2 that is missing raises BackendUnavailable with the install command; one
 that cannot run this particular call raises ValueError with its reason. A call that records a
@@ -12,12 +15,19 @@ gradient resolves with phase "backward", so `auto` picks a backend that has the 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
+from torch import Tensor
 
 from fusekit import backends
 from fusekit.backends.base import Backend, BackendUnavailable
+
+try:  # generated, per device type, op and shape class; absent: the default orders below
+    from fusekit._auto_table import AUTO_CLASSES
+except ImportError:  # pragma: no cover - only while bootstrapping the generator
+    AUTO_CLASSES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {}
 
 # The `auto` ranking per device type and op. The CUDA order follows the committed H200 benchmark
 # results (benchmarks/report/README.md): the fastest backend first, the torch reference always last
@@ -27,10 +37,61 @@ _CUDA_ORDER = ("triton", "mojo", "torch")
 AUTO: dict[str, dict[str, tuple[str, ...]]] = {"cuda": {}, "cpu": {}}
 
 
-def auto_order(op: str, device_type: str) -> tuple[str, ...]:
+SHAPE_CLASSES = ("decode", "small", "large")
+DECODE_TOKENS = 16  # rows/tokens at or below which a call is "decode"
+SMALL_BYTES = 8 << 20  # input bytes below which a call is "small" (launch and host cost dominate)
+# Where an op's tokens (rows) sit in its first input, forward and backward alike: norms [M, N] (dy too),
+# rope [B, S, H, D] (B*S), swiglu_ffn [T, D], attention q / do [B, H, S, D] (S: the query length).
+# reduce_sum is classed by bytes only.
+_TOKEN_DIMS: dict[str, tuple[int, ...]] = {
+    "rms_norm": (0,),
+    "layer_norm": (0,),
+    "rope": (0, 1),
+    "swiglu_ffn": (0,),
+    "attention": (2,),
+}
+
+
+def shape_class(op: str, inputs: tuple[Tensor | None, ...]) -> str:
+    """The call's shape class for `auto`: "decode" when its tokens (norms' rows M, rope's B*S,
+    swiglu_ffn's T, attention's query length S) are at most DECODE_TOKENS, else "small" when its
+    present inputs hold fewer than SMALL_BYTES, else "large". `inputs` are the phase's inputs in spec
+    order (shapes only are read: meta tensors work, as fusekit.bench.auto_table uses them)."""
+    dims = _TOKEN_DIMS.get(op)
+    first = inputs[0] if inputs else None
+    if (
+        dims is not None
+        and first is not None
+        and first.dim() > max(dims)
+        and math.prod(first.shape[d] for d in dims) <= DECODE_TOKENS
+    ):
+        return "decode"
+    nbytes = sum(t.numel() * t.element_size() for t in inputs if t is not None)
+    return "small" if nbytes < SMALL_BYTES else "large"
+
+
+def auto_order(op: str, device_type: str, shape_class: str | None = None) -> tuple[str, ...]:
+    """The `auto` ranking: the measured one for the shape class, else the op's default order."""
     if device_type == "cpu":
         return AUTO["cpu"].get(op, ("torch",))
-    return AUTO["cuda"].get(op, _CUDA_ORDER)
+    default = AUTO["cuda"].get(op, _CUDA_ORDER)
+    if shape_class is None:
+        return default
+    return AUTO_CLASSES.get(device_type, {}).get(op, {}).get(shape_class, default)
+
+
+def capture_safe(b: Backend) -> bool:
+    """False for a backend that refuses every call inside a CUDA graph capture (Backend.capture_safe)."""
+    return b.capture_safe
+
+
+def capturing(device_type: str = "cuda") -> bool:
+    """A CUDA graph capture is running on the current stream (never initializes CUDA)."""
+    return device_type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _capturing(device: torch.device) -> bool:
+    return capturing(device.type)
 
 
 _cache: dict[tuple, Backend] = {}
@@ -46,20 +107,26 @@ def resolve(
     device: torch.device,
     dtypes: tuple[torch.dtype, ...],
     phase: str = "forward",
+    shape_class: str | None = None,
     **meta: object,
 ) -> Backend:
-    """The backend object that runs `phase` of `op` for a call with these properties."""
+    """The backend object that runs `phase` of `op` for a call with these properties. `shape_class`
+    (see `shape_class()`; None: the op's default order) picks the `auto` ranking; an `auto` choice
+    made inside a CUDA graph capture is cached apart from the others (the capture flag is in the key)."""
     if backend == "auto":
         backend = _env_choice(op) or "auto"
-    key = (op, phase, backend, device.type, dtypes, tuple(sorted(meta.items())))
+    capturing = backend == "auto" and _capturing(device)
+    key = (op, phase, backend, device.type, dtypes, shape_class, capturing, tuple(sorted(meta.items())))
     hit = _cache.get(key)
     if hit is not None:
         return hit
     if backend == "auto":
         reasons = []
-        for name in auto_order(op, device.type):
+        for name in auto_order(op, device.type, shape_class):
             b = backends.get(name)
             why = b.unavailable_reason() or b.supports(op, phase, device, dtypes, **meta)
+            if why is None and capturing and not capture_safe(b):
+                why = "refuses to run inside a CUDA graph capture"
             if why is None:
                 _cache[key] = b
                 return b

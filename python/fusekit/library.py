@@ -65,8 +65,11 @@ class _Plan:
         self.empty = inputs[0] is not None and inputs[0].numel() == 0
         key = tuple(spec.dtype_of(v, p.inputs, inputs, named) for v in spec.dtype_vars)
         meta = spec.meta(dict(zip((a.name for a in p.inputs), inputs)), named)
+        cls = dispatch.shape_class(spec.name, inputs)  # picks auto's ranking (decode, small, large)
         self.provider = (
-            None if self.empty else dispatch.resolve(spec.name, backend, device, key, phase=phase, **meta)
+            None
+            if self.empty
+            else dispatch.resolve(spec.name, backend, device, key, phase=phase, shape_class=cls, **meta)
         )
         self.kscalars = spec.kernel_scalars(scalars)
         self.guard = device.type == "cuda"
@@ -95,6 +98,8 @@ def _signature(spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend:
         tuple(cond.values()),
         tuple(None if t is None else (t.shape, t.dtype, t.device) for t in inputs),
     )
+    if backend == "auto" and dispatch.capturing():  # auto skips capture-unsafe backends (own plans)
+        sig += ("capturing",)
     strided = _strided(spec, phase)
     if strided:  # a view's layout decides whether it is copied (see _Plan.contig)
         sig += tuple(None if inputs[i] is None else inputs[i].stride() for i in strided)
@@ -206,6 +211,8 @@ def call_key(tensors: tuple, scalars: tuple, backend: object) -> tuple | None:
     or numpy start_pos could change value under the same identity)."""
     if type(backend) is not str or torch.compiler.is_compiling():
         return None
+    if backend == "auto" and dispatch.capturing():
+        return None  # auto may pick another backend inside a capture: the checked path decides
     try:  # list comprehensions: cheaper than generators on this path
         tk = tuple([
             None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
@@ -286,7 +293,10 @@ def _check_backward(
     meta = spec.meta(dict(zip((a.name for a in spec.forward.inputs), inputs)), named)
     device = _device(inputs)
     try:
-        chosen = dispatch.resolve(spec.name, backend, device, key, phase=BACKWARD, **meta).name
+        cls = dispatch.shape_class(spec.name, inputs)
+        chosen = dispatch.resolve(
+            spec.name, backend, device, key, phase=BACKWARD, shape_class=cls, **meta
+        ).name
     except ValueError as exc:
         raise ValueError(
             f"{who[0]}: requires grad, but {spec.name} has no backward here: {exc}. Detach the input, "

@@ -36,6 +36,9 @@ class Backend:
     # workspace, none of which a CUDA graph capture allows; the library refuses such a first call inside
     # a capture with a clear error instead of corrupting the capture (warm up first, as torch requires).
     first_call_setup: bool = False
+    # False: every call inside a CUDA graph capture is refused (mojo: MAX runs on its own stream), so
+    # backend="auto" skips this backend while a capture is running.
+    capture_safe: bool = True
 
     def __init__(self) -> None:
         self._checked = False

@@ -21,6 +21,7 @@ HEAD_DIMS = (64, 128, 256)
 
 class MojoBackend(Backend):
     name = "mojo"
+    capture_safe = False  # MAX launches on its own stream: calls inside a CUDA graph capture are refused
     install_hint = "pip install 'fusekit[mojo]'  (max==26.7.0, mojo==1.2.0)"
 
     def __init__(self, package: str | None = None) -> None:

@@ -1,0 +1,166 @@
+"""Generate `fusekit/_auto_table.py`: the `auto` ranking per op and shape class, from committed results.
+
+    PYTHONPATH=python python -m fusekit.bench.auto_table [--results benchmarks/results/nvidia-h200]
+                                                         [--out python/fusekit/_auto_table.py]
+
+Every backend row (provider 'triton', 'mojo' or 'torch', status ok) of every suite (sweep, small,
+train) is put in a shape class by `fusekit.dispatch.shape_class`, the rule `auto` applies at call
+time, applied to the case's inputs rebuilt as meta tensors. Per (op, class), backend a beats b when the
+median of t_a / t_b (GPU time of one call: `gpu_us`, else `time_us`; train rows time forward and
+backward) over the cases both ran is below 1 - TIE (differences within TIE are run-to-run noise, and
+the default order already encodes a preference: the capture-safe Triton first); backends are ranked
+by wins, ties and backends without rows in the class keep the op's default order (`dispatch.auto_order`). Classes with no rows are left
+out, so `auto` uses the default order there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from fusekit import dispatch
+from fusekit.bench import cases as bench_cases
+from fusekit.bench import results
+
+DEVICE_TYPE = "cuda"
+DEFAULT_RESULTS = results.COMMITTED_RESULTS / "nvidia-h200"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "_auto_table.py"
+BACKENDS = ("triton", "mojo", "torch")
+TIE = 0.05  # a median time ratio within 5% of 1 is a tie (keeps the default order)
+
+
+def _case_class(op: str) -> type:
+    mod = bench_cases.module(op)
+    return next(
+        v
+        for v in vars(mod).values()
+        if isinstance(v, type) and issubclass(v, bench_cases.Case) and v.op == op
+    )
+
+
+class _MetaRand:
+    """Stands in for the cases' `Rand`: the same call, shapes and dtypes only (meta tensors)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, *shape: int, scale: float = 1.0, shift: float = 0.0, dtype=None) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype or self.dtype, device="meta")
+
+
+def row_class(op: str, suite: str, row: dict) -> str:
+    """The shape class of a results row's case (its forward inputs, as the public call gets them)."""
+    case = _case_class(op)(
+        params=row["params"],
+        dtype=row["dtype"],
+        group=row.get("group", ""),
+        x=row.get("x", 0),
+        x_label=row.get("x_label", ""),
+        suite=suite,
+    )
+    return dispatch.shape_class(op, tuple(case.forward_inputs(_MetaRand(case.torch_dtype)).values()))
+
+
+def collect(docs: list[tuple[Path, dict]]) -> dict[tuple[str, str], dict[str, dict[tuple, float]]]:
+    """{(op, class): {backend: {(suite, case): GPU time in us}}} over the ok backend rows."""
+    ops = set(bench_cases.ops())
+    times: dict[tuple[str, str], dict[str, dict[tuple, float]]] = defaultdict(lambda: defaultdict(dict))
+    for _, doc in docs:
+        op, suite = doc.get("op"), results.suite_of(doc)
+        if op not in ops:
+            continue
+        for row in doc["rows"]:
+            t = row.get("gpu_us", row.get("time_us"))
+            if row.get("kind") != "backend" or row.get("provider") not in BACKENDS:
+                continue
+            if row.get("status") != "ok" or not t:
+                continue
+            cls = row_class(op, suite, row)
+            times[(op, cls)][row["provider"]][(suite, row["case"])] = float(t)
+    return times
+
+
+def rank(op: str, by_backend: dict[str, dict[tuple, float]]) -> tuple[str, ...]:
+    """Measured backends by pairwise wins (median time ratio over common cases), then the rest."""
+    default = dispatch.auto_order(op, DEVICE_TYPE)
+    measured = [b for b in default if by_backend.get(b)] + sorted(set(by_backend) - set(default))
+    wins = dict.fromkeys(measured, 0)
+    for a in measured:
+        for b in measured:
+            common = by_backend[a].keys() & by_backend[b].keys()
+            if a != b and common:
+                ratio = statistics.median(by_backend[a][c] / by_backend[b][c] for c in common)
+                wins[a] += ratio < 1.0 - TIE
+    ordered = sorted(measured, key=lambda b: (-wins[b], measured.index(b)))
+    return (*ordered, *(b for b in default if b not in ordered))
+
+
+def _git(*args: str) -> str:
+    out = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
+    return out.stdout.strip() if out.returncode == 0 else "?"
+
+
+def _q(s: str) -> str:
+    return f'"{s}"'  # ruff format's quotes, so the generated file is format-clean
+
+
+def render(docs: list[tuple[Path, dict]], times: dict) -> str:
+    lines = [
+        '"""The `auto` ranking per device type, op and shape class (fusekit.dispatch.AUTO_CLASSES).',
+        "",
+        "Generated by `python -m fusekit.bench.auto_table` from committed results; do not edit, re-run it.",
+        '"""',
+        "",
+        "# Sources (file: commits the rows were measured at; commit that last changed the file):",
+    ]
+    for path, doc in docs:
+        if doc.get("op") not in bench_cases.ops():
+            continue
+        measured = sorted({str(r.get("git_commit", "?"))[:7] for r in results.runs(doc)})
+        lines.append(
+            f"#   {path.as_posix()}: {', '.join(measured)}; {_git('log', '-1', '--format=%h', '--', str(path))}"
+        )
+    lines.append("# Per entry: cases each backend ran in that class (suites pooled); a median time ratio")
+    lines.append(f"# within {TIE:.0%} of 1 is a tie (default order kept).")
+    lines.append("AUTO_CLASSES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {")
+    lines.append(f"    {_q(DEVICE_TYPE)}: {{")
+    for op in bench_cases.ops():
+        classes = [c for c in dispatch.SHAPE_CLASSES if (op, c) in times]
+        if not classes:
+            lines.append(f"        # {op}: no measurements (default order)")
+            continue
+        lines.append(f"        {_q(op)}: {{")
+        for cls in classes:
+            by_backend = times[(op, cls)]
+            counts = ", ".join(f"{b} {len(v)}" for b, v in sorted(by_backend.items()))
+            lines.append(f"            # {cls}: {counts}")
+            ranked = rank(op, by_backend)
+            order = ", ".join(_q(b) for b in ranked) + ("," if len(ranked) == 1 else "")
+            lines.append(f"            {_q(cls)}: ({order}),")
+        lines.append("        },")
+    lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    docs = results.load_all(args.results)
+    if not docs:
+        raise SystemExit(f"auto_table: no results files under {args.results}")
+    text = render(docs, collect(docs))
+    args.out.write_text(text)
+    print(text)
+    print(f"auto_table: wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""`backend="auto"` per op and shape class (issue 11): the class rule, the generated ranking table,
+CUDA graph capture safety and the resolution cache. CPU only: backends are stand-ins and CUDA's
+availability and capture state are monkeypatched (a "cuda" device object needs no GPU to resolve)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+
+from fusekit import backends, dispatch, ops
+from fusekit.backends.base import Backend
+from fusekit.bench import auto_table
+
+CUDA = torch.device("cuda")
+BF16 = (torch.bfloat16, torch.bfloat16)
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize(
+    ("op", "inputs", "expected"),
+    [
+        ("rms_norm", (meta(16, 4096), None, meta(4096)), "decode"),
+        ("rms_norm", (meta(17, 4096), None, meta(4096)), "small"),
+        ("rms_norm", (meta(1023, 4096), None, meta(4096)), "large"),  # exactly 8 MiB of inputs
+        ("rms_norm", (meta(1022, 4096), None, meta(4096)), "small"),
+        ("layer_norm", (meta(1, 8), None, meta(8), meta(8)), "decode"),
+        ("rope", (meta(2, 8, 32, 128), None, None, None), "decode"),  # B*S = 16
+        ("rope", (meta(1, 17, 32, 128), None, None, None), "small"),
+        ("rope", (meta(1, 1024, 32, 128), None, None, None), "large"),
+        ("swiglu_ffn", (meta(16, 4096), meta(14336, 4096), meta(14336, 4096)), "decode"),
+        ("swiglu_ffn", (meta(17, 64), meta(128, 64), meta(128, 64)), "small"),
+        ("swiglu_ffn", (meta(17, 4096), meta(14336, 4096), meta(14336, 4096)), "large"),
+        ("attention", (meta(64, 32, 16, 128), meta(64, 8, 4096, 128), meta(64, 8, 4096, 128)), "decode"),
+        ("attention", (meta(1, 32, 17, 128), meta(1, 8, 17, 128), meta(1, 8, 17, 128)), "small"),
+        ("reduce_sum", (meta(1, dtype=torch.uint8),), "small"),  # bytes only: never "decode"
+        ("reduce_sum", (meta((8 << 20) - 1, dtype=torch.uint8),), "small"),
+        ("reduce_sum", (meta(8 << 20, dtype=torch.uint8),), "large"),
+    ],
+)
+def test_shape_class_boundaries(op: str, inputs: tuple, expected: str) -> None:
+    assert dispatch.shape_class(op, inputs) == expected
+
+
+class Fake(Backend):
+    """Stands in for an installed backend; `no_backward` refuses the backward phase."""
+
+    def __init__(self, name: str, no_backward: bool = False) -> None:
+        super().__init__()
+        self.name, self.no_backward = name, no_backward
+        self.capture_safe = name != "mojo"  # as the real backends declare it
+
+    def supports(self, op, phase, device, dtypes, **meta) -> str | None:
+        return "no backward" if self.no_backward and phase == "backward" else None
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> dict[str, Fake]:
+    made = {name: Fake(name) for name in backends.names()}
+    for name, b in made.items():
+        monkeypatch.setitem(backends._INSTANCES, name, b)
+    monkeypatch.delenv("FUSEKIT_BACKEND", raising=False)
+    monkeypatch.delenv("FUSEKIT_BACKEND_RMS_NORM", raising=False)
+    monkeypatch.setattr(
+        dispatch,
+        "AUTO_CLASSES",
+        {"cuda": {"rms_norm": {"decode": ("mojo", "triton", "torch"), "large": ("torch", "triton", "mojo")}}},
+    )
+    dispatch.clear_cache()
+    yield made
+    dispatch.clear_cache()
+
+
+def capturing(monkeypatch: pytest.MonkeyPatch, flag: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: flag)
+
+
+def test_table_lookup_picks_per_class(fakes, monkeypatch) -> None:
+    capturing(monkeypatch, False)
+    pick = lambda cls: dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class=cls).name
+    assert pick("decode") == "mojo"
+    assert pick("large") == "torch"
+    assert pick("small") == "triton"  # not in the table: the op's default order
+    assert pick(None) == "triton"
+    # the CPU always runs the torch backend under auto
+    assert (
+        dispatch.resolve("rms_norm", "auto", torch.device("cpu"), BF16, shape_class="decode").name == "torch"
+    )
+
+
+def test_cache_keys_separate_classes(fakes, monkeypatch) -> None:
+    capturing(monkeypatch, False)
+    a = dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="decode")
+    b = dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="large")
+    assert (a.name, b.name) == ("mojo", "torch")
+    classes = {k[5] for k in dispatch._cache if k[0] == "rms_norm"}
+    assert classes == {"decode", "large"}
+    assert dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="decode") is a  # a cache hit
+
+
+def test_capture_skips_backends_that_refuse_it(fakes, monkeypatch) -> None:
+    capturing(monkeypatch, True)
+    assert dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="decode").name == "triton"
+    # the choice made in a capture is not reused outside one, nor the other way round
+    capturing(monkeypatch, False)
+    assert dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="decode").name == "mojo"
+    capturing(monkeypatch, True)
+    assert dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="decode").name == "triton"
+    # an explicit choice is the caller's: not filtered (the provider itself refuses in a capture)
+    assert dispatch.resolve("rms_norm", "mojo", CUDA, BF16, shape_class="decode").name == "mojo"
+    # the backend's capture_safe attribute decides
+    fakes["triton"].capture_safe = False
+    dispatch.clear_cache()
+    assert dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="decode").name == "torch"
+    fakes["torch"].capture_safe = False
+    dispatch.clear_cache()
+    with pytest.raises(ValueError, match="refuses to run inside a CUDA graph capture"):
+        dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="decode")
+
+
+def test_capture_flag_needs_cuda(fakes, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="decode").name == "mojo"
+
+
+def test_backward_picks_a_backend_with_a_backward(fakes, monkeypatch) -> None:
+    capturing(monkeypatch, False)
+    fakes["mojo"].no_backward = True
+    res = dispatch.resolve("rms_norm", "auto", CUDA, BF16, phase="backward", shape_class="decode")
+    assert res.name == "triton"
+    assert dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="decode").name == "mojo"
+
+
+def test_library_passes_the_call_class(monkeypatch) -> None:
+    """Forward plans and grad calls resolve with the class of their inputs (CPU, torch backend)."""
+    seen: list[tuple[str, str | None]] = []
+    real = dispatch.resolve
+
+    def spy(op, backend, device, dtypes, phase="forward", shape_class=None, **meta):
+        seen.append((phase, shape_class))
+        return real(op, backend, device, dtypes, phase=phase, shape_class=shape_class, **meta)
+
+    monkeypatch.setattr(dispatch, "resolve", spy)
+    dispatch.clear_cache()
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, generator=gen)
+    ops.rms_norm(torch.randn(4, 64, generator=gen), w)
+    ops.rms_norm(torch.randn(40, 64, generator=gen), w)
+    x = torch.randn(2, 3, 64, generator=gen, requires_grad=True)
+    ops.rms_norm(x, w).sum().backward()
+    dispatch.clear_cache()
+    assert ("forward", "decode") in seen and ("forward", "small") in seen
+    assert ("backward", "decode") in seen  # _check_backward: the grad call's class
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_generated_table_names_only_known_things() -> None:
+    table = importlib.import_module("fusekit._auto_table").AUTO_CLASSES
+    assert dispatch.AUTO_CLASSES is table
+    assert set(table) <= {"cuda"}
+    for per_op in table.values():
+        assert set(per_op) <= set(ops.OPS)
+        for per_class in per_op.values():
+            assert per_class and set(per_class) <= set(dispatch.SHAPE_CLASSES)
+            for order in per_class.values():
+                assert isinstance(order, tuple) and len(set(order)) == len(order)
+                assert set(order) <= set(backends.names())
+                assert "torch" in order  # auto can always run the call
+
+
+def _row(case: str, params: dict, provider: str, us: float) -> dict:
+    return {
+        "op": "rms_norm",
+        "case": case,
+        "params": params,
+        "dtype": "bf16",
+        "provider": provider,
+        "kind": "backend",
+        "status": "ok",
+        "time_us": us,
+    }
+
+
+def test_generator_ranks_per_class(tmp_path) -> None:
+    """Synthetic results: mojo clearly faster at decode, triton at large, a 2% gap is a tie."""
+    rows = []
+    for m, times in (
+        (1, {"mojo": 2.0, "triton": 5.0, "torch": 9.0}),
+        (8192, {"mojo": 100.0, "triton": 50.0}),
+    ):
+        for prov, us in times.items():
+            rows.append(_row(f"M={m},N=4096,dtype=bf16", {"M": m, "N": 4096}, prov, us))
+    rows.append(_row("M=64,N=256,dtype=bf16", {"M": 64, "N": 256}, "mojo", 9.8))
+    rows.append(_row("M=64,N=256,dtype=bf16", {"M": 64, "N": 256}, "triton", 10.0))
+    rows.append({**_row("M=64,N=256,dtype=bf16", {"M": 64, "N": 256}, "liger", 1.0), "kind": "baseline"})
+    doc = {"meta": {"schema": "fusekit-bench/1", "git_commit": "abc1234"}, "op": "rms_norm", "rows": rows}
+    (tmp_path / "rms_norm.json").write_text(json.dumps(doc))
+    out = tmp_path / "table.py"
+    auto_table.main(["--results", str(tmp_path), "--out", str(out)])
+    ns: dict = {}
+    exec(out.read_text(), ns)
+    got = ns["AUTO_CLASSES"]["cuda"]["rms_norm"]
+    assert got == {
+        "decode": ("mojo", "triton", "torch"),
+        "small": ("triton", "mojo", "torch"),  # within the tie margin: default order
+        "large": ("triton", "mojo", "torch"),
+    }
+    assert "abc1234" in out.read_text()
