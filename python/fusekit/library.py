@@ -373,7 +373,8 @@ def _eager_function(name: str, forward, setup_context, backward) -> type[torch.a
         # zeros only for a differentiable output that is present and got no gradient.
         ctx.set_materialize_grads(False)
         ctx.fusekit_like = tuple(
-            (o.shape, o.dtype, o.device) for o in (out if isinstance(out, tuple) else (out,))
+            None if o is None else (o.shape, o.dtype, o.device)
+            for o in (out if isinstance(out, tuple) else (out,))
         )
         return out
 
@@ -454,6 +455,16 @@ def _register(spec: OpSpec) -> None:
         ins, sc, backend, cond = bsplit(args)
         return _placeholders(_device(ins), run(spec, BACKWARD, ins, sc, backend, cond))
 
+    # The eager Function's phases: absent outputs stay None (autograd.Function takes non-tensor
+    # outputs), no 0-element placeholders to allocate as the custom-op schema needs.
+    def forward_eager(*args):
+        ins, sc, backend, save = split(args)
+        return run(spec, FORWARD, ins, sc, backend, spec.conditions(ins, save))
+
+    def backward_eager(*args):
+        ins, sc, backend, cond = bsplit(args)
+        return run(spec, BACKWARD, ins, sc, backend, cond)
+
     def backward_fake(*args):
         ins, sc, _, cond = bsplit(args)
         lay = spec.output_layout(BACKWARD, ins, dict(zip(spec.scalar_names, sc)), cond)
@@ -492,8 +503,10 @@ def _register(spec: OpSpec) -> None:
         sc, backend, cond, present = ctx.fusekit
         if eager:
             grads = tuple(
-                torch.zeros(sh, dtype=dt, device=dv) if gr is None and a.grad else gr
-                for gr, a, (sh, dt, dv) in zip(grads, spec.forward.outputs, ctx.fusekit_like)
+                torch.zeros(like[0], dtype=like[1], device=like[2])
+                if gr is None and a.grad and like is not None
+                else gr
+                for gr, a, like in zip(grads, spec.forward.outputs, ctx.fusekit_like)
             )
         # Autograd materializes unused outputs' grads as zeros; absent outputs' placeholders map to None.
         g = {
@@ -501,7 +514,7 @@ def _register(spec: OpSpec) -> None:
             for n, a, gr in zip(out_names, spec.forward.outputs, grads)
         }
         bins = spec.backward_inputs(ctx.saved_tensors, g, cond)
-        bop_ = backward_impl if eager else getattr(torch.ops.fusekit, f"{spec.name}_backward")
+        bop_ = backward_eager if eager else getattr(torch.ops.fusekit, f"{spec.name}_backward")
         bouts = _as_tuple(bop_(*bins, *sc, backend, *(cond[c] for c in bp.conditions)))
         named = {
             a.name: (None if a.when is not None and not cond.get(a.when) else o)
@@ -512,7 +525,7 @@ def _register(spec: OpSpec) -> None:
         return (*gin, *(None for _ in range(n_sc + 2)))
 
     op.register_autograd(make_backward(False), setup_context=setup_context)
-    _EAGER[spec.name] = _eager_function(spec.name, forward_impl, setup_context, make_backward(True))
+    _EAGER[spec.name] = _eager_function(spec.name, forward_eager, setup_context, make_backward(True))
 
 
 def _register_view_grad(op, spec: OpSpec, split, in_names, out_names, n_sc: int, forward_impl) -> None:
