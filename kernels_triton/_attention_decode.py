@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms
+from kernels_triton._launch import fast_launch
 from kernels_triton._tiles import dot
 
 DECODE_MAX_S = 16  # queries per sequence up to which attention.forward picks this path
@@ -103,6 +104,7 @@ def decode_splits(groups: int, rows: int, skv: int, head_dim: int, es: int, bloc
 
 
 # ------------------------------------------------------------------------------------------------ kernels
+@fast_launch
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr, kv_len_ptr,
@@ -202,6 +204,7 @@ def _decode_split_kernel(
         tl.store(plse_ptr + prow, lse2, mask=row_in)
 
 
+@fast_launch
 @triton.jit
 def _decode_combine_kernel(
     po_ptr, plse_ptr, o_ptr, lse_ptr, n_splits,

@@ -46,6 +46,7 @@ from kernels_triton._config import (
     split_chunks,
     warp_size,
 )
+from kernels_triton._launch import fast_launch
 
 # "rows" sizing, measured on the H200 (bf16, 16384 x 8192 and 32768 x 4096 and 131072 x 1024, Triton 3.6):
 # with register look-ahead (one tile in flight per program) the best configs reached 85-91 % of the byte
@@ -210,6 +211,7 @@ def _tile_mask(rows, cols, M, N, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr):
     return m
 
 
+@fast_launch
 @triton.jit
 def _bwd_rows_kernel(
     dy_ptr, dh_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, M, N,
@@ -262,6 +264,7 @@ def _bwd_rows_kernel(
         tl.store(dbp_ptr + pbase + cols, tl.sum(db, axis=0), mask=cmask)
 
 
+@fast_launch
 @triton.jit
 def _bwd_stats_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, part_ptr, N, SPLIT, CHUNK,
@@ -294,6 +297,7 @@ def _bwd_stats_kernel(
     tl.store(part_ptr + 2 * pid + 1, tl.sum(s2, axis=0))
 
 
+@fast_launch
 @triton.jit
 def _bwd_col_kernel(
     dy_ptr, dh_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, part_ptr, dx_ptr, dwp_ptr, dbp_ptr,
@@ -353,6 +357,7 @@ def _bwd_col_kernel(
         tl.store(dbp_ptr + pbase + cols, tl.sum(db, axis=0), mask=cmask)
 
 
+@fast_launch
 @triton.jit
 def _sum_parts_kernel(
     p_ptr, out_ptr, out2_ptr, P, N, TWO: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr

@@ -39,6 +39,7 @@ from kernels_triton._config import (
     norm_select,
     split_chunks,
 )
+from kernels_triton._launch import fast_launch
 from kernels_triton._tiles import load_row_tile
 
 # Heuristic (untuned) step of "reload"/"split": 16 KB of x, 2 x 16-byte vectors per thread (16 warps on
@@ -67,6 +68,7 @@ def _ln_tile(x, w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS: tl.constexpr):
     return y, mean, rstd
 
 
+@fast_launch
 @triton.jit
 def _ln_reg_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, M, N, eps,
@@ -91,6 +93,7 @@ def _ln_reg_kernel(
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+@fast_launch
 @triton.jit
 def _ln_rows_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, M, N, eps,
@@ -153,6 +156,7 @@ def _ln_stats(s1, s2, shift, N, eps):
     return md, shift + md, rstd
 
 
+@fast_launch
 @triton.jit
 def _ln_reload_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
@@ -190,6 +194,7 @@ def _ln_reload_kernel(
         _ln_normalize(x_ptr, w_ptr, b_ptr, y_ptr, base, 0, N, shift, md, rstd, HAS_BIAS, BLOCK)
 
 
+@fast_launch
 @triton.jit
 def _ln_reload_res_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, M, N, eps,
@@ -222,6 +227,7 @@ def _ln_reload_res_kernel(
         _ln_normalize(h_ptr, w_ptr, b_ptr, y_ptr, base, 0, N, shift, md, rstd, HAS_BIAS, BLOCK)
 
 
+@fast_launch
 @triton.jit
 def _ln_partial_kernel(
     x_ptr, r_ptr, h_ptr, part_ptr, N, SPLIT, CHUNK, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
@@ -255,6 +261,7 @@ def _ln_partial_kernel(
     tl.store(part_ptr + 2 * pid + 1, tl.sum(s2, axis=0))
 
 
+@fast_launch
 @triton.jit
 def _ln_split_norm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, part_ptr, N, SPLIT, CHUNK, eps,

@@ -44,6 +44,7 @@ from kernels_triton._config import (
     norm_select,
     split_chunks,
 )
+from kernels_triton._launch import fast_launch
 from kernels_triton._tiles import load_row_tile
 
 # Heuristic (untuned) step of "reload": 32 KB of x, 4 x 16-byte vectors per thread (16 warps on NVIDIA);
@@ -73,6 +74,7 @@ def _add_res(x, r):
     return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
 
 
+@fast_launch
 @triton.jit
 def _rms_reg_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, N, eps,
@@ -98,6 +100,7 @@ def _rms_reg_kernel(
     tl.store(y_ptr + offs, _rms_y(x, rstd[:, None], w[None, :], CASTING, y_ptr.dtype.element_ty), mask=m)
 
 
+@fast_launch
 @triton.jit
 def _rms_rows_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, N, eps,
@@ -149,6 +152,7 @@ def _rms_normalize(src_ptr, w_ptr, y_ptr, base, wbase, n, rstd, CASTING: tl.cons
         tl.store(y_ptr + base + c, y, mask=cm, eviction_policy="evict_first")
 
 
+@fast_launch
 @triton.jit
 def _rms_reload_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, eps, CASTING: tl.constexpr, BLOCK: tl.constexpr
@@ -185,6 +189,7 @@ def _rms_reload_kernel(
         _rms_normalize(x_ptr, w_ptr, y_ptr, base, 0, N, rstd, CASTING, BLOCK)
 
 
+@fast_launch
 @triton.jit
 def _rms_reload_res_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, N, eps, CASTING: tl.constexpr, BLOCK: tl.constexpr
@@ -214,6 +219,7 @@ def _rms_reload_res_kernel(
         _rms_normalize(h_ptr, w_ptr, y_ptr, base, 0, N, rstd, CASTING, BLOCK)
 
 
+@fast_launch
 @triton.jit
 def _rms_partial_kernel(
     x_ptr, r_ptr, h_ptr, part_ptr, N, SPLIT, CHUNK, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
@@ -238,6 +244,7 @@ def _rms_partial_kernel(
     tl.store(part_ptr + pid, tl.sum(acc, axis=0))
 
 
+@fast_launch
 @triton.jit
 def _rms_split_norm_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, part_ptr, N, SPLIT, CHUNK, eps,

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import device_index, next_pow2, warps_for
+from kernels_triton._launch import fast_launch
 
 
 @triton.jit
@@ -48,6 +49,7 @@ def _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position):
 
 
 # One binary for every start_pos / positions / table length (no ==1 / %16 variants of these ints).
+@fast_launch
 @triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position"])
 def _rope_kernel(
     x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, start_pos, has_positions, max_position,
@@ -95,6 +97,7 @@ def _rope_kernel(
         tl.store(out_ptr + offs + HALF, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=hmask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position"])
 def _rope_any_d_kernel(
     x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, start_pos, has_positions, max_position,

@@ -148,18 +148,19 @@ def test_compile_fullgraph_with_positions(monkeypatch) -> None:
     torch._dynamo.reset()
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
-    compiled = torch.compile(step, fullgraph=True)
-    results = []
-    for fn in (step, compiled):  # eager first: it resolves the backend (dispatch's import is not traced)
-        for c, s in ((None, None), (cos, sin)):
-            xg = x.clone().requires_grad_()
-            out = fn(xg, pos, c, s)
-            out.backward(torch.ones_like(out))
-            results.append((out.detach(), xg.grad))
-    for want, got in zip(results[:2], results[2:]):
-        for w, o in zip(want, got):
-            torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-6)
+    # config.patch restores the setting exactly (monkeypatch's undo left the aliased option unset)
+    with inductor_config.patch(force_disable_caches=True):  # lower it here, not from a cache
+        compiled = torch.compile(step, fullgraph=True)
+        results = []
+        for fn in (step, compiled):  # eager first: it resolves the backend (dispatch's import is not traced)
+            for c, s in ((None, None), (cos, sin)):
+                xg = x.clone().requires_grad_()
+                out = fn(xg, pos, c, s)
+                out.backward(torch.ones_like(out))
+                results.append((out.detach(), xg.grad))
+        for want, got in zip(results[:2], results[2:]):
+            for w, o in zip(want, got):
+                torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", (torch.int32, torch.int64))

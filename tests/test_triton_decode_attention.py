@@ -298,14 +298,15 @@ def test_compile_fullgraph_kv_len_cache_view(monkeypatch) -> None:
     torch._dynamo.reset()
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)  # lower it here, not from a cache
-    compiled = torch.compile(step, fullgraph=True)
-    grads = []
-    for fn in (step, compiled):  # eager first: it resolves the backend (dispatch's import is not traced)
-        qg, kg = q.clone().requires_grad_(), k_cache.clone().requires_grad_()
-        out = fn(qg, kg, v_cache, kv_len)
-        out.backward(torch.ones_like(out))
-        grads.append((out.detach(), qg.grad, kg.grad))
-    for want, got in zip(*grads):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert bool((grads[1][2][1, 5:] == 0).all())  # cache slots past kv_len get no gradient
+    # config.patch restores the setting exactly (monkeypatch's undo left the aliased option unset)
+    with inductor_config.patch(force_disable_caches=True):  # lower it here, not from a cache
+        compiled = torch.compile(step, fullgraph=True)
+        grads = []
+        for fn in (step, compiled):  # eager first: it resolves the backend (dispatch's import is not traced)
+            qg, kg = q.clone().requires_grad_(), k_cache.clone().requires_grad_()
+            out = fn(qg, kg, v_cache, kv_len)
+            out.backward(torch.ones_like(out))
+            grads.append((out.detach(), qg.grad, kg.grad))
+        for want, got in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert bool((grads[1][2][1, 5:] == 0).all())  # cache slots past kv_len get no gradient

@@ -15,7 +15,6 @@ gradient resolves with phase "backward", so `auto` picks a backend that has the 
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -57,16 +56,19 @@ def shape_class(op: str, inputs: tuple[Tensor | None, ...]) -> str:
     swiglu_ffn's T, attention's query length S) are at most DECODE_TOKENS, else "small" when its
     present inputs hold fewer than SMALL_BYTES, else "large". `inputs` are the phase's inputs in spec
     order (shapes only are read: meta tensors work, as fusekit.bench.auto_table uses them)."""
+    # plain loops, no generator expressions: torch.compile traces this on the grad path
     dims = _TOKEN_DIMS.get(op)
     first = inputs[0] if inputs else None
-    if (
-        dims is not None
-        and first is not None
-        and first.dim() > max(dims)
-        and math.prod(first.shape[d] for d in dims) <= DECODE_TOKENS
-    ):
-        return "decode"
-    nbytes = sum(t.numel() * t.element_size() for t in inputs if t is not None)
+    if dims is not None and first is not None and first.dim() > max(dims):
+        tokens = 1
+        for d in dims:
+            tokens *= first.shape[d]
+        if tokens <= DECODE_TOKENS:
+            return "decode"
+    nbytes = 0
+    for t in inputs:
+        if t is not None:
+            nbytes += t.numel() * t.element_size()
     return "small" if nbytes < SMALL_BYTES else "large"
 
 

@@ -9,7 +9,8 @@ loops: `timing.wall_per_call_ms`) for:
   - `torch`: the torch eager equivalent (F.rms_norm / F.layer_norm / SDPA / HF-style rope), where
     one exists;
   - `liger`: Liger-Kernel's op where installed and the op exists there.
-Also the GPU time of the fusekit call (CUDA events), so host-bound cases are visible as wall >> GPU.
+Backend "triton-fast" is the triton backend with the lean launch path of kernels_triton/_launch.py on
+(off by default). Also the GPU time of the fusekit call (CUDA events), so host-bound cases are visible as wall >> GPU.
 The target of issue #11: fusekit wall <= 1.3x bare.
 
 Results: <out>/<device slug>/host.json (schema fusekit-bench-host/1) with meta like the other suites.
@@ -50,6 +51,18 @@ def _record_launches() -> Iterator[list[tuple]]:
         yield seen
     finally:
         JITFunction.run = orig
+
+
+@contextlib.contextmanager
+def _fast_launch(on: bool) -> Iterator[None]:
+    """kernels_triton._launch's lean launch path on or off inside the block ("triton-fast" rows)."""
+    from kernels_triton import _launch
+
+    was, _launch.ENABLED = _launch.ENABLED, on
+    try:
+        yield
+    finally:
+        _launch.ENABLED = was
 
 
 def _bare(launches: list[tuple]) -> Callable[[], None]:
@@ -157,16 +170,18 @@ def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float) -> lis
         for be in backends:
             row: dict = {"case": name, "params": params, "backend": be, "dtype": str(dtype).split(".")[-1]}
             try:
-                fn = lambda fk=fk, be=be: fk(be)
-                for _ in range(3):
-                    fn()  # compile, tune, remember
-                if dev == "cuda":
-                    torch.cuda.synchronize()
-                row["fusekit_wall_us"] = wall_per_call_ms(fn, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
-                if dev == "cuda":
-                    row["fusekit_gpu_us"] = bench_ms(fn, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
-                if be == "triton":
-                    with _record_launches() as seen:
+                op_be = "triton" if be == "triton-fast" else be
+                fn = lambda fk=fk, op_be=op_be: fk(op_be)
+                with _fast_launch(be == "triton-fast"):
+                    for _ in range(3):
+                        fn()  # compile, tune, remember
+                    if dev == "cuda":
+                        torch.cuda.synchronize()
+                    row["fusekit_wall_us"] = wall_per_call_ms(fn, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
+                    if dev == "cuda":
+                        row["fusekit_gpu_us"] = bench_ms(fn, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
+                if op_be == "triton":
+                    with _fast_launch(False), _record_launches() as seen:
                         fn()
                     row["bare_kernels"] = [f.fn.__name__ if hasattr(f, "fn") else str(f) for f, _, _ in seen]
                     if seen:
@@ -215,7 +230,11 @@ def _line(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fusekit.bench.host", description=__doc__.splitlines()[0])
-    ap.add_argument("--backends", default="triton,torch")
+    ap.add_argument(
+        "--backends",
+        default="triton,torch",
+        help="comma-separated of triton, triton-fast (the lean launch path, kernels_triton/_launch.py), torch, mojo",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--rep-ms", type=float, default=200.0)

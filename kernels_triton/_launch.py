@@ -1,0 +1,137 @@
+"""A lean launch path for the small, host-bound kernels (norms, rope, decode attention).
+
+`fn[grid](*args, **kw)` goes through `JITFunction.run`: it binds the arguments, computes a
+specialization key for every one of them (`native_specialize_impl`), looks the kernel up and builds the
+launch metadata, ~15-20 us of Python per launch on the H200's host (a bare launch measured 20 us wall,
+benchmarks/results/nvidia-h200/host.json), as much as the kernels themselves at decode shapes.
+
+`@fast_launch` (on top of `@triton.jit`) keeps `fn[grid](...)` as the call syntax but, when enabled,
+remembers the compiled kernel per (kernel, grid, device, options, per-argument key) after a normal first
+launch and then launches it through `CompiledKernel[grid](*bound_args)` (Triton's own launcher entry,
+which handles the stream, launch metadata and hooks as `JITFunction.run` does). The per-argument key is
+everything Triton specializes on: a tensor's dtype and 16-byte alignment of its data pointer, an int's
+or bool's value (so a value that would change the specialization, e.g. 1 or a multiple of 16, takes the
+normal path again), a float's type only (floats are runtime values, never specialized).
+
+Off unless FUSEKIT_TRITON_FAST_LAUNCH=1 (or `ENABLED = True`): it has not yet run on a GPU. Under the
+CPU interpreter `triton.jit` returns an InterpretedFunction, which is left as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ENABLED = os.environ.get("FUSEKIT_TRITON_FAST_LAUNCH", "0") not in ("", "0")
+_MAX_ENTRIES = 4096  # (kernel, grid, args key) entries; a model needs a few dozen
+_CACHE: dict[tuple, tuple[Callable[..., None], tuple]] = {}
+_ORDERS: dict[tuple, tuple] = {}  # (kernel, positional count, kwarg names) -> binding order
+_FAST_TYPES: dict[type, type] = {}
+
+
+def _arg_key(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() & 15 == 0)
+    if v is None or type(v) is int or type(v) is bool:
+        return v
+    return type(v)
+
+
+def _unspecialized_key(v: Any) -> Any:
+    """A `do_not_specialize` argument: only its type (and an int's 32/64-bit range) picks the kernel."""
+    if type(v) is int:
+        return -(2**31) <= v < 2**31
+    return _arg_key(v)
+
+
+_KEYERS: dict[Any, tuple] = {}  # kernel -> per-parameter key function
+
+
+def _keyers(fn) -> tuple:
+    k = _KEYERS.get(fn)
+    if k is None:
+        k = _KEYERS[fn] = tuple(
+            _unspecialized_key if getattr(p, "do_not_specialize", False) else _arg_key for p in fn.params
+        )
+    return k
+
+
+def _binding(fn, n_pos: int, kw_names: tuple) -> tuple:
+    """Where each parameter of `fn` comes from: ("a", i) a positional argument, ("k", name) a keyword,
+    ("d", value) the parameter's default."""
+    order = []
+    for i, p in enumerate(fn.params):
+        if i < n_pos:
+            order.append(("a", i))
+        elif p.name in kw_names:
+            order.append(("k", p.name))
+        else:
+            order.append(("d", p.default))
+    return tuple(order)
+
+
+def _bound(order: tuple, args: tuple, kwargs: dict) -> list:
+    return [args[s] if k == "a" else kwargs[s] if k == "k" else s for k, s in order]
+
+
+def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """`fn[grid](*args, **kwargs)`, through the remembered compiled kernel where one matches."""
+    key = (
+        fn,
+        grid,
+        torch.cuda.current_device(),
+        tuple([f(a) for f, a in zip(_keyers(fn), args)]),
+        tuple([(k, _arg_key(v)) for k, v in kwargs.items()]),
+    )
+    hit = _CACHE.get(key)
+    if hit is not None:
+        runner, order = hit
+        runner(*_bound(order, args, kwargs))
+        return None
+    kernel = fn.run(*args, grid=grid, warmup=False, **kwargs)  # the normal path: compiles, launches
+    if kernel is None or not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+        return None
+    okey = (fn, len(args), tuple(kwargs))
+    order = _ORDERS.get(okey)
+    if order is None:
+        names = {p.name for p in fn.params}
+        if any(k not in names for k in kwargs if k not in _OPTIONS):
+            return None  # a keyword Triton would reject or treat specially: never remember
+        order = _ORDERS[okey] = _binding(fn, len(args), tuple(k for k in kwargs if k in names))
+    if len(_CACHE) >= _MAX_ENTRIES:
+        _CACHE.clear()
+    g3 = (*grid, 1, 1)[:3]
+    _CACHE[key] = (kernel[g3], order)
+    return None
+
+
+# Launch options JITFunction.run takes as keywords that are not kernel parameters.
+_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl"})
+
+
+def fast_launch(fn):
+    """Decorator over @triton.jit: `fn[grid](...)` takes the lean path when ENABLED (see the module doc)."""
+    base = type(fn)
+    if not hasattr(fn, "params") or not hasattr(base, "run"):
+        return fn  # the CPU interpreter's InterpretedFunction: unchanged
+    fast = _FAST_TYPES.get(base)
+    if fast is None:
+
+        def getitem(self, grid):
+            if not ENABLED or callable(grid):
+                return base.__getitem__(self, grid)  # Triton's own path, unchanged
+            return lambda *args, **kwargs: launch(self, grid, args, kwargs)
+
+        fast = _FAST_TYPES[base] = type(f"Fast{base.__name__}", (base,), {"__getitem__": getitem})
+    fn.__class__ = fast
+    return fn
+
+
+def clear() -> None:
+    """Forget the remembered kernels (tests)."""
+    _CACHE.clear()
+    _ORDERS.clear()
+    _KEYERS.clear()
