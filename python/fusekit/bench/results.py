@@ -226,14 +226,25 @@ def runs(doc: dict) -> list[dict]:
     return out
 
 
-def load_all(results_dir: Path) -> list[tuple[Path, dict]]:
-    """Every results JSON under `results_dir` (recursively), with its path."""
+def load_docs(
+    results_dir: Path, schema: str, *, key: str = "rows", pattern: str = "*.json", in_meta: bool = False
+) -> list[tuple[Path, dict]]:
+    """Every JSON under `results_dir` (recursively, names matching `pattern`) whose schema (top level,
+    or meta's with `in_meta`) is `schema` and that holds `key`, with its path; unreadable files skipped."""
     docs = []
-    for p in sorted(Path(results_dir).rglob("*.json")):
+    for p in sorted(Path(results_dir).rglob(pattern)):
         try:
             doc = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             continue
-        if isinstance(doc, dict) and doc.get("meta", {}).get("schema") == SCHEMA and "rows" in doc:
+        if not isinstance(doc, dict) or key not in doc:
+            continue
+        found = doc.get("meta", {}).get("schema") if in_meta else doc.get("schema")
+        if found == schema:
             docs.append((p, doc))
     return docs
+
+
+def load_all(results_dir: Path) -> list[tuple[Path, dict]]:
+    """Every op results JSON under `results_dir` (recursively), with its path."""
+    return load_docs(results_dir, SCHEMA, in_meta=True)

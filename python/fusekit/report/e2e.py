@@ -6,7 +6,6 @@ sections never see them."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -16,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from fusekit.bench.results import load_docs
 from fusekit.report import plots
 from fusekit.report.tables import commit_str
 
@@ -29,15 +29,7 @@ VERSION_KEYS = ("torch", "triton", "transformers", "liger", "max", "mojo")
 
 def load(results_dir: Path) -> list[tuple[Path, dict]]:
     """Every e2e results file under `results_dir` (recursively), with its path."""
-    out = []
-    for p in sorted(Path(results_dir).rglob("*.json")):
-        try:
-            doc = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(doc, dict) and doc.get("schema") == SCHEMA and "rows" in doc:
-            out.append((p, doc))
-    return out
+    return load_docs(results_dir, SCHEMA)
 
 
 def rel_path(path: Path, root: Path) -> str:

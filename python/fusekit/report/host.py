@@ -5,10 +5,10 @@ eager and Liger. Its own schema keeps it out of `bench.results.load_all` and the
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
+from fusekit.bench.results import load_docs
 from fusekit.report.e2e import rel_path, run_line
 
 SCHEMA = "fusekit-bench-host/1"
@@ -19,15 +19,7 @@ VERSION_KEYS = ("torch", "triton", "liger", "max", "mojo")
 
 def load(results_dir: Path) -> list[tuple[Path, dict]]:
     """Every host-path results file under `results_dir` (recursively), with its path."""
-    out = []
-    for p in sorted(Path(results_dir).rglob("*.json")):
-        try:
-            doc = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(doc, dict) and doc.get("schema") == SCHEMA and "rows" in doc:
-            out.append((p, doc))
-    return out
+    return load_docs(results_dir, SCHEMA)
 
 
 def _us(r: dict, key: str) -> str:

@@ -3,9 +3,10 @@ test or sanitizer run, under the results folder) as one table — check, backend
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
+
+from fusekit.bench.results import load_docs
 
 SCHEMA = "fusekit-reliability/1"
 # issue #15's checks, in the report's order; a record's other checks follow in file order
@@ -27,15 +28,7 @@ BACKEND_ORDER = ("torch", "triton", "mojo")
 
 def load(results_dir: Path) -> list[tuple[Path, dict]]:
     """Every reliability record under `results_dir` (recursively), with its path."""
-    out = []
-    for p in sorted(Path(results_dir).rglob("reliability*.json")):
-        try:
-            doc = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(doc, dict) and doc.get("meta", {}).get("schema") == SCHEMA and "checks" in doc:
-            out.append((p, doc))
-    return out
+    return load_docs(results_dir, SCHEMA, key="checks", pattern="reliability*.json", in_meta=True)
 
 
 def _rank(row: dict) -> tuple:
