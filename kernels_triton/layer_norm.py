@@ -37,6 +37,7 @@ from kernels_triton._config import (
     norm_check,
     norm_grid,
     norm_select,
+    norm_selected,
     split_chunks,
 )
 from kernels_triton._launch import fast_launch
@@ -336,6 +337,9 @@ def _reference(
     return out, mean, rstd
 
 
+_NOT_FORCED = (None,) * 6  # the tests' private config overrides, all absent
+
+
 def forward(
     y: torch.Tensor,
     h: torch.Tensor | None,
@@ -360,8 +364,14 @@ def forward(
     `_progs` force a launch config (tests)."""
     if (h is None) != (residual is None):
         raise ValueError("layer_norm forward: h and residual must be given together")
-    force = dict(mode=_mode, split=_split, block=_block, num_warps=_num_warps, block_m=_block_m, progs=_progs)
     key = ("layer_norm", x.shape[1], x.dtype, weight.dtype, residual is not None, bias is not None)
+    forced = (_mode, _split, _block, _num_warps, _block_m, _progs) != _NOT_FORCED
+    step = (STREAM_BYTES, STREAM_VECS)
+    cfg = None if forced else norm_selected(key, x, step, res=residual is not None)
+    if cfg is not None:  # the hot path: decided before for this problem
+        _launch(cfg, y, h, mean, rstd, x, residual, weight, bias, eps)
+        return
+    force = dict(mode=_mode, split=_split, block=_block, num_warps=_num_warps, block_m=_block_m, progs=_progs)
     cfg = norm_select(
         key,
         x,

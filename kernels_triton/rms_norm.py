@@ -42,6 +42,7 @@ from kernels_triton._config import (
     norm_check,
     norm_grid,
     norm_select,
+    norm_selected,
     split_chunks,
 )
 from kernels_triton._launch import fast_launch
@@ -321,6 +322,9 @@ def _casting_code(casting: str | int) -> int:
     return CASTINGS[casting]
 
 
+_NOT_FORCED = (None,) * 6  # the tests' private config overrides, all absent
+
+
 def forward(
     y: torch.Tensor,
     h: torch.Tensor | None,
@@ -345,8 +349,14 @@ def forward(
     if (h is None) != (residual is None):
         raise ValueError("rms_norm forward: h and residual must be given together")
     cc = _casting_code(casting)
-    force = dict(mode=_mode, split=_split, block=_block, num_warps=_num_warps, block_m=_block_m, progs=_progs)
     key = ("rms_norm", x.shape[1], x.dtype, weight.dtype, residual is not None, cc)
+    forced = (_mode, _split, _block, _num_warps, _block_m, _progs) != _NOT_FORCED
+    step = (STREAM_BYTES, STREAM_VECS)
+    cfg = None if forced else norm_selected(key, x, step, res=residual is not None)
+    if cfg is not None:  # the hot path: decided before for this problem
+        _launch(cfg, y, h, rstd, x, residual, weight, eps, cc)
+        return
+    force = dict(mode=_mode, split=_split, block=_block, num_warps=_num_warps, block_m=_block_m, progs=_progs)
     cfg = norm_select(
         key,
         x,

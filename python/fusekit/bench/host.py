@@ -135,6 +135,14 @@ def _cases(dev: str, dtype: torch.dtype) -> list[tuple[str, dict, Callable, Call
     out.append(
         ("reduce_sum 4096", {"N": 4096}, lambda be: ops.reduce_sum(xs, backend=be), lambda: xs.sum(), None)
     )
+    # A training step's norm: forward + backward per call (the autograd path, weight grads accumulated)
+    for m in (4, 4096):
+        xg, wg, dy = rnd(m, 4096).requires_grad_(), rnd(4096).requires_grad_(), rnd(m, 4096)
+        out.append(
+            (f"rms_norm fwd+bwd {m}x4096", {"M": m, "N": 4096, "train": True},
+             lambda be, xg=xg, wg=wg, dy=dy: ops.rms_norm(xg, wg, backend=be).backward(dy),
+             lambda xg=xg, wg=wg, dy=dy: F.rms_norm(xg, (4096,), wg, 1e-6).backward(dy), "rms_norm")
+        )  # fmt: skip
     for b, skv in ((1, 2048), (32, 2048)):
         qd, kc, vc = rnd(b, 32, 1, 128), rnd(b, 8, skv, 128), rnd(b, 8, skv, 128)
         kv_len = torch.full((b,), skv - 5, device=dev, dtype=torch.int32)
@@ -207,7 +215,12 @@ def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float) -> lis
 def _liger_wall(fn, name: str, p: dict, dev: str, dtype: torch.dtype, rep_ms: float) -> float:
     x = torch.randn(p["M"], p["N"], device=dev, dtype=dtype)
     w = torch.randn(p["N"], device=dev, dtype=dtype)
-    if name == "rms_norm":
+    if p.get("train"):
+        x.requires_grad_()
+        w.requires_grad_()
+        dy = torch.randn_like(x)
+        call = lambda: fn.apply(x, w, 1e-6).backward(dy)
+    elif name == "rms_norm":
         call = lambda: fn.apply(x, w, 1e-6)
     else:
         b = torch.randn(p["N"], device=dev, dtype=dtype)
