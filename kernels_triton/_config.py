@@ -300,7 +300,11 @@ def norm_m_bucket(M: int, dev: int) -> int:
 def norm_selected(key: tuple, x: torch.Tensor, step: tuple[int, int], res: bool = False) -> NormConfig | None:
     """The config norm_select decided before for this exact problem, or None: the launchers' hot path
     (no closures, no force dict) before they fall back to norm_select."""
-    return _NORM_SELECTED.get((key, x.shape[0], x.device, step, res))
+    return _NORM_SELECTED.get(_selected_key(key, x, step, res))
+
+
+def _selected_key(key: tuple, x: torch.Tensor, step: tuple[int, int], res: bool) -> tuple:
+    return (key, x.shape[0], x.device, step, res)
 
 
 def norm_select(
@@ -317,7 +321,7 @@ def norm_select(
     device), else the heuristic default. `res`: the call fuses a residual add. Shared by rms_norm and
     layer_norm."""
     M, N = x.shape
-    memo_key = (key, M, x.device, step, res)
+    memo_key = _selected_key(key, x, step, res)
     hit = _NORM_SELECTED.get(memo_key)
     if hit is not None and all(v is None for v in force.values()):
         return hit  # the hot path: a config decided before for this exact problem (plan/run split)

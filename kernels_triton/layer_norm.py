@@ -375,7 +375,7 @@ def forward(
     cfg = norm_select(
         key,
         x,
-        (STREAM_BYTES, STREAM_VECS),
+        step,
         force,
         lambda c: _launch(c, y, h, mean, rstd, x, residual, weight, bias, eps),
         lambda: norm_check(

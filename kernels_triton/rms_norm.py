@@ -360,7 +360,7 @@ def forward(
     cfg = norm_select(
         key,
         x,
-        (STREAM_BYTES, STREAM_VECS),
+        step,
         force,
         lambda c: _launch(c, y, h, rstd, x, residual, weight, eps, cc),
         lambda: norm_check(

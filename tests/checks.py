@@ -57,3 +57,16 @@ def assert_close(
             f"{name}: relative error {err:.3e} > {tol:.1e}; worst element {worst}: "
             f"{o.flatten()[worst].item()} vs {r.flatten()[worst].item()} [{repro}]"
         )
+
+
+# A tiny Llama config (transformers' LlamaConfig keywords; no download) shared by the HF-patch and
+# distributed tests.
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)

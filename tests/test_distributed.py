@@ -31,6 +31,8 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import torch.multiprocessing as mp  # noqa: E402
 
+from tests.checks import TINY_LLAMA  # noqa: E402
+
 WORLD = 2
 BACKEND, DEVICE = "gloo", "cpu"
 TIMEOUT_S = 150  # the whole spawn; CI must never hang
@@ -186,15 +188,7 @@ def _scenario_errors(mesh) -> None:
     )
 
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=64,
-)
+TINY = TINY_LLAMA
 
 
 def _tiny_llama() -> torch.nn.Module:

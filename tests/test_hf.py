@@ -26,17 +26,9 @@ import fusekit.hf as fh  # noqa: E402
 from fusekit import nn as fnn  # noqa: E402
 from fusekit import ops  # noqa: E402
 from fusekit.hf import _attention  # noqa: E402
-from tests.checks import rel_error  # noqa: E402
+from tests.checks import TINY_LLAMA, rel_error  # noqa: E402
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=64,
-)
+TINY = TINY_LLAMA
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,

@@ -82,18 +82,9 @@ def auto_order(op: str, device_type: str, shape_class: str | None = None) -> tup
     return AUTO_CLASSES.get(device_type, {}).get(op, {}).get(shape_class, default)
 
 
-def capture_safe(b: Backend) -> bool:
-    """False for a backend that refuses every call inside a CUDA graph capture (Backend.capture_safe)."""
-    return b.capture_safe
-
-
 def capturing(device_type: str = "cuda") -> bool:
     """A CUDA graph capture is running on the current stream (never initializes CUDA)."""
     return device_type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-
-
-def _capturing(device: torch.device) -> bool:
-    return capturing(device.type)
 
 
 _cache: dict[tuple, Backend] = {}
@@ -117,8 +108,8 @@ def resolve(
     made inside a CUDA graph capture is cached apart from the others (the capture flag is in the key)."""
     if backend == "auto":
         backend = _env_choice(op) or "auto"
-    capturing = backend == "auto" and _capturing(device)
-    key = (op, phase, backend, device.type, dtypes, shape_class, capturing, tuple(sorted(meta.items())))
+    in_capture = backend == "auto" and capturing(device.type)
+    key = (op, phase, backend, device.type, dtypes, shape_class, in_capture, tuple(sorted(meta.items())))
     hit = _cache.get(key)
     if hit is not None:
         return hit
@@ -127,7 +118,7 @@ def resolve(
         for name in auto_order(op, device.type, shape_class):
             b = backends.get(name)
             why = b.unavailable_reason() or b.supports(op, phase, device, dtypes, **meta)
-            if why is None and capturing and not capture_safe(b):
+            if why is None and in_capture and not b.capture_safe:
                 why = "refuses to run inside a CUDA graph capture"
             if why is None:
                 _cache[key] = b

@@ -346,9 +346,10 @@ def _apply(
     elif who:
         # Pin the backend for both phases: forward and backward must be one backend's pair.
         backend = _check_backward(spec, inputs, scalars, backend, who)
-    elif not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not who and not compiling:
         return run(spec, FORWARD, inputs, scalars, backend, spec.conditions(inputs, save=False)), backend
-    if torch.compiler.is_compiling():
+    if compiling:
         outs = _as_tuple(getattr(torch.ops.fusekit, spec.name)(*inputs, *scalars, backend, bool(who)))
     else:  # eager with grads: the same formula as a plain autograd.Function (no dispatcher round trips)
         outs = _as_tuple(_EAGER[spec.name].apply(*inputs, *scalars, backend, bool(who)))
@@ -411,10 +412,14 @@ def _register(spec: OpSpec) -> None:
     def split(args: tuple) -> tuple[tuple, tuple, str, bool]:
         return args[:n_in], args[n_in : n_in + n_sc], args[n_in + n_sc], args[n_in + n_sc + 1]
 
-    def forward_impl(*args):
+    # The eager Function's phases return absent outputs as None (autograd.Function takes non-tensor
+    # outputs); the custom ops' return 0-element placeholders in their place, as their schema needs.
+    def forward_eager(*args):
         ins, sc, backend, save = split(args)
-        outs = run(spec, FORWARD, ins, sc, backend, spec.conditions(ins, save))
-        return _placeholders(_device(ins), outs)
+        return run(spec, FORWARD, ins, sc, backend, spec.conditions(ins, save))
+
+    def forward_impl(*args):
+        return _placeholders(_device(args[:n_in]), forward_eager(*args))
 
     def forward_fake(*args):
         ins, sc, _, save = split(args)
@@ -451,19 +456,12 @@ def _register(spec: OpSpec) -> None:
         backend = args[n_bin + n_sc]
         return ins, sc, backend, dict(zip(bp.conditions, args[n_bin + n_sc + 1 :]))
 
-    def backward_impl(*args):
-        ins, sc, backend, cond = bsplit(args)
-        return _placeholders(_device(ins), run(spec, BACKWARD, ins, sc, backend, cond))
-
-    # The eager Function's phases: absent outputs stay None (autograd.Function takes non-tensor
-    # outputs), no 0-element placeholders to allocate as the custom-op schema needs.
-    def forward_eager(*args):
-        ins, sc, backend, save = split(args)
-        return run(spec, FORWARD, ins, sc, backend, spec.conditions(ins, save))
-
     def backward_eager(*args):
         ins, sc, backend, cond = bsplit(args)
         return run(spec, BACKWARD, ins, sc, backend, cond)
+
+    def backward_impl(*args):
+        return _placeholders(_device(args[:n_bin]), backward_eager(*args))
 
     def backward_fake(*args):
         ins, sc, _, cond = bsplit(args)
