@@ -13,8 +13,9 @@ everything Triton specializes on: a tensor's dtype and 16-byte alignment of its 
 or bool's value (so a value that would change the specialization, e.g. 1 or a multiple of 16, takes the
 normal path again), a float's type only (floats are runtime values, never specialized).
 
-Off unless FUSEKIT_TRITON_FAST_LAUNCH=1 (or `ENABLED = True`): it has not yet run on a GPU. Under the
-CPU interpreter `triton.jit` returns an InterpretedFunction, which is left as it is.
+On by default; FUSEKIT_TRITON_FAST_LAUNCH=0 (or `ENABLED = False`) sends every launch through
+`JITFunction.run`. tests/test_triton_fast_launch.py checks on CUDA that both paths give bit-identical
+results. Under the CPU interpreter `triton.jit` returns an InterpretedFunction, which is left as it is.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-ENABLED = os.environ.get("FUSEKIT_TRITON_FAST_LAUNCH", "0") not in ("", "0")
+ENABLED = os.environ.get("FUSEKIT_TRITON_FAST_LAUNCH", "1") not in ("", "0")
 _MAX_ENTRIES = 4096  # (kernel, grid, args key) entries; a model needs a few dozen
 _CACHE: dict[tuple, tuple[Callable[..., None], tuple]] = {}
 _ORDERS: dict[tuple, tuple] = {}  # (kernel, positional count, kwarg names) -> binding order

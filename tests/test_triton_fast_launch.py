@@ -1,4 +1,4 @@
-"""kernels_triton._launch: the lean launch path (off by default, FUSEKIT_TRITON_FAST_LAUNCH=1).
+"""kernels_triton._launch: the lean launch path (on by default, FUSEKIT_TRITON_FAST_LAUNCH=0 turns it off).
 
 On the CPU: the binding and keying logic against a real JITFunction whose `run` is replaced by a
 recorder (no compile, no launch). On CUDA (--device cuda): every hot op's results with the lean path are

@@ -9,8 +9,8 @@ loops: `timing.wall_per_call_ms`) for:
   - `torch`: the torch eager equivalent (F.rms_norm / F.layer_norm / SDPA / HF-style rope), where
     one exists;
   - `liger`: Liger-Kernel's op where installed and the op exists there.
-Backend "triton-fast" is the triton backend with the lean launch path of kernels_triton/_launch.py on
-(off by default). Also the GPU time of the fusekit call (CUDA events), so host-bound cases are visible as wall >> GPU.
+Backend "triton-jit" is the triton backend with the lean launch path of kernels_triton/_launch.py off
+(every launch through Triton's JITFunction.run, as before that path existed); "triton" is the default (on). Also the GPU time of the fusekit call (CUDA events), so host-bound cases are visible as wall >> GPU.
 The target of issue #11: fusekit wall <= 1.3x bare.
 
 Results: <out>/<device slug>/host.json (schema fusekit-bench-host/1) with meta like the other suites.
@@ -55,7 +55,7 @@ def _record_launches() -> Iterator[list[tuple]]:
 
 @contextlib.contextmanager
 def _fast_launch(on: bool) -> Iterator[None]:
-    """kernels_triton._launch's lean launch path on or off inside the block ("triton-fast" rows)."""
+    """kernels_triton._launch's lean launch path on or off inside the block ("triton-jit" rows: off)."""
     from kernels_triton import _launch
 
     was, _launch.ENABLED = _launch.ENABLED, on
@@ -178,9 +178,9 @@ def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float) -> lis
         for be in backends:
             row: dict = {"case": name, "params": params, "backend": be, "dtype": str(dtype).split(".")[-1]}
             try:
-                op_be = "triton" if be == "triton-fast" else be
+                op_be = "triton" if be == "triton-jit" else be
                 fn = lambda fk=fk, op_be=op_be: fk(op_be)
-                with _fast_launch(be == "triton-fast"):
+                with _fast_launch(False) if be == "triton-jit" else contextlib.nullcontext():
                     for _ in range(3):
                         fn()  # compile, tune, remember
                     if dev == "cuda":
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--backends",
         default="triton,torch",
-        help="comma-separated of triton, triton-fast (the lean launch path, kernels_triton/_launch.py), torch, mojo",
+        help="comma-separated of triton, triton-jit (lean launch path of kernels_triton/_launch.py off), torch, mojo",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
