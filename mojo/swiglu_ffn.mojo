@@ -33,7 +33,7 @@ from std.math import ceildiv, exp, rsqrt
 # Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
 # kernel writes them directly; an OutputTensor would be a MAX temporary copied out afterwards.
 from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, register
-from max.gpu import thread_idx, block_idx, lane_id, WARP_SIZE
+from max.gpu import thread_idx, block_idx, global_idx, lane_id, WARP_SIZE
 from max.gpu.host import DeviceContext
 from max.gpu.primitives import warp, block
 from layout import TileTensor, row_major, Coord, Idx
@@ -50,10 +50,17 @@ comptime DECODE_MAX_T = 16  # GEMV kernels hold <= 16 activation rows per lane
 #                          wgmma  -  150  150  149  147  149  151  156 |
 # The GEMV re-reads x from L1 per 8 FMAs and per row, so it is issue-bound beyond a few rows; the
 # wgmma path costs ~150 us flat at small T (3 matmuls + the fp32 G round trip + small-M tiles).
-# KNOWN BUG: the wgmma path gave wrong results at T = 5 (rel err 25; T = 16, 300, 4096 were right):
-# MAX's small-M sm90 configuration (suspected: swapAB, whose epilogue vectors may run along M) breaks
-# the fused epilogue or the fp32-output matmul. Until that is fixed, T < 16 stays on the GEMV path.
+# MAX's sm90 matmul is given M = T rounded up to TC_PAD rows, never the caller's T: with an M that is
+# not a multiple of its tile it wrote whole tiles past the last row (the H200 conformance run at T = 16
+# found the caller's `x`, allocated next to `out`, zeroed after the call), and the fused epilogue is
+# called for those rows too. So A (xn, h), G, h and the matmul output live in MAX scratch buffers of
+# Tp = ceil(T / TC_PAD) * TC_PAD rows (rows >= T hold garbage that only reaches rows >= T), the epilogue
+# stores gu for rows < T only, and the first T rows of the output are copied to `o`.
+# The wgmma path gave wrong results at T = 5 before that padding (rel err 25; same cause suspected);
+# T < 16 stays on the GEMV path.
 comptime TC_MIN_T = 16
+comptime TC_PAD = 256  # >= the largest M tile (and, with swapAB for small M, N tile) of MAX's sm90 matmul
+comptime COPY_THREADS = 256
 
 
 @always_inline
@@ -227,6 +234,13 @@ def _gemv[
 comptime _STATIC_DF = [(4096, 11008)]
 
 
+def _copy_kernel(dst: Pointer[BFloat16, MutAnyOrigin], src: Pointer[BFloat16, MutAnyOrigin], n: Int32):
+    """dst[:n] = src[:n], 8 elements (16 bytes) per thread; n is a multiple of 8 (T * D, D % 8 == 0)."""
+    var i = Int(global_idx.x) * 8
+    if i < Int(n):
+        dst.unsafe_store[width=8](i, src.unsafe_load[width=8](i))
+
+
 def _ffn_tc[
     D: Int, F: Int
 ](
@@ -241,15 +255,19 @@ def _ffn_tc[
     save: Bool,
 ) raises:
     """Prefill on Hopper: three wgmma matmuls (MAX's sm90 kernel) with the SiLU*mul epilogue fused; with
-    save the epilogue also stores gu = [round(g), u] (u arrives rounded to bf16 already: exactly gu's u)."""
-    var gbuf = ctx.enqueue_create_buffer[DType.float32](T * F)
-    var hbuf = ctx.enqueue_create_buffer[DType.bfloat16](T * F)
+    save the epilogue also stores gu = [round(g), u] (u arrives rounded to bf16 already: exactly gu's u).
+    xn holds Tp = ceil(T / TC_PAD) * TC_PAD rows (see TC_PAD); only `o`'s first T rows are written."""
+    var Tp = ceildiv(T, TC_PAD) * TC_PAD
+    var gbuf = ctx.enqueue_create_buffer[DType.float32](Tp * F)
+    var hbuf = ctx.enqueue_create_buffer[DType.bfloat16](Tp * F)
+    var obuf = ctx.enqueue_create_buffer[DType.bfloat16](Tp * D)
     var gp = rebind[Pointer[Float32, MutAnyOrigin]](gbuf.unsafe_ptr())
     var hp = rebind[Pointer[BFloat16, MutAnyOrigin]](hbuf.unsafe_ptr())
-    var gt = TileTensor(ptr=gp, layout=row_major(Coord(T, Idx[F])))
-    var ht = TileTensor(ptr=hp, layout=row_major(Coord(T, Idx[F])))
-    var xt = TileTensor(ptr=xn, layout=row_major(Coord(T, Idx[D])))
-    var ot = TileTensor(ptr=o, layout=row_major(Coord(T, Idx[D])))
+    var op = rebind[Pointer[BFloat16, MutAnyOrigin]](obuf.unsafe_ptr())
+    var gt = TileTensor(ptr=gp, layout=row_major(Coord(Tp, Idx[F])))
+    var ht = TileTensor(ptr=hp, layout=row_major(Coord(Tp, Idx[F])))
+    var xt = TileTensor(ptr=xn, layout=row_major(Coord(Tp, Idx[D])))
+    var ot = TileTensor(ptr=op, layout=row_major(Coord(Tp, Idx[D])))
     var wgt = TileTensor(ptr=wg, layout=row_major[F, D]())
     var wut = TileTensor(ptr=wu, layout=row_major[F, D]())
     var wdt = TileTensor(ptr=wd, layout=row_major[D, F]())
@@ -257,7 +275,7 @@ def _ffn_tc[
     @always_inline
     @__parameter
     # by value: a by-reference capture would hand the GPU a host stack address
-    @__copy_capture(gp, hp, gu, save)
+    @__copy_capture(gp, hp, gu, save, T)
     def silu_mul_epi[
         _dtype: DType, width: SIMDLength, *, alignment: Int = 1
     ](idx: Coord, val: SIMD[_dtype, width]):
@@ -268,15 +286,19 @@ def _ffn_tc[
         var u = val.cast[DType.float32]()
         var hv = g / (1.0 + exp(-g)) * u
         hp.unsafe_store[width=width](off, hv.cast[DType.bfloat16]())
-        if save:
+        if save and row < T:  # gu is the caller's [T, 2F]: padding rows must not reach it
             gu.unsafe_store[width=width](2 * row * F + col, g.cast[DType.bfloat16]())
             gu.unsafe_store[width=width](2 * row * F + F + col, val.cast[DType.bfloat16]())
 
     _matmul_gpu[use_tensor_core=True, transpose_b=True](gt, xt, wgt, ctx)
     _matmul_gpu[use_tensor_core=True, transpose_b=True, elementwise_lambda_fn=silu_mul_epi](ht, xt, wut, ctx)
     _matmul_gpu[use_tensor_core=True, transpose_b=True](ot, ht, wdt, ctx)
+    ctx.enqueue_function[_copy_kernel](
+        o, op, Int32(T * D), grid_dim=ceildiv(T * D, 8 * COPY_THREADS), block_dim=COPY_THREADS
+    )
     _ = gbuf^
     _ = hbuf^
+    _ = obuf^
 
 
 def swiglu_ffn_gpu[
@@ -321,7 +343,9 @@ def swiglu_ffn_gpu_save[
     tc_min_t: Int = TC_MIN_T,
 ) raises:
     """The forward of swiglu_ffn_gpu, and with save also gu [T, 2F] (both paths)."""
-    var xnbuf = ctx.enqueue_create_buffer[dtype](T * D)
+    # the tensor-core path reads xn as a Tp-row matrix (see TC_PAD); rows T.. are never written
+    var xn_rows = ceildiv(T, TC_PAD) * TC_PAD if T >= tc_min_t and allow_tc else T
+    var xnbuf = ctx.enqueue_create_buffer[dtype](xn_rows * D)
     var xn = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](xnbuf.unsafe_ptr())
     ctx.enqueue_function[_norm_kernel[dtype]](xn, rstd, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
 

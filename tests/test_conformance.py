@@ -55,6 +55,25 @@ def seed() -> int:
     return s
 
 
+def _snapshot(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Every tensor input and a copy of it, to prove afterwards that the op left it alone."""
+    named = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    return [(n, t, t.detach().clone()) for n, t in named if isinstance(t, torch.Tensor)]
+
+
+def _assert_untouched(snap: list, when: str, repro: str) -> None:
+    """No op writes to its inputs: a changed input means a kernel wrote out of bounds (the H200 run once
+    found swiglu_ffn's `x` zeroed by a matmul that stored whole tiles past its output's last row)."""
+    for name, t, before in snap:
+        now = t.detach()
+        same = (  # bit for bit, NaN = NaN (a KV cache's unused tail is NaN-filled on purpose)
+            torch.allclose(now, before, rtol=0, atol=0, equal_nan=True)
+            if now.is_floating_point()
+            else torch.equal(now, before)
+        )
+        assert same, f"input {name} changed {when} [{repro}]"
+
+
 def _skip_if_refused(exc: ValueError) -> None:
     msg = str(exc)
     if "cannot run" in msg or "has no backward here" in msg:
@@ -75,12 +94,14 @@ def test_op(conf_case, op, case, dtype, phase, backend_name, device, seed):
     fn = getattr(ops, op)
     args, kwargs = mod.make(case, dtype, device)
     repro = f"{op} {phase} case={case} {dtype} backend={backend_name} seed={seed}"
+    snap = _snapshot(args, kwargs)
     if phase == "forward":
         try:
             with fusekit.poisoned():
                 got = _tuple(fn(*args, **kwargs, backend=backend_name))
         except ValueError as exc:
             _skip_if_refused(exc)
+        _assert_untouched(snap, "by the forward", repro)
         want = _tuple(mod.oracle(*args, **kwargs))
         scales = mod.scale(args, kwargs) if hasattr(mod, "scale") else (None,) * len(want)
         assert len(got) == len(want), repro
@@ -115,6 +136,7 @@ def test_op(conf_case, op, case, dtype, phase, backend_name, device, seed):
     grads = [torch.randn((*o.shape, 2), device=device).to(o.dtype)[..., 0] for o in outs]  # strided views
     with fusekit.poisoned():
         gin = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+    _assert_untouched(snap, "by the forward or backward", repro)
     args64 = tuple(_f64_leaf(a) if i in leaves else a for i, a in enumerate(args))
     kwargs64 = {k: (_f64_leaf(v) if k in kleaves else v) for k, v in kwargs.items()}
     inputs64 = [args64[i] for i in leaves] + [kwargs64[k] for k in kleaves]

@@ -203,8 +203,14 @@ def test_rope_extreme_theta_finishes(backend_name, device, theta):
         "err = ((pair(y) - pair(x)).abs() / pair(x).clamp_min(1e-6)).max().item()\n"
         "print('err', err); assert err < 1e-5, err\n"
     )
+    # keep the caller's PYTHONPATH after ours: MAX (or Liger) may be on it, not installed
+    path = [
+        str(PYTHON_DIR),
+        str(PYTHON_DIR.parent),
+        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+    ]
     env = {
-        "PYTHONPATH": f"{PYTHON_DIR}:{PYTHON_DIR.parent}",
+        "PYTHONPATH": os.pathsep.join(path),
         "TRITON_INTERPRET": "1" if device == "cpu" else "0",
     }
     proc = subprocess.run(
