@@ -21,6 +21,7 @@ results. Under the CPU interpreter `triton.jit` returns an InterpretedFunction, 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,14 @@ _MAX_ENTRIES = 4096  # (kernel, grid, args key) entries; a model needs a few doz
 _CACHE: dict[tuple, tuple[Callable[..., None], tuple]] = {}
 _ORDERS: dict[tuple, tuple] = {}  # (kernel, positional count, kwarg names) -> binding order
 _FAST_TYPES: dict[type, type] = {}
+
+
+class _Recording(threading.local):
+    launches: list | None = None  # kernels_triton._replay.record's list while it watches this thread
+    missed: list | None = None
+
+
+RECORDING = _Recording()
 
 
 def _arg_key(v: Any) -> Any:
@@ -90,7 +99,11 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     hit = _CACHE.get(key)
     if hit is not None:
         runner, order = hit
-        runner(*_bound(order, args, kwargs))
+        bound = _bound(order, args, kwargs)
+        runner(*bound)
+        rec = RECORDING.launches
+        if rec is not None:  # kernels_triton._replay is watching this thread's call
+            rec.append((runner, bound))
         return None
     kernel = fn.run(*args, grid=grid, warmup=False, **kwargs)  # the normal path: compiles, launches
     if kernel is None or not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):

@@ -53,7 +53,7 @@ class _Plan:
     provider, the scalars it receives, whether the problem is empty, the device guard, and which strided
     inputs the provider needs as contiguous copies (`contig`)."""
 
-    __slots__ = ("contig", "device", "empty", "guard", "kscalars", "layout", "provider")
+    __slots__ = ("calls", "contig", "device", "empty", "guard", "kscalars", "layout", "provider", "replay")
 
     def __init__(
         self, spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend: str, cond: dict
@@ -73,6 +73,10 @@ class _Plan:
         )
         self.kscalars = spec.kernel_scalars(scalars)
         self.guard = device.type == "cuda"
+        # The provider's replay of this signature's launches (Backend.record), tried on calls 2..4:
+        # the first call may compile and tune, and a call that is not pure launches never records.
+        self.replay = None
+        self.calls = 0 if self.guard else _RECORD_TRIES + 1
         # Strided views go through as they are only to a provider that reads strides, and only with a
         # contiguous last dim (the kernels index it directly); the strides are in the plan's signature.
         reads = self.provider is not None and self.provider.reads_strides
@@ -170,10 +174,28 @@ def _execute(
     device = plan.device  # in the signature
     if plan.guard and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # launch on the tensors' GPU, not the current one
-            plan.provider.run(spec, phase, outs, inputs, plan.kscalars)
+            _launch(spec, phase, plan, outs, inputs)
     else:
-        plan.provider.run(spec, phase, outs, inputs, plan.kscalars)
+        _launch(spec, phase, plan, outs, inputs)
     return outs
+
+
+_RECORD_TRIES = 3  # calls (after the first) on which a plan tries to record a replay
+
+
+def _launch(spec: OpSpec, phase: str, plan: _Plan, outs: tuple, inputs: tuple) -> None:
+    """The provider's kernels for one call: replayed when the plan has a replay that accepts this call
+    (same pointer alignments), else through the provider (recording a replay on calls 2..4)."""
+    replay = plan.replay
+    if replay is not None and replay(outs, inputs):
+        return
+    calls = plan.calls
+    if 0 < calls <= _RECORD_TRIES and replay is None:
+        plan.calls = calls + 1
+        plan.replay = plan.provider.record(spec, phase, outs, inputs, plan.kscalars)
+        return
+    plan.calls = calls + 1 if calls <= _RECORD_TRIES else calls
+    plan.provider.run(spec, phase, outs, inputs, plan.kscalars)
 
 
 def clear_plans() -> None:

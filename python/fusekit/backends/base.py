@@ -76,3 +76,10 @@ class Backend:
 
     def run(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
         raise NotImplementedError
+
+    def record(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple):
+        """`run` once; a backend that can replay this call's launches without its launcher Python returns
+        a `replay(outputs, inputs) -> bool` for the library to use on later calls of the same plan
+        (False: this call cannot be replayed, run normally). Default: no replay."""
+        self.run(spec, phase, outputs, inputs, scalars)
+        return None

@@ -22,6 +22,8 @@ from fusekit.backends.base import Backend
 _DOT_OPS = ("swiglu_ffn", "attention")
 HEAD_DIMS = (64, 128, 256)
 _INTERPRETER_LOCK = threading.RLock()
+# Launch replay of planned calls (kernels_triton/_replay.py); FUSEKIT_TRITON_REPLAY=0 turns it off.
+REPLAY = os.environ.get("FUSEKIT_TRITON_REPLAY", "1") not in ("", "0")
 
 
 def _has_kernel(op: str) -> bool:
@@ -84,3 +86,12 @@ class TritonBackend(Backend):
                 fn(*outputs, *inputs, *scalars)
         else:
             fn(*outputs, *inputs, *scalars)
+
+    def record(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple):
+        """A compiled call's launches, replayable without the launcher (kernels_triton/_replay.py)."""
+        if self._interpret or not REPLAY:
+            return super().record(spec, phase, outputs, inputs, scalars)
+        from kernels_triton import _replay
+
+        fn = getattr(self._kernels(spec.name), phase)
+        return _replay.record(lambda: fn(*outputs, *inputs, *scalars), outputs, inputs)

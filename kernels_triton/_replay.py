@@ -1,0 +1,166 @@
+"""Launch replay: a planned call's kernel launches, recorded once and then re-issued without the launcher.
+
+A fusekit call of a planned signature (same op, phase, shapes, dtypes, strides, scalars, backend) runs
+the same launcher Python every time: config lookup, grid, argument lists, the lean launch's key. For
+the small, host-bound calls of a decode step that Python costs as much as the kernels. `record` runs
+one call normally while watching it and, when the call was nothing but lean launches
+(`_launch.fast_launch` cache hits) whose tensor arguments are the call's outputs, its inputs, views
+of them, or workspaces it allocated, returns a generated `replay(outs, inputs)` that re-issues the
+same compiled kernels with the new calls' data pointers (and fresh workspaces) and nothing else.
+
+What makes a call unrecordable (it then simply keeps the normal path; `record` returns None):
+- any aten op other than allocating (empty*) or viewing a tensor, seen by a TorchDispatchMode:
+  a copy, a fill, a conversion, a host read (`.item()`): replay would skip that work;
+- any launch that did not go through the lean path's cache (a compile, an autotuner, a kernel
+  without `@fast_launch`), seen by wrapping `JITFunction.run` while recording;
+- a tensor argument that is not (a view of) exactly one output, input or workspace of the call
+  (a module-level cached tensor, or aliased inputs that make the mapping ambiguous).
+`replay` checks that each pointer keeps its 16-byte alignment (Triton specializes on it) and
+returns False, for the normal path, when one does not. Integer and float arguments are constants of
+the signature (shapes, scalars), so they are replayed as recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kernels_triton import _launch
+
+_aten = torch.ops.aten
+_ALLOC = {_aten.empty.memory_format, _aten.empty_strided.default}
+_VIEWS = {
+    _aten.view.default, _aten._unsafe_view.default, _aten.as_strided.default, _aten.slice.Tensor,
+    _aten.select.int, _aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.unsqueeze.default,
+    _aten.squeeze.dim, _aten.squeeze.default, _aten.expand.default, _aten.alias.default, _aten.detach.default,
+    _aten.split.Tensor, _aten.unbind.int, _aten.split_with_sizes.default, _aten.view_as_real.default,
+    _aten.view.dtype,
+}  # fmt: skip
+_LOCK = threading.Lock()  # one recording at a time (it briefly wraps JITFunction.run for every thread)
+
+
+class _Watch(TorchDispatchMode):
+    """Lets allocations and views through (remembering allocated workspaces); anything else is noted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temps: list[torch.Tensor] = []
+        self.other: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOC:
+            self.temps.append(out)
+        elif func not in _VIEWS:
+            self.other.append(str(func))
+        return out
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last byte] that the view `t` can address."""
+    lo = t.data_ptr()
+    if t.numel() == 0:
+        return lo, lo
+    span = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + 1
+    return lo, lo + span * t.element_size()
+
+
+def _slot(a: Any, bases: list[tuple[str, int, torch.Tensor]]) -> tuple | None:
+    """How argument `a` is rebuilt: ("c", value) a constant, (kind, index, byte offset) a pointer into an
+    output ("o"), input ("i") or workspace ("t"); None if a tensor matches no base or more than one."""
+    if not isinstance(a, torch.Tensor):
+        return ("c", a)
+    for kind, i, b in bases:  # the very tensor object: unambiguous even when inputs alias
+        if a is b:
+            return (kind, i, 0)
+    p = a.data_ptr()
+    hits = []
+    for kind, i, b in bases:
+        lo, hi = _extent(b)
+        if lo <= p < hi or p == lo:
+            hits.append((kind, i, p - lo))
+    return hits[0] if len(hits) == 1 else None
+
+
+def _generate(launches: list[tuple[Callable, list]], bases, temps: list[torch.Tensor]) -> Callable | None:
+    """Source of `replay(o, i)` for the recorded launches, compiled with exec."""
+    ns: dict[str, Any] = {"_empty": torch.empty, "_u8": torch.uint8}
+    lines = ["def replay(o, i):"]
+    ptrs: dict[tuple[str, int], str] = {}  # base -> local holding its data_ptr()
+    checks: list[str] = []
+    calls: list[str] = []
+    for k, (runner, args) in enumerate(launches):
+        ns[f"r{k}"] = runner
+        parts = []
+        for j, a in enumerate(args):
+            s = _slot(a, bases)
+            if s is None:
+                return None
+            if s[0] == "c":
+                ns[f"c{k}_{j}"] = s[1]
+                parts.append(f"c{k}_{j}")
+                continue
+            kind, idx, off = s
+            name = ptrs.get((kind, idx))
+            if name is None:
+                name = ptrs[(kind, idx)] = f"p_{kind}{idx}"
+            expr = f"({name} + {off})" if off else name
+            if kind != "t":  # fresh workspaces are 512-byte aligned, as when recorded
+                checks.append(f"(({expr}) & 15 == 0) is {bool(a.data_ptr() & 15 == 0)}")
+            parts.append(expr)
+        calls.append(f"    r{k}({', '.join(parts)})")
+    for (kind, idx), name in ptrs.items():
+        if kind == "t":
+            t = temps[idx]
+            ns[f"n{idx}"], ns[f"d{idx}"] = t.untyped_storage().nbytes(), t.device
+            lines.append(f"    w{idx} = _empty(n{idx}, dtype=_u8, device=d{idx})")
+            lines.append(f"    {name} = w{idx}.data_ptr()")
+        else:
+            lines.append(f"    {name} = {kind}[{idx}].data_ptr()")
+    if checks:
+        lines.append(f"    if not ({' and '.join(sorted(set(checks)))}):")
+        lines.append("        return False")
+    lines += calls
+    lines.append("    return True")
+    exec(compile("\n".join(lines), "<fusekit launch replay>", "exec"), ns)  # our own generated source
+    return ns["replay"]
+
+
+def record(call: Callable[[], None], outs: tuple, ins: tuple) -> Callable[[tuple, tuple], bool] | None:
+    """Run `call()` (one launcher call writing `outs` from `ins`) and return its replay, or None when the
+    call was not purely lean launches over those tensors (see the module doc). `call` always runs once."""
+    if not _launch.ENABLED or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        call()
+        return None
+    from triton.runtime.jit import JITFunction
+
+    with _LOCK:
+        rec: list[tuple[Callable, list]] = []
+        missed: list[bool] = []
+        tls = _launch.RECORDING
+        orig = JITFunction.run
+
+        def run(self, *args, **kwargs):  # a launch outside the lean path's cache
+            if getattr(tls, "launches", None) is not None:
+                missed.append(True)
+            return orig(self, *args, **kwargs)
+
+        JITFunction.run = run
+        tls.launches, tls.missed = rec, missed
+        watch = _Watch()
+        try:
+            with watch:
+                call()
+        finally:
+            tls.launches = tls.missed = None
+            JITFunction.run = orig
+    if missed or watch.other or not rec:
+        return None
+    bases = [("o", i, t) for i, t in enumerate(outs) if t is not None]
+    bases += [("i", i, t) for i, t in enumerate(ins) if isinstance(t, torch.Tensor)]
+    bases += [("t", i, t) for i, t in enumerate(watch.temps)]
+    return _generate(rec, bases, watch.temps)

@@ -1,0 +1,203 @@
+"""kernels_triton._replay: recording a call's lean launches and replaying them with new pointers.
+
+On the CPU: a real JITFunction whose launches are stood in for by a recorder (as in
+test_triton_fast_launch.py), driven by toy "launchers" that do what real ones do (views, workspaces,
+torch ops, a cached tensor), so each rule of the module doc is checked. On CUDA (--device cuda): the
+hot ops replayed through the library are bit-identical to Triton's own launch path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from kernels_triton import _launch, _replay  # noqa: E402
+
+
+def _toy(x_ptr, y_ptr, n, eps, BLOCK: tl.constexpr = 64):  # noqa: F821
+    pass
+
+
+class _Kernel:
+    function = packed_metadata = None
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def run(self, *a) -> None:
+        raise AssertionError("not called directly")
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("launch", grid, args))
+
+
+@pytest.fixture
+def toy(monkeypatch: pytest.MonkeyPatch):
+    log: list = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        log.append(("run", grid, args))
+        return _Kernel(log)
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fn = _launch.fast_launch(JITFunction(_toy))
+    _launch.clear()
+    yield fn, log
+    _launch.clear()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _io(n: int = 64):
+    x = torch.randn(2, n)
+    return (torch.empty(2, n),), (x, torch.randn(n))
+
+
+def _warm_and_record(fn, log, launcher, outs, ins):
+    launcher(outs, ins)  # fills the lean path's cache (a "run" entry)
+    replay = _replay.record(lambda: launcher(outs, ins), outs, ins)
+    log.clear()
+    return replay
+
+
+def test_replay_reissues_launches_with_new_pointers(toy) -> None:
+    fn, log = toy
+
+    def launcher(outs, ins):
+        (y,), (x, w) = outs, ins
+        fn[(2,)](x, y, x.shape[1], 1e-6, BLOCK=64)
+        fn[(2,)](x[1], w, 7, 0.5, BLOCK=64)  # a view of an input (row 1), a second kernel launch
+
+    outs, ins = _io()
+    replay = _warm_and_record(fn, log, launcher, outs, ins)
+    assert replay is not None
+    outs2, ins2 = _io()
+    assert replay(outs2, ins2) is True
+    (y2,), (x2, w2) = outs2, ins2
+    assert log == [
+        ("launch", (2, 1, 1), (_ptr(x2), _ptr(y2), 64, 1e-6, 64)),
+        ("launch", (2, 1, 1), (_ptr(x2) + 64 * 4, _ptr(w2), 7, 0.5, 64)),
+    ]
+
+
+def test_workspace_is_allocated_fresh(toy) -> None:
+    fn, log = toy
+
+    def launcher(outs, ins):
+        (y,), (x, _) = outs, ins
+        part = torch.empty(16, dtype=torch.float32)
+        fn[(2,)](x, part, 16, 1.0, BLOCK=64)
+        fn[(2,)](part[4:], y, 16, 1.0, BLOCK=64)
+
+    outs, ins = _io()
+    replay = _warm_and_record(fn, log, launcher, outs, ins)
+    assert replay is not None and replay(*_io())
+    (_, _, a1), (_, _, a2) = log
+    assert a1[1] + 16 == a2[0]  # the same fresh workspace, the view's offset kept
+    assert a1[1] not in (_ptr(outs[0]), _ptr(ins[0]))
+
+
+@pytest.mark.parametrize("what", ["torch_op", "host_read", "cached_tensor", "miss", "aliased_views"])
+def test_unrecordable_calls_keep_the_normal_path(toy, what: str) -> None:
+    fn, log = toy
+    cached = torch.randn(64)
+
+    def launcher(outs, ins):
+        (y,), (x, w) = outs, ins
+        if what == "torch_op":
+            y.zero_()  # work a replay would skip
+        if what == "host_read":
+            n = int(w[0] > 0)  # a value read on the host: the launch could depend on it
+            fn[(2,)](x, y, 64 + n - n, 1.0, BLOCK=64)
+            return
+        if what == "cached_tensor":
+            fn[(2,)](cached, y, 64, 1.0, BLOCK=64)
+            return
+        if what == "miss":
+            fn[(3,)](x, y, 64, 1.0, BLOCK=64)  # a new grid: not in the cache, compiled on this call
+            return
+        if what == "aliased_views":
+            fn[(2,)](x.view(-1)[64:], y, 64, 1.0, BLOCK=64)
+            return
+        fn[(2,)](x, y, 64, 1.0, BLOCK=64)
+
+    outs, ins = _io()
+    if what == "miss":
+        fn[(2,)](ins[0], outs[0], 64, 1.0, BLOCK=64)
+        assert _replay.record(lambda: launcher(outs, ins), outs, ins) is None
+        return
+    if what == "aliased_views":  # w is a view into x's buffer: x.view(-1)[64:] lies in both
+        base = torch.randn(2 * 64)
+        ins = (base.view(2, 64), base[64:])
+    assert _warm_and_record(fn, log, launcher, outs, ins) is None
+
+
+def test_alignment_change_falls_back(toy) -> None:
+    fn, log = toy
+
+    def launcher(outs, ins):
+        (y,), (x, _) = outs, ins
+        fn[(2,)](x, y, 64, 1.0, BLOCK=64)
+
+    outs, ins = _io()
+    replay = _warm_and_record(fn, log, launcher, outs, ins)
+    buf = torch.randn(2 * 64 + 1)
+    misaligned = (buf[1:].view(2, 64), ins[1])  # 4-byte offset: Triton would pick another kernel
+    assert replay(outs, misaligned) is False and not log
+
+
+@pytest.mark.usefixtures("toy")
+def test_disabled_lean_path_never_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    outs, ins = _io()
+    ran = []
+    assert _replay.record(lambda: ran.append(1), outs, ins) is None and ran == [1]
+
+
+# --- CUDA: the real hot ops through the library --------------------------------------------------
+def test_cuda_replayed_results_equal_normal_launch(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    import fusekit
+    from fusekit import library
+    from fusekit.backends import triton as tb
+
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, device=device, dtype=torch.bfloat16, generator=g)
+
+    x, w, b, res = r(4, 4096), r(4096), r(4096), r(4, 4096)
+    q, kc, vc = r(2, 32, 1, 128), r(2, 8, 1000, 128), r(2, 8, 1000, 128)
+    kv_len = torch.tensor([999, 517], device=device, dtype=torch.int32)
+    ops = fusekit.ops
+    cases = {
+        "rms_norm": lambda: ops.rms_norm(x, w, backend="triton"),
+        "rms_norm residual": lambda: ops.rms_norm(x, w, residual=res, backend="triton"),
+        "layer_norm": lambda: ops.layer_norm(x, w, b, backend="triton"),
+        "rope": lambda: ops.rope(q.transpose(1, 2), start_pos=5, backend="triton"),
+        "attention decode": lambda: ops.attention(q, kc, vc, kv_len=kv_len, backend="triton"),
+        "reduce_sum": lambda: ops.reduce_sum(x.float(), backend="triton"),
+    }
+
+    def flat(o):
+        return [o] if isinstance(o, torch.Tensor) else [t for p in o for t in flat(p)]
+
+    monkeypatch.setattr(tb, "REPLAY", False)
+    library.clear_plans()
+    want = {k: [t.clone() for t in flat(f())] for k, f in cases.items()}
+    monkeypatch.setattr(tb, "REPLAY", True)
+    library.clear_plans()
+    for k, f in cases.items():
+        for _ in range(6):  # call 1 plans, calls 2..4 record, the rest replay
+            got = flat(f())
+            assert all(torch.equal(a, b_) for a, b_ in zip(got, want[k])), f"{k}: replay changed the result"
+    replayed = [p for p in library._PLANS.values() if p.replay is not None]
+    assert replayed, "no plan recorded a replay"
