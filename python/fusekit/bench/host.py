@@ -9,8 +9,9 @@ loops: `timing.wall_per_call_ms`) for:
   - `torch`: the torch eager equivalent (F.rms_norm / F.layer_norm / SDPA / HF-style rope), where
     one exists;
   - `liger`: Liger-Kernel's op where installed and the op exists there.
-Backend "triton-jit" is the triton backend with the lean launch path of kernels_triton/_launch.py off
-(every launch through Triton's JITFunction.run, as before that path existed); "triton" is the default (on). Also the GPU time of the fusekit call (CUDA events), so host-bound cases are visible as wall >> GPU.
+Backend "triton-jit" is the triton backend with its launch shortcuts off (the lean launch path of
+kernels_triton/_launch.py and the launch replay of kernels_triton/_replay.py: every launch through
+Triton's JITFunction.run, as before they existed); "triton" is the default (both on). Also the GPU time of the fusekit call (CUDA events), so host-bound cases are visible as wall >> GPU.
 The target of issue #11: fusekit wall <= 1.3x bare.
 
 Results: <out>/<device slug>/host.json (schema fusekit-bench-host/1) with meta like the other suites.
@@ -55,14 +56,22 @@ def _record_launches() -> Iterator[list[tuple]]:
 
 @contextlib.contextmanager
 def _fast_launch(on: bool) -> Iterator[None]:
-    """kernels_triton._launch's lean launch path on or off inside the block ("triton-jit" rows: off)."""
+    """The triton backend's launch shortcuts (the lean launch path of kernels_triton/_launch.py and the
+    launch replay of kernels_triton/_replay.py) on or off inside the block ("triton-jit" rows and the
+    bare recording: off). Plans are forgotten on both sides, so no replay recorded in one mode runs in
+    the other."""
+    from fusekit import library
+    from fusekit.backends import triton as triton_backend
     from kernels_triton import _launch
 
-    was, _launch.ENABLED = _launch.ENABLED, on
+    was = _launch.ENABLED, triton_backend.REPLAY
+    _launch.ENABLED = triton_backend.REPLAY = on
+    library.clear_plans()
     try:
         yield
     finally:
-        _launch.ENABLED = was
+        _launch.ENABLED, triton_backend.REPLAY = was
+        library.clear_plans()
 
 
 def _bare(launches: list[tuple]) -> Callable[[], None]:
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--backends",
         default="triton,torch",
-        help="comma-separated of triton, triton-jit (lean launch path of kernels_triton/_launch.py off), torch, mojo",
+        help="comma-separated of triton, triton-jit (lean launch and launch replay off), torch, mojo",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
