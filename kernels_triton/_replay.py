@@ -158,9 +158,24 @@ def record(call: Callable[[], None], outs: tuple, ins: tuple) -> Callable[[tuple
         finally:
             tls.launches = tls.missed = None
             JITFunction.run = orig
+    global last_refusal
     if missed or watch.other or not rec:
+        last_refusal = (
+            (
+                f"torch ops {sorted(set(watch.other))}"
+                if watch.other
+                else "a launch outside the lean path's cache"
+            )
+            if (missed or watch.other)
+            else "no launch"
+        )
         return None
     bases = [("o", i, t) for i, t in enumerate(outs) if t is not None]
     bases += [("i", i, t) for i, t in enumerate(ins) if isinstance(t, torch.Tensor)]
     bases += [("t", i, t) for i, t in enumerate(watch.temps)]
-    return _generate(rec, bases, watch.temps)
+    replay = _generate(rec, bases, watch.temps)
+    last_refusal = None if replay is not None else "a tensor argument that is no output, input or workspace"
+    return replay
+
+
+last_refusal: str | None = None  # why the latest `record` returned None (diagnostics, tests)

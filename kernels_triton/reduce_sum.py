@@ -29,8 +29,10 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import device_index, is_interpreter, next_pow2, num_sms, warps_for
+from kernels_triton._launch import fast_launch
 
 
+@fast_launch
 @triton.jit
 def _rows_kernel(x_ptr, out_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_INT: tl.constexpr):
     ACC: tl.constexpr = tl.int64 if IS_INT else tl.float32
@@ -49,6 +51,7 @@ def _rows_kernel(x_ptr, out_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     tl.store(out_ptr + rows, s.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _split_kernel(
     x_ptr, dst_ptr, N, SPLIT, CHUNK, BLOCK: tl.constexpr, IS_INT: tl.constexpr, ATOMIC: tl.constexpr
@@ -74,6 +77,7 @@ def _split_kernel(
         tl.store(dst_ptr + pid, s)
 
 
+@fast_launch
 @triton.jit
 def _finalize_kernel(part_ptr, out_ptr, M, SPLIT, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
     # Fixed-order second stage: the same partials always meet in the same tree -> bitwise reproducible.
@@ -166,6 +170,7 @@ def reduce_sum(
     )
 
 
+@fast_launch
 @triton.jit
 def _bcast_kernel(dout_ptr, dx_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx[rows, cols] = dout[rows] in dx's dtype; program p owns one [BLOCK_M, BLOCK_N] tile."""
