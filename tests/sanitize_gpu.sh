@@ -15,6 +15,10 @@ if [ -f /tmp/maxsite/env.sh ]; then source /tmp/maxsite/env.sh; fi
 export PYTHONPATH="python:.${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Triton and MAX compile on first use; the sanitizer slows kernels ~100x: keep the cases small.
 export FUSEKIT_NORM_TUNE=0
+# Every torch tensor its own cudaMalloc: memcheck then flags a kernel that reads or writes past its
+# tensor (inside the caching allocator's shared segments such an access lands in a neighbour unseen;
+# the mojo swiglu_ffn bug of 2026-11-23 zeroed the caller's input exactly that way).
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 out=${OUT:-/tmp}
 san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 rc=0
