@@ -133,7 +133,12 @@ def _generate(launches: list[tuple[Callable, list]], bases, temps: list[torch.Te
 def record(call: Callable[[], None], outs: tuple, ins: tuple) -> Callable[[tuple, tuple], bool] | None:
     """Run `call()` (one launcher call writing `outs` from `ins`) and return its replay, or None when the
     call was not purely lean launches over those tensors (see the module doc). `call` always runs once."""
-    if not _launch.ENABLED or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    nested = _launch.RECORDING.launches is not None  # a call inside a recorded call: part of the outer one
+    if (
+        nested
+        or not _launch.ENABLED
+        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    ):
         call()
         return None
     from triton.runtime.jit import JITFunction

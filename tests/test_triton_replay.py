@@ -153,6 +153,30 @@ def test_alignment_change_falls_back(toy) -> None:
     assert replay(outs, misaligned) is False and not log
 
 
+def test_nested_record_is_part_of_the_outer_one(toy) -> None:
+    """A recorded call that records again inside (a launcher calling another planned op) neither hangs
+    on the lock nor truncates the outer recording: the inner launches belong to the outer replay."""
+    fn, log = toy
+
+    def inner(outs, ins):
+        (y,), (x, _) = outs, ins
+        fn[(2,)](x, y, 64, 2.0, BLOCK=64)
+
+    inner_results = []
+
+    def outer(outs, ins):
+        (y,), (x, w) = outs, ins
+        fn[(2,)](x, y, 64, 1.0, BLOCK=64)
+        inner_results.append(_replay.record(lambda: inner(outs, ins), outs, ins))
+        fn[(2,)](w, y, 64, 3.0, BLOCK=64)
+
+    outs, ins = _io()
+    replay = _warm_and_record(fn, log, outer, outs, ins)
+    assert inner_results[-1] is None  # inside the outer recording: not recorded on its own
+    assert replay is not None and replay(*_io())
+    assert [a[2][3] for a in log] == [1.0, 2.0, 3.0]
+
+
 @pytest.mark.usefixtures("toy")
 def test_disabled_lean_path_never_records(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_launch, "ENABLED", False)
