@@ -1,7 +1,8 @@
 """`python -m fusekit.bench.host`: the host path of small (decode-shaped) calls, against a bare launch.
 
 For each case, per-call host wall-clock of N back-to-back calls (sync, N calls, sync; median of
-loops: `timing.wall_per_call_ms`) for:
+loops: `timing.wall_per_call_ms`), taken in `--rounds` rounds interleaved over the providers below
+(the median round is kept, every round is in the row: a shared host drifts by tens of percent), for:
   - `fusekit`: the public op (`fusekit.ops.<op>(..., backend=B)`), remembered path after warm-up;
   - `bare`: the very Triton kernel(s) that call launched, re-launched directly through
     `JITFunction.run` with the arguments recorded from one fusekit call (the output buffers reused,
@@ -23,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -181,62 +183,94 @@ def _liger(name: str | None, dev: str, dtype: torch.dtype) -> Callable | None:
     return {"rms_norm": LigerRMSNormFunction, "layer_norm": LigerLayerNormFunction}[name]
 
 
-def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float) -> list[dict]:
+_WARM = 5  # calls before each timing: plan, record a replay (calls 2..4), then steady state
+
+
+def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float, rounds: int = 5) -> list[dict]:
+    """Per case: every provider (each backend, the bare launch, torch eager, Liger) is timed in `rounds`
+    interleaved rounds of rep_ms / rounds each; a row keeps the median and the per-round figures, so a
+    drift of the shared host's speed hits every provider alike instead of whichever ran last."""
+    device = torch.device(dev)
     rows = []
     for name, params, fk, eager, liger_name in _cases(dev, dtype):
+        case_rows: dict[str, dict] = {}
+        timers: dict[str, tuple[Callable, Callable[[], object]]] = {}  # label -> (mode context, call)
         for be in backends:
-            row: dict = {"case": name, "params": params, "backend": be, "dtype": str(dtype).split(".")[-1]}
+            row = case_rows[be] = {
+                "case": name,
+                "params": params,
+                "backend": be,
+                "dtype": str(dtype).split(".")[-1],
+            }
+            op_be = "triton" if be == "triton-jit" else be
+            fn = lambda fk=fk, op_be=op_be: fk(op_be)
+            mode = (lambda: _fast_launch(False)) if be == "triton-jit" else contextlib.nullcontext
             try:
-                op_be = "triton" if be == "triton-jit" else be
-                fn = lambda fk=fk, op_be=op_be: fk(op_be)
-                with _fast_launch(False) if be == "triton-jit" else contextlib.nullcontext():
-                    for _ in range(3):
-                        fn()  # compile, tune, remember
+                with mode():
+                    for _ in range(_WARM):
+                        fn()  # compile, tune, plan, record
                     if dev == "cuda":
                         torch.cuda.synchronize()
-                    row["fusekit_wall_us"] = wall_per_call_ms(fn, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
-                    if dev == "cuda":
-                        row["fusekit_gpu_us"] = bench_ms(fn, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
-                if op_be == "triton":
+                        row["fusekit_gpu_us"] = bench_ms(fn, device, rep_ms=rep_ms)[0] * 1e3
+                timers[f"fusekit:{be}"] = (mode, fn)
+                if op_be == "triton" and "bare" not in timers:
                     with _fast_launch(False), _record_launches() as seen:
                         fn()
                     row["bare_kernels"] = [f.fn.__name__ if hasattr(f, "fn") else str(f) for f, _, _ in seen]
                     if seen:
-                        bare = _bare(seen)
-                        row["bare_wall_us"] = (
-                            wall_per_call_ms(bare, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
-                        )
-                        row["wall_vs_bare"] = row["fusekit_wall_us"] / row["bare_wall_us"]
-                if eager is not None:
-                    row["torch_wall_us"] = wall_per_call_ms(eager, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
-                    row["wall_speedup_vs_torch"] = row["torch_wall_us"] / row["fusekit_wall_us"]
-                lg = _liger(liger_name, dev, dtype)
-                if lg is not None and be == backends[0]:
-                    row["liger_wall_us"] = _liger_wall(lg, liger_name, params, dev, dtype, rep_ms)
+                        timers["bare"] = (contextlib.nullcontext, _bare(seen))
                 row["status"] = "ok"
             except Exception as e:
                 row["status"], row["reason"] = "error", f"{type(e).__name__}: {e}"[:300]
+        if eager is not None:
+            timers["eager"] = (contextlib.nullcontext, eager)
+        lg = _liger(liger_name, dev, dtype)
+        if lg is not None:
+            timers["liger"] = (contextlib.nullcontext, _liger_call(lg, liger_name, params, dev, dtype))
+        walls: dict[str, list[float]] = {k: [] for k in timers}
+        for _ in range(rounds):
+            for label, (mode, fn) in timers.items():
+                try:
+                    with mode():
+                        for _ in range(_WARM):
+                            fn()  # a mode switch forgets plans: plan and record again first
+                        walls[label].append(wall_per_call_ms(fn, device, rep_ms=rep_ms / rounds)[0] * 1e3)
+                except Exception as e:
+                    if label in case_rows:
+                        case_rows[label]["status"], case_rows[label]["reason"] = (
+                            "error",
+                            f"{type(e).__name__}: {e}"[:300],
+                        )
+        med = {k: statistics.median(v) for k, v in walls.items() if v}
+        for be, row in case_rows.items():
+            mine = f"fusekit:{be}"
+            if row.get("status") == "ok" and mine in med:
+                row["fusekit_wall_us"], row["fusekit_wall_us_rounds"] = med[mine], walls[mine]
+                if "bare" in med and be in ("triton", "triton-jit"):
+                    row["bare_wall_us"] = med["bare"]
+                    row["wall_vs_bare"] = med[mine] / med["bare"]
+                if "eager" in med:
+                    row["torch_wall_us"] = med["eager"]
+                    row["wall_speedup_vs_torch"] = med["eager"] / med[mine]
+                if "liger" in med and be == backends[0]:
+                    row["liger_wall_us"] = med["liger"]
             rows.append(row)
             print(_line(row), flush=True)
     return rows
 
 
-def _liger_wall(fn, name: str, p: dict, dev: str, dtype: torch.dtype, rep_ms: float) -> float:
+def _liger_call(fn, name: str, p: dict, dev: str, dtype: torch.dtype) -> Callable[[], object]:
     x = torch.randn(p["M"], p["N"], device=dev, dtype=dtype)
     w = torch.randn(p["N"], device=dev, dtype=dtype)
     if p.get("train"):
         x.requires_grad_()
         w.requires_grad_()
         dy = torch.randn_like(x)
-        call = lambda: fn.apply(x, w, 1e-6).backward(dy)
-    elif name == "rms_norm":
-        call = lambda: fn.apply(x, w, 1e-6)
-    else:
-        b = torch.randn(p["N"], device=dev, dtype=dtype)
-        call = lambda: fn.apply(x, w, b, 1e-5)
-    for _ in range(3):
-        call()
-    return wall_per_call_ms(call, torch.device(dev), rep_ms=rep_ms)[0] * 1e3
+        return lambda: fn.apply(x, w, 1e-6).backward(dy)
+    if name == "rms_norm":
+        return lambda: fn.apply(x, w, 1e-6)
+    b = torch.randn(p["N"], device=dev, dtype=dtype)
+    return lambda: fn.apply(x, w, b, 1e-5)
 
 
 def _line(r: dict) -> str:
@@ -259,11 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    ap.add_argument("--rep-ms", type=float, default=200.0)
+    ap.add_argument("--rep-ms", type=float, default=200.0, help="timing budget per provider and case")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per case (median kept)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-    rows = run([b.strip() for b in a.backends.split(",") if b.strip()], a.device, dtype, a.rep_ms)
+    rows = run([b.strip() for b in a.backends.split(",") if b.strip()], a.device, dtype, a.rep_ms, a.rounds)
     root = Path(a.out or ("benchmarks/results" if a.device == "cuda" else "build/bench/results"))
     name = slug(torch.cuda.get_device_name()) if a.device == "cuda" else "cpu"
     path = root / name / "host.json"
@@ -276,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "schema": SCHEMA,
         "meta": meta,
-        "method": "host wall-clock per call of back-to-back calls (timing.wall_per_call_ms); gpu = CUDA events",
+        "method": (
+            f"host wall-clock per call of back-to-back calls (timing.wall_per_call_ms), median of {a.rounds} "
+            "rounds interleaved over the providers of a case; gpu = CUDA events"
+        ),
         "rows": rows,
     }
     path.write_text(json.dumps(doc, indent=1, default=str))

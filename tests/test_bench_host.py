@@ -1,0 +1,45 @@
+"""fusekit.bench.host on the CPU: interleaved rounds, one row per backend, providers kept apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusekit.bench import host
+
+
+def _tiny_cases(dev: str, dtype: torch.dtype):
+    from fusekit import ops
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 64, generator=g), torch.randn(64, generator=g)
+    calls = {"eager": 0}
+
+    def eager():
+        calls["eager"] += 1
+        return torch.nn.functional.rms_norm(x, (64,), w, 1e-6)
+
+    return [
+        ("rms_norm 2x64", {"M": 2, "N": 64}, lambda be: ops.rms_norm(x, w, backend=be), eager, None),
+        ("reduce_sum 64", {"N": 64}, lambda be: ops.reduce_sum(x[0], backend=be), None, None),
+    ]
+
+
+def test_rounds_and_providers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host, "_cases", _tiny_cases)
+    rows = host.run(["torch", "nosuch"], "cpu", torch.float32, rep_ms=4.0, rounds=3)
+    assert [(r["case"], r["backend"]) for r in rows] == [
+        ("rms_norm 2x64", "torch"),
+        ("rms_norm 2x64", "nosuch"),
+        ("reduce_sum 64", "torch"),
+        ("reduce_sum 64", "nosuch"),
+    ]
+    ok = rows[0]
+    assert ok["status"] == "ok" and len(ok["fusekit_wall_us_rounds"]) == 3
+    assert ok["fusekit_wall_us"] == sorted(ok["fusekit_wall_us_rounds"])[1]  # the median
+    assert (
+        ok["torch_wall_us"] > 0 and ok["wall_speedup_vs_torch"] == ok["torch_wall_us"] / ok["fusekit_wall_us"]
+    )
+    assert "torch_wall_us" not in rows[2]  # no eager equivalent given for that case
+    assert rows[1]["status"] == "error" and "backend" in rows[1]["reason"]
+    assert "fusekit_wall_us" not in rows[1]
