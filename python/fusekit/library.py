@@ -501,51 +501,84 @@ def _register(spec: OpSpec) -> None:
     )
     bop.register_fake(backward_fake)
 
-    def setup_context(ctx, inputs, output) -> None:
-        ins, sc, backend, save = split(tuple(inputs))
-        cond = spec.conditions(ins, save)
-        outs = {
-            n: None if a.when is not None and not cond.get(a.when) else o
-            for n, a, o in zip(out_names, spec.forward.outputs, _as_tuple(output))
-        }
+    # Per-op facts the autograd phases read on every call, decided once here.
+    out_meta = tuple((n, a.when, a.grad) for n, a in zip(out_names, spec.forward.outputs))
+    bout_meta = tuple((a.name, a.when) for a in bp.outputs)
+    bconds, n_pass = bp.conditions, n_sc + 2
+    bop_call = getattr(torch.ops.fusekit, f"{spec.name}_backward")  # what torch.compile traces
+
+    def save_context(ctx, ins: tuple, sc: tuple, backend: str, cond: dict, output: tuple) -> None:
+        outs = {n: None if w is not None and not cond.get(w) else o for (n, w, _), o in zip(out_meta, output)}
         ctx.save_for_backward(*spec.save(dict(zip(in_names, ins)), outs))
         ctx.fusekit = (sc, backend, cond, tuple(v is not None for v in ins))
         # Statistics and saved values carry no gradient (as torch's own native_layer_norm's mean/rstd):
         # marking them says so, instead of silently dropping what would flow into them.
-        stats = [o for a, o in zip(spec.forward.outputs, outs.values()) if not a.grad and o is not None]
+        stats = [o for (_, _, gr), o in zip(out_meta, outs.values()) if not gr and o is not None]
         if stats:
             ctx.mark_non_differentiable(*stats)
 
-    def make_backward(eager: bool):
-        return lambda ctx, *grads: backward(ctx, grads, eager)
+    def setup_context(ctx, inputs, output) -> None:
+        ins, sc, backend, save = split(tuple(inputs))
+        save_context(ctx, ins, sc, backend, spec.conditions(ins, save), _as_tuple(output))
 
-    def backward(ctx, grads, eager: bool):
+    def input_grads(ctx, g: dict, eager: bool) -> tuple:
+        """The backward phase from the output grads `g` (name -> contiguous grad or None), as autograd
+        wants it back: one grad per forward argument, None for scalars, backend and save."""
         sc, backend, cond, present = ctx.fusekit
-        if eager:
-            grads = tuple(
-                torch.zeros(like[0], dtype=like[1], device=like[2])
-                if gr is None and a.grad and like is not None
-                else gr
-                for gr, a, like in zip(grads, spec.forward.outputs, ctx.fusekit_like)
-            )
-        # Autograd materializes unused outputs' grads as zeros; absent outputs' placeholders map to None.
-        g = {
-            n: None if gr is None or (a.when is not None and not cond.get(a.when)) else gr.contiguous()
-            for n, a, gr in zip(out_names, spec.forward.outputs, grads)
-        }
         bins = spec.backward_inputs(ctx.saved_tensors, g, cond)
-        bop_ = backward_eager if eager else getattr(torch.ops.fusekit, f"{spec.name}_backward")
-        bouts = _as_tuple(bop_(*bins, *sc, backend, *(cond[c] for c in bp.conditions)))
-        named = {
-            a.name: (None if a.when is not None and not cond.get(a.when) else o)
-            for a, o in zip(bp.outputs, bouts)
-        }
+        if eager:  # straight to the plan, as backward_eager would after unpacking its arguments
+            bouts = run(spec, BACKWARD, tuple(bins), sc, backend, {c: cond[c] for c in bconds})
+        else:
+            bouts = _as_tuple(bop_call(*bins, *sc, backend, *(cond[c] for c in bconds)))
+        named = {n: (None if w is not None and not cond.get(w) else o) for (n, w), o in zip(bout_meta, bouts)}
         gin = spec.input_grads(named, cond)
         gin = tuple(v if p and needed else None for v, p, needed in zip(gin, present, ctx.needs_input_grad))
-        return (*gin, *(None for _ in range(n_sc + 2)))
+        return (*gin, *((None,) * n_pass))
 
-    op.register_autograd(make_backward(False), setup_context=setup_context)
-    _EAGER[spec.name] = _eager_function(spec.name, forward_eager, setup_context, make_backward(True))
+    def backward(ctx, *grads):
+        # Autograd materializes unused outputs' grads as zeros; absent outputs' placeholders map to None.
+        cond = ctx.fusekit[2]
+        g = {
+            n: None if gr is None or (w is not None and not cond.get(w)) else gr.contiguous()
+            for (n, w, _), gr in zip(out_meta, grads)
+        }
+        return input_grads(ctx, g, False)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+    # Eager calls that record a gradient: the same formula as a plain autograd.Function whose forward
+    # sets up the context itself (a Function with a separate setup_context binds its arguments through
+    # inspect.signature on every call, ~15 us) and whose phases go straight to their plans.
+    def eager_forward(ctx, *args):
+        ins, sc, backend, save = split(args)
+        cond = spec.conditions(ins, save)
+        out = run(spec, FORWARD, ins, sc, backend, cond)
+        save_context(ctx, ins, sc, backend, cond, out)
+        # Grads of unused outputs stay None (no zero-fill launch per statistic); the backward fills
+        # zeros only for a differentiable output that is present and got no gradient.
+        ctx.set_materialize_grads(False)
+        ctx.fusekit_like = tuple(
+            None if o is None or not gr else (o.shape, o.dtype, o.device)
+            for (_, _, gr), o in zip(out_meta, out)
+        )
+        return out
+
+    def eager_backward(ctx, *grads):
+        cond, g = ctx.fusekit[2], {}
+        for (n, w, _), gr, like in zip(out_meta, grads, ctx.fusekit_like):
+            if w is not None and not cond.get(w):
+                g[n] = None  # an absent output
+            elif gr is None:  # present, no gradient reached it: zeros if it is differentiable
+                g[n] = None if like is None else torch.zeros(like[0], dtype=like[1], device=like[2])
+            else:
+                g[n] = gr.contiguous()
+        return input_grads(ctx, g, True)
+
+    _EAGER[spec.name] = type(
+        f"{spec.name}_eager",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(eager_forward), "backward": staticmethod(eager_backward)},
+    )
 
 
 def _register_view_grad(op, spec: OpSpec, split, in_names, out_names, n_sc: int, forward_impl) -> None:
