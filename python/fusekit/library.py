@@ -114,8 +114,8 @@ def _allocate(spec: OpSpec, phase: str, plan: _Plan) -> tuple[Tensor | None, ...
     """The phase's outputs (poisoned in tests). Out of GPU memory: torch's OutOfMemoryError again, naming
     the op and what it asked for (what was allocated before the failure is freed with this frame)."""
     empty, device = outputs.empty, plan.device
-    try:
-        return tuple(None if lay is None else empty(lay[0], lay[1], device) for lay in plan.layout)
+    try:  # a list comprehension: cheaper than a generator on this path
+        return tuple([None if lay is None else empty(lay[0], lay[1], device) for lay in plan.layout])
     except torch.OutOfMemoryError as exc:
         lays = [lay for lay in plan.layout if lay is not None]
         wanted = [(tuple(shape), str(dt).removeprefix("torch.")) for shape, dt in lays]
@@ -159,6 +159,11 @@ def run(
     return _execute(spec, phase, plan, inputs)
 
 
+# torch.cuda.current_device() minus its lazy-init check: a guarded plan exists only for CUDA tensors,
+# so CUDA is initialized by the time it is asked.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def _execute(
     spec: OpSpec, phase: str, plan: _Plan, inputs: tuple[Tensor | None, ...]
 ) -> tuple[Tensor | None, ...]:
@@ -172,7 +177,7 @@ def _execute(
                 o.zero_()
         return outs
     device = plan.device  # in the signature
-    if plan.guard and device.index != torch.cuda.current_device():
+    if plan.guard and device.index != _current_device():
         with torch.cuda.device(device):  # launch on the tensors' GPU, not the current one
             _launch(spec, phase, plan, outs, inputs)
     else:
