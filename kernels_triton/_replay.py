@@ -14,7 +14,8 @@ What makes a call unrecordable (it then simply keeps the normal path; `record` r
 - any launch that did not go through the lean path's cache (a compile, an autotuner, a kernel
   without `@fast_launch`), seen by wrapping `JITFunction.run` while recording;
 - a tensor argument that is not (a view of) exactly one output, input or workspace of the call
-  (a module-level cached tensor, or aliased inputs that make the mapping ambiguous).
+  (a module-level cached tensor, or aliased inputs that make the mapping ambiguous), or an argument
+  that is neither a tensor nor a plain int/float/bool/str/None (a host tensor descriptor).
 `replay` checks that each pointer keeps its 16-byte alignment (Triton specializes on it) and
 returns False, for the normal path, when one does not. Integer and float arguments are constants of
 the signature (shapes, scalars), so they are replayed as recorded.
@@ -32,7 +33,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kernels_triton import _launch
 
 _aten = torch.ops.aten
-_ALLOC = {_aten.empty.memory_format, _aten.empty_strided.default}
+_ALLOC = {  # fresh, uninitialized memory: a pure workspace the replay can allocate anew
+    _aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default, _aten.new_empty.default,
+    _aten.new_empty_strided.default,
+}  # fmt: skip
+_CONSTANTS = (int, float, bool, str, type(None))  # argument types replayed as recorded
 _VIEWS = {
     _aten.view.default, _aten._unsafe_view.default, _aten.as_strided.default, _aten.slice.Tensor,
     _aten.select.int, _aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.unsqueeze.default,
@@ -73,7 +78,9 @@ def _slot(a: Any, bases: list[tuple[str, int, torch.Tensor]]) -> tuple | None:
     """How argument `a` is rebuilt: ("c", value) a constant, (kind, index, byte offset) a pointer into an
     output ("o"), input ("i") or workspace ("t"); None if a tensor matches no base or more than one."""
     if not isinstance(a, torch.Tensor):
-        return ("c", a)
+        # a plain value is a constant of the signature; anything else (a host-side tensor descriptor,
+        # an object with data_ptr) may hold a pointer of this call: never replayed as recorded
+        return ("c", a) if type(a) in _CONSTANTS else None
     for kind, i, b in bases:  # the very tensor object: unambiguous even when inputs alias
         if a is b:
             return (kind, i, 0)

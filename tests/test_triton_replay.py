@@ -104,7 +104,17 @@ def test_workspace_is_allocated_fresh(toy) -> None:
     assert a1[1] not in (_ptr(outs[0]), _ptr(ins[0]))
 
 
-@pytest.mark.parametrize("what", ["torch_op", "host_read", "cached_tensor", "miss", "aliased_views"])
+class _Desc:  # stands in for a host-side tensor descriptor: holds a pointer of this call
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "what", ["torch_op", "host_read", "cached_tensor", "miss", "aliased_views", "descriptor"]
+)
 def test_unrecordable_calls_keep_the_normal_path(toy, what: str) -> None:
     fn, log = toy
     cached = torch.randn(64)
@@ -125,6 +135,9 @@ def test_unrecordable_calls_keep_the_normal_path(toy, what: str) -> None:
             return
         if what == "aliased_views":
             fn[(2,)](x.view(-1)[64:], y, 64, 1.0, BLOCK=64)
+            return
+        if what == "descriptor":
+            fn[(2,)](_Desc(x), y, 64, 1.0, BLOCK=64)
             return
         fn[(2,)](x, y, 64, 1.0, BLOCK=64)
 
