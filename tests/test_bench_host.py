@@ -43,3 +43,17 @@ def test_rounds_and_providers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "torch_wall_us" not in rows[2]  # no eager equivalent given for that case
     assert rows[1]["status"] == "error" and "backend" in rows[1]["reason"]
     assert "fusekit_wall_us" not in rows[1]
+
+
+def test_a_backend_failing_in_the_timed_rounds_is_an_error_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warm-up passes, then every later call raises: the row must say so, not stay "ok" without a time."""
+    calls = {"n": 0}
+
+    def flaky(be: str):
+        calls["n"] += 1
+        if calls["n"] > host._WARM:
+            raise RuntimeError("lost the device")
+
+    monkeypatch.setattr(host, "_cases", lambda dev, dtype: [("flaky", {}, flaky, None, None)])
+    (row,) = host.run(["torch"], "cpu", torch.float32, rep_ms=2.0, rounds=2)
+    assert row["status"] == "error" and "lost the device" in row["reason"] and "fusekit_wall_us" not in row

@@ -221,7 +221,7 @@ def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float, rounds
                         timers["bare"] = (contextlib.nullcontext, _bare(seen))
                 row["status"] = "ok"
             except Exception as e:
-                row["status"], row["reason"] = "error", f"{type(e).__name__}: {e}"[:300]
+                _failed(row, e)
         if eager is not None:
             timers["eager"] = (contextlib.nullcontext, eager)
         lg = _liger(liger_name, dev, dtype)
@@ -235,12 +235,9 @@ def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float, rounds
                         for _ in range(_WARM):
                             fn()  # a mode switch forgets plans: plan and record again first
                         walls[label].append(wall_per_call_ms(fn, device, rep_ms=rep_ms / rounds)[0] * 1e3)
-                except Exception as e:
-                    if label in case_rows:
-                        case_rows[label]["status"], case_rows[label]["reason"] = (
-                            "error",
-                            f"{type(e).__name__}: {e}"[:300],
-                        )
+                except Exception as e:  # a backend's row says so; a baseline that fails leaves its column out
+                    if label.startswith("fusekit:"):
+                        _failed(case_rows[label.removeprefix("fusekit:")], e)
         med = {k: statistics.median(v) for k, v in walls.items() if v}
         for be, row in case_rows.items():
             mine = f"fusekit:{be}"
@@ -257,6 +254,10 @@ def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float, rounds
             rows.append(row)
             print(_line(row), flush=True)
     return rows
+
+
+def _failed(row: dict, e: Exception) -> None:
+    row["status"], row["reason"] = "error", f"{type(e).__name__}: {e}"[:300]
 
 
 def _liger_call(fn, name: str, p: dict, dev: str, dtype: torch.dtype) -> Callable[[], object]:
