@@ -36,7 +36,6 @@ _FAST_TYPES: dict[type, type] = {}
 
 class _Recording(threading.local):
     launches: list | None = None  # kernels_triton._replay.record's list while it watches this thread
-    missed: list | None = None
 
 
 RECORDING = _Recording()

@@ -93,7 +93,9 @@ def _slot(a: Any, bases: list[tuple[str, int, torch.Tensor]]) -> tuple | None:
     return hits[0] if len(hits) == 1 else None
 
 
-def _generate(launches: list[tuple[Callable, list]], bases, temps: list[torch.Tensor]) -> Callable | None:
+def _generate(
+    launches: list[tuple[Callable, list]], bases: list[tuple[str, int, torch.Tensor]]
+) -> Callable | None:
     """Source of `replay(o, i)` for the recorded launches, compiled with exec."""
     ns: dict[str, Any] = {"_empty": torch.empty, "_u8": torch.uint8}
     lines = ["def replay(o, i):"]
@@ -120,6 +122,7 @@ def _generate(launches: list[tuple[Callable, list]], bases, temps: list[torch.Te
                 checks.append(f"(({expr}) & 15 == 0) is {bool(a.data_ptr() & 15 == 0)}")
             parts.append(expr)
         calls.append(f"    r{k}({', '.join(parts)})")
+    temps = {i: t for kind, i, t in bases if kind == "t"}
     for (kind, idx), name in ptrs.items():
         if kind == "t":
             t = temps[idx]
@@ -157,37 +160,36 @@ def record(call: Callable[[], None], outs: tuple, ins: tuple) -> Callable[[tuple
         orig = JITFunction.run
 
         def run(self, *args, **kwargs):  # a launch outside the lean path's cache
-            if getattr(tls, "launches", None) is not None:
+            if tls.launches is not None:
                 missed.append(True)
             return orig(self, *args, **kwargs)
 
         JITFunction.run = run
-        tls.launches, tls.missed = rec, missed
+        tls.launches = rec
         watch = _Watch()
         try:
             with watch:
                 call()
         finally:
-            tls.launches = tls.missed = None
+            tls.launches = None
             JITFunction.run = orig
     global last_refusal
-    if missed or watch.other or not rec:
+    if watch.other:
+        last_refusal = f"torch ops {sorted(set(watch.other))}"
+    elif missed:
+        last_refusal = "a launch outside the lean path's cache"
+    elif not rec:
+        last_refusal = "no launch"
+    else:
+        bases = [("o", i, t) for i, t in enumerate(outs) if t is not None]
+        bases += [("i", i, t) for i, t in enumerate(ins) if isinstance(t, torch.Tensor)]
+        bases += [("t", i, t) for i, t in enumerate(watch.temps)]
+        replay = _generate(rec, bases)
         last_refusal = (
-            (
-                f"torch ops {sorted(set(watch.other))}"
-                if watch.other
-                else "a launch outside the lean path's cache"
-            )
-            if (missed or watch.other)
-            else "no launch"
+            None if replay is not None else "a tensor argument that is no output, input or workspace"
         )
-        return None
-    bases = [("o", i, t) for i, t in enumerate(outs) if t is not None]
-    bases += [("i", i, t) for i, t in enumerate(ins) if isinstance(t, torch.Tensor)]
-    bases += [("t", i, t) for i, t in enumerate(watch.temps)]
-    replay = _generate(rec, bases, watch.temps)
-    last_refusal = None if replay is not None else "a tensor argument that is no output, input or workspace"
-    return replay
+        return replay
+    return None
 
 
 last_refusal: str | None = None  # why the latest `record` returned None (diagnostics, tests)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from kernels_triton import _norm_bwd
 from kernels_triton._config import (
+    NORM_NOT_FORCED,
     NormConfig,
     device_index,
     div16_attrs,
@@ -337,9 +338,6 @@ def _reference(
     return out, mean, rstd
 
 
-_NOT_FORCED = (None,) * 6  # the tests' private config overrides, all absent
-
-
 def forward(
     y: torch.Tensor,
     h: torch.Tensor | None,
@@ -365,7 +363,7 @@ def forward(
     if (h is None) != (residual is None):
         raise ValueError("layer_norm forward: h and residual must be given together")
     key = ("layer_norm", x.shape[1], x.dtype, weight.dtype, residual is not None, bias is not None)
-    forced = (_mode, _split, _block, _num_warps, _block_m, _progs) != _NOT_FORCED
+    forced = (_mode, _split, _block, _num_warps, _block_m, _progs) != NORM_NOT_FORCED
     step = (STREAM_BYTES, STREAM_VECS)
     cfg = None if forced else norm_selected(key, x, step, res=residual is not None)
     if cfg is not None:  # the hot path: decided before for this problem

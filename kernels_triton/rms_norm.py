@@ -35,6 +35,7 @@ import triton.language as tl
 
 from kernels_triton import _norm_bwd
 from kernels_triton._config import (
+    NORM_NOT_FORCED,
     NormConfig,
     device_index,
     div16_attrs,
@@ -322,9 +323,6 @@ def _casting_code(casting: str | int) -> int:
     return CASTINGS[casting]
 
 
-_NOT_FORCED = (None,) * 6  # the tests' private config overrides, all absent
-
-
 def forward(
     y: torch.Tensor,
     h: torch.Tensor | None,
@@ -350,7 +348,7 @@ def forward(
         raise ValueError("rms_norm forward: h and residual must be given together")
     cc = _casting_code(casting)
     key = ("rms_norm", x.shape[1], x.dtype, weight.dtype, residual is not None, cc)
-    forced = (_mode, _split, _block, _num_warps, _block_m, _progs) != _NOT_FORCED
+    forced = (_mode, _split, _block, _num_warps, _block_m, _progs) != NORM_NOT_FORCED
     step = (STREAM_BYTES, STREAM_VECS)
     cfg = None if forced else norm_selected(key, x, step, res=residual is not None)
     if cfg is not None:  # the hot path: decided before for this problem

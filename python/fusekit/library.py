@@ -195,11 +195,11 @@ def _launch(spec: OpSpec, phase: str, plan: _Plan, outs: tuple, inputs: tuple) -
     if replay is not None and replay(outs, inputs):
         return
     calls = plan.calls
-    if 0 < calls <= _RECORD_TRIES and replay is None:
+    if calls <= _RECORD_TRIES:  # counted only up to the last call that may record
         plan.calls = calls + 1
-        plan.replay = plan.provider.record(spec, phase, outs, inputs, plan.kscalars)
-        return
-    plan.calls = calls + 1 if calls <= _RECORD_TRIES else calls
+        if calls and replay is None:
+            plan.replay = plan.provider.record(spec, phase, outs, inputs, plan.kscalars)
+            return
     plan.provider.run(spec, phase, outs, inputs, plan.kscalars)
 
 
@@ -439,14 +439,9 @@ def _register(spec: OpSpec) -> None:
     def split(args: tuple) -> tuple[tuple, tuple, str, bool]:
         return args[:n_in], args[n_in : n_in + n_sc], args[n_in + n_sc], args[n_in + n_sc + 1]
 
-    # The eager Function's phases return absent outputs as None (autograd.Function takes non-tensor
-    # outputs); the custom ops' return 0-element placeholders in their place, as their schema needs.
-    def forward_eager(*args):
+    def forward_impl(*args):  # absent outputs as 0-element placeholders, as the custom-op schema needs
         ins, sc, backend, save = split(args)
-        return run(spec, FORWARD, ins, sc, backend, spec.conditions(ins, save))
-
-    def forward_impl(*args):
-        return _placeholders(_device(args[:n_in]), forward_eager(*args))
+        return _placeholders(_device(ins), run(spec, FORWARD, ins, sc, backend, spec.conditions(ins, save)))
 
     def forward_fake(*args):
         ins, sc, _, save = split(args)
@@ -483,12 +478,9 @@ def _register(spec: OpSpec) -> None:
         backend = args[n_bin + n_sc]
         return ins, sc, backend, dict(zip(bp.conditions, args[n_bin + n_sc + 1 :]))
 
-    def backward_eager(*args):
-        ins, sc, backend, cond = bsplit(args)
-        return run(spec, BACKWARD, ins, sc, backend, cond)
-
     def backward_impl(*args):
-        return _placeholders(_device(args[:n_bin]), backward_eager(*args))
+        ins, sc, backend, cond = bsplit(args)
+        return _placeholders(_device(ins), run(spec, BACKWARD, ins, sc, backend, cond))
 
     def backward_fake(*args):
         ins, sc, _, cond = bsplit(args)
@@ -531,7 +523,7 @@ def _register(spec: OpSpec) -> None:
         wants it back: one grad per forward argument, None for scalars, backend and save."""
         sc, backend, cond, present = ctx.fusekit
         bins = spec.backward_inputs(ctx.saved_tensors, g, cond)
-        if eager:  # straight to the plan, as backward_eager would after unpacking its arguments
+        if eager:  # straight to the plan, as backward_impl does after unpacking its arguments
             bouts = run(spec, BACKWARD, tuple(bins), sc, backend, {c: cond[c] for c in bconds})
         else:
             bouts = _as_tuple(bop_call(*bins, *sc, backend, *(cond[c] for c in bconds)))
