@@ -64,6 +64,12 @@ comptime COPY_THREADS = 256
 
 
 @always_inline
+def _tc_rows(T: Int) -> Int:
+    """Rows of every matrix MAX's sm90 matmul sees for T tokens (xn must be allocated this tall)."""
+    return ceildiv(T, TC_PAD) * TC_PAD
+
+
+@always_inline
 def _silu_mul(g: Float32, u: Float32) -> Float32:
     return g / (1.0 + exp(-g)) * u
 
@@ -257,7 +263,7 @@ def _ffn_tc[
     """Prefill on Hopper: three wgmma matmuls (MAX's sm90 kernel) with the SiLU*mul epilogue fused; with
     save the epilogue also stores gu = [round(g), u] (u arrives rounded to bf16 already: exactly gu's u).
     xn holds Tp = ceil(T / TC_PAD) * TC_PAD rows (see TC_PAD); only `o`'s first T rows are written."""
-    var Tp = ceildiv(T, TC_PAD) * TC_PAD
+    var Tp = _tc_rows(T)
     var gbuf = ctx.enqueue_create_buffer[DType.float32](Tp * F)
     var hbuf = ctx.enqueue_create_buffer[DType.bfloat16](Tp * F)
     var obuf = ctx.enqueue_create_buffer[DType.bfloat16](Tp * D)
@@ -344,7 +350,7 @@ def swiglu_ffn_gpu_save[
 ) raises:
     """The forward of swiglu_ffn_gpu, and with save also gu [T, 2F] (both paths)."""
     # the tensor-core path reads xn as a Tp-row matrix (see TC_PAD); rows T.. are never written
-    var xn_rows = ceildiv(T, TC_PAD) * TC_PAD if T >= tc_min_t and allow_tc else T
+    var xn_rows = _tc_rows(T) if T >= tc_min_t and allow_tc else T
     var xnbuf = ctx.enqueue_create_buffer[dtype](xn_rows * D)
     var xn = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](xnbuf.unsafe_ptr())
     ctx.enqueue_function[_norm_kernel[dtype]](xn, rstd, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
