@@ -92,7 +92,13 @@ def test_second_gpu_gives_first_gpu_results(op: str, backend_name: str, two_gpus
         torch.cuda.synchronize(1)
         repro = f"{op} case {case} backend={backend_name}"
         assert torch.cuda.current_device() == 0, f"the current device changed [{repro}]"
-        assert _allocations(0) == before, f"(allocations, bytes) on cuda:0 changed [{repro}]"
+        # No new allocation on cuda:0. Its bytes may drop: memory of the cuda:0 call above can be released
+        # late (the autograd engine's device thread drops the graph after grad() returns), as seen on the
+        # H200 pair with mojo (-512 bytes, allocation count unchanged).
+        after = _allocations(0)
+        assert after[0] == before[0] and after[1] <= before[1], (
+            f"(allocations, bytes) on cuda:0 went {before} -> {after} [{repro}]"
+        )
         assert len(got) == len(want)
         for i, (g, w) in enumerate(zip(got, want)):
             if w is None:
@@ -122,6 +128,9 @@ x = torch.ones(4, device="cuda:1", requires_grad=True)
 torch.cuda.synchronize(1)
 if ctx0_active():
     print("SKIP torch itself opens a context on device 0 here"); sys.exit(0)
+from fusekit import backends
+backends.get(sys.argv[1]).unavailable_reason()  # imports the backend's runtime (triton, MAX)
+print("backend loaded ctx0", ctx0_active())  # where a stray context came from, if one appears
 for op in ops.OPS:
     mod = module(op)
     torch.manual_seed(0)
@@ -143,6 +152,8 @@ for op in ops.OPS:
 def test_no_context_on_first_gpu(backend_name: str, two_gpus: None) -> None:
     """A fresh process that only uses cuda:1 (every op, forward and backward) never opens device 0."""
     path = os.pathsep.join(str(p) for p in (TESTS.parent / "python", TESTS.parent, TESTS))
+    # our paths first, the caller's after them (MAX staged outside site-packages lives there)
+    path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "0"}
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, backend_name], env=env, capture_output=True, text=True, timeout=600
@@ -151,8 +162,11 @@ def test_no_context_on_first_gpu(backend_name: str, two_gpus: None) -> None:
     if proc.stdout.startswith("SKIP"):
         pytest.skip(proc.stdout[5:].strip())
     lines = [ln for ln in proc.stdout.splitlines() if " ctx0 " in ln]
-    assert lines, proc.stdout
-    assert all(ln.endswith("device 0 ctx0 False") for ln in lines), proc.stdout
+    ran = [ln for ln in lines if " device " in ln]
+    assert ran, proc.stdout
+    # every check false: after loading the backend's runtime, and after each op (current device still 0)
+    assert all(ln.endswith("ctx0 False") for ln in lines), proc.stdout
+    assert all(ln.endswith("device 0 ctx0 False") for ln in ran), proc.stdout
 
 
 @pytest.mark.parametrize("op", ops.OPS)

@@ -14,7 +14,7 @@ from fusekit.report.render import render
 
 REPO = Path(__file__).resolve().parents[1]
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
-<testsuites><testsuite name="triton-cuda" errors="1" failures="1" skipped="1" tests="6"
+<testsuites><testsuite name="triton-cuda" errors="1" failures="1" skipped="2" tests="7"
   timestamp="2031-01-02T03:04:05.000000+00:00">
  <testcase classname="tests.test_conformance" name="test_op[None-rope-forward-bfloat16-0-triton]" time="0.1"/>
  <testcase classname="tests.test_conformance" name="test_op[None-rope-backward-bfloat16-0-triton]" time="0.1">
@@ -25,6 +25,8 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
  <testcase classname="tests.test_hostile_inputs" name="test_scalar_ranges_are_named[call0-theta]" time="0"/>
  <testcase classname="tests.test_concurrency" name="test_threads_and_streams_give_serial_bits[rope-triton]">
   <error message="setup">fixture</error></testcase>
+ <testcase classname="" name="tests.test_triton_modes" time="0">
+  <skipped message="collection skipped">CPU interpreter tests</skipped></testcase>
 </testsuite></testsuites>
 """
 SANITIZER_LOG = """========= COMPUTE-SANITIZER
@@ -66,7 +68,8 @@ def test_record_counts_per_check_backend_and_device(tmp_path, monkeypatch) -> No
         0,
         0,
     )
-    assert doc["totals"]["cases"] == 20 and doc["totals"]["failed"] == 1
+    assert rows["triton modes"]["skipped"] == 1 and "" not in rows  # skipped at collection: named by module
+    assert doc["totals"]["cases"] == 21 and doc["totals"]["failed"] == 1
     m = doc["meta"]
     assert m["git_commit"] == "c0ffee1234567" and m["git_dirty"] is False and m["schema"] == section.SCHEMA
     assert m["runs_started"].startswith("2031-01-02T03:04") and m["date"] and m["torch"]
@@ -98,6 +101,7 @@ def test_report_renders_the_section(tmp_path, monkeypatch) -> None:
         "| sanitizer memcheck",
         "| CUDA graphs",
         "| concurrency",
+        "| triton modes",
     ]
     assert "Not in any record: fuzz, large inputs" in part
 
