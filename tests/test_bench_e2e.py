@@ -175,3 +175,18 @@ def test_cpu_timings_never_go_to_the_committed_results(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert e2e.main(["--device", "cpu", "--out", str(results.COMMITTED_RESULTS)]) == 2
     assert "refusing" in capsys.readouterr().err
+
+
+def test_fusekit_compile_provider_is_the_patch_then_what_compile_does() -> None:
+    """fusekit-<backend>-compile: patched with that backend, compiled like "compile", the same generate
+    arguments (static cache on CUDA; on the CPU the reason decode is not compiled there)."""
+    (prov,) = e2e.make_providers(["fusekit-triton-compile"], None)
+    assert isinstance(prov, e2e.FusekitCompile) and prov.backend == "triton"
+    assert prov.name == "fusekit-triton-compile" and prov.name in e2e.PROVIDERS
+    assert "patch" in prov.what and "torch.compile" in prov.what
+
+    def setup(device: str) -> e2e.Setup:
+        return e2e.Setup(device, "tiny", 1, "fp32", "sdpa", [(1, 8)], (1, 8, 4), [(1, 8)], 0)
+
+    assert prov.generate_kwargs(setup("cuda")) == {"cache_implementation": "static"}
+    assert isinstance(prov.generate_kwargs(setup("cpu")), str)

@@ -291,25 +291,91 @@ def test_mask_kind_recognizes_causal_full_prefix_and_other():
     assert "bias" in _attention.mask_kind(additive + 0.5, s, skv, True)[0]
 
 
-def test_static_cache_generate_runs_fusekit_over_the_filled_prefix(monkeypatch):
-    model = build("qwen2")
-    x = ids(batch=1, seq=9)
-    ref = generate(model, x, n=5, cache_implementation="static")
-    fh.patch(model)
-    seen: list[int] = []
+def _attention_spy(monkeypatch) -> list[tuple[int, list[int] | None]]:
+    """Records (keys passed, kv_len values or None) for every ops.attention call."""
+    seen: list[tuple[int, list[int] | None]] = []
     real = ops.attention
 
     def spy(q, k, v, **kw):
-        seen.append(k.shape[2])
+        kv_len = kw.get("kv_len")
+        seen.append((k.shape[2], None if kv_len is None else kv_len.tolist()))
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(ops, "attention", spy)
+    return seen
+
+
+def test_static_cache_generate_passes_the_cache_with_kv_len(monkeypatch):
+    """generate() with an unpadded prompt: the whole static cache and per-sequence kv_len (no host
+    sync, no slicing); tokens identical to the unpatched model."""
+    model = build("qwen2")
+    x = ids(batch=2, seq=9)
+    ref = generate(model, x, n=5, cache_implementation="static")
+    fh.patch(model)
+    seen = _attention_spy(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback to sdpa
         got = generate(model, x, n=5, cache_implementation="static")
     assert torch.equal(got, ref)
     L = model.config.num_hidden_layers
-    assert seen == [n for n in range(9, 14) for _ in range(L)], seen  # the filled keys, not the cache's size
+    size = seen[0][0]
+    assert size >= 13 and seen == [(size, [n, n]) for n in range(9, 14) for _ in range(L)], seen
+    assert not any(m._fusekit_prefix_masks for m in model.modules() if hasattr(m, "_fusekit_prefix_masks"))
+
+
+def test_static_cache_forward_outside_generate_slices_the_filled_prefix(monkeypatch):
+    """A static cache driven by hand (no generate): each mask is checked on the host and the keys past
+    the filled prefix are sliced off, as before."""
+    from transformers import StaticCache
+
+    model = build("llama2")
+    x = ids(batch=1, seq=9)
+    fh.patch(model)
+    seen = _attention_spy(monkeypatch)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(x, past_key_values=cache, use_cache=True)
+        model(x[:, :1], past_key_values=cache, use_cache=True)
+    L = model.config.num_hidden_layers
+    assert seen == [(9, None)] * L + [(10, None)] * L, seen
+
+
+def test_padded_prompt_in_static_cache_generate_is_not_trusted():
+    """Left padding: generate's masks are checked per call (fallback to sdpa with a warning), tokens
+    equal the unpatched model's."""
+    model = build("llama2")
+    x = ids(batch=2, seq=10)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    ref = generate(model, x, n=4, attention_mask=mask, cache_implementation="static")
+    fh.patch(model)
+    with pytest.warns(UserWarning, match="padding"):
+        got = generate(model, x, n=4, attention_mask=mask, cache_implementation="static")
+    assert torch.equal(got, ref)
+    # pad tokens in a prompt given without a mask: transformers infers padding, so no trust either
+    assert not fh._patch._unpadded(model, (torch.tensor([[0, 5, 6]]),), {"pad_token_id": 0})
+    assert fh._patch._unpadded(model, (torch.tensor([[4, 5, 6]]),), {"pad_token_id": 0})
+    assert not fh._patch._unpadded(model, (x,), {"attention_mask": mask})
+
+
+def test_static_cache_decode_compiles_into_one_graph():
+    """The decode step of a patched model traces with fullgraph=True (no graph break, no host sync in
+    fusekit's attention path) under transformers' own compiled static-cache generate."""
+    from transformers import CompileConfig
+
+    model = build("llama3", num_hidden_layers=1)
+    x = ids(batch=1, seq=7)
+    ref = generate(model, x, n=4, cache_implementation="static")
+    fh.patch(model)
+    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    cc._compile_all_devices = True  # transformers compiles decode on CUDA only unless told
+    torch._dynamo.reset()
+    try:
+        got = generate(model, x, n=4, cache_implementation="static", compile_config=cc)
+        assert hasattr(model, "_compiled_call"), "generate did not take the compiled decode path"
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, ref)
 
 
 def test_sliding_window_refused_unless_allowed_then_fusekit_within_window():

@@ -1,7 +1,7 @@
 """`python -m fusekit.bench.e2e`: end-to-end benchmark of a Hugging Face Llama model, per provider.
 
     python -m fusekit.bench.e2e [--device cuda|cpu] [--model llama3-8b|tiny] [--layers N]
-                                [--providers eager,compile,fusekit-triton,fusekit-torch,liger,fusekit-mojo]
+                                [--providers eager,compile,fusekit-triton,fusekit-triton-compile,...]
                                 [--scenarios prefill,decode,train] [--quick] [--out DIR] [--merge]
                                 [--prefill 1x2048,8x512] [--decode 1x512+128] [--train 1x2048]
                                 [--warmup N] [--reps N] [--budget-s S] [--dtype bf16|fp16|fp32]
@@ -16,6 +16,9 @@ gets a fresh model with the same weights (one state_dict, loaded into each):
                   generate(cache_implementation="static"), which transformers compiles itself on CUDA
   fusekit-<name>  fusekit.hf.patch(model, backend=<name>, strict=True) for triton, torch and mojo
                   (strict: a call fusekit cannot run raises instead of falling back to sdpa)
+  fusekit-<name>-compile  the same patch, then what "compile" does: torch.compile for prefill and
+                  training, static-cache generate (compiled by transformers, CUDA graphs) for decode;
+                  fusekit's ops are custom ops inside those graphs
   liger           liger_kernel.transformers.apply_liger_kernel_to_llama(model=model) (its defaults: rope,
                   rms_norm, swiglu, fused linear cross entropy); its module-level patches are undone after
 
@@ -57,7 +60,15 @@ from fusekit.bench import results
 
 SCHEMA = "fusekit-bench-e2e/1"
 FILE = "e2e.json"
-PROVIDERS = ("eager", "compile", "fusekit-triton", "fusekit-torch", "liger", "fusekit-mojo")
+PROVIDERS = (
+    "eager",
+    "compile",
+    "fusekit-triton",
+    "fusekit-triton-compile",
+    "fusekit-torch",
+    "liger",
+    "fusekit-mojo",
+)
 # mojo last: once MAX has run on a GPU its allocator keeps most of the memory (run_gpu.sh); liger before
 # it, and its global patches are undone after its rows.
 SCENARIOS = ("prefill", "decode", "train")
@@ -313,6 +324,27 @@ class Fusekit(Provider):
         return model
 
 
+class FusekitCompile(Fusekit):
+    """fusekit.hf.patch, then compiled as the "compile" provider compiles HF."""
+
+    def __init__(self, backend: str) -> None:
+        super().__init__(backend)
+        self.name = f"fusekit-{backend}-compile"
+        self.what = f'fusekit.hf.patch(model, backend="{backend}", strict=True), then: {Compile.what}'
+
+    def unavailable(self, setup: Setup) -> str | None:
+        return super().unavailable(setup) or Compile().unavailable(setup)
+
+    def prepare(self, model: nn.Module) -> Callable[..., object]:
+        return torch.compile(super().prepare(model), dynamic=False)
+
+    def generate_kwargs(self, setup: Setup) -> dict | str:
+        return Compile().generate_kwargs(setup)
+
+    def close(self) -> None:
+        Compile().close()
+
+
 class Liger(Provider):
     name = "liger"
     what = (
@@ -363,6 +395,8 @@ def make_providers(names: list[str], setup: Setup) -> list[Provider]:
             out.append(Compile())
         elif n == "liger":
             out.append(Liger())
+        elif n.startswith("fusekit-") and n.endswith("-compile"):
+            out.append(FusekitCompile(n.removeprefix("fusekit-").removesuffix("-compile")))
         elif n.startswith("fusekit-"):
             out.append(Fusekit(n.removeprefix("fusekit-")))
         else:

@@ -17,6 +17,13 @@ implementation's name. fusekit's attention expresses two masks: none, and causal
   one-time warning naming the feature; with `patch(model, strict=True)` it raises ValueError instead.
   The same rule covers fp32 attention on CUDA (fusekit's GPU attention kernels are fp16/bf16).
   Nothing is silently wrong.
+- Inside `generate()` of a patched model whose prompt has no padding (fusekit.hf.patch wraps generate
+  and checks that once, on the host), every mask is a causal prefix pattern: a static cache's masks
+  [B, 1, S, max_len] then become per-sequence key counts, `kv_len` = the keys the last query row sees,
+  computed on the device; the full cache goes to ops.attention with that kv_len. No host sync, no
+  data-dependent shape: the decode step traces into one graph under torch.compile and replays under
+  CUDA graphs (transformers compiles static-cache decoding itself). A sliding window shorter than the
+  cache keeps the checked path above.
 """
 
 from __future__ import annotations
@@ -82,6 +89,15 @@ def mask_kind(mask: object, s: int, skv: int, is_causal: bool) -> tuple[str, int
     return v
 
 
+def prefix_kv_len(mask: Tensor, batch: int) -> Tensor:
+    """int32 [B]: the keys the last query row of each sequence sees in a causal prefix mask [B|1, 1|H,
+    S, Skv] (bool, or additive with 0 where visible). Device-side only: no sync, traceable."""
+    last = mask[:, 0, -1, :]
+    visible = last if last.dtype == torch.bool else last == 0
+    kv_len = visible.sum(-1, dtype=torch.int32)
+    return kv_len.expand(batch).contiguous() if kv_len.shape[0] != batch else kv_len
+
+
 def _fallback(module, query, key, value, attention_mask, reason: str, **kwargs):
     if getattr(module, "_fusekit_strict", False):
         raise ValueError(
@@ -122,7 +138,21 @@ def fusekit_attention(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     window = kwargs.get("sliding_window")
-    kind, n = mask_kind(attention_mask, query.shape[2], key.shape[2], bool(is_causal))
+    s, skv = query.shape[2], key.shape[2]
+    backend = getattr(module, "_fusekit_backend", "auto")
+    if (
+        getattr(module, "_fusekit_prefix_masks", False)  # set by patch's generate() for unpadded prompts
+        and isinstance(attention_mask, Tensor)
+        and attention_mask.dim() == 4
+        and tuple(attention_mask.shape[-2:]) == (s, skv)
+        and (window is None or skv <= window)
+        and not (query.device.type == "cuda" and query.dtype in (torch.float32, torch.float64))
+    ):
+        kv_len = prefix_kv_len(attention_mask, query.shape[0])
+        causal = bool(is_causal) and s > 1
+        out = ops.attention(query, key, value, causal=causal, scale=scaling, kv_len=kv_len, backend=backend)
+        return out.transpose(1, 2), None
+    kind, n = mask_kind(attention_mask, s, skv, bool(is_causal))
     if query.device.type == "cuda" and query.dtype in (torch.float32, torch.float64):
         kind = f"{str(query.dtype).removeprefix('torch.')} attention on CUDA (fusekit's GPU kernels are fp16/bf16)"
     elif window is not None and (keys := n if kind in (CAUSAL, FULL) else key.shape[2]) > window:
@@ -141,9 +171,8 @@ def fusekit_attention(
             is_causal=is_causal,
             **kwargs,
         )
-    if n < key.shape[2]:  # the keys past n are masked for every query (a static cache's unused tail)
+    if n < skv:  # the keys past n are masked for every query (a static cache's unused tail)
         key, value = key[:, :, :n], value[:, :, :n]
-    backend = getattr(module, "_fusekit_backend", "auto")
     out = ops.attention(query, key, value, causal=kind == CAUSAL, scale=scaling, backend=backend)
     return out.transpose(1, 2), None
 

@@ -10,6 +10,10 @@ What patch changes (in place; unpatch puts every original object back):
   post-attention RMSNorm (ops.rms_norm(..., residual=) returns the norm and the new residual stream in
   one pass). The add after the MLP stays a torch add: fusing it into the next layer's input norm would
   need the model's layer loop rewritten.
+- model.generate -> a wrapper that checks once, on the host, whether the prompt is padded (its
+  attention_mask, or pad tokens in it when none is given) and, if not, lets the attention modules read
+  each mask of that generate() call as a causal prefix (see fusekit.hf._attention: static-cache
+  decoding then runs without host syncs and compiles into one graph).
 The q/k/v/o projections (with Qwen2's q/k/v biases), the embedding, the rotary-table module and the
 LM head stay HF's. Parameters are shared, never copied: state_dict keys and optimizers are unaffected.
 
@@ -126,6 +130,42 @@ class _DecoderLayerMixin:
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
         hidden_states = self.mlp(hidden_states)
         return residual + hidden_states
+
+
+def _unpadded(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a generate(...) call's prompt has no padding (one host check per generate call): its 2-D
+    attention_mask is all ones, or, without one, no prompt token is the pad token (transformers would
+    infer a padding mask from those). Anything else (a 4-D mask, embeddings only) counts as padded."""
+    import torch
+
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if not isinstance(ids, torch.Tensor):
+        return False
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    pad = kwargs.get("pad_token_id", getattr(gc, "pad_token_id", None))
+    if pad is None:
+        return True
+    pads = pad if isinstance(pad, (list, tuple)) else [pad]
+    return not any(bool((ids == int(p)).any()) for p in pads)
+
+
+class _GenerateMixin:
+    """generate() that tells the patched attention modules, for this call, whether its masks are causal
+    prefixes (a class swap, not a closure: copies and pickles of the model keep calling their own)."""
+
+    def generate(self, *args, **kwargs):
+        attentions = [m for m in self.modules() if hasattr(m, "_fusekit_prefix_masks")]
+        trusted = _unpadded(self, args, kwargs)
+        for m in attentions:
+            m._fusekit_prefix_masks = trusted
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            for m in attentions:
+                m._fusekit_prefix_masks = False
 
 
 def _subclass(mixin: type, cls: type, **attrs) -> type:
@@ -256,7 +296,11 @@ def patch(
         m.__class__ = attn_cls
         m._fusekit_backend = backend
         m._fusekit_strict = strict
-        rec.attrs += [(m, "_fusekit_backend"), (m, "_fusekit_strict")]
+        m._fusekit_prefix_masks = False  # True only inside the generate wrapper, for unpadded prompts
+        rec.attrs += [(m, "_fusekit_backend"), (m, "_fusekit_strict"), (m, "_fusekit_prefix_masks")]
+    if callable(getattr(model, "generate", None)):
+        rec.classes.append((model, type(model)))
+        model.__class__ = _subclass(_GenerateMixin, type(model))
     layer_cls = _subclass(_DecoderLayerMixin, classes["DecoderLayer"])
     for m in layers:
         rec.classes.append((m, type(m)))
