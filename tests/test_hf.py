@@ -358,6 +358,33 @@ def test_padded_prompt_in_static_cache_generate_is_not_trusted():
     assert not fh._patch._unpadded(model, (x,), {"attention_mask": mask})
 
 
+def test_overlapping_generate_calls_trust_masks_only_while_all_are_unpadded(monkeypatch):
+    """Two generate() calls in flight on one model (threads): a padded one turns the prefix-mask path
+    off for both until it ends; the flag is off again once no call runs."""
+    from transformers.generation.utils import GenerationMixin
+
+    model = build("llama2")
+    fh.patch(model)
+    attn = [m for m in model.modules() if hasattr(m, "_fusekit_prefix_masks")]
+    seen: list[tuple[str, bool]] = []
+
+    def flags() -> bool:
+        values = {m._fusekit_prefix_masks for m in attn}
+        assert len(values) == 1, "every attention module gets the same flag"
+        return values.pop()
+
+    def fake_generate(self, ids, tag, **kw):
+        seen.append((f"{tag} runs", flags()))
+        if tag == "outer":
+            self.generate(torch.tensor([[0, 3, 4]]), tag="inner", pad_token_id=0)  # padded, overlapping
+            seen.append(("outer after inner", flags()))
+
+    monkeypatch.setattr(GenerationMixin, "generate", fake_generate)
+    model.generate(torch.tensor([[5, 3, 4]]), tag="outer", pad_token_id=0)
+    assert seen == [("outer runs", True), ("inner runs", False), ("outer after inner", True)], seen
+    assert not flags() and "_fusekit_generating" not in vars(model)
+
+
 def test_static_cache_decode_compiles_into_one_graph():
     """The decode step of a patched model traces with fullgraph=True (no graph break, no host sync in
     fusekit's attention path) under transformers' own compiled static-cache generate."""

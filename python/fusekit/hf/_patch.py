@@ -26,6 +26,7 @@ mask then has a window pattern fall back to sdpa or raise, see fusekit.hf._atten
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -152,20 +153,38 @@ def _unpadded(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     return not any(bool((ids == int(p)).any()) for p in pads)
 
 
+_GEN_LOCK = threading.Lock()
+
+
 class _GenerateMixin:
-    """generate() that tells the patched attention modules, for this call, whether its masks are causal
-    prefixes (a class swap, not a closure: copies and pickles of the model keep calling their own)."""
+    """generate() that tells the patched attention modules whether the masks they see are causal
+    prefixes (a class swap, not a closure: copies and pickles of the model keep calling their own).
+    Concurrent generate() calls on one model share the modules: the flag is on only while every
+    running call has an unpadded prompt."""
 
     def generate(self, *args, **kwargs):
         attentions = [m for m in self.modules() if hasattr(m, "_fusekit_prefix_masks")]
-        trusted = _unpadded(self, args, kwargs)
-        for m in attentions:
-            m._fusekit_prefix_masks = trusted
+        padded = not _unpadded(self, args, kwargs)
+        with _GEN_LOCK:
+            running = self.__dict__.setdefault("_fusekit_generating", [0, 0])  # [calls, padded calls]
+            running[0] += 1
+            running[1] += padded
+            _set_prefix_masks(attentions, running)
         try:
             return super().generate(*args, **kwargs)
         finally:
-            for m in attentions:
-                m._fusekit_prefix_masks = False
+            with _GEN_LOCK:
+                running[0] -= 1
+                running[1] -= padded
+                _set_prefix_masks(attentions, running)
+                if not running[0]:
+                    del self.__dict__["_fusekit_generating"]
+
+
+def _set_prefix_masks(attentions: list[nn.Module], running: list[int]) -> None:
+    trusted = running[0] > 0 and running[1] == 0
+    for m in attentions:
+        m._fusekit_prefix_masks = trusted
 
 
 def _subclass(mixin: type, cls: type, **attrs) -> type:
