@@ -78,9 +78,10 @@ def test_file_has_provenance_and_the_setup(run):
 
 def test_one_row_per_provider_scenario_and_case(run):
     doc, _ = run
-    want = {(p, sc) for p in PROVIDERS for sc in e2e.SCENARIOS}
-    got = [(r["provider"], r["scenario"]) for r in doc["rows"]]
-    assert sorted(got) == sorted(want), got  # the tiny config has one case per scenario
+    cases = {"prefill": ["1x16"], "decode": ["1x8+8", "2x8+4"], "train": ["1x16"]}  # the tiny config's
+    want = [(p, sc, c) for p in PROVIDERS for sc in e2e.SCENARIOS for c in cases[sc]]
+    got = [(r["provider"], r["scenario"], r["case"]) for r in doc["rows"]]
+    assert sorted(got) == sorted(want), got
     assert set(doc["providers"]) == set(PROVIDERS)
     for r in doc["rows"]:
         assert r["status"] in ("ok", "skipped"), r
@@ -94,7 +95,7 @@ def test_one_row_per_provider_scenario_and_case(run):
 def test_eager_and_fusekit_torch_rows_are_timed(run, provider):
     doc, _ = run
     rows = _rows(doc, provider)
-    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    assert [r["status"] for r in rows] == ["ok"] * 4, rows  # prefill, two decode cases, train
     for r in rows:
         assert r["tokens"] > 0 and len(r["times_s"]) == 1 and r["peak_mem_bytes"] is None
         if r["scenario"] != "decode":  # decode's rate is null when t(N) - t(1) is below the noise
@@ -190,3 +191,23 @@ def test_fusekit_compile_provider_is_the_patch_then_what_compile_does() -> None:
 
     assert prov.generate_kwargs(setup("cuda")) == {"cache_implementation": "static"}
     assert isinstance(prov.generate_kwargs(setup("cpu")), str)
+
+
+def test_decode_cases_parse_and_each_gets_a_row(run) -> None:
+    """--decode takes a comma list (the first case is the gate's prompt); every case gets its own row."""
+    assert e2e._decode_shapes("1x2048+128,32x2048+128") == [(1, 2048, 128), (32, 2048, 128)]
+    doc, _ = run
+    cases = [tuple(c) for c in doc["setup"]["decode"]]
+    assert len(cases) >= 2, "the tiny model times two decode cases"
+    for prov in PROVIDERS:
+        got = [r["case"] for r in doc["rows"] if r["provider"] == prov and r["scenario"] == "decode"]
+        assert got == [e2e._label(*c) for c in cases], (prov, got)
+
+
+def test_report_setup_line_reads_one_or_several_decode_cases() -> None:
+    from fusekit.report.e2e import setup_line
+
+    one = setup_line({"setup": {"decode": [1, 512, 128]}})
+    many = setup_line({"setup": {"decode": [[1, 2048, 128], [32, 2048, 128]]}})
+    assert "decode 1x512 prompt + 128 new tokens" in one
+    assert "decode 1x2048 prompt + 128 new tokens, 32x2048 prompt + 128 new tokens" in many

@@ -1,13 +1,14 @@
 """`python -m fusekit.bench.e2e`: end-to-end benchmark of a Hugging Face Llama model, per provider.
 
-    python -m fusekit.bench.e2e [--device cuda|cpu] [--model llama3-8b|tiny] [--layers N]
+    python -m fusekit.bench.e2e [--device cuda|cpu] [--model llama3-8b|llama3.2-1b|tiny] [--layers N]
                                 [--providers eager,compile,fusekit-triton,fusekit-triton-compile,...]
                                 [--scenarios prefill,decode,train] [--quick] [--out DIR] [--merge]
                                 [--prefill 1x2048,8x512] [--decode 1x512+128] [--train 1x2048]
                                 [--warmup N] [--reps N] [--budget-s S] [--dtype bf16|fp16|fp32]
 
 The model is built from a transformers config class with seeded random weights (no download):
-"llama3-8b" has Llama-3-8B's shapes with few layers (default 4; bf16, for the GPU), "tiny" is hidden 64,
+"llama3-8b" has Llama-3-8B's shapes with few layers (default 4; bf16, for the GPU), "llama3.2-1b" is
+Llama-3.2-1B whole (16 layers, tied embeddings, head dim 64; bf16, for the GPU), "tiny" is hidden 64,
 2 layers, 4 heads of dim 64, 2 kv heads, vocab 256 (fp32, for the CPU and the tests). Every provider
 gets a fresh model with the same weights (one state_dict, loaded into each):
 
@@ -99,7 +100,26 @@ MODELS: dict[str, dict] = {
         ),
         "layers": 4,
         "prefill": "1x2048,8x512",
-        "decode": "1x512+128",
+        "decode": "1x512+128,1x2048+128,32x2048+128",
+        "train": "1x2048",
+    },
+    # Llama-3.2-1B: every layer (1.24 B parameters, tied embeddings), head dim 64, llama3 rope factor 32
+    "llama3.2-1b": {
+        "config": dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_parameters={**LLAMA3_ROPE, "factor": 32.0},
+            tie_word_embeddings=True,
+        ),
+        "layers": 16,
+        "prefill": "1x2048,8x512",
+        "decode": "1x2048+128,32x2048+128",
         "train": "1x2048",
     },
     "tiny": {
@@ -117,7 +137,7 @@ MODELS: dict[str, dict] = {
         ),
         "layers": 2,
         "prefill": "1x16",
-        "decode": "1x8+8",
+        "decode": "1x8+8,2x8+4",
         "train": "1x16",
     },
 }
@@ -135,7 +155,7 @@ class Setup:
     dtype: str
     attn_implementation: str
     prefill: list[tuple[int, int]]
-    decode: tuple[int, int, int]  # batch, prompt, new tokens
+    decode: list[tuple[int, int, int]]  # (batch, prompt, new tokens) per case; the first is the gate's
     train: list[tuple[int, int]]
     seed: int
     config: dict = field(default_factory=dict)
@@ -157,10 +177,14 @@ def _shapes(s: str) -> list[tuple[int, int]]:
     return out
 
 
-def _decode_shape(s: str) -> tuple[int, int, int]:
-    bs, n = s.split("+")
-    (b, p) = _shapes(bs)[0]
-    return b, p, int(n)
+def _decode_shapes(s: str) -> list[tuple[int, int, int]]:
+    """ "1x2048+128,32x2048+128" -> [(1, 2048, 128), (32, 2048, 128)]."""
+    out = []
+    for part in s.split(","):
+        bs, n = part.split("+")
+        (b, p) = _shapes(bs)[0]
+        out.append((b, p, int(n)))
+    return out
 
 
 def _label(b: int, s: int, n: int | None = None) -> str:
@@ -583,7 +607,7 @@ def _cases(setup: Setup, scenario: str) -> list[str]:
     if scenario == "prefill":
         return [_label(b, s) for b, s in setup.prefill]
     if scenario == "decode":
-        return [_label(*setup.decode)]
+        return [_label(*d) for d in setup.decode]
     return [_label(b, s) for b, s in setup.train]
 
 
@@ -610,11 +634,12 @@ def run_prefill(fwd, setup: Setup, b: int, s: int, warmup: int, reps: int) -> di
     }
 
 
-def run_decode(model, prov: Provider, setup: Setup, warmup: int, reps: int) -> dict | str:
+def run_decode(
+    model, prov: Provider, setup: Setup, b: int, p: int, n: int, warmup: int, reps: int
+) -> dict | str:
     kw = prov.generate_kwargs(setup)
     if isinstance(kw, str):
         return kw
-    b, p, n = setup.decode
     prompt = _ids(setup, b, p, salt=2)
     dev = setup.torch_device
     one = time_calls(lambda: _generate(model, prompt, 1, **kw), dev, warmup, reps)
@@ -701,7 +726,7 @@ def run_provider(
     if why is not None:
         rec.update(status="skipped", reason=why)
         return rec, all_rows("skipped", why)
-    b, p, n = setup.decode
+    b, p, n = setup.decode[0]
     gate_ids = _ids(setup, *setup.prefill[0], salt=1)
     prompt = _ids(setup, b, p, salt=2)
     model = None
@@ -740,7 +765,7 @@ def run_provider(
                     bb, ss = _shapes(case)[0]
                     res = run_prefill(fwd, setup, bb, ss, warmup, reps)
                 elif sc == "decode":
-                    res = run_decode(model, prov, setup, warmup, reps)
+                    res = run_decode(model, prov, setup, *_decode_shapes(case)[0], warmup, reps)
                 else:
                     bb, ss = _shapes(case)[0]
                     res = run_train(fwd, model, prov, setup, bb, ss, warmup, reps)
@@ -903,7 +928,9 @@ def _method(setup: Setup, warmup: int, reps: int, quick: bool) -> dict:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fusekit.bench.e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="cuda (default when present) or cpu")
-    ap.add_argument("--model", choices=tuple(MODELS), default=None, help="llama3-8b (cuda default) or tiny")
+    ap.add_argument(
+        "--model", choices=tuple(MODELS), default=None, help="llama3-8b (cuda default), llama3.2-1b or tiny"
+    )
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (llama3-8b: 4, tiny: 2)")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="bf16 on cuda, fp32 on cpu")
     ap.add_argument(
@@ -912,7 +939,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--providers", default=",".join(PROVIDERS), help="comma list, in the order run")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--prefill", default=None, help="BxS[,BxS...] (the first is the gate batch)")
-    ap.add_argument("--decode", default=None, help="BxPROMPT+NEW")
+    ap.add_argument("--decode", default=None, help="BxPROMPT+NEW[,BxPROMPT+NEW...] (the first is the gate's)")
     ap.add_argument("--train", default=None, help="BxS[,BxS...]")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls, the first included (2; quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed calls, median reported (5; quick 2)")
@@ -958,7 +985,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype or ("bf16" if device.type == "cuda" else "fp32"),
         attn_implementation=args.attn,
         prefill=_shapes(args.prefill or spec["prefill"]),
-        decode=_decode_shape(args.decode or spec["decode"]),
+        decode=_decode_shapes(args.decode or spec["decode"]),
         train=_shapes(args.train or spec["train"]),
         seed=args.seed,
         config={**spec["config"], "num_hidden_layers": args.layers or spec["layers"]},
@@ -979,7 +1006,7 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda s: print(s, flush=True)
     log(f"e2e: {model_name}, {setup.layers} layers, {setup.dtype} on {device}; providers {', '.join(names)}")
     state = base_weights(setup)
-    b, p, n = setup.decode
+    b, p, n = setup.decode[0]
     ref = reference(setup, state, _ids(setup, *setup.prefill[0], salt=1), _ids(setup, b, p, salt=2), n)
     if ref.eager_err is not None:
         log(f"  HF eager {setup.dtype} logits vs fp32: relative error {ref.eager_err:.3g}")

@@ -147,8 +147,9 @@ def setup_line(doc: dict) -> str:
         if s.get(sc):
             shapes.append(f"{sc} " + ", ".join("x".join(map(str, bs)) for bs in s[sc]))
     if s.get("decode"):
-        b, p, n = s["decode"]
-        shapes.append(f"decode {b}x{p} prompt + {n} new tokens")
+        # one [b, p, n] case (files before 2026-11-23's fifth session) or a list of them
+        cases = [s["decode"]] if isinstance(s["decode"][0], int) else s["decode"]
+        shapes.append("decode " + ", ".join(f"{b}x{p} prompt + {n} new tokens" for b, p, n in cases))
     model = (
         f"{s.get('model', '?')} shapes, {s.get('layers', '?')} layers (hidden {c.get('hidden_size', '?')}, "
         f"FFN {c.get('intermediate_size', '?')}, {c.get('num_attention_heads', '?')} heads / "
