@@ -211,3 +211,8 @@ def test_report_setup_line_reads_one_or_several_decode_cases() -> None:
     many = setup_line({"setup": {"decode": [[1, 2048, 128], [32, 2048, 128]]}})
     assert "decode 1x512 prompt + 128 new tokens" in one
     assert "decode 1x2048 prompt + 128 new tokens, 32x2048 prompt + 128 new tokens" in many
+
+
+def test_results_file_per_model() -> None:
+    assert e2e.file_name("llama3-8b") == e2e.file_name("tiny") == e2e.FILE
+    assert e2e.file_name("llama3.2-1b") == "e2e-llama3.2-1b.json"

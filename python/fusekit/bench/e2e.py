@@ -32,7 +32,8 @@ recorded "wrong" and not timed. fusekit providers also prove their kernels ran: 
 calls that reached the backend (rms_norm 2L+1, swiglu_ffn L, rope 2L, attention L per forward).
 
 Times are host wall-clock with a device sync around each call (what a serving or training loop sees),
-median of --reps after --warmup. Results: <out>/<device slug>/e2e.json (GPU default
+median of --reps after --warmup. Results: <out>/<device slug>/e2e.json (e2e-<model>.json for
+llama3.2-1b; GPU default
 benchmarks/results, CPU build/bench/results), schema "fusekit-bench-e2e/1" (the op report skips it).
 """
 
@@ -185,6 +186,11 @@ def _decode_shapes(s: str) -> list[tuple[int, int, int]]:
         (b, p) = _shapes(bs)[0]
         out.append((b, p, int(n)))
     return out
+
+
+def file_name(model: str) -> str:
+    """e2e.json for the default GPU model (llama3-8b) and the tiny one, e2e-<model>.json for others."""
+    return FILE if model in ("llama3-8b", "tiny") else f"e2e-{model}.json"
 
 
 def _label(b: int, s: int, n: int | None = None) -> str:
@@ -992,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     warmup = args.warmup or (1 if args.quick else 2)
     reps = args.reps or (2 if args.quick else 5)
-    path = out_root / results.slug(results.device_name(device)) / FILE
+    path = out_root / results.slug(results.device_name(device)) / file_name(model_name)
     setup_doc = json.loads(json.dumps(asdict(setup)))  # tuples -> lists, as a loaded file has them
     old = load_for_merge(path, setup_doc) if args.merge else None
     run_index = len(old["runs"]) if old else 0

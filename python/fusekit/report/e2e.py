@@ -232,7 +232,7 @@ def section_md(results_dir: Path, out_dir: Path, root: Path, draw: bool = True) 
         dev = path.parent.name
         flags = " (quick run)" if (doc.get("method") or {}).get("quick") else ""
         md += [f"### {dev} — `{rel_path(path, root)}`{flags}", "", setup_line(doc), ""]
-        png = plot(doc, out_dir / f"{dev}_e2e.png", draw)
+        png = plot(doc, out_dir / f"{dev}_{path.stem}.png", draw)  # e2e.json -> <dev>_e2e.png
         if png:
             md += [f"![end to end on {dev}]({png.name})", ""]
         md += [table_md(doc)]
