@@ -132,3 +132,46 @@ def test_first_call_inside_capture_raises_then_warm_capture_works(backend_name: 
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, ops.rms_norm(x, w, backend="triton"))
+
+
+@pytest.mark.parametrize("s", (1, 4))
+def test_captured_decode_attention_reads_kv_len_at_replay(s: int, backend_name: str, device: str) -> None:
+    """What static-cache decoding under CUDA graphs relies on (fusekit.hf's compiled generate): one graph
+    captured over the whole cache [B, Hkv, max_len, D] with a kv_len tensor, replayed after the lengths
+    and the values changed in place, gives the eager result for the new lengths."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need --device cuda")
+    if backend_name == "mojo":
+        pytest.skip("mojo refuses capture (test_capture_and_replay checks the error)")
+    torch.manual_seed(0)  # _refill's values
+    g = torch.Generator(device="cuda").manual_seed(7)
+    b, h, hkv, max_len, d = 3, 8, 2, 300, 128
+    q = torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(b, hkv, max_len, d, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(b, hkv, max_len, d, device="cuda", generator=g).to(torch.bfloat16)
+    kv_len = torch.tensor([137, max_len, 5], dtype=torch.int32, device="cuda")
+
+    def step() -> torch.Tensor:
+        return ops.attention(q, k, v, causal=True, kv_len=kv_len, backend=backend_name)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for t in (q, k, v):
+        _refill(t)
+    kv_len.copy_(torch.tensor([max_len - 1, 64, 200], dtype=torch.int32))  # a decode step later
+    graph.replay()
+    torch.cuda.synchronize()
+    want = step()
+    assert_close(
+        "attention replay with new kv_len",
+        captured,
+        want.double(),
+        rtol("attention", q.dtype, "forward"),
+        f"attention decode S={s} {backend_name}",
+    )
