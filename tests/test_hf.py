@@ -323,6 +323,23 @@ def test_static_cache_generate_passes_the_cache_with_kv_len(monkeypatch):
     assert not any(m._fusekit_prefix_masks for m in model.modules() if hasattr(m, "_fusekit_prefix_masks"))
 
 
+def test_prefix_kv_len_values_and_once_per_mask():
+    """kv_len = keys the last query row sees (bool or additive masks, a batch-1 mask broadcast); the same
+    mask tensor (every layer of one forward) is reduced once; an in-place change recomputes."""
+    s, skv = 3, 9
+    i, j = torch.arange(s)[:, None], torch.arange(skv)[None, :]
+    lens = torch.tensor([9, 6])
+    mask = torch.stack([(j <= i + n - s) & (j < n) for n in lens.tolist()])[:, None]  # [2, 1, 3, 9]
+    got = _attention.prefix_kv_len(mask, 2)
+    assert got.dtype == torch.int32 and got.tolist() == [9, 6]
+    assert _attention.prefix_kv_len(mask, 2) is got, "the same mask again: remembered"
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    assert _attention.prefix_kv_len(additive, 2).tolist() == [9, 6]
+    assert _attention.prefix_kv_len(mask[:1], 3).tolist() == [9, 9, 9]  # one mask for every sequence
+    mask[1, :, :, 5] = False  # in place: the version moves, the lengths are recomputed
+    assert _attention.prefix_kv_len(mask, 2).tolist() == [9, 5]
+
+
 def test_static_cache_forward_outside_generate_slices_the_filled_prefix(monkeypatch):
     """A static cache driven by hand (no generate): each mask is checked on the host and the keys past
     the filled prefix are sliced off, as before."""

@@ -89,13 +89,30 @@ def mask_kind(mask: object, s: int, skv: int, is_causal: bool) -> tuple[str, int
     return v
 
 
+# (weakref to the last mask, its _version, batch, its kv_len): every layer of a forward gets the same mask
+# tensor, so eager calls compute kv_len once per forward, not once per layer.
+_last_kv_len: tuple[weakref.ref, int, int, Tensor] | None = None
+
+
 def prefix_kv_len(mask: Tensor, batch: int) -> Tensor:
     """int32 [B]: the keys the last query row of each sequence sees in a causal prefix mask [B|1, 1|H,
-    S, Skv] (bool, or additive with 0 where visible). Device-side only: no sync, traceable."""
+    S, Skv] (bool, or additive with 0 where visible). Device-side only: no sync, traceable. Remembered
+    for the last mask in eager mode; never while compiling or capturing a CUDA graph (a capture must
+    record the computation, so that a replay derives the lengths from the mask it reads)."""
+    global _last_kv_len
+    eager = not torch.compiler.is_compiling() and not (
+        mask.is_cuda and torch.cuda.is_current_stream_capturing()
+    )
+    hit = _last_kv_len
+    if eager and hit is not None and hit[0]() is mask and hit[1] == mask._version and hit[2] == batch:
+        return hit[3]
     last = mask[:, 0, -1, :]
     visible = last if last.dtype == torch.bool else last == 0
     kv_len = visible.sum(-1, dtype=torch.int32)
-    return kv_len.expand(batch).contiguous() if kv_len.shape[0] != batch else kv_len
+    kv_len = kv_len.expand(batch).contiguous() if kv_len.shape[0] != batch else kv_len
+    if eager:
+        _last_kv_len = (weakref.ref(mask), mask._version, batch, kv_len)
+    return kv_len
 
 
 def _fallback(module, query, key, value, attention_mask, reason: str, **kwargs):
