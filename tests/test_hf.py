@@ -402,6 +402,32 @@ def test_overlapping_generate_calls_trust_masks_only_while_all_are_unpadded(monk
     assert not flags() and "_fusekit_generating" not in vars(model)
 
 
+def test_generate_wrapper_keeps_class_names_and_follows_copies(tmp_path):
+    """The generate wrapper is an instance attribute: save_pretrained still records the original class
+    (a reload works), a deepcopy's and an unpickled model's generate run on themselves, unpatch removes
+    it."""
+    import io
+    import json
+
+    model = build("llama2")
+    x = ids(batch=1, seq=6)
+    fh.patch(model)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    twin = copy.deepcopy(model)
+    assert twin.generate.model is twin and model.generate.model is model
+    assert torch.equal(generate(twin, x, n=3), generate(model, x, n=3))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert fh.is_patched(loaded) and loaded.generate.model is loaded
+    assert torch.equal(generate(loaded, x, n=3), generate(model, x, n=3))
+    fh.unpatch(model)
+    assert "generate" not in vars(model)
+
+
 def test_static_cache_decode_compiles_into_one_graph():
     """The decode step of a patched model traces with fullgraph=True (no graph break, no host sync in
     fusekit's attention path) under transformers' own compiled static-cache generate."""

@@ -10,7 +10,7 @@ What patch changes (in place; unpatch puts every original object back):
   post-attention RMSNorm (ops.rms_norm(..., residual=) returns the norm and the new residual stream in
   one pass). The add after the MLP stays a torch add: fusing it into the next layer's input norm would
   need the model's layer loop rewritten.
-- model.generate -> a wrapper that checks once, on the host, whether the prompt is padded (its
+- model.generate -> (an instance attribute) the class's generate wrapped: it checks once, on the host, whether the prompt is padded (its
   attention_mask, or pad tokens in it when none is given) and, if not, lets the attention modules read
   each mask of that generate() call as a causal prefix (see fusekit.hf._attention: static-cache
   decoding then runs without host syncs and compiles into one graph).
@@ -156,29 +156,39 @@ def _unpadded(model: nn.Module, args: tuple, kwargs: dict) -> bool:
 _GEN_LOCK = threading.Lock()
 
 
-class _GenerateMixin:
-    """generate() that tells the patched attention modules whether the masks they see are causal
-    prefixes (a class swap, not a closure: copies and pickles of the model keep calling their own).
-    Concurrent generate() calls on one model share the modules: the flag is on only while every
-    running call has an unpadded prompt."""
+class _Generate:
+    """model.generate of a patched model, kept in the model's __dict__ (not a class swap: save_pretrained
+    still records the original class name). A plain object holding the model, so deepcopy binds it to
+    the copy and pickle (torch.save) restores it."""
 
-    def generate(self, *args, **kwargs):
-        attentions = [m for m in self.modules() if hasattr(m, "_fusekit_prefix_masks")]
-        padded = not _unpadded(self, args, kwargs)
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.__doc__ = type(model).generate.__doc__
+
+    def __call__(self, *args, **kwargs):
+        return _generate(self.model, *args, **kwargs)
+
+
+def _generate(self, *args, **kwargs):
+    """The class's generate(), with the attention modules told whether the masks they see are causal
+    prefixes. Concurrent calls on one model share the modules: the flag is on only while every running
+    call has an unpadded prompt."""
+    attentions = [m for m in self.modules() if hasattr(m, "_fusekit_prefix_masks")]
+    padded = not _unpadded(self, args, kwargs)
+    with _GEN_LOCK:
+        running = self.__dict__.setdefault("_fusekit_generating", [0, 0])  # [calls, padded calls]
+        running[0] += 1
+        running[1] += padded
+        _set_prefix_masks(attentions, running)
+    try:
+        return type(self).generate(self, *args, **kwargs)
+    finally:
         with _GEN_LOCK:
-            running = self.__dict__.setdefault("_fusekit_generating", [0, 0])  # [calls, padded calls]
-            running[0] += 1
-            running[1] += padded
+            running[0] -= 1
+            running[1] -= padded
             _set_prefix_masks(attentions, running)
-        try:
-            return super().generate(*args, **kwargs)
-        finally:
-            with _GEN_LOCK:
-                running[0] -= 1
-                running[1] -= padded
-                _set_prefix_masks(attentions, running)
-                if not running[0]:
-                    del self.__dict__["_fusekit_generating"]
+            if not running[0]:
+                del self.__dict__["_fusekit_generating"]
 
 
 def _set_prefix_masks(attentions: list[nn.Module], running: list[int]) -> None:
@@ -317,9 +327,9 @@ def patch(
         m._fusekit_strict = strict
         m._fusekit_prefix_masks = False  # True only inside the generate wrapper, for unpadded prompts
         rec.attrs += [(m, "_fusekit_backend"), (m, "_fusekit_strict"), (m, "_fusekit_prefix_masks")]
-    if callable(getattr(model, "generate", None)):
-        rec.classes.append((model, type(model)))
-        model.__class__ = _subclass(_GenerateMixin, type(model))
+    if callable(getattr(type(model), "generate", None)):
+        model.__dict__["generate"] = _Generate(model)
+        rec.attrs.append((model, "generate"))
     layer_cls = _subclass(_DecoderLayerMixin, classes["DecoderLayer"])
     for m in layers:
         rec.classes.append((m, type(m)))
