@@ -68,6 +68,14 @@ def aot(session: nox.Session) -> None:
 
 
 @nox.session
+def mojo_build(session: nox.Session) -> None:
+    """Compile every Mojo op phase ahead of time into fusekit's cache (later first calls are cache loads);
+    `-- --device cuda` on a GPU host, `-- --list` to see the entries."""
+    _install(session, "mojo")
+    session.run("python", "-m", "fusekit.mojo_build", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark every installed backend against the baselines (small sizes on a CPU-only machine)."""
     _install(session, "test,triton,mojo,bench")

@@ -1,0 +1,167 @@
+"""`python -m fusekit.mojo_build`: compile every Mojo op phase ahead of time into fusekit's cache.
+
+    python -m fusekit.mojo_build [--device cuda|cuda:N|cpu] [--ops rms_norm,rope] [--phases forward,backward]
+                                 [--dtypes bfloat16,float32] [--list]
+
+The mojo backend compiles one shape-generic MAX graph per op phase x dtypes x device on first use and keeps
+it on disk (fusekit/backends/mojo/runtime.py: ~10-20 s each on a GPU host, plus the op package's one
+`mojo precompile`). This walks every entry a call can need — each op's forward and backward over the
+dtype combinations the kernels take (float64 runs on the torch backend; fp32 attention is CPU-only), and
+for swiglu_ffn's backward its element-wise op and the rms_norm backward it calls — and loads or builds
+each, so that later processes' first calls are cache loads. One line per entry (`compiled`, `cached` or
+the error) and a summary; exit status 1 if any entry failed. Concurrent runs (and concurrent first calls
+of user processes) are safe: the cache's per-artifact locks make the second one wait and load.
+Cache location: $FUSEKIT_CACHE_DIR, else ~/.cache/fusekit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+PHASES = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One compiled artifact: a MAX op spec (specs.OpSpec) at one dtype key."""
+
+    op: str
+    phase: str
+    spec: object
+    dtypes: tuple[torch.dtype, ...]
+
+    def label(self) -> str:
+        names = ",".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        return f"{self.spec.max_op} ({names})"
+
+
+def entries(
+    device: torch.device,
+    ops: list[str] | None = None,
+    phases: tuple[str, ...] = PHASES,
+    dtypes: set[torch.dtype] | None = None,
+) -> list[Entry]:
+    """Every (MAX op, dtypes) a call on `device` can compile, for the chosen ops, phases and dtypes."""
+    from fusekit import ops as fops
+    from fusekit.backends.mojo.specs import SWIGLU_FFN_BACKWARD, X_DTYPE_WEIGHTS, phase_spec
+
+    out: list[Entry] = []
+    seen: set[tuple[str, tuple]] = set()
+
+    def add(op: str, phase: str, spec, key: tuple[torch.dtype, ...]) -> None:
+        if torch.float64 in key or (dtypes is not None and not set(key) <= dtypes):
+            return
+        if op == "attention" and device.type == "cuda" and key[0] == torch.float32:
+            return  # refused before any kernel runs (fp32 attention is a CPU path)
+        if op in X_DTYPE_WEIGHTS and len(set(key)) > 1:
+            return
+        if (spec.max_op, key) not in seen:
+            seen.add((spec.max_op, key))
+            out.append(Entry(op, phase, spec, key))
+
+    order = lambda keys: sorted(keys, key=lambda k: [str(d) for d in k])  # a stable listing
+    for op in ops or list(fops.OPS):
+        for phase in phases:
+            if op == "swiglu_ffn" and phase == "backward":
+                for key in order(SWIGLU_FFN_BACKWARD.allowed):
+                    add(op, phase, SWIGLU_FFN_BACKWARD, key)
+                    norm = phase_spec("rms_norm", "backward")  # its norm part, weight in x's dtype
+                    add(op, phase, norm, (key[0],) * len(norm.dtype_vars))
+                continue
+            if phase == "backward" and fops.SPECS[op].backward is None:
+                continue  # reduce_sum: its gradient is a view of the output's, no kernel
+            spec = phase_spec(op, phase)
+            for key in order(spec.allowed):
+                add(op, phase, spec, key)
+    return out
+
+
+def build(device: torch.device, todo: list[Entry], log=print) -> int:
+    """Loads or compiles every entry; returns how many failed."""
+    from fusekit import backends
+
+    backend = backends.get("mojo")
+    why = backend.unavailable_reason()
+    if why is not None:
+        log(f"fusekit.mojo_build: the mojo backend is unavailable: {why}")
+        return len(todo) or 1
+    compiler = backend.compiler
+    registered = backend.registered()
+    failed = 0
+    t_all = time.perf_counter()
+    for e in todo:
+        if e.spec.max_op not in registered:
+            log(f"  skipped   {e.label()}: not registered by the package {compiler.package}")
+            continue
+        before = compiler.stats.graph_compiles
+        t0 = time.perf_counter()
+        try:
+            compiler.get(e.spec, e.dtypes, device)
+        except Exception as exc:  # reported, the others still build
+            failed += 1
+            log(f"  FAILED    {e.label()}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            continue
+        what = "compiled" if compiler.stats.graph_compiles > before else "cached"
+        log(f"  {what:9s} {e.label()}  {time.perf_counter() - t0:.1f} s")
+    s = compiler.stats
+    log(
+        f"fusekit.mojo_build: {len(todo)} entries on {device} in {time.perf_counter() - t_all:.1f} s: "
+        f"{s.graph_compiles} compiled, {s.mef_loads} loaded from the cache, {failed} failed "
+        f"(cache: {compiler.cache})"
+    )
+    return failed
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m fusekit.mojo_build", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="cuda (default when present), cuda:N or cpu")
+    ap.add_argument("--ops", default=None, help="comma list (default: every op)")
+    ap.add_argument("--phases", default=",".join(PHASES), help="forward,backward")
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help="build only entries all of whose dtypes are listed, e.g. bfloat16,float32",
+    )
+    ap.add_argument("--list", action="store_true", help="print the entries and exit")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fusekit import ops as fops
+
+    args = _parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    ops = [o for o in args.ops.split(",") if o] if args.ops else None
+    phases = tuple(p for p in args.phases.split(",") if p)
+    bad = [o for o in ops or [] if o not in fops.OPS] + [p for p in phases if p not in PHASES]
+    dtypes = None
+    if args.dtypes:
+        dtypes = set()
+        for name in args.dtypes.split(","):
+            dt = getattr(torch, name, None)
+            if not isinstance(dt, torch.dtype):
+                bad.append(name)
+            else:
+                dtypes.add(dt)
+    if bad:
+        print(
+            f"unknown ops/phases/dtypes {bad}; ops: {', '.join(fops.OPS)}; phases: {PHASES}", file=sys.stderr
+        )
+        return 2
+    todo = entries(device, ops, phases, dtypes)
+    if args.list:
+        for e in todo:
+            print(f"{e.op:11s} {e.phase:8s} {e.label()}")
+        return 0
+    return 1 if build(device, todo) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

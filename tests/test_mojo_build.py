@@ -1,0 +1,101 @@
+"""`python -m fusekit.mojo_build` (issue #14 item 3): the entries it builds, and that a later process's
+first call is a cache load.
+
+The build test compiles one graph (reduce_sum float32 on the CPU) into a fresh FUSEKIT_CACHE_DIR, in
+subprocesses with timeouts (the op package's precompile plus one MAX CPU compile: tens of seconds, minutes
+on a loaded 2-core box).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("max.engine", reason="MAX is not importable")
+
+from fusekit import mojo_build, ops
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 1200  # s
+
+
+def test_entries_cover_every_op_phase_and_kernel_dtype() -> None:
+    cpu = mojo_build.entries(torch.device("cpu"))
+    cuda = mojo_build.entries(torch.device("cuda", 0))
+    ops_phases = {(e.op, e.phase) for e in cpu}
+    assert {op for op, _ in ops_phases} == set(ops.OPS)
+    assert {(op, "backward") for op in ops.OPS if op != "reduce_sum"} <= ops_phases  # reduce_sum: a view
+    keys = [(e.spec.max_op, e.dtypes) for e in cpu]
+    assert len(keys) == len(set(keys)), "an artifact listed twice"
+    assert all(torch.float64 not in e.dtypes for e in cpu), "float64 runs on the torch backend"
+    # swiglu_ffn's backward: its element-wise op and the rms_norm backward it calls (weight in x's dtype)
+    swiglu_bwd = {
+        e.spec.max_op for e in mojo_build.entries(torch.device("cpu"), ["swiglu_ffn"], ("backward",))
+    }
+    assert swiglu_bwd == {"fusekit.swiglu_ffn_backward", "fusekit.rms_norm_backward"}
+    # fp32 attention is refused on CUDA before any kernel: not built there
+    att32 = lambda es: [e for e in es if e.op == "attention" and e.dtypes == (torch.float32,)]
+    assert att32(cpu) and not att32(cuda)
+    only = mojo_build.entries(
+        torch.device("cpu"), ["rms_norm"], ("forward",), {torch.bfloat16, torch.float32}
+    )
+    assert sorted((e.dtypes for e in only), key=str) == sorted(
+        [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)],
+        key=str,
+    )
+
+
+def _run(args: list[str], cache: Path) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "FUSEKIT_CACHE_DIR": str(cache),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "python"), str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO
+    )
+
+
+FIRST_CALL = r"""
+import json, torch
+from fusekit import backends, ops
+torch.manual_seed(0)
+x = torch.randn(37, 53)
+got = ops.reduce_sum(x, -1, backend="mojo")
+stats = backends.get("mojo").compiler.stats
+print("RESULT " + json.dumps({
+    "err": float((got.double() - x.double().sum(-1)).abs().max()),
+    "graph_compiles": stats.graph_compiles, "mef_loads": stats.mef_loads, "precompiles": stats.precompiles,
+}))
+"""
+
+
+def test_build_makes_the_next_process_first_call_a_cache_load(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cmd = ["-m", "fusekit.mojo_build", "--device", "cpu", "--ops", "reduce_sum", "--dtypes", "float32"]
+    first = _run(cmd, cache)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "compiled  fusekit.reduce_sum (float32,float32)" in first.stdout, first.stdout
+    assert "1 entries on cpu" in first.stdout and "0 failed" in first.stdout, first.stdout
+    again = _run(cmd, cache)
+    assert again.returncode == 0 and "cached    fusekit.reduce_sum (float32,float32)" in again.stdout, (
+        again.stdout + again.stderr
+    )
+    call = _run(["-c", FIRST_CALL], cache)
+    assert call.returncode == 0, call.stdout + call.stderr
+    res = json.loads(next(ln for ln in call.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    assert res["err"] < 1e-3, res
+    assert res["graph_compiles"] == 0 and res["precompiles"] == 0 and res["mef_loads"] == 1, res
+    assert "compiling" not in call.stderr, call.stderr  # no progress line: nothing was compiled
+
+
+def test_bad_arguments_exit_2(capsys) -> None:
+    assert mojo_build.main(["--ops", "nope", "--list"]) == 2
+    assert mojo_build.main(["--dtypes", "float99", "--list"]) == 2
+    assert "unknown" in capsys.readouterr().err
