@@ -300,3 +300,27 @@ def test_side_stream_ordering(mojo_be: MojoBackend) -> None:
             got = out.clone()
         s.synchronize()
         assert rel_error(got, xnew.double().sum(-1), sum_scale(xnew, -1)) < 1e-5
+
+
+def test_graph_device_points_max_graph_at_the_tensors_gpu(monkeypatch) -> None:
+    """MAX 26.7's Graph asks `Accelerator()` (GPU 0) for the compile target; while fusekit builds a graph
+    for cuda:N (N > 0) that name gives GPU N (no context on GPU 0, the right architecture on a mixed
+    machine); restored after, untouched for the CPU and cuda:0."""
+    import max.graph.graph as mg
+
+    from fusekit.backends.mojo.runtime import graph_device
+
+    calls = []
+
+    def fake(*args):
+        calls.append(args)
+        return args
+
+    monkeypatch.setattr(mg, "Accelerator", fake)
+    with graph_device(torch.device("cuda", 1)):
+        assert mg.Accelerator() == (1,) and mg.Accelerator(3) == (3,)
+    assert mg.Accelerator is fake
+    for dev in (torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda")):
+        with graph_device(dev):
+            assert mg.Accelerator is fake
+    assert calls == [(1,), (3,)]

@@ -629,6 +629,32 @@ def max_device(device: torch.device) -> Any:
     return CPU() if device.type == "cpu" else Accelerator(device.index or 0)
 
 
+@contextlib.contextmanager
+def graph_device(device: torch.device) -> Iterator[None]:
+    """While a MAX Graph is built for `device`: MAX 26.7's Graph records "the" accelerator's
+    architecture for the compile target with `Accelerator()`, i.e. GPU 0 (Graph.
+    _populate_device_info_mapping). For a graph of another GPU that opens GPU 0's context in a process
+    that never used it, and would target GPU 0's architecture on a mixed machine: there, the name
+    `Accelerator` in max.graph.graph gives this graph's GPU instead. Builds are serialized by
+    OpCompiler's lock; a MAX without that name is left alone."""
+    import max.graph.graph as mg
+
+    real = getattr(mg, "Accelerator", None)
+    index = device.index or 0
+    if device.type != "cuda" or index == 0 or real is None:
+        yield
+        return
+
+    def accelerator(*args: Any, **kwargs: Any) -> Any:
+        return real(*args, **kwargs) if args or kwargs else real(index)
+
+    mg.Accelerator = accelerator
+    try:
+        yield
+    finally:
+        mg.Accelerator = real
+
+
 def device_tag(device: torch.device) -> str:
     """Names the compile target in cache file names: `cpu` or e.g. `cuda-sm_90-0`."""
     if device.type == "cpu":
@@ -807,11 +833,14 @@ class OpCompiler:
         if spec.params:
             in_types.append(TensorType(max_dtype(torch.float32), [len(spec.params)], device=ref))
         names = "_".join(_DTYPES[d] for d in dtypes)
-        with Graph(
-            f"fusekit_{spec.op}_{names}",
-            input_types=[t.as_buffer() for t in out_types] + in_types,
-            kernel_library=self.library(),
-        ) as g:
+        with (
+            graph_device(device),
+            Graph(
+                f"fusekit_{spec.op}_{names}",
+                input_types=[t.as_buffer() for t in out_types] + in_types,
+                kernel_library=self.library(),
+            ) as g,
+        ):
             n = len(out_types)
             values = [v.buffer for v in g.inputs[:n]] + [v.tensor for v in g.inputs[n:]]
             ops.inplace_custom(spec.max_op, ref, values=values)
