@@ -99,3 +99,14 @@ def test_bad_arguments_exit_2(capsys) -> None:
     assert mojo_build.main(["--ops", "nope", "--list"]) == 2
     assert mojo_build.main(["--dtypes", "float99", "--list"]) == 2
     assert "unknown" in capsys.readouterr().err
+
+
+def test_jobs_split_the_entries_between_workers(capsys) -> None:
+    """--jobs N runs N workers with --shard k/N; the shards partition the listing."""
+    assert mojo_build.main(["--device", "cpu", "--list"]) == 0
+    whole = capsys.readouterr().out.splitlines()
+    parts = []
+    for k in range(3):
+        assert mojo_build.main(["--device", "cpu", "--list", "--shard", f"{k}/3"]) == 0
+        parts.append(capsys.readouterr().out.splitlines())
+    assert sorted(ln for p in parts for ln in p) == sorted(whole) and all(parts)

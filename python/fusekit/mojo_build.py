@@ -1,14 +1,15 @@
 """`python -m fusekit.mojo_build`: compile every Mojo op phase ahead of time into fusekit's cache.
 
     python -m fusekit.mojo_build [--device cuda|cuda:N|cpu] [--ops rms_norm,rope] [--phases forward,backward]
-                                 [--dtypes bfloat16,float32] [--list]
+                                 [--dtypes bfloat16,float32] [--jobs N] [--list]
 
 The mojo backend compiles one shape-generic MAX graph per op phase x dtypes x device on first use and keeps
 it on disk (fusekit/backends/mojo/runtime.py: ~10-20 s each on a GPU host, plus the op package's one
 `mojo precompile`). This walks every entry a call can need — each op's forward and backward over the
 dtype combinations the kernels take (float64 runs on the torch backend; fp32 attention is CPU-only), and
 for swiglu_ffn's backward its element-wise op and the rms_norm backward it calls — and loads or builds
-each, so that later processes' first calls are cache loads. One line per entry (`compiled`, `cached` or
+each, so that later processes' first calls are cache loads (--jobs N: N processes, each every N-th
+entry; the op package is precompiled once, the others wait on its lock). One line per entry (`compiled`, `cached` or
 the error) and a summary; exit status 1 if any entry failed. Concurrent runs (and concurrent first calls
 of user processes) are safe: the cache's per-artifact locks make the second one wait and load.
 Cache location: $FUSEKIT_CACHE_DIR, else ~/.cache/fusekit.
@@ -128,13 +129,35 @@ def _parser() -> argparse.ArgumentParser:
         help="build only entries all of whose dtypes are listed, e.g. bfloat16,float32",
     )
     ap.add_argument("--list", action="store_true", help="print the entries and exit")
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="build in N processes (each takes every N-th entry; default 1)"
+    )
+    ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "k/N": a --jobs worker's share
     return ap
+
+
+def _parallel(argv: list[str], jobs: int) -> int:
+    """Runs this command in `jobs` worker processes (--shard k/jobs), their output passed through."""
+    import subprocess
+
+    base = [a for a in argv if not a.startswith("--jobs")]
+    if "--jobs" in argv:  # "--jobs N" as two words
+        i = argv.index("--jobs")
+        base = argv[:i] + argv[i + 2 :]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "fusekit.mojo_build", *base, "--shard", f"{k}/{jobs}"])
+        for k in range(jobs)
+    ]
+    return max(p.wait() for p in procs)
 
 
 def main(argv: list[str] | None = None) -> int:
     from fusekit import ops as fops
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    if args.jobs > 1 and not args.list:
+        return _parallel(argv, args.jobs)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
@@ -156,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     todo = entries(device, ops, phases, dtypes)
+    if args.shard:
+        k, n = (int(v) for v in args.shard.split("/"))
+        todo = todo[k::n]
     if args.list:
         for e in todo:
             print(f"{e.op:11s} {e.phase:8s} {e.label()}")
