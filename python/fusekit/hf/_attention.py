@@ -39,8 +39,26 @@ from fusekit import ops
 NAME = "fusekit"
 CAUSAL, FULL = "causal", "full"
 _warned: set[str] = set()
-# (weakref to the last mask checked, its _version, (S, Skv), verdict): one check per forward, not per layer.
-_last: tuple[weakref.ref, int, tuple, tuple[str, int]] | None = None
+
+
+class _LastMask:
+    """One value remembered for the last mask tensor seen (by weakref) and a key, until the mask is
+    changed in place (its _version moves): every layer of a forward gets the same mask tensor, so what
+    is derived from it is computed once per forward, not once per layer."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[weakref.ref, int, object, object] | None = None
+
+    def get(self, mask: Tensor, key: object) -> object | None:
+        e = self._entry
+        return e[3] if e is not None and e[0]() is mask and e[1] == mask._version and e[2] == key else None
+
+    def put(self, mask: Tensor, key: object, value: object) -> None:
+        self._entry = (weakref.ref(mask), mask._version, key, value)
+
+
+_verdicts = _LastMask()  # mask_kind's verdict, key (S, Skv)
+_kv_lens = _LastMask()  # prefix_kv_len's lengths, key batch
 
 
 def _verdict(mask: Tensor, s: int, skv: int) -> tuple[str, int]:
@@ -75,23 +93,17 @@ def _verdict(mask: Tensor, s: int, skv: int) -> tuple[str, int]:
 def mask_kind(mask: object, s: int, skv: int, is_causal: bool) -> tuple[str, int]:
     """What `mask` asks of a query block of length s over skv keys: (CAUSAL or FULL, keys to use), or
     (why fusekit cannot run it, 0)."""
-    global _last
     if mask is None:
         return (CAUSAL if is_causal and s > 1 else FULL), skv
     if not isinstance(mask, Tensor):
         return f"a {type(mask).__name__} attention mask (flex attention)", 0
     if torch.compiler.is_compiling():
         return _verdict(mask, s, skv)
-    if _last is not None and _last[0]() is mask and _last[1] == mask._version and _last[2] == (s, skv):
-        return _last[3]
-    v = _verdict(mask, s, skv)
-    _last = (weakref.ref(mask), mask._version, (s, skv), v)
+    v = _verdicts.get(mask, (s, skv))
+    if v is None:
+        v = _verdict(mask, s, skv)
+        _verdicts.put(mask, (s, skv), v)
     return v
-
-
-# (weakref to the last mask, its _version, batch, its kv_len): every layer of a forward gets the same mask
-# tensor, so eager calls compute kv_len once per forward, not once per layer.
-_last_kv_len: tuple[weakref.ref, int, int, Tensor] | None = None
 
 
 def prefix_kv_len(mask: Tensor, batch: int) -> Tensor:
@@ -99,19 +111,18 @@ def prefix_kv_len(mask: Tensor, batch: int) -> Tensor:
     S, Skv] (bool, or additive with 0 where visible). Device-side only: no sync, traceable. Remembered
     for the last mask in eager mode; never while compiling or capturing a CUDA graph (a capture must
     record the computation, so that a replay derives the lengths from the mask it reads)."""
-    global _last_kv_len
     eager = not torch.compiler.is_compiling() and not (
         mask.is_cuda and torch.cuda.is_current_stream_capturing()
     )
-    hit = _last_kv_len
-    if eager and hit is not None and hit[0]() is mask and hit[1] == mask._version and hit[2] == batch:
-        return hit[3]
+    hit = _kv_lens.get(mask, batch) if eager else None
+    if hit is not None:
+        return hit
     last = mask[:, 0, -1, :]
     visible = last if last.dtype == torch.bool else last == 0
     kv_len = visible.sum(-1, dtype=torch.int32)
     kv_len = kv_len.expand(batch).contiguous() if kv_len.shape[0] != batch else kv_len
     if eager:
-        _last_kv_len = (weakref.ref(mask), mask._version, batch, kv_len)
+        _kv_lens.put(mask, batch, kv_len)
     return kv_len
 
 
