@@ -392,18 +392,15 @@ _EAGER: dict[str, type[torch.autograd.Function]] = {}
 
 
 def _eager_function(name: str, forward, setup_context, backward) -> type[torch.autograd.Function]:
-    # forward(ctx, *args) calling setup_context itself: a Function with a separate setup_context binds
-    # its arguments through inspect.signature on every call (~15 us).
+    """The eager Function of an op whose gradient is a view of its output grads (_register_view_grad;
+    _register builds its own, with zero-filling for unused outputs). forward(ctx, *args) calls
+    setup_context itself: a Function with a separate setup_context binds its arguments through
+    inspect.signature on every call (~15 us)."""
+
     def fwd(ctx, *args):
         out = forward(*args)
         setup_context(ctx, args, out)
-        # Grads of unused outputs stay None (no zero-fill launch per statistic); the backward fills
-        # zeros only for a differentiable output that is present and got no gradient.
-        ctx.set_materialize_grads(False)
-        ctx.fusekit_like = tuple(
-            None if o is None else (o.shape, o.dtype, o.device)
-            for o in (out if isinstance(out, tuple) else (out,))
-        )
+        ctx.set_materialize_grads(False)  # no zero-fill launch (reduce_sum, the one such op, has one output)
         return out
 
     return type(
