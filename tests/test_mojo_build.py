@@ -110,3 +110,31 @@ def test_jobs_split_the_entries_between_workers(capsys) -> None:
         assert mojo_build.main(["--device", "cpu", "--list", "--shard", f"{k}/3"]) == 0
         parts.append(capsys.readouterr().out.splitlines())
     assert sorted(ln for p in parts for ln in p) == sorted(whole) and all(parts)
+
+
+def test_workers_get_jobs_1_and_never_spawn(monkeypatch) -> None:
+    """Each --jobs worker runs the caller's arguments plus --jobs 1 --shard k/N (an abbreviated --job 4
+    included), and a worker with a shard never starts workers itself."""
+    import subprocess as sp
+
+    started: list[list[str]] = []
+
+    class Fake:
+        def __init__(self, cmd):
+            started.append(cmd)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(sp, "Popen", Fake)
+    assert mojo_build.main(["--device", "cpu", "--job", "2", "--ops", "rope"]) == 0
+    assert [c[3:] for c in started] == [
+        ["--device", "cpu", "--job", "2", "--ops", "rope", "--jobs", "1", "--shard", f"{k}/2"]
+        for k in range(2)
+    ]
+    args = mojo_build._parser().parse_args(started[0][3:])
+    assert args.jobs == 1 and args.shard == "0/2"
+    started.clear()
+    monkeypatch.setattr(mojo_build, "build", lambda device, todo: 0)
+    assert mojo_build.main(["--device", "cpu", "--jobs", "3", "--shard", "1/3", "--ops", "rope"]) == 0
+    assert started == [], "a worker spawned workers"

@@ -137,15 +137,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _parallel(argv: list[str], jobs: int) -> int:
-    """Runs this command in `jobs` worker processes (--shard k/jobs), their output passed through."""
+    """Runs this command in `jobs` worker processes (--shard k/jobs), their output passed through. The
+    workers get the same arguments plus `--jobs 1` (argparse keeps the last value, whatever spelling
+    the caller used), so a worker never spawns workers of its own."""
     import subprocess
 
-    base = [a for a in argv if not a.startswith("--jobs")]
-    if "--jobs" in argv:  # "--jobs N" as two words
-        i = argv.index("--jobs")
-        base = argv[:i] + argv[i + 2 :]
     procs = [
-        subprocess.Popen([sys.executable, "-m", "fusekit.mojo_build", *base, "--shard", f"{k}/{jobs}"])
+        subprocess.Popen(
+            [sys.executable, "-m", "fusekit.mojo_build", *argv, "--jobs", "1", "--shard", f"{k}/{jobs}"]
+        )
         for k in range(jobs)
     ]
     return max(p.wait() for p in procs)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
-    if args.jobs > 1 and not args.list:
+    if args.jobs > 1 and not args.list and not args.shard:
         return _parallel(argv, args.jobs)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
