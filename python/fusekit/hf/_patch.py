@@ -10,9 +10,9 @@ What patch changes (in place; unpatch puts every original object back):
   post-attention RMSNorm (ops.rms_norm(..., residual=) returns the norm and the new residual stream in
   one pass). The add after the MLP stays a torch add: fusing it into the next layer's input norm would
   need the model's layer loop rewritten.
-- model.generate -> (an instance attribute) the class's generate wrapped: it checks once, on the host, whether the prompt is padded (its
-  attention_mask, or pad tokens in it when none is given) and, if not, lets the attention modules read
-  each mask of that generate() call as a causal prefix (see fusekit.hf._attention: static-cache
+- model.generate -> (an instance attribute) the class's generate wrapped: it checks once, on the host,
+  whether the prompt is padded (its attention_mask, or pad tokens in it when none is given) and, if
+  not, lets the attention modules read each mask of that generate() call as a causal prefix (see fusekit.hf._attention: static-cache
   decoding then runs without host syncs and compiles into one graph).
 The q/k/v/o projections (with Qwen2's q/k/v biases), the embedding, the rotary-table module and the
 LM head stay HF's. Parameters are shared, never copied: state_dict keys and optimizers are unaffected.
@@ -29,6 +29,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from fusekit.hf import _attention
@@ -137,8 +138,6 @@ def _unpadded(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether a generate(...) call's prompt has no padding (one host check per generate call): its 2-D
     attention_mask is all ones, or, without one, no prompt token is the pad token (transformers would
     infer a padding mask from those). Anything else (a 4-D mask, embeddings only) counts as padded."""
-    import torch
-
     mask = kwargs.get("attention_mask")
     if mask is not None:
         return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())
@@ -166,29 +165,26 @@ class _Generate:
         self.__doc__ = type(model).generate.__doc__
 
     def __call__(self, *args, **kwargs):
-        return _generate(self.model, *args, **kwargs)
-
-
-def _generate(self, *args, **kwargs):
-    """The class's generate(), with the attention modules told whether the masks they see are causal
-    prefixes. Concurrent calls on one model share the modules: the flag is on only while every running
-    call has an unpadded prompt."""
-    attentions = [m for m in self.modules() if hasattr(m, "_fusekit_prefix_masks")]
-    padded = not _unpadded(self, args, kwargs)
-    with _GEN_LOCK:
-        running = self.__dict__.setdefault("_fusekit_generating", [0, 0])  # [calls, padded calls]
-        running[0] += 1
-        running[1] += padded
-        _set_prefix_masks(attentions, running)
-    try:
-        return type(self).generate(self, *args, **kwargs)
-    finally:
+        """The class's generate(), with the attention modules told whether the masks they see are causal
+        prefixes. Concurrent calls on one model share the modules: the flag is on only while every
+        running call has an unpadded prompt."""
+        model = self.model
+        attentions = [m for m in model.modules() if hasattr(m, "_fusekit_prefix_masks")]
+        padded = not _unpadded(model, args, kwargs)
         with _GEN_LOCK:
-            running[0] -= 1
-            running[1] -= padded
+            running = model.__dict__.setdefault("_fusekit_generating", [0, 0])  # [calls, padded calls]
+            running[0] += 1
+            running[1] += padded
             _set_prefix_masks(attentions, running)
-            if not running[0]:
-                del self.__dict__["_fusekit_generating"]
+        try:
+            return type(model).generate(model, *args, **kwargs)
+        finally:
+            with _GEN_LOCK:
+                running[0] -= 1
+                running[1] -= padded
+                _set_prefix_masks(attentions, running)
+                if not running[0]:
+                    del model.__dict__["_fusekit_generating"]
 
 
 def _set_prefix_masks(attentions: list[nn.Module], running: list[int]) -> None:
