@@ -33,7 +33,10 @@ def test_entries_cover_every_op_phase_and_kernel_dtype() -> None:
     assert {(op, "backward") for op in ops.OPS if op != "reduce_sum"} <= ops_phases  # reduce_sum: a view
     keys = [(e.spec.max_op, e.dtypes) for e in cpu]
     assert len(keys) == len(set(keys)), "an artifact listed twice"
-    assert all(torch.float64 not in e.dtypes for e in cpu), "float64 runs on the torch backend"
+    # the backend's own rule (MojoBackend.supports): float64 x runs on the torch backend only, while a
+    # float64 *result* of reduce_sum is a mojo kernel (reduce_sum(x, dtype=torch.float64, backend="mojo"))
+    assert all(e.dtypes[0] != torch.float64 for e in cpu), "float64 x runs on the torch backend"
+    assert ("fusekit.reduce_sum", (torch.float32, torch.float64)) in keys
     # swiglu_ffn's backward: its element-wise op and the rms_norm backward it calls (weight in x's dtype)
     swiglu_bwd = {
         e.spec.max_op for e in mojo_build.entries(torch.device("cpu"), ["swiglu_ffn"], ("backward",))

@@ -6,7 +6,7 @@
 The mojo backend compiles one shape-generic MAX graph per op phase x dtypes x device on first use and keeps
 it on disk (fusekit/backends/mojo/runtime.py: ~10-20 s each on a GPU host, plus the op package's one
 `mojo precompile`). This walks every entry a call can need — each op's forward and backward over the
-dtype combinations the kernels take (float64 runs on the torch backend; fp32 attention is CPU-only), and
+dtype combinations the backend runs (MojoBackend.supports: no float64 input; fp32 attention is CPU-only),
 for swiglu_ffn's backward its element-wise op and the rms_norm backward it calls — and loads or builds
 each, so that later processes' first calls are cache loads (--jobs N: N processes, each every N-th
 entry; the op package is precompiled once, the others wait on its lock). One line per entry (`compiled`, `cached` or
@@ -47,20 +47,17 @@ def entries(
     phases: tuple[str, ...] = PHASES,
     dtypes: set[torch.dtype] | None = None,
 ) -> list[Entry]:
-    """Every (MAX op, dtypes) a call on `device` can compile, for the chosen ops, phases and dtypes."""
+    """Every (MAX op, dtypes) a call on `device` can compile, for the chosen ops, phases and dtypes: the
+    dtype keys of each phase that the mojo backend says it runs (MojoBackend.supports)."""
+    from fusekit import backends
     from fusekit import ops as fops
-    from fusekit.backends.mojo.specs import SWIGLU_FFN_BACKWARD, X_DTYPE_WEIGHTS, phase_spec
+    from fusekit.backends.mojo.specs import SWIGLU_FFN_BACKWARD, phase_spec
 
+    backend = backends.get("mojo")  # supports() needs no MAX
     out: list[Entry] = []
     seen: set[tuple[str, tuple]] = set()
 
     def add(op: str, phase: str, spec, key: tuple[torch.dtype, ...]) -> None:
-        if torch.float64 in key or (dtypes is not None and not set(key) <= dtypes):
-            return
-        if op == "attention" and device.type == "cuda" and key[0] == torch.float32:
-            return  # refused before any kernel runs (fp32 attention is a CPU path)
-        if op in X_DTYPE_WEIGHTS and len(set(key)) > 1:
-            return
         if (spec.max_op, key) not in seen:
             seen.add((spec.max_op, key))
             out.append(Entry(op, phase, spec, key))
@@ -68,17 +65,24 @@ def entries(
     order = lambda keys: sorted(keys, key=lambda k: [str(d) for d in k])  # a stable listing
     for op in ops or list(fops.OPS):
         for phase in phases:
-            if op == "swiglu_ffn" and phase == "backward":
-                for key in order(SWIGLU_FFN_BACKWARD.allowed):
-                    add(op, phase, SWIGLU_FFN_BACKWARD, key)
-                    norm = phase_spec("rms_norm", "backward")  # its norm part, weight in x's dtype
-                    add(op, phase, norm, (key[0],) * len(norm.dtype_vars))
-                continue
             if phase == "backward" and fops.SPECS[op].backward is None:
                 continue  # reduce_sum: its gradient is a view of the output's, no kernel
             spec = phase_spec(op, phase)
             for key in order(spec.allowed):
-                add(op, phase, spec, key)
+                if backend.supports(op, phase, device, key, head_dim=64) is not None:
+                    continue
+                if dtypes is not None and not set(key) <= dtypes:
+                    continue
+                if op == "attention" and device.type == "cuda" and key[0] == torch.float32:
+                    continue  # ops.attention refuses it before any kernel (fp32 attention is a CPU path)
+                if op == "swiglu_ffn" and phase == "backward":
+                    # what the backend runs for it: its element-wise op and the rms_norm backward (weight
+                    # in x's dtype) between torch matmuls
+                    add(op, phase, SWIGLU_FFN_BACKWARD, key[:1])
+                    norm = phase_spec("rms_norm", "backward")
+                    add(op, phase, norm, key[:1] * len(norm.dtype_vars))
+                else:
+                    add(op, phase, spec, key)
     return out
 
 
