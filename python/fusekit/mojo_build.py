@@ -9,8 +9,8 @@ it on disk (fusekit/backends/mojo/runtime.py: ~10-20 s each on a GPU host, plus 
 dtype combinations the backend runs (MojoBackend.supports: no float64 input; fp32 attention is CPU-only),
 for swiglu_ffn's backward its element-wise op and the rms_norm backward it calls — and loads or builds
 each, so that later processes' first calls are cache loads (--jobs N: N processes, each every N-th
-entry; the op package is precompiled once, the others wait on its lock). One line per entry (`compiled`, `cached` or
-the error) and a summary; exit status 1 if any entry failed. Concurrent runs (and concurrent first calls
+entry; the op package is precompiled once, the others wait on its lock). One line per entry
+(`compiled`, `cached` or the error) and a summary; exit status 1 if any entry failed. Concurrent runs (and concurrent first calls
 of user processes) are safe: the cache's per-artifact locks make the second one wait and load.
 Cache location: $FUSEKIT_CACHE_DIR, else ~/.cache/fusekit.
 """
