@@ -436,26 +436,27 @@ def make_providers(names: list[str], setup: Setup) -> list[Provider]:
 
 @contextlib.contextmanager
 def kernel_runs(backend: str | None) -> Iterator[Counter]:
-    """Counts "<op>:<phase>" for every call that reaches fusekit backend `backend`'s kernels (the
-    library's provider.run): evidence that the patched model ran fusekit, not HF's modules or sdpa."""
+    """Counts "<op>:<phase>" for every planned call whose kernels run on fusekit backend `backend`
+    (library._launch: through the provider or a launch replay of it): evidence that the patched model
+    ran fusekit, not HF's modules or sdpa. Counting provider.run alone misses replayed calls."""
     counts: Counter = Counter()
     if backend is None:
         yield counts
         return
-    from fusekit import backends
+    from fusekit import library
 
-    b = backends.get(backend)
-    real = b.run
+    real = library._launch
 
-    def counting(spec, phase, *args, **kwargs):
-        counts[f"{spec.name}:{phase}"] += 1
-        return real(spec, phase, *args, **kwargs)
+    def counting(spec, phase, plan, *args, **kwargs):
+        if plan.provider is not None and plan.provider.name == backend:
+            counts[f"{spec.name}:{phase}"] += 1
+        return real(spec, phase, plan, *args, **kwargs)
 
-    b.run = counting  # an instance attribute shadows the method; deleted below
+    library._launch = counting  # _execute looks the module global up on every call
     try:
         yield counts
     finally:
-        del b.run
+        library._launch = real
 
 
 def expected_forward_runs(layers: int) -> dict[str, int]:
