@@ -162,6 +162,45 @@ def test_torch_compile_of_patched_model():
     assert rel_error(got, want) <= FP32_TOL
 
 
+def test_compiled_prefill_and_training_step_have_no_graph_break(monkeypatch: pytest.MonkeyPatch):
+    """A prefill / training forward without a padding mask traces into one graph: the mask function
+    answers None (plain causal) from static facts, where transformers (torch < 2.14) materializes a
+    mask while tracing whose check would read its values (a graph break per layer, 3x slower prefill
+    on the H200)."""
+    import transformers.masking_utils as mu
+
+    model = build("llama3", num_hidden_layers=2)
+    x = ids(seq=11)
+    fh.patch(model)
+    want = logits(model, x)
+    # what dynamo on torch < 2.14 answers while tracing (the H200's torch 2.11): never skip the mask
+    monkeypatch.setattr(mu, "is_torchdynamo_exporting", lambda: torch.compiler.is_compiling())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    got = logits(compiled, x)
+    assert rel_error(got, want) <= FP32_TOL
+    model.train()
+    compiled(input_ids=x, labels=x).loss.backward()
+    torch._dynamo.reset()
+
+
+def test_mask_function_keeps_padding_and_windows():
+    """The None shortcut is only for the plain causal square: a padding mask, a window or q != kv still
+    get transformers' mask (materialized where sdpa would use its top-left is_causal)."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    from fusekit.hf._attention import fusekit_mask
+
+    base = dict(batch_size=1, q_length=4, kv_length=4, mask_function=causal_mask_function, device="cpu")
+    assert fusekit_mask(**base) is None
+    pad = torch.tensor([[0, 1, 1, 1]], dtype=torch.bool)
+    assert fusekit_mask(**{**base, "attention_mask": pad}).shape == (1, 1, 4, 4)
+    win = sliding_window_causal_mask_function(2)
+    assert fusekit_mask(**{**base, "mask_function": win, "local_size": 2}) is not None
+    longer = fusekit_mask(**{**base, "kv_length": 6, "q_offset": 2})
+    assert longer is not None and longer.shape == (1, 1, 4, 6) and bool(longer[0, 0, 0, 2])
+
+
 # --- patch / unpatch mechanics -----------------------------------------------------------------------
 def test_unpatch_restores_bit_identical_outputs_and_objects():
     model = build("mistral")

@@ -206,11 +206,27 @@ def fusekit_attention(
 
 
 def fusekit_mask(*args, **kwargs):
-    """transformers' sdpa_mask, materialized where sdpa would lean on its top-left `is_causal`."""
-    from transformers.masking_utils import sdpa_mask
+    """transformers' sdpa_mask, materialized where sdpa would lean on its top-left `is_causal`; None for
+    a plain causal mask over as many keys as queries with no padding mask, also while tracing.
 
-    mask = sdpa_mask(*args, **kwargs)
+    transformers (5.x on torch < 2.14) never skips a mask while dynamo traces, and the materialized
+    mask's check (mask_kind) reads its values: a graph break per layer in a compiled prefill or training
+    step. Those facts are static here (shapes, the mask function, no padding mask), and for q == kv
+    bottom-right causal is top-left causal, so None is exact."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
     q, kv = kwargs.get("q_length"), kwargs.get("kv_length")
+    if (
+        not args
+        and kwargs.get("allow_is_causal_skip", True)
+        and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("local_size") is None
+        and isinstance(q, int)
+        and q == kv
+    ):
+        return None
+    mask = sdpa_mask(*args, **kwargs)
     if mask is None and q is not None and kv is not None and not (q == 1 or q == kv):
         mask = sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
     return mask
