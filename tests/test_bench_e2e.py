@@ -240,3 +240,23 @@ def test_kernel_runs_counts_replayed_calls():
         finally:
             library.clear_plans()
     assert len(seen) == 4 and runs == {"rms_norm:forward": 3} and not other
+
+
+def test_isolate_runs_each_provider_in_its_own_process(tmp_path):
+    """--isolate (the CUDA default): one worker process per provider, merged into one file (one run
+    record per provider), the whole table printed once by the parent."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'python'}:{ROOT}", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "fusekit.bench.e2e", "--device", "cpu", "--model", "tiny", "--quick"]
+    cmd += ["--reps", "1", "--providers", "eager,fusekit-torch", "--scenarios", "prefill", "--isolate"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "cpu" / e2e.FILE).read_text())
+    assert set(doc["providers"]) == {"eager", "fusekit-torch"} and len(doc["runs"]) == 2
+    assert [(r["provider"], r["run"], r["status"]) for r in doc["rows"]] == [
+        ("eager", 0, "ok"),
+        ("fusekit-torch", 1, "ok"),
+    ]
+    assert doc["rows"][1]["speedup_vs"]["eager"] > 0  # ratios span the workers' runs
+    assert proc.stdout.count("provider ") == 1  # one table, the parent's
