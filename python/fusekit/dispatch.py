@@ -109,7 +109,18 @@ def resolve(
     if backend == "auto":
         backend = _env_choice(op) or "auto"
     in_capture = backend == "auto" and capturing(device.type)
-    key = (op, phase, backend, device.type, dtypes, shape_class, in_capture, tuple(sorted(meta.items())))
+    # meta in key-name order: sorting the names (constants) traces under torch.compile, sorting the
+    # items (values read off tensor shapes) is a graph break
+    key = (
+        op,
+        phase,
+        backend,
+        device.type,
+        dtypes,
+        shape_class,
+        in_capture,
+        tuple([(k, meta[k]) for k in sorted(meta)]),
+    )
     hit = _cache.get(key)
     if hit is not None:
         return hit

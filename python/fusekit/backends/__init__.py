@@ -19,7 +19,7 @@ _REGISTRY: dict[str, str] = {
 }
 _INSTANCES: dict[str, Backend] = {}
 
-__all__ = ["Backend", "BackendUnavailable", "available", "get", "names"]
+__all__ = ["Backend", "BackendUnavailable", "available", "get", "names", "prepare"]
 
 
 def names() -> tuple[str, ...]:
@@ -44,6 +44,23 @@ def get(name: str) -> Backend:
         valid = ", ".join(["auto", *_REGISTRY])
         raise ValueError(f"backend: unknown backend {name!r}; valid names are: {valid}")
     return _instantiate(name)
+
+
+# What "auto" may pick that is cheap to load up front (mojo stays lazy: loading MAX can set up its
+# device context and memory pool, which a model that never runs mojo should not pay for).
+_PREPARE_AUTO = ("triton", "torch")
+
+
+def prepare(name: str) -> str:
+    """Load backend `name` (for "auto": triton and torch) now, outside any torch.compile trace, and
+    return `name`. Modules and fusekit.hf.patch call this when they are built: a backend's first load
+    imports modules, which inside a trace is a graph break baked into the compiled frames (the H200 run
+    of a compiled patched Llama hit dynamo's recompile limit in library._apply after such breaks).
+    Unknown names are left to the call, which raises naming them."""
+    for n in _PREPARE_AUTO if name == "auto" else (name,):
+        if n in _REGISTRY:
+            _instantiate(n).unavailable_reason()
+    return name
 
 
 def available() -> dict[str, str | None]:

@@ -26,11 +26,20 @@ _INTERPRETER_LOCK = threading.RLock()
 REPLAY = os.environ.get("FUSEKIT_TRITON_REPLAY", "1") not in ("", "0")
 
 
+_HAS_KERNEL: dict[str, bool] = {}
+
+
 def _has_kernel(op: str) -> bool:
-    try:
-        return importlib.util.find_spec(f"kernels_triton.{op}") is not None
-    except ModuleNotFoundError:  # the kernels_triton package itself is missing
-        return False
+    """Whether kernels_triton/<op>.py exists (looked up once: torch.compile traces supports() on the
+    grad path, and the import machinery is a graph break)."""
+    has = _HAS_KERNEL.get(op)
+    if has is None:
+        try:
+            has = importlib.util.find_spec(f"kernels_triton.{op}") is not None
+        except ModuleNotFoundError:  # the kernels_triton package itself is missing
+            has = False
+        _HAS_KERNEL[op] = has
+    return has
 
 
 class TritonBackend(Backend):
@@ -47,6 +56,13 @@ class TritonBackend(Backend):
         import triton  # noqa: F401 - raises ImportError with the reason when missing
 
         self._interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        # Every op's kernel module now (~1 s), not on its first call: torch.compile traces supports()
+        # on the grad path, and an import there is a graph break baked into the compiled frames.
+        from fusekit.ops import OPS
+
+        for op in OPS:
+            if _has_kernel(op):
+                self._kernels(op)
 
     def _kernels(self, op: str) -> ModuleType:
         mod = self._modules.get(op)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fusekit import backends
 from fusekit.hf import _attention
 from fusekit.nn import RMSNorm, SwiGLUMLP
 from fusekit.nn.rotary import apply_rope, rope_parameters
@@ -273,6 +274,7 @@ def patch(
     unsupported feature before changing anything; fusekit.hf.unpatch(model) restores the original.
     """
     _check_transformers()
+    backends.prepare(backend)  # loaded here, not inside a torch.compile trace of the first call
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a transformers model (nn.Module), got {type(model).__name__}")
     if hasattr(model, _ATTR):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from fusekit import ops
+from fusekit import backends, ops
 
 
 class Attention(nn.Module):
@@ -20,7 +20,7 @@ class Attention(nn.Module):
         super().__init__()
         self.causal = causal
         self.scale = scale
-        self.backend = backend
+        self.backend = backends.prepare(backend)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool | None = None) -> Tensor:
         return ops.attention(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from fusekit import ops
+from fusekit import backends, ops
 
 
 def _is_silu(act: object) -> bool:
@@ -45,7 +45,7 @@ class SwiGLUMLP(nn.Module):
             )
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.backend = backend
+        self.backend = backends.prepare(backend)
         kw = {"bias": False, "device": device, "dtype": dtype}
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)

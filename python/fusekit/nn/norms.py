@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from fusekit import ops
+from fusekit import backends, ops
 
 CASTINGS = ("fp32", "llama", "gemma")
 
@@ -79,7 +79,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.elementwise_affine = bool(elementwise_affine)
         self.casting = casting
-        self.backend = backend
+        self.backend = backends.prepare(backend)
         if self.elementwise_affine:
             self.weight = nn.Parameter(torch.empty(n, device=device, dtype=dtype))
             self.reset_parameters()
@@ -170,7 +170,7 @@ class LayerNorm(nn.Module):
         self.normalized_shape = (n,)
         self.eps = eps
         self.elementwise_affine = bool(elementwise_affine)
-        self.backend = backend
+        self.backend = backends.prepare(backend)
         if self.elementwise_affine:
             self.weight = nn.Parameter(torch.empty(n, device=device, dtype=dtype))
             if bias:

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from fusekit import ops
+from fusekit import backends, ops
 
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -154,7 +154,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.rope_type = rope_type
         self.interleaved = interleaved
-        self.backend = backend
+        self.backend = backends.prepare(backend)
         self.register_buffer(
             "inv_freq",
             inv_freq(

@@ -41,6 +41,9 @@ class MojoBackend(Backend):
 
         self._compiler = OpCompiler(self._package)
         self._dispatcher = Dispatcher()
+        # read the package's op names now: supports() needs them, and torch.compile traces supports() on
+        # the grad path, where reading files is a graph break
+        self.registered()
 
     def _ready(self) -> None:
         if self._compiler is None:
