@@ -261,3 +261,11 @@ def test_isolate_runs_each_provider_in_its_own_process(tmp_path):
     ]
     assert doc["rows"][1]["speedup_vs"]["eager"] > 0  # ratios span the workers' runs
     assert proc.stdout.count("provider ") == 1  # one table, the parent's
+
+
+def test_prompts_hold_no_pad_token():
+    """generate() runs with pad_token_id=0: a random prompt holding token 0 would be read as padded."""
+    spec = e2e.MODELS["tiny"]
+    setup = e2e.Setup("cpu", "tiny", 2, "fp32", "sdpa", [(1, 16)], [(1, 8, 8)], [(1, 16)], 0, spec["config"])
+    ids = e2e._ids(setup, 4, 4096, salt=2)
+    assert ids.min() >= 1 and ids.max() < spec["config"]["vocab_size"]

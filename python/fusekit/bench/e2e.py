@@ -257,7 +257,9 @@ def _sync(device: torch.device) -> None:
 def _ids(setup: Setup, b: int, s: int, salt: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(setup.seed * 1000 + salt)
     vocab = MODELS[setup.model]["config"]["vocab_size"]
-    return torch.randint(0, vocab, (b, s), generator=g).to(setup.torch_device)
+    # from 1: generate() runs with pad_token_id=0 and would read a prompt holding token 0 as padded
+    # (transformers infers a padding mask from pad tokens), a different path from an unpadded prompt
+    return torch.randint(1, vocab, (b, s), generator=g).to(setup.torch_device)
 
 
 def _generate(model: nn.Module, ids: torch.Tensor, n: int, **kw) -> torch.Tensor:
