@@ -160,3 +160,53 @@ def test_every_op_memo_path_equals_checked_path(call) -> None:
     torch.manual_seed(1)
     second = call()
     assert first.shape == second.shape and torch.equal(first, second)
+
+
+ATT = sys.modules["fusekit.ops.attention"]
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["grown-cat", "cache-view"])
+def test_decode_with_a_growing_kv_cache_is_remembered_once(
+    monkeypatch: pytest.MonkeyPatch, view: bool
+) -> None:
+    """A decode step whose KV cache grew by one key (HF DynamicCache: torch.cat; or a preallocated cache
+    read as a view) is the same call but Skv: validated and planned once, then every length runs through
+    one remembered runner that never replays (a replay would bake the recorded Skv in); results equal a
+    fresh checked call at every length."""
+    dispatch.clear_cache()
+    library.clear_plans()
+    checked: list[int] = []
+    real = ATT._check
+    monkeypatch.setattr(ATT, "_check", lambda *a: (checked.append(1), real(*a))[1])
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    cache_k, cache_v = torch.randn(2, 2, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g)
+    outs = []
+    with torch.no_grad():
+        for n in range(20, 30):
+            k, v = cache_k[:, :, :n], cache_v[:, :, :n]
+            if not view:
+                k, v = k.contiguous(), v.contiguous()
+            outs.append((n, k, v, ops.attention(q, k, v, causal=True, backend="torch")))
+        assert len(checked) == 1 and len(ATT._MEMO) == 2  # the first call's exact entry + the grown one
+        grown = next(r for key, r in ATT._MEMO.items() if key[0] == "grown")
+        assert grown.plan.replay is None and grown.plan.calls > library._RECORD_TRIES
+        for n, k, v, o in outs:  # each length again, each a fresh checked call
+            library.clear_plans()
+            ref = ATT.SPEC.reference["forward"](q, k.contiguous(), v.contiguous(), None, True, 0.25)[0]
+            assert torch.equal(o, ops.attention(q, k, v, causal=True, backend="torch")), n
+            assert torch.allclose(o, ref, rtol=1e-5, atol=1e-6), n
+    assert len(checked) == 1 + len(outs)
+
+
+def test_grown_kv_key_keeps_the_checks_that_read_skv() -> None:
+    """k and v of different lengths, or no keys at all, still raise after a remembered decode call."""
+    library.clear_plans()
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 6, 8)
+    with torch.no_grad():
+        ops.attention(q, k, k.clone(), backend="torch")
+        with pytest.raises(ValueError, match=r"^v"):
+            ops.attention(q, k, torch.randn(1, 1, 7, 8), backend="torch")
+        with pytest.raises(ValueError, match=r"^k: the key sequence length"):
+            ops.attention(q, k[:, :, :0], k[:, :, :0], backend="torch")
+        ops.attention(q, k[:, :, :5].contiguous(), k[:, :, :5].contiguous(), backend="torch")  # still fine

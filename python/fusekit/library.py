@@ -265,6 +265,17 @@ class Runner:
     def __call__(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
         return _execute(self.spec, FORWARD, self.plan, inputs)
 
+    def unreplayed(self) -> Runner:
+        """This runner for calls that differ from its signature only in sizes its plan does not depend
+        on (attention's Skv in a decode step: the outputs, the provider and the copies are the same):
+        a copy of the plan that never records or replays launches, since a replay re-issues the
+        recorded call's sizes and strides as constants. Each call goes through the provider."""
+        plan = object.__new__(_Plan)
+        for slot in _Plan.__slots__:
+            setattr(plan, slot, getattr(self.plan, slot))
+        plan.replay, plan.calls = None, _RECORD_TRIES + 1
+        return Runner(self.spec, plan)
+
 
 def apply_memo(
     memo_: dict,

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from fusekit import distributed, library
+from fusekit import dispatch, distributed, library
 from fusekit.distributed import PLAIN
 from fusekit.ops import _checks as C
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
@@ -271,6 +271,9 @@ def attention(
     if key is not None and kv_len is not None and kv_len.device.type == "cpu":
         key = None  # its values are checked on the CPU: no memo
     run = _MEMO.get(key) if key is not None else None
+    grown = None
+    if run is None and key is not None and (grown := _grown_key(key, q, k, v, layout)) is not None:
+        run = _MEMO.get(grown)
     bshd = (layout == "bshd") if run is not None else C.choice("layout", layout, LAYOUTS) == "bshd"
     if bshd:  # shapes are checked (and named) in [B, H, S, D] terms after the transposing views
         if run is None:
@@ -286,5 +289,35 @@ def attention(
         kv_len = (kv_len if kv_len.dtype == torch.int32 else kv_len.to(torch.int32)).contiguous()
     # k, v go as they are: the library copies them for providers that do not read strides.
     ins = (q.contiguous(), k, v, kv_len)
-    o = run(ins)[0] if run is not None else library.apply_memo(_MEMO, key, SPEC, ins, (causal, s), backend)[0]
+    if run is not None:
+        o = run(ins)[0]
+    else:
+        o = library.apply_memo(_MEMO, key, SPEC, ins, (causal, s), backend)[0]
+        if grown is not None and isinstance(checked := _MEMO.get(key), library.Runner):
+            _MEMO[grown] = checked.unreplayed()
     return o.transpose(1, 2) if bshd else o
+
+
+def _grown_key(key: tuple, q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple | None:
+    """The memo key of a decode call (S <= 16 queries, "bhsd") with the KV length Skv left out, or None.
+
+    A Hugging Face DynamicCache grows by one key per token, so every decode step is a new signature:
+    validation, a new plan and a new memo entry per layer and token (~50 us of host time on a CPU where
+    a repeated call costs 8). Nothing a validated call's plan holds depends on Skv here: the outputs are
+    [B, H, S, D] and [B, H, S], the provider (the decode shape class goes by S), and which of k/v are
+    copied (contiguous ones never; a view's strides, e.g. of a preallocated cache, stay in the key). The
+    checks that read Skv are kept in the key as facts: k and v have the same Skv, and it is > 0. Calls
+    under such a key run through Runner.unreplayed (no launch replay: it would bake the recorded Skv in).
+    Not inside a CUDA graph capture: a new Skv may be a kernel's first specialization (a compile)."""
+    if layout != "bhsd" or q.dim() != 4 or q.shape[2] > dispatch.DECODE_TOKENS or dispatch.capturing():
+        return None
+    tk = key[0]
+    if len(tk) != 4 or tk[1] is None or tk[2] is None or k.dim() != 4 or v.dim() != 4:
+        return None
+    kv = []
+    for entry, kv_t in ((tk[1], k), (tk[2], v)):
+        typ, shape, stride, dtype, device, rg = entry
+        layout_key = "C" if kv_t.is_contiguous() else stride
+        kv.append((typ, (shape[0], shape[1], shape[3]), layout_key, dtype, device, rg))
+    same = k.shape[2] == v.shape[2] and k.shape[2] > 0
+    return ("grown", (tk[0], *kv, tk[3], same), *key[1:])
