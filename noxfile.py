@@ -26,6 +26,7 @@ SHARED_TESTS = [
     "tests/test_fuzz.py",
     "tests/test_layouts.py",
     "tests/test_cuda_graphs.py",
+    "tests/test_compile_graphs.py",
 ]
 
 
