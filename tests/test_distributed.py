@@ -311,6 +311,9 @@ def _worker(rank: int, port: int, outdir: str) -> None:
             report[name] = traceback.format_exc()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    # both ranks done before either tears gloo down: a rank that closes its connections while the other
+    # is still in its last collective can abort the other process (SIGABRT seen once in CI at a72d63c)
+    dist.barrier()
     dist.destroy_process_group()
 
 
