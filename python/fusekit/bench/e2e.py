@@ -978,8 +978,9 @@ def _parser() -> argparse.ArgumentParser:
 def _isolated(names: list[str], argv: list[str], merge: bool, deadline: float | None, path: Path) -> int:
     """Run each provider as `python -m fusekit.bench.e2e <argv> --providers <p> --no-isolate`, merging
     into one e2e.json (the first keeps --merge as given, the others merge into it), then print the lot.
-    On the H200, eager-mode providers timed after the compile providers in one process decoded 1.5x
-    slower than when timed first (fusekit-triton 1x2048+128: 6.4-6.7 ms/token after, 4.4 first)."""
+    Why: in one-process H200 runs, fusekit-triton decode timed after the compile providers took 6.4-6.7
+    ms/token and 4.4 when timed first; its own process later gave 7.6, so process state was not the whole
+    story there, but no provider's leftovers can bias another's rows this way."""
     rc = 0
     for i, name in enumerate(names):
         extra = ["--providers", name, "--no-isolate"] + (["--merge"] if merge or i else [])
