@@ -9,9 +9,11 @@ benchmarks/results/nvidia-h200/host.json), as much as the kernels themselves at 
 remembers the compiled kernel per (kernel, grid, device, options, per-argument key) after a normal first
 launch and then launches it through `CompiledKernel[grid](*bound_args)` (Triton's own launcher entry,
 which handles the stream, launch metadata and hooks as `JITFunction.run` does). The per-argument key is
-everything Triton specializes on: a tensor's dtype and 16-byte alignment of its data pointer, an int's
-or bool's value (so a value that would change the specialization, e.g. 1 or a multiple of 16, takes the
-normal path again), a float's type only (floats are runtime values, never specialized).
+everything Triton specializes on: a tensor's dtype and 16-byte alignment of its data pointer; a
+constexpr's value; a runtime int's specialization class only (== 1, divisible by 16, and its 32/64-bit
+range: the classes Triton's `native_specialize_impl` tells apart), so a decode kernel whose KV length
+and strides grow by one token per step keeps the lean path instead of paying the JIT path on every new
+value; a bool's value; a float's type only (floats are runtime values, never specialized).
 
 On by default; FUSEKIT_TRITON_FAST_LAUNCH=0 (or `ENABLED = False`) sends every launch through
 `JITFunction.run`. tests/test_triton_fast_launch.py checks on CUDA that both paths give bit-identical
@@ -42,6 +44,7 @@ RECORDING = _Recording()
 
 
 def _arg_key(v: Any) -> Any:
+    """A constexpr (or launch option): its value; a tensor: dtype and 16-byte alignment."""
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() & 15 == 0)
     if v is None or type(v) is int or type(v) is bool:
@@ -49,22 +52,40 @@ def _arg_key(v: Any) -> Any:
     return type(v)
 
 
-def _unspecialized_key(v: Any) -> Any:
-    """A `do_not_specialize` argument: only its type (and an int's 32/64-bit range) picks the kernel."""
+def _int_range(v: int) -> int:
+    """Triton's int argument types: 0 i32, 1 i64, 2 u64."""
+    return 0 if -(2**31) <= v < 2**31 else 2 if v >= 2**63 else 1
+
+
+def _specialized_key(v: Any) -> Any:
+    """A runtime argument Triton specializes: an int by (== 1, % 16 == 0, range), not by its value."""
     if type(v) is int:
-        return -(2**31) <= v < 2**31
+        return (v == 1, v % 16 == 0, _int_range(v))
     return _arg_key(v)
 
 
+def _unspecialized_key(v: Any) -> Any:
+    """A `do_not_specialize` argument: only its type (and an int's 32/64-bit range) picks the kernel."""
+    if type(v) is int:
+        return _int_range(v)
+    return _arg_key(v)
+
+
+def _param_keyer(p) -> Callable[[Any], Any]:
+    if getattr(p, "is_constexpr", True):
+        return _arg_key  # compiled in: its value picks the kernel
+    return _unspecialized_key if getattr(p, "do_not_specialize", False) else _specialized_key
+
+
 _KEYERS: dict[Any, tuple] = {}  # kernel -> per-parameter key function
+_KW_KEYERS: dict[Any, dict] = {}  # kernel -> {parameter name: key function}
 
 
 def _keyers(fn) -> tuple:
     k = _KEYERS.get(fn)
     if k is None:
-        k = _KEYERS[fn] = tuple(
-            _unspecialized_key if getattr(p, "do_not_specialize", False) else _arg_key for p in fn.params
-        )
+        k = _KEYERS[fn] = tuple(_param_keyer(p) for p in fn.params)
+        _KW_KEYERS[fn] = {p.name: f for p, f in zip(fn.params, k)}
     return k
 
 
@@ -88,12 +109,14 @@ def _bound(order: tuple, args: tuple, kwargs: dict) -> list:
 
 def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     """`fn[grid](*args, **kwargs)`, through the remembered compiled kernel where one matches."""
+    keyers = _keyers(fn)
+    kw_keyers = _KW_KEYERS[fn]
     key = (
         fn,
         grid,
         torch.cuda.current_device(),
-        tuple([f(a) for f, a in zip(_keyers(fn), args)]),
-        tuple([(k, _arg_key(v)) for k, v in kwargs.items()]),
+        tuple([f(a) for f, a in zip(keyers, args)]),
+        tuple([(k, kw_keyers.get(k, _arg_key)(v)) for k, v in kwargs.items()]),
     )
     hit = _CACHE.get(key)
     if hit is not None:
@@ -148,3 +171,4 @@ def clear() -> None:
     _CACHE.clear()
     _ORDERS.clear()
     _KEYERS.clear()
+    _KW_KEYERS.clear()

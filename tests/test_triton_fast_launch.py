@@ -82,7 +82,7 @@ def test_enabled_remembers_and_binds_in_parameter_order(toy, monkeypatch: pytest
 
 @pytest.mark.parametrize(
     "change",
-    ["misaligned", "dtype", "n_value_1", "block", "grid", "start_past_int32"],
+    ["misaligned", "dtype", "n_value_1", "n_divisible_by_16", "block", "flag", "grid", "start_past_int32"],
 )
 def test_anything_triton_specializes_on_takes_the_normal_path(
     toy, monkeypatch: pytest.MonkeyPatch, change: str
@@ -92,22 +92,59 @@ def test_anything_triton_specializes_on_takes_the_normal_path(
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     base = torch.zeros(80)
     x, y = base[:64], torch.zeros(64)
-    call = dict(grid=(4,), args=[x, y, 64, 0], block=64)
-    fn[call["grid"]](*call["args"], BLOCK=call["block"])
+    call = dict(grid=(4,), args=[x, y, 64 if change != "n_divisible_by_16" else 65, 0], block=64, flag=False)
+    fn[call["grid"]](*call["args"], BLOCK=call["block"], FLAG=call["flag"])
     if change == "misaligned":
         call["args"][0] = base[1:65]  # 4-byte offset: no longer 16-byte aligned
     elif change == "dtype":
         call["args"][0] = x.to(torch.float16)
     elif change == "n_value_1":
         call["args"][2] = 1  # Triton specializes an int equal to 1
+    elif change == "n_divisible_by_16":
+        call["args"][2] = 80  # 65 -> 80: Triton marks a multiple of 16 ("D")
     elif change == "block":
         call["block"] = 128
+    elif change == "flag":
+        call["flag"] = True  # a constexpr: its value is compiled in
     elif change == "grid":
         call["grid"] = (8,)
     elif change == "start_past_int32":
         call["args"][3] = 2**31  # int64 from here on
-    fn[call["grid"]](*call["args"], BLOCK=call["block"])
+    fn[call["grid"]](*call["args"], BLOCK=call["block"], FLAG=call["flag"])
     assert [e[0] for e in log] == ["run", "run"]
+
+
+def test_runtime_int_keyed_by_specialization_class_not_value(toy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode kernel's KV length and strides grow by one token per step: a new value of the same
+    class (not 1, same divisibility by 16, same 32/64-bit range) reuses the remembered kernel and
+    passes the new value at launch."""
+    fn, log = toy
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    x, y = torch.zeros(64), torch.zeros(64)
+    for n in (17, 18, 19, 33, 2047):
+        fn[(4,)](x, y, n, 0, BLOCK=64)
+    for n in (32, 48, 4096):
+        fn[(4,)](x, y, n, 0, BLOCK=64)
+    assert [e[0] for e in log] == ["run"] + ["fast"] * 4 + ["run"] + ["fast"] * 2
+    assert [e[2][2] for e in log] == [17, 18, 19, 33, 2047, 32, 48, 4096]
+
+
+@pytest.mark.parametrize("v", [0, 1, 2, 15, 16, -16, -1, 2**31 - 1, 2**31, 2**31 + 16, 2**63, 2**64 - 16])
+def test_int_key_separates_what_triton_specializes(v: int) -> None:
+    """Two ints share a key only if Triton's own specialization gives them the same type and attributes."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        pytest.skip("this Triton has no native_specialize_impl to compare with")
+
+    def triton_class(n: int) -> tuple:  # e.g. ("i32", "D"), ("constexpr", 1), ("i64", "")
+        return tuple(native_specialize_impl(BaseBackend, n, False, True, True))
+
+    for w in (0, 1, 2, 3, 16, 17, 32, -16, -3, 2**31 - 1, 2**31, 2**31 + 1, 2**40, 2**63, 2**63 + 16):
+        same_key = _launch._specialized_key(v) == _launch._specialized_key(w)
+        assert same_key == (triton_class(v) == triton_class(w)), (v, w)
 
 
 # --- CUDA: the real kernels --------------------------------------------------------------------------
@@ -131,6 +168,13 @@ def _ops_cases(dev: str):
         ("layer_norm", lambda: ops.layer_norm(x, w, b, backend="triton")),
         ("rope", lambda: [ops.rope(q.transpose(1, 2), start_pos=p, backend="triton") for p in (5, 6, 2047)]),
         ("attention decode", lambda: ops.attention(q, kc, vc, kv_len=kv_len, backend="triton")),
+        (  # a cache grown by one key per step (HF DynamicCache): new Skv and strides, same kernel
+            "attention decode grown",
+            lambda: [
+                ops.attention(q, kc[:, :, :n].contiguous(), vc[:, :, :n].contiguous(), backend="triton")
+                for n in (997, 998, 999, 1000)
+            ],
+        ),
     ]
 
 
