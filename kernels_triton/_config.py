@@ -45,6 +45,28 @@ def device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.type == "cuda" and t.device.index is not None else 0
 
 
+class _Current:
+    """A no-op context: the tensor's GPU is already the current one (or it is not on a GPU)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_CURRENT = _Current()
+_get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def on_device(t: torch.Tensor):
+    """`torch.cuda.device(t.device)` where t's GPU is not the current one, else a no-op: Triton launches
+    on the current device, and entering torch.cuda.device costs microseconds on a decode step."""
+    if t.device.type != "cuda" or t.device.index is None or t.device.index == _get_device():
+        return _CURRENT
+    return torch.cuda.device(t.device)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import device_index, next_pow2, num_sms, warps_for
+from kernels_triton._config import device_index, next_pow2, num_sms, on_device, warps_for
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def backward(
         raise ValueError("swiglu_ffn backward with norm_weight needs rstd and dnorm_weight")
     dev = device_index(x)
     es = x.element_size()
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullctx():
+    with on_device(x):
         dh = torch.empty((T, F), device=x.device, dtype=x.dtype)
         torch.matmul(dy, w_down, out=dh)  # 1
         h, dg, du = (torch.empty_like(dh) for _ in range(3))
@@ -257,14 +257,6 @@ def backward(
         _col_sum_kernel[(triton.cdiv(D, _COL_BLOCK_D),)](
             part, dnorm_weight, P, D, BLOCK_P=_COL_BLOCK_P, BLOCK_D=_COL_BLOCK_D, num_warps=4
         )
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -166,9 +166,92 @@ def fast_launch(fn):
     return fn
 
 
+# ------------------------------------------------------------------------------------- autotuned kernels
+# `Autotuner.run` builds its key, looks the config up and then calls `JITFunction.run`: the slow path on
+# every call. `@fast_tuned` (on top of `triton.autotune(...)`) lets the autotuner choose once per
+# (arguments' keys, with its key arguments by value) and from then on launches the chosen config through
+# `launch` above. Kept on Triton's path: configs or autotuners with hooks (reset_to_zero, restore_value,
+# pre_hook: they must run around every launch) and a heuristics-wrapped kernel.
+_TUNED: dict[tuple, dict | None] = {}  # key -> the chosen config's kwargs, or None: always Triton's path
+_TUNER_KEYERS: dict[Any, tuple[tuple, dict]] = {}
+_TUNE_LOCK = threading.Lock()
+
+
+def _tuner_keyers(tuner) -> tuple[tuple, dict]:
+    k = _TUNER_KEYERS.get(tuner)
+    if k is None:
+        fn, by_value = tuner.fn, set(tuner.keys)
+        pos = tuple(_arg_key if p.name in by_value else f for p, f in zip(fn.params, _keyers(fn)))
+        k = _TUNER_KEYERS[tuner] = (pos, {p.name: f for p, f in zip(fn.params, pos)})
+    return k
+
+
+def _plain(tuner) -> bool:
+    """The autotuner wraps a plain JITFunction and has no hooks that must run around each launch."""
+    from triton.runtime.jit import JITFunction  # not InterpretedFunction (the CPU interpreter)
+
+    return (
+        isinstance(getattr(tuner, "fn", None), JITFunction)
+        and not getattr(tuner, "reset_to_zero", None)
+        and not getattr(tuner, "restore_value", None)
+        and not getattr(tuner, "user_defined_pre_hook", False)
+        and not getattr(tuner, "user_defined_post_hook", False)
+    )
+
+
+def launch_tuned(tuner, grid, args: tuple, kwargs: dict) -> None:
+    """`tuner[grid](*args, **kwargs)`; the chosen config launched through `launch` once it is known."""
+    pos, named = _tuner_keyers(tuner)
+    key = (
+        tuner,
+        torch.cuda.current_device(),
+        tuple([f(a) for f, a in zip(pos, args)]),
+        tuple([(k, named.get(k, _arg_key)(v)) for k, v in kwargs.items()]),
+    )
+    cfg = _TUNED.get(key, False)
+    if cfg is None:
+        return tuner.run(*args, grid=grid, warmup=False, **kwargs)  # Triton's own path
+    if cfg is False:
+        with _TUNE_LOCK:  # best_config is the autotuner's state: read it right after this thread's run
+            tuner.run(*args, grid=grid, warmup=False, **kwargs)
+            best = getattr(tuner, "best_config", None)
+            names = {p.name for p in tuner.fn.params} | _LEAN_CONFIG
+            ok = best is not None and best.pre_hook is None and all(k in names for k in best.all_kwargs())
+            _TUNED[key] = best.all_kwargs() if ok else None
+        return None
+    kw = {**kwargs, **cfg}
+    if callable(grid):
+        grid = grid({**dict(zip(tuner.arg_names, args)), **kw})
+    launch(tuner.fn, grid, args, kw)
+    return None
+
+
+_LEAN_CONFIG = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})  # options a config may set
+
+
+def fast_tuned(tuner):
+    """Decorator over triton.autotune(...)(jit fn): `tuner[grid](...)` takes `launch_tuned` when ENABLED."""
+    if not _plain(tuner):
+        return tuner  # heuristics, hooks, or the CPU interpreter's function: Triton's path, unchanged
+    base = type(tuner)
+    fast = _FAST_TYPES.get(base)
+    if fast is None:
+
+        def getitem(self, grid):
+            if not ENABLED:
+                return base.__getitem__(self, grid)
+            return lambda *args, **kwargs: launch_tuned(self, grid, args, kwargs)
+
+        fast = _FAST_TYPES[base] = type(f"Fast{base.__name__}", (base,), {"__getitem__": getitem})
+    tuner.__class__ = fast
+    return tuner
+
+
 def clear() -> None:
     """Forget the remembered kernels (tests)."""
     _CACHE.clear()
     _ORDERS.clear()
     _KEYERS.clear()
     _KW_KEYERS.clear()
+    _TUNED.clear()
+    _TUNER_KEYERS.clear()

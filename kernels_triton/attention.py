@@ -46,7 +46,8 @@ import triton
 import triton.language as tl
 
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
-from kernels_triton._config import is_hip, is_interpreter
+from kernels_triton._config import is_hip, is_interpreter, on_device
+from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 from kernels_triton.attention_backward import (
     Tile,
@@ -188,7 +189,7 @@ def _tuned(head_dim: int):
     cfgs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in table]
     # Keyed on power-of-two buckets of the lengths (re-tune per octave, not per length); head_dim, causal
     # and dtype are constexprs / pointer types, which the autotuner keys on by itself.
-    return triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_attn_fwd_kernel)
+    return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_attn_fwd_kernel))
 
 
 _LEGACY = object()  # marks the pre-kv_len call forms (…, causal, scale) of the entry points below
@@ -244,10 +245,7 @@ def forward(
     if qk_scale < 0:  # the kernels fold the scale into the row max, which needs scale >= 0
         q, qk_scale = q.neg(), -qk_scale  # exact: (-q).k * (-scale) == q.k * scale; lse is unchanged
     if _splits is not None or (_config is None and use_decode(q, k)):
-        if q.is_cuda:
-            with torch.cuda.device(q.device):
-                decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale, splits=_splits)
-        else:
+        with on_device(q):
             decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale, splits=_splits)
         return
     ieee = q.dtype == torch.float32
@@ -268,7 +266,7 @@ def forward(
                 num_stages=st,
             )  # fmt: skip
             continue
-        with torch.cuda.device(q.device):
+        with on_device(q):
             _tuned(D)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]), nb * H)](
                 *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee
             )

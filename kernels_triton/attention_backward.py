@@ -57,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import div16_attrs, is_hip, is_interpreter
+from kernels_triton._config import div16_attrs, is_hip, is_interpreter, on_device
+from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 
 _LOG2E = 1.4426950408889634
@@ -344,13 +345,13 @@ def _configs(table: dict[int, list[Tile]], head_dim: int) -> list[triton.Config]
 def _tuned_dkdv(head_dim: int):
     cfgs = _configs(_HIP_DKDV if is_hip() else _CUDA_DKDV, head_dim)
     # Outputs are fully overwritten by every run (no accumulation into dk/dv), so re-runs while tuning are safe.
-    return triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dkdv_kernel)
+    return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dkdv_kernel))
 
 
 @functools.cache
 def _tuned_dq(head_dim: int):
     cfgs = _configs(_HIP_DQ if is_hip() else _CUDA_DQ, head_dim)
-    return triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dq_kernel)
+    return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dq_kernel))
 
 
 def attention_backward(
@@ -408,7 +409,7 @@ def attention_backward(
                 *q_args, **kw, BLOCK_M=bm2, BLOCK_N=bn2, num_warps=w2, num_stages=s2
             )
             continue
-        with torch.cuda.device(q.device):
+        with on_device(q):
             _tuned_dkdv(D)[lambda m, nb=nb: (triton.cdiv(Skv, m["BLOCK_N"]), nb * Hkv)](*kv_args, **kw)
             _tuned_dq(D)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]), nb * H)](*q_args, **kw)
 

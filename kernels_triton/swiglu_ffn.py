@@ -73,9 +73,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import device_index, div16_attrs, is_hip, is_interpreter, next_pow2, num_sms
+from kernels_triton._config import (
+    device_index,
+    div16_attrs,
+    is_hip,
+    is_interpreter,
+    next_pow2,
+    num_sms,
+    on_device,
+)
 from kernels_triton._ffn_backward import aot_specs as _backward_aot_specs
 from kernels_triton._ffn_backward import backward
+from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 
 __all__ = ["aot_specs", "backward", "forward", "swiglu_ffn"]
@@ -505,9 +514,9 @@ def _tuned(kind: str, block_t: int = 0):
     table = (_GEMV_HIP if hip else _GEMV_CUDA)["gate_up" if kind == "gate_up_gemv" else "down"][block_t]
     if kind == "gate_up_gemv":
         cfgs = [triton.Config({"BLOCK_F": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]
-        return triton.autotune(cfgs, key=["T", "D", "F", "HAS_NORM"])(_gate_up_gemv_kernel)
+        return fast_tuned(triton.autotune(cfgs, key=["T", "D", "F", "HAS_NORM"])(_gate_up_gemv_kernel))
     cfgs = [triton.Config({"BLOCK_N": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]
-    return triton.autotune(cfgs, key=["T", "N", "K"])(_gemv_nt_kernel)
+    return fast_tuned(triton.autotune(cfgs, key=["T", "N", "K"])(_gemv_nt_kernel))
 
 
 def _gemv_save_row(block_t: int, elsize: int, hip: bool = False) -> tuple[int, int, int]:
@@ -580,7 +589,7 @@ def forward(
     nw = norm_weight if has_norm else x  # a dummy pointer the kernel never reads
     interp = is_interpreter()
     h = torch.empty((T, F), device=x.device, dtype=x.dtype)
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullctx():
+    with on_device(x):
         if path == "decode":
             _decode(y, rstd, gu, x, w_gate, w_up, w_down, nw, h, eps, T, D, F, has_norm, ieee)
             return
@@ -925,14 +934,6 @@ def _launch_down(cfg, h, w_down, out, T: int, D: int, F: int, ieee: bool) -> Non
         h, w_down, out, T, D, F, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, NUM_SMS=sms,
         FLATTEN=not ws, WARP_SPECIALIZE=ws, SUBTILE=sub, num_warps=w, num_stages=s,
     )  # fmt: skip
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -147,6 +147,38 @@ def test_int_key_separates_what_triton_specializes(v: int) -> None:
         assert same_key == (triton_class(v) == triton_class(w)), (v, w)
 
 
+@pytest.fixture
+def tuned(toy):
+    """The toy kernel under triton.autotune with one config (no benchmarking: chosen without timing)."""
+    fn, log = toy
+    tuner = triton.autotune([triton.Config({"BLOCK": 32}, num_warps=2)], key=["n"])(fn)
+    return _launch.fast_tuned(tuner), log
+
+
+def test_autotuned_kernel_launches_the_chosen_config_lean(tuned, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The autotuner chooses on the first call of a key; from the next call the chosen config goes
+    through the lean path (its constexprs and options bound as keywords); a new value of a key argument
+    (n) goes back to the autotuner, a new value of another int (start) does not."""
+    tuner, log = tuned
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    x, y = torch.zeros(64), torch.zeros(64)
+    grid = lambda m: (64 // m["BLOCK"],)
+    for start in (3, 4, 5):
+        tuner[grid](x, y, 64, start)
+    assert [e[0] for e in log] == ["run", "run", "fast"]
+    assert log[0][3]["BLOCK"] == 32 and log[0][3]["num_warps"] == 2 and log[1][3]["BLOCK"] == 32
+    assert log[-1][1] == (2, 1, 1) and log[-1][2][:4] == (x, y, 64, 5) and log[-1][2][4] == 32
+    tuner[grid](x, y, 48, 6)  # n is the autotuner's key: it chooses again
+    assert [e[0] for e in log][3:] == ["run"]
+
+
+def test_autotuner_with_hooks_keeps_tritons_path(toy) -> None:
+    fn, _ = toy
+    tuner = triton.autotune([triton.Config({"BLOCK": 32})], key=["n"], reset_to_zero=["y_ptr"])(fn)
+    assert _launch.fast_tuned(tuner) is tuner and type(tuner).__name__ == "Autotuner"
+
+
 # --- CUDA: the real kernels --------------------------------------------------------------------------
 def _ops_cases(dev: str):
     from fusekit import ops
@@ -161,6 +193,8 @@ def _ops_cases(dev: str):
     x, w, b, res = r(4, 4096), r(4096), r(4096), r(4, 4096)
     q, kc, vc = r(2, 32, 1, 128), r(2, 8, 1000, 128), r(2, 8, 1000, 128)
     kv_len = torch.tensor([999, 517], device=dev, dtype=torch.int32)
+    x1, wg, wu, wd = r(1, 512), r(1024, 512) * 0.05, r(1024, 512) * 0.05, r(512, 1024) * 0.05
+    qp, kp, vp = r(1, 4, 256, 64), r(1, 2, 256, 64), r(1, 2, 256, 64)
     return [
         ("rms_norm", lambda: ops.rms_norm(x, w, backend="triton")),
         ("rms_norm misaligned", lambda: ops.rms_norm(x_mis, w, backend="triton")),
@@ -168,6 +202,8 @@ def _ops_cases(dev: str):
         ("layer_norm", lambda: ops.layer_norm(x, w, b, backend="triton")),
         ("rope", lambda: [ops.rope(q.transpose(1, 2), start_pos=p, backend="triton") for p in (5, 6, 2047)]),
         ("attention decode", lambda: ops.attention(q, kc, vc, kv_len=kv_len, backend="triton")),
+        ("swiglu_ffn decode (autotuned GEMVs)", lambda: ops.swiglu_ffn(x1, wg, wu, wd, backend="triton")),
+        ("attention prefill (autotuned)", lambda: ops.attention(qp, kp, vp, causal=True, backend="triton")),
         (  # a cache grown by one key per step (HF DynamicCache): new Skv and strides, same kernel
             "attention decode grown",
             lambda: [
