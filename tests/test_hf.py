@@ -552,3 +552,22 @@ def test_unsupported_model_type_and_runtime_dropout():
     model.train()
     with pytest.raises(ValueError, match="dropout"):
         model(ids(seq=5))
+
+
+def test_rotary_tables_converted_once_per_forward_and_guarded():
+    """The patched attention converts HF's [B, S, D] tables to fp32 [B, S, D/2] once per model forward
+    (every layer gets the same tuple); a new tuple or an in-place change of the same one converts again."""
+    from fusekit.hf import _patch
+
+    g = torch.Generator().manual_seed(0)
+    cos, sin = (torch.randn(1, 5, 8, generator=g).to(torch.bfloat16) for _ in range(2))
+    pe = (cos, sin)
+    c1, s1 = _patch._half_tables(pe, 4)
+    c2, s2 = _patch._half_tables(pe, 4)
+    assert c1 is c2 and s1 is s2
+    assert c1.dtype == torch.float32 and c1.is_contiguous() and torch.equal(c1, cos[..., :4].float())
+    cos.mul_(2)  # in place: the version counter moves
+    c3, _ = _patch._half_tables(pe, 4)
+    assert c3 is not c1 and torch.equal(c3, cos[..., :4].float())
+    c4, _ = _patch._half_tables((cos.clone(), sin), 4)  # another forward's tuple
+    assert c4 is not c3 and torch.equal(c4, c3)

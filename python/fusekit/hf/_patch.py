@@ -58,6 +58,26 @@ def _family_classes(family: str) -> dict[str, type]:
 
 
 # --- class swaps -------------------------------------------------------------------------------------
+_TABLES: tuple = (None, -1, -1, None)  # (position_embeddings, cos._version, sin._version, (cos, sin))
+
+
+def _half_tables(position_embeddings: tuple, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's (cos, sin) [B, S, D] in the model dtype as fp32 contiguous [B, S, D/2] (its tables repeat
+    each angle in both halves; bf16 -> fp32 is exact). The model passes one tuple to every layer of a
+    forward: it is converted once, by the first layer, not by each layer's ops.rope (four small kernels
+    per layer and token in a decode step). The one cached entry is the last tuple seen, unchanged
+    (its tensors' version counters guard against an in-place update)."""
+    cos, sin = position_embeddings
+    if torch.compiler.is_compiling():  # traced: the conversions fuse into the graph
+        return cos[..., :half].float().contiguous(), sin[..., :half].float().contiguous()
+    last = _TABLES
+    if last[0] is position_embeddings and last[1] == cos._version and last[2] == sin._version:
+        return last[3]
+    tabs = (cos[..., :half].float().contiguous(), sin[..., :half].float().contiguous())
+    globals()["_TABLES"] = (position_embeddings, cos._version, sin._version, tabs)
+    return tabs
+
+
 class _AttentionMixin:
     """HF's Llama/Mistral/Qwen2 attention forward (transformers 5) with fusekit's rope."""
 
@@ -75,9 +95,7 @@ class _AttentionMixin:
         q = self.q_proj(hidden_states).view(hidden_shape)
         k = self.k_proj(hidden_states).view(hidden_shape)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        half = self.head_dim // 2
-        cos, sin = cos[..., :half], sin[..., :half]  # HF's tables repeat the angles in both halves
+        cos, sin = _half_tables(position_embeddings, self.head_dim // 2)
         q = apply_rope(q, cos, sin, backend=backend).transpose(1, 2)
         k = apply_rope(k, cos, sin, backend=backend).transpose(1, 2)
         if past_key_values is not None:
