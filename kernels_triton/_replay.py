@@ -136,8 +136,17 @@ def _generate(
         lines.append("        return False")
     lines += calls
     lines.append("    return True")
-    exec(compile("\n".join(lines), "<fusekit launch replay>", "exec"), ns)  # our own generated source
+    src = "\n".join(lines)
+    code = _CODE.get(src)
+    if code is None:  # the source names constants, not their values: one compile per call structure
+        if len(_CODE) >= 256:
+            _CODE.clear()
+        code = _CODE[src] = compile(src, "<fusekit launch replay>", "exec")
+    exec(code, ns)  # our own generated source
     return ns["replay"]
+
+
+_CODE: dict[str, Any] = {}  # replay source -> its compiled code (a grown KV cache re-records per length)
 
 
 def record(call: Callable[[], None], outs: tuple, ins: tuple) -> Callable[[tuple, tuple], bool] | None:
