@@ -74,27 +74,27 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + span * t.element_size()
 
 
-def _slot(a: Any, bases: list[tuple[str, int, torch.Tensor]]) -> tuple | None:
+def _slot(a: Any, bases: list[tuple[str, int, torch.Tensor, int, int]]) -> tuple | None:
     """How argument `a` is rebuilt: ("c", value) a constant, (kind, index, byte offset) a pointer into an
-    output ("o"), input ("i") or workspace ("t"); None if a tensor matches no base or more than one."""
+    output ("o"), input ("i") or workspace ("t"); None if a tensor matches no base or more than one.
+    `bases`: (kind, index, tensor, first byte, one past the last byte), extents computed once."""
     if not isinstance(a, torch.Tensor):
         # a plain value is a constant of the signature; anything else (a host-side tensor descriptor,
         # an object with data_ptr) may hold a pointer of this call: never replayed as recorded
         return ("c", a) if type(a) in _CONSTANTS else None
-    for kind, i, b in bases:  # the very tensor object: unambiguous even when inputs alias
+    for kind, i, b, _, _ in bases:  # the very tensor object: unambiguous even when inputs alias
         if a is b:
             return (kind, i, 0)
     p = a.data_ptr()
     hits = []
-    for kind, i, b in bases:
-        lo, hi = _extent(b)
+    for kind, i, _, lo, hi in bases:
         if lo <= p < hi or p == lo:
             hits.append((kind, i, p - lo))
     return hits[0] if len(hits) == 1 else None
 
 
 def _generate(
-    launches: list[tuple[Callable, list]], bases: list[tuple[str, int, torch.Tensor]]
+    launches: list[tuple[Callable, list]], bases: list[tuple[str, int, torch.Tensor, int, int]]
 ) -> Callable | None:
     """Source of `replay(o, i)` for the recorded launches, compiled with exec."""
     ns: dict[str, Any] = {"_empty": torch.empty, "_u8": torch.uint8}
@@ -122,7 +122,7 @@ def _generate(
                 checks.append(f"(({expr}) & 15 == 0) is {bool(a.data_ptr() & 15 == 0)}")
             parts.append(expr)
         calls.append(f"    r{k}({', '.join(parts)})")
-    temps = {i: t for kind, i, t in bases if kind == "t"}
+    temps = {i: t for kind, i, t, _, _ in bases if kind == "t"}
     for (kind, idx), name in ptrs.items():
         if kind == "t":
             t = temps[idx]
@@ -193,7 +193,7 @@ def record(call: Callable[[], None], outs: tuple, ins: tuple) -> Callable[[tuple
         bases = [("o", i, t) for i, t in enumerate(outs) if t is not None]
         bases += [("i", i, t) for i, t in enumerate(ins) if isinstance(t, torch.Tensor)]
         bases += [("t", i, t) for i, t in enumerate(watch.temps)]
-        replay = _generate(rec, bases)
+        replay = _generate(rec, [(kind, i, t, *_extent(t)) for kind, i, t in bases])
         last_refusal = (
             None if replay is not None else "a tensor argument that is no output, input or workspace"
         )
