@@ -171,8 +171,8 @@ def test_decode_with_a_growing_kv_cache_is_remembered_once(
 ) -> None:
     """A decode step whose KV cache grew by one key (HF DynamicCache: torch.cat; or a preallocated cache
     read as a view) is the same call but Skv: validated and planned once, then every length runs through
-    one remembered runner whose replays are kept per exact k/v layout (a replay bakes the recorded Skv
-    in); results equal a fresh checked call at every length."""
+    one remembered runner that never replays (a replay would bake the recorded Skv in); results equal a
+    fresh checked call at every length."""
     dispatch.clear_cache()
     library.clear_plans()
     checked: list[int] = []
@@ -190,47 +190,13 @@ def test_decode_with_a_growing_kv_cache_is_remembered_once(
             outs.append((n, k, v, ops.attention(q, k, v, causal=True, backend="torch")))
         assert len(checked) == 1 and len(ATT._MEMO) == 2  # the first call's exact entry + the grown one
         grown = next(r for key, r in ATT._MEMO.items() if key[0] == "grown")
-        assert (
-            isinstance(grown.plan.replay, library._SizedReplays) and grown.plan.calls > library._RECORD_TRIES
-        )
+        assert grown.plan.replay is None and grown.plan.calls > library._RECORD_TRIES
         for n, k, v, o in outs:  # each length again, each a fresh checked call
             library.clear_plans()
             ref = ATT.SPEC.reference["forward"](q, k.contiguous(), v.contiguous(), None, True, 0.25)[0]
             assert torch.equal(o, ops.attention(q, k, v, causal=True, backend="torch")), n
             assert torch.allclose(o, ref, rtol=1e-5, atol=1e-6), n
     assert len(checked) == 1 + len(outs)
-
-
-def test_sized_replays_record_once_per_layout_and_replay_only_that_layout() -> None:
-    """_SizedReplays: the first call of a layout runs while recording, the next calls of the same layout
-    replay that recording, another layout records its own; an unrecordable layout is tried twice, then
-    left to the provider (False); the kept layouts are bounded."""
-    log: list[tuple] = []
-
-    class Provider:
-        def record(self, spec, phase, outs, inputs, scalars):
-            n = inputs[1].shape[2]
-            log.append(("record", n))
-            if n == 7:
-                return None  # unrecordable
-            return lambda o, i, n=n: (log.append(("replay", n, i[1].shape[2])), True)[1]
-
-    plan = type("P", (), {"provider": Provider(), "kscalars": ()})()
-    sized = library._SizedReplays(ATT.SPEC, "forward", plan)
-    q = torch.zeros(1, 2, 1, 8)
-
-    def call(n: int) -> bool:
-        kv = torch.zeros(1, 1, n, 8)
-        return sized((None,), (q, kv, kv, None))
-
-    assert call(5) and call(5) and call(5) and call(6) and call(6)
-    assert log == [("record", 5), ("replay", 5, 5), ("replay", 5, 5), ("record", 6), ("replay", 6, 6)]
-    log.clear()
-    assert call(7) and call(7) and not call(7) and not call(7)  # two recording tries, then the provider
-    assert log == [("record", 7), ("record", 7)]
-    for n in range(20, 40):
-        call(n)
-    assert len(sized.entries) <= library._SizedReplays._KEEP
 
 
 def test_grown_kv_key_keeps_the_checks_that_read_skv() -> None:

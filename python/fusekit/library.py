@@ -265,44 +265,16 @@ class Runner:
     def __call__(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
         return _execute(self.spec, FORWARD, self.plan, inputs)
 
-    def sized(self) -> Runner:
+    def unreplayed(self) -> Runner:
         """This runner for calls that differ from its signature only in sizes its plan does not depend
-        on (attention's Skv in a decode step: the outputs, the provider and the copies are the same). A
-        replay re-issues its recording's sizes and strides as constants, so a copy of the plan keeps
-        one replay per exact input layout (`_SizedReplays`): a decode step's first layer records the
-        call with the grown Skv, the other layers replay it."""
+        on (attention's Skv in a decode step: the outputs, the provider and the copies are the same):
+        a copy of the plan that never records or replays launches, since a replay re-issues the
+        recorded call's sizes and strides as constants. Each call goes through the provider."""
         plan = object.__new__(_Plan)
         for slot in _Plan.__slots__:
             setattr(plan, slot, getattr(self.plan, slot))
-        plan.replay, plan.calls = _SizedReplays(self.spec, FORWARD, plan), _RECORD_TRIES + 1
+        plan.replay, plan.calls = None, _RECORD_TRIES + 1
         return Runner(self.spec, plan)
-
-
-class _SizedReplays:
-    """A plan's replays keyed by the inputs' exact shapes and strides (the last few layouts): the first
-    call with a layout runs while recording (as a plan's 2nd call does), later ones replay; a layout
-    whose call cannot be recorded runs through the provider (after two tries)."""
-
-    __slots__ = ("entries", "phase", "plan", "spec")
-    _KEEP = 8  # layouts kept: a decode loop needs the current one
-
-    def __init__(self, spec: OpSpec, phase: str, plan: _Plan) -> None:
-        self.spec, self.phase, self.plan, self.entries = spec, phase, plan, {}
-
-    def __call__(self, outs: tuple, inputs: tuple) -> bool:
-        key = tuple([None if t is None else (t.shape, t.stride()) for t in inputs])
-        hit = self.entries.get(key)
-        if callable(hit):
-            return hit(outs, inputs)
-        tries = hit or 0
-        if tries >= 2:
-            return False  # unrecordable layout: the provider runs it
-        if len(self.entries) >= self._KEEP:
-            self.entries.clear()
-        plan = self.plan
-        replay = plan.provider.record(self.spec, self.phase, outs, inputs, plan.kscalars)  # runs the call
-        self.entries[key] = replay if replay is not None else tries + 1
-        return True
 
 
 def apply_memo(
