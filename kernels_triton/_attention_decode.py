@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms
-from kernels_triton._launch import fast_launch
+from kernels_triton._launch import fast_launch, launch_keyed
 from kernels_triton._tiles import dot
 
 DECODE_MAX_S = 16  # queries per sequence up to which attention.forward picks this path
@@ -248,24 +248,41 @@ def combine_block(head_dim: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ launch
-_PLANS: dict[tuple, tuple[int, ...]] = {}
+class _Plan:
+    """What a decode problem's launches need apart from the KV length (FlashInfer's plan/run split): tiles,
+    row blocks, warps, and the split count per KV length (a growing cache has a new length every token)."""
+
+    __slots__ = ("block_m", "block_n", "es", "forced", "groups", "key", "row_blocks", "rows", "sms", "splits",
+                 "stages", "warps")  # fmt: skip
+
+    def __init__(self, B: int, H: int, S: int, D: int, Hkv: int, q: torch.Tensor, splits: int | None) -> None:
+        rows = (H // Hkv) * S
+        self.block_m = decode_block_m(rows, D)
+        self.block_n, self.stages = decode_tile(D)
+        self.row_blocks = triton.cdiv(rows, self.block_m)
+        self.groups = B * Hkv * self.row_blocks
+        self.rows = triton.cdiv(rows, self.row_blocks)  # query rows per program
+        self.es = q.element_size()
+        self.sms = num_sms(device_index(q))
+        self.forced = None if splits is None else max(1, int(splits))
+        self.warps = 1 if is_interpreter() else decode_warps(self.block_m, self.block_n, D)
+        self.splits: dict[int, int] = {}
+        self.key = (B, H, S, D, Hkv, q.dtype, q.device)
+
+    def n_splits(self, skv: int, head_dim: int) -> int:
+        n = self.splits.get(skv)
+        if n is None:
+            n = self.forced or decode_splits(
+                self.groups, self.rows, skv, head_dim, self.es, self.block_n, self.sms
+            )
+            if len(self.splits) >= 4096:
+                self.splits.clear()
+            self.splits[skv] = n
+        return n
 
 
-def _plan(
-    B: int, H: int, S: int, D: int, Hkv: int, Skv: int, q: torch.Tensor, splits: int | None
-) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, stages, row blocks, groups, splits, warps) of a decode problem."""
-    rows = (H // Hkv) * S
-    block_m = decode_block_m(rows, D)
-    block_n, stages = decode_tile(D)
-    row_blocks = triton.cdiv(rows, block_m)
-    groups = B * Hkv * row_blocks
-    if splits is None:
-        per_prog = triton.cdiv(rows, row_blocks)
-        splits = decode_splits(groups, per_prog, Skv, D, q.element_size(), block_n, num_sms(device_index(q)))
-    splits = max(1, int(splits))
-    warps = 1 if is_interpreter() else decode_warps(block_m, block_n, D)
-    return block_m, block_n, stages, row_blocks, groups, splits, warps
+_PLANS: dict[tuple, _Plan] = {}
+_I32 = 2**31
 
 
 def decode_forward(
@@ -281,38 +298,56 @@ def decode_forward(
     splits: int | None = None,
 ) -> None:
     """Writes o, lse (shapes checked by attention.forward; qk_scale = scale·log2(e) >= 0). `splits` forces the
-    split count (tests, benchmarks); None picks it (`decode_splits`)."""
+    split count (tests, benchmarks); None picks it (`decode_splits`).
+
+    Host path: the plan is found by the problem without its KV length, and the launches are remembered by a
+    key of what Triton specializes on (`_launch.launch_keyed`): the KV length's and strides' classes, not
+    their values, so a cache that grows every token costs no plan, no split search after the first time at
+    that length, and no per-argument keying."""
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    plan_key = (q.shape, Skv, Hkv, q.dtype, q.device, splits)
+    plan_key = (q.shape, Hkv, q.dtype, q.device, splits)
     plan = _PLANS.get(plan_key)
-    if plan is None:  # decided once per problem (FlashInfer's plan/run split); each call only launches
-        plan = _plan(B, H, S, D, Hkv, Skv, q, splits)
+    if plan is None:
+        plan = _Plan(B, H, S, D, Hkv, q, splits)
         if len(_PLANS) >= 1024:
             _PLANS.clear()
         _PLANS[plan_key] = plan
-    block_m, block_n, stages, row_blocks, groups, splits, warps = plan
-    direct = splits == 1
+    n_splits = plan.n_splits(Skv, D)
+    direct = n_splits == 1
     if direct:
         po = plse = lse  # not touched (direct stores); any fp32 pointer will do
     else:
-        n = B * H * S * splits  # partial rows; o and lse partials share one allocation
+        n = B * H * S * n_splits  # partial rows; o and lse partials share one allocation
         part = torch.empty(n * (D + 1), dtype=torch.float32, device=q.device)
-        po = part[: n * D].view(B * H * S, splits, D)
-        plse = part[n * D :].view(B * H * S, splits)
+        po = part[: n * D].view(B * H * S, n_splits, D)
+        plse = part[n * D :].view(B * H * S, n_splits)
     has_kv_len = kv_len is not None
     kl = kv_len if has_kv_len else lse.view(torch.int32)  # never read without kv_len
     ieee = q.dtype == torch.float32
-    _decode_split_kernel[(groups, splits)](
-        q, k, v, o, lse, po, plse, kl, H, Hkv, S, Skv, qk_scale,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        int(has_kv_len), int(bool(causal)), splits, row_blocks, int(direct),
-        HEAD_DIM=D, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+    ks, vs = k.stride(), v.stride()
+    # The launches' key: every pointer 16-byte aligned and every stride a multiple of 16 within int32 (the
+    # usual case: anything else takes the per-argument key), the KV length's class; the rest is the plan's.
+    bits = ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]
+    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | lse.data_ptr() | po.data_ptr()
+    ptrs |= plse.data_ptr() | kl.data_ptr()
+    key = None
+    if not (bits & 15 or ptrs & 15) and bits < _I32 and Skv < _I32:
+        key = (plan.key, k.dtype, v.dtype, o.dtype, causal, has_kv_len, Skv == 1, Skv & 15 == 0, n_splits)
+    grid = (plan.groups, n_splits)
+    launch_keyed(
+        _decode_split_kernel, None if key is None else ("split", *key), grid,
+        (q, k, v, o, lse, po, plse, kl, H, Hkv, S, Skv, qk_scale, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+         int(has_kv_len), int(bool(causal)), n_splits, plan.row_blocks, int(direct)),
+        {"HEAD_DIM": D, "IEEE": ieee, "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n,
+         "num_warps": plan.warps, "num_stages": plan.stages},
     )  # fmt: skip
     if not direct:
-        _decode_combine_kernel[(B * H * S,)](
-            po, plse, o, lse, splits, HEAD_DIM=D, BLOCK_SP=combine_block(D),
-            num_warps=1 if is_interpreter() else 4, num_stages=1,
+        launch_keyed(
+            _decode_combine_kernel, None if key is None else ("combine", *key), (B * H * S,),
+            (po, plse, o, lse, n_splits),
+            {"HEAD_DIM": D, "BLOCK_SP": combine_block(D), "num_warps": 1 if is_interpreter() else 4,
+             "num_stages": 1},
         )  # fmt: skip
 
 

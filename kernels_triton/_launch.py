@@ -34,6 +34,7 @@ _MAX_ENTRIES = 4096  # (kernel, grid, args key) entries; a model needs a few doz
 _CACHE: dict[tuple, tuple[Callable[..., None], tuple]] = {}
 _ORDERS: dict[tuple, tuple] = {}  # (kernel, positional count, kwarg names) -> binding order
 _FAST_TYPES: dict[type, type] = {}
+_FAST_SET: set[type] = set()  # the classes fast_launch gives jit functions
 
 
 class _Recording(threading.local):
@@ -107,8 +108,9 @@ def _bound(order: tuple, args: tuple, kwargs: dict) -> list:
     return [args[s] if k == "a" else kwargs[s] if k == "k" else s for k, s in order]
 
 
-def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
-    """`fn[grid](*args, **kwargs)`, through the remembered compiled kernel where one matches."""
+def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
+    """`fn[grid](*args, **kwargs)`, through the remembered compiled kernel where one matches. Returns the
+    remembered (runner, binding order), None where the launch could not be remembered."""
     keyers = _keyers(fn)
     kw_keyers = _KW_KEYERS[fn]
     key = (
@@ -126,7 +128,7 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         rec = RECORDING.launches
         if rec is not None:  # kernels_triton._replay is watching this thread's call
             rec.append((runner, bound))
-        return None
+        return hit
     kernel = fn.run(*args, grid=grid, warmup=False, **kwargs)  # the normal path: compiles, launches
     if kernel is None or not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
         return None
@@ -140,7 +142,39 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     if len(_CACHE) >= _MAX_ENTRIES:
         _CACHE.clear()
     g3 = (*grid, 1, 1)[:3]
-    _CACHE[key] = (kernel[g3], order)
+    hit = _CACHE[key] = (kernel[g3], order)
+    return hit
+
+
+_KEYED: dict[tuple, tuple[Callable[..., None], tuple]] = {}
+
+
+def launch_keyed(fn, key: tuple | None, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """`fn[grid](*args, **kwargs)` for a `@fast_launch` kernel, remembered under the caller's `key` instead of
+    one computed from every argument (`launch` spends ~25 Python calls a launch on it).
+
+    For launchers that know which of their arguments change between calls and how Triton specializes those:
+    decode attention, whose KV length and strides grow every token. `key` must determine the kernel, the
+    grid, the device and every specialization Triton makes on the arguments (dtypes, 16-byte pointer
+    alignment, each int's class: == 1, divisible by 16, 32/64-bit range; the constexprs and options). None
+    (a call the caller cannot summarize): `fn[grid](...)` as usual."""
+    if key is not None and ENABLED and type(fn) in _FAST_SET:
+        hit = _KEYED.get(key)
+        if hit is None:
+            hit = launch(fn, grid, args, kwargs)
+            if hit is not None:
+                if len(_KEYED) >= _MAX_ENTRIES:
+                    _KEYED.clear()
+                _KEYED[key] = hit
+            return None
+        runner, order = hit
+        bound = _bound(order, args, kwargs)
+        runner(*bound)
+        rec = RECORDING.launches
+        if rec is not None:
+            rec.append((runner, bound))
+        return None
+    fn[grid](*args, **kwargs)
     return None
 
 
@@ -162,6 +196,7 @@ def fast_launch(fn):
             return lambda *args, **kwargs: launch(self, grid, args, kwargs)
 
         fast = _FAST_TYPES[base] = type(f"Fast{base.__name__}", (base,), {"__getitem__": getitem})
+        _FAST_SET.add(fast)
     fn.__class__ = fast
     return fn
 
@@ -250,6 +285,7 @@ def fast_tuned(tuner):
 def clear() -> None:
     """Forget the remembered kernels (tests)."""
     _CACHE.clear()
+    _KEYED.clear()
     _ORDERS.clear()
     _KEYERS.clear()
     _KW_KEYERS.clear()

@@ -195,6 +195,9 @@ def _ops_cases(dev: str):
     kv_len = torch.tensor([999, 517], device=dev, dtype=torch.int32)
     x1, wg, wu, wd = r(1, 512), r(1024, 512) * 0.05, r(1024, 512) * 0.05, r(512, 1024) * 0.05
     qp, kp, vp = r(1, 4, 256, 64), r(1, 2, 256, 64), r(1, 2, 256, 64)
+    q4 = r(2, 32, 4, 128)
+    flat = r(2 * 8 * 1000 * 128 + 1)  # k/v views one element off 16-byte alignment
+    km, vm = flat[1:].view(2, 8, 1000, 128), flat[:-1].view(2, 8, 1000, 128)
     return [
         ("rms_norm", lambda: ops.rms_norm(x, w, backend="triton")),
         ("rms_norm misaligned", lambda: ops.rms_norm(x_mis, w, backend="triton")),
@@ -208,8 +211,20 @@ def _ops_cases(dev: str):
             "attention decode grown",
             lambda: [
                 ops.attention(q, kc[:, :, :n].contiguous(), vc[:, :, :n].contiguous(), backend="triton")
-                for n in (997, 998, 999, 1000)
+                for n in (997, 998, 999, 1000, 1008, 1009, 16, 17, 1)
             ],
+        ),
+        (  # the same through _attention_decode's keyed launches: views of the cache (strides fixed), kv_len,
+            # causal with S > 1, a KV length that changes the split count, and misaligned k/v (generic key)
+            "attention decode grown views",
+            lambda: (
+                [
+                    ops.attention(q4, kc[:, :, :n], vc[:, :, :n], causal=c, kv_len=kl, backend="triton")
+                    for n in (15, 16, 17, 64, 999, 1000)
+                    for c, kl in ((False, None), (True, None), (True, kv_len.clamp(max=n)))
+                ]
+                + [ops.attention(q, km[:, :, :n], vm[:, :, :n], backend="triton") for n in (500, 512)]
+            ),
         ),
     ]
 
@@ -236,3 +251,4 @@ def test_cuda_results_equal_tritons_launch(device: str, monkeypatch: pytest.Monk
                 assert torch.equal(g_, w_), f"{name}: lean launch changed the result"
     torch.cuda.synchronize()
     assert _launch._CACHE, "the lean path was never taken"
+    assert _launch._KEYED, "decode attention's keyed launches were never taken"
