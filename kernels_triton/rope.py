@@ -1,14 +1,13 @@
 """Rotary position embedding on x[B, S, H, D] (HF halves or interleaved pairs), fp32 math, one cast.
 
-Entry points (CONTRACT.md): `forward(y, x, cos, sin, positions, start_pos, theta, interleaved)` rotates by
-the angle, `backward(dx, dy, cos, sin, positions, start_pos, theta, interleaved)` by its negative (a
-rotation's transpose is its inverse: (a, b) -> (a c + b s, b c - a s)). Both launch the same kernels; the
-direction is a runtime fp32 `sign` that multiplies the [D/2] sine vector once per program, so backward adds
-no compiled variant. (The pre-positions forms forward(y, x, cos, sin, start_pos, theta, interleaved) /
-backward(...) still work.)
+Entry points (CONTRACT.md): `forward(y, yk, x, cos, sin, positions, k, start_pos, theta, interleaved)` rotates
+x (and k, when given: HF's apply_rotary_pos_emb(q, k, ...) in one launch) by the angle, `backward(dx, dk, dy,
+cos, sin, positions, dyk, start_pos, theta, interleaved)` by its negative (a rotation's transpose is its
+inverse: (a, b) -> (a c + b s, b c - a s)). Both launch the same kernels; the direction is a runtime fp32
+`sign` that multiplies the [D/2] sine vector once per program, so backward adds no compiled variant.
 
-Byte floor (forward and backward alike): read x once, write out once (tables, when given, are S x D/2 fp32:
-small and L2-resident). 16 x 4096 x 32 x 128 bf16 = 2 x 537 MB -> 0.25 ms at ~4.3 TB/s.
+Byte floor (forward and backward alike): read x (and k) once, write out once (tables, when given, are
+S x D/2 fp32: small and L2-resident). 16 x 4096 x 32 x 128 bf16 = 2 x 537 MB -> 0.25 ms at ~4.3 TB/s.
 
 Positions: start_pos is widened to int64 before s is added (start_pos = 2^31 - 4 with S > 4 would wrap an
 int32 and flip the sine's sign) and is not specialized (no recompile per value); validation keeps
@@ -48,12 +47,48 @@ def _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position):
     return pos
 
 
-# One binary for every start_pos / positions / table length (no ==1 / %16 variants of these ints).
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, pid_bs, hb, NH, c, s,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, HALVES_AS_PAIRS: tl.constexpr,
+):  # fmt: skip
+    """Heads hb*BLOCK_H.. of token pid_bs of a [B*S, NH, D] tensor: pair (a, b) -> (a c - b s, b c + a s)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = (h < NH)[:, None]
+    base = pid_bs.to(tl.int64) * NH * HEAD_DIM
+    if INTERLEAVED or HALVES_AS_PAIRS:
+        # One contiguous [BLOCK_H, D] tile (16-byte vector loads); pairs are separated in registers.
+        d = tl.arange(0, HEAD_DIM)
+        offs = base + h[:, None] * HEAD_DIM + d[None, :]
+        x = tl.load(x_ptr + offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if INTERLEAVED:
+            a, b = tl.split(tl.reshape(x, (BLOCK_H, HALF, 2)))
+        else:
+            a, b = tl.split(tl.permute(tl.reshape(x, (BLOCK_H, 2, HALF)), (0, 2, 1)))
+        y = tl.join(a * c - b * s, b * c + a * s)
+        if not INTERLEAVED:
+            y = tl.permute(y, (0, 2, 1))
+        tl.store(out_ptr + offs, tl.reshape(y, (BLOCK_H, HEAD_DIM)).to(out_ptr.dtype.element_ty), mask=hmask)
+    else:
+        # HF halves as two [BLOCK_H, D/2] half-row tiles.
+        i = tl.arange(0, HALF)
+        offs = base + h[:, None] * HEAD_DIM + i[None, :]
+        a = tl.load(x_ptr + offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        b = tl.load(x_ptr + offs + HALF, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        tl.store(out_ptr + offs, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.store(out_ptr + offs + HALF, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+# One binary for every start_pos / positions / table length (no ==1 / %16 variants of these ints), and for
+# calls with and without k (its head count and the number of x's head blocks are not specialized either).
+# Grid: (B*S tokens, x's head blocks then k's): a program rotates one token's heads of x or of k with the
+# cos/sin vector it computed; each branch has its own pointers, so loads keep their 16-byte alignment.
 @fast_launch
-@triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position"])
+@triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position", "HK", "q_blocks"])
 def _rope_kernel(
-    x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, start_pos, has_positions, max_position,
-    inv_freq_log2_step, sign,
+    x_ptr, out_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, HK, q_blocks, start_pos, has_positions,
+    max_position, inv_freq_log2_step, sign,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr, INTERLEAVED: tl.constexpr,
     HALVES_AS_PAIRS: tl.constexpr,
 ):  # fmt: skip
@@ -72,42 +107,44 @@ def _rope_kernel(
         s = tl.sin(ang)
     c = c[None, :]
     s = (s * sign)[None, :]  # sign -1: backward (rotation by the negative angle)
-    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = (h < H)[:, None]
-    base = pid_bs.to(tl.int64) * H * HEAD_DIM
-    if INTERLEAVED or HALVES_AS_PAIRS:
-        # One contiguous [BLOCK_H, D] tile (16-byte vector loads); pairs are separated in registers.
-        d = tl.arange(0, HEAD_DIM)
-        offs = base + h[:, None] * HEAD_DIM + d[None, :]
-        x = tl.load(x_ptr + offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        if INTERLEAVED:
-            a, b = tl.split(tl.reshape(x, (BLOCK_H, HALF, 2)))
-        else:
-            a, b = tl.split(tl.permute(tl.reshape(x, (BLOCK_H, 2, HALF)), (0, 2, 1)))
-        y = tl.join(a * c - b * s, b * c + a * s)
-        if not INTERLEAVED:
-            y = tl.permute(y, (0, 2, 1))
-        tl.store(out_ptr + offs, tl.reshape(y, (BLOCK_H, HEAD_DIM)).to(out_ptr.dtype.element_ty), mask=hmask)
+    if pid_h < q_blocks:
+        _rotate_heads(x_ptr, out_ptr, pid_bs, pid_h, H, c, s, HEAD_DIM, BLOCK_H, INTERLEAVED, HALVES_AS_PAIRS)
     else:
-        # HF halves as two [BLOCK_H, D/2] half-row tiles.
-        offs = base + h[:, None] * HEAD_DIM + i[None, :]
-        a = tl.load(x_ptr + offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        b = tl.load(x_ptr + offs + HALF, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        tl.store(out_ptr + offs, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=hmask)
-        tl.store(out_ptr + offs + HALF, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=hmask)
+        _rotate_heads(k_ptr, ko_ptr, pid_bs, pid_h - q_blocks, HK, c, s, HEAD_DIM, BLOCK_H, INTERLEAVED,
+                      HALVES_AS_PAIRS)  # fmt: skip
+
+
+@triton.jit
+def _rotate_any_d(
+    x_ptr, out_ptr, pid_bs, hb, NH, c, s, i, imask,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    HALF: tl.constexpr = HEAD_DIM // 2
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (h < NH)[:, None] & imask[None, :]
+    row = pid_bs.to(tl.int64) * NH * HEAD_DIM + h[:, None] * HEAD_DIM
+    if INTERLEAVED:
+        ia, ib = row + 2 * i[None, :], row + 2 * i[None, :] + 1
+    else:
+        ia, ib = row + i[None, :], row + i[None, :] + HALF
+    a = tl.load(x_ptr + ia, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + ib, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + ia, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + ib, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position"])
+@triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position", "HK", "q_blocks"])
 def _rope_any_d_kernel(
-    x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, start_pos, has_positions, max_position,
-    inv_freq_log2_step, sign,
+    x_ptr, out_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, HK, q_blocks, start_pos, has_positions,
+    max_position, inv_freq_log2_step, sign,
     HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """Head dims that are not a power of two (e.g. 96): pairs are gathered with masked index vectors."""
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_bs = tl.program_id(0)
+    pid_h = tl.program_id(1)
     pos = _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position)
     i = tl.arange(0, BLOCK_HALF)
     imask = i < HALF
@@ -120,17 +157,12 @@ def _rope_any_d_kernel(
         s = tl.sin(ang)
     c = c[None, :]
     s = (s * sign)[None, :]  # sign -1: backward (rotation by the negative angle)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (h < H)[:, None] & imask[None, :]
-    row = pid_bs.to(tl.int64) * H * HEAD_DIM + h[:, None] * HEAD_DIM
-    if INTERLEAVED:
-        ia, ib = row + 2 * i[None, :], row + 2 * i[None, :] + 1
+    if pid_h < q_blocks:
+        _rotate_any_d(x_ptr, out_ptr, pid_bs, pid_h, H, c, s, i, imask, HEAD_DIM, BLOCK_H, INTERLEAVED)
     else:
-        ia, ib = row + i[None, :], row + i[None, :] + HALF
-    a = tl.load(x_ptr + ia, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + ib, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + ia, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + ib, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=mask)
+        _rotate_any_d(
+            k_ptr, ko_ptr, pid_bs, pid_h - q_blocks, HK, c, s, i, imask, HEAD_DIM, BLOCK_H, INTERLEAVED
+        )
 
 
 # A program moves BLOCK_H x D elements: up to 32 heads (8 KB of bf16 at D = 128) is enough per program at
@@ -150,7 +182,9 @@ def _tile(H: int, D: int, elsize: int, dev: int) -> tuple[int, int]:
 
 def _launch(
     out: torch.Tensor,
+    k_out: torch.Tensor | None,
     x: torch.Tensor,
+    k: torch.Tensor | None,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     positions: torch.Tensor | None,
@@ -163,43 +197,40 @@ def _launch(
     halves_as_pairs: bool | None,
 ) -> None:
     B, S, H, D = x.shape
-    bh, nw = _tile(H, next_pow2(D), x.element_size(), device_index(x))
+    has_k = k is not None and k_out is not None
+    if has_k and (k.shape[:2] != x.shape[:2] or k.shape[3] != D or k_out.shape != k.shape):
+        raise ValueError(f"rope: k {tuple(k.shape)} must be [B, S, Hk, D] beside x {tuple(x.shape)}")
+    HK = k.shape[2] if has_k else H
+    bh, nw = _tile(max(H, HK), next_pow2(D), x.element_size(), device_index(x))
     block_h = block_h or bh
     has_table = cos is not None and sin is not None
     step = -2.0 * math.log2(theta) / D
-    grid = (B * S, triton.cdiv(H, block_h))
+    q_blocks = triton.cdiv(H, block_h)
+    grid = (B * S, q_blocks + (triton.cdiv(HK, block_h) if has_k else 0))
     cos_t, sin_t = (cos, sin) if has_table else (x, x)  # dummies the kernel never reads
     positions = _check_positions(positions, B, S, x.device, cos, sin)
     # Without positions an int32 view of x stands in (never read): the pointer type stays *i32, so the
-    # flag is all that differs and no second binary is compiled.
+    # flag is all that differs and no second binary is compiled. Without k, x and out stand in for k (the
+    # kernel never reaches k's head blocks).
     pos_t = positions if positions is not None else x.view(-1).view(torch.int32)
     max_position = min(cos.shape[0], sin.shape[0]) - 1 if has_table else _MAX_POSITION
-    pos_args = (pos_t, S, H, int(start_pos), int(positions is not None), max_position, step, sign)
+    k_t, ko_t = (k, k_out) if has_k else (x, out)
+    args = (x, out, k_t, ko_t, cos_t, sin_t, pos_t, S, H, HK, q_blocks, int(start_pos),
+            int(positions is not None), max_position, step, sign)  # fmt: skip
     if D & (D - 1):  # the register-pairing tiles need a power-of-two D; gather the pairs instead
         _rope_any_d_kernel[grid](
-            x, out, cos_t, sin_t, *pos_args,
-            HEAD_DIM=D, BLOCK_HALF=next_pow2(D // 2), BLOCK_H=block_h, HAS_TABLE=has_table,
+            *args, HEAD_DIM=D, BLOCK_HALF=next_pow2(D // 2), BLOCK_H=block_h, HAS_TABLE=has_table,
             INTERLEAVED=interleaved, num_warps=num_warps or nw,
         )  # fmt: skip
         return
     _rope_kernel[grid](
-        x, out, cos_t, sin_t, *pos_args,
-        HEAD_DIM=D, BLOCK_H=block_h, HAS_TABLE=has_table, INTERLEAVED=interleaved,
+        *args, HEAD_DIM=D, BLOCK_H=block_h, HAS_TABLE=has_table, INTERLEAVED=interleaved,
         HALVES_AS_PAIRS=HALVES_AS_PAIRS if halves_as_pairs is None else halves_as_pairs,
         num_warps=num_warps or nw,
     )  # fmt: skip
 
 
 _MAX_POSITION = 1 << 24  # in-kernel angles: positions are clamped to [0, 2^24] (fp32 holds them exactly)
-_LEGACY = object()  # marks the pre-positions call forms (…, start_pos, theta, interleaved) below
-
-
-def _pos_args(positions, start_pos, theta, interleaved) -> tuple:
-    """(positions, start_pos, theta, interleaved) of a call; the pre-positions form passes (start_pos,
-    theta, interleaved) in the first three slots."""
-    if interleaved is _LEGACY:
-        return None, positions, start_pos, theta
-    return positions, start_pos, theta, interleaved
 
 
 def _check_positions(
@@ -219,13 +250,15 @@ def _check_positions(
 
 def forward(
     y: torch.Tensor,
+    yk: torch.Tensor | None,
     x: torch.Tensor,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     positions: torch.Tensor | None,
+    k: torch.Tensor | None,
     start_pos: int,
     theta: float,
-    interleaved: object = _LEGACY,
+    interleaved: bool,
     *,
     _block_h: int | None = None,
     _num_warps: int | None = None,
@@ -233,45 +266,37 @@ def forward(
 ) -> None:
     """y[B, S, H, D] <- x rotated by p * theta^(-2i/D) with p = start_pos + s, or positions[b, s] (int32
     [B, S], clamped to [0, 2^24]; then start_pos is 0), or by tables cos/sin [St, D/2] fp32 at row p
-    (positions clamped to [0, St - 1]): pair (a, b) -> (a c - b s, b c + a s). Private
-    `_block_h`/`_num_warps`/`_halves_as_pairs` force a tile (tests)."""
-    positions, start_pos, theta, interleaved = _pos_args(positions, start_pos, theta, interleaved)
+    (positions clamped to [0, St - 1]): pair (a, b) -> (a c - b s, b c + a s). With k [B, S, Hk, D] (and
+    yk), k is rotated the same way in the same launch. Private `_block_h`/`_num_warps`/`_halves_as_pairs`
+    force a tile (tests)."""
     _launch(
-        y, x, cos, sin, positions, start_pos, theta, interleaved, 1.0, _block_h, _num_warps, _halves_as_pairs
-    )
+        y, yk, x, k, cos, sin, positions, start_pos, theta, interleaved, 1.0, _block_h, _num_warps,
+        _halves_as_pairs,
+    )  # fmt: skip
 
 
 def backward(
     dx: torch.Tensor,
+    dk: torch.Tensor | None,
     dy: torch.Tensor,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     positions: torch.Tensor | None,
+    dyk: torch.Tensor | None,
     start_pos: int,
     theta: float,
-    interleaved: object = _LEGACY,
+    interleaved: bool,
     *,
     _block_h: int | None = None,
     _num_warps: int | None = None,
     _halves_as_pairs: bool | None = None,
 ) -> None:
-    """dx[B, S, H, D] <- dy rotated by the negative angle at the same positions: pair (a, b) ->
-    (a c + b s, b c - a s)."""
-    positions, start_pos, theta, interleaved = _pos_args(positions, start_pos, theta, interleaved)
+    """dx[B, S, H, D] (and dk) <- dy (and dyk) rotated by the negative angle at the same positions: pair
+    (a, b) -> (a c + b s, b c - a s)."""
     _launch(
-        dx,
-        dy,
-        cos,
-        sin,
-        positions,
-        start_pos,
-        theta,
-        interleaved,
-        -1.0,
-        _block_h,
-        _num_warps,
+        dx, dk, dy, dyk, cos, sin, positions, start_pos, theta, interleaved, -1.0, _block_h, _num_warps,
         _halves_as_pairs,
-    )
+    )  # fmt: skip
 
 
 rope = forward  # the name the mode tests (tests/test_triton_modes.py) import
@@ -280,7 +305,8 @@ rope = forward  # the name the mode tests (tests/test_triton_modes.py) import
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
 # start_pos is i32 here (validation keeps it <= 2^24); the JIT types a Python int past 2^31 as i64.
 # positions adds no variant: pos_ptr is *i32 with or without it (has_positions is a runtime flag).
-_SCALAR_SIG = {"pos_ptr": "*i32", "S": "i32", "H": "i32", "start_pos": "i32", "has_positions": "i32"}
+_SCALAR_SIG = {"pos_ptr": "*i32", "S": "i32", "H": "i32", "HK": "i32", "q_blocks": "i32", "start_pos": "i32"}
+_SCALAR_SIG |= {"has_positions": "i32"}
 _SCALAR_SIG |= {"max_position": "i32", "inv_freq_log2_step": "fp32", "sign": "fp32"}
 
 
@@ -295,7 +321,8 @@ def aot_specs() -> list[tuple[str, object, dict, dict]]:
             bh, nw = _tile(32, d, es, 0)
             for table in (True, False):
                 for inter in (False, True):
-                    sig = {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+                    sig = {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "k_ptr": f"*{dt}", "ko_ptr": f"*{dt}"}
+                    sig |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
                     sig |= _SCALAR_SIG
                     keys = ("HEAD_DIM", "BLOCK_H", "HAS_TABLE", "INTERLEAVED", "HALVES_AS_PAIRS")
                     sig |= {k: "constexpr" for k in keys}
@@ -304,7 +331,8 @@ def aot_specs() -> list[tuple[str, object, dict, dict]]:
                     name = f"rope_{dt}_d{d}_{'table' if table else 'theta'}_{'inter' if inter else 'half'}"
                     specs.append((name, _rope_kernel, sig, ce))
     for inter in (False, True):  # a non-power-of-two head dim goes through the gather kernel
-        sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+        sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "k_ptr": "*bf16", "ko_ptr": "*bf16"}
+        sig |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
         sig |= _SCALAR_SIG
         sig |= {k: "constexpr" for k in ("HEAD_DIM", "BLOCK_HALF", "BLOCK_H", "HAS_TABLE", "INTERLEAVED")}
         bh, nw = _tile(32, 128, 2, 0)

@@ -95,9 +95,9 @@ def test_untrusted_positions_are_clamped(use_tables, device) -> None:
     bad = torch.tensor([[-7, 0, hi + 1], [2**31 - 1, -(2**31), hi]], dtype=torch.int32, device=device)
     ok = bad.clamp(0, hi)
     for phase in ("forward", "backward"):
-        cond = SPEC.conditions((x, tab["cos"], tab["sin"], ok), save=False)
+        cond = SPEC.conditions((x, tab["cos"], tab["sin"], ok, None), save=False)
         run = [
-            library.run(SPEC, phase, (x, tab["cos"], tab["sin"], p), (0, theta, False), "mojo", cond)[0]
+            library.run(SPEC, phase, (x, tab["cos"], tab["sin"], p, None), (0, theta, False), "mojo", cond)[0]
             for p in (bad, ok)
         ]
         assert torch.equal(run[0], run[1])

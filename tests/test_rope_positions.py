@@ -128,7 +128,9 @@ def test_untrusted_positions_are_clamped(use_tables, backend_name, device):
     bad = torch.tensor([[-7, 0, hi + 1], [2**31 - 1, -(2**31), hi]], dtype=torch.int32, device=device)
     ok = bad.clamp(0, hi)
     run = [
-        library.run(SPEC, "forward", (x, tab["cos"], tab["sin"], p), (0, theta, False), backend_name, {})[0]
+        library.run(
+            SPEC, "forward", (x, tab["cos"], tab["sin"], p, None), (0, theta, False), backend_name, {}
+        )[0]
         for p in (bad, ok)
     ]
     assert torch.equal(run[0], run[1])

@@ -89,10 +89,10 @@ def test_rope_forward_backward(
         full = _angles64(torch.arange(start_pos + S + 3), D, theta)
         cos, sin = full.cos().float(), full.sin().float()
     y = torch.full_like(x, float("nan"))
-    RP.forward(y, x, cos, sin, start_pos, theta, interleaved)
+    RP.forward(y, None, x, cos, sin, None, None, start_pos, theta, interleaved)
     assert rel_error(y, _rotate64(x, ang, interleaved, 1.0)) <= ROPE_TOL[dtype]
     dx = torch.full_like(dy, float("nan"))
-    RP.backward(dx, dy, cos, sin, start_pos, theta, interleaved)
+    RP.backward(dx, None, dy, cos, sin, None, None, start_pos, theta, interleaved)
     assert rel_error(dx, _rotate64(dy, ang, interleaved, -1.0)) <= GRAD * ROPE_TOL[dtype]
 
 
@@ -115,7 +115,7 @@ def test_rope_large_positions_match_float64_angles(start_pos: int, interleaved: 
     bound = ang.abs() * 32 * 2.0**-24 + 1e-6
     for sign, fn in ((1.0, RP.forward), (-1.0, RP.backward)):
         out = torch.full_like(x, float("nan"))
-        fn(out, x, None, None, start_pos, theta, interleaved)
+        fn(out, None, x, None, None, None, None, start_pos, theta, interleaved)
         a, b = (out[..., 0::2], out[..., 1::2]) if interleaved else (out[..., : D // 2], out[..., D // 2 :])
         err_c = (a.to(F64) - ang.cos()[None, :, None, :]).abs()
         err_s = (b.to(F64) - sign * ang.sin()[None, :, None, :]).abs()
@@ -127,8 +127,8 @@ def test_rope_backward_inverts_forward_fp32() -> None:
     """A rotation's transpose is its inverse: backward(forward(x)) == x to fp32 rounding."""
     x = _randn(2, 9, 5, 64, dtype=F32, seed=3)
     y, z = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-    RP.forward(y, x, None, None, 1000, 500000.0, False)
-    RP.backward(z, y, None, None, 1000, 500000.0, False)
+    RP.forward(y, None, x, None, None, None, None, 1000, 500000.0, False)
+    RP.backward(z, None, y, None, None, None, None, 1000, 500000.0, False)
     assert rel_error(z, x) <= 1e-6
 
 

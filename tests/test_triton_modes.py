@@ -478,7 +478,7 @@ def test_rope_modes(
         full = torch.arange(start + S + 4, dtype=torch.float64)[:, None] * inv[None, :]
         cos, sin = full.cos().float(), full.sin().float()
     out = torch.full_like(x, float("nan"))
-    rope(out, x, cos, sin, start, theta, interleaved, _halves_as_pairs=halves_as_pairs)
+    rope(out, None, x, cos, sin, None, None, start, theta, interleaved, _halves_as_pairs=halves_as_pairs)
     ref = _rope_ref(x, ang.cos(), ang.sin(), interleaved)
     assert rel_error(out, ref) <= TOL[dtype]
 
@@ -487,7 +487,7 @@ def test_rope_partial_head_block() -> None:
     # H not a multiple of BLOCK_H: masked heads in the last program
     x = _randn(1, 3, 5, 16, dtype=torch.float32, seed=1)
     out = torch.full_like(x, float("nan"))
-    rope(out, x, None, None, 0, 500.0, False, _block_h=2)
+    rope(out, None, x, None, None, None, None, 0, 500.0, False, _block_h=2)
     ang = torch.arange(3, dtype=torch.float64)[:, None] * 500.0 ** (-torch.arange(8, dtype=torch.float64) / 8)
     assert rel_error(out, _rope_ref(x, ang.cos(), ang.sin(), False)) <= 1e-5
     assert math.isfinite(out.sum().item())

@@ -88,6 +88,22 @@ def _raises(exc: type[Exception], match: str, fn, *args, **kwargs) -> None:
             ValueError,
             r"^sin: expected shape",
         ),
+        (
+            lambda: ops.rope(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 8)),
+            ValueError,
+            r"^k: expected 4 dimensions",
+        ),
+        (
+            lambda: ops.rope(torch.randn(1, 2, 2, 8), torch.randn(1, 3, 1, 8)),
+            ValueError,
+            r"^k: expected \[B=1, S=2, Hk >= 1, D=8\]",
+        ),
+        (
+            lambda: ops.rope(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 1, 8).double()),
+            ValueError,
+            r"^k: dtype float64 differs from x's float32",
+        ),
+        (lambda: ops.rope(torch.randn(1, 2, 2, 8), [1.0]), TypeError, r"^k: expected a torch.Tensor"),
         # swiglu_ffn
         (
             lambda: ops.swiglu_ffn(x2, torch.randn(6, 8), torch.randn(6, 8), torch.randn(6, 8)),

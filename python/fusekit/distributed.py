@@ -233,6 +233,7 @@ def _batch(x, dim: int = 0) -> list[bool]:
 
 def rope(
     x: Tensor,
+    k: Tensor | None,
     start_pos: object,
     theta: float,
     interleaved: bool,
@@ -241,19 +242,25 @@ def rope(
     positions: Tensor | None,
     layout: str,
     backend: str,
-) -> Tensor | None:
-    mesh = _mesh({"x": x, "cos": cos, "sin": sin, "positions": positions})
+) -> Tensor | tuple[Tensor, Tensor] | None:
+    mesh = _mesh({"x": x, "k": k, "cos": cos, "sin": sin, "positions": positions})
     if mesh is None:
         return None
     from fusekit.ops.rope import rope as op
 
-    _need_dt("x", x, "cos/sin/positions")
+    _need_dt("x", x, "k/cos/sin/positions")
+    _need_dt("k", k, "x")
     heads = 2 if layout == "bshd" else 1
     _rows("x", x, {0, heads}, "the sequence or head dim D (positions / pairs would change)")
+    if k is not None:
+        _rows("k", k, {0, heads}, "the sequence or head dim D (positions / pairs would change)")
+        if _batch(k) != _batch(x):
+            raise ValueError("k: must be sharded on the batch dim exactly where x is (the same positions)")
     none = [False] * mesh.ndim
     pos_batch = _batch(x) if positions is not None and positions.dim() == 2 else none
-    y = op(
+    out = op(
         x.to_local(),
+        None if k is None else k.to_local(),
         start_pos=start_pos,
         theta=theta,
         interleaved=interleaved,
@@ -263,7 +270,9 @@ def rope(
         layout=layout,
         backend=backend,
     )
-    return _wrap(y, mesh, x.placements, x.shape)
+    if k is None:
+        return _wrap(out, mesh, x.placements, x.shape)
+    return _wrap(out[0], mesh, x.placements, x.shape), _wrap(out[1], mesh, k.placements, k.shape)
 
 
 def attention(

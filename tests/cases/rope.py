@@ -42,6 +42,21 @@ CUDA += [
     for tb in (False, True)
 ]
 
+# q and k in one call (HF's apply_rotary_pos_emb(q, k, ...)): k [B, S, Hk, D] with its own head count.
+CPU += [
+    {"shape": s, "start_pos": p, "k_heads": hk, "interleaved": il, "tables": tb}
+    for s, p, hk in (((2, 5, 3, 8), 0, 1), ((1, 7, 4, 64), 13, 6), ((2, 33, 5, 128), 3, 2))
+    for il in (False, True)
+    for tb in (False, True)
+]
+CPU += [{"shape": (3, 6, 3, 12), "start_pos": 0, "positions": "rows", "k_heads": 2, "interleaved": False,
+         "tables": True}]  # fmt: skip
+CUDA += [
+    {"shape": s, "start_pos": p, "k_heads": hk, "interleaved": False, "tables": tb}
+    for s, p, hk in (((2, 512, 32, 128), 5, 8), ((3, 77, 40, 96), 0, 5), ((1, 1, 32, 128), 2047, 8))
+    for tb in (False, True)
+]
+
 
 def _angles(positions: torch.Tensor, d: int, theta: float) -> torch.Tensor:
     inv = theta ** (-(2.0 * torch.arange(d // 2, dtype=F64, device=positions.device)) / d)
@@ -72,10 +87,17 @@ def make(case: dict, dtype: torch.dtype, device: str) -> tuple[tuple, dict]:
     if case["tables"]:  # tables longer than needed, read from row start_pos (or the positions)
         ang = _angles(torch.arange(rows + 5, device=device), shape[-1], theta)
         kwargs["cos"], kwargs["sin"] = torch.cos(ang).float(), torch.sin(ang).float()
+    if case.get("k_heads"):
+        kwargs["k"] = randn(shape[0], shape[1], case["k_heads"], shape[3], dtype=dtype, device=device)
     return (x,), kwargs
 
 
-def oracle(x, start_pos=0, theta=10000.0, interleaved=False, cos=None, sin=None, positions=None):
+def oracle(x, start_pos=0, theta=10000.0, interleaved=False, cos=None, sin=None, positions=None, k=None):
+    args = (start_pos, theta, interleaved, cos, sin, positions)
+    return _rotate(x, *args) if k is None else (*_rotate(x, *args), *_rotate(k, *args))
+
+
+def _rotate(x, start_pos, theta, interleaved, cos, sin, positions):
     B, S, D = x.shape[0], x.shape[1], x.shape[3]
     half = D // 2
     if positions is None:

@@ -96,8 +96,8 @@ class _AttentionMixin:
         k = self.k_proj(hidden_states).view(hidden_shape)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = _half_tables(position_embeddings, self.head_dim // 2)
-        q = apply_rope(q, cos, sin, backend=backend).transpose(1, 2)
-        k = apply_rope(k, cos, sin, backend=backend).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin, k=k, backend=backend)  # one launch for both
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(

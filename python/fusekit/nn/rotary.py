@@ -95,10 +95,17 @@ def rope_parameters(config: object) -> dict:
 
 
 def apply_rope(
-    x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False, backend: str = "auto"
-) -> Tensor:
-    """ops.rope of x [B, S, H, D] with tables cos/sin [S, D/2] (every batch row at the same positions)
-    or [B, S, D/2] (one table per row; [1, S, D/2] counts as shared). Same dtype out.
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    *,
+    k: Tensor | None = None,
+    interleaved: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """ops.rope of x [B, S, H, D] (and k [B, S, Hk, D] in the same launch) with tables cos/sin [S, D/2]
+    (every batch row at the same positions) or [B, S, D/2] (one table per row; [1, S, D/2] counts as
+    shared). Same dtype out: x rotated, or (x, k) rotated when k is given.
 
     Per-row tables run as one call on x viewed as [1, B*S, H, D], whose row b*S + s reads table row
     b*S + s: any positions per row, still one kernel launch.
@@ -106,20 +113,25 @@ def apply_rope(
     if cos.dim() == 3 and cos.shape[0] == 1:
         cos, sin = cos[0], sin[0]
     if cos.dim() == 2:
-        return ops.rope(x, cos=cos, sin=sin, interleaved=interleaved, backend=backend)
+        return ops.rope(x, k, cos=cos, sin=sin, interleaved=interleaved, backend=backend)
     if cos.dim() != 3 or x.dim() != 4 or tuple(cos.shape[:2]) != tuple(x.shape[:2]):
         raise ValueError(
             f"cos: expected [S, D/2] or [B, S, D/2] tables for x {tuple(x.shape)}, got {tuple(cos.shape)}"
         )
     b, s, h, d = x.shape
-    y = ops.rope(
+    if k is not None and (k.dim() != 4 or tuple(k.shape[:2]) != (b, s)):
+        raise ValueError(f"k: expected [B={b}, S={s}, Hk, D], got {tuple(k.shape)}")
+    out = ops.rope(
         x.reshape(1, b * s, h, d),
+        None if k is None else k.reshape(1, b * s, k.shape[2], k.shape[3]),
         cos=cos.reshape(b * s, -1),
         sin=sin.reshape(b * s, -1),
         interleaved=interleaved,
         backend=backend,
     )
-    return y.view(b, s, h, d)
+    if k is None:
+        return out.view(b, s, h, d)
+    return out[0].view(b, s, h, d), out[1].view(k.shape)
 
 
 class RotaryEmbedding(nn.Module):
@@ -199,8 +211,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError("start_pos: give start_pos or position_ids, not both")
         cos, sin = self.tables(position_ids.to(q.device))
         kw = {"interleaved": self.interleaved, "backend": self.backend}
-        qr = apply_rope(q, cos, sin, **kw)
-        return qr if k is None else (qr, apply_rope(k, cos, sin, **kw))
+        return apply_rope(q, cos, sin, k=k, **kw)  # q and k in one launch
 
     def extra_repr(self) -> str:
         return (

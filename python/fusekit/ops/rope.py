@@ -26,9 +26,6 @@ def tables(
 
 
 # --- reference (what the op means; the torch backend runs it) ---------------------------------------
-_LEGACY = object()  # marks the pre-positions call form (x, cos, sin, start_pos, theta, interleaved)
-
-
 def _token_positions(x: Tensor, positions: Tensor | None, start_pos: int, rows: int | None) -> Tensor:
     """int64 [B, S] positions of the tokens, clamped to [0, rows - 1] (tables) or [0, 2^24] as every
     kernel clamps them. Both forms build the same [B, S] layout, so positions = start_pos + arange(S)
@@ -43,7 +40,7 @@ def _token_positions(x: Tensor, positions: Tensor | None, start_pos: int, rows: 
 
 
 def _rotate(
-    x: Tensor,
+    x: Tensor | None,
     cos: Tensor | None,
     sin: Tensor | None,
     positions: Tensor | None,
@@ -51,7 +48,9 @@ def _rotate(
     theta: float,
     interleaved: bool,
     sign: float,
-) -> Tensor:
+) -> Tensor | None:
+    if x is None:
+        return None
     B, S, _, D = x.shape
     acc = F64 if x.dtype == F64 else torch.float32
     if cos is None or sin is None:
@@ -69,60 +68,55 @@ def _rotate(
     return torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(x.dtype)
 
 
-def _args(positions, start_pos, theta, interleaved) -> tuple:
-    """(positions, start_pos, theta, interleaved); the pre-positions form passes (start_pos, theta,
-    interleaved) in the first three slots."""
-    if interleaved is _LEGACY:
-        return None, positions, start_pos, theta
-    return positions, start_pos, theta, interleaved
-
-
 def reference_forward(
-    x, cos, sin, positions, start_pos, theta, interleaved: object = _LEGACY
-) -> tuple[Tensor]:
-    """x [B, S, H, D] -> rotated x, same dtype.
+    x, cos, sin, positions, k, start_pos, theta, interleaved
+) -> tuple[Tensor, Tensor | None]:
+    """x [B, S, H, D] (and k [B, S, Hk, D], or None) -> (x rotated, k rotated or None), same dtype.
 
     Pair (a, b) = (x[..., i], x[..., i + D/2]) (HF Llama halves) or (x[..., 2i], x[..., 2i+1])
     (`interleaved`) becomes (a cos - b sin, b cos + a sin) with angle p * theta^(-2i/D) formed in fp32,
     where token (b, s) sits at p = start_pos + s, or p = positions[b, s] (int [B, S]; then start_pos is
     0). Tables cos/sin [St, D/2] are read at row p instead. Positions are clamped to [0, St - 1] (tables)
-    or [0, 2^24], as the kernels clamp untrusted values. (The older call reference_forward(x, cos, sin,
-    start_pos, theta, interleaved) is still accepted.)
+    or [0, 2^24], as the kernels clamp untrusted values. k (HF's apply_rotary_pos_emb(q, k, ...)) is
+    rotated exactly as x, at the same positions.
     """
-    positions, start_pos, theta, interleaved = _args(positions, start_pos, theta, interleaved)
-    return (_rotate(x, cos, sin, positions, start_pos, theta, interleaved, 1.0),)
+    args = (cos, sin, positions, start_pos, theta, interleaved, 1.0)
+    return _rotate(x, *args), _rotate(k, *args)
 
 
 def reference_backward(
-    dy, cos, sin, positions, start_pos, theta, interleaved: object = _LEGACY
-) -> tuple[Tensor]:
-    """dx = dy rotated by the negative angle at the same positions (a rotation's transpose is its inverse)."""
-    positions, start_pos, theta, interleaved = _args(positions, start_pos, theta, interleaved)
-    return (_rotate(dy, cos, sin, positions, start_pos, theta, interleaved, -1.0),)
+    dy, cos, sin, positions, dyk, start_pos, theta, interleaved
+) -> tuple[Tensor, Tensor | None]:
+    """dx (and dk) = dy (and dyk) rotated by the negative angle at the same positions (a rotation's
+    transpose is its inverse)."""
+    args = (cos, sin, positions, start_pos, theta, interleaved, -1.0)
+    return _rotate(dy, *args), _rotate(dyk, *args)
 
 
 SPEC = library.register(
     OpSpec(
         name="rope",
         forward=Phase(
-            outputs=(t("y", "B S H D"),),
+            outputs=(t("y", "B S H D"), t("yk", "B S Hk D", when="k")),
             inputs=(
                 t("x", "B S H D"),
                 t("cos", "St Dh", "float32", "tables"),
                 t("sin", "St Dh", "float32", "tables"),
                 t("positions", "B S", "int32", "positions"),
+                t("k", "B S Hk D", when="k"),
             ),
             conditions=("tables", "positions"),
         ),
         backward=Phase(
-            outputs=(t("dx", "B S H D"),),
+            outputs=(t("dx", "B S H D"), t("dk", "B S Hk D", when="k")),
             inputs=(
                 t("dy", "B S H D"),
                 t("cos", "St Dh", "float32", "tables"),
                 t("sin", "St Dh", "float32", "tables"),
                 t("positions", "B S", "int32", "positions"),
+                t("dyk", "B S Hk D", when="k"),
             ),
-            conditions=("tables", "positions"),
+            conditions=("tables", "positions", "k"),
         ),
         scalars=(
             Scalar("start_pos", int, lambda v: C.integer("start_pos", v)),
@@ -132,10 +126,11 @@ SPEC = library.register(
         dtype_vars=("x",),
         allowed=frozenset((d,) for d in C.ANY_FLOAT),
         reference={FORWARD: reference_forward, BACKWARD: reference_backward},
-        grad_inputs=("x",),
+        grad_inputs=("x", "k"),
         save=lambda ins, outs: (ins["cos"], ins["sin"], ins["positions"]),
-        backward_inputs=lambda saved, g, cond: (g["y"], *saved),
-        input_grads=lambda g, cond: (g["dx"], None, None, None),  # positions: integers, no gradient
+        backward_inputs=lambda saved, g, cond: (g["y"], *saved, g["yk"] if cond["k"] else None),
+        # positions: integers, no gradient
+        input_grads=lambda g, cond: (g["dx"], None, None, None, g["dk"] if cond["k"] else None),
         meta=lambda ins, scalars: {"positions": ins["positions"] is not None},
     )
 )
@@ -225,8 +220,23 @@ def _half_table(name: str, tab: Tensor, d: int, interleaved: bool) -> Tensor:
     return a
 
 
+def _check_k(k: object, x: Tensor) -> Tensor:
+    """k beside x: [B, S, Hk, D] (x's B, S, D and dtype, any head count), on x's device."""
+    k = C.tensor("k", k, C.ANY_FLOAT, ndim=4)
+    C.same_device("k", k, "x", x)
+    if k.dtype != x.dtype:
+        raise ValueError(f"k: dtype {C.names((k.dtype,))} differs from x's {C.names((x.dtype,))}")
+    b, s, _, d = x.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d) or k.shape[2] == 0:
+        raise ValueError(
+            f"k: expected [B={b}, S={s}, Hk >= 1, D={d}] (x's batch, sequence and head dim), got {tuple(k.shape)}"
+        )
+    return k
+
+
 def rope(
     x: Tensor,
+    k: Tensor | None = None,
     *,
     start_pos: int = 0,
     theta: float = 10000.0,
@@ -237,7 +247,10 @@ def rope(
     layout: str = "bshd",
     backend: str = "auto",
 ) -> Tensor:
-    """Rotary position embedding of x [B, S, H, D] (D even), same dtype out.
+    """Rotary position embedding of x [B, S, H, D] (D even), same dtype out; with `k`, of x and k in one
+    launch: `q, k = rope(q, k, ...)` as HF's apply_rotary_pos_emb(q, k, cos, sin) and Liger's
+    liger_rotary_pos_emb (k [B, S, Hk, D]: x's batch, sequence, head dim and dtype, any head count, the
+    same positions). Returns y, or (y, k rotated) when k is given.
 
     Pairs are the two halves of the head dim (HF Llama) or adjacent elements (`interleaved`), rotated
     by angle p * theta^(-2i/D), computed in-kernel in fp32, where token s sits at p = start_pos + s.
@@ -260,20 +273,22 @@ def rope(
 
     start_pos: int, numpy integer or 0-d integer tensor, with start_pos + S <= 2^24 (float32 angles
     are not exact beyond). theta: positive, representable in float32. interleaved: a bool.
-    backend: "auto" (default), "torch", "triton" or "mojo". Gradient: d x = d y rotated back, at the same positions.
-    Errors: TypeError/ValueError naming `x`, `start_pos`, `theta`, `interleaved`, `cos`, `sin`,
+    backend: "auto" (default), "torch", "triton" or "mojo". Gradient: d x = d y rotated back, at the
+    same positions (and d k likewise).
+    Errors: TypeError/ValueError naming `x`, `k`, `start_pos`, `theta`, `interleaved`, `cos`, `sin`,
     `positions` or `layout`.
     """
     if (
         type(x) not in PLAIN
+        or type(k) not in PLAIN
         or type(cos) not in PLAIN
         or type(sin) not in PLAIN
         or type(positions) not in PLAIN
     ) and (
-        out := distributed.rope(x, start_pos, theta, interleaved, cos, sin, positions, layout, backend)
+        out := distributed.rope(x, k, start_pos, theta, interleaved, cos, sin, positions, layout, backend)
     ) is not None:
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
-    key = library.call_key((x, cos, sin, positions), (start_pos, theta, interleaved, layout), backend)
+    key = library.call_key((x, cos, sin, positions, k), (start_pos, theta, interleaved, layout), backend)
     if key is not None and x.device.type == "cpu" and (cos is not None or positions is not None):
         key = None  # table and position values are checked on the CPU: no memo
     run = _MEMO.get(key) if key is not None else None
@@ -285,6 +300,9 @@ def rope(
         x = C.tensor("x", x, C.ANY_FLOAT, ndim=4)
         if bhsd:
             x = x.transpose(1, 2)
+        if k is not None:
+            k = C.tensor("k", k, C.ANY_FLOAT, ndim=4)
+            k = _check_k(k.transpose(1, 2) if bhsd else k, x)
         _check(x, start_pos, cos, sin, positions is not None)
         positions = _positions(positions, x, start_pos, None if cos is None else cos.shape[0])
         C.backend_name(backend)
@@ -292,6 +310,8 @@ def rope(
         bhsd = layout == "bhsd"
         if bhsd:
             x = x.transpose(1, 2)
+            if k is not None:
+                k = k.transpose(1, 2)
         if positions is not None:
             p = positions if positions.dtype == torch.int32 else positions.to(torch.int32)
             positions = p.expand(x.shape[0], x.shape[1]).contiguous()
@@ -299,9 +319,11 @@ def rope(
         d = x.shape[-1]
         cos = _half_table("cos", cos, d, interleaved).to(torch.float32).contiguous()
         sin = _half_table("sin", sin, d, interleaved).to(torch.float32).contiguous()
-    ins = (x.contiguous(), cos, sin, positions)
+    ins = (x.contiguous(), cos, sin, positions, None if k is None else k.contiguous())
     if run is not None:
-        (y,) = run(ins)
+        y, yk = run(ins)
     else:
-        (y,) = library.apply_memo(_MEMO, key, SPEC, ins, (start_pos, theta, interleaved), backend)
-    return y.transpose(1, 2) if bhsd else y
+        y, yk = library.apply_memo(_MEMO, key, SPEC, ins, (start_pos, theta, interleaved), backend)
+    if bhsd:
+        y, yk = y.transpose(1, 2), None if yk is None else yk.transpose(1, 2)
+    return y if k is None else (y, yk)

@@ -106,6 +106,11 @@ class MojoBackend(Backend):
             )
         if spec.name == "swiglu_ffn" and phase == "backward":
             self._swiglu_ffn_backward(outputs, inputs, scalars)
+        elif spec.name == "rope":  # (y, yk), (x, cos, sin, positions, k): x, then k as a second call
+            (y, yk), (x, cos, sin, positions, k) = outputs, inputs
+            self._call(ms, device, (y,), (x, cos, sin, positions), scalars)
+            if k is not None:
+                self._call(ms, device, (yk,), (k, cos, sin, positions), scalars)
         else:
             self._call(ms, device, outputs, inputs, scalars)
 

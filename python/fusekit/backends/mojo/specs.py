@@ -22,6 +22,7 @@ read + write of every output). Kernels must write every element of every output.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,9 +95,17 @@ def _param(scalar, value: object) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-def max_spec(spec, phase: str) -> OpSpec:
-    """The MAX custom-op view of `phase` of a fusekit op spec."""
+def max_spec(spec, phase: str, drop: frozenset[str] = frozenset()) -> OpSpec:
+    """The MAX custom-op view of `phase` of a fusekit op spec, without the tensors whose condition is in
+    `drop` (and without those conditions' flags): a second tensor the provider runs as another call."""
     p = spec.phase(phase)
+    if drop:
+        p = dataclasses.replace(
+            p,
+            outputs=tuple(a for a in p.outputs if a.when not in drop),
+            inputs=tuple(a for a in p.inputs if a.when not in drop),
+            conditions=tuple(c for c in p.conditions if c not in drop),
+        )
     op = spec.name if phase == "forward" else f"{spec.name}_backward"
 
     def tensor(arg) -> TensorSpec:
@@ -192,12 +201,17 @@ SWIGLU_FFN_BACKWARD = OpSpec(
 )
 
 
+# Tensors a fusekit spec has that the Mojo op does not take: the provider runs them as a second call of
+# the same op (rope's k: rotated by a second launch at the same positions).
+SECOND_CALL: dict[str, frozenset[str]] = {"rope": frozenset({"k"})}
+
+
 @functools.cache
 def phase_spec(op: str, phase: str) -> OpSpec:
     """The MAX spec of one phase of a registered fusekit op (cached)."""
     from fusekit.ops import SPECS as OP_SPECS
 
-    return max_spec(OP_SPECS[op], phase)
+    return max_spec(OP_SPECS[op], phase, SECOND_CALL.get(op, frozenset()))
 
 
 def __getattr__(name: str) -> dict[str, OpSpec]:

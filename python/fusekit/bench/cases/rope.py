@@ -60,13 +60,13 @@ class RopeCase(Case):
         kw = {"start_pos": self.pos, "theta": THETA, "backend": backend}
         if not self.qk:
             return lambda x: rope(x, **kw)
-        return lambda q, k: (rope(q, **kw), rope(k, **kw))
+        return lambda q, k: rope(q, k, **kw)  # one launch for both, as Liger's liger_rotary_pos_emb
 
     def reference(self) -> Callable[..., Tensor | tuple]:
         pos = self.pos
 
         def one(t: Tensor) -> Tensor:
-            return _REF(t, None, None, pos, THETA, False)[0]
+            return _REF(t, None, None, None, None, pos, THETA, False)[0]
 
         return (lambda x: one(x)) if not self.qk else (lambda q, k: (one(q), one(k)))
 
@@ -81,7 +81,7 @@ class RopeCase(Case):
             if key not in cache:
                 cache[key] = tables(torch.arange(pos + t.shape[1], device=t.device), t.shape[3], THETA)
             cos, sin = cache[key]
-            return _REF(t, cos, sin, pos, THETA, False)[0]
+            return _REF(t, cos, sin, None, None, pos, THETA, False)[0]
 
         return (lambda x: one(x)) if not self.qk else (lambda q, k: (one(q), one(k)))
 
