@@ -29,7 +29,7 @@ tokens: the first new token comes out of the prefill), train (forward with label
 cross entropy, backward, AdamW step). Before any timing each provider passes a correctness gate
 against HF eager on the prefill batch (logits) and the decode prompt (greedy tokens); one that fails is
 recorded "wrong" and not timed. fusekit providers also prove their kernels ran: the gate counts the
-calls that reached the backend (rms_norm 2L+1, swiglu_ffn L, rope 2L, attention L per forward).
+calls that reached the backend (rms_norm 2L+1, swiglu_ffn L, rope L (q and k in one call), attention L per forward).
 
 Times are host wall-clock with a device sync around each call (what a serving or training loop sees),
 median of --reps after --warmup. Results: <out>/<device slug>/e2e.json (e2e-<model>.json for
@@ -465,7 +465,7 @@ def kernel_runs(backend: str | None) -> Iterator[Counter]:
 def expected_forward_runs(layers: int) -> dict[str, int]:
     return {
         "rms_norm:forward": 2 * layers + 1,
-        "rope:forward": 2 * layers,
+        "rope:forward": layers,  # q and k in one call
         "attention:forward": layers,
         "swiglu_ffn:forward": layers,
     }
