@@ -20,11 +20,12 @@ from fusekit.report import e2e as e2e_section
 from fusekit.report import host as host_section
 from fusekit.report import plots, reliability, tables
 
-SUITE_ORDER = ("sweep", "train", "small")
+SUITE_ORDER = ("sweep", "train", "small", "decode")
 SUITE_TITLES = {
     "sweep": "",
     "train": " — training (forward + backward)",
     "small": " — small model shapes (per-call overhead)",
+    "decode": " — decode (a few queries against a long KV cache)",
 }
 
 

@@ -31,7 +31,7 @@ from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-SUITES: tuple[str, ...] = ("sweep", "train", "small")
+SUITES: tuple[str, ...] = ("sweep", "train", "small", "decode")
 GRAD = "grad_"  # inputs named grad_<i> hold the gradient of output i in a "train" step
 
 

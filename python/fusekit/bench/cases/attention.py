@@ -1,5 +1,6 @@
 """attention cases: the S sweep at 16K tokens (D 64/128/256, causal and not), training at B4 H32 S4096
-D128 (fwd+bwd) and one decode step (1 query against 2048 keys, H32 / Hkv 8); SDPA and MAX baselines.
+D128 (fwd+bwd), one decode step (1 query against 2048 keys, H32 / Hkv 8) and the decode suite (split-KV
+against long caches, reported against the KV-read floor); SDPA and MAX baselines.
 
 FLOPs: forward 4·B·H·D·P, P the visible (query, key) pairs: S·Skv, or about half with the causal mask
 (S²/2 at S == Skv, as FlashAttention counts). Train counts the backward as FlashAttention does, 2.5×
@@ -114,6 +115,8 @@ class AttentionCase(Case):
         return s * skv - s * s / 2 if s <= skv else skv * skv / 2
 
     def flops(self) -> int:
+        if self.suite == "decode":
+            return 0  # memory-bound (a KV-cache stream): reported as GB/s against the copy ceiling
         p = self.params
         return int((14 if self.train else 4) * p["B"] * p["H"] * p["D"] * self.pairs())
 
@@ -187,6 +190,28 @@ def cases(suite: str, *, quick: bool, cpu: bool) -> list[Case]:
             "causal": 0,
         }
         out.append(AttentionCase(p, "bf16", "decode", p["Skv"], "Skv (keys)", suite))
+    elif suite == "decode":
+        out += _decode_cases(quick, cpu)
+    return out
+
+
+def _decode_cases(quick: bool, cpu: bool) -> list[Case]:
+    """Split-KV decode against SDPA: 1 (or 16) queries per sequence, H32 / Hkv 8 D128 (Llama-3-8B) over
+    Skv 2K..128K at batch 1 and 2K..8K at batch 32, and GQA 1 / 8, D 64 / 256 at batch 1, 32K keys. The
+    floor is the KV read (B·Hkv·Skv·D·2·es): 134 MB at B1 Skv 32K, 31 us at 4.3 TB/s."""
+    if cpu:
+        grid = [(1, 4, 2, 1, 256, 64)] if quick else [(1, 4, 2, 1, s, 64) for s in (256, 1024)]
+    else:
+        grid = [(1, 32, 8, 1, s, 128) for s in ((8192, 32768) if quick else (2048, 8192, 32768, 131072))]
+        if not quick:
+            grid += [(32, 32, 8, 1, s, 128) for s in (2048, 8192)]
+            grid += [(1, 32, 32, 1, 32768, 128), (1, 32, 4, 1, 32768, 128), (1, 32, 8, 1, 32768, 64)]
+            grid += [(1, 32, 8, 1, 32768, 256), (1, 32, 8, 16, 8192, 128)]
+    out: list[Case] = []
+    for b, h, hkv, s, skv, d in grid:
+        p = {"B": b, "H": h, "Hkv": hkv, "S": s, "Skv": skv, "D": d, "causal": 0}
+        series = f"B={b} H={h}/{hkv} S={s} D={d}"
+        out.append(AttentionCase(p, "bf16", series, skv, "Skv (keys)", "decode"))
     return out
 
 
