@@ -31,11 +31,16 @@ Non-finite values: as the FlashAttention kernel (a NaN in a query row or in a ke
 row NaN; a +inf score gives lse = +inf, o NaN); keys past kv_len are never loaded (a cache may hold anything
 there); a row with no visible key (kv_len 0, or causal with S > kv_len) gets o = 0, lse = -inf.
 
-Split count (`decode_splits`): programs = B·Hkv·row blocks·splits. More splits keep more SMs streaming; each
-split costs rows·D fp32 of partials written and read back. The count minimizes a simple model: time ~ (KV
-bytes + partial bytes) / min(1, programs / (DECODE_SATURATE · SMs)), where DECODE_SATURATE programs per SM
-keep enough K/V tiles in flight to stream at full bandwidth; at least DECODE_MIN_TILES KV tiles per split.
-The constants are first guesses for the H200 (132 SMs) and are to be confirmed by its measurements.
+Split count (`decode_splits`): programs P = B·Hkv·row blocks·splits. One program per SM already streams its
+K/V tiles at the SM's share of the bandwidth (3-stage pipeline), so the model is in waves of one program per
+SM: time ~ (KV bytes + partial bytes) · ceil(P / SMs) · SMs / P (fewer programs than SMs leave SMs idle; a
+few programs past a multiple of the SM count add a whole tail wave); each split costs rows·D fp32 of
+partials written and read back; at least DECODE_MIN_TILES KV tiles per split; ties (within 3%) go to fewer
+splits. Measured on the H200 (132 SMs, bf16, kernel time with the L2 flushed; SDPA's flash-decoding beside
+it): the split sweep's best count is the one that fills the SMs in one wave: B1 H32/8 D128 Skv 8192 16
+splits 22.3 us (SDPA 22.7; the first model's 33 splits: 23.3), Skv 32768 50.4 (50.3; 33: 51.4), H32/32 4
+splits 138.8 (138.5; 9: 151.9), B8 Skv 8192 2 splits 80.6 (79.8; 5: 86.0), B32 Skv 2048 1 split 76.8
+(76.0; 2: 90.6), B32 Skv 8192 254.0 (252.2, 99.6% of the KV-read floor; 2: 290.2).
 """
 
 from __future__ import annotations
@@ -53,7 +58,6 @@ from kernels_triton._tiles import dot
 
 DECODE_MAX_S = 16  # queries per sequence up to which attention.forward picks this path
 DECODE_MAX_ROWS = 128  # G·S rows of one GQA group up to which it does (beyond: the FlashAttention kernel)
-DECODE_SATURATE = 2  # programs per SM that stream at full bandwidth (3-stage K/V pipeline each)
 DECODE_MIN_TILES = 2  # KV tiles per split at least
 DECODE_MAX_SPLITS = 256
 
@@ -96,9 +100,9 @@ def decode_splits(groups: int, rows: int, skv: int, head_dim: int, es: int, bloc
     best_t, best = math.inf, 1
     for s in range(1, max_s + 1):
         part = 0 if s == 1 else groups * rows * s * (head_dim + 1) * 4 * 2  # written, then read back
-        busy = min(1.0, groups * s / (DECODE_SATURATE * sms))
-        t = (kv + part) / busy
-        if t < best_t * 0.99:  # ties go to fewer splits
+        programs = groups * s
+        t = (kv + part) * (-(-programs // sms)) * sms / programs  # waves of one program per SM
+        if t < best_t * 0.97:  # ties go to fewer splits
             best_t, best = t, s
     return best
 
@@ -267,7 +271,8 @@ class _Plan:
         self.forced = None if splits is None else max(1, int(splits))
         self.warps = 1 if is_interpreter() else decode_warps(self.block_m, self.block_n, D)
         self.splits: dict[int, int] = {}
-        self.key = (B, H, S, D, Hkv, q.dtype, q.device)
+        # the problem and everything the launches compile in (tiles, warps): part of their keyed launch key
+        self.key = (B, H, S, D, Hkv, q.dtype, q.device, self.block_m, self.block_n, self.stages, self.warps)
 
     def n_splits(self, skv: int, head_dim: int) -> int:
         n = self.splits.get(skv)

@@ -199,6 +199,35 @@ def test_decode_with_a_growing_kv_cache_is_remembered_once(
     assert len(checked) == 1 + len(outs)
 
 
+def test_a_length_that_stops_growing_gets_its_own_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of a growing cache (L layers per length, then a new length) stay on the grown runner;
+    one length repeated far past any earlier run (a fixed-size workload after a call of another size)
+    takes the checked path once and then has its own exact, replayable entry; results stay equal."""
+    dispatch.clear_cache()
+    library.clear_plans()
+    checked: list[int] = []
+    real = ATT._check
+    monkeypatch.setattr(ATT, "_check", lambda *a: (checked.append(1), real(*a))[1])
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    cache = torch.randn(1, 2, 200, 16, generator=g)
+    layers = 6
+    with torch.no_grad():
+        for n in range(20, 120):  # 100 steps x 6 layers: never promoted
+            k = cache[:, :, :n].contiguous()
+            for _ in range(layers):
+                ops.attention(q, k, k, backend="torch")
+        assert len(checked) == 1
+        k = cache[:, :, :150].contiguous()
+        want = ops.attention(q, k, k, backend="torch")
+        runs = library.SizedRunner.PROMOTE_RUN + 5
+        outs = [ops.attention(q, k, k, backend="torch") for _ in range(runs)]
+    assert len(checked) == 2  # the promotion: one checked call, then the exact entry
+    exact = [r for key, r in ATT._MEMO.items() if key[0] != "grown" and key[0][1][1][2] == 150]
+    assert len(exact) == 1 and type(exact[0]) is library.Runner
+    assert all(torch.equal(o, want) for o in outs)
+
+
 def test_grown_kv_key_keeps_the_checks_that_read_skv() -> None:
     """k and v of different lengths, or no keys at all, still raise after a remembered decode call."""
     library.clear_plans()

@@ -265,7 +265,7 @@ class Runner:
     def __call__(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
         return _execute(self.spec, FORWARD, self.plan, inputs)
 
-    def unreplayed(self) -> Runner:
+    def unreplayed(self) -> SizedRunner:
         """This runner for calls that differ from its signature only in sizes its plan does not depend
         on (attention's Skv in a decode step: the outputs, the provider and the copies are the same):
         a copy of the plan that never records or replays launches, since a replay re-issues the
@@ -274,7 +274,31 @@ class Runner:
         for slot in _Plan.__slots__:
             setattr(plan, slot, getattr(self.plan, slot))
         plan.replay, plan.calls = None, _RECORD_TRIES + 1
-        return Runner(self.spec, plan)
+        return SizedRunner(self.spec, plan)
+
+
+class SizedRunner(Runner):
+    """An unreplayed runner (Runner.unreplayed) that also tells when a size stops changing.
+
+    A growing KV cache calls it with one size per decode step, as many times in a row as the model has
+    layers, then never again with that size. A size repeated far longer than any earlier run of one size
+    (and at least PROMOTE_RUN calls) is a fixed-size workload that reached this runner after a call of
+    another size (a benchmark, a sliding window): `repeats(size)` then says True once, and the caller
+    takes the checked path for that call, which gives the exact signature its own, replaying, runner."""
+
+    __slots__ = ("last", "longest", "run")
+    PROMOTE_RUN = 64
+
+    def __init__(self, spec: OpSpec, plan: _Plan) -> None:
+        super().__init__(spec, plan)
+        self.last, self.run, self.longest = None, 0, 0
+
+    def repeats(self, size: object) -> bool:
+        if size != self.last:
+            self.longest = max(self.longest, self.run)
+            self.last, self.run = size, 0
+        self.run += 1
+        return self.run > max(self.PROMOTE_RUN, 2 * self.longest)
 
 
 def apply_memo(

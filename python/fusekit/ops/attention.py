@@ -274,6 +274,8 @@ def attention(
     grown = None
     if run is None and key is not None and (grown := _grown_key(key, q, k, v, layout)) is not None:
         run = _MEMO.get(grown)
+        if run is not None and run.repeats(k.shape[2]):
+            run = None  # this length stopped changing: the checked path gives it a replaying runner
     bshd = (layout == "bshd") if run is not None else C.choice("layout", layout, LAYOUTS) == "bshd"
     if bshd:  # shapes are checked (and named) in [B, H, S, D] terms after the transposing views
         if run is None:
@@ -310,7 +312,9 @@ def _grown_key(key: tuple, q: Tensor, k: Tensor, v: Tensor, layout: str) -> tupl
     under such a key run through Runner.unreplayed (no launch replay: it would bake the recorded Skv in;
     re-recording once per length for the other layers to replay was measured slower on the H200: 113-118
     vs 96-103 us per call at B1 H32/8 D128, since a recording costs several plain calls).
-    Not inside a CUDA graph capture: a new Skv may be a kernel's first specialization (a compile)."""
+    Not inside a CUDA graph capture: a new Skv may be a kernel's first specialization (a compile).
+    A length that stops changing (a fixed-size workload after a call of another size) is handed back to
+    its exact key after a while (library.SizedRunner.repeats), so it replays as any fixed signature."""
     if layout != "bhsd" or q.dim() != 4 or q.shape[2] > dispatch.DECODE_TOKENS or dispatch.capturing():
         return None
     tk = key[0]
