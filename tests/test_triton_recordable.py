@@ -57,9 +57,11 @@ probe("layer_norm forward", "layer_norm", "forward", (e(x), None, e(mean), e(rst
 probe("layer_norm forward residual no bias", "layer_norm", "forward", (e(x), e(x), e(mean), e(rstd)), (x, res, w, None), (1e-5,))
 probe("layer_norm backward", "layer_norm", "backward", (e(x), e(w), e(b)), (dy, None, x, w, mean, rstd), (1e-5,))
 q, pos = r(1, 1, 32, 128), torch.tensor([[7]], dtype=torch.int32)
-probe("rope forward", "rope", "forward", (e(q),), (q, None, None, None), (2047, 500000.0, False))
-probe("rope forward positions", "rope", "forward", (e(q),), (q, None, None, pos), (0, 10000.0, False))
-probe("rope backward", "rope", "backward", (e(q),), (q, None, None, None), (2047, 500000.0, False))
+probe("rope forward", "rope", "forward", (e(q), None), (q, None, None, None, None), (2047, 500000.0, False))
+probe("rope forward positions", "rope", "forward", (e(q), None), (q, None, None, pos, None), (0, 10000.0, False))
+probe("rope backward", "rope", "backward", (e(q), None), (q, None, None, None, None), (2047, 500000.0, False))
+kq = r(1, 1, 8, 128)
+probe("rope forward q+k", "rope", "forward", (e(q), e(kq)), (q, None, None, None, kq), (2047, 500000.0, False))
 qa, kc, vc = r(2, 32, 1, 128), r(2, 8, 1000, 128), r(2, 8, 1000, 128)
 kv_len = torch.tensor([999, 517], dtype=torch.int32)
 o, lse = e(qa), torch.empty(2, 32, 1)
@@ -84,6 +86,7 @@ REPLAYABLE = [
     "rope forward",
     "rope forward positions",
     "rope backward",
+    "rope forward q+k",
     "attention decode kv_len",
     "attention decode cache view",
     "reduce_sum",
