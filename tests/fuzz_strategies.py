@@ -471,6 +471,8 @@ def rope(draw, prof: Profile, device: str) -> Case:
         kwargs["cos"] = place(torch.cos(ang).to(tdt).to(device), tl)
         kwargs["sin"] = place(torch.sin(ang).to(tdt).to(device), tl)
         m.parts.append(f"cos/sin=[{rows}, {half}] {_name(tdt)} {tl!r}")
+    if draw(one_in(3)):  # q and k in one call: k with its own head count and layout
+        kwargs["k"] = m.randn("k", (b, s, draw(size(5)), 2 * half), dtype, draw(layouts(4)))
     m.note(start_pos=start, theta=theta, interleaved=kwargs["interleaved"])
     return Case("rope", (x,), kwargs, dtype, " ".join(m.parts), {"shape": shape, "tables": tables})
 

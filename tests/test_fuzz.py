@@ -112,30 +112,33 @@ def _rope_far(case: Case, phase: str, backend: str, device: str, err: torch.Tens
     The oracle's float64 angles are then not what any fp32 kernel can produce, so: (1) the elements
     whose pair's angle error is under a quarter of the tolerance match the oracle to the usual
     tolerance; (2) every pair keeps its 2-norm (the output is a rotation of the input: a wrong index,
-    a lost sign or an unwritten element changes it).
+    a lost sign or an unwritten element changes it). With k (q and k in one call) both outputs are checked.
     """
-    x, kw = case.args[0], case.kwargs
+    x, kw = case.args[0], dict(case.kwargs)
+    k = kw.pop("k", None)
     tol = rtol("rope", case.dtype, phase)
     repro = f"{case!r} {phase} backend={backend}"
+    ins = [x] if k is None else [x, k]
     if phase == "forward":
         with fusekit.poisoned():
-            got = ops.rope(x, **kw, backend=backend)
-        want, src = module("rope").oracle(x, **kw)[0], x
+            got = ops.rope(x, k, **kw, backend=backend)
+        got = [got] if k is None else list(got)
+        want = list(module("rope").oracle(x, **kw, k=k))
+        srcs = ins
     else:
-        xl = x.detach().requires_grad_()
+        leaves = [t.detach().requires_grad_() for t in ins]
         with fusekit.poisoned():
-            y = ops.rope(xl, **kw, backend=backend)
+            ys = ops.rope(*leaves, **kw, backend=backend)
+        ys = [ys] if k is None else list(ys)
         torch.manual_seed(_seed(case))
-        src = torch.randn((*y.shape, 2), device=device).to(y.dtype)[..., 0]  # strided output grad
+        srcs = [torch.randn((*y.shape, 2), device=device).to(y.dtype)[..., 0] for y in ys]  # strided grads
         with fusekit.poisoned():
-            (got,) = torch.autograd.grad(y, xl, src)
-        x64 = x.detach().to(F64).requires_grad_()
-        (want,) = torch.autograd.grad(module("rope").oracle(x64, **kw)[0], x64, src.to(F64))
-    assert got.dtype == x.dtype and got.shape == x.shape, repro
+            got = list(torch.autograd.grad(ys, leaves, srcs))
+        x64 = [t.detach().to(F64).requires_grad_() for t in ins]
+        outs64 = module("rope").oracle(x64[0], **kw, k=None if k is None else x64[1])
+        want = list(torch.autograd.grad(list(outs64), x64, [g.to(F64) for g in srcs]))
     d = x.shape[-1]
     pair = torch.arange(d) // 2 if kw["interleaved"] else torch.arange(d) % (d // 2)
-    near = (err <= tol / 4)[:, pair].to(device)[None, :, None, :].expand(x.shape)
-    assert_close(f"rope.{phase}[exact angles]", got[near], want[near], tol, repro)
 
     def norms(t: torch.Tensor) -> torch.Tensor:
         t = t.to(F64)
@@ -143,7 +146,11 @@ def _rope_far(case: Case, phase: str, backend: str, device: str, err: torch.Tens
             return t.unflatten(-1, (d // 2, 2)).norm(dim=-1)
         return torch.stack((t[..., : d // 2], t[..., d // 2 :]), dim=-1).norm(dim=-1)
 
-    assert_close(f"rope.{phase}|pair|", norms(got), norms(src), tol, repro)
+    for name, t, g, w, src in zip(("x", "k"), ins, got, want, srcs):
+        assert g.dtype == t.dtype and g.shape == t.shape, repro
+        near = (err <= tol / 4)[:, pair].to(device)[None, :, None, :].expand(t.shape)
+        assert_close(f"rope.{phase}.{name}[exact angles]", g[near], w[near], tol, repro)
+        assert_close(f"rope.{phase}.{name}|pair|", norms(g), norms(src), tol, repro)
     event("rope: fp32 angles past the tolerance (exact-angle pairs + pair norms)")
 
 

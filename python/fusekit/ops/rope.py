@@ -300,10 +300,10 @@ def rope(
         x = C.tensor("x", x, C.ANY_FLOAT, ndim=4)
         if bhsd:
             x = x.transpose(1, 2)
+        _check(x, start_pos, cos, sin, positions is not None)
         if k is not None:
             k = C.tensor("k", k, C.ANY_FLOAT, ndim=4)
             k = _check_k(k.transpose(1, 2) if bhsd else k, x)
-        _check(x, start_pos, cos, sin, positions is not None)
         positions = _positions(positions, x, start_pos, None if cos is None else cos.shape[0])
         C.backend_name(backend)
     else:  # as _positions makes them: contiguous int32 [B, S]
