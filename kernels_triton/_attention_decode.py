@@ -40,7 +40,7 @@ splits. Measured on the H200 (132 SMs, bf16, kernel time with the L2 flushed; SD
 it): the split sweep's best count is the one that fills the SMs in one wave: B1 H32/8 D128 Skv 8192 16
 splits 22.3 us (SDPA 22.7; the first model's 33 splits: 23.3), Skv 32768 50.4 (50.3; 33: 51.4), H32/32 4
 splits 138.8 (138.5; 9: 151.9), B8 Skv 8192 2 splits 80.6 (79.8; 5: 86.0), B32 Skv 2048 1 split 76.8
-(76.0; 2: 90.6), B32 Skv 8192 254.0 (252.2, 99.6% of the KV-read floor; 2: 290.2).
+(76.0; 2: 90.6), B32 Skv 8192 254.0 (252.2; 2: 290.2), where both stream at ~99% of the KV-read floor.
 """
 
 from __future__ import annotations
