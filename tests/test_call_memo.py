@@ -211,12 +211,12 @@ def test_a_length_that_stops_growing_gets_its_own_runner(monkeypatch: pytest.Mon
     g = torch.Generator().manual_seed(6)
     q = torch.randn(1, 4, 1, 16, generator=g)
     cache = torch.randn(1, 2, 200, 16, generator=g)
-    layers = 6
     with torch.no_grad():
-        for n in range(20, 120):  # 100 steps x 6 layers: never promoted
-            k = cache[:, :, :n].contiguous()
-            for _ in range(layers):
-                ops.attention(q, k, k, backend="torch")
+        for layers in (6, 126):  # a small model, then one as deep as Llama-3.1-405B
+            for n in range(20, 30):  # 10 decode steps: never promoted
+                k = cache[:, :, :n].contiguous()
+                for _ in range(layers):
+                    ops.attention(q, k, k, backend="torch")
         assert len(checked) == 1
         k = cache[:, :, :150].contiguous()
         want = ops.attention(q, k, k, backend="torch")

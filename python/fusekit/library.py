@@ -282,12 +282,13 @@ class SizedRunner(Runner):
 
     A growing KV cache calls it with one size per decode step, as many times in a row as the model has
     layers, then never again with that size. A size repeated far longer than any earlier run of one size
-    (and at least PROMOTE_RUN calls) is a fixed-size workload that reached this runner after a call of
-    another size (a benchmark, a sliding window): `repeats(size)` then says True once, and the caller
-    takes the checked path for that call, which gives the exact signature its own, replaying, runner."""
+    (and more than PROMOTE_RUN calls: past any model's layer count, so a deep model's decode step is never
+    mistaken for it) is a fixed-size workload that reached this runner after a call of another size (a
+    benchmark, a sliding window): `repeats(size)` then says True once, and the caller takes the checked
+    path for that call, which gives the exact signature its own, replaying, runner."""
 
     __slots__ = ("last", "longest", "run")
-    PROMOTE_RUN = 64
+    PROMOTE_RUN = 256
 
     def __init__(self, spec: OpSpec, plan: _Plan) -> None:
         super().__init__(spec, plan)

@@ -295,8 +295,8 @@ def attention(
         o = run(ins)[0]
     else:
         o = library.apply_memo(_MEMO, key, SPEC, ins, (causal, s), backend)[0]
-        if grown is not None and isinstance(checked := _MEMO.get(key), library.Runner):
-            _MEMO[grown] = checked.unreplayed()
+        if grown is not None and grown not in _MEMO and isinstance(checked := _MEMO.get(key), library.Runner):
+            _MEMO[grown] = checked.unreplayed()  # kept on a promotion: its run lengths are the history
     return o.transpose(1, 2) if bshd else o
 
 
