@@ -16,6 +16,7 @@ import fusekit
 from fusekit import backends, dispatch, library, ops
 
 RMS = sys.modules["fusekit.ops.rms_norm"]
+ATT = sys.modules["fusekit.ops.attention"]
 
 
 @pytest.fixture
@@ -30,6 +31,17 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(*a)
 
     monkeypatch.setattr(RMS, "check_norm_inputs", spy)
+    return calls
+
+
+@pytest.fixture
+def attention_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the shape checks attention runs (each checked-path call runs them once); plans cleared."""
+    dispatch.clear_cache()
+    library.clear_plans()
+    calls: list[int] = []
+    real = ATT._check
+    monkeypatch.setattr(ATT, "_check", lambda *a: (calls.append(1), real(*a))[1])
     return calls
 
 
@@ -162,22 +174,12 @@ def test_every_op_memo_path_equals_checked_path(call) -> None:
     assert first.shape == second.shape and torch.equal(first, second)
 
 
-ATT = sys.modules["fusekit.ops.attention"]
-
-
 @pytest.mark.parametrize("view", [False, True], ids=["grown-cat", "cache-view"])
-def test_decode_with_a_growing_kv_cache_is_remembered_once(
-    monkeypatch: pytest.MonkeyPatch, view: bool
-) -> None:
+def test_decode_with_a_growing_kv_cache_is_remembered_once(attention_checks: list[int], view: bool) -> None:
     """A decode step whose KV cache grew by one key (HF DynamicCache: torch.cat; or a preallocated cache
     read as a view) is the same call but Skv: validated and planned once, then every length runs through
     one remembered runner that never replays (a replay would bake the recorded Skv in); results equal a
     fresh checked call at every length."""
-    dispatch.clear_cache()
-    library.clear_plans()
-    checked: list[int] = []
-    real = ATT._check
-    monkeypatch.setattr(ATT, "_check", lambda *a: (checked.append(1), real(*a))[1])
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 1, 16, generator=g)
     cache_k, cache_v = torch.randn(2, 2, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g)
@@ -188,7 +190,9 @@ def test_decode_with_a_growing_kv_cache_is_remembered_once(
             if not view:
                 k, v = k.contiguous(), v.contiguous()
             outs.append((n, k, v, ops.attention(q, k, v, causal=True, backend="torch")))
-        assert len(checked) == 1 and len(ATT._MEMO) == 2  # the first call's exact entry + the grown one
+        assert (
+            len(attention_checks) == 1 and len(ATT._MEMO) == 2
+        )  # the first call's exact entry + the grown one
         grown = next(r for key, r in ATT._MEMO.items() if key[0] == "grown")
         assert grown.plan.replay is None and grown.plan.calls > library._RECORD_TRIES
         for n, k, v, o in outs:  # each length again, each a fresh checked call
@@ -196,18 +200,13 @@ def test_decode_with_a_growing_kv_cache_is_remembered_once(
             ref = ATT.SPEC.reference["forward"](q, k.contiguous(), v.contiguous(), None, True, 0.25)[0]
             assert torch.equal(o, ops.attention(q, k, v, causal=True, backend="torch")), n
             assert torch.allclose(o, ref, rtol=1e-5, atol=1e-6), n
-    assert len(checked) == 1 + len(outs)
+    assert len(attention_checks) == 1 + len(outs)
 
 
-def test_a_length_that_stops_growing_gets_its_own_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_length_that_stops_growing_gets_its_own_runner(attention_checks: list[int]) -> None:
     """Decode steps of a growing cache (L layers per length, then a new length) stay on the grown runner;
     one length repeated far past any earlier run (a fixed-size workload after a call of another size)
     takes the checked path once and then has its own exact, replayable entry; results stay equal."""
-    dispatch.clear_cache()
-    library.clear_plans()
-    checked: list[int] = []
-    real = ATT._check
-    monkeypatch.setattr(ATT, "_check", lambda *a: (checked.append(1), real(*a))[1])
     g = torch.Generator().manual_seed(6)
     q = torch.randn(1, 4, 1, 16, generator=g)
     cache = torch.randn(1, 2, 200, 16, generator=g)
@@ -217,12 +216,12 @@ def test_a_length_that_stops_growing_gets_its_own_runner(monkeypatch: pytest.Mon
                 k = cache[:, :, :n].contiguous()
                 for _ in range(layers):
                     ops.attention(q, k, k, backend="torch")
-        assert len(checked) == 1
+        assert len(attention_checks) == 1
         k = cache[:, :, :150].contiguous()
         want = ops.attention(q, k, k, backend="torch")
         runs = library.SizedRunner.PROMOTE_RUN + 5
         outs = [ops.attention(q, k, k, backend="torch") for _ in range(runs)]
-    assert len(checked) == 2  # the promotion: one checked call, then the exact entry
+    assert len(attention_checks) == 2  # the promotion: one checked call, then the exact entry
     exact = [r for key, r in ATT._MEMO.items() if key[0] != "grown" and key[0][1][1][2] == 150]
     assert len(exact) == 1 and type(exact[0]) is library.Runner
     assert all(torch.equal(o, want) for o in outs)

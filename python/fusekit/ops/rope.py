@@ -220,9 +220,12 @@ def _half_table(name: str, tab: Tensor, d: int, interleaved: bool) -> Tensor:
     return a
 
 
-def _check_k(k: object, x: Tensor) -> Tensor:
-    """k beside x: [B, S, Hk, D] (x's B, S, D and dtype, any head count), on x's device."""
+def _check_k(k: object, x: Tensor, bhsd: bool) -> Tensor:
+    """k beside x ([B, S, H, D] after the layout's transpose): [B, S, Hk, D] in the same terms (x's B, S, D
+    and dtype, any head count), on x's device."""
     k = C.tensor("k", k, C.ANY_FLOAT, ndim=4)
+    if bhsd:
+        k = k.transpose(1, 2)
     C.same_device("k", k, "x", x)
     if k.dtype != x.dtype:
         raise ValueError(f"k: dtype {C.names((k.dtype,))} differs from x's {C.names((x.dtype,))}")
@@ -246,7 +249,7 @@ def rope(
     positions: Tensor | None = None,
     layout: str = "bshd",
     backend: str = "auto",
-) -> Tensor:
+) -> Tensor | tuple[Tensor, Tensor]:
     """Rotary position embedding of x [B, S, H, D] (D even), same dtype out; with `k`, of x and k in one
     launch: `q, k = rope(q, k, ...)` as HF's apply_rotary_pos_emb(q, k, cos, sin) and Liger's
     liger_rotary_pos_emb (k [B, S, Hk, D]: x's batch, sequence, head dim and dtype, any head count, the
@@ -302,8 +305,7 @@ def rope(
             x = x.transpose(1, 2)
         _check(x, start_pos, cos, sin, positions is not None)
         if k is not None:
-            k = C.tensor("k", k, C.ANY_FLOAT, ndim=4)
-            k = _check_k(k.transpose(1, 2) if bhsd else k, x)
+            k = _check_k(k, x, bhsd)
         positions = _positions(positions, x, start_pos, None if cos is None else cos.shape[0])
         C.backend_name(backend)
     else:  # as _positions makes them: contiguous int32 [B, S]
