@@ -67,6 +67,26 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device)
 
 
+def _torch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # the current device: the launchers run under on_device(tensor)
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def ensure_tma_allocator() -> None:
+    """Device-side TMA descriptors (tl.make_tensor_descriptor) need Triton's global scratch allocator (128 B
+    per descriptor per program); install one on torch's caching allocator unless the user has set one."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except Exception:
+        pass
+    import triton
+
+    triton.set_allocator(_torch_alloc)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -50,6 +50,7 @@ from kernels_triton._config import is_hip, is_interpreter, on_device
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 from kernels_triton.attention_backward import (
+    BwdTile,
     Tile,
     _union,
     aot_specs_backward,
@@ -305,7 +306,7 @@ def backward(
     causal: bool,
     scale: float = _LEGACY,  # type: ignore[assignment]
     *,
-    _config: tuple[Tile, Tile] | None = None,
+    _config: tuple[BwdTile, BwdTile] | None = None,
 ) -> None:
     """dq [B, H, S, D], dk/dv [B, Hkv, Skv, D] of attention from the forward's o and lse (FlashAttention-2,
     deterministic: GQA groups are summed inside one program per kv block, no atomics). Writes all three.

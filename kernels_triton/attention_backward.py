@@ -45,8 +45,10 @@ Tile choice (the tables below): the dk/dv program holds two fp32 accumulators of
 one of BLOCK_M x D, plus the BLOCK_M x BLOCK_N score and dp tiles; on sm_90 a thread has at most 255
 registers, so at 8 warps (256 threads) 2 x 128 x 128 fp32 accumulators already take 128 of them. Hence
 BLOCK_N(keys) x D <= 16 K elements at 8 warps for dk/dv and query steps of 32/64 rows (the score tile stays
-small); for dq, a 128 x D accumulator up to D = 128 with 64-key steps. Each table lists the AOT-checked
-candidates (no spills on sm_90); the autotuner picks per (head dim, causal, dtype, S bucket, Skv bucket).
+small); for dq, a 128 x D accumulator up to D = 128 with 64-key steps. On sm_90 each kernel also has a TMA
+variant (constexpr TMA): k/v, q/do and the dk/dv/dq stores go through tensor descriptors built on the device,
+which frees the per-element address registers of pointer loads and lets larger tiles run; the autotuner picks
+among both kinds per (head dim, causal, dtype, S bucket, Skv bucket), measured figures beside the tables.
 """
 
 from __future__ import annotations
@@ -57,56 +59,60 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import div16_attrs, is_hip, is_interpreter, on_device
+from kernels_triton._config import div16_attrs, ensure_tma_allocator, is_hip, is_interpreter, on_device
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 
 _LOG2E = 1.4426950408889634
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim. dk/dv: BLOCK_N keys held, BLOCK_M query
-# rows per step. dq: BLOCK_M query rows held, BLOCK_N keys per step. First entry = default.
+# rows per step. dq: BLOCK_M query rows held, BLOCK_N keys per step. A backward tile may carry a fifth
+# element, True: the kernel loads through TMA descriptors (sm_90+, 16-byte aligned tensors and strides; see
+# `_tma_ok`). First entry = default; the autotuner picks among the entries per (head dim, causal, dtype,
+# S bucket, Skv bucket).
 Tile = tuple[int, int, int, int]
-# Hopper (sm_90). Only tiles that compile without spills for sm_90 (AOT, Triton 3.9) are listed. Measured on
-# the H200 (Triton 3.6, bf16 B4 S4096, H32 at D64/D128, H16 at D256; TFLOP/s of the kernel's own matmuls,
-# 4 for dk/dv and 3 for dq, non-causal / causal; "spills" = Triton 3.6's count on the device):
-#   dk/dv D64 : 64x64 w4 s3 494/433; 64x64 w4 s2 447/417; 64x128 w8 s3 409/371 (none spills).
-#   dk/dv D128: 32x64 w4 s2 463/454 (3.6: 2/10 spills); 32x128 w8 s2 428/416 (3.6: 0/2).
-#               Faster but spilling on sm_90 (not listed): 64x128 w8 s3 560/509, 64x64 w4 s2 556/514,
-#               64x128 w8 s2 535/496 (AOT stack 56-144 B). Two fp32 accumulators of BLOCK_N x 128 per
-#               warpgroup are 128 registers a thread, and the 64-wide score/dp tiles push past 255.
-#   dk/dv D256: 64x32 w8 s2 184/187 (146 regs). Spilling (not listed): 64x32 w4 s2 312/287, 64x64 w8 s2
-#               297/296. 8-warp tiles with 64 keys split the wgmma N dimension and run at ~240.
-#   dq    D64 : 128x64 w8 s3 604/453; 64x64 w4 s3 558/517.   D128: 128x64 w8 s3 576/557; 64x64 w4 s2 570/483.
-#   dq    D256: 128x32 w8 s2 447/438 (3.6: 0/2 spills). Spilling (not listed): 64x64 w4 s2 496/462.
-# Whole forward + backward (autotuned, these tables) against torch SDPA on the same H200 (torch 2.11, whose
-# SDPA runs 618-648 TFLOP/s forward and ~510 backward at D128), SDPA time / ours, non-causal / causal:
-#   D128 H32: 0.72 / 0.76 (10.0 vs 7.2 ms; 5.35 vs 4.07 ms); D128 GQA 32/8: 0.71 / 0.77;
-#   D64: 0.85 / 0.85;  D256 H16: 0.50 / 0.54.
-# With the spilling D128 dk/dv tiles it was 0.76 / 0.80. The 7-matmul deterministic design is the gap: SDPA's
-# backward issues 5 matmuls with dq atomics, so even at SDPA's per-matmul rate this one stays near 0.8x.
-_CUDA_DKDV: dict[int, list[Tile]] = {
-    64: [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 3)],
-    128: [(32, 64, 4, 2), (32, 128, 8, 2)],
-    256: [(64, 32, 8, 2)],
+BwdTile = tuple[int, int, int, int] | tuple[int, int, int, int, bool]
+# Hopper (sm_90), measured on the H200 (Triton 3.6, bf16, B4 S=Skv=4096, H32 at D64/D128, H16 at D256; kernel
+# time with the L2 flushed, non-causal / causal where both were run; "spills" = Triton 3.6's count):
+#   dk/dv D64 : TMA 64x64 w4 s3 2169 us; 32x128 w4 s3 TMA 2380; pointer 64x64 w4 s3 2429 (the old default).
+#   dk/dv D128: TMA 64x64 w4 s2 4090 / 2216 (2-4 spills); TMA 64x128 w8 s3 4071 / 2398 (2-22); pointer
+#               32x64 w4 s3 4337 / 2419 (0); pointer 32x64 w4 s2 4887 / 2482 (the old default).
+#   dk/dv D256: TMA 64x64 w8 s2 6728 (4 spills); TMA 32x64 w8 s2 9469; pointer 64x32 w8 s2 12142 (old).
+#   dq    D64 : TMA 128x64 w8 s3 1458; pointer 128x64 w8 s3 1484; TMA 64x64 w4 s3 1544.
+#   dq    D128: TMA 128x32 w8 s3 2906 / 2034; TMA 128x64 w8 s3 3006 / 1700; pointer 128x64 w8 s3 3362 / 1595;
+#               pointer 64x64 w4 s2 3670 / 1607.
+#   dq    D256: TMA 64x64 w4 s2 3161; TMA 128x32 w8 s2 3724; pointer 128x32 w8 s2 4900 (old).
+# Register pressure is what these tiles trade: the dk/dv program holds two fp32 BLOCK_N x D accumulators;
+# pointer loads also hold a 64-bit address per element they fetch, which TMA loads do not, so the TMA
+# variants run larger tiles at a few spilled registers (measured faster than the spill-free pointer tiles).
+# Not taken, measured on the same H200 (D128, B4 H32 S4096): FlashAttention-2's 5-matmul backward, dq
+# accumulated in fp32 with atomics from the dk/dv program (TMA reduce-add or red.global), zero + kernel +
+# cast: 8304 us non-causal / 4614 causal at its best tile (64x128 w8 s3, 46-76 spills) against 7000 / 3800
+# for the two deterministic kernels here: the fifth accumulator spills more than the two extra matmuls cost,
+# and it would make dq's bits vary run to run.
+_CUDA_DKDV: dict[int, list[BwdTile]] = {
+    64: [(64, 64, 4, 3), (64, 64, 4, 3, True), (32, 128, 4, 3, True)],
+    128: [(32, 64, 4, 3), (64, 64, 4, 2, True), (64, 128, 8, 3, True)],
+    256: [(64, 32, 8, 2), (64, 64, 8, 2, True), (32, 64, 8, 2, True)],
 }
-_CUDA_DQ: dict[int, list[Tile]] = {
-    64: [(128, 64, 8, 3), (64, 64, 4, 3)],
-    128: [(128, 64, 8, 3), (64, 64, 4, 2)],
-    256: [(128, 32, 8, 2)],
+_CUDA_DQ: dict[int, list[BwdTile]] = {
+    64: [(128, 64, 8, 3), (128, 64, 8, 3, True), (64, 64, 4, 3, True)],
+    128: [(128, 64, 8, 3), (128, 32, 8, 3, True), (128, 64, 8, 3, True)],
+    256: [(128, 32, 8, 2), (64, 64, 4, 2, True), (128, 32, 8, 2, True)],
 }
 # CDNA (gfx942): 64-wide waves, 64 KB of LDS: K/V (dk/dv) or Q/dO (dq) blocks must fit it with the streamed
 # tiles; single-buffered (stream pipeliner). Not measured on an MI300 yet.
-_HIP_DKDV: dict[int, list[Tile]] = {
+_HIP_DKDV: dict[int, list[BwdTile]] = {
     64: [(32, 64, 4, 1)],
     128: [(32, 64, 4, 1)],
     256: [(16, 32, 4, 1)],
 }
-_HIP_DQ: dict[int, list[Tile]] = {
+_HIP_DQ: dict[int, list[BwdTile]] = {
     64: [(64, 32, 4, 1)],
     128: [(64, 32, 4, 1)],
     256: [(32, 32, 4, 1)],
 }
-_INTERP_TILES: tuple[Tile, Tile] = ((16, 16, 1, 1), (16, 16, 1, 1))  # the CPU interpreter: small is fastest
+_INTERP_TILES: tuple[BwdTile, BwdTile] = ((16, 16, 1, 1), (16, 16, 1, 1))  # the interpreter: small is fastest
 
 
 def _preprocess_rows(head_dim: int) -> int:
@@ -137,34 +143,49 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_ptr, do_ptr, lse2_ptr, delta_ptr, row0, m, offs_n, offs_d, S, diag, qk_scale,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr, row0, m, offs_n, offs_d, S, diag,
+    qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One query block [m, m + BLOCK_M) of the query head whose first row is `row0` (int64) into dk, dv.
 
     Computed transposed (keys as rows) so dk, dv accumulate as [BLOCK_N, D] without transposing the products:
     s^T = k q^T, p^T = exp2(s^T * c - lse2), dv += p^T do, dp^T = v do^T, ds^T = p^T (dp^T - delta),
-    dk += ds^T q (the scale is applied once at the end)."""
+    dk += ds^T q (the scale is applied once at the end). TMA: q and do come through [rows, D] descriptors
+    over every head; rows of a tail block past S (the next head's, or zero-filled past the end) are zeroed,
+    so they contribute exactly what the pointer path's masked loads (0) do."""
     offs_m = m + tl.arange(0, BLOCK_M)
     rows = row0 + offs_m
-    ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    if TMA:
+        q = q_desc.load([(row0 + m).to(tl.int32), 0])
+    else:
+        ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
     if MASK:
         in_s = offs_m < S
-        q = tl.load(q_ptr + ptrs, mask=in_s[:, None], other=0.0)
+        if TMA:
+            q = tl.where(in_s[:, None], q, 0.0)
+        else:
+            q = tl.load(q_ptr + ptrs, mask=in_s[:, None], other=0.0)
         lse2 = tl.load(lse2_ptr + rows, mask=in_s, other=float("inf"))
     else:
-        q = tl.load(q_ptr + ptrs)
+        if not TMA:
+            q = tl.load(q_ptr + ptrs)
         lse2 = tl.load(lse2_ptr + rows)
     st = dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
     pt = tl.math.exp2(st * qk_scale - lse2[None, :])
+    if TMA:
+        do = do_desc.load([(row0 + m).to(tl.int32), 0])
     if MASK:
-        do = tl.load(do_ptr + ptrs, mask=in_s[:, None], other=0.0)
+        if TMA:
+            do = tl.where(in_s[:, None], do, 0.0)
+        else:
+            do = tl.load(do_ptr + ptrs, mask=in_s[:, None], other=0.0)
         delta = tl.load(delta_ptr + rows, mask=in_s, other=0.0)
         if CAUSAL:  # rows past S need no mask: lse2 = +inf there makes p exactly 0
             pt = tl.where(offs_n[:, None] - offs_m[None, :] <= diag, pt, 0.0)
     else:
-        do = tl.load(do_ptr + ptrs)
+        if not TMA:
+            do = tl.load(do_ptr + ptrs)
         delta = tl.load(delta_ptr + rows)
     # dp^T and ds^T before the two accumulating products: p^T in fp32 dies before they are issued, so the
     # registers it held are free while their wgmmas run (sm_90: the fast tiles sit at the 255-register limit).
@@ -181,7 +202,7 @@ def _bwd_dkdv_kernel(
     sm_scale, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len,
     S_BUCKET, SKV_BUCKET,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
     # S_BUCKET / SKV_BUCKET are unused here: they exist so the autotuner can key on bucketed lengths.
     n0 = tl.program_id(0) * BLOCK_N
@@ -194,17 +215,33 @@ def _bwd_dkdv_kernel(
         L = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), SKV)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    # k/v through their strides (a cache view; int64: key * stride can pass 2^31); dk/dv are contiguous
-    k_ptrs = k_ptr + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
-    k_ptrs = k_ptrs + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = v_ptr + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
-    v_ptrs = v_ptrs + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :]
-    kv_ptrs = (bhkv.to(tl.int64) * SKV + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
     in_l = (offs_n < L)[:, None]
+    kv_base = bhkv.to(tl.int64) * SKV * HEAD_DIM  # dk/dv are contiguous [B, Hkv, Skv, D]
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
     # Keys past L load as 0 (never read: a cache may hold anything there). Each key row of dk/dv accumulates
     # on its own, so the steps need no key mask: rows past L are zeroed before the store.
-    k = tl.load(k_ptrs, mask=in_l, other=0.0)
-    v = tl.load(v_ptrs, mask=in_l, other=0.0)
+    if TMA:
+        # k/v: this sequence's first L keys through their strides (TMA zero-fills rows past L; a descriptor
+        # needs a dimension of at least 1, and with L = 0 no step runs). q/do: one [rows, D] descriptor over
+        # every head of this launch (TMA coordinates are int32: the launcher checks rows < 2^31).
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(L, 1), HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(L, 1), HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
+        n_rows = (tl.num_programs(1) // HKV) * H * S
+        q_desc = tl.make_tensor_descriptor(q_ptr, shape=[n_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
+        do_desc = tl.make_tensor_descriptor(do_ptr, shape=[n_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                            block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
+        k = k_desc.load([n0, 0])
+        v = v_desc.load([n0, 0])
+    else:
+        q_desc = q_ptr  # unused
+        do_desc = do_ptr
+        # k/v through their strides (a cache view; int64: key * stride can pass 2^31)
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=in_l, other=0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=in_l, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -232,48 +269,63 @@ def _bwd_dkdv_kernel(
     for it in range(0, group * n_u):
         g = it // n_u
         m = m_full + (it - g * n_u) * BLOCK_M
-        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse2_ptr, delta_ptr, (head0 + g) * S, m, offs_n,
-                            offs_d, S, diag, qk_scale, HEAD_DIM, CAUSAL, IEEE, False, BLOCK_M, BLOCK_N)  # fmt: skip
+        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr, (head0 + g) * S,
+                            m, offs_n, offs_d, S, diag, qk_scale, HEAD_DIM, CAUSAL, IEEE, False, BLOCK_M,
+                            BLOCK_N, TMA)  # fmt: skip
     for it in range(0, group * n_mask):
         g = it // n_mask
         j = it - g * n_mask
         m = tl.where(j < n_diag, m_lo + j * BLOCK_M, u_end + (j - n_diag) * BLOCK_M)
-        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse2_ptr, delta_ptr, (head0 + g) * S, m, offs_n,
-                            offs_d, S, diag, qk_scale, HEAD_DIM, CAUSAL, IEEE, True, BLOCK_M, BLOCK_N)  # fmt: skip
+        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr, (head0 + g) * S,
+                            m, offs_n, offs_d, S, diag, qk_scale, HEAD_DIM, CAUSAL, IEEE, True, BLOCK_M,
+                            BLOCK_N, TMA)  # fmt: skip
 
-    in_kv = (offs_n < SKV)[:, None]
     dk = tl.where(in_l, dk, 0.0)  # keys past L: zero gradient, whatever the unmasked steps collected
     dv = tl.where(in_l, dv, 0.0)
-    tl.store(dk_ptr + kv_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=in_kv)
-    tl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=in_kv)
+    if TMA:  # the store clips rows past SKV
+        dk_desc = tl.make_tensor_descriptor(dk_ptr + kv_base, shape=[SKV, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                            block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
+        dv_desc = tl.make_tensor_descriptor(dv_ptr + kv_base, shape=[SKV, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                            block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
+        dk_desc.store([n0, 0], (dk * sm_scale).to(dk_ptr.dtype.element_ty))
+        dv_desc.store([n0, 0], dv.to(dv_ptr.dtype.element_ty))
+    else:
+        kv_ptrs = kv_base + offs_n.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+        in_kv = (offs_n < SKV)[:, None]
+        tl.store(dk_ptr + kv_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=in_kv)
+        tl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=in_kv)
 
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse2, delta, k_base, v_base, kt_offs, vt_offs, skn, svn, n, offs_m, L, diag, qk_scale,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, kt_offs, vt_offs, skn, svn, n, offs_m, L, diag,
+    qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """One key block [n, n + BLOCK_N) into dq: p = exp2(q k^T * c - lse2), dp = do v^T, dq += p (dp - delta) k."""
+    """One key block [n, n + BLOCK_N) into dq: p = exp2(q k^T * c - lse2), dp = do v^T, dq += p (dp - delta) k.
+
+    Pointer path: k^T, v^T as [HEAD_DIM, BLOCK_N] views of the key rows (K-major B operands), by strides;
+    keys past L masked to 0. TMA: [BLOCK_N, HEAD_DIM] key rows, zero-filled past L by the descriptor."""
     offs_n = n + tl.arange(0, BLOCK_N)
-    # k^T, v^T as [HEAD_DIM, BLOCK_N] views of the [L, HEAD_DIM] key rows (K-major B operands), by strides
-    k_ptrs = k_base + n * skn + kt_offs
-    v_ptrs = v_base + n * svn + vt_offs
-    if MASK:
-        in_kv = offs_n < L
-        kt = tl.load(k_ptrs, mask=in_kv[None, :], other=0.0)
+    if TMA:
+        kt = tl.trans(k_desc.load([n, 0]))
+    elif MASK:
+        kt = tl.load(k_base + n * skn + kt_offs, mask=(offs_n < L)[None, :], other=0.0)
     else:
-        kt = tl.load(k_ptrs)
+        kt = tl.load(k_base + n * skn + kt_offs)
     s = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASK:
-        valid = in_kv[None, :]
+        valid = (offs_n < L)[None, :]
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
         p = tl.where(valid, p, 0.0)
-        vt = tl.load(v_ptrs, mask=in_kv[None, :], other=0.0)
+    if TMA:
+        vt = tl.trans(v_desc.load([n, 0]))
+    elif MASK:
+        vt = tl.load(v_base + n * svn + vt_offs, mask=(offs_n < L)[None, :], other=0.0)
     else:
-        vt = tl.load(v_ptrs)
+        vt = tl.load(v_base + n * svn + vt_offs)
     dp = dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
     ds = p * (dp - delta[:, None])
     return dot(ds.to(kt.dtype), tl.trans(kt), dq, IEEE)
@@ -285,7 +337,7 @@ def _bwd_dq_kernel(
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len,
     S_BUCKET, SKV_BUCKET,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -299,15 +351,31 @@ def _bwd_dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     in_s = offs_m < S
     rows = bh.to(tl.int64) * S + offs_m
-    ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
-    # Rows past S load q = do = 0 and lse2 = +inf: p = 0 there, so the unmasked steps need no row mask.
-    q = tl.load(q_ptr + ptrs, mask=in_s[:, None], other=0.0)
-    do = tl.load(do_ptr + ptrs, mask=in_s[:, None], other=0.0)
-    lse2 = tl.load(lse2_ptr + rows, mask=in_s, other=float("inf"))
-    delta = tl.load(delta_ptr + rows, mask=in_s, other=0.0)
+    q_base = bh.to(tl.int64) * S * HEAD_DIM
     # k/v through their strides (a cache view): int64 block offsets, int32 offsets within a tile
     k_base = k_ptr + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    # Rows past S load q = do = 0 and lse2 = +inf: p = 0 there, so the unmasked steps need no row mask.
+    if TMA:
+        # this head's [S, D] rows (zero-filled past S, the store clips there) and the first L keys
+        q_desc = tl.make_tensor_descriptor(q_ptr + q_base, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
+        do_desc = tl.make_tensor_descriptor(do_ptr + q_base, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                            block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(L, 1), HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(L, 1), HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
+        q = q_desc.load([m0, 0])
+        do = do_desc.load([m0, 0])
+    else:
+        k_desc = k_ptr  # unused
+        v_desc = v_ptr
+        ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+        q = tl.load(q_ptr + ptrs, mask=in_s[:, None], other=0.0)
+        do = tl.load(do_ptr + ptrs, mask=in_s[:, None], other=0.0)
+    lse2 = tl.load(lse2_ptr + rows, mask=in_s, other=float("inf"))
+    delta = tl.load(delta_ptr + rows, mask=in_s, other=0.0)
     kt_offs = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]
     vt_offs = tl.arange(0, BLOCK_N)[None, :] * stride_vn + offs_d[:, None]
     skn = stride_kn.to(tl.int64)
@@ -324,34 +392,63 @@ def _bwd_dq_kernel(
         full_end = (L // BLOCK_N) * BLOCK_N
     for n in range(0, full_end, BLOCK_N):
         n = tl.multiple_of(n, BLOCK_N)
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, kt_offs, vt_offs, skn, svn, n, offs_m, L, diag,
-                      qk_scale, HEAD_DIM, CAUSAL, IEEE, False, BLOCK_M, BLOCK_N)  # fmt: skip
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, kt_offs, vt_offs, skn, svn, n,
+                      offs_m, L, diag, qk_scale, HEAD_DIM, CAUSAL, IEEE, False, BLOCK_M, BLOCK_N, TMA)  # fmt: skip
     for n in range(full_end, hi, BLOCK_N):
         n = tl.multiple_of(n, BLOCK_N)
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, kt_offs, vt_offs, skn, svn, n, offs_m, L, diag,
-                      qk_scale, HEAD_DIM, CAUSAL, IEEE, True, BLOCK_M, BLOCK_N)  # fmt: skip
-    tl.store(dq_ptr + ptrs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=in_s[:, None])
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, kt_offs, vt_offs, skn, svn, n,
+                      offs_m, L, diag, qk_scale, HEAD_DIM, CAUSAL, IEEE, True, BLOCK_M, BLOCK_N, TMA)  # fmt: skip
+    out = (dq * sm_scale).to(dq_ptr.dtype.element_ty)
+    if TMA:
+        dq_desc = tl.make_tensor_descriptor(dq_ptr + q_base, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                            block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
+        dq_desc.store([m0, 0], out)
+    else:
+        tl.store(dq_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=in_s[:, None])
 
 
 # ------------------------------------------------------------------------------------------------ launch
-def _configs(table: dict[int, list[Tile]], head_dim: int) -> list[triton.Config]:
+def _tma(tile: BwdTile) -> bool:
+    return len(tile) > 4 and bool(tile[4])
+
+
+def _configs(table: dict[int, list[BwdTile]], head_dim: int, tma_ok: bool) -> list[triton.Config]:
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-        for m, n, w, s in table[head_dim]
+        triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "TMA": _tma(t)}, num_warps=t[2], num_stages=t[3])
+        for t in table[head_dim]
+        if tma_ok or not _tma(t)
     ]
 
 
 @functools.cache
-def _tuned_dkdv(head_dim: int):
-    cfgs = _configs(_HIP_DKDV if is_hip() else _CUDA_DKDV, head_dim)
+def _tuned_dkdv(head_dim: int, tma_ok: bool):
+    cfgs = _configs(_HIP_DKDV if is_hip() else _CUDA_DKDV, head_dim, tma_ok)
     # Outputs are fully overwritten by every run (no accumulation into dk/dv), so re-runs while tuning are safe.
     return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dkdv_kernel))
 
 
 @functools.cache
-def _tuned_dq(head_dim: int):
-    cfgs = _configs(_HIP_DQ if is_hip() else _CUDA_DQ, head_dim)
+def _tuned_dq(head_dim: int, tma_ok: bool):
+    cfgs = _configs(_HIP_DQ if is_hip() else _CUDA_DQ, head_dim, tma_ok)
     return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dq_kernel))
+
+
+def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *outs: torch.Tensor) -> bool:
+    """Whether the TMA variants may run: sm_90+ CUDA (or the interpreter), fp16/bf16, every base address and
+    k/v stride 16-byte aligned (a descriptor's requirement), and the q rows of a launch addressable by int32
+    TMA coordinates."""
+    if is_hip() or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not is_interpreter() and (
+        q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9
+    ):
+        return False
+    per16 = 16 // q.element_size()
+    if any(t.data_ptr() % 16 for t in (q, k, v, *outs)):
+        return False
+    if any(st % per16 for t in (k, v) for st in t.stride()[:3]):
+        return False
+    return q.shape[1] * q.shape[2] * q.shape[0] < 2**31
 
 
 def attention_backward(
@@ -371,11 +468,11 @@ def attention_backward(
     s_bucket: int,
     skv_bucket: int,
     max_grid_y: int,
-    config: tuple[Tile, Tile] | None = None,
+    config: tuple[BwdTile, BwdTile] | None = None,
 ) -> None:
     """Writes dq, dk, dv (shapes validated by the caller; k/v may be strided with a contiguous last dim;
     kv_len: int32 [B] or None). `config` = (dk/dv tile, dq tile), each (BLOCK_M, BLOCK_N, num_warps,
-    num_stages), forces the tiles (tests, benchmarks)."""
+    num_stages[, tma]), forces the tiles (tests, benchmarks); a TMA tile on inputs TMA cannot take raises."""
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     ieee = q.dtype == torch.float32
@@ -383,6 +480,14 @@ def attention_backward(
     delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     forced = config if config is not None else (_INTERP_TILES if is_interpreter() else None)
+    tma_ok = _tma_ok(q, k, v, do, dq, dk, dv)
+    if forced is not None and any(_tma(t) for t in forced) and not tma_ok:
+        raise ValueError(
+            "attention backward: a TMA tile was forced, but TMA needs sm_90+, fp16/bf16 and 16-byte aligned "
+            f"tensors and k/v strides (q {q.dtype} on {q.device}, k strides {tuple(k.stride())})"
+        )
+    if tma_ok and not is_interpreter() and (forced is None or any(_tma(t) for t in forced)):
+        ensure_tma_allocator()
     pre_rows = _preprocess_rows(D)
     strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     # Grid axis 1 (B*H) is limited to 65535: launch in batch slabs (contiguous views), as the forward does.
@@ -400,23 +505,37 @@ def attention_backward(
         kv_args = (q[sl], k[sl], v[sl], do[sl], dk[sl], dv[sl], lse2[sl], delta[sl], *common)
         q_args = (q[sl], k[sl], v[sl], do[sl], dq[sl], lse2[sl], delta[sl], *common)
         kw = {"HEAD_DIM": D, "CAUSAL": bool(causal), "IEEE": ieee}
-        if forced is not None:
-            (bm1, bn1, w1, s1), (bm2, bn2, w2, s2) = forced
-            _bwd_dkdv_kernel[(triton.cdiv(Skv, bn1), nb * Hkv)](
-                *kv_args, **kw, BLOCK_M=bm1, BLOCK_N=bn1, num_warps=w1, num_stages=s1
-            )
-            _bwd_dq_kernel[(triton.cdiv(S, bm2), nb * H)](
-                *q_args, **kw, BLOCK_M=bm2, BLOCK_N=bn2, num_warps=w2, num_stages=s2
-            )
-            continue
         with on_device(q):
-            _tuned_dkdv(D)[lambda m, nb=nb: (triton.cdiv(Skv, m["BLOCK_N"]), nb * Hkv)](*kv_args, **kw)
-            _tuned_dq(D)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]), nb * H)](*q_args, **kw)
+            if forced is not None:
+                t1, t2 = forced
+                _bwd_dkdv_kernel[(triton.cdiv(Skv, t1[1]), nb * Hkv)](
+                    *kv_args,
+                    **kw,
+                    BLOCK_M=t1[0],
+                    BLOCK_N=t1[1],
+                    TMA=_tma(t1),
+                    num_warps=t1[2],
+                    num_stages=t1[3],
+                )
+                _bwd_dq_kernel[(triton.cdiv(S, t2[0]), nb * H)](
+                    *q_args,
+                    **kw,
+                    BLOCK_M=t2[0],
+                    BLOCK_N=t2[1],
+                    TMA=_tma(t2),
+                    num_warps=t2[2],
+                    num_stages=t2[3],
+                )
+                continue
+            _tuned_dkdv(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(Skv, m["BLOCK_N"]), nb * Hkv)](
+                *kv_args, **kw
+            )
+            _tuned_dq(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]), nb * H)](*q_args, **kw)
 
 
 # ------------------------------------------------------------------------------------------------ AOT
-def _union(*tables: dict[int, list[Tile]]) -> dict[int, list[Tile]]:
-    out: dict[int, list[Tile]] = {}
+def _union(*tables: dict[int, list]) -> dict[int, list]:
+    out: dict[int, list] = {}
     for t in tables:
         for d, tiles in t.items():
             out.setdefault(d, [])
@@ -426,7 +545,8 @@ def _union(*tables: dict[int, list[Tile]]) -> dict[int, list[Tile]]:
 
 def aot_specs_backward() -> list[tuple[str, object, dict, dict, dict, dict]]:
     """(name, jit kernel, signature, constexprs, options, attrs) for every backward kernel config the launcher
-    can pick on CUDA or HIP: fp16/bf16 x head dim x causal x (CUDA tiles + HIP tiles), plus the preprocess."""
+    can pick on CUDA or HIP: fp16/bf16 x head dim x causal x (CUDA tiles + HIP tiles, pointer and TMA), plus
+    the preprocess."""
     specs: list[tuple[str, object, dict, dict, dict]] = []
     for dt in ("fp16", "bf16"):
         p = f"*{dt}"
@@ -441,7 +561,7 @@ def aot_specs_backward() -> list[tuple[str, object, dict, dict, dict, dict]]:
                 "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
                 "S_BUCKET": "i32", "SKV_BUCKET": "i32"}  # fmt: skip
         consts = {"HEAD_DIM": "constexpr", "CAUSAL": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr",
-                  "BLOCK_N": "constexpr"}  # fmt: skip
+                  "BLOCK_N": "constexpr", "TMA": "constexpr"}  # fmt: skip
         kv_sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "do_ptr": p, "dk_ptr": p, "dv_ptr": p,
                   "lse2_ptr": "*fp32", "delta_ptr": "*fp32", **ints, **consts}  # fmt: skip
         q_sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "do_ptr": p, "dq_ptr": p, "lse2_ptr": "*fp32",
@@ -452,9 +572,12 @@ def aot_specs_backward() -> list[tuple[str, object, dict, dict, dict, dict]]:
         ):
             for d, tiles in table.items():
                 for causal in (False, True):
-                    for bm, bn, w, s in tiles:
-                        const = {"HEAD_DIM": d, "CAUSAL": causal, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn}
-                        name = f"attn_bwd_{kind}_{dt}_d{d}_c{int(causal)}_{bm}x{bn}_w{w}s{s}"
+                    for t in tiles:
+                        bm, bn, w, s = t[:4]
+                        const = {"HEAD_DIM": d, "CAUSAL": causal, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn,
+                                 "TMA": _tma(t)}  # fmt: skip
+                        tag = "_tma" if _tma(t) else ""
+                        name = f"attn_bwd_{kind}_{dt}_d{d}_c{int(causal)}_{bm}x{bn}_w{w}s{s}{tag}"
                         specs.append((name, fn, sig, const, {"num_warps": w, "num_stages": s}))
     return [(*spec, stride_attrs(spec[2])) for spec in specs]
 

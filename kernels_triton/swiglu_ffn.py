@@ -76,6 +76,7 @@ import triton.language as tl
 from kernels_triton._config import (
     device_index,
     div16_attrs,
+    ensure_tma_allocator,
     is_hip,
     is_interpreter,
     next_pow2,
@@ -871,22 +872,6 @@ def _choose(
     return best
 
 
-def _torch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-def _ensure_allocator() -> None:
-    """Device-side TMA descriptors need a global scratch allocator; install one unless the user has."""
-    try:
-        from triton.runtime import _allocation
-
-        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            return
-    except Exception:
-        pass
-    triton.set_allocator(_torch_alloc)
-
-
 def _launch_gate_up(
     cfg, a, w_gate, w_up, nw, rstd, h, T: int, F: int, D: int, has_norm: bool, ieee: bool, gu=None
 ) -> None:
@@ -908,7 +893,7 @@ def _launch_gate_up(
     bm, bn, bk, g, w, s, _sub, ws = cfg
     sms = num_sms(device_index(a))
     if not is_interpreter():
-        _ensure_allocator()
+        ensure_tma_allocator()
     _gate_up_tma_kernel[(min(sms, triton.cdiv(T, bm) * triton.cdiv(F, bn)),)](
         a, w_gate, w_up, h, gu_t, T, F, D, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g,
         NUM_SMS=sms, FLATTEN=not ws, WARP_SPECIALIZE=ws, SAVE_GU=save, num_warps=w, num_stages=s,
@@ -929,7 +914,7 @@ def _launch_down(cfg, h, w_down, out, T: int, D: int, F: int, ieee: bool) -> Non
     bm, bn, bk, g, w, s, sub, ws = cfg
     sms = num_sms(device_index(h))
     if not is_interpreter():
-        _ensure_allocator()
+        ensure_tma_allocator()
     _matmul_nt_tma_kernel[(min(sms, triton.cdiv(T, bm) * triton.cdiv(D, bn)),)](
         h, w_down, out, T, D, F, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, NUM_SMS=sms,
         FLATTEN=not ws, WARP_SPECIALIZE=ws, SUBTILE=sub, num_warps=w, num_stages=s,

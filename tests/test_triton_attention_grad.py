@@ -158,6 +158,70 @@ def test_backward_forced_tiles(attn, dev, tiles, S, Skv) -> None:
                    bwd_kw={"_config": tiles})  # fmt: skip
 
 
+# TMA variants (sm_90, and Triton's interpreter): descriptor loads zero-fill rows past S and keys past kv_len,
+# stores clip; the q/do descriptor of the dk/dv kernel spans every head, so a tail block's rows past S are the
+# next head's and must be zeroed in the kernel (S = 37, 70, 9: tails in every block).
+TMA_TILES = ((16, 32, 1, 1, True), (32, 16, 1, 1, True))
+PTR_TILES = ((16, 32, 1, 1), (32, 16, 1, 1))
+
+
+def _needs_tma(dev: str) -> None:
+    if dev == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernels need sm_90+")
+
+
+@pytest.mark.parametrize("S,Skv", [(37, 70), (70, 37), (9, 33)], ids=["S<Skv", "S>Skv", "short"])
+def test_backward_tma_tiles(attn, dev, S, Skv) -> None:
+    _needs_tma(dev)
+    q, k, v, do = _inputs(2, 4, 2, S, Skv, 64, torch.float16, dev, seed=S * 3 + Skv)
+    for causal in (True, False):
+        _check_all(attn, q, k, v, do, causal, 0.125, TOL[torch.float16], f"TMA S={S} Skv={Skv} causal={causal}",
+                   bwd_kw={"_config": TMA_TILES})  # fmt: skip
+
+
+def test_backward_tma_cache_view_kv_len(attn, dev) -> None:
+    """TMA tiles on k/v strided views of a cache [B, max_len, Hkv, D] whose slots past kv_len hold NaN: the
+    k/v descriptors span kv_len[b] keys only, so nothing past it is read; the gradients equal the pointer
+    kernels' (which mask those loads) and keys past kv_len get exact zeros."""
+    _needs_tma(dev)
+    B, H, Hkv, S, D, L, max_len = 2, 4, 2, 21, 64, 37, 50
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache = (torch.randn(B, max_len, Hkv, D, generator=g) for _ in "kv")
+    for c in (k_cache, v_cache):
+        c[0, L:] = NAN
+        c[1, 20:] = NAN
+    k_cache, v_cache = (c.to(device=dev, dtype=torch.float16) for c in (k_cache, v_cache))
+    k, v = k_cache.transpose(1, 2)[:, :, :L], v_cache.transpose(1, 2)[:, :, :L]
+    q, do = (torch.randn(B, H, S, D, generator=g).to(device=dev, dtype=torch.float16) for _ in "qd")
+    kv_len = torch.tensor([L, 20], dtype=torch.int32, device=dev)
+    for causal in (False, True):
+        o = torch.full_like(q, NAN)
+        lse = torch.full(q.shape[:3], NAN, dtype=torch.float32, device=dev)
+        attn.forward(o, lse, q, k, v, kv_len, causal, 0.125)
+        runs = []
+        for tiles in (PTR_TILES, TMA_TILES):
+            grads = (torch.full_like(q, NAN), torch.full(k.shape, NAN, dtype=k.dtype, device=dev),
+                     torch.full(v.shape, NAN, dtype=v.dtype, device=dev))  # fmt: skip
+            attn.backward(*grads, do, q, k, v, o, lse, kv_len, causal, 0.125, _config=tiles)
+            runs.append(grads)
+        for name, want, got in zip(("dq", "dk", "dv"), *runs, strict=True):
+            assert bool(torch.isfinite(got).all()), f"causal={causal}: {name} has non-finite values"
+            err = rel_error(got, want)
+            assert err < 1e-3, f"causal={causal}: TMA {name} differs from the pointer kernels by {err:.1e}"
+        assert bool((runs[1][1][1, :, 20:] == 0).all()) and bool((runs[1][2][1, :, 20:] == 0).all())
+
+
+def test_backward_tma_refuses_unaligned(attn, dev) -> None:
+    """A forced TMA tile on k/v whose strides are not 16-byte multiples raises, naming TMA."""
+    if dev == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("sm_90+")
+    q, k, v, do = _inputs(1, 2, 1, 16, 16, 64, torch.float16, dev, seed=3)
+    kw = torch.randn(1, 1, 16, 64 + 1, dtype=torch.float16, device=dev)[..., :64]  # rows 65 elements apart
+    o, lse = _forward(attn, q, k, v, False, 0.125)
+    with pytest.raises(ValueError, match="TMA"):
+        _backward(attn, do, q, kw, v, o, lse, False, 0.125, _config=TMA_TILES)
+
+
 def test_backward_is_deterministic_and_slabs(attn, dev, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two runs give bit-identical gradients (GQA group summed in a fixed order, no atomics); then B*H past
     grid axis 1's limit (lowered to force 3 batch slabs) gives the same bits again."""
