@@ -437,6 +437,17 @@ def _tuned_dq(head_dim: int, tma_ok: bool):
     return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dq_kernel))
 
 
+def _launch_kw(tile: BwdTile) -> dict:
+    """A forced tile as launch keywords."""
+    return {
+        "BLOCK_M": tile[0],
+        "BLOCK_N": tile[1],
+        "TMA": _tma(tile),
+        "num_warps": tile[2],
+        "num_stages": tile[3],
+    }
+
+
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *outs: torch.Tensor) -> bool:
     """Whether the TMA variants may run: sm_90+ CUDA (or the interpreter), fp16/bf16, every base address and
     k/v stride 16-byte aligned (a descriptor's requirement), and the q rows of a launch addressable by int32
@@ -512,24 +523,8 @@ def attention_backward(
         with on_device(q):
             if forced is not None:
                 t1, t2 = forced
-                _bwd_dkdv_kernel[(triton.cdiv(Skv, t1[1]), nb * Hkv)](
-                    *kv_args,
-                    **kw,
-                    BLOCK_M=t1[0],
-                    BLOCK_N=t1[1],
-                    TMA=_tma(t1),
-                    num_warps=t1[2],
-                    num_stages=t1[3],
-                )
-                _bwd_dq_kernel[(triton.cdiv(S, t2[0]), nb * H)](
-                    *q_args,
-                    **kw,
-                    BLOCK_M=t2[0],
-                    BLOCK_N=t2[1],
-                    TMA=_tma(t2),
-                    num_warps=t2[2],
-                    num_stages=t2[3],
-                )
+                _bwd_dkdv_kernel[(triton.cdiv(Skv, t1[1]), nb * Hkv)](*kv_args, **kw, **_launch_kw(t1))
+                _bwd_dq_kernel[(triton.cdiv(S, t2[0]), nb * H)](*q_args, **kw, **_launch_kw(t2))
                 continue
             _tuned_dkdv(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(Skv, m["BLOCK_N"]), nb * Hkv)](
                 *kv_args, **kw
