@@ -59,7 +59,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import div16_attrs, ensure_tma_allocator, is_hip, is_interpreter, on_device
+from kernels_triton._config import (
+    device_index,
+    div16_attrs,
+    ensure_tma_allocator,
+    is_hip,
+    is_interpreter,
+    on_device,
+)
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 
@@ -448,15 +455,18 @@ def _launch_kw(tile: BwdTile) -> dict:
     }
 
 
+@functools.cache
+def _has_tma(dev: int) -> bool:
+    return torch.cuda.get_device_capability(dev)[0] >= 9
+
+
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *outs: torch.Tensor) -> bool:
     """Whether the TMA variants may run: sm_90+ CUDA (or the interpreter), fp16/bf16, every base address and
     k/v stride 16-byte aligned (a descriptor's requirement), and the q rows of a launch addressable by int32
     TMA coordinates."""
     if is_hip() or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if not is_interpreter() and (
-        q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9
-    ):
+    if not is_interpreter() and (q.device.type != "cuda" or not _has_tma(device_index(q))):
         return False
     per16 = 16 // q.element_size()
     if any(t.data_ptr() % 16 for t in (q, k, v, *outs)):
