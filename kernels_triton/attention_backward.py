@@ -468,6 +468,8 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *outs: torch.Tens
         return False
     if not is_interpreter() and (q.device.type != "cuda" or not _has_tma(device_index(q))):
         return False
+    if q.numel() == 0 or k.numel() == 0:  # nothing to address: the pointer kernels handle the empty cases
+        return False
     per16 = 16 // q.element_size()
     if any(t.data_ptr() % 16 for t in (q, k, v, *outs)):
         return False
