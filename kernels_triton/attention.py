@@ -312,7 +312,8 @@ def backward(
     deterministic: GQA groups are summed inside one program per kv block, no atomics). Writes all three.
     k/v may be strided views (last dim contiguous); with kv_len, keys past kv_len[b] get zero gradients.
 
-    `_config` = (dk/dv tile, dq tile), each (BLOCK_M, BLOCK_N, num_warps, num_stages), forces the tiles.
+    `_config` = (dk/dv tile, dq tile), each (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma]), forces the
+    tiles (tma True: the TMA-descriptor variant, sm_90+ and aligned inputs only).
     The older form backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale) is still accepted.
     """
     kv_len, causal, scale = _kv_args(kv_len, causal, scale)
