@@ -1,0 +1,157 @@
+"""H200 check of the Triton attention backward's tile tables (pointer and TMA kernels), ~2 min.
+
+    PYTHONPATH=python:. python benchmarks/gpu_checks/attention_backward.py [--d 64,128,256] [--causal 0,1]
+    TRITON_INTERPRET=1 PYTHONPATH=python:. python benchmarks/gpu_checks/attention_backward.py --device cpu
+
+Per head dim and causal flag, at B4 S=Skv=4096 bf16 (H32, H16 at D256): SDPA's forward and forward +
+backward, fusekit's autotuned forward and backward, then each kernel alone (do_bench median, L2 flushed) at
+every tile of `attention_backward._CUDA_DKDV` / `_CUDA_DQ` (pointer and TMA rows) with its registers and
+spills, in TFLOP/s of the kernel's own matmuls (4 for dk/dv, 3 for dq). The tables' measured figures came
+from this sweep (.dev probe at f08967a); a table's first entry slower than its best by more than ~5% means
+the table needs another look. Every tile's outputs are checked against the autotuned backward (relative
+error <= 2e-2; exit status 1 otherwise). `--device cpu` runs the same code at a tiny shape in Triton's
+interpreter (fp16, 16 x 16 tiles: a smoke test of the script, no timings worth reading).
+With $OUT set, writes $OUT/attention_backward_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+_LOG2E = 1.4426950408889634
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _timer(device: str):
+    """us per call: do_bench's median on CUDA (L2 flushed); one timed call on the CPU (a smoke test)."""
+    if device == "cuda":
+        import triton
+
+        return lambda f: triton.testing.do_bench(f, warmup=25, rep=200) * 1e3
+
+    def once(f) -> float:
+        t0 = time.perf_counter()
+        f()
+        return (time.perf_counter() - t0) * 1e6
+
+    return once
+
+
+def _regs(kernel) -> str:
+    try:
+        return f"regs {kernel.n_regs} spills {kernel.n_spills}"
+    except Exception:  # the interpreter's launches return no compiled kernel
+        return ""
+
+
+def check(D: int, causal: bool, device: str) -> tuple[dict, bool]:
+    from kernels_triton import attention as A
+    from kernels_triton import attention_backward as AB
+    from kernels_triton._config import ensure_tma_allocator
+
+    cpu = device == "cpu"
+    B, H, S = (1, 2, 48) if cpu else (4, 32 if D <= 128 else 16, 4096)
+    Hkv, dt = H, torch.float16 if cpu else torch.bfloat16
+    g = torch.Generator().manual_seed(D + causal)
+    q, k, v, do = (torch.randn(B, n, S, D, generator=g).to(device, dt) for n in (H, Hkv, Hkv, H))
+    scale = 1 / math.sqrt(D)
+    bench = _timer(device)
+    fl = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    row: dict = {"D": D, "causal": causal, "B": B, "H": H, "S": S}
+    if not cpu:
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+        def sdpa_fb():
+            F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).backward(do)
+
+        row["sdpa_fwd_us"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        row["sdpa_fwd_bwd_us"] = bench(sdpa_fb)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, S, device=device, dtype=torch.float32)
+    A.forward(o, lse, q, k, v, None, causal, scale)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    A.backward(dq, dk, dv, do, q, k, v, o, lse, None, causal, scale)
+    row["fwd_us"] = bench(lambda: A.forward(o, lse, q, k, v, None, causal, scale))
+    row["bwd_us"] = bench(lambda: A.backward(dq, dk, dv, do, q, k, v, o, lse, None, causal, scale))
+    if not cpu:
+        row["fwd_bwd_vs_sdpa"] = row["sdpa_fwd_bwd_us"] / (row["fwd_us"] + row["bwd_us"])
+        ensure_tma_allocator()
+    delta = (o.float() * do.float()).sum(-1)
+    lse2 = lse * _LOG2E
+    strides = (*k.stride()[:3], *v.stride()[:3])
+    common = (lse2.view(torch.int32), H, Hkv, S, S, scale * _LOG2E, scale, *strides, 0, 0, 0)
+    kw = {"HEAD_DIM": D, "CAUSAL": causal, "IEEE": False}
+    ok = True
+    tables = (
+        ("dkdv", AB._CUDA_DKDV[D], AB._bwd_dkdv_kernel, 1.6),
+        ("dq", AB._CUDA_DQ[D], AB._bwd_dq_kernel, 1.2),
+    )
+    for kind, table, kernel, mm in tables:
+        for tile in [(16, 16, 1, 1), (16, 16, 1, 1, True)] if cpu else table:
+            bm, bn = tile[:2]
+            if kind == "dkdv":
+                outs = [torch.full_like(dk, math.nan), torch.full_like(dv, math.nan)]
+                args = (q, k, v, do, *outs, lse2, delta, *common)
+                grid = (-(-S // bn), B * Hkv)
+                want = (dk, dv)
+            else:
+                outs = [torch.full_like(dq, math.nan)]
+                args = (q, k, v, do, *outs, lse2, delta, *common)
+                grid = (-(-S // bm), B * H)
+                want = (dq,)
+            launch = AB._launch_kw(tile)
+
+            def run(args=args, grid=grid, launch=launch, kernel=kernel):
+                return kernel[grid](*args, **kw, **launch)
+
+            compiled = run()
+            err = max(_rel(a, b) for a, b in zip(outs, want, strict=True))
+            us = bench(run)
+            good = err <= 2e-2
+            ok &= good
+            name = f"{kind} {bm}x{bn} w{tile[2]} s{tile[3]}{' tma' if AB._tma(tile) else ''}"
+            print(f"  D{D} causal={int(causal)} {name}: {us:9.1f} us {mm * fl / us / 1e6:5.0f} TF/s  err {err:.1e} "
+                  f"{_regs(compiled)}{'' if good else '  WRONG'}")  # fmt: skip
+            row.setdefault("tiles", []).append(
+                {"kernel": kind, "tile": list(tile), "us": us, "rel_error": err}
+            )
+    if not cpu:
+        print(f"D{D} causal={int(causal)}: SDPA fwd {row['sdpa_fwd_us']:.0f} us, fwd+bwd {row['sdpa_fwd_bwd_us']:.0f};"
+              f" fusekit fwd {row['fwd_us']:.0f}, bwd {row['bwd_us']:.0f}: {row['fwd_bwd_vs_sdpa']:.3f}x SDPA")  # fmt: skip
+    return row, ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--d", default="64,128,256")
+    ap.add_argument("--causal", default="0,1")
+    args = ap.parse_args(argv)
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        print("--device cpu needs TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    rows, ok = [], True
+    for d in (int(x) for x in args.d.split(",")):
+        for causal in (bool(int(c)) for c in args.causal.split(",")):
+            row, good = check(d, causal, args.device)
+            rows.append(row)
+            ok &= good
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "attention_backward_check.json"), "w") as f:
+            json.dump({"device": args.device, "rows": rows}, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
