@@ -269,3 +269,20 @@ def test_prompts_hold_no_pad_token():
     setup = e2e.Setup("cpu", "tiny", 2, "fp32", "sdpa", [(1, 16)], [(1, 8, 8)], [(1, 16)], 0, spec["config"])
     ids = e2e._ids(setup, 4, 4096, salt=2)
     assert ids.min() >= 1 and ids.max() < spec["config"]["vocab_size"]
+
+
+def test_fused_adamw_option_is_recorded_and_old_files_still_merge(tmp_path) -> None:
+    """--optim fused runs the training step with AdamW(fused=True) (transformers' TrainingArguments
+    default) and says so in the setup and the method; a file written before the option existed counts as
+    the foreach setup, so --merge still accepts it."""
+    argv = ["--device", "cpu", "--model", "tiny", "--quick", "--reps", "1", "--providers", "eager",
+            "--scenarios", "train", "--optim", "fused", "--out", str(tmp_path)]  # fmt: skip
+    assert e2e.main(argv) == 0
+    doc = json.loads((tmp_path / "cpu" / e2e.FILE).read_text())
+    assert doc["setup"]["optim"] == "fused"
+    assert "fused" in doc["method"]["train"]
+    (row,) = [r for r in doc["rows"] if r["scenario"] == "train"]
+    assert row["status"] == "ok", row
+    old = {k: v for k, v in doc["setup"].items() if k != "optim"}
+    assert e2e._setup_key(old) == e2e._setup_key({**old, "optim": "foreach"})
+    assert e2e._setup_key(old) != e2e._setup_key(doc["setup"])

@@ -3,7 +3,7 @@
     python -m fusekit.bench.e2e [--device cuda|cpu] [--model llama3-8b|llama3.2-1b|tiny] [--layers N]
                                 [--providers eager,compile,fusekit-triton,fusekit-triton-compile,...]
                                 [--scenarios prefill,decode,train] [--quick] [--out DIR] [--merge]
-                                [--prefill 1x2048,8x512] [--decode 1x512+128] [--train 1x2048]
+                                [--prefill 1x2048,8x512] [--decode 1x512+128] [--train 1x2048] [--optim fused]
                                 [--warmup N] [--reps N] [--budget-s S] [--dtype bf16|fp16|fp32]
 
 The model is built from a transformers config class with seeded random weights (no download):
@@ -161,6 +161,9 @@ class Setup:
     train: list[tuple[int, int]]
     seed: int
     config: dict = field(default_factory=dict)
+    # The training step's AdamW: "foreach" (torch's default, what every committed e2e.json so far used) or
+    # "fused" (AdamW(fused=True): transformers' TrainingArguments default, optim="adamw_torch_fused").
+    optim: str = "foreach"
 
     @property
     def torch_device(self) -> torch.device:
@@ -675,7 +678,7 @@ def run_train(fwd, model, prov: Provider, setup: Setup, b: int, s: int, warmup: 
     ids = _ids(setup, b, s, salt=20 + s)
     labels = _ids(setup, b, s, salt=30 + s)  # random targets: HF shifts them by one inside the loss
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=setup.optim == "fused")
     losses: list[torch.Tensor] = []
 
     def step():
@@ -869,7 +872,8 @@ def table(rows: list[dict]) -> str:
 
 
 def _setup_key(setup: dict) -> dict:
-    return {k: v for k, v in setup.items() if k not in ("config", "parameters")}
+    # files written before `optim` existed ran torch's default (foreach) AdamW
+    return {"optim": "foreach"} | {k: v for k, v in setup.items() if k not in ("config", "parameters")}
 
 
 def load_for_merge(path: Path, setup: dict) -> dict | None:
@@ -915,7 +919,7 @@ def _method(setup: Setup, warmup: int, reps: int, quick: bool) -> dict:
             "generate_tokens_per_s = B*N / t(N), prefill included"
         ),
         "train": (
-            "AdamW(lr=1e-5) step on model(input_ids, labels=random ids).loss (the model's own shifted cross "
+            f"AdamW(lr=1e-5, {setup.optim}) step on model(input_ids, labels=random ids).loss (the model's own shifted cross "
             "entropy; Liger's fused linear cross entropy for liger): zero_grad, forward, backward, step; "
             "peak_mem_bytes = torch.cuda.max_memory_allocated over the timed steps (weights, grads and "
             "AdamW state included; null on the CPU)"
@@ -951,6 +955,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", default=None, help="BxS[,BxS...] (the first is the gate batch)")
     ap.add_argument("--decode", default=None, help="BxPROMPT+NEW[,BxPROMPT+NEW...] (the first is the gate's)")
     ap.add_argument("--train", default=None, help="BxS[,BxS...]")
+    ap.add_argument(
+        "--optim", default="foreach", choices=("foreach", "fused"),
+        help="the training step's AdamW: torch's default (foreach) or fused=True (HF Trainer's default)",
+    )  # fmt: skip
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls, the first included (2; quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed calls, median reported (5; quick 2)")
     ap.add_argument("--quick", action="store_true", help="fewer warm-up and timed calls")
@@ -1026,6 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
         train=_shapes(args.train or spec["train"]),
         seed=args.seed,
         config={**spec["config"], "num_hidden_layers": args.layers or spec["layers"]},
+        optim=args.optim,
     )
     warmup = args.warmup or (1 if args.quick else 2)
     reps = args.reps or (2 if args.quick else 5)
