@@ -213,13 +213,12 @@ def test_backward_tma_cache_view_kv_len(attn, dev) -> None:
 
 def test_backward_tma_refuses_unaligned(attn, dev) -> None:
     """A forced TMA tile on k/v whose strides are not 16-byte multiples raises, naming TMA."""
-    if dev == "cuda" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("sm_90+")
+    _needs_tma(dev)
     q, k, v, do = _inputs(1, 2, 1, 16, 16, 64, torch.float16, dev, seed=3)
-    kw = torch.randn(1, 1, 16, 64 + 1, dtype=torch.float16, device=dev)[..., :64]  # rows 65 elements apart
+    k_odd = torch.randn(1, 1, 16, 64 + 1, dtype=torch.float16, device=dev)[..., :64]  # rows 65 elements apart
     o, lse = _forward(attn, q, k, v, False, 0.125)
     with pytest.raises(ValueError, match="TMA"):
-        _backward(attn, do, q, kw, v, o, lse, False, 0.125, _config=TMA_TILES)
+        _backward(attn, do, q, k_odd, v, o, lse, False, 0.125, _config=TMA_TILES)
 
 
 def test_backward_is_deterministic_and_slabs(attn, dev, monkeypatch: pytest.MonkeyPatch) -> None:

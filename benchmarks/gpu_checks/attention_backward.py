@@ -216,8 +216,9 @@ def check(D: int, causal: bool, device: str, atomic: bool = False) -> tuple[dict
                 {"kernel": kind, "tile": list(tile), "us": us, "rel_error": err}
             )
     if not cpu:
-        print(f"D{D} causal={int(causal)}: SDPA fwd {row['sdpa_fwd_us']:.0f} us, fwd+bwd {row['sdpa_fwd_bwd_us']:.0f};"
-              f" fusekit fwd {row['fwd_us']:.0f}, bwd {row['bwd_us']:.0f}: {row['fwd_bwd_vs_sdpa']:.3f}x SDPA")  # fmt: skip
+        print(f"D{D} causal={int(causal)}: SDPA fwd {row['sdpa_fwd_us']:.0f} us, "
+              f"fwd+bwd {row['sdpa_fwd_bwd_us']:.0f}; fusekit fwd {row['fwd_us']:.0f}, bwd {row['bwd_us']:.0f}: "
+              f"{row['fwd_bwd_vs_sdpa']:.3f}x SDPA")  # fmt: skip
     if atomic:
         modes = (2,) if cpu else (1, 2)  # the interpreter has no TMA reduce-add
         for tile in [(16, 16, 1, 1)] if cpu else _ATOMIC_TILES[D]:

@@ -919,8 +919,9 @@ def _method(setup: Setup, warmup: int, reps: int, quick: bool) -> dict:
             "generate_tokens_per_s = B*N / t(N), prefill included"
         ),
         "train": (
-            f"AdamW(lr=1e-5, {setup.optim}) step on model(input_ids, labels=random ids).loss (the model's own shifted cross "
-            "entropy; Liger's fused linear cross entropy for liger): zero_grad, forward, backward, step; "
+            f"AdamW(lr=1e-5, {setup.optim}) step on model(input_ids, labels=random ids).loss (the model's own "
+            "shifted cross entropy; Liger's fused linear cross entropy for liger): zero_grad, forward, backward, "
+            "step; "
             "peak_mem_bytes = torch.cuda.max_memory_allocated over the timed steps (weights, grads and "
             "AdamW state included; null on the CPU)"
         ),

@@ -146,8 +146,8 @@ def setup_line(doc: dict) -> str:
     for sc in ("prefill", "train"):
         if s.get(sc):
             shapes.append(f"{sc} " + ", ".join("x".join(map(str, bs)) for bs in s[sc]))
-    if s.get("train"):  # files before the option ran torch's default (foreach) AdamW
-        shapes[-1] += f" ({s.get('optim', 'foreach')} AdamW)"
+            if sc == "train":  # files before the option ran torch's default (foreach) AdamW
+                shapes[-1] += f" ({s.get('optim', 'foreach')} AdamW)"
     if s.get("decode"):
         # one [b, p, n] case (files before 2026-11-23's fifth session) or a list of them
         cases = [s["decode"]] if isinstance(s["decode"][0], int) else s["decode"]
