@@ -148,6 +148,13 @@ def run(
     cond: dict[str, bool],
 ) -> tuple[Tensor | None, ...]:
     """Allocate `phase`'s outputs and have the resolved provider fill them (plan cached per signature)."""
+    return _execute(spec, phase, _plan_for(spec, phase, inputs, scalars, backend, cond), inputs)
+
+
+def _plan_for(
+    spec: OpSpec, phase: str, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str, cond: dict
+) -> _Plan:
+    """The cached plan of a call signature (made, and refused inside a capture, on its first call)."""
     sig = _signature(spec, phase, inputs, scalars, backend, cond)
     plan = _PLANS.get(sig)
     if plan is None:
@@ -156,7 +163,7 @@ def run(
         if len(_PLANS) >= _PLAN_CACHE:
             _PLANS.clear()
         _PLANS[sig] = plan
-    return _execute(spec, phase, plan, inputs)
+    return plan
 
 
 # torch.cuda.current_device() minus its lazy-init check: a guarded plan exists only for CUDA tensors,
@@ -318,7 +325,7 @@ def apply_memo(
         outs, pinned = _apply(spec, inputs, scalars, backend)
         if len(memo_) >= _MEMO_SIZE:
             memo_.clear()
-        memo_[key] = GradRunner(spec, scalars, pinned)
+        memo_[key] = GradRunner(spec, inputs, scalars, pinned)
         return outs
     outs = apply(spec, inputs, scalars, backend)
     plan = _PLANS.get(
@@ -369,18 +376,150 @@ def _check_backward(
 
 
 class GradRunner:
-    """A remembered eager call that records a gradient (the key holds requires_grad and grad mode):
-    the backend both phases run on was resolved and checked for a backward on the first call, so a
-    repeat goes straight to the autograd.Function (forward and backward plans are cached per signature)."""
+    """A remembered eager call that records a gradient (the key holds requires_grad and grad mode).
 
-    __slots__ = ("apply", "spec", "tail")
+    The backend both phases run on was resolved and checked for a backward on the first call. A repeat
+    skips every per-call decision: the forward plan is this signature's, what the forward saves, what the
+    backward phase reads and which of its outputs are the inputs' grads were read off the spec once (its
+    autograd glue only selects tensors, see `_selection`), and the backward plan is cached on the first
+    backward. A spec whose glue computes falls back to the generic autograd.Function (`_EAGER`)."""
 
-    def __init__(self, spec: OpSpec, scalars: tuple, backend: str) -> None:
-        self.spec, self.apply, self.tail = spec, _EAGER[spec.name].apply, (*scalars, backend, True)
+    __slots__ = ("backend", "bcond", "bplan", "bsel", "fast", "fplan", "gsel", "like", "save",
+                 "scalars", "spec", "stats", "tail")  # fmt: skip
+
+    def __init__(self, spec: OpSpec, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str) -> None:
+        self.spec, self.scalars, self.backend = spec, scalars, backend
+        self.tail = (*scalars, backend, True)  # the generic path's trailing arguments
+        cond = spec.conditions(inputs, save=True)
+        self.fplan = _PLANS.get(_signature(spec, FORWARD, inputs, scalars, backend, cond))
+        self.bplan = None
+        self.fast = None
+        if self.fplan is not None and not self.fplan.empty and _glue(self, spec, inputs, cond):
+            self.fast = _fast_function(spec)
 
     def __call__(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-        outs = _as_tuple(self.apply(*inputs, *self.tail))
+        if self.fast is not None:
+            return self.fast.apply(self, *inputs)
+        outs = _as_tuple(_EAGER[self.spec.name].apply(*inputs, *self.tail))
         return _present(self.spec, inputs, outs, True)
+
+
+class _From:
+    """A placeholder for one tensor of a call while a spec's autograd glue is evaluated once: `src` is
+    where the tensor comes from (a position)."""
+
+    __slots__ = ("src",)
+
+    def __init__(self, src: int) -> None:
+        self.src = src
+
+
+def _selection(fn, *args) -> tuple[int | None, ...] | None:
+    """The positions `fn(*args)` selects among the placeholders in args, in order (None: no tensor), or
+    None when fn does more than select (reads a shape, calls a method, builds a tensor)."""
+    try:
+        res = fn(*args)
+    except Exception:  # a glue function that computes: the generic path runs it per call
+        return None
+    out = []
+    for r in res:
+        if r is not None and type(r) is not _From:
+            return None
+        out.append(None if r is None else r.src)
+    return tuple(out)
+
+
+def _glue(runner: GradRunner, spec: OpSpec, inputs: tuple, cond: dict[str, bool]) -> bool:
+    """Fill the runner's per-signature autograd facts from the spec; False if the glue computes."""
+    bp = spec.backward
+    if bp is None:
+        return False
+    fwd, n_in = spec.forward, len(inputs)
+    layout = runner.fplan.layout
+    ins = {a.name: None if v is None else _From(i) for i, (a, v) in enumerate(zip(fwd.inputs, inputs))}
+    outs = {
+        a.name: None if lay is None else _From(n_in + j)
+        for j, (a, lay) in enumerate(zip(fwd.outputs, layout))
+    }
+    save = _selection(spec.save, ins, outs)
+    if save is None:
+        return False
+    n_saved = len(save)
+    grads = {
+        a.name: None if lay is None else _From(n_saved + j)
+        for j, (a, lay) in enumerate(zip(fwd.outputs, layout))
+    }
+    bsel = _selection(spec.backward_inputs, tuple(_From(i) for i in range(n_saved)), grads, cond)
+    bouts = {
+        a.name: None if a.when is not None and not cond.get(a.when) else _From(j)
+        for j, a in enumerate(bp.outputs)
+    }
+    gsel = _selection(spec.input_grads, bouts, cond)
+    if bsel is None or gsel is None or len(gsel) != n_in:
+        return False
+    device = runner.fplan.device
+    runner.save, runner.bsel, runner.gsel = save, bsel, gsel
+    # per output: (shape, dtype, device) of a present differentiable output (its grad; zeros if none came)
+    runner.like = tuple(
+        None if lay is None or not a.grad else (lay[0], lay[1], device) for a, lay in zip(fwd.outputs, layout)
+    )
+    runner.stats = tuple(
+        j for j, (a, lay) in enumerate(zip(fwd.outputs, layout)) if lay is not None and not a.grad
+    )
+    runner.bcond = {c: cond[c] for c in bp.conditions}
+    return True
+
+
+_FAST: dict[str, type[torch.autograd.Function]] = {}
+
+
+def _fast_function(spec: OpSpec) -> type[torch.autograd.Function]:
+    """The op's autograd.Function for remembered grad calls: forward(ctx, runner, *inputs)."""
+    fn = _FAST.get(spec.name)
+    if fn is None:
+        fn = _FAST[spec.name] = type(
+            f"{spec.name}_fast",
+            (torch.autograd.Function,),
+            {"forward": staticmethod(_fast_forward), "backward": staticmethod(_fast_backward)},
+        )
+    return fn
+
+
+def _fast_forward(ctx, runner: GradRunner, *ins: Tensor | None) -> tuple[Tensor | None, ...]:
+    outs = _execute(runner.spec, FORWARD, runner.fplan, ins)
+    both = ins + outs
+    ctx.save_for_backward(*[None if i is None else both[i] for i in runner.save])
+    ctx.fusekit_runner = runner
+    # Grads of unused outputs stay None (no zero-fill launch per statistic); the backward fills zeros
+    # only for a differentiable output that is present and got no gradient.
+    ctx.set_materialize_grads(False)
+    if runner.stats:  # statistics carry no gradient (see save_context)
+        ctx.mark_non_differentiable(*[outs[j] for j in runner.stats])
+    return outs
+
+
+def _fast_backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+    r: GradRunner = ctx.fusekit_runner
+    g = []
+    same = True  # the grads arrive with their outputs' shapes and dtypes (autograd validates them)
+    for gv, like in zip(grads, r.like):
+        if like is None:
+            g.append(None)  # absent, or a statistic
+        elif gv is None:
+            g.append(torch.zeros(like[0], dtype=like[1], device=like[2]))
+        else:
+            same = same and gv.dtype == like[1] and gv.shape == like[0]
+            g.append(gv.contiguous())
+    both = ctx.saved_tensors + tuple(g)
+    bins = tuple([None if i is None else both[i] for i in r.bsel])
+    plan = r.bplan
+    if plan is None or not same:  # first backward (or a grad of another layout: its own plan, not cached)
+        plan = _plan_for(r.spec, BACKWARD, bins, r.scalars, r.backend, r.bcond)
+        if same:
+            r.bplan = plan
+    bouts = _execute(r.spec, BACKWARD, plan, bins)
+    need = ctx.needs_input_grad  # [0] is the runner
+    return (None, *[None if i is None or not need[k + 1] else bouts[i] for k, i in enumerate(r.gsel)])
 
 
 def _present(spec: OpSpec, inputs: tuple, outs: tuple, save: bool) -> tuple:
