@@ -63,7 +63,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from fusekit.backends.mojo.specs import OpSpec
+from fusekit.backends.mojo.specs import NO_CAPTURE, OpSpec
 
 try:
     import fcntl
@@ -729,7 +729,10 @@ class OpCompiler:
         with self._lock:
             hit = self._models.get(key)
             if hit is None:
-                hit = self._models[key] = Compiled(spec, dtypes, device, self._load(spec, dtypes, device))
+                model = self._load(spec, dtypes, device)
+                # capturing an op whose kernels allocate reserves most of the GPU (specs.NO_CAPTURE)
+                capturable = spec.max_op not in NO_CAPTURE
+                hit = self._models[key] = Compiled(spec, dtypes, device, model, capturable=capturable)
         return hit
 
     # ------------------------------------------------------------------------------------------------
