@@ -39,19 +39,20 @@ q, k, v = g(1, 2, 64, 64), g(1, 2, 64, 64), g(1, 2, 64, 64)
 xr, kr = g(1, 8, 2, 64), g(1, 8, 2, 64)
 xf, wg, wu, wd = g(16, 256), (0.05 * g(512, 256)).detach().requires_grad_(), (0.05 * g(512, 256)).detach().requires_grad_(), (0.05 * g(256, 512)).detach().requires_grad_()
 xs = torch.randn(1 << 16, device=dev, requires_grad=True)
-calls = [
-    lambda: ops.rms_norm(x, w, backend="mojo"),
-    lambda: ops.layer_norm(x, w, b, backend="mojo"),
-    lambda: ops.rope(xr, kr, backend="mojo")[0],
-    lambda: ops.attention(q, k, v, causal=True, backend="mojo"),
-    lambda: ops.swiglu_ffn(xf, wg, wu, wd, backend="mojo"),
-    lambda: ops.reduce_sum(xs, backend="mojo"),
-]
-for fn in calls:
+calls = {
+    "rms_norm": lambda: ops.rms_norm(x, w, backend="mojo"),
+    "layer_norm": lambda: ops.layer_norm(x, w, b, backend="mojo"),
+    "rope": lambda: ops.rope(xr, kr, backend="mojo")[0],
+    "attention": lambda: ops.attention(q, k, v, causal=True, backend="mojo"),
+    "swiglu_ffn": lambda: ops.swiglu_ffn(xf, wg, wu, wd, backend="mojo"),
+    "reduce_sum": lambda: ops.reduce_sum(xs, backend="mojo"),
+}
+for name, fn in calls.items():
     for _ in range(3):  # execute, capture, replay (where the op is captured at all)
         y = fn()
         y.float().sum().backward()
-torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    print(name, "free GiB", torch.cuda.mem_get_info()[0] / 2**30, flush=True)
 after = torch.cuda.mem_get_info()[0]
 print("DROP_GIB", (before - after) / 2**30, backends.get("mojo").dispatcher.counts)
 """
