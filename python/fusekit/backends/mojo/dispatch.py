@@ -45,7 +45,13 @@ from fusekit.backends.mojo.runtime import Compiled, max_device, max_dtype
 BUFFER_CACHE = 256  # wrapped tensors per device (a hit costs one dict lookup)
 PARAMS_CACHE = 64  # params tensors per device, keyed by their values
 GRAPH_CACHE = 64  # captured device graphs per compiled model
-REPLAY_ENV = "FUSEKIT_MOJO_REPLAY"  # "0" disables capture/replay
+# "1" enables device-graph capture/replay (off by default): once a MAX device graph has been captured in
+# a process, the next kernel that allocates a device buffer (a norm backward's partials, swiglu_ffn's
+# intermediate) makes MAX reserve ~90% of the free GPU memory for a graph pool (H100: 78.7 -> 7.8 GiB free
+# after capturing rms_norm's forward, then running its backward, which is not captured itself), starving
+# torch. Replay saves ~15-20 us of host time per call; it is safe only for processes whose mojo calls
+# never allocate (specs.NO_CAPTURE lists the ops that do).
+REPLAY_ENV = "FUSEKIT_MOJO_REPLAY"
 
 _KDL_CPU, _KDL_CUDA = 1, 2
 
@@ -223,7 +229,7 @@ class Dispatcher:
 
     def __init__(self) -> None:
         self.states: dict[torch.device, DeviceState] = {}
-        self.replay = os.environ.get(REPLAY_ENV, "1") != "0"
+        self.replay = os.environ.get(REPLAY_ENV, "0") == "1"
         self.counts = {"execute": 0, "capture": 0, "replay": 0}
 
     def state(self, device: torch.device) -> DeviceState:
