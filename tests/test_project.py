@@ -52,3 +52,15 @@ def test_ci_runs_exactly_the_readme_test_command():
     ]
     assert len(ci_cmds) == 1, ci_cmds
     assert f"\n{ci_cmds[0]}\n" in readme, "README's test command must be the line .ci/run runs"
+
+
+def test_every_python_package_is_in_the_wheel():
+    """pyproject lists packages by hand: a new package left out installs without its modules (nox sessions
+    install the project, not the checkout)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(ROOT / "python").parts)
+        for p in (ROOT / "python" / "fusekit").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -449,20 +449,20 @@ def kernel_runs(backend: str | None) -> Iterator[Counter]:
     if backend is None:
         yield counts
         return
-    from fusekit import library
+    from fusekit.library import plan as library_plan
 
-    real = library._launch
+    real = library_plan._launch
 
     def counting(spec, phase, plan, *args, **kwargs):
         if plan.provider is not None and plan.provider.name == backend:
             counts[f"{spec.name}:{phase}"] += 1
         return real(spec, phase, plan, *args, **kwargs)
 
-    library._launch = counting  # _execute looks the module global up on every call
+    library_plan._launch = counting  # _execute looks the module global up on every call
     try:
         yield counts
     finally:
-        library._launch = real
+        library_plan._launch = real
 
 
 def expected_forward_runs(layers: int) -> dict[str, int]:

@@ -1,0 +1,194 @@
+"""One phase of an op on one backend: the call plan cached per signature, outputs, the launch.
+
+`run(spec, phase, inputs, scalars, backend, cond)` finds (or makes, once per call signature) the plan -
+output layouts, the resolved provider, strided inputs to copy, the device guard - allocates the outputs and
+has the provider fill them, replaying its recorded launches where it can (FlashInfer's plan/run split).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from fusekit import dispatch, outputs
+from fusekit.ops._spec import OpSpec
+
+
+def _device(values: tuple[Tensor | None, ...]) -> torch.device:
+    return next(v.device for v in values if v is not None)
+
+
+_STRIDED: dict[tuple[str, str], tuple[int, ...]] = {}
+
+
+def _strided(spec: OpSpec, phase: str) -> tuple[int, ...]:
+    """Positions of the phase's inputs that the spec lets arrive as strided views."""
+    key = (spec.name, phase)
+    pos = _STRIDED.get(key)
+    if pos is None:
+        pos = _STRIDED[key] = tuple(i for i, a in enumerate(spec.phase(phase).inputs) if a.strided)
+    return pos
+
+
+class _Plan:
+    """Everything a call signature decides once (FlashInfer's plan/run split): output layouts, the
+    provider, the scalars it receives, whether the problem is empty, the device guard, and which strided
+    inputs the provider needs as contiguous copies (`contig`)."""
+
+    __slots__ = ("calls", "contig", "device", "empty", "guard", "kscalars", "layout", "provider", "replay")
+
+    def __init__(
+        self, spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend: str, cond: dict
+    ) -> None:
+        named = dict(zip(spec.scalar_names, scalars))
+        device = self.device = _device(inputs)
+        p = spec.phase(phase)
+        self.layout = tuple(spec.output_layout(phase, inputs, named, cond))
+        self.empty = inputs[0] is not None and inputs[0].numel() == 0
+        key = tuple(spec.dtype_of(v, p.inputs, inputs, named) for v in spec.dtype_vars)
+        meta = spec.meta(dict(zip((a.name for a in p.inputs), inputs)), named)
+        cls = dispatch.shape_class(spec.name, inputs)  # picks auto's ranking (decode, small, large)
+        self.provider = (
+            None
+            if self.empty
+            else dispatch.resolve(spec.name, backend, device, key, phase=phase, shape_class=cls, **meta)
+        )
+        self.kscalars = spec.kernel_scalars(scalars)
+        self.guard = device.type == "cuda"
+        # The provider's replay of this signature's launches (Backend.record), tried on calls 2..4:
+        # the first call may compile and tune, and a call that is not pure launches never records.
+        self.replay = None
+        self.calls = 0 if self.guard else _RECORD_TRIES + 1
+        # Strided views go through as they are only to a provider that reads strides, and only with a
+        # contiguous last dim (the kernels index it directly); the strides are in the plan's signature.
+        reads = self.provider is not None and self.provider.reads_strides
+        self.contig = tuple(
+            i
+            for i in _strided(spec, phase)
+            if inputs[i] is not None
+            and not (reads and inputs[i].stride(-1) == 1)
+            and not inputs[i].is_contiguous()
+        )
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_PLAN_CACHE = 4096  # signatures kept; a model has a few dozen, a shape sweep more
+
+
+def _signature(spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend: str, cond: dict) -> tuple:
+    sig = (
+        spec.name,
+        phase,
+        backend,
+        scalars,
+        tuple(cond.values()),
+        tuple(None if t is None else (t.shape, t.dtype, t.device) for t in inputs),
+    )
+    if backend == "auto" and dispatch.capturing():  # auto skips capture-unsafe backends (own plans)
+        sig += ("capturing",)
+    strided = _strided(spec, phase)
+    if strided:  # a view's layout decides whether it is copied (see _Plan.contig)
+        sig += tuple(None if inputs[i] is None else inputs[i].stride() for i in strided)
+    return sig
+
+
+def _allocate(spec: OpSpec, phase: str, plan: _Plan) -> tuple[Tensor | None, ...]:
+    """The phase's outputs (poisoned in tests). Out of GPU memory: torch's OutOfMemoryError again, naming
+    the op and what it asked for (what was allocated before the failure is freed with this frame)."""
+    empty, device = outputs.empty, plan.device
+    try:  # a list comprehension: cheaper than a generator on this path
+        return tuple([None if lay is None else empty(lay[0], lay[1], device) for lay in plan.layout])
+    except torch.OutOfMemoryError as exc:
+        lays = [lay for lay in plan.layout if lay is not None]
+        wanted = [(tuple(shape), str(dt).removeprefix("torch.")) for shape, dt in lays]
+        total = sum(math.prod(shape) * dt.itemsize for shape, dt in lays)
+        raise torch.OutOfMemoryError(
+            f"fusekit.{spec.name} ({phase}): out of memory allocating its outputs {wanted} "
+            f"({total / 2**30:.2f} GiB in all) on {device}. {exc}"
+        ) from exc
+
+
+def _refuse_first_call_in_capture(spec: OpSpec, phase: str, plan: _Plan) -> None:
+    """A provider's first call of a signature may compile or tune (timing runs, synchronization): inside
+    a CUDA graph capture that would fail deep in CUDA or record the tuning runs, so it is refused here."""
+    setup = plan.provider is not None and plan.provider.first_call_setup
+    if plan.guard and setup and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"fusekit.{spec.name} ({phase}, backend {plan.provider.name!r}): the first call of this "
+            "shape/dtype/layout is inside a CUDA graph capture, and a first call compiles and tunes. "
+            "Run the same call once before capturing (a warm-up, as torch.cuda.graph requires); "
+            "later calls only launch and capture fine"
+        )
+
+
+def run(
+    spec: OpSpec,
+    phase: str,
+    inputs: tuple[Tensor | None, ...],
+    scalars: tuple,
+    backend: str,
+    cond: dict[str, bool],
+) -> tuple[Tensor | None, ...]:
+    """Allocate `phase`'s outputs and have the resolved provider fill them (plan cached per signature)."""
+    return _execute(spec, phase, _plan_for(spec, phase, inputs, scalars, backend, cond), inputs)
+
+
+def _plan_for(
+    spec: OpSpec, phase: str, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str, cond: dict
+) -> _Plan:
+    """The cached plan of a call signature (made, and refused inside a capture, on its first call)."""
+    sig = _signature(spec, phase, inputs, scalars, backend, cond)
+    plan = _PLANS.get(sig)
+    if plan is None:
+        plan = _Plan(spec, phase, inputs, scalars, backend, cond)
+        _refuse_first_call_in_capture(spec, phase, plan)
+        if len(_PLANS) >= _PLAN_CACHE:
+            _PLANS.clear()
+        _PLANS[sig] = plan
+    return plan
+
+
+# torch.cuda.current_device() minus its lazy-init check: a guarded plan exists only for CUDA tensors,
+# so CUDA is initialized by the time it is asked.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def _execute(
+    spec: OpSpec, phase: str, plan: _Plan, inputs: tuple[Tensor | None, ...]
+) -> tuple[Tensor | None, ...]:
+    """One call of a planned signature: contiguous copies where the plan says, outputs, the launch."""
+    if plan.contig:
+        inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
+    outs = _allocate(spec, phase, plan)
+    if plan.empty:
+        for o in outs:
+            if o is not None:
+                o.zero_()
+        return outs
+    device = plan.device  # in the signature
+    if plan.guard and device.index != _current_device():
+        with torch.cuda.device(device):  # launch on the tensors' GPU, not the current one
+            _launch(spec, phase, plan, outs, inputs)
+    else:
+        _launch(spec, phase, plan, outs, inputs)
+    return outs
+
+
+_RECORD_TRIES = 3  # calls (after the first) on which a plan tries to record a replay
+
+
+def _launch(spec: OpSpec, phase: str, plan: _Plan, outs: tuple, inputs: tuple) -> None:
+    """The provider's kernels for one call: replayed when the plan has a replay that accepts this call
+    (same pointer alignments), else through the provider (recording a replay on calls 2..4)."""
+    replay = plan.replay
+    if replay is not None and replay(outs, inputs):
+        return
+    calls = plan.calls
+    if calls <= _RECORD_TRIES:  # counted only up to the last call that may record
+        plan.calls = calls + 1
+        if calls and replay is None:
+            plan.replay = plan.provider.record(spec, phase, outs, inputs, plan.kscalars)
+            return
+    plan.provider.run(spec, phase, outs, inputs, plan.kscalars)
