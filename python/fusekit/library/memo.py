@@ -19,8 +19,8 @@ from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec
 # device and requires_grad; the scalars as (type, value); backend; grad mode). The first call with a
 # key runs the checks and `apply`; a forward-only eager call then stores a `Runner`, and every later
 # call with that key skips the checks, the resolution and the plan search: it allocates the outputs
-# and launches (FlashInfer's plan/run split). Calls that record a gradient or are traced by
-# torch.compile never use or fill a memo. Checks that read tensor *values* (attention's kv_len on the
+# and launches (FlashInfer's plan/run split); an eager call that records a gradient is remembered as a
+# GradRunner. Calls traced by torch.compile never use or fill a memo. Checks that read tensor *values* (attention's kv_len on the
 # CPU, rope's [S, D] tables on the CPU) are not in a key, so ops skip the memo for such calls.
 _MEMOS: list[dict] = []
 _MEMO_SIZE = 1024  # keys per op; a model has a few dozen
