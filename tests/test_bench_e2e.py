@@ -286,3 +286,19 @@ def test_fused_adamw_option_is_recorded_and_old_files_still_merge(tmp_path) -> N
     old = {k: v for k, v in doc["setup"].items() if k != "optim"}
     assert e2e._setup_key(old) == e2e._setup_key({**old, "optim": "foreach"})
     assert e2e._setup_key(old) != e2e._setup_key(doc["setup"])
+
+
+def test_patched_decode_rows_carry_same_process_ab_rounds(run) -> None:
+    """fusekit-<backend> decode rows give their ratio to HF eager from alternating unpatched/patched rounds
+    in one process (bench.e2e.ab_decode); the compiled and baseline providers do not."""
+    doc, _ = run
+    for r in doc["rows"]:
+        if r["scenario"] != "decode" or r["status"] != "ok":
+            continue
+        if r["provider"].startswith("fusekit-") and not r["provider"].endswith("-compile"):
+            # a round whose decode steps fell below the tiny model's timing noise has no rate: dropped
+            assert len(r["ab_eager_ms_per_step"]) == len(r["ab_ms_per_step"]) == len(r["ab_ratios"]) <= 3, r
+            assert all(ms > 0 for ms in r["ab_eager_ms_per_step"] + r["ab_ms_per_step"])
+            assert (r["ab_vs_eager"] is None) == (not r["ab_ratios"])
+        else:
+            assert "ab_ratios" not in r, r["provider"]

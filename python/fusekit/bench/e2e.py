@@ -674,6 +674,35 @@ def run_decode(
     }
 
 
+def ab_decode(
+    model, prov: Fusekit, setup: Setup, b: int, p: int, n: int, reps: int, rounds: int
+) -> dict[str, object]:
+    """Same-process A/B of a patched model's decode against HF eager: per round, the model unpatched
+    (fusekit.hf.unpatch gives back HF's exact modules) then patched again, each decode timed as
+    run_decode does. The host's speed drifts between processes by tens of percent (the isolated rows'
+    ratios carry that); alternating in one process cancels most of it. Leaves the model patched."""
+    import fusekit.hf
+
+    ratios, eager_ms, patched_ms = [], [], []
+    for _ in range(rounds):
+        fusekit.hf.unpatch(model)
+        try:
+            e = run_decode(model, Provider(), setup, b, p, n, 1, reps)  # HF as is: no generate kwargs
+        finally:
+            fusekit.hf.patch(model, backend=prov.backend, strict=True)
+        f = run_decode(model, prov, setup, b, p, n, 1, reps)
+        if isinstance(e, dict) and isinstance(f, dict) and e["tokens_per_s"] and f["tokens_per_s"]:
+            ratios.append(f["tokens_per_s"] / e["tokens_per_s"])
+            eager_ms.append(e["ms_per_step"])
+            patched_ms.append(f["ms_per_step"])
+    return {
+        "ab_vs_eager": statistics.median(ratios) if ratios else None,
+        "ab_ratios": ratios,
+        "ab_eager_ms_per_step": eager_ms,
+        "ab_ms_per_step": patched_ms,
+    }
+
+
 def run_train(fwd, model, prov: Provider, setup: Setup, b: int, s: int, warmup: int, reps: int) -> dict:
     ids = _ids(setup, b, s, salt=20 + s)
     labels = _ids(setup, b, s, salt=30 + s)  # random targets: HF shifts them by one inside the loss
@@ -725,8 +754,10 @@ def run_provider(
     reps: int,
     deadline: float | None,
     log: Callable[[str], None],
+    ab_rounds: int = 0,
 ) -> tuple[dict, list[dict]]:
-    """Gate, then time each scenario; returns (provider record, rows)."""
+    """Gate, then time each scenario; returns (provider record, rows). A patched provider's decode rows
+    also get `ab_rounds` same-process rounds against HF eager (ab_decode), where it can be unpatched."""
     rec: dict = {"what": prov.what}
     rows: list[dict] = []
 
@@ -779,6 +810,8 @@ def run_provider(
                     res = run_prefill(fwd, setup, bb, ss, warmup, reps)
                 elif sc == "decode":
                     res = run_decode(model, prov, setup, *_decode_shapes(case)[0], warmup, reps)
+                    if ab_rounds and type(prov) is Fusekit and isinstance(res, dict):
+                        res.update(ab_decode(model, prov, setup, *_decode_shapes(case)[0], reps, ab_rounds))
                 else:
                     bb, ss = _shapes(case)[0]
                     res = run_train(fwd, model, prov, setup, bb, ss, warmup, reps)
@@ -960,6 +993,10 @@ def _parser() -> argparse.ArgumentParser:
         "--optim", default="foreach", choices=("foreach", "fused"),
         help="the training step's AdamW: torch's default (foreach) or fused=True (HF Trainer's default)",
     )  # fmt: skip
+    ap.add_argument(
+        "--ab-rounds", type=int, default=3,
+        help="same-process decode rounds of each patched (not compiled) provider against HF eager (0: off)",
+    )  # fmt: skip
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls, the first included (2; quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed calls, median reported (5; quick 2)")
     ap.add_argument("--quick", action="store_true", help="fewer warm-up and timed calls")
@@ -1078,7 +1115,9 @@ def main(argv: list[str] | None = None) -> int:
     final = doc
     for prov in make_providers(names, setup):
         log(f"{prov.name}:")
-        rec, rows = run_provider(prov, setup, scenarios, state, ref, warmup, reps, deadline, log)
+        rec, rows = run_provider(
+            prov, setup, scenarios, state, ref, warmup, reps, deadline, log, ab_rounds=args.ab_rounds
+        )
         if rec["status"] != "ok":
             log(f"  {prov.name}: {rec['status']}: {rec['reason'][:300]}")
         doc["providers"][prov.name] = {**rec, "run": run_index}

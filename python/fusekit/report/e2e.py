@@ -74,9 +74,19 @@ def _cell(doc: dict, prov: str, r: dict | None, fastest: bool) -> str:
         return str(r.get("status", "?"))
     head = f"{_tok(r['tokens_per_s'])} tok/s · {r['ms_per_step']:.3g} ms"
     parts = [f"**{head}**" if fastest else head]
-    ratios = [f"×{v:.2f} {b}" for b, v in (r.get("speedup_vs") or {}).items() if b != prov and v]
+    sv = r.get("speedup_vs") or {}
+    # "<baseline>_other_run" flags a ratio whose baseline ran in another process: marked, not a ratio
+    ratios = [
+        f"×{v:.2f} {b}{'‡' if sv.get(f'{b}_other_run') else ''}"
+        for b, v in sv.items()
+        if b != prov and not b.endswith("_other_run") and v
+    ]
     if ratios:
         parts.append(", ".join(ratios))
+    if r.get("ab_vs_eager"):  # bench.e2e.ab_decode: unpatched and patched alternately in one process
+        parts.append(
+            f"×{r['ab_vs_eager']:.2f} eager, same process ({len(r.get('ab_ratios') or [])} A/B rounds)"
+        )
     if r["scenario"] == "train" and r.get("peak_mem_bytes") is not None:
         parts.append(f"peak {r['peak_mem_bytes'] / 2**30:.1f} GiB")
     tag = f"<sup>{r.get('run', 0) + 1}</sup>" if len(_runs(doc)) > 1 else ""
@@ -226,7 +236,10 @@ def section_md(results_dir: Path, out_dir: Path, root: Path, draw: bool = True) 
         "decode counts the greedy generate steps after the first token, train is forward, the model's "
         "cross entropy, backward and an AdamW step. Cells give tokens/s and ms per step (a forward, one "
         "new token, or an optimizer step); ratios are this provider's tokens/s over the baseline's (> 1: "
-        "faster); the fastest provider of a row is in bold. Before any timing each provider went "
+        "faster; ‡: the baseline ran in another process of the run, and the host's speed drifts between "
+        "processes, so such ratios carry that noise; a patched provider's decode cell also gives its ratio to HF "
+        "eager measured in its own process, unpatched and patched alternately); the fastest provider of a row is in bold. Before "
+        "any timing each provider went "
         "through the correctness gate below (one that fails it is `wrong` and not timed).",
         "",
     ]
