@@ -572,3 +572,57 @@ def test_rotary_tables_converted_once_per_forward_and_guarded():
     assert c3 is not c1 and torch.equal(c3, cos[..., :4].float())
     c4, _ = _patch._half_tables((cos.clone(), sin), 4)  # another forward's tuple
     assert c4 is not c3 and torch.equal(c4, c3)
+
+
+def test_post_mlp_add_fused_into_the_next_norm_under_no_grad(monkeypatch):
+    """Inference: each layer's add after the MLP runs inside the next norm (the next layer's input norm, the
+    final norm for the last layer), whose result that norm then finds waiting; with gradients the add stays
+    a torch add (a checkpointed layer must not hand the next one a norm computed outside its graph). Both
+    give the unpatched model's logits."""
+    model = build("llama3")
+    x = ids(seq=11)
+    ref = logits(model, x)
+    fh.patch(model)
+    L = model.config.num_hidden_layers
+    calls: list[bool] = []
+    real = ops.rms_norm
+
+    def counting(*a, **k):
+        calls.append(k.get("residual") is not None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ops, "rms_norm", counting)
+    fused = logits(model, x)  # no_grad
+    assert calls.count(True) == 2 * L and calls.count(False) == 1, calls
+    assert rel_error(fused, ref) < FP32_TOL
+    calls.clear()
+    plain = model(x).logits.float()  # grad mode: the plain add, every norm computes
+    assert calls.count(True) == L and calls.count(False) == L + 1, calls
+    assert torch.equal(plain.detach(), fused)
+    assert "_fusekit_pre" not in model.model.norm.__dict__  # each waiting result is taken once
+    sd = set(model.state_dict())
+    assert not any("_fusekit" in k for k in sd)  # the links are not submodules
+    fh.unpatch(model)
+    assert not any("_fusekit" in k for layer in model.model.layers for k in layer.__dict__)
+    assert rel_error(logits(model, x), ref) == 0.0
+
+
+def test_a_changed_layer_output_is_normalized_again():
+    """The waiting norm result is used only for the very tensor the layer returned, unchanged: a forward
+    hook that edits it in place (version bump) or replaces it makes the next norm compute again."""
+    model = build("llama2")
+    x = ids(seq=7)
+    fh.patch(model)
+    layer0 = model.model.layers[0]
+
+    def bump(_mod, _inp, out):
+        out.add_(0.5)  # in place: same object, new version (a scale alone would not change its norm)
+
+    h = layer0.register_forward_hook(bump)
+    edited = logits(model, x)
+    h.remove()
+    fh.unpatch(model)
+    h = layer0.register_forward_hook(bump)
+    ref = logits(model, x)
+    h.remove()
+    assert rel_error(edited, ref) < FP32_TOL

@@ -8,8 +8,10 @@ What patch changes (in place; unpatch puts every original object back):
   attention core through transformers' registry: config._attn_implementation = "fusekit";
 - every decoder layer's class -> a subclass that fuses the residual add after attention into the
   post-attention RMSNorm (ops.rms_norm(..., residual=) returns the norm and the new residual stream in
-  one pass). The add after the MLP stays a torch add: fusing it into the next layer's input norm would
-  need the model's layer loop rewritten.
+  one pass). Under no_grad (prefill, generate) the add after the MLP is fused too, into the next norm
+  (the next layer's input norm, the final norm after the last layer): the layer computes (norm(h), h)
+  and returns h, and that norm, called with exactly h (unchanged since), returns the waiting result.
+  With gradients that add stays a torch add.
 - model.generate -> (an instance attribute) the class's generate wrapped: it checks once, on the host,
   whether the prompt is padded (its attention_mask, or pad tokens in it when none is given) and, if
   not, lets the attention modules read each mask of that generate() call as a causal prefix (see fusekit.hf._attention: static-cache
@@ -150,7 +152,27 @@ class _DecoderLayerMixin:
         # (y, h) = (norm(attn + residual), attn + residual): one pass instead of an add and a norm.
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
         hidden_states = self.mlp(hidden_states)
+        nxt = self.__dict__.get("_fusekit_next_norm")
+        if nxt is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Inference: the add after the MLP fused into the next norm (the next layer's input norm, or
+            # the model's final norm), which finds its output waiting (_PrecomputedNormMixin). Not with
+            # gradients: a checkpointed layer would hand the next one a norm computed outside its graph.
+            y, h = nxt(hidden_states, residual=residual)
+            nxt.__dict__["_fusekit_pre"] = (h, h._version, y)
+            return h
         return residual + hidden_states
+
+
+class _PrecomputedNormMixin:
+    """A fusekit RMSNorm that the previous decoder layer may have computed already (fused with its residual
+    add): called with exactly that layer's output tensor, unchanged since, it returns the waiting result
+    (taken once); any other call normalizes as usual."""
+
+    def forward(self, x, residual=None):
+        pre = self.__dict__.pop("_fusekit_pre", None)
+        if pre is not None and residual is None and pre[0] is x and pre[1] == x._version:
+            return pre[2]
+        return super().forward(x, residual=residual)
 
 
 def _unpadded(model: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -324,6 +346,7 @@ def patch(
             layers.append(parent)
     if not attentions:
         raise ValueError(f"model: no {classes['Attention'].__name__} modules found in {type(model).__name__}")
+    next_norms = _next_norms(model, layers, {(id(parent), name): new for parent, name, _, new in children})
 
     rec = _Record(backend=backend, attn_implementation=getattr(config, "_attn_implementation", None))
     _attention.register()
@@ -350,9 +373,29 @@ def patch(
     for m in layers:
         rec.classes.append((m, type(m)))
         m.__class__ = layer_cls
+    for layer, norm in next_norms:  # plain attributes, not submodules: state_dict keys stay HF's
+        norm.__class__ = _subclass(_PrecomputedNormMixin, type(norm))
+        layer.__dict__["_fusekit_next_norm"] = norm
+        rec.attrs.append((layer, "_fusekit_next_norm"))
     _set_attn_implementation(model, _attention.NAME)
     object.__setattr__(model, _ATTR, rec)
     return model
+
+
+def _next_norms(model: nn.Module, layers: list[nn.Module], new: dict) -> list[tuple[nn.Module, nn.Module]]:
+    """(decoder layer, the fusekit RMSNorm that normalizes its output next): the next layer's input norm,
+    and for the last layer the model's final norm. Only for the model's layer list run in order (the
+    ModuleList holding exactly `layers`, beside a final `norm`); anything else gets no links."""
+    for parent in model.modules():
+        stack = getattr(parent, "layers", None)
+        if not isinstance(stack, nn.ModuleList) or list(stack) != layers or not layers:
+            continue
+        final = new.get((id(parent), "norm"))
+        norms = [new.get((id(layer), "input_layernorm")) for layer in layers[1:]] + [final]
+        if any(n is None for n in norms):
+            return []
+        return list(zip(layers, norms))
+    return []
 
 
 def _set_attn_implementation(model: nn.Module, name: str | None) -> None:
