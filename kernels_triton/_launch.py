@@ -205,28 +205,44 @@ def fast_launch(fn):
 # `Autotuner.run` builds its key, looks the config up and then calls `JITFunction.run`: the slow path on
 # every call. `@fast_tuned` (on top of `triton.autotune(...)`) lets the autotuner choose once per
 # (arguments' keys, with its key arguments by value) and from then on launches the chosen config through
-# `launch` above. Kept on Triton's path: configs or autotuners with hooks (reset_to_zero, restore_value,
-# pre_hook: they must run around every launch) and a heuristics-wrapped kernel.
+# `launch` above; a kernel under one `triton.heuristics` layer gets its heuristic values computed per call
+# from the arguments and the chosen config, as Heuristics.run does. Kept on Triton's path: configs or
+# autotuners with hooks (reset_to_zero, restore_value, pre_hook: they must run around every launch).
 _TUNED: dict[tuple, dict | None] = {}  # key -> the chosen config's kwargs, or None: always Triton's path
 _TUNER_KEYERS: dict[Any, tuple[tuple, dict]] = {}
 _TUNE_LOCK = threading.Lock()
 
 
+def _jit_of(tuner):
+    """The JITFunction an autotuner launches: its `fn`, or the kernel under one `triton.heuristics` layer."""
+    fn = tuner.fn
+    return fn.fn if _is_heuristics(fn) else fn
+
+
+def _is_heuristics(fn) -> bool:
+    from triton.runtime.autotuner import Heuristics
+
+    return isinstance(fn, Heuristics)
+
+
 def _tuner_keyers(tuner) -> tuple[tuple, dict]:
     k = _TUNER_KEYERS.get(tuner)
     if k is None:
-        fn, by_value = tuner.fn, set(tuner.keys)
+        fn, by_value = _jit_of(tuner), set(tuner.keys)
         pos = tuple(_arg_key if p.name in by_value else f for p, f in zip(fn.params, _keyers(fn)))
         k = _TUNER_KEYERS[tuner] = (pos, {p.name: f for p, f in zip(fn.params, pos)})
     return k
 
 
 def _plain(tuner) -> bool:
-    """The autotuner wraps a plain JITFunction and has no hooks that must run around each launch."""
+    """The autotuner wraps a plain JITFunction (directly, or under one `triton.heuristics` layer, whose
+    values launch_tuned computes as Heuristics.run does) and has no hooks that must run around each launch."""
     from triton.runtime.jit import JITFunction  # not InterpretedFunction (the CPU interpreter)
 
+    if getattr(tuner, "fn", None) is None:
+        return False
     return (
-        isinstance(getattr(tuner, "fn", None), JITFunction)
+        isinstance(_jit_of(tuner), JITFunction)
         and not getattr(tuner, "reset_to_zero", None)
         and not getattr(tuner, "restore_value", None)
         and not getattr(tuner, "user_defined_pre_hook", False)
@@ -250,14 +266,19 @@ def launch_tuned(tuner, grid, args: tuple, kwargs: dict) -> None:
         with _TUNE_LOCK:  # best_config is the autotuner's state: read it right after this thread's run
             tuner.run(*args, grid=grid, warmup=False, **kwargs)
             best = getattr(tuner, "best_config", None)
-            names = {p.name for p in tuner.fn.params} | _LEAN_CONFIG
+            names = {p.name for p in _jit_of(tuner).params} | _LEAN_CONFIG
             ok = best is not None and best.pre_hook is None and all(k in names for k in best.all_kwargs())
             _TUNED[key] = best.all_kwargs() if ok else None
         return None
     kw = {**kwargs, **cfg}
+    heur = tuner.fn
+    if _is_heuristics(heur):  # as Heuristics.run: each value from the arguments and the config
+        named = dict(zip(heur.arg_names, args))
+        for v, f in heur.values.items():
+            kw[v] = f({**named, **kw})
     if callable(grid):
         grid = grid({**dict(zip(tuner.arg_names, args)), **kw})
-    launch(tuner.fn, grid, args, kw)
+    launch(_jit_of(tuner), grid, args, kw)
     return None
 
 

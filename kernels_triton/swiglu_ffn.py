@@ -85,7 +85,7 @@ from kernels_triton._config import (
 )
 from kernels_triton._ffn_backward import aot_specs as _backward_aot_specs
 from kernels_triton._ffn_backward import backward
-from kernels_triton._launch import fast_tuned
+from kernels_triton._launch import fast_launch, fast_tuned
 from kernels_triton._tiles import dot
 
 __all__ = ["aot_specs", "backward", "forward", "swiglu_ffn"]
@@ -96,6 +96,7 @@ DECODE_MAX_T = 16  # at or below this many tokens the weights' bytes dominate: G
 # ----------------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _rstd_kernel(x_ptr, nw_ptr, rstd_ptr, xn_ptr, D, eps, WRITE_XN: tl.constexpr, BLOCK: tl.constexpr):
     """One row per program: rstd = rsqrt(mean(x^2) + eps) in fp32; optionally xn = x*rstd*w in x.dtype."""
@@ -224,6 +225,7 @@ def _matmul_nt_kernel(
 # Hopper's warp specialization (a producer warp issuing TMA, consumer warpgroups on wgmma) does not work
 # with a flattened loop, so WARP_SPECIALIZE configs run with FLATTEN=False (as in Triton's tutorial 09).
 # M is not specialized (do_not_specialize): a new T must not recompile the kernel.
+@fast_launch
 @triton.jit(do_not_specialize=["M"])
 def _gate_up_tma_kernel(
     a_ptr, wg_ptr, wu_ptr, h_ptr, gu_ptr, M, N, K,
@@ -273,6 +275,7 @@ def _gate_up_tma_kernel(
             su_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc_u.to(gu_ptr.dtype.element_ty))
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["M"])
 def _matmul_nt_tma_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K,
@@ -508,10 +511,12 @@ def _tuned(kind: str, block_t: int = 0):
     even = triton.heuristics({"EVEN_K": _even_k})
     if kind == "gate_up" and not block_t:
         cfgs = _mm_configs(_GATE_UP_HIP if hip else _GATE_UP_CUDA)
-        return triton.autotune(cfgs, key=["M", "N", "K", "HAS_NORM", "SAVE_GU"])(even(_gate_up_kernel))
+        return fast_tuned(
+            triton.autotune(cfgs, key=["M", "N", "K", "HAS_NORM", "SAVE_GU"])(even(_gate_up_kernel))
+        )
     if kind == "down" and not block_t:
         cfgs = _mm_configs(_DOWN_HIP if hip else _DOWN_CUDA)
-        return triton.autotune(cfgs, key=["M", "N", "K"])(even(_matmul_nt_kernel))
+        return fast_tuned(triton.autotune(cfgs, key=["M", "N", "K"])(even(_matmul_nt_kernel)))
     table = (_GEMV_HIP if hip else _GEMV_CUDA)["gate_up" if kind == "gate_up_gemv" else "down"][block_t]
     if kind == "gate_up_gemv":
         cfgs = [triton.Config({"BLOCK_F": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]

@@ -173,6 +173,27 @@ def test_autotuned_kernel_launches_the_chosen_config_lean(tuned, monkeypatch: py
     assert [e[0] for e in log][3:] == ["run"]
 
 
+def test_heuristics_under_the_autotuner_are_computed_per_call(toy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """autotune(heuristics(kernel)) (swiglu_ffn's prefill GEMMs: EVEN_K from K and the config's BLOCK_K)
+    takes the lean path too, each heuristic value computed from the call's arguments and the chosen config
+    as Heuristics.run does, so a value that changes with a non-key argument still reaches the kernel."""
+    fn, log = toy
+    heur = triton.heuristics({"FLAG": lambda a: a["start"] % a["BLOCK"] == 0})(fn)
+    tuner = _launch.fast_tuned(triton.autotune([triton.Config({"BLOCK": 32}, num_warps=2)], key=["n"])(heur))
+    assert type(tuner).__name__.startswith("Fast")
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    x, y = torch.zeros(64), torch.zeros(64)
+    grid = lambda m: (64 // m["BLOCK"],)
+    for start in (3, 64, 5, 96):
+        tuner[grid](x, y, 64, start)
+    kinds = [e[0] for e in log]
+    assert kinds[:2] == ["run", "run"] and kinds[-1] == "fast", kinds  # start=64: FLAG flips, a new kernel
+    assert log[0][3]["FLAG"] is False and log[0][3]["BLOCK"] == 32
+    flags = [e[2][5] if e[0] == "fast" else e[3]["FLAG"] for e in log[1:]]  # FLAG: the 6th parameter
+    assert flags == [True, False, True], log
+
+
 def test_autotuner_with_hooks_keeps_tritons_path(toy) -> None:
     fn, _ = toy
     tuner = triton.autotune([triton.Config({"BLOCK": 32})], key=["n"], reset_to_zero=["y_ptr"])(fn)
@@ -194,6 +215,7 @@ def _ops_cases(dev: str):
     q, kc, vc = r(2, 32, 1, 128), r(2, 8, 1000, 128), r(2, 8, 1000, 128)
     kv_len = torch.tensor([999, 517], device=dev, dtype=torch.int32)
     x1, wg, wu, wd = r(1, 512), r(1024, 512) * 0.05, r(1024, 512) * 0.05, r(512, 1024) * 0.05
+    x32, nw = r(32, 512), r(512)
     qp, kp, vp = r(1, 4, 256, 64), r(1, 2, 256, 64), r(1, 2, 256, 64)
     q4 = r(2, 32, 4, 128)
     flat = r(2 * 8 * 1000 * 128 + 1)  # k/v views one element off 16-byte alignment
@@ -206,6 +228,10 @@ def _ops_cases(dev: str):
         ("rope", lambda: [ops.rope(q.transpose(1, 2), start_pos=p, backend="triton") for p in (5, 6, 2047)]),
         ("attention decode", lambda: ops.attention(q, kc, vc, kv_len=kv_len, backend="triton")),
         ("swiglu_ffn decode (autotuned GEMVs)", lambda: ops.swiglu_ffn(x1, wg, wu, wd, backend="triton")),
+        (  # T > 16: the prefill GEMMs (autotune + heuristics pointer kernels, or the TMA kernels) and rstd
+            "swiglu_ffn prefill T=32 with norm",
+            lambda: ops.swiglu_ffn(x32, wg, wu, wd, norm_weight=nw, backend="triton"),
+        ),
         ("attention prefill (autotuned)", lambda: ops.attention(qp, kp, vp, causal=True, backend="triton")),
         (  # a cache grown by one key per step (HF DynamicCache): new Skv and strides, same kernel
             "attention decode grown",
