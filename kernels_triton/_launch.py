@@ -209,28 +209,26 @@ def fast_launch(fn):
 # from the arguments and the chosen config, as Heuristics.run does. Kept on Triton's path: configs or
 # autotuners with hooks (reset_to_zero, restore_value, pre_hook: they must run around every launch).
 _TUNED: dict[tuple, dict | None] = {}  # key -> the chosen config's kwargs, or None: always Triton's path
-_TUNER_KEYERS: dict[Any, tuple[tuple, dict]] = {}
+_TUNER_KEYERS: dict[Any, tuple[tuple, dict, Any, Any]] = {}
 _TUNE_LOCK = threading.Lock()
 
 
-def _jit_of(tuner):
-    """The JITFunction an autotuner launches: its `fn`, or the kernel under one `triton.heuristics` layer."""
-    fn = tuner.fn
-    return fn.fn if _is_heuristics(fn) else fn
-
-
-def _is_heuristics(fn) -> bool:
+def _jit_of(tuner) -> tuple[Any, Any]:
+    """(the JITFunction an autotuner launches, the `triton.heuristics` layer over it or None)."""
     from triton.runtime.autotuner import Heuristics
 
-    return isinstance(fn, Heuristics)
+    fn = tuner.fn
+    return (fn.fn, fn) if isinstance(fn, Heuristics) else (fn, None)
 
 
-def _tuner_keyers(tuner) -> tuple[tuple, dict]:
+def _tuner_keyers(tuner) -> tuple[tuple, dict, Any, Any]:
+    """(per-argument key functions, the same by name, the JITFunction, its heuristics layer or None),
+    decided once per autotuner."""
     k = _TUNER_KEYERS.get(tuner)
     if k is None:
-        fn, by_value = _jit_of(tuner), set(tuner.keys)
+        (fn, heur), by_value = _jit_of(tuner), set(tuner.keys)
         pos = tuple(_arg_key if p.name in by_value else f for p, f in zip(fn.params, _keyers(fn)))
-        k = _TUNER_KEYERS[tuner] = (pos, {p.name: f for p, f in zip(fn.params, pos)})
+        k = _TUNER_KEYERS[tuner] = (pos, {p.name: f for p, f in zip(fn.params, pos)}, fn, heur)
     return k
 
 
@@ -242,7 +240,7 @@ def _plain(tuner) -> bool:
     if getattr(tuner, "fn", None) is None:
         return False
     return (
-        isinstance(_jit_of(tuner), JITFunction)
+        isinstance(_jit_of(tuner)[0], JITFunction)
         and not getattr(tuner, "reset_to_zero", None)
         and not getattr(tuner, "restore_value", None)
         and not getattr(tuner, "user_defined_pre_hook", False)
@@ -252,7 +250,7 @@ def _plain(tuner) -> bool:
 
 def launch_tuned(tuner, grid, args: tuple, kwargs: dict) -> None:
     """`tuner[grid](*args, **kwargs)`; the chosen config launched through `launch` once it is known."""
-    pos, named = _tuner_keyers(tuner)
+    pos, named, jit, heur = _tuner_keyers(tuner)
     key = (
         tuner,
         torch.cuda.current_device(),
@@ -266,19 +264,18 @@ def launch_tuned(tuner, grid, args: tuple, kwargs: dict) -> None:
         with _TUNE_LOCK:  # best_config is the autotuner's state: read it right after this thread's run
             tuner.run(*args, grid=grid, warmup=False, **kwargs)
             best = getattr(tuner, "best_config", None)
-            names = {p.name for p in _jit_of(tuner).params} | _LEAN_CONFIG
+            names = {p.name for p in jit.params} | _LEAN_CONFIG
             ok = best is not None and best.pre_hook is None and all(k in names for k in best.all_kwargs())
             _TUNED[key] = best.all_kwargs() if ok else None
         return None
     kw = {**kwargs, **cfg}
-    heur = tuner.fn
-    if _is_heuristics(heur):  # as Heuristics.run: each value from the arguments and the config
-        named = dict(zip(heur.arg_names, args))
+    if heur is not None:  # as Heuristics.run: each value from the arguments and the config
+        by_name = dict(zip(heur.arg_names, args))
         for v, f in heur.values.items():
-            kw[v] = f({**named, **kw})
+            kw[v] = f({**by_name, **kw})
     if callable(grid):
         grid = grid({**dict(zip(tuner.arg_names, args)), **kw})
-    launch(_jit_of(tuner), grid, args, kw)
+    launch(jit, grid, args, kw)
     return None
 
 

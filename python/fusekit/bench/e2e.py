@@ -809,9 +809,10 @@ def run_provider(
                     bb, ss = _shapes(case)[0]
                     res = run_prefill(fwd, setup, bb, ss, warmup, reps)
                 elif sc == "decode":
-                    res = run_decode(model, prov, setup, *_decode_shapes(case)[0], warmup, reps)
+                    shape = _decode_shapes(case)[0]
+                    res = run_decode(model, prov, setup, *shape, warmup, reps)
                     if ab_rounds and type(prov) is Fusekit and isinstance(res, dict):
-                        res.update(ab_decode(model, prov, setup, *_decode_shapes(case)[0], reps, ab_rounds))
+                        res.update(ab_decode(model, prov, setup, *shape, reps, ab_rounds))
                 else:
                     bb, ss = _shapes(case)[0]
                     res = run_train(fwd, model, prov, setup, bb, ss, warmup, reps)

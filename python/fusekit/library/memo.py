@@ -189,6 +189,11 @@ def _selection(fn, *args) -> tuple[int | None, ...] | None:
     return tuple(out)
 
 
+def _places(args, present: list[bool], base: int) -> dict[str, _From | None]:
+    """{tensor name: a placeholder for position base + its index, or None where the tensor is absent}."""
+    return {a.name: _From(base + j) if p else None for j, (a, p) in enumerate(zip(args, present))}
+
+
 def _glue(runner: GradRunner, spec: OpSpec, inputs: tuple, cond: dict[str, bool]) -> bool:
     """Fill the runner's per-signature autograd facts from the spec; False if the glue computes."""
     bp = spec.backward
@@ -196,24 +201,15 @@ def _glue(runner: GradRunner, spec: OpSpec, inputs: tuple, cond: dict[str, bool]
         return False
     fwd, n_in = spec.forward, len(inputs)
     layout = runner.fplan.layout
-    ins = {a.name: None if v is None else _From(i) for i, (a, v) in enumerate(zip(fwd.inputs, inputs))}
-    outs = {
-        a.name: None if lay is None else _From(n_in + j)
-        for j, (a, lay) in enumerate(zip(fwd.outputs, layout))
-    }
-    save = _selection(spec.save, ins, outs)
+    out_present = [lay is not None for lay in layout]
+    ins = _places(fwd.inputs, [v is not None for v in inputs], 0)
+    save = _selection(spec.save, ins, _places(fwd.outputs, out_present, n_in))
     if save is None:
         return False
     n_saved = len(save)
-    grads = {
-        a.name: None if lay is None else _From(n_saved + j)
-        for j, (a, lay) in enumerate(zip(fwd.outputs, layout))
-    }
+    grads = _places(fwd.outputs, out_present, n_saved)
     bsel = _selection(spec.backward_inputs, tuple(_From(i) for i in range(n_saved)), grads, cond)
-    bouts = {
-        a.name: None if a.when is not None and not cond.get(a.when) else _From(j)
-        for j, a in enumerate(bp.outputs)
-    }
+    bouts = _places(bp.outputs, [a.when is None or cond.get(a.when, False) for a in bp.outputs], 0)
     gsel = _selection(spec.input_grads, bouts, cond)
     if bsel is None or gsel is None or len(gsel) != n_in:
         return False

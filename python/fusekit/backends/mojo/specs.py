@@ -202,12 +202,13 @@ SWIGLU_FFN_BACKWARD = OpSpec(
 
 
 # MAX ops whose GPU kernels create device buffers (`ctx.enqueue_create_buffer`: weight-gradient partials,
-# split partial sums, the swiglu intermediate). The first MAX device-graph capture that allocates makes
-# MAX reserve a graph memory pool of ~90% of the free device memory (measured on an H100: 78.7 -> 7.6 GiB
-# free after capturing rms_norm's backward once), which starves torch's allocator for the rest of the
-# process. The dispatcher never captures these ops: each of their calls executes (~20 us of host time,
-# small beside these kernels). tests/test_mojo_runtime.py checks on the GPU that no op's captures take
-# device memory.
+# split partial sums, the swiglu intermediate). After a MAX device-graph capture, such a kernel makes MAX
+# reserve a graph memory pool of ~90% of the free device memory (H100: 78.7 -> 7.6 GiB free after
+# capturing rms_norm's backward once; 78.3 -> 7.8 when only its forward was captured and the backward ran
+# uncaptured), which starves torch's allocator for the rest of the process. So replay is off by default
+# (dispatch.REPLAY_ENV), and with it opted in these ops are still never captured: each of their calls
+# executes (~20 us of host time, small beside these kernels). tests/test_mojo_capture_memory.py checks
+# on the GPU, in a fresh process, that the default settings keep the device memory.
 NO_CAPTURE = frozenset(
     {
         "fusekit.rms_norm_backward",
