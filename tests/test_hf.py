@@ -184,6 +184,44 @@ def test_compiled_prefill_and_training_step_have_no_graph_break(monkeypatch: pyt
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_compiled_forward_without_cache_has_no_graph_break(family: str):
+    """use_cache=False (a prefill without a cache, HF Trainer's training forward): transformers keeps its
+    packed-sequence mask while tracing (it cannot read position_ids there), so the patched base model
+    tells its layers their positions are its own and the mask is plain causal. Before, each layer
+    checked the mask on the host: a graph break and a sync per layer (H100 prefill 12.0 vs 9.7 ms)."""
+    model = build(family, num_hidden_layers=2)
+    x = ids(seq=11)
+    want = logits(model, x, use_cache=False)
+    fh.patch(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert rel_error(logits(compiled, x, use_cache=False), want) <= FP32_TOL
+    model.train()
+    compiled(input_ids=x, labels=x, use_cache=False).loss.backward()
+    torch._dynamo.reset()
+
+
+def test_packed_positions_keep_their_mask():
+    """position_ids given by the caller may pack several sequences per row: the mask transformers builds
+    from them (block-diagonal causal) must reach the attention; fusekit cannot express it and falls back
+    to sdpa, eager and compiled - never plain causal over the whole row."""
+    model = build("llama3", num_hidden_layers=2)
+    x = ids(batch=1, seq=12)
+    packed = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    want = logits(model, x, position_ids=packed, use_cache=False)
+    plain = logits(model, x, use_cache=False)
+    assert rel_error(plain, want) > 0.01  # packing really changes the answer
+    fh.patch(model)
+    with pytest.warns(UserWarning, match="packed"):
+        got = logits(model, x, position_ids=packed, use_cache=False)
+    assert rel_error(got, want) <= FP32_TOL
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    assert rel_error(logits(compiled, x, position_ids=packed, use_cache=False), want) <= FP32_TOL
+    torch._dynamo.reset()
+
+
 def test_mask_function_keeps_padding_and_windows():
     """The None shortcut is only for the plain causal square: a padding mask, a window or q != kv still
     get transformers' mask (materialized where sdpa would use its top-left is_causal)."""

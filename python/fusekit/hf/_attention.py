@@ -24,6 +24,11 @@ implementation's name. fusekit's attention expresses two masks: none, and causal
   data-dependent shape: the decode step traces into one graph under torch.compile and replays under
   CUDA graphs (transformers compiles static-cache decoding itself). A sliding window shorter than the
   cache keeps the checked path above.
+- A patched base model called without position_ids and without an attention_mask passes its layers
+  `fusekit_own_positions=True`: its positions are 0..S-1 of one sequence per row, so a mask over as
+  many keys as queries can only be plain causal. transformers keeps its packed-sequence mask while
+  dynamo traces (it cannot look at position_ids there): without this a compiled forward with no cache
+  (use_cache=False prefill, training) would check a materialized mask per layer (graph break, sync).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from torch import Tensor
 from fusekit import ops
 
 NAME = "fusekit"
+# kwarg a patched base model passes to its layers when the positions are its own 0..S-1 (see below)
+OWN_POSITIONS = "fusekit_own_positions"
 CAUSAL, FULL = "causal", "full"
 _warned: set[str] = set()
 
@@ -168,6 +175,16 @@ def fusekit_attention(
     window = kwargs.get("sliding_window")
     s, skv = query.shape[2], key.shape[2]
     backend = getattr(module, "_fusekit_backend", "auto")
+    if (
+        kwargs.pop(OWN_POSITIONS, False)
+        and isinstance(attention_mask, Tensor)
+        and s == skv
+        and tuple(attention_mask.shape[-2:]) == (s, skv)
+        and (window is None or skv <= window)
+    ):
+        # The model's own positions, no padding mask, as many keys as queries: the mask is transformers'
+        # packed-sequence guard over one sequence (kept while tracing), i.e. plain causal.
+        attention_mask = None
     if (
         getattr(module, "_fusekit_prefix_masks", False)  # set by patch's generate() for unpadded prompts
         and isinstance(attention_mask, Tensor)
