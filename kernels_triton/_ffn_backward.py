@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import device_index, next_pow2, num_sms, on_device, warps_for
+from kernels_triton._launch import fast_launch
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -55,6 +56,7 @@ def _tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return rows, cols, (rows < M)[:, None] & (cols < N)[None, :]
 
 
+@fast_launch
 @triton.jit
 def _swiglu_bwd_kernel(
     dh_ptr, gu_ptr, h_ptr, dg_ptr, du_ptr, T, F, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr
@@ -74,6 +76,7 @@ def _swiglu_bwd_kernel(
     tl.store(du_ptr + off, (dh * silu).to(du_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _xn_kernel(x_ptr, nw_ptr, rstd_ptr, xn_ptr, T, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """xn = round(x * rstd * nw) from the saved rstd (the forward's "fp32" casting, same operation order)."""
@@ -85,6 +88,7 @@ def _xn_kernel(x_ptr, nw_ptr, rstd_ptr, xn_ptr, T, D, BLOCK_T: tl.constexpr, BLO
     tl.store(xn_ptr + off, ((x * r[:, None]) * w[None, :]).to(xn_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _norm_dot_kernel(dxn_ptr, x_ptr, nw_ptr, rstd_ptr, c_ptr, D, BLOCK: tl.constexpr):
     """Long rows only: c[row] = mean(dxn * nw * x * rstd) (fp32), one program per row, D in BLOCK chunks."""
@@ -102,6 +106,7 @@ def _norm_dot_kernel(dxn_ptr, x_ptr, nw_ptr, rstd_ptr, c_ptr, D, BLOCK: tl.const
     tl.store(c_ptr + row, tl.sum(acc, axis=0) / D)
 
 
+@fast_launch
 @triton.jit
 def _norm_bwd_kernel(
     dxn_ptr, x_ptr, nw_ptr, rstd_ptr, c_ptr, dx_ptr, part_ptr, T, D,
@@ -134,6 +139,7 @@ def _norm_bwd_kernel(
     tl.store(part_ptr + pid.to(tl.int64) * D + cols, acc, mask=cmask)
 
 
+@fast_launch
 @triton.jit
 def _col_sum_kernel(part_ptr, out_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[cols] = sum_p part[p, cols] (fp32, then out's dtype), always in the same order: deterministic."""

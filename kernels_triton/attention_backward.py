@@ -67,7 +67,7 @@ from kernels_triton._config import (
     is_interpreter,
     on_device,
 )
-from kernels_triton._launch import fast_tuned
+from kernels_triton._launch import fast_launch, fast_tuned
 from kernels_triton._tiles import dot
 
 _LOG2E = 1.4426950408889634
@@ -132,6 +132,7 @@ def _preprocess_rows(head_dim: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ kernels
+@fast_launch
 @triton.jit
 def _bwd_preprocess_kernel(
     o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, S,
