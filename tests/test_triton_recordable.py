@@ -67,6 +67,9 @@ kv_len = torch.tensor([999, 517], dtype=torch.int32)
 o, lse = e(qa), torch.empty(2, 32, 1)
 probe("attention decode kv_len", "attention", "forward", (o, lse), (qa, kc, vc, kv_len), (False, 128**-0.5))
 probe("attention decode cache view", "attention", "forward", (o, lse), (qa, kc[:, :, :515], vc[:, :, :515], None), (True, 128**-0.5))
+qp, kp, vp = r(1, 4, 64, 64), r(1, 2, 64, 64), r(1, 2, 64, 64)
+lsep = torch.randn(1, 4, 64, generator=g)
+probe("attention backward", "attention", "backward", (e(qp), e(kp), e(vp)), (e(qp), qp, kp, vp, e(qp), lsep, None), (True, 0.125))
 probe("reduce_sum", "reduce_sum", "forward", (torch.empty(4),), (x.float(),), ())
 probe("reduce_sum backward", "reduce_sum", "backward", (e(x),), (r(4),), ())
 long = r(1, 1 << 20, dt=torch.float32)
@@ -89,6 +92,7 @@ REPLAYABLE = [
     "rope forward q+k",
     "attention decode kv_len",
     "attention decode cache view",
+    "attention backward",
     "reduce_sum",
     "reduce_sum backward",
 ]
