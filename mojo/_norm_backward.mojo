@@ -16,8 +16,8 @@ Byte floor per call: read dy, xin (2*M*N*s) [+ dh M*N*s] + write dx (M*N*s) + we
 
 GPU plan (deterministic, no atomics):
 1. A persistent grid: block p takes rows p, p + P, ... (fixed for a given M and device) and keeps fp32
-   partials of dw (and db) for its rows, written once at the end to row p of a [P, N] scratch
-   (ctx.enqueue_create_buffer).
+   partials of dw (and db) for its rows, written once at the end to row p of a [P, N] scratch (the
+   caller's workspace: no allocation inside the op, see python/fusekit/backends/mojo/specs.py).
    - N <= 8 * 1024 (aligned): "register" kernel, whole rows per block, the smallest block of
      64..1024 threads with 8 columns per thread (one 16-byte vector of 16-bit x, two of fp32);
      P = min(M, SMs * 1024 / BLK). dy / xin / dh and the dw partials sit in registers, the db
@@ -45,11 +45,11 @@ Row offsets are Int (64-bit). Block reductions use WARP_SIZE (32 on NVIDIA, 64 o
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, thread_idx, block_idx, grid_dim, barrier
 from max.gpu.primitives import warp
 from std.memory import unsafe_stack_allocation
-from max.gpu.host import DeviceContext, DeviceAttribute, DeviceBuffer
+from max.gpu.host import DeviceContext, DeviceAttribute
 from std.utils import StaticTuple
 from std.sys import align_of
 
-from ._util import vec_width, is_aligned16, cdiv
+from ._util import vec_width, is_aligned16, cdiv, check_workspace
 
 comptime F32 = DType.float32
 comptime FPtr = Pointer[Float32, MutAnyOrigin]
@@ -429,6 +429,17 @@ def _partials_sum_kernel[
         res[unsafe_offset=col] = t.cast[wdtype]()
 
 
+def _op_name[LN: Bool]() -> StaticString:
+    return "fusekit.layer_norm_backward" if LN else "fusekit.rms_norm_backward"
+
+
+def _check_parts[LN: Bool](pw_len: Int, pb_len: Int, need: Int) raises:
+    """The [P, N] partials workspaces hold need = P * N elements (part_b only for layer_norm)."""
+    check_workspace(_op_name[LN](), "part_w", pw_len, need)
+    comptime if LN:
+        check_workspace(_op_name[LN](), "part_b", pb_len, need)
+
+
 def norm_bwd_gpu[
     dtype: DType, wdtype: DType, LN: Bool
 ](
@@ -436,6 +447,12 @@ def norm_bwd_gpu[
     dx: Pointer[Scalar[dtype], MutAnyOrigin],
     dw: Pointer[Scalar[wdtype], MutAnyOrigin],
     db: Pointer[Scalar[wdtype], MutAnyOrigin],
+    sp: FPtr,
+    sums_len: Int,
+    pw: FPtr,
+    pw_len: Int,
+    pb: FPtr,
+    pb_len: Int,
     dy: Pointer[Scalar[dtype], MutAnyOrigin],
     dh: Pointer[Scalar[dtype], MutAnyOrigin],
     xin: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -447,7 +464,12 @@ def norm_bwd_gpu[
     n: Int,
 ) raises:
     """Pick the kernel by row length and alignment, launch it on a persistent grid, then reduce the
-    partials. dh (and db, and mean_in for rms_norm) may be dummies: only dh's address is looked at."""
+    partials. dh (and db, and mean_in for rms_norm) may be dummies: only dh's address is looked at.
+    Workspaces (the caller's, with their lengths in elements): sp the row sums [M, 2] of the column-tiled
+    kernel, pw / pb the [P, N] fp32 partials of dw / db (pb only when LN). The bounds, mirrored by
+    python/fusekit/backends/mojo/specs.py norm_bwd_sums / norm_bwd_partials (exact mirrors of this plan):
+    sums 2 * M for aligned rows of more than 1024 * NV vectors, else none; P = progs of the branch taken,
+    P <= max(1, min(M, 16 SMs)) on every branch (blocks of >= 64 threads, ~1024 threads per SM)."""
     comptime VW = vec_width[dtype]()
     var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
     var vec_ok = n % VW == 0 and is_aligned16(dx) and is_aligned16(dy) and is_aligned16(xin)
@@ -456,19 +478,12 @@ def norm_bwd_gpu[
     var nv = n // VW
     var M = Int64(m)
     var N = Int64(n)
-    var sums = ctx.enqueue_create_buffer[F32](2 * m if vec_ok and nv > 1024 * NV else 1)
-    var sp = rebind[FPtr](sums.unsafe_ptr())
     var progs: Int  # rows of partials
-    var part_w: DeviceBuffer[F32]
-    var part_b: DeviceBuffer[F32]
     if not vec_ok:
         # unaligned: the W = 1 loop kernel, ~1024 resident threads per SM (P * N <= SMs * 8 * 4096)
         var blk = 128 if n <= 4096 else LOOP_BLK
         progs = min(m, sms * (1024 // blk))
-        part_w = ctx.enqueue_create_buffer[F32](progs * n)
-        part_b = ctx.enqueue_create_buffer[F32](progs * n if LN else 1)
-        var pw = rebind[FPtr](part_w.unsafe_ptr())
-        var pb = rebind[FPtr](part_b.unsafe_ptr())
+        _check_parts[LN](pw_len, pb_len, progs * n)
         if blk == 128:
             ctx.enqueue_function[_norm_bwd_loop_kernel[dtype, wdtype, LN, 128, 1]](
                 dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, params, M, N, grid_dim=progs, block_dim=128
@@ -479,16 +494,15 @@ def norm_bwd_gpu[
             )
     elif nv > 1024 * NV:
         # long rows: row sums first, then 1024 x 8-column chunks x row groups, ~one block per SM
+        check_workspace(_op_name[LN](), "sums", sums_len, 2 * m)
         ctx.enqueue_function[_row_sums_kernel[dtype, wdtype, LN, LOOP_BLK, VW]](
             sp, dy, xin, w, mean_in, rstd_in, params, M, N, grid_dim=min(m, 1 << 30), block_dim=LOOP_BLK
         )
         var chunks = cdiv(nv, 1024 * NV)
         progs = max(1, min(m, cdiv(sms, chunks)))
-        part_w = ctx.enqueue_create_buffer[F32](progs * n)
-        part_b = ctx.enqueue_create_buffer[F32](progs * n if LN else 1)
+        _check_parts[LN](pw_len, pb_len, progs * n)
         ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 1024, NV, True]](
-            dx, rebind[FPtr](part_w.unsafe_ptr()), rebind[FPtr](part_b.unsafe_ptr()), dy, dh, xin, w, mean_in,
-            rstd_in, sp, params, M, N, grid_dim=chunks * progs, block_dim=1024
+            dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=chunks * progs, block_dim=1024
         )
     else:
         # whole rows in registers: the smallest block holding the row in NV vectors per thread, and
@@ -497,10 +511,7 @@ def norm_bwd_gpu[
         while blk * NV < nv:
             blk *= 2
         progs = min(m, sms * max(1, 1024 // blk))
-        part_w = ctx.enqueue_create_buffer[F32](progs * n)
-        part_b = ctx.enqueue_create_buffer[F32](progs * n if LN else 1)
-        var pw = rebind[FPtr](part_w.unsafe_ptr())
-        var pb = rebind[FPtr](part_b.unsafe_ptr())
+        _check_parts[LN](pw_len, pb_len, progs * n)
         if blk == 64:
             ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 64, NV, False]](
                 dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=64
@@ -521,8 +532,6 @@ def norm_bwd_gpu[
             ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 1024, NV, False]](
                 dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=1024
             )
-    var pw = rebind[FPtr](part_w.unsafe_ptr())
-    var pb = rebind[FPtr](part_b.unsafe_ptr())
     var grid = cdiv(n, RED_COLS)
     var P = Int64(progs)
     ctx.enqueue_function[_partials_sum_kernel[wdtype]](
@@ -532,9 +541,6 @@ def norm_bwd_gpu[
         ctx.enqueue_function[_partials_sum_kernel[wdtype]](
             db, pb, params, Int64(2), P, N, grid_dim=grid, block_dim=RED_COLS * RED_ROWS
         )
-    _ = part_w^
-    _ = part_b^
-    _ = sums^
 
 
 def norm_bwd_cpu[

@@ -2,6 +2,7 @@
 
 - vector width: 16 bytes per load/store (`ld.global.v4.b32` on sm_90, `global_load_dwordx4` on gfx942);
 - accumulator dtype: fp32 for floating inputs (fp64 stays fp64), int64 for integers (reference.py);
+- the check that a caller-owned workspace is large enough for a launch;
 - accurate exp / log / sincos in fp64 built from + and * only: the GPU `cos`/`sin` intrinsics are
   `cos.approx.f32` on sm_90 (useless for RoPE angles up to 2^24 rad and beyond) and fp64 `cos` is
   rejected on NVIDIA, so we range-reduce and evaluate polynomials ourselves (same code on CPU and GPU).
@@ -34,6 +35,21 @@ def cdiv(a: Int, b: Int) -> Int:
 
 def is_aligned16[dtype: DType](p: Pointer[Scalar[dtype], MutAnyOrigin]) -> Bool:
     return Int(p) % 16 == 0
+
+
+def check_workspace(op: StaticString, name: StaticString, have: Int, need: Int) raises:
+    """Raise unless the caller's workspace `name` (have elements) holds what the launch needs.
+
+    GPU scratch memory is the caller's (a MutableInputTensor, allocated by torch: an allocation inside
+    the op would make MAX reserve most of the GPU after a device-graph capture), sized by the op's
+    Workspace size function in python/fusekit/backends/mojo/specs.py. A kernel whose launch plan
+    outgrows that function fails here instead of writing past the buffer.
+    """
+    if have < need:
+        raise Error(
+            op, ": workspace '", name, "' has ", have, " elements, the launch needs ", need,
+            " (its size function in python/fusekit/backends/mojo/specs.py is out of date)",
+        )
 
 
 def pow2_f64(k: Int) -> Float64:

@@ -42,10 +42,11 @@
 # - everything else (fp32, other head dims, AMD gfx942): `_attn_rowwise_kernel`, one warp per query
 #   row, exact fp32 math, no tensor cores (correct, slow; also the harness's GPU reference).
 # GPU backward (every dtype / vendor): SIMT fp32 kernels, deterministic (fixed loop orders, no atomics):
-#   delta_i = rowsum(do_i * o_i) (one warp per row, fp32 scratch [B*H*S]); dK/dV: one warp per kv row j,
-#   looping over the GQA group's heads and the query rows that see j; dQ: one warp per query row,
-#   looping over its visible keys; p = exp(s - lse) recomputed from the forward's lse. Correct but not
-#   tensor-core (a tiled mma.sync backward is the follow-up); rows with no visible key contribute nothing.
+#   delta_i = rowsum(do_i * o_i) (one warp per row, into the caller's fp32 workspace [B*H*S]); dK/dV:
+#   one warp per kv row j, looping over the GQA group's heads and the query rows that see j; dQ: one warp
+#   per query row, looping over its visible keys; p = exp(s - lse) recomputed from the forward's lse.
+#   Correct but not tensor-core (a tiled mma.sync backward is the follow-up); rows with no visible key
+#   contribute nothing.
 #
 # Tile table for `_fa2_kernel` (BM query rows per block = 16 * warps, BN keys per tile):
 #   D    BM   BN  warps  regs/thread (S + O acc + Q frags)   smem (2 stages K+V, rows padded +8)
@@ -83,7 +84,7 @@ from max.gpu.primitives import warp
 from max.gpu.compute.mma import mma, ld_matrix
 from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
 
-from ._util import exp_f64, log_f64
+from ._util import exp_f64, log_f64, check_workspace
 
 comptime LOG2E: Float32 = 1.4426950408889634
 comptime LN2: Float32 = 0.6931471805599453
@@ -882,6 +883,8 @@ def attention_backward_gpu[
     dq: Pointer[Scalar[dtype], MutAnyOrigin],
     dk: Pointer[Scalar[dtype], MutAnyOrigin],
     dv: Pointer[Scalar[dtype], MutAnyOrigin],
+    delta: Pointer[Float32, MutAnyOrigin],
+    delta_len: Int,
     do_: Pointer[Scalar[dtype], MutAnyOrigin],
     q: Pointer[Scalar[dtype], MutAnyOrigin],
     k: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -901,7 +904,8 @@ def attention_backward_gpu[
     if D > 256:
         raise Error("fusekit.attention_backward: head dim > 256 is not supported on the GPU")
     var rows = B * H * S
-    var delta = ctx.enqueue_create_buffer[DType.float32](rows)
+    # delta is the caller's workspace: one fp32 per query row (specs.py attention_delta)
+    check_workspace("fusekit.attention_backward", "delta", delta_len, rows)
     ctx.enqueue_function[_attn_bwd_delta_kernel[dtype]](
         delta, do_, o, Int64(rows), Int32(D), grid_dim=ceildiv(rows, 4), block_dim=4 * WARP_SIZE
     )
@@ -914,7 +918,6 @@ def attention_backward_gpu[
         dk, dv, do_, q, k, v, lse, delta, kv_len, params, Int32(B * Hkv), Int32(H), Int32(Hkv), Int32(S), Int32(Skv),
         Int32(D), grid_dim=ceildiv(kv_rows, 4), block_dim=4 * WARP_SIZE,
     )
-    _ = delta^
 
 
 # ---- registration --------------------------------------------------------------------------------
@@ -962,8 +965,8 @@ struct Attention:
 
 @register("fusekit.attention_backward")
 struct AttentionBackward:
-    """Outputs (dq [B,H,S,D], dk [B,Hkv,Skv,D], dv [B,Hkv,Skv,D]); inputs (do, q, k, v, o, lse [B,H,S] f32,
-    kv_len? [B] int32, params [causal, scale, has_kv_len])."""
+    """Outputs (dq [B,H,S,D], dk [B,Hkv,Skv,D], dv [B,Hkv,Skv,D]); workspace (delta [B*H*S] f32); inputs
+    (do, q, k, v, o, lse [B,H,S] f32, kv_len? [B] int32, params [causal, scale, has_kv_len])."""
 
     @staticmethod
     def execute[
@@ -972,6 +975,7 @@ struct AttentionBackward:
         dq: MutableInputTensor[dtype=dtype, rank=4, ...],
         dk: MutableInputTensor[dtype=dtype, rank=4, ...],
         dv: MutableInputTensor[dtype=dtype, rank=4, ...],
+        delta: MutableInputTensor[dtype=DType.float32, rank=1, ...],
         do_: InputTensor[dtype=dtype, rank=4, ...],
         q: InputTensor[dtype=dtype, rank=4, ...],
         k: InputTensor[dtype=dtype, rank=4, ...],
@@ -1001,10 +1005,11 @@ struct AttentionBackward:
         var ip = rebind[Pointer[Int32, MutAnyOrigin]](kv_len.unsafe_ptr())
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":
+            var deltap = rebind[Pointer[Float32, MutAnyOrigin]](delta.unsafe_ptr())
             attention_backward_gpu[dtype](
-                dqp, dkp, dvp, dop, qp, kp, vp, outp, lp, ip, pp, B, H, Hkv, S, Skv, D, ctx
+                dqp, dkp, dvp, deltap, delta.dim_size(0), dop, qp, kp, vp, outp, lp, ip, pp, B, H, Hkv, S, Skv, D, ctx
             )
-        else:
+        else:  # the CPU path needs no workspace: delta is a 1-element dummy, never read
             attention_backward_cpu[dtype](
                 dqp, dkp, dvp, dop, qp, kp, vp, outp, lp, ip, pp[unsafe_offset=0] != 0, pp[unsafe_offset=1],
                 pp[unsafe_offset=2] != 0, B, H, Hkv, S, Skv, D,

@@ -3,7 +3,8 @@
 forward:  outputs (y [M, N] x, h [M, N] x (residual case, else a [1, 1] dummy), mean [M] f32, rstd [M] f32),
           inputs (x [M, N] x, residual [M, N] x (or [1, 1]), weight [N] w, bias [N] w (or a [1] dummy)),
           params [eps, has_residual, has_bias]
-backward: outputs (dx [M, N] x, dw [N] w, db [N] w (or a [1] dummy)),
+backward: outputs (dx [M, N] x, dw [N] w, db [N] w (or a [1] dummy)), workspaces (sums, part_w,
+          part_b: f32, see _norm_backward.mojo),
           inputs (dy [M, N] x, dh [M, N] x (or [1, 1]), xin [M, N] x, weight [N] w, mean [M] f32, rstd [M] f32),
           params [eps, has_residual, has_bias]
 Statistics: biased variance, exact two-pass. dtype parameters: `dtype` (x: f32 / f16 / bf16) and
@@ -60,6 +61,9 @@ struct LayerNormBackward:
         dx: MutableInputTensor[dtype=dtype, rank=2, ...],
         dw: MutableInputTensor[dtype=wdtype, rank=1, ...],
         db: MutableInputTensor[dtype=wdtype, rank=1, ...],
+        sums: MutableInputTensor[dtype=DType.float32, rank=1, ...],
+        part_w: MutableInputTensor[dtype=DType.float32, rank=1, ...],
+        part_b: MutableInputTensor[dtype=DType.float32, rank=1, ...],
         dy: InputTensor[dtype=dtype, rank=2, ...],
         dh: InputTensor[dtype=dtype, rank=2, ...],
         xin: InputTensor[dtype=dtype, rank=2, ...],
@@ -73,10 +77,12 @@ struct LayerNormBackward:
         var n = xin.dim_size(1)
         comptime if target == "gpu":
             norm_bwd_gpu[dtype, wdtype, True](
-                ctx, dx.unsafe_ptr(), dw.unsafe_ptr(), db.unsafe_ptr(), dy.unsafe_ptr(), dh.unsafe_ptr(),
-                xin.unsafe_ptr(), weight.unsafe_ptr(), mean.unsafe_ptr(), rstd.unsafe_ptr(), params.unsafe_ptr(), m, n
+                ctx, dx.unsafe_ptr(), dw.unsafe_ptr(), db.unsafe_ptr(), sums.unsafe_ptr(), sums.dim_size(0),
+                part_w.unsafe_ptr(), part_w.dim_size(0), part_b.unsafe_ptr(), part_b.dim_size(0), dy.unsafe_ptr(),
+                dh.unsafe_ptr(), xin.unsafe_ptr(), weight.unsafe_ptr(), mean.unsafe_ptr(), rstd.unsafe_ptr(),
+                params.unsafe_ptr(), m, n
             )
-        else:
+        else:  # the CPU path needs no workspace: sums / part_w / part_b are 1-element dummies, never read
             norm_bwd_cpu[dtype, wdtype, True](
                 dx.unsafe_ptr(), dw.unsafe_ptr(), db.unsafe_ptr(), dy.unsafe_ptr(), dh.unsafe_ptr(),
                 xin.unsafe_ptr(), weight.unsafe_ptr(), mean.unsafe_ptr(), rstd.unsafe_ptr(), params.unsafe_ptr(), m, n

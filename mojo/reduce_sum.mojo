@@ -1,6 +1,7 @@
 """Ops fusekit.reduce_sum: out[M] = sum(x[M, N], axis=1), fp32 (floats) / int64 (ints) accumulation,
 and fusekit.reduce_sum_backward: dx[M, N] (x dtype) = dout[M] broadcast along N (float dtypes only).
-Signatures: reduce_sum(out [M], x [M, N]); reduce_sum_backward(dx [M, N], dout [M]); no params.
+Signatures: reduce_sum(out [M], part [P] (workspace, accumulator dtype), x [M, N]);
+reduce_sum_backward(dx [M, N], dout [M]); no params.
 
 Byte floor: the op reads M*N*sizeof(x) bytes once and writes M outputs, so it is bound by HBM read
 bandwidth. H200: copy 4283 GB/s (read+write), CUB device-wide sum 4530 GB/s (read-only). Target
@@ -16,6 +17,9 @@ GPU design (one pass over x, deterministic, no atomics):
 - block reduction: warp shuffles + shared memory (`block.sum`, WARP_SIZE-agnostic: 32 NV / 64 AMD);
 - splits > 1: partials [M, splits] in the accumulator dtype, then a second tiny launch (one block per
   row over `splits` partials) casts to the output dtype: same order every run, so bitwise reproducible.
+  The partials live in the caller's `part` workspace (fp32 / int64 = the accumulator dtype), sized in
+  python/fusekit/backends/mojo/specs.py: splits > 1 only while m < wave = sms * (2048 // BLOCK), and
+  splits <= cdiv(wave, m) (the chunk rounding only lowers it), so m * splits <= wave + m - 1.
 
 Backward byte floor: write M*N*sizeof(x) (+ read M*sizeof(out)), store-bound: 2^30 bf16 = 2.1 GB ->
 ~0.45 ms at ~4.8 TB/s. GPU: a grid-stride loop over 16-byte vectors of the flat dx; each vector finds
@@ -35,7 +39,7 @@ from max.gpu.host import DeviceContext, DeviceAttribute
 from std.utils import StaticTuple
 from std.sys import size_of
 
-from ._util import vec_width, acc_dtype, cdiv, is_aligned16
+from ._util import vec_width, acc_dtype, cdiv, is_aligned16, check_workspace
 
 comptime BLOCK = 256  # threads per block: 8 blocks/SM = 2048 threads on H100/H200
 comptime UNROLL = 8  # independent 16-byte loads in flight per thread (H200: U=8 4390 GB/s, U=4 4286)
@@ -132,11 +136,14 @@ def reduce_sum_gpu[
 ](
     ctx: DeviceContext,
     outp: Pointer[Scalar[out_dtype], MutAnyOrigin],
+    part: Pointer[Scalar[acc_dtype[in_dtype]()], MutAnyOrigin],
+    part_len: Int,
     xp: Pointer[Scalar[in_dtype], MutAnyOrigin],
     m: Int,
     n: Int,
 ) raises:
-    """Enqueue the GPU reduction (see the module docstring for the plan)."""
+    """Enqueue the GPU reduction (see the module docstring for the plan); `part` is the caller's
+    workspace of `part_len` elements for the split partials (m * splits <= wave + m - 1)."""
     comptime acc = acc_dtype[in_dtype]()
     comptime VW = vec_width[in_dtype]()
     var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
@@ -158,14 +165,13 @@ def reduce_sum_gpu[
         return
     var chunk = cdiv(cdiv(n, splits), VW) * VW  # multiple of VW: chunks stay 16-byte aligned
     splits = cdiv(n, chunk)
-    var part = ctx.enqueue_create_buffer[acc](m * splits)
+    check_workspace("fusekit.reduce_sum", "part", part_len, m * splits)
     ctx.enqueue_function[_sum_blocks_kernel[in_dtype, acc, acc, U]](
         part, xp, Int64(m), Int64(n), Int64(splits), Int64(chunk), grid_dim=min(m * splits, 1 << 30), block_dim=BLOCK
     )
     ctx.enqueue_function[_sum_blocks_kernel[acc, acc, out_dtype, 2]](
         outp, part, Int64(m), Int64(splits), Int64(1), Int64(splits), grid_dim=min(m, 1 << 30), block_dim=BLOCK
     )
-    _ = part^
 
 
 def reduce_sum_cpu[
@@ -207,17 +213,21 @@ def reduce_sum_cpu[
 struct ReduceSum:
     @staticmethod
     def execute[
-        in_dtype: DType, out_dtype: DType, //, target: StaticString
+        in_dtype: DType, out_dtype: DType, acc: DType, //, target: StaticString
     ](
         res: MutableInputTensor[dtype=out_dtype, rank=1, ...],
+        part: MutableInputTensor[dtype=acc, rank=1, ...],
         x: InputTensor[dtype=in_dtype, rank=2, ...],
         ctx: DeviceContext,
     ) raises:
+        # its own dtype parameter: MAX cannot match a graph dtype against acc_dtype[in_dtype]() itself
+        comptime assert acc == acc_dtype[in_dtype](), "fusekit.reduce_sum: part must have x's accumulator dtype"
         var m = x.dim_size(0)
         var n = x.dim_size(1)
         comptime if target == "gpu":
-            reduce_sum_gpu[in_dtype, out_dtype](ctx, res.unsafe_ptr(), x.unsafe_ptr(), m, n)
-        else:
+            var pp = rebind[Pointer[Scalar[acc_dtype[in_dtype]()], MutAnyOrigin]](part.unsafe_ptr())
+            reduce_sum_gpu[in_dtype, out_dtype](ctx, res.unsafe_ptr(), pp, part.dim_size(0), x.unsafe_ptr(), m, n)
+        else:  # no partials on the CPU: `part` is a 1-element dummy, never read
             reduce_sum_cpu[in_dtype, out_dtype](res.unsafe_ptr(), x.unsafe_ptr(), m, n)
 
 

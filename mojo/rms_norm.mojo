@@ -3,7 +3,7 @@
 forward:  outputs (y [M, N] x, h [M, N] x (residual case, else a [1, 1] dummy), rstd [M] f32),
           inputs (x [M, N] x, residual [M, N] x (or a [1, 1] dummy), weight [N] w),
           params [eps, casting (0 fp32, 1 llama, 2 gemma), has_residual]
-backward: outputs (dx [M, N] x, dw [N] w),
+backward: outputs (dx [M, N] x, dw [N] w), workspaces (sums, part_w: f32, see _norm_backward.mojo),
           inputs (dy [M, N] x, dh [M, N] x (or a [1, 1] dummy), xin [M, N] x, weight [N] w, rstd [M] f32),
           params [eps, casting, has_residual]
 dtype parameters: `dtype` (x: f32 / f16 / bf16) and `wdtype` (w: dtype or f32). Shapes come from x / xin
@@ -60,6 +60,8 @@ struct RmsNormBackward:
     ](
         dx: MutableInputTensor[dtype=dtype, rank=2, ...],
         dw: MutableInputTensor[dtype=wdtype, rank=1, ...],
+        sums: MutableInputTensor[dtype=DType.float32, rank=1, ...],
+        part_w: MutableInputTensor[dtype=DType.float32, rank=1, ...],
         dy: InputTensor[dtype=dtype, rank=2, ...],
         dh: InputTensor[dtype=dtype, rank=2, ...],
         xin: InputTensor[dtype=dtype, rank=2, ...],
@@ -74,11 +76,15 @@ struct RmsNormBackward:
         var dwp = dw.unsafe_ptr()
         var rp = rstd.unsafe_ptr()
         comptime if target == "gpu":
+            # no db partials either: part_w stands in for part_b (never touched when LN=False)
+            var pw = part_w.unsafe_ptr()
+            var nw = part_w.dim_size(0)
             norm_bwd_gpu[dtype, wdtype, False](
-                ctx, dx.unsafe_ptr(), dwp, dwp, dy.unsafe_ptr(), dh.unsafe_ptr(), xin.unsafe_ptr(),
-                weight.unsafe_ptr(), rp, rp, params.unsafe_ptr(), m, n
+                ctx, dx.unsafe_ptr(), dwp, dwp, sums.unsafe_ptr(), sums.dim_size(0), pw, nw, pw, nw,
+                dy.unsafe_ptr(), dh.unsafe_ptr(), xin.unsafe_ptr(), weight.unsafe_ptr(), rp, rp,
+                params.unsafe_ptr(), m, n
             )
-        else:
+        else:  # the CPU path needs no workspace: sums / part_w are 1-element dummies, never read
             norm_bwd_cpu[dtype, wdtype, False](
                 dx.unsafe_ptr(), dwp, dwp, dy.unsafe_ptr(), dh.unsafe_ptr(), xin.unsafe_ptr(),
                 weight.unsafe_ptr(), rp, rp, params.unsafe_ptr(), m, n

@@ -1,7 +1,8 @@
 # fusekit.swiglu_ffn: out = (silu(xn @ w_gate^T) * (xn @ w_up^T)) @ w_down^T, xn = rms_norm(x) or x.
 #
 # Contract: out [T, D], rstd [T] f32 (written when has_norm), gu [T, 2F] = [round(g), round(u)] (written
-# when save: a training call, for fusekit.swiglu_ffn_backward) <- x [T, D], w_gate [F, D], w_up [F, D],
+# when save: a training call, for fusekit.swiglu_ffn_backward), then the workspaces xn, h, g (f32), out_pad
+# (rank 1, see FfnScratch; 1-element dummies on the CPU) <- x [T, D], w_gate [F, D], w_up [F, D],
 # w_down [D, F], norm_weight [D] (x's dtype), params [3] f32 = [eps, has_norm, save].
 # Precision = python/fusekit/ops/swiglu_ffn.py: xn rounded to x.dtype, g/u accumulated in fp32,
 # h = silu(g) * u in fp32 rounded to x.dtype, out accumulated in fp32.
@@ -40,6 +41,7 @@ from layout import TileTensor, row_major, Coord, Idx
 from linalg.matmul.gpu import _matmul_gpu
 
 from ._swiglu_backward import swiglu_bwd_gpu, swiglu_bwd_cpu
+from ._util import check_workspace
 
 comptime GEMV_WARPS = 4  # warps per block in the GEMV kernels (one weight row per warp)
 comptime NORM_THREADS = 256
@@ -53,20 +55,81 @@ comptime DECODE_MAX_T = 16  # GEMV kernels hold <= 16 activation rows per lane
 # MAX's sm90 matmul is given M = T rounded up to TC_PAD rows, never the caller's T: with an M that is
 # not a multiple of its tile it wrote whole tiles past the last row (the H200 conformance run at T = 16
 # found the caller's `x`, allocated next to `out`, zeroed after the call), and the fused epilogue is
-# called for those rows too. So A (xn, h), G, h and the matmul output live in MAX scratch buffers of
+# called for those rows too. So A (xn, h), G, h and the matmul output live in scratch buffers of
 # Tp = ceil(T / TC_PAD) * TC_PAD rows (rows >= T hold garbage that only reaches rows >= T), the epilogue
 # stores gu for rows < T only, and the first T rows of the output are copied to `o`.
+# Every scratch buffer is the caller's workspace (FfnScratch; sizes in python/fusekit/backends/mojo/
+# specs.py swiglu_xn / swiglu_h / swiglu_g / swiglu_out): no allocation inside the op.
 # The wgmma path gave wrong results at T = 5 before that padding (rel err 25; same cause suspected);
 # T < 16 stays on the GEMV path.
 comptime TC_MIN_T = 16
 comptime TC_PAD = 256  # >= the largest M tile (and, with swapAB for small M, N tile) of MAX's sm90 matmul
 comptime COPY_THREADS = 256
+comptime _OP = "fusekit.swiglu_ffn"
 
 
 @always_inline
 def _tc_rows(T: Int) -> Int:
     """Rows of every matrix MAX's sm90 matmul sees for T tokens (xn must be allocated this tall)."""
     return ceildiv(T, TC_PAD) * TC_PAD
+
+
+struct FfnScratch[dtype: DType](Copyable, Movable):
+    """The GPU path's workspaces (the caller's; lengths in elements). With Tp = _tc_rows(T) from
+    tc_min_t tokens on, else T: xn [Tp, D]; h in x's dtype, [Tp, F] on the wgmma path, else one GEMV
+    chunk [min(T, DECODE_MAX_T), F]; g [Tp, F] fp32 and out_pad [Tp, D] on the wgmma path only.
+    (Struct fields cannot hold AnyOrigin pointers: they are stored untracked, read back as MutAnyOrigin.)"""
+
+    comptime P = Pointer[Scalar[Self.dtype], MutAnyOrigin]
+    comptime _U = Pointer[Scalar[Self.dtype], MutUntrackedOrigin]
+    var _xn: Self._U
+    var xn_len: Int
+    var _h: Self._U
+    var h_len: Int
+    var _g: Pointer[Float32, MutUntrackedOrigin]
+    var g_len: Int
+    var _out_pad: Self._U
+    var out_pad_len: Int
+
+    def __init__(
+        out self,
+        xn: Self.P,
+        xn_len: Int,
+        h: Self.P,
+        h_len: Int,
+        g: Pointer[Float32, MutAnyOrigin],
+        g_len: Int,
+        out_pad: Self.P,
+        out_pad_len: Int,
+    ):
+        self._xn = rebind[Self._U](xn)
+        self.xn_len = xn_len
+        self._h = rebind[Self._U](h)
+        self.h_len = h_len
+        self._g = rebind[Pointer[Float32, MutUntrackedOrigin]](g)
+        self.g_len = g_len
+        self._out_pad = rebind[Self._U](out_pad)
+        self.out_pad_len = out_pad_len
+
+    def xn(self) -> Self.P:
+        return rebind[Self.P](self._xn)
+
+    def h(self) -> Self.P:
+        return rebind[Self.P](self._h)
+
+    def g(self) -> Pointer[Float32, MutAnyOrigin]:
+        return rebind[Pointer[Float32, MutAnyOrigin]](self._g)
+
+    def out_pad(self) -> Self.P:
+        return rebind[Self.P](self._out_pad)
+
+    def as_bf16(self) -> FfnScratch[DType.bfloat16]:
+        """The same buffers, typed for the bf16-only wgmma path."""
+        comptime B = Pointer[BFloat16, MutAnyOrigin]
+        return FfnScratch[DType.bfloat16](
+            rebind[B](self.xn()), self.xn_len, rebind[B](self.h()), self.h_len, self.g(), self.g_len,
+            rebind[B](self.out_pad()), self.out_pad_len,
+        )
 
 
 @always_inline
@@ -259,17 +322,19 @@ def _ffn_tc[
     ctx: DeviceContext,
     gu: Pointer[BFloat16, MutAnyOrigin],
     save: Bool,
+    ws: FfnScratch[DType.bfloat16],
 ) raises:
     """Prefill on Hopper: three wgmma matmuls (MAX's sm90 kernel) with the SiLU*mul epilogue fused; with
     save the epilogue also stores gu = [round(g), u] (u arrives rounded to bf16 already: exactly gu's u).
-    xn holds Tp = ceil(T / TC_PAD) * TC_PAD rows (see TC_PAD); only `o`'s first T rows are written."""
+    xn holds Tp = ceil(T / TC_PAD) * TC_PAD rows (see TC_PAD); only `o`'s first T rows are written.
+    G, h and the padded output live in the workspaces ws.g, ws.h, ws.out_pad (Tp rows each)."""
     var Tp = _tc_rows(T)
-    var gbuf = ctx.enqueue_create_buffer[DType.float32](Tp * F)
-    var hbuf = ctx.enqueue_create_buffer[DType.bfloat16](Tp * F)
-    var obuf = ctx.enqueue_create_buffer[DType.bfloat16](Tp * D)
-    var gp = rebind[Pointer[Float32, MutAnyOrigin]](gbuf.unsafe_ptr())
-    var hp = rebind[Pointer[BFloat16, MutAnyOrigin]](hbuf.unsafe_ptr())
-    var op = rebind[Pointer[BFloat16, MutAnyOrigin]](obuf.unsafe_ptr())
+    check_workspace(_OP, "g", ws.g_len, Tp * F)
+    check_workspace(_OP, "h", ws.h_len, Tp * F)
+    check_workspace(_OP, "out_pad", ws.out_pad_len, Tp * D)
+    var gp = ws.g()
+    var hp = ws.h()
+    var op = ws.out_pad()
     var gt = TileTensor(ptr=gp, layout=row_major(Coord(Tp, Idx[F])))
     var ht = TileTensor(ptr=hp, layout=row_major(Coord(Tp, Idx[F])))
     var xt = TileTensor(ptr=xn, layout=row_major(Coord(Tp, Idx[D])))
@@ -302,9 +367,6 @@ def _ffn_tc[
     ctx.enqueue_function[_copy_kernel](
         o, op, Int32(T * D), grid_dim=ceildiv(T * D, 8 * COPY_THREADS), block_dim=COPY_THREADS
     )
-    _ = gbuf^
-    _ = hbuf^
-    _ = obuf^
 
 
 def swiglu_ffn_gpu[
@@ -322,10 +384,11 @@ def swiglu_ffn_gpu[
     D: Int,
     F: Int,
     ctx: DeviceContext,
+    ws: FfnScratch[dtype],
     allow_tc: Bool = True,
     tc_min_t: Int = TC_MIN_T,
 ) raises:
-    swiglu_ffn_gpu_save[dtype](o, rstd, o, False, x, wg, wu, wd, nw, params, T, D, F, ctx, allow_tc, tc_min_t)
+    swiglu_ffn_gpu_save[dtype](o, rstd, o, False, x, wg, wu, wd, nw, params, T, D, F, ctx, ws, allow_tc, tc_min_t)
 
 
 def swiglu_ffn_gpu_save[
@@ -345,14 +408,15 @@ def swiglu_ffn_gpu_save[
     D: Int,
     F: Int,
     ctx: DeviceContext,
+    ws: FfnScratch[dtype],
     allow_tc: Bool = True,
     tc_min_t: Int = TC_MIN_T,
 ) raises:
-    """The forward of swiglu_ffn_gpu, and with save also gu [T, 2F] (both paths)."""
+    """The forward of swiglu_ffn_gpu, and with save also gu [T, 2F] (both paths); scratch in `ws`."""
     # the tensor-core path reads xn as a Tp-row matrix (see TC_PAD); rows T.. are never written
     var xn_rows = _tc_rows(T) if T >= tc_min_t and allow_tc else T
-    var xnbuf = ctx.enqueue_create_buffer[dtype](xn_rows * D)
-    var xn = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](xnbuf.unsafe_ptr())
+    check_workspace(_OP, "xn", ws.xn_len, xn_rows * D)
+    var xn = ws.xn()
     ctx.enqueue_function[_norm_kernel[dtype]](xn, rstd, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
 
     comptime if dtype == DType.bfloat16 and DeviceContext.default_device_info.api == "cuda":
@@ -371,13 +435,13 @@ def swiglu_ffn_gpu_save[
                         ctx,
                         rebind[Pointer[BFloat16, MutAnyOrigin]](gu),
                         save,
+                        ws.as_bf16(),
                     )
-                    _ = xnbuf^
                     return
 
     # GEMV path: T <= 16 at once (decode), larger T in 16-row chunks.
-    var hbuf = ctx.enqueue_create_buffer[dtype](min(T, DECODE_MAX_T) * F)
-    var hp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](hbuf.unsafe_ptr())
+    check_workspace(_OP, "h", ws.h_len, min(T, DECODE_MAX_T) * F)
+    var hp = ws.h()
     var t0 = 0
     while t0 < T:
         var tc = min(DECODE_MAX_T, T - t0)
@@ -385,8 +449,6 @@ def swiglu_ffn_gpu_save[
         _gemv[dtype, True](hp, xn.unsafe_offset(t0 * D), wg, wu, tc, D, F, ctx, gu_t, save)
         _gemv[dtype, False](o.unsafe_offset(t0 * D), hp, wd, wd, tc, F, D, ctx, gu_t, False)
         t0 += tc
-    _ = xnbuf^
-    _ = hbuf^
 
 
 def swiglu_ffn_cpu[
@@ -450,6 +512,10 @@ struct SwigluFfn:
         res: MutableInputTensor[dtype=dtype, rank=2, ...],
         rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
         gu: MutableInputTensor[dtype=dtype, rank=2, ...],
+        xn: MutableInputTensor[dtype=dtype, rank=1, ...],
+        h: MutableInputTensor[dtype=dtype, rank=1, ...],
+        g: MutableInputTensor[dtype=DType.float32, rank=1, ...],
+        out_pad: MutableInputTensor[dtype=dtype, rank=1, ...],
         x: InputTensor[dtype=dtype, rank=2, ...],
         w_gate: InputTensor[dtype=dtype, rank=2, ...],
         w_up: InputTensor[dtype=dtype, rank=2, ...],
@@ -472,8 +538,19 @@ struct SwigluFfn:
         var gup = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](gu.unsafe_ptr())
         var save = gu.dim_size(1) == 2 * F  # a [1, 1] dummy without save (2F >= 2)
         comptime if target == "gpu":
-            swiglu_ffn_gpu_save[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp, T, D, F, ctx)
-        else:
+            comptime P = Pointer[Scalar[dtype], MutAnyOrigin]
+            var ws = FfnScratch[dtype](
+                rebind[P](xn.unsafe_ptr()),
+                xn.dim_size(0),
+                rebind[P](h.unsafe_ptr()),
+                h.dim_size(0),
+                rebind[Pointer[Float32, MutAnyOrigin]](g.unsafe_ptr()),
+                g.dim_size(0),
+                rebind[P](out_pad.unsafe_ptr()),
+                out_pad.dim_size(0),
+            )
+            swiglu_ffn_gpu_save[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp, T, D, F, ctx, ws)
+        else:  # the CPU path needs no workspace: xn / h / g / out_pad are 1-element dummies, never read
             var has_norm = pp[unsafe_offset=1] != 0
             swiglu_ffn_cpu[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp[unsafe_offset=0], has_norm, T, D, F)
 

@@ -12,7 +12,8 @@ argument layout of .dev/CONTRACT.md ("Mojo" section), independent of the Python 
 - fusekit.attention: (o, lse) <- (q, k, v, kv_len?), params [causal, scale, has_kv_len] (kv_len absent
   here: an int32 dummy; tests/test_mojo_kv_len.py and the conformance cases cover it); a float64 softmax over the
   visible keys, incl. NaN/Inf inputs, GQA, causal with S < Skv and S > Skv (rows with no visible key).
-- fusekit.attention_backward: (dq, dk, dv) <- (do, q, k, v, o, lse, kv_len?) vs float64 autograd.
+- fusekit.attention_backward: (dq, dk, dv), workspace delta <- (do, q, k, v, o, lse, kv_len?) vs float64
+  autograd.
 - swiglu_ffn backward (issue #10) through the provider (`swiglu_ffn(..., backend="mojo")`: the training
   forward saving gu, torch GEMMs + fusekit.swiglu_ffn_backward + fusekit.rms_norm_backward) vs float64
   autograd, with and without the norm weight, in fp32 / fp16 / bf16.
@@ -40,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from fusekit.backends.mojo.dispatch import Dispatcher
 from fusekit.backends.mojo.runtime import OpCompiler
-from fusekit.backends.mojo.specs import OpSpec, TensorSpec
+from fusekit.backends.mojo.specs import WORKSPACES, OpSpec, TensorSpec
 from fusekit.ops.swiglu_ffn import swiglu_ffn
 from fusekit.tolerances import rtol
 
@@ -126,6 +127,7 @@ ATTENTION_BWD = OpSpec(
     dtype_vars=("x",),
     allowed=frozenset((d,) for d in FLOATS),
     bind=_bind,
+    workspaces=WORKSPACES["fusekit.attention_backward"],  # delta, allocated by the dispatcher
 )
 
 

@@ -2,9 +2,10 @@
 
 fusekit.rms_norm / layer_norm (fused residual, weight dtype fp32 or x's, rms_norm casting modes) and
 fusekit.rms_norm_backward / layer_norm_backward against float64 references of CONTRACT.md's formulas.
-The MAX graphs are built here from `OpSpec`s that follow CONTRACT.md's "Mojo" section (outputs, inputs,
-params [scalars..., flags...], optional tensors with their own dims, absent ones as 1-sized dummies), so
-the tests do not depend on the Python provider layer.
+The MAX graphs are built here from `OpSpec`s that follow CONTRACT.md's "Mojo" section (outputs,
+workspaces (specs.WORKSPACES, allocated by the dispatcher), inputs, params [scalars..., flags...],
+optional tensors with their own dims, absent ones as 1-sized dummies), so the tests do not depend on
+the Python provider layer.
 
 Each (op, x dtype, w dtype) is one MAX graph compile (tens of seconds on a 2-core CPU), so every test
 compiles one graph and loops over shapes and flags inside. The 9 graphs (about 30 s each here) give
@@ -26,7 +27,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from fusekit.backends.mojo.dispatch import Dispatcher
 from fusekit.backends.mojo.runtime import OpCompiler
-from fusekit.backends.mojo.specs import OpSpec, TensorSpec
+from fusekit.backends.mojo.specs import WORKSPACES, OpSpec, TensorSpec
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 TOL = {F32: 2e-5, F16: 2e-3, BF16: 1e-2}  # CONTRACT.md; gradients get 2x
@@ -56,6 +57,9 @@ def _spec(
         dtype_vars=("x", "w"),
         allowed=frozenset((x, w) for x in (F32, F16, BF16) for w in {x, F32}),
         bind=lambda *args: args,  # unused: the tests pass (outputs, inputs, params) themselves
+        workspaces=WORKSPACES.get(
+            f"fusekit.{op}", ()
+        ),  # the backward's partials (the dispatcher allocates them)
     )
 
 

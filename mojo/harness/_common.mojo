@@ -6,7 +6,7 @@ them against float64 references computed here on the host and times them.
 """
 
 from max.gpu import global_idx, grid_dim, block_dim
-from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
+from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer, DeviceAttribute
 from std.time import perf_counter_ns
 from std.math import sqrt
 
@@ -141,3 +141,13 @@ def sample_rows(m: Int, i: Int, count: Int) -> Int:
     if m <= count:
         return i
     return (i * (m - 1)) // (count - 1)
+
+
+def sm_count(ctx: DeviceContext) raises -> Int:
+    """The device's SM (CU) count, which the kernels size their grids (and so their workspaces) from."""
+    return ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
+
+
+def workspace[dtype: DType](ctx: DeviceContext, n: Int) raises -> DeviceBuffer[dtype]:
+    """A caller-owned op workspace of max(n, 1) elements (the Python side allocates these with torch)."""
+    return ctx.enqueue_create_buffer[dtype](max(n, 1))

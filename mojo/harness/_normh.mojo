@@ -16,6 +16,7 @@ from ..rms_norm import RmsNorm, RmsNormBackward
 from ..layer_norm import LayerNorm, LayerNormBackward
 from .._norm import norm_gpu
 from ._common import _mut, fill_random, poison, to_host, RelErr, check, tol_for, now_ns, report_bw, device_params, sample_rows
+from ._common import sm_count, workspace
 
 comptime F32 = DType.float32
 comptime F64 = DType.float64
@@ -110,15 +111,21 @@ def _bwd_op[dtype: DType, wdtype: DType, LN: Bool](
 ) raises:
     var hm = m if f.res else 1
     var hn = n if f.res else 1
+    # the caller's workspaces, per call as the Python side does: sums [M, 2], and [P, N] partials with
+    # P <= max(1, min(M, 16 SMs)) on every plan of norm_bwd_gpu (blocks of >= 64 threads, ~1024 per SM)
+    var np = max(1, min(m, 16 * sm_count(ctx))) * n
+    var sb = workspace[F32](ctx, 2 * m)
+    var pwb = workspace[F32](ctx, np)
     comptime if LN:
+        var pbb = workspace[F32](ctx, np)
         LayerNormBackward.execute["gpu"](
-            _o2(dxb, m, n), _o1(dwb, n), _o1(dbb, n if f.bias else 1), _t2(dyb, m, n), _t2(dhb, hm, hn),
-            _t2(xb, m, n), _t1(wb, n), _t1(mb, m), _t1(rb, m), _t1(pb, 3), ctx
+            _o2(dxb, m, n), _o1(dwb, n), _o1(dbb, n if f.bias else 1), _o1(sb, 2 * m), _o1(pwb, np), _o1(pbb, np),
+            _t2(dyb, m, n), _t2(dhb, hm, hn), _t2(xb, m, n), _t1(wb, n), _t1(mb, m), _t1(rb, m), _t1(pb, 3), ctx
         )
     else:
         RmsNormBackward.execute["gpu"](
-            _o2(dxb, m, n), _o1(dwb, n), _t2(dyb, m, n), _t2(dhb, hm, hn), _t2(xb, m, n), _t1(wb, n), _t1(rb, m),
-            _t1(pb, 3), ctx
+            _o2(dxb, m, n), _o1(dwb, n), _o1(sb, 2 * m), _o1(pwb, np), _t2(dyb, m, n), _t2(dhb, hm, hn),
+            _t2(xb, m, n), _t1(wb, n), _t1(rb, m), _t1(pb, 3), ctx
         )
 
 

@@ -9,7 +9,7 @@ from std.utils import IndexList
 
 from ..attention import Attention, AttentionBackward, attention_gpu, attention_backward_gpu
 from .._util import exp_f64, log_f64
-from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params
+from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params, workspace
 
 comptime F64 = DType.float64
 
@@ -171,7 +171,9 @@ def _bwd_tensors[
     var lse = InputTensor[static_spec=f3](_mut(lb.unsafe_ptr()), IndexList[3](B, H, S), IndexList[3](H * S, S, 1))
     var kl = InputTensor[static_spec=i1](_mut(lenb.unsafe_ptr()), IndexList[1](B if has_len else 1), IndexList[1](1))
     var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](3), IndexList[1](1))
-    AttentionBackward.execute["gpu"](dq, dk, dv, do_, q, k, v, o, lse, kl, p, ctx)
+    var deltab = workspace[DType.float32](ctx, B * H * S)  # the caller's workspace: one fp32 per query row
+    var delta = MutableInputTensor[static_spec=f1](_mut(deltab.unsafe_ptr()), IndexList[1](B * H * S), IndexList[1](1))
+    AttentionBackward.execute["gpu"](dq, dk, dv, delta, do_, q, k, v, o, lse, kl, p, ctx)
 
 
 def _set_kernel[dtype: DType](p: Pointer[Scalar[dtype], MutAnyOrigin], idx: Int64, val: Float64):
@@ -469,12 +471,15 @@ def _bench_bwd[dtype: DType](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int,
     var o = _mut(ob.unsafe_ptr())
     var l = _mut(lb.unsafe_ptr())
     var p = _mut(pb.unsafe_ptr())
+    var deltab = workspace[DType.float32](ctx, B * H * S)
+    var delta = _mut(deltab.unsafe_ptr())
+    var nd = B * H * S
     attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx)
-    attention_backward_gpu[dtype](dq, dk, dv, do_, q, k, v, o, l, kl, p, B, H, H, S, S, D, ctx)  # warm-up
+    attention_backward_gpu[dtype](dq, dk, dv, delta, nd, do_, q, k, v, o, l, kl, p, B, H, H, S, S, D, ctx)  # warm-up
     ctx.synchronize()
     var t0 = now_ns()
     for _ in range(iters):
-        attention_backward_gpu[dtype](dq, dk, dv, do_, q, k, v, o, l, kl, p, B, H, H, S, S, D, ctx)
+        attention_backward_gpu[dtype](dq, dk, dv, delta, nd, do_, q, k, v, o, l, kl, p, B, H, H, S, S, D, ctx)
     ctx.synchronize()
     var ns = Float64(now_ns() - t0) / Float64(iters)
     var flops = 10.0 * Float64(B * H) * Float64(S) * Float64(S) * Float64(D) * (0.5 if causal else 1.0)

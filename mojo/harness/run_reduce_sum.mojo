@@ -6,8 +6,14 @@ from max.gpu.host import DeviceContext
 from std.utils import IndexList
 from std.sys import size_of
 
-from ..reduce_sum import ReduceSum, ReduceSumBackward, reduce_sum_gpu, reduce_sum_backward_gpu
-from ._common import _mut, fill_random, poison, to_host, RelErr, check, tol_for, now_ns, report_bw
+
+def _part_len(ctx: DeviceContext, m: Int) raises -> Int:
+    """Split partials reduce_sum_gpu may need: m * splits <= wave + m - 1 (reduce_sum.mojo)."""
+    return sm_count(ctx) * (2048 // BLOCK) + m
+
+from ..reduce_sum import ReduceSum, ReduceSumBackward, reduce_sum_gpu, reduce_sum_backward_gpu, BLOCK
+from .._util import acc_dtype
+from ._common import _mut, fill_random, poison, to_host, RelErr, check, tol_for, now_ns, report_bw, sm_count, workspace
 
 
 def _case[in_dtype: DType, out_dtype: DType](ctx: DeviceContext, m: Int, n: Int, mut failures: Int, seed: Int) raises:
@@ -22,7 +28,12 @@ def _case[in_dtype: DType, out_dtype: DType](ctx: DeviceContext, m: Int, n: Int,
     poison(ctx, ob)
     var x = InputTensor[static_spec=s2](xb.unsafe_ptr(), IndexList[2](m, n), IndexList[2](n, 1))
     var o = MutableInputTensor[static_spec=s1](ob.unsafe_ptr(), IndexList[1](m), IndexList[1](1))
-    ReduceSum.execute["gpu"](o, x, ctx)
+    comptime acc = acc_dtype[in_dtype]()
+    comptime sp = StaticTensorSpec[acc, 1, ...].get_unknown()
+    var np = _part_len(ctx, m)
+    var pb = workspace[acc](ctx, np)
+    var part = MutableInputTensor[static_spec=sp](pb.unsafe_ptr(), IndexList[1](np), IndexList[1](1))
+    ReduceSum.execute["gpu"](o, part, x, ctx)
     var hx = to_host(ctx, xb, m * n)
     var ho = to_host(ctx, ob, m)
     var e = RelErr()
@@ -110,12 +121,18 @@ def _bwd_bench[x_dtype: DType, g_dtype: DType](ctx: DeviceContext, m: Int, n: In
 def _bench[in_dtype: DType, out_dtype: DType, U: Int](ctx: DeviceContext, m: Int, n: Int, iters: Int, label: String) raises:
     var xb = ctx.enqueue_create_buffer[in_dtype](m * n)
     var ob = ctx.enqueue_create_buffer[out_dtype](m)
+    var np = _part_len(ctx, m)
+    var pb = workspace[acc_dtype[in_dtype]()](ctx, np)
     fill_random(ctx, xb, m * n, 99, -0.5, 1.0)
-    reduce_sum_gpu[in_dtype, out_dtype, U](ctx, _mut(ob.unsafe_ptr()), _mut(xb.unsafe_ptr()), m, n)  # warm-up
+    reduce_sum_gpu[in_dtype, out_dtype, U](
+        ctx, _mut(ob.unsafe_ptr()), _mut(pb.unsafe_ptr()), np, _mut(xb.unsafe_ptr()), m, n
+    )  # warm-up
     ctx.synchronize()
     var t0 = now_ns()
     for _ in range(iters):
-        reduce_sum_gpu[in_dtype, out_dtype, U](ctx, _mut(ob.unsafe_ptr()), _mut(xb.unsafe_ptr()), m, n)
+        reduce_sum_gpu[in_dtype, out_dtype, U](
+            ctx, _mut(ob.unsafe_ptr()), _mut(pb.unsafe_ptr()), np, _mut(xb.unsafe_ptr()), m, n
+        )
     ctx.synchronize()
     var dt = Float64(now_ns() - t0) / Float64(iters)
     var ho = to_host(ctx, ob, 1)

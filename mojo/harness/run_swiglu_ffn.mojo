@@ -6,8 +6,8 @@ from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
 from std.math import exp, sqrt
 
-from ..swiglu_ffn import SwigluFfn, SwigluFfnBackward, swiglu_ffn_gpu
-from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params
+from ..swiglu_ffn import SwigluFfn, SwigluFfnBackward, swiglu_ffn_gpu, FfnScratch, _tc_rows
+from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params, workspace
 
 
 struct _Bufs[dtype: DType](Movable):
@@ -19,6 +19,14 @@ struct _Bufs[dtype: DType](Movable):
     var o: DeviceBuffer[Self.dtype]
     var r: DeviceBuffer[Self.dtype]
     var rstd: DeviceBuffer[DType.float32]
+    # the op's workspaces, sized for either path: Tp rows (>= the GEMV path's T and 16-row chunk)
+    var xn: DeviceBuffer[Self.dtype]
+    var h: DeviceBuffer[Self.dtype]
+    var g: DeviceBuffer[DType.float32]
+    var out_pad: DeviceBuffer[Self.dtype]
+    var tp: Int
+    var d: Int
+    var f: Int
 
     def __init__(out self, ctx: DeviceContext, T: Int, D: Int, F: Int, seed: Int) raises:
         self.x = ctx.enqueue_create_buffer[Self.dtype](T * D)
@@ -29,6 +37,13 @@ struct _Bufs[dtype: DType](Movable):
         self.o = ctx.enqueue_create_buffer[Self.dtype](T * D)
         self.r = ctx.enqueue_create_buffer[Self.dtype](T * D)
         self.rstd = ctx.enqueue_create_buffer[DType.float32](T)
+        self.tp = _tc_rows(T)
+        self.d = D
+        self.f = F
+        self.xn = workspace[Self.dtype](ctx, self.tp * D)
+        self.h = workspace[Self.dtype](ctx, self.tp * F)
+        self.g = workspace[DType.float32](ctx, self.tp * F)
+        self.out_pad = workspace[Self.dtype](ctx, self.tp * D)
         var a = 1.7 / sqrt(Float64(D))  # uniform(-a, a): std ~ 1/sqrt(D)
         var b = 1.7 / sqrt(Float64(F))
         fill_random(ctx, self.x, T * D, seed, -1.0, 1.0)
@@ -38,6 +53,14 @@ struct _Bufs[dtype: DType](Movable):
         fill_random(ctx, self.nw, D, seed + 4, 0.8, 1.2)
         poison(ctx, self.o)
         poison(ctx, self.r)
+
+    def scratch(self) -> FfnScratch[Self.dtype]:
+        var nd = self.tp * self.d
+        var nf = self.tp * self.f
+        return FfnScratch[Self.dtype](
+            _mut(self.xn.unsafe_ptr()), nd, _mut(self.h.unsafe_ptr()), nf, _mut(self.g.unsafe_ptr()), nf,
+            _mut(self.out_pad.unsafe_ptr()), nd,
+        )
 
 
 def _host_ref_err[
@@ -94,7 +117,13 @@ def _run_op[dtype: DType](ctx: DeviceContext, bufs: _Bufs[dtype], T: Int, D: Int
     var rs = MutableInputTensor[static_spec=sr](_mut(bufs.rstd.unsafe_ptr()), IndexList[1](T), IndexList[1](1))
     # gu is a [1, 1] dummy (save = 0): the op never touches it
     var gu = MutableInputTensor[static_spec=s2](_mut(bufs.r.unsafe_ptr()), IndexList[2](1, 1), IndexList[2](1, 1))
-    SwigluFfn.execute["gpu"](o, rs, gu, x, wg, wu, wd, nw, p, ctx)
+    var nd = bufs.tp * D
+    var nf = bufs.tp * F
+    var xn = MutableInputTensor[static_spec=s1](_mut(bufs.xn.unsafe_ptr()), IndexList[1](nd), IndexList[1](1))
+    var h = MutableInputTensor[static_spec=s1](_mut(bufs.h.unsafe_ptr()), IndexList[1](nf), IndexList[1](1))
+    var g = MutableInputTensor[static_spec=sr](_mut(bufs.g.unsafe_ptr()), IndexList[1](nf), IndexList[1](1))
+    var op = MutableInputTensor[static_spec=s1](_mut(bufs.out_pad.unsafe_ptr()), IndexList[1](nd), IndexList[1](1))
+    SwigluFfn.execute["gpu"](o, rs, gu, xn, h, g, op, x, wg, wu, wd, nw, p, ctx)
 
 
 def _case[
@@ -113,7 +142,7 @@ def _case[
         swiglu_ffn_gpu[dtype](
             _mut(bufs.r.unsafe_ptr()), _mut(bufs.rstd.unsafe_ptr()), _mut(bufs.x.unsafe_ptr()), _mut(bufs.wg.unsafe_ptr()),
             _mut(bufs.wu.unsafe_ptr()), _mut(bufs.wd.unsafe_ptr()), _mut(bufs.nw.unsafe_ptr()),
-            _mut(pb.unsafe_ptr()), T, D, F, ctx, allow_tc=False,
+            _mut(pb.unsafe_ptr()), T, D, F, ctx, bufs.scratch(), allow_tc=False,
         )
         var ho = to_host(ctx, bufs.o, T * D)
         var hr = to_host(ctx, bufs.r, T * D)
@@ -221,11 +250,12 @@ def _bench_path[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, iters:
     var wu, wd, nw = _mut(bufs.wu.unsafe_ptr()), _mut(bufs.wd.unsafe_ptr()), _mut(bufs.nw.unsafe_ptr())
     var pp = _mut(pb.unsafe_ptr())
     var rs = _mut(bufs.rstd.unsafe_ptr())
-    swiglu_ffn_gpu[dtype](o, rs, x, wg, wu, wd, nw, pp, T, D, F, ctx, tc_min_t=tc_min_t)
+    var ws = bufs.scratch()
+    swiglu_ffn_gpu[dtype](o, rs, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws, tc_min_t=tc_min_t)
     ctx.synchronize()
     var t0 = now_ns()
     for _ in range(iters):
-        swiglu_ffn_gpu[dtype](o, rs, x, wg, wu, wd, nw, pp, T, D, F, ctx, tc_min_t=tc_min_t)
+        swiglu_ffn_gpu[dtype](o, rs, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws, tc_min_t=tc_min_t)
     ctx.synchronize()
     var ns = Float64(now_ns() - t0) / Float64(iters)
     print("PERF swiglu_ffn path=", "tc" if tc_min_t <= T else "gemv", "T", T, "us=", ns / 1000.0,

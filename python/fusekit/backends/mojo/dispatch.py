@@ -18,6 +18,10 @@ with ready Buffers ~20 µs, `Model.replay` of a captured device graph 2.7 µs. S
   pointers, shapes and dtypes (so the memory is live and laid out as captured); params live in
   device tensors read at replay time. Captures are kept in an LRU per model and released on
   eviction.
+- Workspaces: an op's GPU scratch memory (specs.Workspace) is a torch tensor allocated for each call
+  (a cached 1-element dummy where the launch plan needs none) and passed after the outputs, so no
+  kernel allocates through MAX (which, after a capture, reserved most of the GPU) and a replay runs
+  over torch memory; it is part of the key like every argument.
 - Streams: MAX runs on its device's default queue, not on torch's current stream, and MAX has no
   API to run a model on a foreign stream (`Buffer._from_dlpack(capsule, device, stream)` only
   orders MAX after the producer's stream, not the consumer after MAX). So each CUDA call is fenced
@@ -41,16 +45,18 @@ from typing import Any
 import torch
 
 from fusekit.backends.mojo.runtime import Compiled, max_device, max_dtype
+from fusekit.backends.mojo.specs import dummy as dummy_marker
 
 BUFFER_CACHE = 256  # wrapped tensors per device (a hit costs one dict lookup)
 PARAMS_CACHE = 64  # params tensors per device, keyed by their values
 GRAPH_CACHE = 64  # captured device graphs per compiled model
-# "1" enables device-graph capture/replay (off by default): once a MAX device graph has been captured in
-# a process, the next kernel that allocates a device buffer (a norm backward's partials, swiglu_ffn's
-# intermediate) makes MAX reserve ~90% of the free GPU memory for a graph pool (H100: 78.7 -> 7.8 GiB free
-# after capturing rms_norm's forward, then running its backward, which is not captured itself), starving
-# torch. Replay saves ~15-20 us of host time per call; it is safe only for processes whose mojo calls
-# never allocate (specs.NO_CAPTURE lists the ops that do).
+# "1" enables device-graph capture/replay (off by default). Once a MAX device graph had been captured in a
+# process, the next kernel that allocated a device buffer inside the op (a norm backward's partials,
+# swiglu_ffn's intermediates) made MAX reserve ~90% of the free GPU memory for a graph pool (H100: 78.7 ->
+# 7.8 GiB free after capturing rms_norm's forward, then running its backward), starving torch. No kernel
+# allocates any more (their scratch is a torch workspace, specs.Workspace), so every op may be captured;
+# the default stays off until a GPU run (tests/test_mojo_capture_memory.py) confirms the memory stays.
+# Replay saves ~15-20 us of host time per call.
 REPLAY_ENV = "FUSEKIT_MOJO_REPLAY"
 
 _KDL_CPU, _KDL_CUDA = 1, 2
@@ -174,6 +180,8 @@ class DeviceState:
             self.max_stream = torch.cuda.ExternalStream(self.handle, device=device)
             self.fence = _make_fence(device, self.handle)
             self.lock = threading.Lock()
+        # what the kernels read as DeviceAttribute.MULTIPROCESSOR_COUNT (CUs on ROCm): workspace sizes
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if self.cuda else 0
 
     # --- wrapping -------------------------------------------------------------------------------
     def wrap(self, t: torch.Tensor) -> tuple[tuple, Any]:
@@ -202,6 +210,23 @@ class DeviceState:
             None,
         )
         return self._buffer_cls._from_dlpack(_Producer(cap, self.dl_device))
+
+    def workspaces(self, compiled: Compiled, outs: tuple, ins: tuple) -> tuple[torch.Tensor | tuple, ...]:
+        """The op's scratch buffers for this call (specs.Workspace), passed after the outputs.
+
+        CUDA: fresh torch tensors of the sizes the call's launch plan needs. Freed when the call returns,
+        like any temporary of a torch op on the current stream: later work on that stream is fenced after
+        the kernels (see the module docstring), and a captured device graph replays over this memory
+        (same pointers, same key). A workspace the plan does not use (size 0), and every workspace on the
+        CPU (no CPU path uses one), is a 1-element dummy (specs.dummy): never read nor written.
+        """
+        res = []
+        for i, (dtype, size) in enumerate(compiled.workspaces):
+            n = size(outs, ins, self.sms) if self.cuda else 0
+            res.append(
+                torch.empty(n, dtype=dtype, device=self.device) if n else dummy_marker(dtype, 1, ("ws", i))
+            )
+        return tuple(res)
 
     def dummy(self, marker: tuple) -> torch.Tensor:
         """The [1] * rank tensor standing for an absent optional tensor (specs.dummy), one per slot."""
@@ -249,7 +274,8 @@ class Dispatcher:
         keys = []
         bufs = []
         wrap = st.wrap
-        for t in outs + ins:  # a tuple is an absent optional tensor's dummy marker (specs.dummy)
+        args = outs + st.workspaces(compiled, outs, ins) + ins if compiled.workspaces else outs + ins
+        for t in args:  # a tuple is an absent optional tensor's (or an unused workspace's) dummy marker
             k, b = wrap(st.dummy(t) if isinstance(t, tuple) else t)
             keys.append(k)
             bufs.append(b)

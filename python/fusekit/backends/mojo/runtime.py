@@ -9,7 +9,8 @@ Pipeline, cheapest first (each step runs only when the one before it misses):
    `<cache>/fusekit_<package hash>.mojoc` ("_": the stem is the Mojo module name) (once per package
    version, reused by later processes), then one destination-passing MAX graph per (op, dtypes,
    device) with symbolic dims (one compile covers every shape), exported to step 2's MEF file.
-   The op writes the caller's output buffers in place (`ops.inplace_custom`, no copy-out).
+   The op writes the caller's output and workspace buffers in place (`ops.inplace_custom`, no
+   copy-out, no allocation inside the op).
    MAX's own on-disk model cache (MODULAR_CACHE_DIR, default ~/.cache/modular) stays enabled, so
    even a lost MEF file is a cache hit inside MAX.
 
@@ -63,7 +64,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from fusekit.backends.mojo.specs import NO_CAPTURE, OpSpec
+from fusekit.backends.mojo.specs import OpSpec
 
 try:
     import fcntl
@@ -676,7 +677,14 @@ class Compiled:
     graphs: dict = field(default_factory=dict)
     seen: dict = field(default_factory=dict)
     next_graph: int = 1
-    capturable: bool = True
+    capturable: bool = True  # False once a capture failed: the model then always executes
+    # (dtype, size function) of each of the spec's workspaces, resolved for `dtypes` once
+    workspaces: tuple = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.workspaces = tuple(
+            (self.spec.tensor_dtype(w, self.dtypes), w.size) for w in self.spec.workspaces
+        )
 
 
 @dataclass
@@ -730,9 +738,7 @@ class OpCompiler:
             hit = self._models.get(key)
             if hit is None:
                 model = self._load(spec, dtypes, device)
-                # capturing an op whose kernels allocate reserves most of the GPU (specs.NO_CAPTURE)
-                capturable = spec.max_op not in NO_CAPTURE
-                hit = self._models[key] = Compiled(spec, dtypes, device, model, capturable=capturable)
+                hit = self._models[key] = Compiled(spec, dtypes, device, model)
         return hit
 
     # ------------------------------------------------------------------------------------------------
@@ -746,7 +752,8 @@ class OpCompiler:
 
     def mef_rel(self, spec: OpSpec, dtypes: tuple[torch.dtype, ...], device: torch.device) -> Path:
         """The MEF's path relative to the cache dir."""
-        sig = hashlib.sha256(repr((spec.max_op, spec.outputs, spec.inputs, spec.params)).encode()).hexdigest()
+        sig = repr((spec.max_op, spec.outputs, spec.workspaces, spec.inputs, spec.params))
+        sig = hashlib.sha256(sig.encode()).hexdigest()
         names = "_".join(_DTYPES[d] for d in dtypes)
         return Path("mef") / self.digest / f"{spec.op}-{names}-{device_tag(device)}-{sig[:8]}.mef"
 
@@ -817,9 +824,11 @@ class OpCompiler:
         return self._library
 
     def _graph(self, spec: OpSpec, dtypes: tuple[torch.dtype, ...], device: torch.device) -> Any:
-        """A destination-passing graph: outputs are buffer inputs the custom op writes in place.
+        """A destination-passing graph: outputs (then workspaces) are buffer inputs the custom op writes
+        in place.
 
-        `ops.inplace_custom` hands the caller's buffers to the kernel's MutableInputTensor outputs.
+        `ops.inplace_custom` hands the caller's buffers to the kernel's MutableInputTensor outputs and
+        workspaces.
         (`ops.custom` + `buf[...] = result` made the kernel write a MAX temporary that a
         `mo.mutable.store` then copied into the buffer: one more read + write of every output, which
         halved the bandwidth of every memory-bound op.)
@@ -831,7 +840,7 @@ class OpCompiler:
         def ttype(ts: Any) -> Any:
             return TensorType(max_dtype(spec.tensor_dtype(ts, dtypes)), list(ts.dims), device=ref)
 
-        out_types = [ttype(s) for s in spec.outputs]
+        out_types = [ttype(s) for s in spec.outputs + spec.workspaces]
         in_types = [ttype(s) for s in spec.inputs]
         if spec.params:
             in_types.append(TensorType(max_dtype(torch.float32), [len(spec.params)], device=ref))

@@ -18,6 +18,16 @@ Outputs are mutable buffers: the graph passes the caller's output tensors to the
 (`ops.inplace_custom`), so in Mojo every output parameter is a `MutableInputTensor`, never an
 `OutputTensor` (a MAX temporary the graph would copy into the caller's buffer afterwards: an extra
 read + write of every output). Kernels must write every element of every output.
+
+Workspaces: the GPU kernels' scratch memory (split partial sums, weight-gradient partials, swiglu_ffn's
+intermediates) is the caller's too. Each `Workspace` of an op is one more `MutableInputTensor` (a
+rank-1 buffer with its own symbolic length) between the outputs and the inputs; the dispatcher
+allocates it with torch for each call from its size function (dispatch.DeviceState.workspaces). No
+kernel calls `ctx.enqueue_create_buffer` (tests/test_mojo_workspace.py): after a MAX device-graph
+capture such an allocation made MAX reserve ~90% of the free GPU memory for its graph pool (H100:
+78 -> 7.8 GiB free), and a captured graph now replays over torch memory. A size function mirrors its
+kernel's launch plan with a bound documented in both places; the kernel checks the size it is given
+(`check_workspace` in mojo/_util.mojo) and raises rather than write past it.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -44,9 +55,32 @@ class TensorSpec:
     dtype: str  # a dtype variable of the op ("x", "w", "out") or a torch dtype name ("float32")
 
 
+# (bound outputs, bound inputs, the device's SM count) -> elements; tensors in the spec's order, an absent
+# optional one as a specs.dummy marker.
+SizeFn = Callable[[tuple, tuple, int], int]
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Scratch memory of a MAX op's GPU kernels, owned by the caller (see the module docstring).
+
+    `size` gives the elements one GPU call needs (at least; 0 allowed): a function of the bound call's
+    shapes (and alignment, where the kernel picks its plan by it) and of the SM count for grids sized
+    from it. On the CPU the dispatcher passes a 1-element dummy instead: no CPU path uses a workspace.
+    """
+
+    name: str
+    dtype: str  # as TensorSpec.dtype, or "acc": the accumulator dtype of x (int64 for integers, else fp32)
+    size: SizeFn = field(repr=False, compare=False)
+
+    @property
+    def dims(self) -> tuple[str]:
+        return (f"ws_{self.name}",)  # its own symbolic length
+
+
 @dataclass(frozen=True)
 class OpSpec:
-    """A fusekit op phase as a MAX custom op (outputs first, then inputs, then params)."""
+    """A fusekit op phase as a MAX custom op (outputs first, then workspaces, then inputs, then params)."""
 
     op: str
     max_op: str
@@ -56,6 +90,7 @@ class OpSpec:
     dtype_vars: tuple[str, ...]  # e.g. ("x",) or ("x", "w")
     allowed: frozenset[tuple[torch.dtype, ...]]  # allowed dtypes for dtype_vars, in order
     bind: Callable[..., Bound]  # (outputs, inputs, scalars) -> (outputs, inputs, params values)
+    workspaces: tuple[Workspace, ...] = ()  # caller-allocated GPU scratch, passed after the outputs
 
     def __post_init__(self) -> None:
         # Position (in outputs + inputs) of the tensors typed by each dtype variable.
@@ -77,10 +112,13 @@ class OpSpec:
             key.append(found)
         return tuple(key)
 
-    def tensor_dtype(self, spec: TensorSpec, key: tuple[torch.dtype, ...]) -> torch.dtype:
-        """The torch dtype of one tensor argument for a compile key."""
+    def tensor_dtype(self, spec: TensorSpec | Workspace, key: tuple[torch.dtype, ...]) -> torch.dtype:
+        """The torch dtype of one tensor argument (or workspace) for a compile key."""
         if spec.dtype in self.dtype_vars:
             return key[self.dtype_vars.index(spec.dtype)]
+        if spec.dtype == "acc":  # mojo/_util.mojo acc_dtype
+            x = key[self.dtype_vars.index("x")]
+            return x if x == torch.float64 else torch.float32 if x.is_floating_point else torch.int64
         return getattr(torch, spec.dtype)
 
 
@@ -153,6 +191,7 @@ def max_spec(spec, phase: str, drop: frozenset[str] = frozenset()) -> OpSpec:
         dtype_vars=spec.dtype_vars,
         allowed=spec.allowed,
         bind=bind,
+        workspaces=WORKSPACES.get(f"fusekit.{op}", ()),
     )
 
 
@@ -201,23 +240,142 @@ SWIGLU_FFN_BACKWARD = OpSpec(
 )
 
 
-# MAX ops whose GPU kernels create device buffers (`ctx.enqueue_create_buffer`: weight-gradient partials,
-# split partial sums, the swiglu intermediate). After a MAX device-graph capture, such a kernel makes MAX
-# reserve a graph memory pool of ~90% of the free device memory (H100: 78.7 -> 7.6 GiB free after
-# capturing rms_norm's backward once; 78.3 -> 7.8 when only its forward was captured and the backward ran
-# uncaptured), which starves torch's allocator for the rest of the process. So replay is off by default
-# (dispatch.REPLAY_ENV), and with it opted in these ops are still never captured: each of their calls
-# executes (~20 us of host time, small beside these kernels). tests/test_mojo_capture_memory.py checks
-# on the GPU, in a fresh process, that the default settings keep the device memory.
-NO_CAPTURE = frozenset(
-    {
-        "fusekit.rms_norm_backward",
-        "fusekit.layer_norm_backward",
-        "fusekit.attention_backward",
-        "fusekit.reduce_sum",
-        "fusekit.swiglu_ffn",
-    }
-)
+# --- workspace sizes: each mirrors its kernel's launch plan (the Mojo file states the same bound) ---------
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _aligned16(*ts: torch.Tensor | tuple) -> bool:
+    """Every tensor's data is 16-byte aligned (a dummy marker stands for a fresh torch allocation: it is)."""
+    return all(not isinstance(t, torch.Tensor) or t.data_ptr() % 16 == 0 for t in ts)
+
+
+# mojo/reduce_sum.mojo
+RS_BLOCK = 256  # BLOCK
+RS_WARP_ROW_MAX = 2048  # WARP_ROW_MAX
+
+
+def reduce_sum_partials(outs: tuple, ins: tuple, sms: int) -> int:
+    """reduce_sum_gpu splits rows longer than WARP_ROW_MAX only while m < wave = sms * (2048 // BLOCK),
+    into splits <= cdiv(wave, m) chunks: m * splits <= wave + m - 1 partials."""
+    m, n = ins[0].shape
+    wave = sms * (2048 // RS_BLOCK)
+    return wave + m if n > RS_WARP_ROW_MAX and m < wave else 0
+
+
+# mojo/_norm_backward.mojo (norm_bwd_gpu)
+NB_REG_ELEMS = 8  # REG_ELEMS
+NB_LOOP_BLK = 512  # LOOP_BLK
+
+
+class _NormBwdPlan(NamedTuple):
+    m: int
+    n: int
+    nv: int  # 16-byte vectors per row
+    nv_per: int  # NV: vectors per thread in the register kernel
+    vec_ok: bool  # N a whole number of vectors and every pointer 16-byte aligned
+
+
+def _norm_bwd_plan(outs: tuple, ins: tuple) -> _NormBwdPlan:
+    dx, dy, dh, xin, w = outs[0], ins[0], ins[1], ins[2], ins[3]
+    m, n = dx.shape
+    vw = 16 // dx.element_size()
+    vec_ok = n % vw == 0 and _aligned16(dx, dy, xin, w, dh)
+    return _NormBwdPlan(m, n, n // vw, max(1, NB_REG_ELEMS // vw), vec_ok)
+
+
+def norm_bwd_sums(outs: tuple, ins: tuple, sms: int) -> int:
+    """The column-tiled kernel's row sums (aligned rows of more than 1024 * NV vectors): [M, 2]."""
+    p = _norm_bwd_plan(outs, ins)
+    return 2 * p.m if p.vec_ok and p.nv > 1024 * p.nv_per else 0
+
+
+def norm_bwd_partials(outs: tuple, ins: tuple, sms: int) -> int:
+    """P * N fp32 partials of dw (and of db), P = the persistent grid's rows of partials (exactly the
+    plan's): unaligned: min(M, SMs * 1024 // BLK) (BLK 128 up to N = 4096, else LOOP_BLK); long aligned
+    rows: max(1, min(M, cdiv(SMs, chunks))) with chunks = cdiv(N / VW, 1024 * NV); else
+    min(M, SMs * max(1, 1024 // BLK)) with BLK the smallest power of two >= 64 holding the row in NV
+    vectors per thread. So P <= max(1, min(M, 16 SMs)) on every plan."""
+    p = _norm_bwd_plan(outs, ins)
+    if not p.vec_ok:
+        progs = min(p.m, sms * (1024 // (128 if p.n <= 4096 else NB_LOOP_BLK)))
+    elif p.nv > 1024 * p.nv_per:
+        progs = max(1, min(p.m, _cdiv(sms, _cdiv(p.nv, 1024 * p.nv_per))))
+    else:
+        blk = max(64, 1 << max(0, _cdiv(p.nv, p.nv_per) - 1).bit_length())
+        progs = min(p.m, sms * max(1, 1024 // blk))
+    return progs * p.n
+
+
+# mojo/attention.mojo (attention_backward_gpu)
+def attention_delta(outs: tuple, ins: tuple, sms: int) -> int:
+    """delta_i = rowsum(do_i * o_i): one fp32 per query row, B * H * S."""
+    b, h, s, _ = outs[0].shape
+    return b * h * s
+
+
+# mojo/swiglu_ffn.mojo (swiglu_ffn_gpu_save)
+SW_DECODE_MAX_T = 16  # DECODE_MAX_T
+SW_TC_MIN_T = 16  # TC_MIN_T
+SW_TC_PAD = 256  # TC_PAD
+SW_STATIC_DF = ((4096, 11008),)  # _STATIC_DF: the (D, F) pairs of the bf16 wgmma path (NVIDIA only)
+
+
+class _FfnPlan(NamedTuple):
+    t: int
+    d: int
+    f: int
+    tp: int  # xn's rows: T rounded up to TC_PAD from TC_MIN_T tokens on, else T
+    tc: bool  # the wgmma path
+
+
+def _ffn_plan(ins: tuple) -> _FfnPlan:
+    x, w_gate = ins[0], ins[1]
+    t, d = x.shape
+    f = w_gate.shape[0]
+    big = t >= SW_TC_MIN_T
+    tc = big and x.dtype == torch.bfloat16 and torch.version.hip is None and (d, f) in SW_STATIC_DF
+    return _FfnPlan(t, d, f, _cdiv(t, SW_TC_PAD) * SW_TC_PAD if big else t, tc)
+
+
+def swiglu_xn(outs: tuple, ins: tuple, sms: int) -> int:
+    """The normed activations, Tp * D."""
+    p = _ffn_plan(ins)
+    return p.tp * p.d
+
+
+def swiglu_h(outs: tuple, ins: tuple, sms: int) -> int:
+    """h = silu(g) u in x's dtype: Tp * F on the wgmma path, else one GEMV chunk of min(T, DECODE_MAX_T) rows."""
+    p = _ffn_plan(ins)
+    return p.tp * p.f if p.tc else min(p.t, SW_DECODE_MAX_T) * p.f
+
+
+def swiglu_g(outs: tuple, ins: tuple, sms: int) -> int:
+    """The wgmma path's fp32 gate product G, Tp * F."""
+    p = _ffn_plan(ins)
+    return p.tp * p.f if p.tc else 0
+
+
+def swiglu_out(outs: tuple, ins: tuple, sms: int) -> int:
+    """The wgmma path's padded output, Tp * D (its first T rows are copied to the caller's y)."""
+    p = _ffn_plan(ins)
+    return p.tp * p.d if p.tc else 0
+
+
+_NORM_BWD = (Workspace("sums", "float32", norm_bwd_sums), Workspace("part_w", "float32", norm_bwd_partials))
+# The workspaces of each MAX op, in the Mojo op's parameter order (after its outputs).
+WORKSPACES: dict[str, tuple[Workspace, ...]] = {
+    "fusekit.reduce_sum": (Workspace("part", "acc", reduce_sum_partials),),
+    "fusekit.rms_norm_backward": _NORM_BWD,
+    "fusekit.layer_norm_backward": (*_NORM_BWD, Workspace("part_b", "float32", norm_bwd_partials)),
+    "fusekit.attention_backward": (Workspace("delta", "float32", attention_delta),),
+    "fusekit.swiglu_ffn": (
+        Workspace("xn", "x", swiglu_xn),
+        Workspace("h", "x", swiglu_h),
+        Workspace("g", "float32", swiglu_g),
+        Workspace("out_pad", "x", swiglu_out),
+    ),
+}
 
 
 # Tensors a fusekit spec has that the Mojo op does not take: the provider runs them as a second call of
