@@ -282,14 +282,14 @@ def test_cpu_execution_is_complete_on_return(mojo_be: MojoBackend) -> None:
 
 
 # --- CUDA ------------------------------------------------------------------------------------------
-def test_device_graph_replay_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replay is off unless FUSEKIT_MOJO_REPLAY=1 (until a GPU run of tests/test_mojo_capture_memory.py
-    with replay on confirms the fix below); no op is kept from capture: the kernels that used to allocate
-    (which, after a capture, made MAX reserve most of the GPU) take caller-owned workspaces instead."""
+def test_device_graph_replay_is_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replay is on unless FUSEKIT_MOJO_REPLAY=0 (tests/test_mojo_capture_memory.py checks its memory on a
+    GPU); no op is kept from capture: the kernels that used to allocate (which, after a capture, made MAX
+    reserve most of the GPU) take caller-owned workspaces instead."""
     from fusekit.backends.mojo.dispatch import REPLAY_ENV, Dispatcher
 
     monkeypatch.delenv(REPLAY_ENV, raising=False)
-    assert Dispatcher().replay is False
+    assert Dispatcher().replay is True
     monkeypatch.setenv(REPLAY_ENV, "0")
     assert Dispatcher().replay is False
     monkeypatch.setenv(REPLAY_ENV, "1")
