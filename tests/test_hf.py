@@ -202,6 +202,32 @@ def test_compiled_forward_without_cache_has_no_graph_break(family: str):
     torch._dynamo.reset()
 
 
+def test_compiled_forward_with_an_all_ones_mask_breaks_once():
+    """A tokenizer's attention_mask of all ones under torch.compile: one host check at the base model
+    (then no mask) instead of a materialized mask checked in every layer (15 graph breaks for 2 layers
+    before); the answer is unchanged, and a padded mask still gets transformers' answer (sdpa fallback)."""
+    model = build("llama3", num_hidden_layers=2)
+    x = ids(seq=11)
+    ones = torch.ones_like(x)
+    padded = ones.clone()
+    padded[0, :3] = 0
+    want = logits(model, x, attention_mask=ones, use_cache=False)
+    want_padded = logits(model, x, attention_mask=padded, use_cache=False)
+    fh.patch(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ex = torch._dynamo.explain(model)(x, attention_mask=ones, use_cache=False)
+    sites = {str(b.user_stack[-1]) for b in ex.break_reasons}
+    assert len(sites) == 1 and "_all_ones" in sites.pop(), ex.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    assert rel_error(logits(compiled, x, attention_mask=ones, use_cache=False), want) <= FP32_TOL
+    with pytest.warns(UserWarning, match="padding"):
+        got = logits(compiled, x, attention_mask=padded, use_cache=False)
+    assert rel_error(got, want_padded) <= FP32_TOL
+    torch._dynamo.reset()
+
+
 def test_packed_positions_keep_their_mask():
     """position_ids given by the caller may pack several sequences per row: the mask transformers builds
     from them (block-diagonal causal) must reach the attention; fusekit cannot express it and falls back

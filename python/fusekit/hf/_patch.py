@@ -169,12 +169,31 @@ class _ModelMixin:
     over as many keys as queries is plain causal. transformers cannot skip its packed-sequence check
     while dynamo traces (it reads position_ids), so a compiled prefill or training forward without a
     cache (use_cache=False) gets a materialized mask, whose check would read it on the host: a graph
-    break and a sync per layer (H100: compiled 4-layer Llama-3-8B prefill 1x2048 12.0 vs 9.7 ms)."""
+    break and a sync per layer (H100: compiled 4-layer Llama-3-8B prefill 1x2048 12.0 vs 9.7 ms).
+
+    A 2-D attention_mask of all ones (what a tokenizer returns for an unpadded batch) is dropped while
+    tracing a forward that brings no cache, after one host check here: transformers cannot skip it while
+    tracing either, and each layer would check the materialized mask (a graph break and a sync per layer,
+    15 breaks for a 2-layer model). Eager calls keep it: transformers skips it itself, and a generate()
+    step (with a cache) must trace with no data-dependent branch (static-cache CUDA-graph decoding)."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, **kwargs):
-        if position_ids is None and attention_mask is None and not args:
-            kwargs[_attention.OWN_POSITIONS] = True
+        if position_ids is None and not args:
+            if (
+                attention_mask is not None
+                and kwargs.get("past_key_values") is None
+                and torch.compiler.is_compiling()
+                and _all_ones(attention_mask)
+            ):
+                attention_mask = None  # exact: an all-ones padding mask masks nothing
+            if attention_mask is None:
+                kwargs[_attention.OWN_POSITIONS] = True
         return super().forward(input_ids, attention_mask, position_ids, *args, **kwargs)
+
+
+def _all_ones(mask: object) -> bool:
+    """A 2-D padding mask with nothing padded (one host read: a graph break while tracing)."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())
 
 
 class _PrecomputedNormMixin:
