@@ -242,6 +242,25 @@ def test_dispatcher_allocates_what_the_kernel_needs() -> None:
     assert part_w.dtype == torch.float32 and part_w.numel() == need["part_w"] > 0
 
 
+def test_workspace_out_of_memory_names_op_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A workspace that cannot be allocated raises torch's OutOfMemoryError naming the MAX op, the
+    workspace and its size (as the library does for outputs), not a bare allocator message."""
+    import fusekit.backends.mojo.dispatch as dispatch_mod
+
+    def empty(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    st = SimpleNamespace(cuda=True, sms=132, device=torch.device("cpu"))
+    comp = _compiled("reduce_sum", "forward", (torch.float32, torch.float32))
+    x = torch.ones(3, 1 << 16)
+    monkeypatch.setattr(dispatch_mod.torch, "empty", empty)  # torch.empty itself, for this test only
+    with pytest.raises(
+        torch.OutOfMemoryError,
+        match=r"^fusekit\.reduce_sum \(mojo\): .*workspace 'part' \(\d+ x float32, .*stand-in",
+    ):
+        DeviceState.workspaces(st, comp, (x[:, 0],), (x,))
+
+
 def test_cpu_calls_pass_one_element_dummies() -> None:
     """No CPU path uses a workspace: the dispatcher passes 1-element dummies of the declared dtypes (one per
     slot, no size function is called)."""

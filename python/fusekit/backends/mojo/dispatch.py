@@ -224,9 +224,18 @@ class DeviceState:
         res = []
         for i, (dtype, size) in enumerate(compiled.workspaces):
             n = size(outs, ins, self.sms) if self.cuda else 0
-            res.append(
-                torch.empty(n, dtype=dtype, device=self.device) if n else dummy_marker(dtype, 1, ("ws", i))
-            )
+            if not n:
+                res.append(dummy_marker(dtype, 1, ("ws", i)))
+                continue
+            try:
+                res.append(torch.empty(n, dtype=dtype, device=self.device))
+            except torch.OutOfMemoryError as exc:  # as the library's outputs: name the op and the size
+                spec = compiled.spec
+                raise torch.OutOfMemoryError(
+                    f"{spec.max_op} (mojo): out of memory allocating its workspace "
+                    f"{spec.workspaces[i].name!r} ({n} x {str(dtype).removeprefix('torch.')}, "
+                    f"{n * dtype.itemsize / 2**30:.2f} GiB) on {self.device}. {exc}"
+                ) from exc
         return tuple(res)
 
     def dummy(self, marker: tuple) -> torch.Tensor:
