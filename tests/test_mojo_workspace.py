@@ -270,3 +270,30 @@ def test_cpu_calls_pass_one_element_dummies() -> None:
     bf, f32 = torch.bfloat16, torch.float32
     assert [(m[1], m[2]) for m in markers] == [(bf, 1), (bf, 1), (f32, 1), (bf, 1)]  # xn, h, g, out_pad
     assert len({m[3] for m in markers}) == len(markers)  # one dummy per slot: never the same buffer twice
+
+
+def test_bind_remembers_each_pattern_exactly() -> None:
+    """specs' bind remembers the dummies and params per (dtypes and presence of the tensors, scalar values):
+    interleaved calls with other patterns give what a fresh spec gives, with the call's own tensors."""
+    from fusekit.ops import SPECS as OP_SPECS
+
+    fresh = lambda: specs.max_spec(OP_SPECS["rms_norm"], "forward")  # a new spec: an empty memory
+    ms = fresh()
+    bf, f32 = torch.bfloat16, torch.float32
+
+    def call(xdt: torch.dtype, wdt: torch.dtype, residual: bool, casting: str) -> tuple:
+        x, w = torch.ones(2, 8, dtype=xdt), torch.ones(8, dtype=wdt)
+        r = torch.ones(2, 8, dtype=xdt) if residual else None
+        outs = (
+            torch.empty(2, 8, dtype=xdt),
+            torch.empty(2, 8, dtype=xdt) if residual else None,
+            torch.empty(2),
+        )
+        return outs, (x, r, w), (1e-5, casting)
+
+    calls = [call(bf, f32, False, "fp32"), call(bf, bf, True, "llama"), call(f32, f32, False, "gemma")]
+    for args in calls + calls[::-1] + calls:
+        got, want = ms.bind(*args), fresh().bind(*args)
+        assert got[2] == want[2]
+        for g, w in zip(got[0] + got[1], want[0] + want[1]):
+            assert g is w if isinstance(w, torch.Tensor) else g == w

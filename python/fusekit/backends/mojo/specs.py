@@ -133,6 +133,9 @@ def _param(scalar, value: object) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+_BIND_PLANS = 256  # remembered (dtypes, presence, scalar values) patterns per op phase; a model has a few
+
+
 def max_spec(spec, phase: str, drop: frozenset[str] = frozenset()) -> OpSpec:
     """The MAX custom-op view of `phase` of a fusekit op spec, without the tensors whose condition is in
     `drop` (and without those conditions' flags): a second tensor the provider runs as another call."""
@@ -154,32 +157,50 @@ def max_spec(spec, phase: str, drop: frozenset[str] = frozenset()) -> OpSpec:
     params = tuple(s.name for s in scalars) + tuple(f"has_{c}" for c in p.conditions)
     n_out = len(p.outputs)
 
-    def bind(outs: tuple, ins: tuple, values: tuple) -> Bound:
+    def plan(args: tuple, values: tuple) -> tuple[tuple, tuple, tuple]:
+        """(dummy or None per output, the same per input, params) for a call's present tensors and values."""
         key = {}
-        for arg, v in zip(p.tensors, outs + ins):
+        for arg, v in zip(p.tensors, args):
             if v is not None:
                 key.setdefault(arg.dtype, v.dtype)
         x_dtype = key.get("x")
 
-        def fill(args, vals, base: int) -> tuple:
+        def fill(specs: tuple, vals: tuple, base: int) -> tuple:
             res = []
-            for i, (arg, v) in enumerate(zip(args, vals)):
+            for i, (arg, v) in enumerate(zip(specs, vals)):
+                dt = None
                 if v is None:
                     dt = key.get(arg.dtype) or (
                         x_dtype if arg.dtype in spec.dtype_vars else getattr(torch, arg.dtype)
                     )
-                    v = dummy(dt, len(arg.dims), base + i)
-                res.append(v)
+                res.append(None if dt is None else dummy(dt, len(arg.dims), base + i))
             return tuple(res)
 
         flags = []
         for c in p.conditions:
-            present = any(v is not None for a, v in zip(p.tensors, outs + ins) if a.when == c)
+            present = any(v is not None for a, v in zip(p.tensors, args) if a.when == c)
             flags.append(1.0 if present else 0.0)
         return (
-            fill(p.outputs, outs, 0),
-            fill(p.inputs, ins, n_out),
+            fill(p.outputs, args[:n_out], 0),
+            fill(p.inputs, args[n_out:], n_out),
             tuple(_param(s, v) for s, v in zip(scalars, values)) + tuple(flags),
+        )
+
+    plans: dict[tuple, tuple] = {}  # (dtype or None per tensor, values) -> plan: the same for every such call
+
+    def bind(outs: tuple, ins: tuple, values: tuple) -> Bound:
+        args = outs + ins
+        k = (tuple([None if v is None else v.dtype for v in args]), values)
+        hit = plans.get(k)
+        if hit is None:
+            hit = plan(args, values)
+            if len(plans) < _BIND_PLANS:
+                plans[k] = hit
+        od, idm, params = hit
+        return (
+            tuple([d if v is None else v for v, d in zip(outs, od)]),
+            tuple([d if v is None else v for v, d in zip(ins, idm)]),
+            params,
         )
 
     return OpSpec(
