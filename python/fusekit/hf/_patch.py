@@ -365,7 +365,7 @@ def patch(
     children: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []
     attentions: list[nn.Module] = []
     layers: list[nn.Module] = []
-    bases = [m for m in model.modules() if type(m) is classes["Model"]]
+    bases: list[nn.Module] = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if type(child) is classes["RMSNorm"]:
@@ -380,6 +380,8 @@ def patch(
             if not isinstance(parent.post_attention_layernorm, classes["RMSNorm"]):
                 raise TypeError(f"model: {type(parent).__name__}.post_attention_layernorm is not an RMSNorm")
             layers.append(parent)
+        elif type(parent) is classes["Model"]:
+            bases.append(parent)
     if not attentions:
         raise ValueError(f"model: no {classes['Attention'].__name__} modules found in {type(model).__name__}")
     next_norms = _next_norms(model, layers, {(id(parent), name): new for parent, name, _, new in children})
@@ -395,9 +397,8 @@ def patch(
         _fusekit_eager=staticmethod(eager),
         _fusekit_passes_sliding_window=family != "llama",
     )
+    _swap_classes(rec, attentions, attn_cls)
     for m in attentions:
-        rec.classes.append((m, type(m)))
-        m.__class__ = attn_cls
         m._fusekit_backend = backend
         m._fusekit_strict = strict
         m._fusekit_prefix_masks = False  # True only inside the generate wrapper, for unpadded prompts
@@ -405,13 +406,8 @@ def patch(
     if callable(getattr(type(model), "generate", None)):
         model.__dict__["generate"] = _Generate(model)
         rec.attrs.append((model, "generate"))
-    for m in bases:
-        rec.classes.append((m, type(m)))
-        m.__class__ = _subclass(_ModelMixin, classes["Model"])
-    layer_cls = _subclass(_DecoderLayerMixin, classes["DecoderLayer"])
-    for m in layers:
-        rec.classes.append((m, type(m)))
-        m.__class__ = layer_cls
+    _swap_classes(rec, bases, _subclass(_ModelMixin, classes["Model"]))
+    _swap_classes(rec, layers, _subclass(_DecoderLayerMixin, classes["DecoderLayer"]))
     for layer, norm in next_norms:  # plain attributes, not submodules: state_dict keys stay HF's
         norm.__class__ = _subclass(_PrecomputedNormMixin, type(norm))
         layer.__dict__["_fusekit_next_norm"] = norm
@@ -419,6 +415,13 @@ def patch(
     _set_attn_implementation(model, _attention.NAME)
     object.__setattr__(model, _ATTR, rec)
     return model
+
+
+def _swap_classes(rec: _Record, modules: list[nn.Module], cls: type) -> None:
+    """Give each module the fusekit subclass `cls` of its class, recorded for unpatch."""
+    for m in modules:
+        rec.classes.append((m, type(m)))
+        m.__class__ = cls
 
 
 def _next_norms(model: nn.Module, layers: list[nn.Module], new: dict) -> list[tuple[nn.Module, nn.Module]]:
