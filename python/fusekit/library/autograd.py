@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from fusekit import dispatch
+from fusekit.library import lean_dispatch
 from fusekit.library.plan import _device, run
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec
 
@@ -246,6 +247,8 @@ def _register(spec: OpSpec) -> None:
         return input_grads(ctx, g, False)
 
     op.register_autograd(backward, setup_context=setup_context)
+    lean_dispatch.install(op, forward_impl)
+    lean_dispatch.install(bop, backward_impl)
 
     # Eager calls that record a gradient: the same formula as a plain autograd.Function whose forward
     # sets up the context itself (a Function with a separate setup_context binds its arguments through
@@ -295,6 +298,7 @@ def _register_view_grad(op, spec: OpSpec, split, in_names, out_names, n_sc: int,
         return (*gin, *(None for _ in range(n_sc + 2)))
 
     op.register_autograd(backward, setup_context=setup_context)
+    lean_dispatch.install(op, forward_impl)
     _EAGER[spec.name] = _eager_function(spec.name, forward_impl, setup_context, backward)
 
 
