@@ -17,6 +17,7 @@ records a gradient) goes to the custom op's own autograd kernel, exactly as befo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 _LIB: torch.library.Library | None = None
 _KEYS = ("AutogradCPU", "AutogradCUDA")  # ROCm builds of torch run on the CUDA keys too
 INSTALLED: set[str] = set()  # ops whose runtime calls take the lean kernel (tests read it)
+ENV = "FUSEKIT_LEAN_DISPATCH"  # "0": every call keeps torch.library's standard path
 
 
 def _tools() -> tuple[Callable, Any, Any, Callable] | None:
@@ -47,7 +49,7 @@ def install(op: Any, impl: Callable[..., Any]) -> bool:
     torch lacks what it needs. Call after register_autograd (the fallback reads the formula lazily)."""
     global _LIB
     tools = _tools()
-    if tools is None:
+    if tools is None or os.environ.get(ENV, "1") == "0":
         return False
     make_autograd_impl, python_key, functionalize_key, any_requires_grad = tools
     overload = op._opoverload
