@@ -6,7 +6,7 @@ positions = start_pos + arange(S) computes exactly what start_pos does (bit for 
 backward, both layouts, tables or in-kernel angles); [S] equals [B, S] with the row repeated; rows are
 independent; bad positions raise naming `positions` on the CPU and are clamped (never read outside the
 tables) where they are trusted; torch.compile(fullgraph=True) takes them; on `--device cuda` a captured
-graph replays with positions updated in place (torch and triton: mojo refuses every call inside a
+graph replays with positions updated in place (every backend; mojo's launches are fenced into torch's
 capture). The mojo MAX signature with positions is checked in tests/test_mojo_rope_positions.py.
 """
 
@@ -20,7 +20,7 @@ from fusekit import ops
 from fusekit.ops.rope import tables
 from fusekit.tolerances import rtol
 
-GRAPH_BACKENDS = ("torch", "triton")  # backends that run inside a CUDA graph capture
+GRAPH_BACKENDS = ("torch", "triton", "mojo")  # backends that run inside a CUDA graph capture
 
 
 def _x(shape, dtype, device, seed: int = 0) -> torch.Tensor:

@@ -8,6 +8,7 @@ like to MAX is derived from the op's spec (specs.py).
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 
@@ -17,11 +18,16 @@ from fusekit.backends.base import Backend, BackendUnavailable
 from fusekit.backends.mojo.specs import SWIGLU_FFN_BACKWARD, X_DTYPE_WEIGHTS, phase_spec
 
 HEAD_DIMS = (64, 128, 256)
+# Calls inside torch's CUDA graph capture record MAX's launches into torch's graph (dispatch.py: the
+# stream fence joins MAX's stream to the capture); "0" refuses them instead.
+CAPTURE_ENV = "FUSEKIT_MOJO_CAPTURE"
+CAPTURE = os.environ.get(CAPTURE_ENV, "1") != "0"
 
 
 class MojoBackend(Backend):
     name = "mojo"
-    capture_safe = False  # MAX launches on its own stream: calls inside a CUDA graph capture are refused
+    capture_safe = CAPTURE  # MAX launches on its own stream, fenced into torch's capture (dispatch.py)
+    first_call_setup = True  # a new op x dtypes compiles (and loads onto the GPU): never inside a capture
     install_hint = "pip install 'fusekit[mojo]'  (max==26.7.0, mojo==1.2.0)"
 
     def __init__(self, package: str | None = None) -> None:
@@ -97,12 +103,10 @@ class MojoBackend(Backend):
     def run(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
         ms = phase_spec(spec.name, phase)
         device = next(t.device for t in outputs if t is not None)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # MAX runs on its own stream with host-side work per call (and may compile on first use):
-            # not verified to record into torch's graph, so refuse instead of replaying nothing.
+        if device.type == "cuda" and not CAPTURE and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"mojo {ms.op}: running inside a CUDA graph capture is not supported; use backend='triton' "
-                "for captured regions (or call the op outside the capture)"
+                f"mojo {ms.op}: running inside a CUDA graph capture is switched off ({CAPTURE_ENV}=0); "
+                "use backend='triton' for captured regions (or call the op outside the capture)"
             )
         if spec.name == "swiglu_ffn" and phase == "backward":
             self._swiglu_ffn_backward(outputs, inputs, scalars)

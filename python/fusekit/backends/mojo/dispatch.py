@@ -246,6 +246,15 @@ class DeviceState:
             t = self.dummies[marker] = torch.zeros((1,) * rank, dtype=dtype, device=self.device)
         return t
 
+    def check_capture_ready(self, compiled: Compiled, params: tuple[float, ...]) -> None:
+        """Inside a CUDA graph capture nothing may copy from the host: the call's params tensor must exist
+        (made by the warm-up call the library requires before capturing a signature)."""
+        if compiled.spec.params and params not in self.params:
+            raise RuntimeError(
+                f"{compiled.spec.max_op} (mojo): first call with these scalar values is inside a CUDA graph "
+                "capture; run the same call once before capturing (a warm-up, as torch.cuda.graph requires)"
+            )
+
     def params_tensor(self, values: tuple[float, ...]) -> torch.Tensor:
         p = self.params.get(values)
         if p is None:
@@ -284,6 +293,9 @@ class Dispatcher:
         keys = []
         bufs = []
         wrap = st.wrap
+        capturing = st.cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            st.check_capture_ready(compiled, params)
         args = outs + st.workspaces(compiled, outs, ins) + ins if compiled.workspaces else outs + ins
         for t in args:  # a tuple is an absent optional tensor's (or an unused workspace's) dummy marker
             k, b = wrap(st.dummy(t) if isinstance(t, tuple) else t)
@@ -301,7 +313,15 @@ class Dispatcher:
         with st.lock:
             cur = st.fence.enter()
             try:
-                self._launch(compiled, tuple(keys), bufs)
+                if capturing:
+                    # Inside torch's CUDA graph capture: the fence's event wait made MAX's stream part of
+                    # the capture (a fork joined back by exit), so MAX's plain launches are recorded into
+                    # torch's graph. Never MAX's own device-graph capture or replay here (a capture inside
+                    # a capture), and no bookkeeping that would make a later call capture.
+                    compiled.model._execute_device_tensors(bufs)
+                    self.counts["execute"] += 1
+                else:
+                    self._launch(compiled, tuple(keys), bufs)
             finally:
                 if cur is not None:
                     st.fence.exit(cur)
