@@ -1,4 +1,5 @@
-"""CUDA graphs (issue #11, item 2): every op captures in `torch.cuda.graph` and replays on new inputs.
+"""CUDA graphs (issue #11, item 2): every op captures in `torch.cuda.graph` and replays on new inputs, and
+runs under `torch.compile(mode="reduce-overhead")` (cudagraph trees, forward and backward).
 
     pytest tests/test_cuda_graphs.py --device cuda --backends triton      (the capture tests need a GPU)
 
@@ -187,3 +188,58 @@ def test_mojo_capture_switched_off_is_refused(backend_name: str, device: str, mo
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="FUSEKIT_MOJO_CAPTURE"), torch.cuda.graph(graph):
         ops.rms_norm(x, w, backend="mojo")
+
+
+@pytest.mark.parametrize("op", ops.OPS)
+@pytest.mark.parametrize("phase", ("forward", "backward"))
+def test_reduce_overhead_compile(op: str, phase: str, backend_name: str, device: str) -> None:
+    """torch.compile(mode="reduce-overhead"): the compiled call (and its backward) run as CUDA graphs of
+    cudagraph trees; three steps on inputs refilled in place each give the eager result."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need --device cuda")
+    fn = getattr(ops, op)
+    torch.manual_seed(0)
+    args, kwargs = _cuda_case(op)
+    grad = phase == "backward"
+    if grad:
+        args = tuple(
+            a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a
+            for a in args
+        )
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if grad and not leaves:
+        pytest.skip(f"{op} has no floating inputs")
+
+    def f(*a):
+        return _outputs(fn(*a, **kwargs, backend=backend_name))
+
+    def step(call) -> tuple[torch.Tensor, ...]:
+        outs = call(*args)
+        if not grad:
+            return tuple(o.detach().clone() for o in outs)
+        y = [o for o in outs if o.requires_grad]
+        gs = torch.autograd.grad(y, leaves, [torch.ones_like(o) for o in y])
+        return tuple(o.detach().clone() for o in (*outs, *gs))
+
+    try:
+        step(f)  # the eager warm-up (compiles and tunes the kernels outside any capture)
+    except ValueError as exc:
+        if "cannot run" in str(exc) or "has no backward here" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    torch._dynamo.reset()
+    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    for i in range(3):  # warm-up, record, replay
+        for a in (*args, *kwargs.values()):
+            _refill(a)
+        torch.compiler.cudagraph_mark_step_begin()
+        got = step(compiled)
+        want = step(f)
+        for j, (g, w) in enumerate(zip(got, want)):
+            assert_close(
+                f"{op}.{phase}[{j}] reduce-overhead step {i}",
+                g,
+                w.double(),
+                rtol(op, g.dtype, phase),
+                f"{op} {backend_name}",
+            )
