@@ -48,6 +48,25 @@ def _cuda_case(op: str) -> tuple[tuple, dict]:
     return mod.make(mod.CUDA[0], dtype, "cuda")
 
 
+def _phase_case(op: str, phase: str, device: str) -> tuple:
+    """(op function, args, kwargs, whether grads are taken, the args that require grad) of the op's first
+    CUDA case; the backward phase makes the floating args leaves. Skips off CUDA."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need --device cuda")
+    torch.manual_seed(0)
+    args, kwargs = _cuda_case(op)
+    grad = phase == "backward"
+    if grad:
+        args = tuple(
+            a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a
+            for a in args
+        )
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if grad and not leaves:
+        pytest.skip(f"{op} has no floating inputs")
+    return getattr(ops, op), args, kwargs, grad, leaves
+
+
 def _refill(t: object) -> None:
     """New random values in place (the captured addresses stay)."""
     if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.numel():
@@ -62,20 +81,7 @@ def _outputs(out) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("op", ops.OPS)
 @pytest.mark.parametrize("phase", ("forward", "backward"))
 def test_capture_and_replay(op: str, phase: str, backend_name: str, device: str) -> None:
-    if device != "cuda":
-        pytest.skip("CUDA graphs need --device cuda")
-    fn = getattr(ops, op)
-    torch.manual_seed(0)
-    args, kwargs = _cuda_case(op)
-    grad = phase == "backward"
-    if grad:
-        args = tuple(
-            a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a
-            for a in args
-        )
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    if grad and not leaves:
-        pytest.skip(f"{op} has no floating inputs")
+    fn, args, kwargs, grad, leaves = _phase_case(op, phase, device)
 
     def step() -> tuple[torch.Tensor, ...]:
         outs = _outputs(fn(*args, **kwargs, backend=backend_name))
@@ -195,20 +201,7 @@ def test_mojo_capture_switched_off_is_refused(backend_name: str, device: str, mo
 def test_reduce_overhead_compile(op: str, phase: str, backend_name: str, device: str) -> None:
     """torch.compile(mode="reduce-overhead"): the compiled call (and its backward) run as CUDA graphs of
     cudagraph trees; three steps on inputs refilled in place each give the eager result."""
-    if device != "cuda":
-        pytest.skip("CUDA graphs need --device cuda")
-    fn = getattr(ops, op)
-    torch.manual_seed(0)
-    args, kwargs = _cuda_case(op)
-    grad = phase == "backward"
-    if grad:
-        args = tuple(
-            a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a
-            for a in args
-        )
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    if grad and not leaves:
-        pytest.skip(f"{op} has no floating inputs")
+    fn, args, kwargs, grad, leaves = _phase_case(op, phase, device)
 
     def f(*a):
         return _outputs(fn(*a, **kwargs, backend=backend_name))
