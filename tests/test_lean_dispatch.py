@@ -37,6 +37,18 @@ def _aliasing_checks(monkeypatch) -> list[str]:
     return seen
 
 
+def test_every_custom_op_has_the_lean_kernel() -> None:
+    """Each registered op's forward custom op, and its backward's where it has one, route plain calls."""
+    from fusekit.library.autograd import specs
+
+    want = set()
+    for name, spec in specs().items():
+        want.add(name)
+        if spec.backward is not None:
+            want.add(f"{name}_backward")
+    assert want and want <= lean_dispatch.INSTALLED
+
+
 def test_compiled_forward_and_backward_take_the_lean_kernel(backend, device, monkeypatch) -> None:
     assert {"rms_norm", "rms_norm_backward"} <= lean_dispatch.INSTALLED
     x, w, dy = _inputs(device, grad=True)
