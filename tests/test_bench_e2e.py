@@ -173,6 +173,44 @@ def test_merge_keeps_other_providers_and_recomputes_ratios():
     assert list(doc["providers"]) == ["eager", "fusekit-mojo"]
 
 
+def test_merge_replaces_only_the_cases_a_run_measured():
+    """A --scenarios train run replaces that provider's train row only; a case the new run skipped for
+    its time budget keeps the old measurement (a cut-short run erases nothing)."""
+
+    def row(p, sc, tps, run, status="ok", reason=None):
+        r = {"provider": p, "scenario": sc, "case": "1x16", "status": status, "tokens_per_s": tps, "run": run}
+        return r if reason is None else {**r, "reason": reason}
+
+    old = {
+        "runs": [{"date": "a"}],
+        "providers": {"eager": {"status": "ok"}, "compile": {"status": "ok"}},
+        "rows": [
+            row("eager", "prefill", 100.0, 0),
+            row("eager", "train", 10.0, 0),
+            row("compile", "prefill", 150.0, 0),
+            row("compile", "train", 12.0, 0),
+        ],
+    }
+    new = {
+        "meta": {"date": "b"},
+        "providers": {"eager": {"status": "ok"}, "compile": {"status": "ok"}},
+        "rows": [
+            row("eager", "train", 20.0, 1),
+            row("compile", "train", None, 1, "skipped", e2e.BUDGET_SKIP),
+        ],
+    }
+    doc = e2e.compose(new, old)
+    got = [(r["provider"], r["scenario"], r["tokens_per_s"], r["run"]) for r in doc["rows"]]
+    assert got == [
+        ("eager", "prefill", 100.0, 0),
+        ("eager", "train", 20.0, 1),
+        ("compile", "prefill", 150.0, 0),
+        ("compile", "train", 12.0, 0),
+    ]
+    train = doc["rows"][3]["speedup_vs"]
+    assert train["eager"] == 12.0 / 20.0 and train["eager_other_run"]
+
+
 def test_cpu_timings_never_go_to_the_committed_results(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert e2e.main(["--device", "cpu", "--out", str(results.COMMITTED_RESULTS)]) == 2

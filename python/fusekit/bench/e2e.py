@@ -75,6 +75,7 @@ PROVIDERS = (
 # mojo last: once MAX has run on a GPU its allocator keeps most of the memory (run_gpu.sh); liger before
 # it, and its global patches are undone after its rows.
 SCENARIOS = ("prefill", "decode", "train")
+BUDGET_SKIP = "--budget-s reached before it started"  # a row's reason when the run's time ran out
 BASELINES = ("eager", "compile")
 FP32_LOGITS_RTOL = 1e-4  # relative 2-norm of the logits against HF eager, fp32
 LOW_PRECISION_SLACK = 5e-3  # bf16/fp16: error vs the fp32 model <= 2x HF eager's own + this
@@ -766,7 +767,7 @@ def run_provider(
 
     why = prov.unavailable(setup)
     if why is None and deadline is not None and time.perf_counter() > deadline:
-        why = "--budget-s reached before it started"
+        why = BUDGET_SKIP
     if why is not None:
         rec.update(status="skipped", reason=why)
         return rec, all_rows("skipped", why)
@@ -800,9 +801,7 @@ def run_provider(
         for case in _cases(setup, sc):
             _free()
             if deadline is not None and time.perf_counter() > deadline:
-                rows.append(
-                    _row(prov.name, sc, case, "skipped", reason="--budget-s reached before it started")
-                )
+                rows.append(_row(prov.name, sc, case, "skipped", reason=BUDGET_SKIP))
                 continue
             try:
                 if sc == "prefill":
@@ -920,21 +919,35 @@ def load_for_merge(path: Path, setup: dict) -> dict | None:
     return old
 
 
+def _row_key(r: dict) -> tuple[str, str, str]:
+    return r["provider"], r["scenario"], r["case"]
+
+
 def compose(doc: dict, old: dict | None) -> dict:
-    """`doc` (this run's rows, all tagged run = len(old runs)), plus the rows and provider records of
-    `old` for the providers this run did not touch; ratios recomputed over the lot."""
+    """`doc` (this run's rows, all tagged run = len(old runs)) over `old`: a row of this run replaces the
+    old row of its provider, scenario and case, except that a row this run skipped for its time budget
+    keeps an old measured one; old rows of cases this run did not run (other providers, or scenarios
+    left out with --scenarios) stay. Provider records: this run's replace old ones. Ratios recomputed
+    over the lot (a ratio across runs is marked as such)."""
     if old is None:
         out = {**doc, "runs": [doc["meta"]]}
     else:
         mine = set(doc["providers"]) | {r["provider"] for r in doc["rows"]}
         order = {p: i for i, p in enumerate(PROVIDERS)}
-        rows = [r for r in old["rows"] if r["provider"] not in mine] + doc["rows"]
+        measured = {_row_key(r) for r in old["rows"] if r["status"] == "ok"}
+        new = [r for r in doc["rows"] if not (r.get("reason") == BUDGET_SKIP and _row_key(r) in measured)]
+        replaced = {_row_key(r) for r in new}
+        scen = {s: i for i, s in enumerate(SCENARIOS)}
+        rows = sorted(
+            [r for r in old["rows"] if _row_key(r) not in replaced] + new,
+            key=lambda r: (order.get(r["provider"], 99), scen.get(r["scenario"], 99)),
+        )
         providers = {k: v for k, v in old["providers"].items() if k not in mine} | doc["providers"]
         out = {
             **doc,
             "runs": [*old["runs"], doc["meta"]],
             "providers": dict(sorted(providers.items(), key=lambda kv: order.get(kv[0], 99))),
-            "rows": sorted(rows, key=lambda r: order.get(r["provider"], 99)),
+            "rows": rows,
         }
     add_ratios(out["rows"])
     return out
@@ -1006,7 +1019,7 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default=None, help="results root (cuda: benchmarks/results, cpu: build/bench/results)"
     )
     ap.add_argument(
-        "--merge", action="store_true", help="keep the other providers' rows of an existing e2e.json"
+        "--merge", action="store_true", help="keep the rows this run does not measure from an existing e2e.json"
     )
     ap.add_argument(
         "--budget-s", type=float, default=None, help="start no new provider or case after S seconds"
