@@ -1019,7 +1019,9 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default=None, help="results root (cuda: benchmarks/results, cpu: build/bench/results)"
     )
     ap.add_argument(
-        "--merge", action="store_true", help="keep the rows this run does not measure from an existing e2e.json"
+        "--merge",
+        action="store_true",
+        help="keep the rows this run does not measure from an existing e2e.json",
     )
     ap.add_argument(
         "--budget-s", type=float, default=None, help="start no new provider or case after S seconds"
