@@ -53,7 +53,7 @@ class Fake(Backend):
     def __init__(self, name: str, no_backward: bool = False) -> None:
         super().__init__()
         self.name, self.no_backward = name, no_backward
-        self.capture_safe = name != "mojo"  # as the real backends declare it
+        self.capture_safe = name != "mojo"  # mojo as it declares itself with FUSEKIT_MOJO_CAPTURE=0
 
     def supports(self, op, phase, device, dtypes, **meta) -> str | None:
         return "no backward" if self.no_backward and phase == "backward" else None

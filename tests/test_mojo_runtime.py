@@ -351,3 +351,14 @@ def test_graph_device_points_max_graph_at_the_tensors_gpu(monkeypatch) -> None:
         with graph_device(dev):
             assert mg.Accelerator is fake
     assert calls == [(1,), (3,)]
+
+
+def test_capture_switch_sets_what_auto_and_the_library_see() -> None:
+    """By default mojo runs inside a CUDA graph capture (capture_safe) and its first call of a signature is
+    refused there (first_call_setup: it compiles); FUSEKIT_MOJO_CAPTURE=0 makes it refuse captures."""
+    assert MojoBackend.capture_safe and MojoBackend.first_call_setup
+    code = "from fusekit.backends.mojo import MojoBackend as B; print(B.capture_safe, B.first_call_setup)"
+    env = {**os.environ, "FUSEKIT_MOJO_CAPTURE": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]
