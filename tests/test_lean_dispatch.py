@@ -71,6 +71,18 @@ def test_compiled_forward_and_backward_take_the_lean_kernel(backend, device, mon
     assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref)
 
 
+def test_inference_mode_calls_skip_the_custom_op_wrapper(backend, device, monkeypatch) -> None:
+    """Under inference_mode (no autograd keys) a call reaches fusekit's implementation as the op's own
+    CPU/CUDA kernel, not through custom_op's backend wrapper."""
+    x, w, _ = _inputs(device, grad=False)
+    want = ops.rms_norm(x, w, eps=1e-6, casting="llama", backend=backend)
+    seen = _aliasing_checks(monkeypatch)
+    with torch.inference_mode():
+        y = torch.ops.fusekit.rms_norm(x, None, w, 1e-6, "llama", backend, False)[0]
+    assert [n for n in seen if n.startswith("rms_norm")] == []
+    assert torch.equal(y, want)
+
+
 def test_calls_that_record_a_gradient_keep_the_custom_op_autograd(backend, device) -> None:
     x, w, dy = _inputs(device, grad=True)
     y = torch.ops.fusekit.rms_norm(x, None, w, 1e-6, "llama", backend, True)[0]

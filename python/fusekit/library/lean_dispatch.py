@@ -12,7 +12,9 @@ On a GPU host that is slower in Python it starved the GPU: a compiled Llama-3.2-
 custom op's Autograd alias kernel, so it takes precedence for those tensors): a call that needs no
 autograd and meets no Python dispatch (no tensor subclass, no dispatch mode: FakeTensor, functional
 tensors, tracing) goes straight to fusekit's implementation; anything else (tracing a graph, a call that
-records a gradient) goes to the custom op's own autograd kernel, exactly as before.
+records a gradient) goes to the custom op's own autograd kernel, exactly as before. The implementation is
+also the op's CPU / CUDA kernel (more specific than custom_op's CompositeExplicitAutograd wrapper), which
+an inference_mode call (no autograd keys) and the standard path's redispatch reach.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 _LIB: torch.library.Library | None = None
 _KEYS = ("AutogradCPU", "AutogradCUDA")  # ROCm builds of torch run on the CUDA keys too
+_BACKEND_KEYS = ("CPU", "CUDA")
 INSTALLED: set[str] = set()  # ops whose runtime calls take the lean kernel (tests read it)
 ENV = "FUSEKIT_LEAN_DISPATCH"  # "0": every call keeps torch.library's standard path
 
@@ -70,5 +73,9 @@ def install(op: Any, impl: Callable[..., Any]) -> bool:
     name = overload._schema.name.split("::", 1)[1]
     for key in _KEYS:
         _LIB.impl(name, kernel, key, with_keyset=True)
+    # Below autograd (inference_mode skips the autograd keys; the standard path redispatches here): the
+    # implementation itself, not custom_op's backend wrapper (dynamo-disable + output-aliasing check).
+    for key in _BACKEND_KEYS:
+        _LIB.impl(name, impl, key)
     INSTALLED.add(name)
     return True
