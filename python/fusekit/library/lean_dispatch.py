@@ -74,9 +74,9 @@ def install(op: Any, impl: Callable[..., Any]) -> bool:
     for key in _KEYS:
         _LIB.impl(name, kernel, key, with_keyset=True)
     # Below autograd (inference_mode skips the autograd keys; the standard path redispatches here): the
-    # implementation itself, not custom_op's backend wrapper (dynamo-disable + output-aliasing check).
-    # As custom_op's wrapper does, dynamo never traces into it (a call from an eager stretch of a
-    # compiled function runs it rather than compiling fusekit's internals).
+    # implementation without custom_op's backend wrapper and its output-aliasing check, but, as that
+    # wrapper, under dynamo-disable (a call from an eager stretch of a compiled function runs it rather
+    # than compiling fusekit's internals).
     backend_impl = getattr(torch, "_disable_dynamo", lambda fn: fn)(impl)
     for key in _BACKEND_KEYS:
         _LIB.impl(name, backend_impl, key)
