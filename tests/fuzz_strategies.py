@@ -78,6 +78,7 @@ PROFILES: dict[str, Profile] = {
             "rope": 60,
             "swiglu_ffn": 40,
             "attention": 40,
+            "linear_cross_entropy": 40,
         },
     ),
     # The interpreter runs every program of a grid in Python: tiny problems, few examples. Its bf16
@@ -104,6 +105,7 @@ PROFILES: dict[str, Profile] = {
             "rope": 25,
             "swiglu_ffn": 15,
             "attention": 12,
+            "linear_cross_entropy": 12,
         },
     ),
     # One MAX graph compile per (op, phase, dtypes) costs 20 s to minutes on a CPU: only fp32 and bf16
@@ -129,6 +131,7 @@ PROFILES: dict[str, Profile] = {
             "rope": 30,
             "swiglu_ffn": 20,
             "attention": 15,
+            "linear_cross_entropy": 5,  # refused (no mojo kernel): every example is rejected
         },
     ),
 }
@@ -537,6 +540,37 @@ def attention(draw, prof: Profile, device: str, kv_len: bool = False) -> Case:
     return Case("attention", (q, k, v), kwargs, dtype, " ".join(m.parts), facts)
 
 
+@st.composite
+def linear_cross_entropy(draw, prof: Profile, device: str) -> Case:
+    m = Maker(draw(st.integers(0, 2**31 - 1)), device)
+    dtype = draw(st.sampled_from(prof.floats))
+    h = draw(size(130 if prof.numel > 10000 else 66))
+    v = draw(size(prof.numel // h if prof.numel // h > 1 else 2))
+    lead = _lead(draw, prof, 1, prof.rows)
+    x = m.randn("x", (*lead, h), dtype, draw(layouts(len(lead) + 1)))
+    # an LM head's scale (std 1/sqrt(H)): logits O(1)
+    w = m.randn("weight", (v, h), dtype, draw(layouts(2, keep=(0,))), scale=h**-0.5)
+    ii = draw(st.sampled_from([-100, -100, 0, v - 1, -1]))
+    target = torch.randint(0, v, tuple(lead), generator=m.gen).to(device)
+    ignored = draw(st.sampled_from(["none", "some", "none", "all"]))
+    if ignored == "some":
+        target.view(-1)[:: draw(st.integers(2, 4))] = ii
+    elif ignored == "all":
+        target.fill_(ii)
+    m.parts.append(f"target={list(lead)} int64 ignored={ignored}")
+    kwargs: dict = {
+        "ignore_index": ii,
+        "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
+        "label_smoothing": draw(st.sampled_from([0.0, 0.0, 0.1, 1.0])),
+    }
+    if ignored == "all" and kwargs["reduction"] == "mean":
+        kwargs["reduction"] = "sum"  # mean of nothing is NaN (as torch), which the driver cannot compare
+    if draw(st.booleans()):
+        kwargs["bias"] = m.randn("bias", (v,), dtype, draw(layouts(1)), scale=0.5)
+    m.note(**{k: val for k, val in kwargs.items() if k != "bias"})
+    return Case("linear_cross_entropy", (x, w, target), kwargs, dtype, " ".join(m.parts), {"H": h, "V": v})
+
+
 STRATEGIES = {
     "reduce_sum": reduce_sum,
     "rms_norm": rms_norm,
@@ -544,4 +578,5 @@ STRATEGIES = {
     "rope": rope,
     "swiglu_ffn": swiglu_ffn,
     "attention": attention,
+    "linear_cross_entropy": linear_cross_entropy,
 }

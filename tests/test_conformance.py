@@ -111,7 +111,7 @@ def test_op(conf_case, op, case, dtype, phase, backend_name, device, seed):
         trunc = backend_name == "triton" and device == "cpu" and dtype == torch.bfloat16
         for i, (g, w, sc) in enumerate(zip(got, want, scales)):
             tol = rtol(op, g.dtype) * (10 if i and g.dtype == torch.float32 != dtype else 1)  # fp32 stats
-            if trunc:
+            if trunc or getattr(mod, "OUT_TOL_FROM_INPUT", False):  # an fp32 result of x-dtype values
                 tol = max(tol, rtol(op, dtype))
             assert_close(f"{op}.out{i}", g, w, tol, repro, sc)
         return

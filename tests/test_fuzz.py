@@ -370,6 +370,27 @@ def _breakers(case: Case):
                     None,
                     kv_len=torch.full((b,), skv + 1, dtype=I32, device=q.device),
                 )
+    if op == "linear_cross_entropy":
+        w, t = a[1], a[2]
+        h, v = case.facts["H"], case.facts["V"]
+        brk("x int", ("x",), TypeError, [x.to(I32), w, t])
+        brk("x H = 0", ("x",), ValueError, [x[..., :0], w[:, :0], t])
+        brk("weight H mismatch", ("weight",), ValueError, [x, _like(w, (v, h + 1)), t])
+        brk("weight 1-d", ("weight",), ValueError, [x, w[0], t])
+        brk("weight dtype", ("weight",), TypeError, [x, w.to(_other_float(x.dtype)), t])
+        brk("V = 0", ("weight",), ValueError, [x, w[:0], t])
+        brk("target int32", ("target",), TypeError, [x, w, t.to(I32)])
+        brk("target float", ("target",), TypeError, [x, w, t.to(x.dtype)])
+        brk("target shape", ("target",), ValueError, [x, w, _like(t, (*t.shape, 2))])
+        brk("target a list", ("target",), TypeError, [x, w, t.tolist()])
+        brk("bias V mismatch", ("bias",), ValueError, None, bias=_like(x, (v + 1,)))
+        brk("bias dtype", ("bias",), TypeError, None, bias=_like(x, (v,), _other_float(x.dtype)))
+        brk("reduction unknown", ("reduction",), ValueError, None, reduction="avg")
+        brk("reduction not a str", ("reduction",), TypeError, None, reduction=None)
+        brk("ignore_index float", ("ignore_index",), TypeError, None, ignore_index=-100.0)
+        brk("ignore_index bool", ("ignore_index",), TypeError, None, ignore_index=True)
+        for val, e in [(1.5, ValueError), *BAD_REALS]:
+            brk(f"label_smoothing={val!r}", ("label_smoothing",), e, None, label_smoothing=val)
     return out
 
 

@@ -33,7 +33,11 @@ except ImportError:  # pragma: no cover - only while bootstrapping the generator
 # so `auto` can run everything. On the CPU the reference is the only fast path (Triton runs in an
 # interpreter there and MAX's CPU kernels are not tuned), so it goes first.
 _CUDA_ORDER = ("triton", "mojo", "torch")
-AUTO: dict[str, dict[str, tuple[str, ...]]] = {"cuda": {}, "cpu": {}}
+# linear_cross_entropy has no Mojo kernel (auto never loads MAX for it).
+AUTO: dict[str, dict[str, tuple[str, ...]]] = {
+    "cuda": {"linear_cross_entropy": ("triton", "torch")},
+    "cpu": {},
+}
 
 
 SHAPE_CLASSES = ("decode", "small", "large")
@@ -41,7 +45,7 @@ DECODE_TOKENS = 16  # rows/tokens at or below which a call is "decode"
 SMALL_BYTES = 8 << 20  # input bytes below which a call is "small" (launch and host cost dominate)
 # Where an op's tokens (rows) sit in its first input, forward and backward alike: norms [M, N] (dy too),
 # rope [B, S, H, D] (B*S), swiglu_ffn [T, D], attention q / do [B, H, S, D] (S: the query length).
-# reduce_sum is classed by bytes only.
+# reduce_sum and linear_cross_entropy (a training loss, never a decode step) are classed by bytes only.
 _TOKEN_DIMS: dict[str, tuple[int, ...]] = {
     "rms_norm": (0,),
     "layer_norm": (0,),

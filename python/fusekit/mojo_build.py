@@ -51,7 +51,7 @@ def entries(
     dtype keys of each phase that the mojo backend says it runs (MojoBackend.supports)."""
     from fusekit import backends
     from fusekit import ops as fops
-    from fusekit.backends.mojo.specs import SWIGLU_FFN_BACKWARD, phase_spec
+    from fusekit.backends.mojo.specs import NO_KERNEL, SWIGLU_FFN_BACKWARD, phase_spec
 
     backend = backends.get("mojo")  # supports() needs no MAX
     out: list[Entry] = []
@@ -64,6 +64,8 @@ def entries(
 
     order = lambda keys: sorted(keys, key=lambda k: [str(d) for d in k])  # a stable listing
     for op in ops or list(fops.OPS):
+        if op in NO_KERNEL:
+            continue  # no Mojo kernel to build
         for phase in phases:
             if phase == "backward" and fops.SPECS[op].backward is None:
                 continue  # reduce_sum: its gradient is a view of the output's, no kernel

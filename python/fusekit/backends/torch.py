@@ -16,6 +16,9 @@ class TorchBackend(Backend):
         return None
 
     def run(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
+        if spec.reference_fills:
+            spec.reference[phase](*outputs, *inputs, *scalars)
+            return
         for out, value in zip(outputs, spec.reference[phase](*inputs, *scalars)):
             if out is not None:
                 out.copy_(value)

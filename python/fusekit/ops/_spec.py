@@ -11,7 +11,8 @@ Providers see a phase in destination-passing form, positionally:
 
 - `TensorArg.dims` are symbolic ("M N"): the same symbol is the same extent; an output's shape is
   read off the inputs through them (ops with outputs of other shapes give `Phase.shapes`).
-- `TensorArg.dtype` is a dtype variable of the op ("x", "w", "out") or a fixed dtype ("float32").
+- `TensorArg.dtype` is a dtype variable of the op ("x", "w", "out"), a fixed dtype ("float32"), or
+  "acc": fp32, fp64 for fp64 x (a loss in fp32 math that float64 gradchecks can still resolve).
   "x" binds to the first input typed "x"; "w" (weights that may be fp32 under mixed precision) to the
   first present input typed "w", else to x's dtype; a variable no present input binds comes from the
   scalar `<var>_dtype` (reduce_sum's "out").
@@ -35,6 +36,7 @@ from torch import Tensor
 FORWARD, BACKWARD = "forward", "backward"
 PHASES = (FORWARD, BACKWARD)
 SAVE = "save"  # the condition "this forward call records what its backward needs"
+ACC = "acc"  # a tensor dtype: x's accumulator, fp32 (fp64 for fp64 x), see acc_dtype
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,9 @@ class Phase:
     inputs: tuple[TensorArg, ...]
     # Conditions passed to kernels as flags, in this order (the Mojo params after the scalars).
     conditions: tuple[str, ...] = ()
-    # Output shapes that are not read off the inputs' dims: (inputs by name) -> {output name: shape}.
-    shapes: Callable[[dict[str, Tensor | None]], dict[str, tuple[int, ...]]] | None = None
+    # Output shapes that are not read off the inputs' dims: (inputs by name, scalars by name) ->
+    # {output name: shape}.
+    shapes: Callable[[dict[str, Tensor | None], dict[str, object]], dict[str, tuple[int, ...]]] | None = None
 
     @property
     def tensors(self) -> tuple[TensorArg, ...]:
@@ -103,7 +106,11 @@ class OpSpec:
     dtype_vars: tuple[str, ...]
     allowed: frozenset[tuple[torch.dtype, ...]]
     # reference[phase](*inputs, *scalars) -> outputs (None where absent): the torch provider runs it.
+    # With `reference_fills`, reference[phase](*outputs, *inputs, *scalars) fills the outputs instead
+    # (destination passing, as the other providers): it sees which outputs the call wants (no gradient
+    # buffers under no_grad) and can write them chunk by chunk (linear_cross_entropy).
     reference: dict[str, Callable[..., tuple[Tensor | None, ...]]]
+    reference_fills: bool = False
     backward: Phase | None = None
     # Differentiable forward inputs (by name).
     grad_inputs: tuple[str, ...] = ()
@@ -120,6 +127,9 @@ class OpSpec:
     meta: Callable[[dict[str, Tensor | None], dict[str, object]], dict[str, object]] = field(
         default=lambda inputs, scalars: {}
     )
+    # Forward conditions that are conjunctions of others: (name, (condition, ...)), e.g. a bias gradient
+    # output that exists when the bias is given and the call saves for backward.
+    derived: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def phase(self, name: str) -> Phase:
         p = self.forward if name == FORWARD else self.backward
@@ -146,6 +156,8 @@ class OpSpec:
         for arg, value in zip(self.forward.inputs, inputs):
             if arg.when is not None:
                 cond[arg.when] = cond.get(arg.when, False) or value is not None
+        for name, parts in self.derived:
+            cond[name] = all(cond.get(c, False) for c in parts)
         return cond
 
     def dtype_of(
@@ -173,7 +185,7 @@ class OpSpec:
             if value is not None:
                 for d, n in zip(arg.dims, value.shape):
                     sizes.setdefault(d, n)
-        extra = p.shapes(named) if p.shapes is not None else {}
+        extra = p.shapes(named, scalars) if p.shapes is not None else {}
         layout: list[tuple[tuple[int, ...], torch.dtype] | None] = []
         for arg in p.outputs:
             if arg.when is not None and not cond.get(arg.when, False):
@@ -182,10 +194,17 @@ class OpSpec:
             shape = extra.get(arg.name) or tuple(sizes[d] for d in arg.dims)
             if arg.dtype in self.dtype_vars:
                 dtype = self.dtype_of(arg.dtype, p.inputs, inputs, scalars)
+            elif arg.dtype == ACC:
+                dtype = acc_dtype(self.dtype_of("x", p.inputs, inputs, scalars))
             else:
                 dtype = getattr(torch, arg.dtype)
             layout.append((tuple(shape), dtype))
         return layout
+
+
+def acc_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype "acc" stands for: fp64 for fp64 x (the torch backend's oracle runs), else fp32."""
+    return torch.float64 if x_dtype == torch.float64 else torch.float32
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -100,7 +100,7 @@ SPEC = library.register(
                 t("norm_weight", "D", "w", "norm"),
             ),
             conditions=("norm", "save"),
-            shapes=lambda ins: {"gu": (ins["x"].shape[0], 2 * ins["w_gate"].shape[0])},
+            shapes=lambda ins, sc: {"gu": (ins["x"].shape[0], 2 * ins["w_gate"].shape[0])},
         ),
         backward=Phase(
             outputs=(

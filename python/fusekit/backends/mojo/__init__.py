@@ -15,7 +15,7 @@ import threading
 import torch
 
 from fusekit.backends.base import Backend, BackendUnavailable
-from fusekit.backends.mojo.specs import SWIGLU_FFN_BACKWARD, X_DTYPE_WEIGHTS, phase_spec
+from fusekit.backends.mojo.specs import NO_KERNEL, SWIGLU_FFN_BACKWARD, X_DTYPE_WEIGHTS, phase_spec
 
 HEAD_DIMS = (64, 128, 256)
 # Calls inside torch's CUDA graph capture record MAX's launches into torch's graph (dispatch.py: the
@@ -83,6 +83,8 @@ class MojoBackend(Backend):
     ) -> str | None:
         if device.type not in ("cpu", "cuda"):
             return f"the mojo backend runs on cpu and cuda devices, not {device.type}"
+        if op in NO_KERNEL:
+            return f"the mojo backend has no {op} kernel yet (backend='triton' or 'torch' run it)"
         if dtypes[0] == torch.float64:
             return "float64 runs on the torch backend only"
         spec = phase_spec(op, phase)

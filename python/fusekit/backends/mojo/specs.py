@@ -40,6 +40,9 @@ from typing import NamedTuple
 
 import torch
 
+# Ops the Mojo package has no kernel for (yet): the backend refuses them before building any MAX spec, so
+# backend="mojo" raises naming op and backend, "auto" passes over it, and mojo_build lists none of them.
+NO_KERNEL = frozenset({"linear_cross_entropy"})
 # Ops whose Mojo kernels take their weights in x's dtype only (no second dtype parameter yet).
 X_DTYPE_WEIGHTS = frozenset({"swiglu_ffn"})
 

@@ -1,0 +1,266 @@
+"""linear_cross_entropy: cross_entropy(x @ weight.T + bias, target) without the [tokens, vocab] logits.
+
+The LM-head matmul and the loss of a causal LM, fused the way Liger-Kernel's FusedLinearCrossEntropy
+does it: the tokens are cut into chunks whose logits [C, V] are about the size of x [T, H]
+(`chunk_rows`), and each chunk's logits are made, reduced to the loss and, when the call records a
+gradient, turned into d loss / d logits in the same pass, which then gives the chunk's rows of d x and
+its share of d weight and d bias straight away. The forward therefore computes the gradients (for the
+reduction "mean" or "sum", the gradient of the loss itself), and the backward only scales them by the
+loss's output gradient: a training step never holds more than one chunk of logits, and nothing but
+those gradients is saved for backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fusekit import library
+from fusekit.ops import _checks as C
+from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, acc_dtype, t
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def chunk_rows(T: int, V: int, H: int) -> int:
+    """Tokens per chunk: the power of two that keeps a chunk's logits [C, V] about the size of x [T, H]
+    (Liger-Kernel's rule: C = next_pow2(T / ceil(V / H)), at most T). Llama-3-8B, T = 8192, H = 4096,
+    V = 128256: 32 chunks of 256 tokens, 63 MiB of bf16 logits each beside x's 64 MiB."""
+    inc = -(-V // H)
+    c = -(-T // inc)
+    return max(1, min(1 << (c - 1).bit_length(), T))
+
+
+# --- reference (what the op means; the torch backend runs it) ---------------------------------------
+def reference_forward(
+    loss: Tensor,
+    dx: Tensor | None,
+    dweight: Tensor | None,
+    dbias: Tensor | None,
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+) -> None:
+    """Fills loss (and, when given, the gradient of the "mean"/"sum" loss d x, d weight, d bias) from
+    x [T, H], weight [V, H], target [T] int64, bias [V] (destination passing, chunk by chunk).
+
+    Meaning, per chunk of rows as HF computes the whole: logits = F.linear(x, weight, bias) in x's dtype
+    (fp32 accumulation), z = logits in fp32 (fp64 for fp64 x), lse = logsumexp(z), and per row
+    loss = lse - (1 - ε) z[target] - ε mean(z) (ε = label_smoothing); a row whose target is
+    ignore_index has loss 0 and gradient 0; a target outside [0, V) gives NaN. "mean" divides the sum
+    by the number of rows not ignored (all ignored: NaN, gradients 0, as torch). d logits =
+    (softmax(z) - (1 - ε) onehot - ε / V) · scale, rounded to x's dtype as autograd through HF's
+    `.float()` does; d x = d logits @ weight (x's dtype), d weight = Σ d logitsᵀ x and d bias = Σ d logits
+    accumulated over the chunks in fp32 and rounded once.
+    """
+    T, _ = x.shape
+    V = weight.shape[0]
+    acc = acc_dtype(x.dtype)
+    valid = target != ignore_index
+    scale = 1.0 / valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=x.device)
+    rows = torch.empty(T, dtype=acc, device=x.device) if reduction != "none" else loss
+    # d weight / d bias accumulate in fp32 and round once (the outputs themselves for fp32 / fp64 x)
+    dw = (
+        None
+        if dweight is None
+        else (dweight if dweight.dtype == acc else torch.empty_like(dweight, dtype=acc))
+    )
+    db = None if dbias is None else torch.zeros(V, dtype=acc, device=x.device)
+    step = chunk_rows(T, V, x.shape[1])
+    for s in range(0, T, step):
+        e = min(s + step, T)
+        xc, tc, ok = x[s:e], target[s:e], valid[s:e]
+        z = F.linear(xc, weight, bias).to(acc)
+        lse = torch.logsumexp(z, dim=-1)
+        inside = (tc >= 0) & (tc < V)
+        zy = z.gather(1, tc.clamp(0, V - 1)[:, None])[:, 0]
+        lr = lse - (1.0 - label_smoothing) * zy - label_smoothing * z.mean(dim=-1)
+        lr = torch.where(inside, lr, torch.nan)
+        rows[s:e] = torch.where(ok, lr, 0.0)
+        if dx is None:
+            continue
+        g = torch.exp(z - lse[:, None])
+        g -= label_smoothing / V
+        g.scatter_add_(1, tc.clamp(0, V - 1)[:, None], torch.full_like(zy, label_smoothing - 1.0)[:, None])
+        g = torch.where(inside[:, None], g, torch.nan)
+        g = torch.where(ok[:, None], g * scale, 0.0)
+        gl = g.to(x.dtype)  # d logits in x's dtype, as the matmuls of the linear's backward see them
+        torch.mm(gl, weight, out=dx[s:e])
+        if dw is not None:
+            part = (gl.t().to(acc) @ xc.to(acc)) if gl.dtype != acc else gl.t() @ xc
+            if s == 0:
+                dw.copy_(part)
+            else:
+                dw += part
+        if db is not None:
+            db += gl.to(acc).sum(dim=0)
+    if dweight is not None and dw is not dweight:
+        dweight.copy_(dw)
+    if dbias is not None:
+        dbias.copy_(db)
+    if reduction != "none":
+        loss.copy_((rows.sum() * scale).reshape(1))
+
+
+def reference_backward(
+    gx: Tensor,
+    gweight: Tensor,
+    gbias: Tensor | None,
+    dloss: Tensor,
+    dx: Tensor,
+    dweight: Tensor,
+    dbias: Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+) -> None:
+    """The saved gradients of the loss times the loss's output gradient dloss [1] (fp32, fp64 for fp64
+    x; "mean" and "sum" only: reduction="none" records no gradient), each rounded once to x's dtype."""
+    for out, saved in ((gx, dx), (gweight, dweight), (gbias, dbias)):
+        if out is not None:
+            out.copy_(saved.to(dloss.dtype) * dloss)
+
+
+def _loss_shape(ins: dict[str, Tensor | None], sc: dict[str, object]) -> dict[str, tuple[int, ...]]:
+    """loss is [T] for reduction="none", else [1] (the public function returns it 0-d)."""
+    return {"loss": (ins["x"].shape[0],) if sc["reduction"] == "none" else (1,)}
+
+
+def _label_smoothing(v: object) -> float:
+    f = C.real("label_smoothing", v)
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(f"label_smoothing: must be in [0, 1], got {v}")
+    return f
+
+
+SPEC = library.register(
+    OpSpec(
+        name="linear_cross_entropy",
+        forward=Phase(
+            outputs=(
+                t("loss", "L", "acc"),
+                t("dx", "T H", "x", "save", grad=False),
+                t("dweight", "V H", "x", "save", grad=False),
+                t("dbias", "V", "x", "bias_save", grad=False),
+            ),
+            inputs=(
+                t("x", "T H"),
+                t("weight", "V H"),
+                t("target", "T", "int64"),
+                t("bias", "V", "x", "bias"),
+            ),
+            conditions=("bias", "save"),
+            shapes=_loss_shape,
+        ),
+        backward=Phase(
+            outputs=(t("gx", "T H"), t("gweight", "V H"), t("gbias", "V", "x", "bias")),
+            inputs=(
+                t("dloss", "L", "acc"),
+                t("dx", "T H"),
+                t("dweight", "V H"),
+                t("dbias", "V", "x", "bias"),
+            ),
+            conditions=("bias",),
+        ),
+        scalars=(
+            Scalar("ignore_index", int, lambda v: C.integer("ignore_index", v)),
+            Scalar("reduction", str, lambda v: C.choice("reduction", v, REDUCTIONS), REDUCTIONS),
+            Scalar("label_smoothing", float, _label_smoothing),
+        ),
+        dtype_vars=("x",),
+        allowed=frozenset((d,) for d in C.ANY_FLOAT),
+        reference={FORWARD: reference_forward, BACKWARD: reference_backward},
+        reference_fills=True,
+        grad_inputs=("x", "weight", "bias"),
+        save=lambda ins, outs: (outs["dx"], outs["dweight"], outs["dbias"]),
+        backward_inputs=lambda saved, g, cond: (g["loss"], *saved),
+        input_grads=lambda g, cond: (g["gx"], g["gweight"], None, g["gbias"]),
+        derived=(("bias_save", ("bias", "save")),),
+    )
+)
+
+
+# --- public ------------------------------------------------------------------------------------------
+def _check(x: object, weight: object, target: object, bias: object) -> None:
+    x = C.tensor("x", x, C.ANY_FLOAT)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x: expected shape [..., H] with H > 0, got {tuple(x.shape)}")
+    h = x.shape[-1]
+    weight = C.tensor("weight", weight, (x.dtype,), ndim=2)
+    C.same_device("weight", weight, "x", x)
+    if weight.shape[1] != h:
+        raise ValueError(
+            f"weight: expected shape [V, {h}] (x's hidden size H = {h}), got {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight: the vocabulary size V (dim 0) must be > 0")
+    C.like("target", target, "x", x, tuple(x.shape[:-1]), (torch.int64,))
+    if bias is not None:
+        C.like("bias", bias, "x", x, (weight.shape[0],))
+
+
+def _requires_grad(*ts: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in ts)
+
+
+_MEMO = library.memo()  # validated calls (see library.call_key)
+
+
+def linear_cross_entropy(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    backend: str = "auto",
+) -> Tensor:
+    """cross_entropy(F.linear(x, weight, bias).float(), target): the loss of an LM head, as HF computes it
+    (logits in x's dtype, upcast to fp32), without ever holding more than one chunk of the logits.
+
+    x [..., H] (fp16, bf16, fp32; fp64 on the torch backend); weight [V, H] (lm_head.weight) and bias [V]
+    in x's dtype; target int64 [...] (x's leading dims): class indices, `ignore_index` marks rows that
+    count for nothing. A target outside [0, V) that is not ignore_index gives a NaN loss (torch raises;
+    checking would read the targets on the host every call). label_smoothing ε in [0, 1] as torch's.
+    reduction: "mean" (over the rows not ignored; all ignored: NaN, as torch), "sum" (fp32 0-d tensors),
+    or "none" (per-row fp32 losses [...], 0 on ignored rows).
+
+    Gradients flow to x, weight and bias for "mean" and "sum": the forward computes them chunk by chunk
+    (fp32 softmax math, d logits rounded to x's dtype) and saves only them; the backward scales them by
+    the loss's gradient. reduction="none" with an input that requires grad raises ValueError (its weight
+    gradient would need the per-row output gradients before the chunks are summed). Under no_grad no
+    gradient is computed. backend: "auto" (default), "torch", "triton" (no mojo kernel yet).
+    Errors: TypeError/ValueError naming the argument.
+    """
+    key = library.call_key((x, weight, target, bias), (ignore_index, reduction, label_smoothing), backend)
+    run = _MEMO.get(key) if key is not None else None
+    if run is None:  # the checked path (first call of a signature, grad, compile)
+        _check(x, weight, target, bias)
+        scalars = tuple(s.check(v) for s, v in zip(SPEC.scalars, (ignore_index, reduction, label_smoothing)))
+        C.backend_name(backend)
+        if reduction == "none" and _requires_grad(x, weight, bias):
+            raise ValueError(
+                "reduction: linear_cross_entropy with reduction='none' has no backward here (the forward "
+                "computes the weight gradient summed over the rows, before the per-row output gradients "
+                "are known); use 'sum' or 'mean', or detach the inputs / run under torch.no_grad()"
+            )
+        if x.numel() == 0:  # no rows: torch's own answer (NaN for "mean"), nothing to chunk
+            z = F.linear(x, weight, bias).float()
+            return F.cross_entropy(
+                z.reshape(0, weight.shape[0]),
+                target.reshape(0),
+                ignore_index=ignore_index,
+                reduction=reduction,
+                label_smoothing=label_smoothing,
+            ).reshape(target.shape if reduction == "none" else ())
+    b = bias.contiguous() if bias is not None else None
+    ins = (C.rows(x), weight.contiguous(), target.contiguous().view(-1), b)
+    out = run(ins)[0] if run is not None else library.apply_memo(_MEMO, key, SPEC, ins, scalars, backend)[0]
+    return out.view(target.shape) if reduction == "none" else out.view(())

@@ -1,0 +1,85 @@
+"""linear_cross_entropy cases: (lead dims, H, V) with odd token counts (1, 9, 37) and vocabularies
+(1000, 1031) that cut the tokens into several chunks, ignore_index rows, all rows ignored, label
+smoothing, bias or not, every reduction. reduction="none" records no gradient (the op raises), so those
+cases are forward only."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cases import randn
+
+F64 = torch.float64
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GRAD = DTYPES
+# The loss is fp32 math on logits rounded to x's dtype (HF's F.linear(...).float()): x's dtype bounds
+# its accuracy, so the forward check uses the case dtype's tolerance (as the gradients do).
+OUT_TOL_FROM_INPUT = True
+
+
+def _case(lead, h, v, reduction="mean", *, bias=False, ignore=False, ls=0.0, **kw) -> dict:
+    case = {"lead": lead, "H": h, "V": v, "reduction": reduction, "bias": bias, "ignore": ignore, "ls": ls}
+    case.update(kw)
+    if reduction == "none":
+        case["grad"] = False
+    return case
+
+
+CPU = [
+    _case((9,), 64, 1000),
+    _case((37,), 96, 1031, "sum", bias=True, ignore=True, ls=0.1),
+    _case((1,), 64, 1000),
+    _case((37,), 64, 1000, bias=True, ignore=True, ls=0.2),
+    _case((2, 5), 64, 1031, "none", ignore=True),
+    _case((37,), 96, 1000, "none", bias=True, ls=0.1),
+    _case((9,), 64, 1031, "sum", all_ignored=True),
+    _case((9,), 64, 1000, "none", bias=True, all_ignored=True),
+    _case((0,), 64, 1000, "sum", bias=True),
+    _case((37,), 64, 1000, ignore=True, ignore_index=5),  # a real class id as ignore_index
+    _case((37,), 64, 64, "sum", bias=True),  # V <= H: one chunk
+]
+CUDA = [
+    _case((4096,), 4096, 32000, ignore=True),
+    _case((2, 1000), 2048, 128256, "sum", bias=True, ignore=True, ls=0.1),
+    _case((511,), 4096, 128256, ignore=True),
+    _case((300,), 1024, 151936, "none"),
+]
+
+
+def make(case: dict, dtype: torch.dtype, device: str) -> tuple[tuple, dict]:
+    h, v = case["H"], case["V"]
+    x = randn(*case["lead"], h, dtype=dtype, device=device)
+    # an LM head's scale (std 1/sqrt(H)) times 2: logits O(1), a softmax that is not flat
+    w = randn(v, h, dtype=dtype, device=device, scale=2 * h**-0.5)
+    target = torch.randint(0, v, case["lead"], device=device)
+    ii = case.get("ignore_index", -100)
+    if case["ignore"]:
+        target.view(-1)[::4] = ii
+    if case.get("all_ignored"):
+        target.fill_(ii)
+    kwargs = {"reduction": case["reduction"], "label_smoothing": case["ls"]}
+    if "ignore_index" in case:
+        kwargs["ignore_index"] = ii
+    if case["bias"]:
+        kwargs["bias"] = randn(v, dtype=dtype, device=device, scale=0.5)
+    return (x, w, target), kwargs
+
+
+def oracle(x, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """torch's cross_entropy of the float64 logits (the float64 inputs' exact linear)."""
+    z = F.linear(x.to(F64), weight.to(F64), None if bias is None else bias.to(F64))
+    out = F.cross_entropy(
+        z.reshape(-1, weight.shape[0]),
+        target.reshape(-1),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+    )
+    return (out.reshape(target.shape) if reduction == "none" else out,)
+
+
+def grad_magnitude(args: tuple, kwargs: dict) -> float:
+    """The gradients are O(1/V)-per-element softmax terms (smaller still under "mean"): the floor on
+    the reference's norm only keeps exactly-zero gradients (all rows ignored) from dividing by zero."""
+    return 1e-3
