@@ -1,0 +1,199 @@
+"""linear_cross_entropy beyond the conformance cases: autograd through torch.library (torch.compile
+fullgraph forward + backward), nothing computed or saved for backward without grad, float64 gradcheck,
+the reductions' edge cases, and which backends claim it.
+
+The conformance driver (tests/cases/linear_cross_entropy.py) checks values and gradients against the
+float64 oracle; the fuzz breakers check that bad arguments raise naming the argument.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusekit import backends, ops
+from fusekit.ops.linear_cross_entropy import SPEC, chunk_rows
+
+T, H, V = 37, 64, 1031  # 37 tokens in chunks of 4 (chunk_rows): ten chunks, the last one short
+
+
+def _inputs(device: str, dtype=torch.float32, bias: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    w = (torch.randn(V, H, generator=g) * 2 * H**-0.5).to(device, dtype)
+    b = (torch.randn(V, generator=g) * 0.5).to(device, dtype) if bias else None
+    t = torch.randint(0, V, (T,), generator=g).to(device)
+    t[::3] = -100
+    return x, w, t, b
+
+
+def _refused(exc: ValueError) -> None:
+    if "cannot run" in str(exc) or "has no backward here" in str(exc):
+        pytest.skip(str(exc))
+    raise exc
+
+
+def _hf(x, w, t, b, **kw):
+    return F.cross_entropy(F.linear(x, w, b).float(), t, **kw)
+
+
+def test_chunks_are_about_the_size_of_x():
+    assert chunk_rows(T, V, H) == 4  # V / H -> 17 logits rows per x row: 37 / 17 -> 3 -> 4
+    assert chunk_rows(8192, 128256, 4096) == 256  # Llama-3-8B: 32 chunks of 256 tokens
+    assert chunk_rows(9, 64, 64) == 9 and chunk_rows(1, 128256, 64) == 1
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_compile_fullgraph_forward_and_backward(reduction, backend_name, device):
+    """torch.compile(fullgraph=True) traces the loss (a graph break would raise) and its backward gives
+    eager's gradients for x, weight and bias."""
+    x, w, t, b = _inputs(device)
+
+    def loss_fn(x, w, b):
+        return ops.linear_cross_entropy(x, w, t, b, reduction=reduction, backend=backend_name) * 3.0
+
+    leaves = [v.clone().requires_grad_() for v in (x, w, b)]
+    try:
+        want = loss_fn(*leaves)
+    except ValueError as exc:
+        _refused(exc)
+    want_g = torch.autograd.grad(want, leaves)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    leaves2 = [v.clone().requires_grad_() for v in (x, w, b)]
+    got = compiled(*leaves2)
+    got_g = torch.autograd.grad(got, leaves2)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for a, e in zip(got_g, want_g):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+class _Spy:
+    """Wraps a backend's forward to record which gradient outputs each call was handed."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, loss, dx, dweight, dbias, *rest):
+        self.calls.append((dx is not None, dweight is not None, dbias is not None))
+        return self.fn(loss, dx, dweight, dbias, *rest)
+
+
+def _spy(monkeypatch, backend_name: str) -> _Spy:
+    if backend_name == "triton":
+        import kernels_triton.linear_cross_entropy as k
+
+        spy = _Spy(k.forward)
+        monkeypatch.setattr(k, "forward", spy)
+    else:
+        spy = _Spy(SPEC.reference["forward"])
+        monkeypatch.setitem(SPEC.reference, "forward", spy)
+    return spy
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no_leaf"])
+def test_no_gradient_computed_or_saved_without_grad(mode, monkeypatch, backend_name, device):
+    if backend_name not in ("torch", "triton"):
+        pytest.skip("the spy wraps the torch reference and the triton launcher")
+    x, w, t, b = _inputs(device)
+    leaves = [v.requires_grad_(mode != "no_leaf") for v in (x, w, b)]
+    spy = _spy(monkeypatch, backend_name)
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, torch.enable_grad)
+    try:
+        with ctx():
+            loss = ops.linear_cross_entropy(*leaves[:2], t, leaves[2], backend=backend_name)
+    except ValueError as exc:
+        _refused(exc)
+    assert spy.calls == [(False, False, False)]
+    assert loss.grad_fn is None and not loss.requires_grad
+    torch.testing.assert_close(loss, _hf(x.detach(), w.detach(), t, b.detach()), rtol=1e-5, atol=1e-5)
+    with torch.enable_grad():  # the same call recording a gradient computes all three
+        leaves = [v.detach().requires_grad_() for v in (x, w, b)]
+        ops.linear_cross_entropy(*leaves[:2], t, leaves[2], backend=backend_name)
+    assert spy.calls[-1] == (True, True, True)
+
+
+def test_gradcheck_float64_torch_backend():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(13, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(13, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 13, (9,), generator=g)
+    t[2] = -100
+    for reduction in ("mean", "sum"):
+        for ls in (0.0, 0.3):
+
+            def f(x, w, b, reduction=reduction, ls=ls):
+                return ops.linear_cross_entropy(
+                    x, w, t, b, reduction=reduction, label_smoothing=ls, backend="torch"
+                )
+
+            assert torch.autograd.gradcheck(f, (x, w, b))
+
+
+def test_reduction_none_with_grad_raises_before_running(backend_name, device):
+    x, w, t, b = _inputs(device)
+    with pytest.raises(ValueError, match=r"^reduction: .*'none' has no backward here"):
+        ops.linear_cross_entropy(x.requires_grad_(), w, t, reduction="none", backend=backend_name)
+    with torch.no_grad():  # without a gradient "none" is fine
+        try:
+            out = ops.linear_cross_entropy(x, w, t, b, reduction="none", backend=backend_name)
+        except ValueError as exc:
+            _refused(exc)
+    torch.testing.assert_close(out, _hf(x, w, t, b, reduction="none"), rtol=1e-5, atol=1e-5)
+    assert out.shape == (T,) and out[::3].eq(0).all()
+
+
+def test_mean_of_all_ignored_rows_is_nan_with_zero_gradients(backend_name, device):
+    """torch: reduction="mean" over no rows is 0/0 = NaN, and the gradients are 0 (not NaN)."""
+    x, w, _, b = _inputs(device)
+    t = torch.full((T,), -100, device=device)
+    leaves = [v.requires_grad_() for v in (x, w, b)]
+    try:
+        loss = ops.linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], backend=backend_name)
+    except ValueError as exc:
+        _refused(exc)
+    assert loss.isnan()
+    for gr in torch.autograd.grad(loss, leaves):
+        assert gr.eq(0).all()
+
+
+def test_target_out_of_range_gives_nan(backend_name, device):
+    x, w, t, b = _inputs(device)
+    t = t.clone()
+    t[1], t[2] = V, -5  # neither a class nor ignore_index
+    with torch.no_grad():
+        try:
+            out = ops.linear_cross_entropy(x, w, t, b, reduction="none", backend=backend_name)
+        except ValueError as exc:
+            _refused(exc)
+    assert out[1].isnan() and out[2].isnan() and out[3:].isfinite().all()
+
+
+def test_deterministic(backend_name, device):
+    """No atomics: identical calls give bit-identical losses and gradients."""
+    x, w, t, b = _inputs(device, seed=3)
+    res = []
+    for _ in range(2):
+        leaves = [v.clone().requires_grad_() for v in (x, w, b)]
+        try:
+            loss = ops.linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], backend=backend_name)
+        except ValueError as exc:
+            _refused(exc)
+        res.append((loss, *torch.autograd.grad(loss, leaves)))
+    for a, e in zip(*res):
+        assert torch.equal(a, e)
+
+
+def test_mojo_does_not_claim_it_and_auto_never_picks_it():
+    from fusekit import dispatch
+
+    x, w, t, _ = _inputs("cpu")
+    with pytest.raises(ValueError, match=r"'mojo'.*linear_cross_entropy.*no linear_cross_entropy kernel"):
+        ops.linear_cross_entropy(x, w, t, backend="mojo")
+    assert "mojo" not in dispatch.auto_order("linear_cross_entropy", "cuda")
+    why = backends.get("mojo").supports(
+        "linear_cross_entropy", "forward", torch.device("cuda"), (torch.bfloat16,)
+    )
+    assert why is not None and "no linear_cross_entropy kernel" in why
