@@ -340,6 +340,64 @@ def test_fusekit_ops_ran_and_hf_originals_did_not(monkeypatch):
     assert counts["attention"] == 3 * L and counts["rope"] == 3 * L
 
 
+# --- the fused LM-head loss --------------------------------------------------------------------------
+def _loss_and_grads(model, x, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(x, **kw)
+    out.loss.backward()
+    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("items", [None, 23], ids=["mean", "num_items_in_batch"])
+@pytest.mark.parametrize("family", ["llama2", "mistral", "qwen2"])
+def test_fused_loss_matches_hf_loss_and_every_gradient(family, items, monkeypatch):
+    """Training with labels: ops.linear_cross_entropy gives HF's ForCausalLMLoss (shifted labels, -100
+    ignored, mean or sum / num_items_in_batch) and every parameter's gradient, the LM head never runs
+    (no logits), and the output's logits are None."""
+    model = build(family).train()
+    x = ids(seq=19)
+    labels = x.clone()
+    labels[0, :6] = -100  # a prompt that does not count
+    kw = {"labels": labels} | ({} if items is None else {"num_items_in_batch": torch.tensor(items)})
+    ref, ref_g = _loss_and_grads(model, x, **kw)
+    fh.patch(model)
+    calls = []
+    real = ops.linear_cross_entropy
+    monkeypatch.setattr(ops, "linear_cross_entropy", lambda *a, **k: calls.append(k) or real(*a, **k))
+
+    def banned(*a, **k):
+        raise AssertionError("the LM head ran: the logits were materialized")
+
+    monkeypatch.setattr(model.lm_head, "forward", banned)
+    got, got_g = _loss_and_grads(model, x, **kw)
+    assert len(calls) == 1 and calls[0].get("reduction", "mean") == ("mean" if items is None else "sum")
+    assert got.logits is None
+    assert rel_error(got.loss, ref.loss) <= FP32_TOL, (got.loss.item(), ref.loss.item())
+    assert got_g.keys() == ref_g.keys()
+    worst = max((rel_error(got_g[n], ref_g[n]), n) for n in ref_g)
+    assert worst[0] <= GRAD_TOL, f"{family}: gradient of {worst[1]} relative error {worst[0]:.2e}"
+
+
+def test_fused_loss_in_eval_keeps_logits_and_unpatch_restores_forward():
+    model = build("llama3")  # eval mode
+    x = ids(seq=15)
+    with torch.no_grad():
+        ref = model(x, labels=x)
+        fh.patch(model)
+        got = model(x, labels=x)
+        assert rel_error(got.loss, ref.loss) <= FP32_TOL and rel_error(got.logits, ref.logits) <= FP32_TOL
+        assert model(x, labels=x, skip_logits=True).logits is None  # Liger's keyword
+        assert torch.equal(model(x, labels=x, return_dict=False)[0], got.loss)
+        assert copy.deepcopy(model).forward.model is not model  # the copy's forward runs on the copy
+        assert model(x).loss is None  # no labels: HF's forward
+    model.train()
+    assert model(x, labels=x, skip_logits=False).logits is not None
+    fh.unpatch(model)
+    assert "forward" not in vars(model)
+    with torch.no_grad():
+        assert torch.equal(model(x, labels=x).loss, ref.loss)
+
+
 # --- masks -------------------------------------------------------------------------------------------
 def test_padded_batch_falls_back_to_sdpa_once_or_raises_when_strict():
     model = build("llama2")

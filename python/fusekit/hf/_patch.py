@@ -12,12 +12,20 @@ What patch changes (in place; unpatch puts every original object back):
   (the next layer's input norm, the final norm after the last layer): the layer computes (norm(h), h)
   and returns h, and that norm, called with exactly h (unchanged since), returns the waiting result.
   With gradients that add stays a torch add.
+- model.forward of a <Family>ForCausalLM -> (an instance attribute) HF's causal-LM forward whose loss,
+  when `labels` are given, is ops.linear_cross_entropy of the final hidden states and
+  lm_head's weight on HF's shifted labels (ForCausalLMLoss: shift by one, ignore_index -100, sum /
+  num_items_in_batch when the Trainer passes it, else the mean): the [tokens, vocab] logits and their
+  fp32 upcast are never materialized. Such a call returns logits=None in training mode (as Liger's
+  lce_forward); in eval mode it still returns the logits (an evaluation loop computes metrics from them)
+  beside the fused loss; `skip_logits=True/False` (Liger's keyword) decides explicitly. Without labels,
+  with logits_to_keep, or with a custom loss_function, HF's forward runs unchanged.
 - model.generate -> (an instance attribute) the class's generate wrapped: it checks once, on the host,
   whether the prompt is padded (its attention_mask, or pad tokens in it when none is given) and, if
   not, lets the attention modules read each mask of that generate() call as a causal prefix (see fusekit.hf._attention: static-cache
   decoding then runs without host syncs and compiles into one graph).
 The q/k/v/o projections (with Qwen2's q/k/v biases), the embedding, the rotary-table module and the
-LM head stay HF's. Parameters are shared, never copied: state_dict keys and optimizers are unaffected.
+LM head module stay HF's (the fused loss reads lm_head's weight and bias). Parameters are shared, never copied: state_dict keys and optimizers are unaffected.
 
 Checks before anything changes (ValueError naming the feature): model type, rope type (default and
 llama3 only), hidden_act (silu), MLP biases, attention logit softcapping, attention dropout, and a
@@ -34,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fusekit import backends
+from fusekit import backends, ops
 from fusekit.hf import _attention
 from fusekit.nn import RMSNorm, SwiGLUMLP
 from fusekit.nn.rotary import apply_rope, rope_parameters
@@ -56,7 +64,8 @@ class _Record:
 def _family_classes(family: str) -> dict[str, type]:
     mod = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=["_"])
     p = _PREFIX[family]
-    return {k: getattr(mod, f"{p}{k}") for k in ("RMSNorm", "MLP", "Attention", "DecoderLayer", "Model")}
+    keys = ("RMSNorm", "MLP", "Attention", "DecoderLayer", "Model", "ForCausalLM")
+    return {k: getattr(mod, f"{p}{k}") for k in keys}
 
 
 # --- class swaps -------------------------------------------------------------------------------------
@@ -263,6 +272,118 @@ class _Generate:
                     del model.__dict__["_fusekit_generating"]
 
 
+class _CausalLMForward:
+    """model.forward of a patched <Family>ForCausalLM, kept in the model's __dict__ like _Generate (the
+    class name stays HF's for save_pretrained; deepcopy and pickle follow the model). With labels it is
+    HF's forward with the LM head and ForCausalLMLoss fused into ops.linear_cross_entropy; otherwise
+    HF's forward itself."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.__doc__ = type(model).forward.__doc__
+
+    def __call__(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        skip_logits=None,
+        **kwargs,
+    ):
+        model = self.model
+        fused = labels is not None and _fusable(model, logits_to_keep)  # HF: a loss only with labels
+        if not fused:
+            return type(model).forward(
+                model,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return_dict = kwargs.pop("return_dict", None)
+        outputs = model.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden = outputs.last_hidden_state
+        loss = _fused_loss(model, hidden, labels, **kwargs)
+        if skip_logits is None:
+            skip_logits = model.training
+        out = CausalLMOutputWithPast(
+            loss=loss,
+            logits=None if skip_logits else model.lm_head(hidden),
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        if return_dict is None:
+            return_dict = getattr(model.config, "return_dict", True)
+        return out if return_dict else out.to_tuple()
+
+
+def _fusable(model: nn.Module, logits_to_keep) -> bool:
+    """The fused loss is HF's: the default ForCausalLMLoss over every position, a plain nn.Linear head."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return (
+        isinstance(logits_to_keep, int)
+        and logits_to_keep == 0
+        and getattr(model, "loss_function", None) is ForCausalLMLoss
+        and type(model.lm_head) is nn.Linear
+    )
+
+
+def _fused_loss(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    labels,
+    num_items_in_batch=None,
+    ignore_index: int = -100,
+    shift_labels=None,
+    **_: object,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss(lm_head(hidden), labels, ...) without the logits: tokens < n predict
+    n (labels shifted by one, the last position ignored; or the caller's shift_labels), mean over the tokens not ignored, or the sum
+    divided by num_items_in_batch (gradient accumulation). Under autocast the head runs in autocast's
+    dtype, as nn.Linear would."""
+    if shift_labels is None:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    head = model.lm_head
+    x, w, b = hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x, w, b = x.to(dt), w.to(dt), None if b is None else b.to(dt)
+    target = shift_labels.reshape(-1).to(x.device)
+    backend = getattr(model, _ATTR).backend
+    if num_items_in_batch is None:
+        return ops.linear_cross_entropy(x, w, target, b, ignore_index=ignore_index, backend=backend)
+    loss = ops.linear_cross_entropy(
+        x, w, target, b, ignore_index=ignore_index, reduction="sum", backend=backend
+    )
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 def _set_prefix_masks(attentions: list[nn.Module], running: list[int]) -> None:
     trusted = running[0] > 0 and running[1] == 0
     for m in attentions:
@@ -406,6 +527,9 @@ def patch(
     if callable(getattr(type(model), "generate", None)):
         model.__dict__["generate"] = _Generate(model)
         rec.attrs.append((model, "generate"))
+    if type(model) is classes["ForCausalLM"]:
+        model.__dict__["forward"] = _CausalLMForward(model)
+        rec.attrs.append((model, "forward"))
     _swap_classes(rec, bases, _subclass(_ModelMixin, classes["Model"]))
     _swap_classes(rec, layers, _subclass(_DecoderLayerMixin, classes["DecoderLayer"]))
     for layer, norm in next_norms:  # plain attributes, not submodules: state_dict keys stay HF's
