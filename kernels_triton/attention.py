@@ -46,12 +46,14 @@ import triton
 import triton.language as tl
 
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
-from kernels_triton._config import is_hip, is_interpreter, on_device
+from kernels_triton._config import ensure_tma_allocator, is_hip, is_interpreter, on_device
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 from kernels_triton.attention_backward import (
-    BwdTile,
     Tile,
+    _launch_kw,
+    _tma,
+    _tma_ok,
     _union,
     aot_specs_backward,
     attention_backward,
@@ -67,10 +69,13 @@ def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_len_ptr, H, HKV, S, SKV, qk_scale,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len, S_BUCKET, SKV_BUCKET,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
     # S_BUCKET / SKV_BUCKET are unused here: they exist so the autotuner can key on bucketed lengths.
     # has_kv_len is a runtime flag (one scalar load per program), so kv_len adds no compiled variants.
+    # TMA (sm_90+, fp16/bf16, 16-byte aligned tensors and k/v strides): q, k, v and o go through tensor
+    # descriptors built on the device (k/v: this sequence's first L keys through their strides, zero-filled
+    # past L), which frees the per-element address registers of pointer loads and makes the loads async.
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -85,17 +90,28 @@ def _attn_fwd_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    # int64 row offsets within the head too: offs_m * HEAD_DIM passes 2^31 at S * HEAD_DIM >= 2^31.
-    q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < S,
-                other=0.0)  # fmt: skip
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    if TMA:
+        # this head's [S, D] rows (zero-filled past S; the store clips there) and the first L keys (a
+        # descriptor needs a dimension >= 1; with L = 0 no tile is loaded)
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(L, 1), HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(L, 1), HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
+        q = q_desc.load([m0, 0])
+    else:
+        # int64 row offsets within the head too: offs_m * HEAD_DIM passes 2^31 at S * HEAD_DIM >= 2^31.
+        q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=offs_m[:, None] < S, other=0.0)  # fmt: skip
     # k/v are read through their strides (a KV cache view; the last dim is contiguous). K as a
     # [HEAD_DIM, BLOCK_N] view (K-major B operand); tile offsets in int64 (start_n * stride can pass 2^31).
     skn = stride_kn.to(tl.int64)
     svn = stride_vn.to(tl.int64)
-    kt_ptrs = k_ptr + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh + offs_n[None, :] * stride_kn
-    kt_ptrs = kt_ptrs + offs_d[:, None]
-    v_ptrs = v_ptr + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
-    v_ptrs = v_ptrs + offs_d[None, :]
+    kt_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -115,14 +131,20 @@ def _attn_fwd_kernel(
     # and the scale folds into one FMA per score: exp2(qk * qk_scale - m).
     for start_n in range(0, full_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        kt = tl.load(kt_ptrs + start_n * skn)
+        if TMA:
+            kt = tl.trans(k_desc.load([start_n, 0]))
+        else:
+            kt = tl.load(kt_ptrs + start_n * skn)
         qk = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_ptrs + start_n * svn)
+        if TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = tl.load(v_ptrs + start_n * svn)
         acc = dot(p.to(v.dtype), v, acc, IEEE)
         m_i = m_new
 
@@ -132,7 +154,10 @@ def _attn_fwd_kernel(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kn = start_n + offs_n
         k_in = kn < L
-        kt = tl.load(kt_ptrs + start_n * skn, mask=k_in[None, :], other=0.0)
+        if TMA:
+            kt = tl.trans(k_desc.load([start_n, 0]))
+        else:
+            kt = tl.load(kt_ptrs + start_n * skn, mask=k_in[None, :], other=0.0)
         s = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
         valid = k_in[None, :]
         if CAUSAL:
@@ -144,14 +169,22 @@ def _attn_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_ptrs + start_n * svn, mask=k_in[:, None], other=0.0)
+        if TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = tl.load(v_ptrs + start_n * svn, mask=k_in[:, None], other=0.0)
         acc = dot(p.to(v.dtype), v, acc, IEEE)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no visible key: acc is 0, so the row stays exactly 0
-    out = acc / l_safe[:, None]
-    tl.store(o_base + offs_m.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < S)  # fmt: skip
+    out = (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty)
+    if TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
+        o_desc.store([m0, 0], out)
+    else:
+        tl.store(o_base + offs_m.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=offs_m[:, None] < S)  # fmt: skip
     # lse in the natural log: (m + log2 l) * ln 2, as m is the exp2-domain row max. No visible key: -inf;
     # a +inf score: +inf (as logsumexp); a NaN score: l is NaN, so lse is NaN.
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
@@ -161,7 +194,8 @@ def _attn_fwd_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------
-# tile tables: HEAD_DIM -> [(BLOCK_M, BLOCK_N, num_warps, num_stages), ...], first entry = default.
+# tile tables: HEAD_DIM -> [(BLOCK_M, BLOCK_N, num_warps, num_stages[, tma]), ...], first entry = default;
+# tma True: the tensor-descriptor variant (sm_90+, aligned inputs only; see attention_backward._tma_ok).
 # ----------------------------------------------------------------------------------------------------
 # Hopper (sm_90), per program the fp32 accumulator is BLOCK_M x D and the score tile BLOCK_M x BLOCK_N.
 # Measured on the H200 (bf16, B4 S4096, triton 3.6; TFLOP/s, non-causal / causal):
@@ -170,10 +204,20 @@ def _attn_fwd_kernel(
 #   D256: 128x64 w8 s2 488/448; 128x32 w8 s3 439/399; 64x64 w4 357/328; 128x128 w8 s1 321/313 (the
 #         128x256 fp32 accumulator is already 128 regs/thread at 8 warps, so larger score tiles spill);
 #         128x64 s3 needs 256 KB of shared memory (> 227 KB).
+# Measured on an H100 80GB (2026-11-26, .dev sweep; TFLOP/s at B4 S4096 | B1 S2048 | B4 S1024, bf16, kernel
+# time with the L2 flushed; SDPA in the same run 460-600 non-causal, 280-530 causal):
+#   D64  causal : 128x64 w8 s3 377 | 228 | 230; 64x64 w4 s3 380 | 257 | 254 (TMA: 355 | 222 | 189).
+#   D128 full   : 128x128 w8 s3 451 | 395 | 350; TMA 466 | 395 | 331; 64x64 w4 s3 TMA 462 | 415 | 357.
+#   D128 causal : 128x128 w8 s3 432 | 291 | 255; 128x64 w8 s3 423 | 293 | 262; 64x64 TMA 418 | 296 | 246.
+#   D256 full   : 128x64 w8 s2 399 | 360 | 318; TMA 523 | 463 | 390 (TMA frees the address registers that
+#                 the 128x256 accumulator leaves no room for). Causal: 407 | 282 | 231; TMA 465 | 318 | 244.
+#   Not taken: tl.range(warp_specialize=True) on the unmasked loop (compiles on sm_90 with Triton 3.6, same
+#   speed), causal blocks in reverse order (heaviest first: same speed), 64x128 tiles (0.42-0.68x SDPA).
+# The autotuner keys on (S bucket, Skv bucket, causal): causal and full attention pick different tiles.
 _CUDA_TILES: dict[int, list[Tile]] = {
-    64: [(128, 64, 8, 3), (128, 64, 4, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3)],
-    256: [(128, 64, 8, 2)],
+    64: [(128, 64, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 128, 8, 3), (128, 128, 8, 3, True), (64, 64, 4, 3, True), (128, 64, 8, 3)],
+    256: [(128, 64, 8, 2, True), (128, 64, 8, 2)],
 }
 # CDNA (gfx942): 64-wide waves, 64 KB LDS; smaller N tiles and single-buffered (stream pipeliner) K/V.
 _HIP_TILES: dict[int, list[Tile]] = {
@@ -185,12 +229,17 @@ _INTERP_TILE = (16, 16, 1, 1)  # the CPU interpreter: numpy per tile, small tile
 
 
 @functools.cache
-def _tuned(head_dim: int):
+def _tuned(head_dim: int, tma_ok: bool):
     table = (_HIP_TILES if is_hip() else _CUDA_TILES)[head_dim]
-    cfgs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in table]
-    # Keyed on power-of-two buckets of the lengths (re-tune per octave, not per length); head_dim, causal
-    # and dtype are constexprs / pointer types, which the autotuner keys on by itself.
-    return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_attn_fwd_kernel))
+    cfgs = [
+        triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "TMA": _tma(t)}, num_warps=t[2], num_stages=t[3])
+        for t in table
+        if tma_ok or not _tma(t)
+    ]
+    # Keyed on power-of-two buckets of the lengths (re-tune per octave, not per length) and on causal (a
+    # key the autotuner needs by name: it keys on tensor dtypes by itself, but not on constexpr values);
+    # head_dim has a tuner of its own.
+    return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET", "CAUSAL"])(_attn_fwd_kernel))
 
 
 _LEGACY = object()  # marks the pre-kv_len call forms (…, causal, scale) of the entry points below
@@ -250,6 +299,14 @@ def forward(
             decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale, splits=_splits)
         return
     ieee = q.dtype == torch.float32
+    tma_ok = _tma_ok(q, k, v, o)
+    if _config is not None and _tma(_config) and not tma_ok:
+        raise ValueError(
+            "attention: a TMA tile was forced, but TMA needs sm_90+, fp16/bf16 and 16-byte aligned tensors "
+            f"and k/v strides (q {q.dtype} on {q.device}, k strides {tuple(k.stride())})"
+        )
+    if tma_ok and not is_interpreter() and (_config is None or _tma(_config)):
+        ensure_tma_allocator()
     has_kv_len = int(kv_len is not None)
     kl = kv_len if kv_len is not None else lse.view(torch.int32)  # never read without kv_len
     strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
@@ -261,14 +318,14 @@ def forward(
         args = (q[sl], k[sl], v[sl], o[sl], lse[sl], kl[sl] if kv_len is not None else kl, H, Hkv, S, Skv,
                 qk_scale, *strides, has_kv_len, _bucket(S), _bucket(Skv))  # fmt: skip
         if is_interpreter() or _config is not None:
-            bm, bn, w, st = _config or _INTERP_TILE
-            _attn_fwd_kernel[(triton.cdiv(S, bm), nb * H)](
-                *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
-                num_stages=st,
-            )  # fmt: skip
+            tile = _config or _INTERP_TILE
+            with on_device(q):
+                _attn_fwd_kernel[(triton.cdiv(S, tile[0]), nb * H)](
+                    *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee, **_launch_kw(tile)
+                )  # fmt: skip
             continue
         with on_device(q):
-            _tuned(D)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]), nb * H)](
+            _tuned(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]), nb * H)](
                 *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee
             )
 
@@ -306,7 +363,7 @@ def backward(
     causal: bool,
     scale: float = _LEGACY,  # type: ignore[assignment]
     *,
-    _config: tuple[BwdTile, BwdTile] | None = None,
+    _config: tuple[Tile, Tile] | None = None,
 ) -> None:
     """dq [B, H, S, D], dk/dv [B, Hkv, Skv, D] of attention from the forward's o and lse (FlashAttention-2,
     deterministic: GQA groups are summed inside one program per kv block, no atomics). Writes all three.
@@ -386,16 +443,18 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
         p = f"*{dt}"
         for d, tiles in _union(_CUDA_TILES, _HIP_TILES).items():
             for causal in (False, True):
-                for bm, bn, w, s in tiles:
+                for t in tiles:
+                    bm, bn, w, s = t[:4]
                     sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "lse_ptr": "*fp32",
                            "kv_len_ptr": "*i32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
                            "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
                            "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
                            "S_BUCKET": "i32", "SKV_BUCKET": "i32", "HEAD_DIM": "constexpr",
                            "CAUSAL": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr",
-                           "BLOCK_N": "constexpr"}  # fmt: skip
-                    const = {"HEAD_DIM": d, "CAUSAL": causal, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn}
-                    name = f"attn_{dt}_d{d}_c{int(causal)}_{bm}x{bn}_w{w}s{s}"
+                           "BLOCK_N": "constexpr", "TMA": "constexpr"}  # fmt: skip
+                    const = {"HEAD_DIM": d, "CAUSAL": causal, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn,
+                             "TMA": _tma(t)}  # fmt: skip
+                    name = f"attn_{dt}_d{d}_c{int(causal)}_{bm}x{bn}_w{w}s{s}{'_tma' if _tma(t) else ''}"
                     specs.append((name, _attn_fwd_kernel, sig, const, {"num_warps": w, "num_stages": s}))
     specs += aot_specs_decode()
     return [(*spec, stride_attrs(spec[2])) for spec in specs] + aot_specs_backward()

@@ -77,8 +77,7 @@ _LOG2E = 1.4426950408889634
 # element, True: the kernel loads through TMA descriptors (sm_90+, 16-byte aligned tensors and strides; see
 # `_tma_ok`). First entry = default; the autotuner picks among the entries per (head dim, causal, dtype,
 # S bucket, Skv bucket).
-Tile = tuple[int, int, int, int]
-BwdTile = tuple[int, int, int, int] | tuple[int, int, int, int, bool]
+Tile = tuple[int, int, int, int] | tuple[int, int, int, int, bool]  # (BLOCK_M, BLOCK_N, warps, stages[, tma])
 # Hopper (sm_90), measured on the H200 (Triton 3.6, bf16, B4 S=Skv=4096, H32 at D64/D128, H16 at D256; kernel
 # time with the L2 flushed, non-causal / causal where both were run; "spills" = Triton 3.6's count):
 #   dk/dv D64 : TMA 64x64 w4 s3 2169 us; 32x128 w4 s3 TMA 2380; pointer 64x64 w4 s3 2429 (the old default).
@@ -101,29 +100,29 @@ BwdTile = tuple[int, int, int, int] | tuple[int, int, int, int, bool]
 # causal; .dev probe at f08967a, B4 S4096): D128 H32 0.79 / 0.82 (0.70 / 0.78 with the old pointer tables),
 # D64 0.86 / 0.92, D256 H16 0.71 / 0.77 (0.50 / 0.54 before). Backward alone at D128: 6.88 ms (was 8.34)
 # against SDPA's ~5.56 ms; the forward (0.74x SDPA here) is the other third of the gap.
-_CUDA_DKDV: dict[int, list[BwdTile]] = {
+_CUDA_DKDV: dict[int, list[Tile]] = {
     64: [(64, 64, 4, 3), (64, 64, 4, 3, True), (32, 128, 4, 3, True)],
     128: [(32, 64, 4, 3), (64, 64, 4, 2, True), (64, 128, 8, 3, True)],
     256: [(64, 32, 8, 2), (64, 64, 8, 2, True), (32, 64, 8, 2, True)],
 }
-_CUDA_DQ: dict[int, list[BwdTile]] = {
+_CUDA_DQ: dict[int, list[Tile]] = {
     64: [(128, 64, 8, 3), (128, 64, 8, 3, True), (64, 64, 4, 3, True)],
     128: [(128, 64, 8, 3), (128, 32, 8, 3, True), (128, 64, 8, 3, True)],
     256: [(128, 32, 8, 2), (64, 64, 4, 2, True), (128, 32, 8, 2, True)],
 }
 # CDNA (gfx942): 64-wide waves, 64 KB of LDS: K/V (dk/dv) or Q/dO (dq) blocks must fit it with the streamed
 # tiles; single-buffered (stream pipeliner). Not measured on an MI300 yet.
-_HIP_DKDV: dict[int, list[BwdTile]] = {
+_HIP_DKDV: dict[int, list[Tile]] = {
     64: [(32, 64, 4, 1)],
     128: [(32, 64, 4, 1)],
     256: [(16, 32, 4, 1)],
 }
-_HIP_DQ: dict[int, list[BwdTile]] = {
+_HIP_DQ: dict[int, list[Tile]] = {
     64: [(64, 32, 4, 1)],
     128: [(64, 32, 4, 1)],
     256: [(32, 32, 4, 1)],
 }
-_INTERP_TILES: tuple[BwdTile, BwdTile] = ((16, 16, 1, 1), (16, 16, 1, 1))  # the interpreter: small is fastest
+_INTERP_TILES: tuple[Tile, Tile] = ((16, 16, 1, 1), (16, 16, 1, 1))  # the interpreter: small is fastest
 
 
 def _preprocess_rows(head_dim: int) -> int:
@@ -420,11 +419,11 @@ def _bwd_dq_kernel(
 
 
 # ------------------------------------------------------------------------------------------------ launch
-def _tma(tile: BwdTile) -> bool:
+def _tma(tile: Tile) -> bool:
     return len(tile) > 4 and bool(tile[4])
 
 
-def _configs(table: dict[int, list[BwdTile]], head_dim: int, tma_ok: bool) -> list[triton.Config]:
+def _configs(table: dict[int, list[Tile]], head_dim: int, tma_ok: bool) -> list[triton.Config]:
     return [
         triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "TMA": _tma(t)}, num_warps=t[2], num_stages=t[3])
         for t in table[head_dim]
@@ -436,16 +435,16 @@ def _configs(table: dict[int, list[BwdTile]], head_dim: int, tma_ok: bool) -> li
 def _tuned_dkdv(head_dim: int, tma_ok: bool):
     cfgs = _configs(_HIP_DKDV if is_hip() else _CUDA_DKDV, head_dim, tma_ok)
     # Outputs are fully overwritten by every run (no accumulation into dk/dv), so re-runs while tuning are safe.
-    return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dkdv_kernel))
+    return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET", "CAUSAL"])(_bwd_dkdv_kernel))
 
 
 @functools.cache
 def _tuned_dq(head_dim: int, tma_ok: bool):
     cfgs = _configs(_HIP_DQ if is_hip() else _CUDA_DQ, head_dim, tma_ok)
-    return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET"])(_bwd_dq_kernel))
+    return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET", "CAUSAL"])(_bwd_dq_kernel))
 
 
-def _launch_kw(tile: BwdTile) -> dict:
+def _launch_kw(tile: Tile) -> dict:
     """A forced tile as launch keywords."""
     return {
         "BLOCK_M": tile[0],
@@ -496,7 +495,7 @@ def attention_backward(
     s_bucket: int,
     skv_bucket: int,
     max_grid_y: int,
-    config: tuple[BwdTile, BwdTile] | None = None,
+    config: tuple[Tile, Tile] | None = None,
 ) -> None:
     """Writes dq, dk, dv (shapes validated by the caller; k/v may be strided with a contiguous last dim;
     kv_len: int32 [B] or None). `config` = (dk/dv tile, dq tile), each (BLOCK_M, BLOCK_N, num_warps,

@@ -520,7 +520,9 @@ def _tuned(kind: str, block_t: int = 0):
     table = (_GEMV_HIP if hip else _GEMV_CUDA)["gate_up" if kind == "gate_up_gemv" else "down"][block_t]
     if kind == "gate_up_gemv":
         cfgs = [triton.Config({"BLOCK_F": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]
-        return fast_tuned(triton.autotune(cfgs, key=["T", "D", "F", "HAS_NORM"])(_gate_up_gemv_kernel))
+        return fast_tuned(
+            triton.autotune(cfgs, key=["T", "D", "F", "HAS_NORM", "SAVE"])(_gate_up_gemv_kernel)
+        )
     cfgs = [triton.Config({"BLOCK_N": r, "BLOCK_K": k}, num_warps=w) for r, k, w in table]
     return fast_tuned(triton.autotune(cfgs, key=["T", "N", "K"])(_gemv_nt_kernel))
 

@@ -163,6 +163,7 @@ def test_backward_forced_tiles(attn, dev, tiles, S, Skv) -> None:
 # next head's and must be zeroed in the kernel (S = 37, 70, 9: tails in every block).
 TMA_TILES = ((16, 32, 1, 1, True), (32, 16, 1, 1, True))
 PTR_TILES = ((16, 32, 1, 1), (32, 16, 1, 1))
+TMA_FWD, PTR_FWD = (32, 16, 1, 1, True), (32, 16, 1, 1)  # forward: 32-row query blocks, 16-key tiles
 
 
 def _needs_tma(dev: str) -> None:
@@ -171,12 +172,12 @@ def _needs_tma(dev: str) -> None:
 
 
 @pytest.mark.parametrize("S,Skv", [(37, 70), (70, 37), (9, 33)], ids=["S<Skv", "S>Skv", "short"])
-def test_backward_tma_tiles(attn, dev, S, Skv) -> None:
+def test_tma_tiles(attn, dev, S, Skv) -> None:
     _needs_tma(dev)
     q, k, v, do = _inputs(2, 4, 2, S, Skv, 64, torch.float16, dev, seed=S * 3 + Skv)
     for causal in (True, False):
         _check_all(attn, q, k, v, do, causal, 0.125, TOL[torch.float16], f"TMA S={S} Skv={Skv} causal={causal}",
-                   bwd_kw={"_config": TMA_TILES})  # fmt: skip
+                   fwd_kw={"_config": TMA_FWD}, bwd_kw={"_config": TMA_TILES})  # fmt: skip
 
 
 def test_backward_tma_cache_view_kv_len(attn, dev) -> None:
@@ -195,9 +196,20 @@ def test_backward_tma_cache_view_kv_len(attn, dev) -> None:
     q, do = (torch.randn(B, H, S, D, generator=g).to(device=dev, dtype=torch.float16) for _ in "qd")
     kv_len = torch.tensor([L, 20], dtype=torch.int32, device=dev)
     for causal in (False, True):
-        o = torch.full_like(q, NAN)
-        lse = torch.full(q.shape[:3], NAN, dtype=torch.float32, device=dev)
-        attn.forward(o, lse, q, k, v, kv_len, causal, 0.125)
+        fwd = []
+        for tile in (PTR_FWD, TMA_FWD):
+            o = torch.full_like(q, NAN)
+            lse = torch.full(q.shape[:3], NAN, dtype=torch.float32, device=dev)
+            attn.forward(o, lse, q, k, v, kv_len, causal, 0.125, _config=tile)
+            fwd.append((o, lse))
+        (o, lse), (o_tma, lse_tma) = fwd
+        assert bool(torch.isfinite(o_tma).all()), (
+            f"causal={causal}: the TMA forward's o has non-finite values"
+        )
+        assert rel_error(o_tma, o) < 1e-3, (
+            f"causal={causal}: the TMA forward's o differs from the pointer one"
+        )
+        _check_lse(lse_tma, lse, 1e-3, f"causal={causal}: TMA forward")  # rows with no visible key: -inf
         runs = []
         for tiles in (PTR_TILES, TMA_TILES):
             grads = (torch.full_like(q, NAN), torch.full(k.shape, NAN, dtype=k.dtype, device=dev),
@@ -211,7 +223,7 @@ def test_backward_tma_cache_view_kv_len(attn, dev) -> None:
         assert bool((runs[1][1][1, :, 20:] == 0).all()) and bool((runs[1][2][1, :, 20:] == 0).all())
 
 
-def test_backward_tma_refuses_unaligned(attn, dev) -> None:
+def test_tma_refuses_unaligned(attn, dev) -> None:
     """A forced TMA tile on k/v whose strides are not 16-byte multiples raises, naming TMA."""
     _needs_tma(dev)
     q, k, v, do = _inputs(1, 2, 1, 16, 16, 64, torch.float16, dev, seed=3)
@@ -219,6 +231,8 @@ def test_backward_tma_refuses_unaligned(attn, dev) -> None:
     o, lse = _forward(attn, q, k, v, False, 0.125)
     with pytest.raises(ValueError, match="TMA"):
         _backward(attn, do, q, k_odd, v, o, lse, False, 0.125, _config=TMA_TILES)
+    with pytest.raises(ValueError, match="TMA"):
+        _forward(attn, q, k_odd, v, False, 0.125, _config=TMA_FWD)
 
 
 def test_backward_is_deterministic_and_slabs(attn, dev, monkeypatch: pytest.MonkeyPatch) -> None:
