@@ -197,3 +197,39 @@ def test_mojo_does_not_claim_it_and_auto_never_picks_it():
         "linear_cross_entropy", "forward", torch.device("cuda"), (torch.bfloat16,)
     )
     assert why is not None and "no linear_cross_entropy kernel" in why
+
+
+def test_eager_backward_scales_the_saved_gradients_in_place(monkeypatch, backend_name, device):
+    """As Liger: the weight's .grad is the very [V, H] buffer the forward filled (scaled in place by the
+    loss's gradient, then taken over by autograd), so a step never holds a second one; on the first
+    (checked) call and on remembered ones. A retained graph (retain_graph=True) keeps its saved
+    gradients: both backwards are right."""
+    if backend_name not in ("torch", "triton"):
+        pytest.skip("the spy wraps the torch reference and the triton launcher")
+    spy = _spy(monkeypatch, backend_name)
+    ptrs = []
+    real = spy.fn
+
+    def keep(loss, dx, dweight, dbias, *rest):
+        ptrs.append(None if dweight is None else dweight.data_ptr())
+        return real(loss, dx, dweight, dbias, *rest)
+
+    spy.fn = keep
+    x, w, t, b = _inputs(device)
+    for _ in range(3):
+        leaves = [v.detach().clone().requires_grad_() for v in (x, w, b)]
+        try:
+            loss = ops.linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], backend=backend_name)
+        except ValueError as exc:
+            _refused(exc)
+        (2.5 * loss).backward()
+        assert leaves[1].grad.data_ptr() == ptrs[-1]
+        want = torch.autograd.grad(2.5 * _hf(x, leaves[1], t, b), leaves[1])[0]
+        torch.testing.assert_close(leaves[1].grad, want, rtol=1e-5, atol=1e-6)
+    leaves[1].grad = None
+    loss = ops.linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], backend=backend_name)
+    loss.backward(retain_graph=True)
+    assert leaves[1].grad.data_ptr() != ptrs[-1]
+    loss.backward()
+    want = torch.autograd.grad(2 * _hf(x, leaves[1], t, b), leaves[1])[0]
+    torch.testing.assert_close(leaves[1].grad, want, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from fusekit import dispatch
 from fusekit.library import lean_dispatch
-from fusekit.library.plan import _device, run
+from fusekit.library.plan import _device, may_reuse, run
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec
 
 _SPECS: dict[str, OpSpec] = {}
@@ -229,7 +229,7 @@ def _register(spec: OpSpec) -> None:
         sc, backend, cond, present = ctx.fusekit
         bins = spec.backward_inputs(ctx.saved_tensors, g, cond)
         if eager:  # straight to the plan, as backward_impl does after unpacking its arguments
-            bouts = run(spec, BACKWARD, tuple(bins), sc, backend, {c: cond[c] for c in bconds})
+            bouts = run(spec, BACKWARD, tuple(bins), sc, backend, {c: cond[c] for c in bconds}, may_reuse())
         else:
             bouts = _as_tuple(bop_call(*bins, *sc, backend, *(cond[c] for c in bconds)))
         named = {n: (None if w is not None and not cond.get(w) else o) for (n, w), o in zip(bout_meta, bouts)}

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from fusekit import dispatch
 from fusekit.library.autograd import _EAGER, _apply, _as_tuple, _needs_grad, _present, apply
-from fusekit.library.plan import _PLANS, _RECORD_TRIES, _execute, _Plan, _plan_for, _signature
+from fusekit.library.plan import _PLANS, _RECORD_TRIES, _execute, _Plan, _plan_for, _signature, may_reuse
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec
 
 # A public op builds a key from what its checks depend on (each tensor's type, shape, strides, dtype,
@@ -273,7 +273,7 @@ def _fast_backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         plan = _plan_for(r.spec, BACKWARD, bins, r.scalars, r.backend, r.bcond)
         if same:
             r.bplan = plan
-    bouts = _execute(r.spec, BACKWARD, plan, bins)
+    bouts = _execute(r.spec, BACKWARD, plan, bins, may_reuse())  # Phase.reuse: in place
     need = ctx.needs_input_grad  # [0] is the runner
     return (None, *[None if i is None or not need[k + 1] else bouts[i] for k, i in enumerate(r.gsel)])
 

@@ -37,7 +37,9 @@ class _Plan:
     provider, the scalars it receives, whether the problem is empty, the device guard, and which strided
     inputs the provider needs as contiguous copies (`contig`)."""
 
-    __slots__ = ("calls", "contig", "device", "empty", "guard", "kscalars", "layout", "provider", "replay")
+    __slots__ = (
+        "calls", "contig", "device", "empty", "guard", "kscalars", "layout", "provider", "replay", "reuse",
+    )  # fmt: skip
 
     def __init__(
         self, spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend: str, cond: dict
@@ -46,6 +48,10 @@ class _Plan:
         device = self.device = _device(inputs)
         p = spec.phase(phase)
         self.layout = tuple(spec.output_layout(phase, inputs, named, cond))
+        # per output: the position of the input an eager call writes it into (Phase.reuse), or None
+        in_pos = {a.name: i for i, a in enumerate(p.inputs)}
+        pairs = dict(p.reuse)
+        self.reuse = tuple(in_pos.get(pairs.get(a.name)) for a in p.outputs) if pairs else None
         self.empty = inputs[0] is not None and inputs[0].numel() == 0
         key = tuple(spec.dtype_of(v, p.inputs, inputs, named) for v in spec.dtype_vars)
         meta = spec.meta(dict(zip((a.name for a in p.inputs), inputs)), named)
@@ -73,6 +79,16 @@ class _Plan:
         )
 
 
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def may_reuse() -> bool:
+    """Whether an eager backward may write its outputs into what its forward saved (Phase.reuse): not
+    when the graph is kept for another backward (retain_graph=True, gradcheck), nor where torch cannot
+    tell (then it allocates, as a traced backward does)."""
+    return _KEEP_GRAPH is not None and not _KEEP_GRAPH()
+
+
 _PLANS: dict[tuple, _Plan] = {}
 _PLAN_CACHE = 4096  # signatures kept; a model has a few dozen, a shape sweep more
 
@@ -94,11 +110,17 @@ def _signature(spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend:
     return sig
 
 
-def _allocate(spec: OpSpec, phase: str, plan: _Plan) -> tuple[Tensor | None, ...]:
-    """The phase's outputs (poisoned in tests). Out of GPU memory: torch's OutOfMemoryError again, naming
-    the op and what it asked for (what was allocated before the failure is freed with this frame)."""
+def _allocate(spec: OpSpec, phase: str, plan: _Plan, reuse: tuple | None = None) -> tuple[Tensor | None, ...]:
+    """The phase's outputs (poisoned in tests); with `reuse` (an eager call's inputs), outputs the phase
+    writes in place (Phase.reuse) are those inputs. Out of GPU memory: torch's OutOfMemoryError again,
+    naming the op and what it asked for (what was allocated before the failure is freed with this frame)."""
     empty, device = outputs.empty, plan.device
     try:  # a list comprehension: cheaper than a generator on this path
+        if reuse is not None and plan.reuse is not None:
+            return tuple([
+                None if lay is None else empty(lay[0], lay[1], device) if j is None else reuse[j]
+                for lay, j in zip(plan.layout, plan.reuse)
+            ])  # fmt: skip
         return tuple([None if lay is None else empty(lay[0], lay[1], device) for lay in plan.layout])
     except torch.OutOfMemoryError as exc:
         lays = [lay for lay in plan.layout if lay is not None]
@@ -130,9 +152,11 @@ def run(
     scalars: tuple,
     backend: str,
     cond: dict[str, bool],
+    reuse: bool = False,
 ) -> tuple[Tensor | None, ...]:
-    """Allocate `phase`'s outputs and have the resolved provider fill them (plan cached per signature)."""
-    return _execute(spec, phase, _plan_for(spec, phase, inputs, scalars, backend, cond), inputs)
+    """Allocate `phase`'s outputs and have the resolved provider fill them (plan cached per signature).
+    reuse: an eager backward, which may write outputs into the inputs Phase.reuse names."""
+    return _execute(spec, phase, _plan_for(spec, phase, inputs, scalars, backend, cond), inputs, reuse)
 
 
 def _plan_for(
@@ -156,12 +180,12 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.curre
 
 
 def _execute(
-    spec: OpSpec, phase: str, plan: _Plan, inputs: tuple[Tensor | None, ...]
+    spec: OpSpec, phase: str, plan: _Plan, inputs: tuple[Tensor | None, ...], reuse: bool = False
 ) -> tuple[Tensor | None, ...]:
     """One call of a planned signature: contiguous copies where the plan says, outputs, the launch."""
     if plan.contig:
         inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
-    outs = _allocate(spec, phase, plan)
+    outs = _allocate(spec, phase, plan, inputs if reuse else None)
     if plan.empty:
         for o in outs:
             if o is not None:

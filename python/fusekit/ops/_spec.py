@@ -89,6 +89,13 @@ class Phase:
     # Output shapes that are not read off the inputs' dims: (inputs by name, scalars by name) ->
     # {output name: shape}.
     shapes: Callable[[dict[str, Tensor | None], dict[str, object]], dict[str, tuple[int, ...]]] | None = None
+    # (output, input) pairs of a backward phase whose output an eager backward writes into that input
+    # (same shape and dtype) instead of a new buffer: the input is a value the forward saved for this
+    # backward alone (linear_cross_entropy's precomputed gradients, scaled in place as Liger does), so
+    # the step never holds both. Not when the graph is kept for another backward (retain_graph=True,
+    # gradcheck: library.plan.may_reuse), and not in traced (torch.compile) backwards, whose custom ops
+    # return fresh tensors: those allocate as usual.
+    reuse: tuple[tuple[str, str], ...] = ()
 
     @property
     def tensors(self) -> tuple[TensorArg, ...]:

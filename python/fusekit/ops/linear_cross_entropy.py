@@ -166,6 +166,7 @@ SPEC = library.register(
                 t("dbias", "V", "x", "bias"),
             ),
             conditions=("bias",),
+            reuse=(("gx", "dx"), ("gweight", "dweight"), ("gbias", "dbias")),  # scaled in place (eager)
         ),
         scalars=(
             Scalar("ignore_index", int, lambda v: C.integer("ignore_index", v)),
