@@ -396,6 +396,9 @@ def test_fused_loss_in_eval_keeps_logits_and_unpatch_restores_forward():
     assert "forward" not in vars(model)
     with torch.no_grad():
         assert torch.equal(model(x, labels=x).loss, ref.loss)
+    fh.patch(model, backend="mojo")  # no mojo linear_cross_entropy kernel: HF's own loss stays
+    assert "forward" not in vars(model)
+    fh.unpatch(model)
 
 
 # --- masks -------------------------------------------------------------------------------------------
