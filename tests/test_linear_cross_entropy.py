@@ -8,6 +8,8 @@ float64 oracle; the fuzz breakers check that bad arguments raise naming the argu
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from fusekit import backends, ops
 from fusekit.ops.linear_cross_entropy import SPEC, chunk_rows
 
+lce = importlib.import_module("fusekit.ops.linear_cross_entropy")  # ops.linear_cross_entropy is the function
 T, H, V = 37, 64, 1031  # 37 tokens in chunks of 4 (chunk_rows): ten chunks, the last one short
 
 
@@ -38,10 +41,20 @@ def _hf(x, w, t, b, **kw):
     return F.cross_entropy(F.linear(x, w, b).float(), t, **kw)
 
 
-def test_chunks_are_about_the_size_of_x():
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    """Liger's chunk rule alone (no 256 MiB floor), so these small cases run in several chunks."""
+    monkeypatch.setattr(lce, "MIN_CHUNK_LOGITS", 0)
+
+
+def test_chunks_are_about_the_size_of_x(monkeypatch):
     assert chunk_rows(T, V, H) == 4  # V / H -> 17 logits rows per x row: 37 / 17 -> 3 -> 4
-    assert chunk_rows(8192, 128256, 4096) == 256  # Llama-3-8B: 32 chunks of 256 tokens
+    assert chunk_rows(8192, 128256, 4096) == 256  # Llama-3-8B by Liger's rule: 32 chunks of 256 tokens
     assert chunk_rows(9, 64, 64) == 9 and chunk_rows(1, 128256, 64) == 1
+    monkeypatch.setattr(lce, "MIN_CHUNK_LOGITS", 1 << 27)  # the default floor: 256 MiB of bf16 logits
+    assert chunk_rows(8192, 128256, 4096) == 1024  # 8 chunks of 1024 tokens
+    assert chunk_rows(2048, 128256, 2048) == 1024 and chunk_rows(600, 128256, 4096) == 600
+    assert chunk_rows(T, V, H) == T  # a small vocabulary: one chunk
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
