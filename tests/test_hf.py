@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 
 import fusekit.hf as fh  # noqa: E402
+from fusekit import backends, ops  # noqa: E402
 from fusekit import nn as fnn  # noqa: E402
-from fusekit import ops  # noqa: E402
 from fusekit.hf import _attention  # noqa: E402
 from tests.checks import TINY_LLAMA, rel_error  # noqa: E402
 
@@ -376,6 +376,28 @@ def test_fused_loss_matches_hf_loss_and_every_gradient(family, items, monkeypatc
     assert got_g.keys() == ref_g.keys()
     worst = max((rel_error(got_g[n], ref_g[n]), n) for n in ref_g)
     assert worst[0] <= GRAD_TOL, f"{family}: gradient of {worst[1]} relative error {worst[0]:.2e}"
+
+
+def test_fused_loss_takes_a_backend_with_the_gradient(monkeypatch):
+    """A patched model whose backend cannot give the loss's gradient for this call (triton in fp16) runs
+    the fused loss on "auto" (torch's fp32 d logits) in training, and on its own backend without grad."""
+    from types import SimpleNamespace
+
+    from fusekit.hf import _patch
+
+    head = torch.nn.Linear(16, 40, bias=False).half()
+    model = SimpleNamespace(lm_head=head, **{_patch._ATTR: SimpleNamespace(backend="triton")})
+    hidden = torch.randn(1, 5, 16).half().requires_grad_()
+    labels = torch.randint(0, 40, (1, 5))
+    seen = []
+    monkeypatch.setattr(
+        ops, "linear_cross_entropy", lambda *a, backend, **k: seen.append(backend) or a[0].sum()
+    )
+    monkeypatch.setattr(backends.get("triton"), "supports", lambda op, phase, dev, dt, **m: "no fp16 grad")
+    _patch._fused_loss(model, hidden, labels)
+    with torch.no_grad():
+        _patch._fused_loss(model, hidden, labels)
+    assert seen == ["auto", "triton"]
 
 
 def test_fused_loss_in_eval_keeps_logits_and_unpatch_restores_forward():

@@ -199,6 +199,26 @@ def test_deterministic(backend_name, device):
         assert torch.equal(a, e)
 
 
+def test_triton_refuses_fp16_gradients_and_auto_takes_torch(device):
+    """triton's fp16 d logits would underflow (see TritonBackend.supports): a call that records a gradient
+    raises before running, naming fp16; without a gradient it runs; auto gives the torch backend's
+    gradients (fp32 d logits), equal to HF's fp32-logits path within fp16's tolerance."""
+    if backends.available()["triton"] is not None:
+        pytest.skip(f"triton unavailable: {backends.available()['triton']}")
+    if device == "cpu" and not backends.get("triton")._interpret:
+        pytest.skip("triton on the CPU needs TRITON_INTERPRET=1")
+    x, w, t, b = _inputs(device, torch.float16)
+    xg = x.clone().requires_grad_()
+    with pytest.raises(ValueError, match="fp16 gradients of linear_cross_entropy underflow"):
+        ops.linear_cross_entropy(xg, w, t, b, backend="triton")
+    with torch.no_grad():
+        ops.linear_cross_entropy(x, w, t, b, backend="triton")  # forward only: fine
+    ops.linear_cross_entropy(xg, w, t, b, backend="auto").backward()
+    xr = x.float().requires_grad_()
+    _hf(xr, w.float(), t, b.float()).backward()
+    assert (xg.grad.float() - xr.grad).norm() / xr.grad.norm() < 4e-3
+
+
 def test_mojo_does_not_claim_it_and_auto_never_picks_it():
     from fusekit import dispatch
 

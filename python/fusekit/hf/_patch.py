@@ -376,6 +376,12 @@ def _fused_loss(
         x, w, b = x.to(dt), w.to(dt), None if b is None else b.to(dt)
     target = shift_labels.reshape(-1).to(x.device)
     backend = getattr(model, _ATTR).backend
+    if (
+        backend != "auto"
+        and torch.is_grad_enabled()
+        and backends.get(backend).supports("linear_cross_entropy", "backward", x.device, (x.dtype,))
+    ):
+        backend = "auto"  # e.g. triton's fp16 gradients: the loss takes a backend that has them (torch)
     if num_items_in_batch is None:
         return ops.linear_cross_entropy(x, w, target, b, ignore_index=ignore_index, backend=backend)
     loss = ops.linear_cross_entropy(
