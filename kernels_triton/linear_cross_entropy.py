@@ -5,7 +5,8 @@ Entry points (CONTRACT.md):
     forward(loss, dx, dweight, dbias, x, weight, target, bias, ignore_index, reduction, label_smoothing)
     backward(gx, gweight, gbias, dloss, dx, dweight, dbias, ignore_index, reduction, label_smoothing)
 
-Forward, per chunk of C tokens (`fusekit.ops.linear_cross_entropy.chunk_rows`: C x V logits about the size of
+Forward (the chunk loop is `fusekit.ops.linear_cross_entropy.fused_forward`, shared with the mojo backend,
+whose row kernel is mojo/linear_cross_entropy.mojo), per chunk of C tokens (`chunk_rows`: C x V logits about the size of
 x, and at least 2^27 elements: 1024 tokens at Llama-3's vocabulary): logits = x_c @ weight^T (+ bias) by torch's matmul in x's dtype into one reused [C, V] buffer (cuBLAS /
 hipBLASLt, fp32 accumulation, as HF's F.linear), then ONE Triton launch, one program per row, that reads the
 row twice: pass 1 the online logsumexp over V in fp32 (block max, then the rescaled sum of exps) and, with
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusekit.ops.linear_cross_entropy import chunk_rows
+from fusekit.ops.linear_cross_entropy import fused_backward, fused_forward
 from kernels_triton._config import device_index, is_interpreter, next_pow2, warps_for
 from kernels_triton._launch import fast_launch
 
@@ -115,78 +116,34 @@ def forward(
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
-    *,
-    _chunk: int | None = None,
 ) -> None:
     """loss ([1] for "mean"/"sum", [T] for "none", fp32) and, when dx is given, the loss's gradient dx [T, H],
-    dweight [V, H], dbias [V] (x's dtype). `_chunk` forces the tokens per chunk (tests)."""
-    T, H = x.shape
+    dweight [V, H], dbias [V] (x's dtype): the shared chunk loop (fused_forward) around _ce_rows_kernel."""
     V = weight.shape[0]
-    grad = dx is not None
-    dev = x.device
-    if reduction == "mean":
-        n = (target != ignore_index).sum().to(torch.float32)
-        scale = (1.0 / n).reshape(1)  # inf with every row ignored: those rows write exact zeros
-    else:
-        n, scale = None, torch.ones(1, dtype=torch.float32, device=dev)
-    rows = loss if reduction == "none" else torch.empty(T, dtype=torch.float32, device=dev)
-    step = _chunk or chunk_rows(T, V, H)
-    buf = torch.empty((min(step, T), V), dtype=x.dtype, device=dev)
-    db = torch.zeros(V, dtype=torch.float32, device=dev) if dbias is not None else None
     block = _block(V)
     nw = warps_for(block, _ELEMS_PER_THREAD, device_index(x), hi=32)
-    wt = weight.t()
-    for s in range(0, T, step):
-        e = min(s + step, T)
-        xc, logits = x[s:e], buf[: e - s]
-        if bias is not None:
-            torch.addmm(bias, xc, wt, out=logits)
-        else:
-            torch.mm(xc, wt, out=logits)
-        _ce_rows_kernel[(e - s,)](
+    smooth = label_smoothing != 0.0
+
+    def rows_kernel(logits, tc, rows, scale, grad: bool) -> None:
+        _ce_rows_kernel[(logits.shape[0],)](
             logits,
-            target[s:e],
-            rows[s:e],
+            tc,
+            rows,
             scale,
             V,
             ignore_index,
             label_smoothing,
             BLOCK=block,
             GRAD=grad,
-            SMOOTH=label_smoothing != 0.0,
+            SMOOTH=smooth,
             num_warps=nw,
         )
-        if not grad:
-            continue
-        torch.mm(logits, weight, out=dx[s:e])
-        if s == 0:
-            torch.mm(logits.t(), xc, out=dweight)
-        else:
-            dweight.addmm_(logits.t(), xc)
-        if db is not None:
-            db += logits.sum(dim=0, dtype=torch.float32)
-    if db is not None:
-        dbias.copy_(db)
-    if reduction == "sum":
-        torch.sum(rows, dim=0, keepdim=True, out=loss)
-    elif reduction == "mean":
-        torch.div(rows.sum(dim=0, keepdim=True), n, out=loss)
+
+    outs = (loss, dx, dweight, dbias)
+    fused_forward(rows_kernel, *outs, x, weight, target, bias, ignore_index, reduction, label_smoothing)
 
 
-def backward(
-    gx: torch.Tensor,
-    gweight: torch.Tensor,
-    gbias: torch.Tensor | None,
-    dloss: torch.Tensor,
-    dx: torch.Tensor,
-    dweight: torch.Tensor,
-    dbias: torch.Tensor | None,
-    *_scalars: object,
-) -> None:
-    """The forward's gradients of the loss times the loss's gradient dloss [1] (fp32 math, one rounding)."""
-    for out, saved in ((gx, dx), (gweight, dweight), (gbias, dbias)):
-        if out is not None:
-            torch.mul(saved, dloss, out=out)
+backward = fused_backward  # the saved gradients times the loss's gradient (torch multiplies)
 
 
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """linear_cross_entropy beyond the conformance cases: autograd through torch.library (torch.compile
 fullgraph forward + backward), nothing computed or saved for backward without grad, float64 gradcheck,
-the reductions' edge cases, and which backends claim it.
+the reductions' edge cases, and which backends claim it (torch, triton and mojo; fp16 gradients only torch).
 
 The conformance driver (tests/cases/linear_cross_entropy.py) checks values and gradients against the
 float64 oracle; the fuzz breakers check that bad arguments raise naming the argument.
@@ -94,6 +94,20 @@ class _Spy:
 
 
 def _spy(monkeypatch, backend_name: str) -> _Spy:
+    """The backend's forward entry, spied: the torch reference, the triton launcher, or the chunk loop the
+    mojo backend hands its row kernel to (fused_forward)."""
+    if backend_name == "mojo":
+        import fusekit.backends.mojo as mb
+
+        real, kernels = mb.fused_forward, []
+        spy = _Spy(lambda *args: real(kernels[-1], *args))
+
+        def entry(rows_kernel, *args):
+            kernels.append(rows_kernel)
+            return spy(*args)
+
+        monkeypatch.setattr(mb, "fused_forward", entry)
+        return spy
     if backend_name == "triton":
         import kernels_triton.linear_cross_entropy as k
 
@@ -107,8 +121,6 @@ def _spy(monkeypatch, backend_name: str) -> _Spy:
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no_leaf"])
 def test_no_gradient_computed_or_saved_without_grad(mode, monkeypatch, backend_name, device):
-    if backend_name not in ("torch", "triton"):
-        pytest.skip("the spy wraps the torch reference and the triton launcher")
     x, w, t, b = _inputs(device)
     leaves = [v.requires_grad_(mode != "no_leaf") for v in (x, w, b)]
     spy = _spy(monkeypatch, backend_name)
@@ -219,19 +231,38 @@ def test_triton_refuses_fp16_gradients_and_auto_takes_torch(device):
     assert (xg.grad.float() - xr.grad).norm() / xr.grad.norm() < 4e-3
 
 
-def test_mojo_does_not_claim_it_and_auto_never_picks_it():
+@pytest.mark.parametrize(
+    "reduction, ls, ignore_index",
+    [("mean", 0.0, -100), ("sum", 0.1, 2**40 + 3), ("none", 0.2, -(2**62) - 5)],
+)
+def test_mojo_runs_it_and_matches_the_torch_backend(reduction, ls, ignore_index, device):
+    """The mojo backend (its row kernel fusekit.linear_cross_entropy between torch matmuls) gives the torch
+    backend's loss and gradients, with label smoothing and an ignore_index beyond float32's integers (the
+    kernel gets it as three exact 24-bit pieces); it refuses fp16 gradients as triton does, and auto ranks
+    it after triton on CUDA."""
     from fusekit import dispatch
 
-    if backends.available()["mojo"] is not None:  # not installed: it cannot claim anything
+    if backends.available()["mojo"] is not None:
         pytest.skip(f"mojo backend unavailable: {backends.available()['mojo']}")
-    x, w, t, _ = _inputs("cpu")
-    with pytest.raises(ValueError, match=r"'mojo'.*linear_cross_entropy.*no linear_cross_entropy kernel"):
-        ops.linear_cross_entropy(x, w, t, backend="mojo")
-    assert "mojo" not in dispatch.auto_order("linear_cross_entropy", "cuda")
-    why = backends.get("mojo").supports(
-        "linear_cross_entropy", "forward", torch.device("cuda"), (torch.bfloat16,)
-    )
-    assert why is not None and "no linear_cross_entropy kernel" in why
+    x, w, t, b = _inputs(device)
+    t[::3] = ignore_index
+    grad = reduction != "none"
+    if not grad:
+        t[1] = ignore_index + 1  # out of range (and off by one in the lowest 24-bit piece only): NaN
+    res = {}
+    for be in ("torch", "mojo"):
+        leaves = [v.clone().requires_grad_(grad) for v in (x, w, b)]
+        kw = {"ignore_index": ignore_index, "reduction": reduction, "label_smoothing": ls, "backend": be}
+        loss = ops.linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], **kw)
+        res[be] = (loss, *torch.autograd.grad(loss * 1.5, leaves)) if grad else (loss,)
+    if not grad:
+        assert res["mojo"][0][1].isnan() and (res["mojo"][0][::3] == 0).all()
+    for a, e in zip(res["mojo"], res["torch"]):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, equal_nan=True)
+    xh = x.half().requires_grad_()
+    with pytest.raises(ValueError, match="fp16 gradients of linear_cross_entropy underflow"):
+        ops.linear_cross_entropy(xh, w.half(), t, backend="mojo")
+    assert dispatch.auto_order("linear_cross_entropy", "cuda").index("mojo") > 0  # triton first
 
 
 def test_eager_backward_scales_the_saved_gradients_in_place(monkeypatch, backend_name, device):
@@ -239,8 +270,6 @@ def test_eager_backward_scales_the_saved_gradients_in_place(monkeypatch, backend
     loss's gradient, then taken over by autograd), so a step never holds a second one; on the first
     (checked) call and on remembered ones. A retained graph (retain_graph=True) keeps its saved
     gradients: both backwards are right."""
-    if backend_name not in ("torch", "triton"):
-        pytest.skip("the spy wraps the torch reference and the triton launcher")
     spy = _spy(monkeypatch, backend_name)
     ptrs = []
     real = spy.fn

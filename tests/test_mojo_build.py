@@ -32,7 +32,9 @@ def test_entries_cover_every_op_phase_and_kernel_dtype() -> None:
     ops_phases = {(e.op, e.phase) for e in cpu}
     with_kernel = set(ops.OPS) - NO_KERNEL  # ops the Mojo package has no kernel for are not built
     assert {op for op, _ in ops_phases} == with_kernel
-    assert {(op, "backward") for op in with_kernel if op != "reduce_sum"} <= ops_phases  # reduce_sum: a view
+    # reduce_sum's gradient is a view, linear_cross_entropy's backward torch multiplies: nothing to build
+    no_bwd = {"reduce_sum", "linear_cross_entropy"}
+    assert {(op, "backward") for op in with_kernel - no_bwd} <= ops_phases
     keys = [(e.spec.max_op, e.dtypes) for e in cpu]
     assert len(keys) == len(set(keys)), "an artifact listed twice"
     # the backend's own rule (MojoBackend.supports): float64 x runs on the torch backend only, while a
@@ -44,6 +46,15 @@ def test_entries_cover_every_op_phase_and_kernel_dtype() -> None:
         e.spec.max_op for e in mojo_build.entries(torch.device("cpu"), ["swiglu_ffn"], ("backward",))
     }
     assert swiglu_bwd == {"fusekit.swiglu_ffn_backward", "fusekit.rms_norm_backward"}
+    # linear_cross_entropy: its per-chunk row kernel, for every x dtype (fp16 gradients are refused, not
+    # its fp16 forward)
+    lce = {
+        (e.spec.max_op, e.dtypes)
+        for e in mojo_build.entries(torch.device("cuda", 0), ["linear_cross_entropy"])
+    }
+    assert lce == {
+        ("fusekit.linear_cross_entropy", (d,)) for d in (torch.float32, torch.float16, torch.bfloat16)
+    }
     # fp32 attention is refused on CUDA before any kernel: not built there
     att32 = lambda es: [e for e in es if e.op == "attention" and e.dtypes == (torch.float32,)]
     assert att32(cpu) and not att32(cuda)

@@ -71,7 +71,8 @@ def _execute_params() -> dict[str, list[tuple[str, str]]]:
 
 
 # Every MAX op the backend calls: reduce_sum's gradient is a view (no kernel), swiglu_ffn's backward calls
-# the element-wise op SWIGLU_FFN_BACKWARD between torch matmuls.
+# the element-wise op SWIGLU_FFN_BACKWARD between torch matmuls, linear_cross_entropy's forward its row
+# kernel LINEAR_CROSS_ENTROPY_ROWS per chunk (its backward: torch multiplies).
 _CALLED = [
     (op, "forward") for op in ("reduce_sum", "rms_norm", "layer_norm", "rope", "attention", "swiglu_ffn")
 ] + [(op, "backward") for op in ("rms_norm", "layer_norm", "rope", "attention")]
@@ -80,7 +81,8 @@ _CALLED = [
 def test_mojo_signatures_take_the_workspaces_after_the_outputs() -> None:
     params = _execute_params()
     assert set(specs.WORKSPACES) <= set(params), set(specs.WORKSPACES) - set(params)
-    for ms in [specs.phase_spec(op, phase) for op, phase in _CALLED] + [specs.SWIGLU_FFN_BACKWARD]:
+    called = [specs.phase_spec(op, phase) for op, phase in _CALLED]
+    for ms in [*called, specs.SWIGLU_FFN_BACKWARD, specs.LINEAR_CROSS_ENTROPY_ROWS]:
         got = params[ms.max_op]
         n_out, n_ws = len(ms.outputs), len(ms.workspaces)
         assert len(got) == n_out + n_ws + len(ms.inputs) + bool(ms.params), (ms.max_op, got)

@@ -33,11 +33,8 @@ except ImportError:  # pragma: no cover - only while bootstrapping the generator
 # so `auto` can run everything. On the CPU the reference is the only fast path (Triton runs in an
 # interpreter there and MAX's CPU kernels are not tuned), so it goes first.
 _CUDA_ORDER = ("triton", "mojo", "torch")
-# linear_cross_entropy has no Mojo kernel (auto never loads MAX for it).
-AUTO: dict[str, dict[str, tuple[str, ...]]] = {
-    "cuda": {"linear_cross_entropy": ("triton", "torch")},
-    "cpu": {},
-}
+# Per-op exceptions to those orders (none today).
+AUTO: dict[str, dict[str, tuple[str, ...]]] = {"cuda": {}, "cpu": {}}
 
 
 SHAPE_CLASSES = ("decode", "small", "large")

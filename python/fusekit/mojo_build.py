@@ -51,7 +51,12 @@ def entries(
     dtype keys of each phase that the mojo backend says it runs (MojoBackend.supports)."""
     from fusekit import backends
     from fusekit import ops as fops
-    from fusekit.backends.mojo.specs import NO_KERNEL, SWIGLU_FFN_BACKWARD, phase_spec
+    from fusekit.backends.mojo.specs import (
+        LINEAR_CROSS_ENTROPY_ROWS,
+        NO_KERNEL,
+        SWIGLU_FFN_BACKWARD,
+        phase_spec,
+    )
 
     backend = backends.get("mojo")  # supports() needs no MAX
     out: list[Entry] = []
@@ -77,7 +82,12 @@ def entries(
                     continue
                 if op == "attention" and device.type == "cuda" and key[0] == torch.float32:
                     continue  # ops.attention refuses it before any kernel (fp32 attention is a CPU path)
-                if op == "swiglu_ffn" and phase == "backward":
+                if op == "linear_cross_entropy":
+                    # what the backend runs for it: the per-chunk row kernel between torch matmuls; its
+                    # backward is torch multiplies (nothing to build)
+                    if phase == "forward":
+                        add(op, phase, LINEAR_CROSS_ENTROPY_ROWS, key[:1])
+                elif op == "swiglu_ffn" and phase == "backward":
                     # what the backend runs for it: its element-wise op and the rms_norm backward (weight
                     # in x's dtype) between torch matmuls
                     add(op, phase, SWIGLU_FFN_BACKWARD, key[:1])

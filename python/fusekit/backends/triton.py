@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from fusekit.backends.base import Backend
+from fusekit.ops.linear_cross_entropy import FP16_GRAD_REFUSAL
 
 # The interpreter's bf16 tl.dot is wrong (TRITON_FACTS.md): refuse rather than return garbage.
 _DOT_OPS = ("swiglu_ffn", "attention")
@@ -88,13 +89,7 @@ class TritonBackend(Backend):
         elif self._interpret:
             return "TRITON_INTERPRET=1 is set, so triton cannot launch on the GPU"
         if op == "linear_cross_entropy" and phase == "backward" and dtypes[0] == torch.float16:
-            # The kernel writes d logits = (softmax - onehot) / n in x's dtype: probabilities ~1/V over n
-            # tokens fall below fp16's normal range (6e-5) and lose their bits before the GEMMs (d weight
-            # 4.4e-3 off float64 at T 4096, V 32000 on an H100; HF's path keeps them in fp32).
-            return (
-                "fp16 gradients of linear_cross_entropy underflow (d logits ~ 1/(V·tokens) is below fp16's "
-                "range); train in bf16 or fp32, or use backend='torch' (fp32 d logits)"
-            )
+            return FP16_GRAD_REFUSAL  # d logits in x's dtype underflow fp16 (see its comment)
         if op == "attention" and meta.get("head_dim") not in HEAD_DIMS:
             return f"head dim {meta.get('head_dim')} is not supported (supported: 64, 128, 256)"
         if not _has_kernel(op):

@@ -19,8 +19,7 @@ What patch changes (in place; unpatch puts every original object back):
   fp32 upcast are never materialized. Such a call returns logits=None in training mode (as Liger's
   lce_forward); in eval mode it still returns the logits (an evaluation loop computes metrics from them)
   beside the fused loss; `skip_logits=True/False` (Liger's keyword) decides explicitly. Without labels,
-  with logits_to_keep, or with a custom loss_function, HF's forward runs unchanged; with
-  backend="mojo" (no linear_cross_entropy kernel) the forward is not replaced (HF's own loss).
+  with logits_to_keep, or with a custom loss_function, HF's forward runs unchanged.
 - model.generate -> (an instance attribute) the class's generate wrapped: it checks once, on the host,
   whether the prompt is padded (its attention_mask, or pad tokens in it when none is given) and, if
   not, lets the attention modules read each mask of that generate() call as a causal prefix (see fusekit.hf._attention: static-cache
@@ -44,7 +43,6 @@ import torch
 from torch import nn
 
 from fusekit import backends, ops
-from fusekit.backends.mojo.specs import NO_KERNEL
 from fusekit.hf import _attention
 from fusekit.nn import RMSNorm, SwiGLUMLP
 from fusekit.nn.rotary import apply_rope, rope_parameters
@@ -535,10 +533,8 @@ def patch(
     if callable(getattr(type(model), "generate", None)):
         model.__dict__["generate"] = _Generate(model)
         rec.attrs.append((model, "generate"))
-    if type(model) is classes["ForCausalLM"] and not (
-        backend == "mojo" and "linear_cross_entropy" in NO_KERNEL
-    ):
-        model.__dict__["forward"] = _CausalLMForward(model)  # (mojo has no such kernel: HF's loss stays)
+    if type(model) is classes["ForCausalLM"]:
+        model.__dict__["forward"] = _CausalLMForward(model)
         rec.attrs.append((model, "forward"))
     _swap_classes(rec, bases, _subclass(_ModelMixin, classes["Model"]))
     _swap_classes(rec, layers, _subclass(_DecoderLayerMixin, classes["DecoderLayer"]))

@@ -12,6 +12,8 @@ those gradients is saved for backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -137,6 +139,106 @@ def reference_backward(
             out.copy_(saved.to(dloss.dtype) * dloss)
 
 
+# Why the fused backends (triton, mojo) refuse a gradient for fp16 x: their row kernel writes d logits =
+# (softmax - onehot) / n in x's dtype, and probabilities ~1/V over n tokens fall below fp16's normal range
+# (6e-5) and lose their bits before the GEMMs (d weight 4.4e-3 off float64 at T 4096, V 32000 on an H100;
+# HF's path keeps them in fp32). The torch backend (fp32 d logits) runs it.
+FP16_GRAD_REFUSAL = (
+    "fp16 gradients of linear_cross_entropy underflow (d logits ~ 1/(V·tokens) is below fp16's "
+    "range); train in bf16 or fp32, or use backend='torch' (fp32 d logits)"
+)
+
+
+# --- the fused backends' chunk loop (triton, mojo): Liger's scheme around one row kernel -------------
+# rows_kernel(logits [C, V] x's dtype, target [C] int64, rows [C] fp32, scale [1] fp32, grad): fills rows
+# with the chunk's per-row losses and, when grad, overwrites logits with d loss / d logits (x's dtype).
+RowsKernel = Callable[[Tensor, Tensor, Tensor, Tensor, bool], None]
+
+
+def fused_forward(
+    rows_kernel: RowsKernel,
+    loss: Tensor,
+    dx: Tensor | None,
+    dweight: Tensor | None,
+    dbias: Tensor | None,
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+) -> None:
+    """The forward of a backend with a row kernel (kernels_triton/linear_cross_entropy.py, the mojo
+    backend's fusekit.linear_cross_entropy), destination passing as reference_forward.
+
+    Per chunk of C tokens (chunk_rows): logits = x_c @ weight^T (+ bias) by torch's matmul in x's dtype
+    into one reused [C, V] buffer (cuBLAS / hipBLASLt, fp32 accumulation, as HF's F.linear), then the row
+    kernel (loss per row; when a gradient is recorded, d logits in place with scale = 1 / rows not ignored
+    for "mean", read from the device: no host sync), then grad_x_c = dlogits @ weight (into dx's rows),
+    grad_weight += dlogits^T @ x_c (`addmm_` into dweight in x's dtype: each chunk's GEMM accumulates in
+    fp32 and the running sum is rounded to x's dtype once per chunk, as Liger's default accum_dtype=None;
+    an fp32 accumulator would cost another 4·V·H bytes, 2 GiB at Llama-3-8B), grad_bias = Σ dlogits in
+    an fp32 [V] accumulator, rounded once. Deterministic: no atomics, fixed chunk order, torch's
+    reductions.
+    """
+    T, H = x.shape
+    V = weight.shape[0]
+    grad = dx is not None
+    dev = x.device
+    if reduction == "mean":
+        n = (target != ignore_index).sum().to(torch.float32)
+        scale = (1.0 / n).reshape(1)  # inf with every row ignored: those rows write exact zeros
+    else:
+        n, scale = None, torch.ones(1, dtype=torch.float32, device=dev)
+    rows = loss if reduction == "none" else torch.empty(T, dtype=torch.float32, device=dev)
+    step = chunk_rows(T, V, H)
+    buf = torch.empty((min(step, T), V), dtype=x.dtype, device=dev)
+    db = torch.zeros(V, dtype=torch.float32, device=dev) if dbias is not None else None
+    wt = weight.t()
+    for s in range(0, T, step):
+        e = min(s + step, T)
+        xc, logits = x[s:e], buf[: e - s]
+        if bias is not None:
+            torch.addmm(bias, xc, wt, out=logits)
+        else:
+            torch.mm(xc, wt, out=logits)
+        rows_kernel(logits, target[s:e], rows[s:e], scale, grad)
+        if not grad:
+            continue
+        torch.mm(logits, weight, out=dx[s:e])
+        if s == 0:
+            torch.mm(logits.t(), xc, out=dweight)
+        else:
+            dweight.addmm_(logits.t(), xc)
+        if db is not None:
+            db += logits.sum(dim=0, dtype=torch.float32)
+    if db is not None:
+        dbias.copy_(db)
+    if reduction == "sum":
+        torch.sum(rows, dim=0, keepdim=True, out=loss)
+    elif reduction == "mean":
+        torch.div(rows.sum(dim=0, keepdim=True), n, out=loss)
+
+
+def fused_backward(
+    gx: Tensor,
+    gweight: Tensor,
+    gbias: Tensor | None,
+    dloss: Tensor,
+    dx: Tensor,
+    dweight: Tensor,
+    dbias: Tensor | None,
+    *_scalars: object,
+) -> None:
+    """The fused backends' backward: the forward's gradients of the loss times the loss's gradient dloss
+    [1] (one torch.mul each, fp32 math, one rounding; bandwidth only: 2 x 1 GiB for d weight at Llama-3-8B
+    bf16). gx / gweight / gbias may be dx / dweight / dbias themselves (Phase.reuse: scaled in place)."""
+    for out, saved in ((gx, dx), (gweight, dweight), (gbias, dbias)):
+        if out is not None:
+            torch.mul(saved, dloss, out=out)
+
+
 def _loss_shape(ins: dict[str, Tensor | None], sc: dict[str, object]) -> dict[str, tuple[int, ...]]:
     """loss is [T] for reduction="none", else [1] (the public function returns it 0-d)."""
     return {"loss": (ins["x"].shape[0],) if sc["reduction"] == "none" else (1,)}
@@ -248,7 +350,8 @@ def linear_cross_entropy(
     (fp32 softmax math, d logits rounded to x's dtype) and saves only them; the backward scales them by
     the loss's gradient. reduction="none" with an input that requires grad raises ValueError (its weight
     gradient would need the per-row output gradients before the chunks are summed). Under no_grad no
-    gradient is computed. backend: "auto" (default), "torch", "triton" (no mojo kernel yet).
+    gradient is computed. backend: "auto" (default), "torch", "triton", "mojo" (triton and mojo refuse
+    fp16 gradients: FP16_GRAD_REFUSAL).
     Errors: TypeError/ValueError naming the argument.
     """
     key = library.call_key((x, weight, target, bias), (ignore_index, reduction, label_smoothing), backend)

@@ -15,7 +15,15 @@ import threading
 import torch
 
 from fusekit.backends.base import Backend, BackendUnavailable
-from fusekit.backends.mojo.specs import NO_KERNEL, SWIGLU_FFN_BACKWARD, X_DTYPE_WEIGHTS, phase_spec
+from fusekit.backends.mojo.specs import (
+    LINEAR_CROSS_ENTROPY_ROWS,
+    NO_KERNEL,
+    RUNS_ON,
+    SWIGLU_FFN_BACKWARD,
+    X_DTYPE_WEIGHTS,
+    phase_spec,
+)
+from fusekit.ops.linear_cross_entropy import FP16_GRAD_REFUSAL, fused_backward, fused_forward
 
 HEAD_DIMS = (64, 128, 256)
 # Calls inside torch's CUDA graph capture record MAX's launches into torch's graph (dispatch.py: the
@@ -88,13 +96,16 @@ class MojoBackend(Backend):
         if dtypes[0] == torch.float64:
             return "float64 runs on the torch backend only"
         spec = phase_spec(op, phase)
-        if self._compiler is not None and spec.max_op not in self.registered():
-            return f"the Mojo package {self._compiler.package} has no {spec.max_op} op ({op} {phase})"
+        needs = RUNS_ON.get(spec.max_op, spec.max_op)
+        if self._compiler is not None and needs not in self.registered():
+            return f"the Mojo package {self._compiler.package} has no {needs} op ({op} {phase})"
         if dtypes not in spec.allowed:
             names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
             return f"the mojo backend has no {op} kernel for dtypes ({names})"
         if op in X_DTYPE_WEIGHTS and len(set(dtypes)) > 1:
             return f"the mojo {op} kernel takes norm_weight in x's dtype only, got {dtypes[1]} with {dtypes[0]} x"
+        if op == "linear_cross_entropy" and phase == "backward" and dtypes[0] == torch.float16:
+            return FP16_GRAD_REFUSAL  # as the triton backend: d logits in x's dtype underflow fp16
         if op == "attention" and meta.get("head_dim") not in HEAD_DIMS:
             return f"head dim {meta.get('head_dim')} is not supported (supported: 64, 128, 256)"
         # Every optional input of the specs is taken (attention's kv_len, rope's positions); strided k/v
@@ -112,6 +123,8 @@ class MojoBackend(Backend):
             )
         if spec.name == "swiglu_ffn" and phase == "backward":
             self._swiglu_ffn_backward(outputs, inputs, scalars)
+        elif spec.name == "linear_cross_entropy":
+            self._linear_cross_entropy(phase, device, outputs, inputs, scalars)
         elif spec.name == "rope":  # (y, yk), (x, cos, sin, positions, k): x, then k as a second call
             (y, yk), (x, cos, sin, positions, k) = outputs, inputs
             self._call(ms, device, (y,), (x, cos, sin, positions), scalars)
@@ -156,3 +169,21 @@ class MojoBackend(Backend):
         if nw is not None:  # rms_norm's scalars: (eps, casting); eps is unused (rstd is saved)
             rms = phase_spec("rms_norm", "backward")
             self._call(rms, device, (dx, dnw), (dxn, None, x, nw, rstd), (scalars[0], "fp32"))
+
+    def _linear_cross_entropy(
+        self, phase: str, device: torch.device, outputs: tuple, inputs: tuple, scalars: tuple
+    ) -> None:
+        """linear_cross_entropy laid out as the Triton backend's: the chunk loop, the logits GEMM and the
+        gradient GEMMs are torch (ops/linear_cross_entropy.py fused_forward; cuBLAS on the GPU), each
+        chunk's row kernel the Mojo op fusekit.linear_cross_entropy (LINEAR_CROSS_ENTROPY_ROWS); the
+        backward is torch multiplies of the saved gradients (fused_backward)."""
+        if phase == "backward":
+            fused_backward(*outputs, *inputs)
+            return
+        ignore_index, _, label_smoothing = scalars
+
+        def rows_kernel(logits, target, rows, scale, grad: bool) -> None:
+            values = (ignore_index, label_smoothing, grad)
+            self._call(LINEAR_CROSS_ENTROPY_ROWS, device, (logits, rows), (target, scale), values)
+
+        fused_forward(rows_kernel, *outputs, *inputs, *scalars)

@@ -42,7 +42,7 @@ import torch
 
 # Ops the Mojo package has no kernel for (yet): the backend refuses them before building any MAX spec, so
 # backend="mojo" raises naming op and backend, "auto" passes over it, and mojo_build lists none of them.
-NO_KERNEL = frozenset({"linear_cross_entropy"})
+NO_KERNEL: frozenset[str] = frozenset()
 # Ops whose Mojo kernels take their weights in x's dtype only (no second dtype parameter yet).
 X_DTYPE_WEIGHTS = frozenset({"swiglu_ffn"})
 
@@ -262,6 +262,38 @@ SWIGLU_FFN_BACKWARD = OpSpec(
     allowed=frozenset((d,) for d in (torch.float32, torch.float16, torch.bfloat16)),
     bind=_bind_swiglu_backward,
 )
+
+
+def _ignore_pieces(ignore_index: int) -> tuple[float, float, float]:
+    """ignore_index = hi 2^48 + mid 2^24 + lo with mid, lo in [0, 2^24): each piece exact in float32, so
+    every int64 survives the float32 params (mojo/linear_cross_entropy.mojo LceFlags joins them)."""
+    return (float(ignore_index >> 48), float((ignore_index >> 24) & 0xFFFFFF), float(ignore_index & 0xFFFFFF))
+
+
+def _bind_lce_rows(outs: tuple, ins: tuple, values: tuple) -> Bound:
+    """(logits, rows), (target, scale), (ignore_index, label_smoothing, grad) -> the kernel's arguments."""
+    ignore_index, label_smoothing, grad = values
+    return outs, ins, (*_ignore_pieces(ignore_index), float(label_smoothing), float(grad))
+
+
+# The row kernel of the linear_cross_entropy forward (mojo/linear_cross_entropy.mojo), called once per chunk
+# of tokens: it is not the spec's forward phase; the provider runs the chunk loop and the GEMMs as torch
+# matmuls around it (ops/linear_cross_entropy.py fused_forward, as the Triton backend does). logits is read
+# and, when grad, overwritten with d loss / d logits. It holds the forward's MAX name, so the package
+# registering it is what makes the forward available; the backward (torch multiplies of the saved
+# gradients) runs wherever it does (RUNS_ON).
+LINEAR_CROSS_ENTROPY_ROWS = OpSpec(
+    op="linear_cross_entropy",
+    max_op="fusekit.linear_cross_entropy",
+    outputs=(TensorSpec("logits", ("C", "V"), "x"), TensorSpec("rows", ("C",), "float32")),
+    inputs=(TensorSpec("labels", ("C",), "int64"), TensorSpec("scale", (1,), "float32")),
+    params=("ignore_hi", "ignore_mid", "ignore_lo", "label_smoothing", "grad"),
+    dtype_vars=("x",),
+    allowed=frozenset((d,) for d in (torch.float32, torch.float16, torch.bfloat16)),
+    bind=_bind_lce_rows,
+)
+# MAX op names of phases that have no Mojo op of their own -> the op whose registration they need.
+RUNS_ON = {"fusekit.linear_cross_entropy_backward": LINEAR_CROSS_ENTROPY_ROWS.max_op}
 
 
 # --- workspace sizes: each mirrors its kernel's launch plan (the Mojo file states the same bound) ---------
