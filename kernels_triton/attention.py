@@ -46,18 +46,19 @@ import triton
 import triton.language as tl
 
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
-from kernels_triton._config import ensure_tma_allocator, is_hip, is_interpreter, on_device
+from kernels_triton._config import is_hip, is_interpreter, on_device
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 from kernels_triton.attention_backward import (
     Tile,
+    _configs,
     _launch_kw,
     _tma,
-    _tma_ok,
     _union,
     aot_specs_backward,
     attention_backward,
     stride_attrs,
+    tma_setup,
 )
 
 _LOG2E = 1.4426950408889634
@@ -230,12 +231,7 @@ _INTERP_TILE = (16, 16, 1, 1)  # the CPU interpreter: numpy per tile, small tile
 
 @functools.cache
 def _tuned(head_dim: int, tma_ok: bool):
-    table = (_HIP_TILES if is_hip() else _CUDA_TILES)[head_dim]
-    cfgs = [
-        triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "TMA": _tma(t)}, num_warps=t[2], num_stages=t[3])
-        for t in table
-        if tma_ok or not _tma(t)
-    ]
+    cfgs = _configs(_HIP_TILES if is_hip() else _CUDA_TILES, head_dim, tma_ok)
     # Keyed on power-of-two buckets of the lengths (re-tune per octave, not per length) and on causal (a
     # key the autotuner needs by name: it keys on tensor dtypes by itself, but not on constexpr values);
     # head_dim has a tuner of its own.
@@ -299,14 +295,7 @@ def forward(
             decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale, splits=_splits)
         return
     ieee = q.dtype == torch.float32
-    tma_ok = _tma_ok(q, k, v, o)
-    if _config is not None and _tma(_config) and not tma_ok:
-        raise ValueError(
-            "attention: a TMA tile was forced, but TMA needs sm_90+, fp16/bf16 and 16-byte aligned tensors "
-            f"and k/v strides (q {q.dtype} on {q.device}, k strides {tuple(k.stride())})"
-        )
-    if tma_ok and not is_interpreter() and (_config is None or _tma(_config)):
-        ensure_tma_allocator()
+    tma_ok = tma_setup("attention", None if _config is None else (_config,), q, k, v, o)
     has_kv_len = int(kv_len is not None)
     kl = kv_len if kv_len is not None else lse.view(torch.int32)  # never read without kv_len
     strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))

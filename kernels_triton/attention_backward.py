@@ -478,6 +478,21 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *outs: torch.Tens
     return q.shape[1] * q.shape[2] * q.shape[0] < 2**31
 
 
+def tma_setup(what: str, forced: tuple[Tile, ...] | None, q, k, v, *outs: torch.Tensor) -> bool:
+    """Whether the TMA tiles may run on these tensors (`_tma_ok`); a forced TMA tile they cannot take
+    raises, naming `what`; Triton's scratch allocator for device-built descriptors is installed when a TMA
+    tile may be launched on a GPU."""
+    tma_ok = _tma_ok(q, k, v, *outs)
+    if forced is not None and any(_tma(t) for t in forced) and not tma_ok:
+        raise ValueError(
+            f"{what}: a TMA tile was forced, but TMA needs sm_90+, fp16/bf16 and 16-byte aligned "
+            f"tensors and k/v strides (q {q.dtype} on {q.device}, k strides {tuple(k.stride())})"
+        )
+    if tma_ok and not is_interpreter() and (forced is None or any(_tma(t) for t in forced)):
+        ensure_tma_allocator()
+    return tma_ok
+
+
 def attention_backward(
     dq: torch.Tensor,
     dk: torch.Tensor,
@@ -507,14 +522,7 @@ def attention_backward(
     delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     forced = config if config is not None else (_INTERP_TILES if is_interpreter() else None)
-    tma_ok = _tma_ok(q, k, v, do, dq, dk, dv)
-    if forced is not None and any(_tma(t) for t in forced) and not tma_ok:
-        raise ValueError(
-            "attention backward: a TMA tile was forced, but TMA needs sm_90+, fp16/bf16 and 16-byte aligned "
-            f"tensors and k/v strides (q {q.dtype} on {q.device}, k strides {tuple(k.stride())})"
-        )
-    if tma_ok and not is_interpreter() and (forced is None or any(_tma(t) for t in forced)):
-        ensure_tma_allocator()
+    tma_ok = tma_setup("attention backward", forced, q, k, v, do, dq, dk, dv)
     pre_rows = _preprocess_rows(D)
     strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     # Grid axis 1 (B*H) is limited to 65535: launch in batch slabs (contiguous views), as the forward does.
