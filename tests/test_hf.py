@@ -380,7 +380,7 @@ def test_fused_loss_matches_hf_loss_and_every_gradient(family, items, monkeypatc
 
 def test_fused_loss_takes_a_backend_with_the_gradient(monkeypatch):
     """A patched model whose backend cannot give the loss's gradient for this call (triton in fp16) runs
-    the fused loss on "auto" (torch's fp32 d logits) in training, and on its own backend without grad."""
+    the fused loss on "auto" (torch's fp32 d weight) in training, and on its own backend without grad."""
     from types import SimpleNamespace
 
     from fusekit.hf import _patch

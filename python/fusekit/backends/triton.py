@@ -89,7 +89,7 @@ class TritonBackend(Backend):
         elif self._interpret:
             return "TRITON_INTERPRET=1 is set, so triton cannot launch on the GPU"
         if op == "linear_cross_entropy" and phase == "backward" and dtypes[0] == torch.float16:
-            return FP16_GRAD_REFUSAL  # d logits in x's dtype underflow fp16 (see its comment)
+            return FP16_GRAD_REFUSAL  # fp16 d weight misses the tolerance (see its comment)
         if op == "attention" and meta.get("head_dim") not in HEAD_DIMS:
             return f"head dim {meta.get('head_dim')} is not supported (supported: 64, 128, 256)"
         if not _has_kernel(op):
