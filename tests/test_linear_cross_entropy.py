@@ -212,7 +212,7 @@ def test_deterministic(backend_name, device):
 
 
 def test_triton_refuses_fp16_gradients_and_auto_takes_torch(device):
-    """triton's fp16 d weight misses the tolerance (see FP16_GRAD_REFUSAL): a call that records a gradient
+    """triton's fp16 d weight misses the tolerance (see fused_refusal): a call that records a gradient
     raises before running, naming fp16; without a gradient it runs; auto gives the torch backend's
     gradients (d weight accumulated in fp32), equal to HF's fp32-logits path within fp16's tolerance."""
     if backends.available()["triton"] is not None:

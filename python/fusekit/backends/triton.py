@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 
 from fusekit.backends.base import Backend
-from fusekit.ops.linear_cross_entropy import FP16_GRAD_REFUSAL
+from fusekit.ops.linear_cross_entropy import fused_refusal
 
 # The interpreter's bf16 tl.dot is wrong (TRITON_FACTS.md): refuse rather than return garbage.
 _DOT_OPS = ("swiglu_ffn", "attention")
@@ -88,8 +88,8 @@ class TritonBackend(Backend):
             return f"triton does not run on device type {device.type!r}"
         elif self._interpret:
             return "TRITON_INTERPRET=1 is set, so triton cannot launch on the GPU"
-        if op == "linear_cross_entropy" and phase == "backward" and dtypes[0] == torch.float16:
-            return FP16_GRAD_REFUSAL  # fp16 d weight misses the tolerance (see its comment)
+        if why := fused_refusal(op, phase, dtypes):
+            return why
         if op == "attention" and meta.get("head_dim") not in HEAD_DIMS:
             return f"head dim {meta.get('head_dim')} is not supported (supported: 64, 128, 256)"
         if not _has_kernel(op):

@@ -144,11 +144,18 @@ def reference_backward(
 # reference rounds d logits to fp16 just the same; what differs is d weight's GEMM, fp16 in and fp16 out over
 # the tokens in the fused path (cuBLAS may also reduce split-K partials in fp16), fp32 out and one rounding in
 # the reference. The torch backend (d weight accumulated in fp32) runs it.
-FP16_GRAD_REFUSAL = (
+_FP16_GRAD_REFUSAL = (
     "fp16 gradients of linear_cross_entropy are not accurate on the fused backends (d weight 4.4e-3 off "
     "float64, over fp16's 4e-3 tolerance); train in bf16 or fp32, or use backend='torch' (d weight "
     "accumulated in fp32)"
 )
+
+
+def fused_refusal(op: str, phase: str, dtypes: tuple[torch.dtype, ...]) -> str | None:
+    """What a fused backend (triton, mojo) says to a call of `op` it cannot run accurately, or None."""
+    if op == "linear_cross_entropy" and phase == BACKWARD and dtypes[0] == torch.float16:
+        return _FP16_GRAD_REFUSAL
+    return None
 
 
 # --- the fused backends' chunk loop (triton, mojo): Liger's scheme around one row kernel -------------
@@ -353,7 +360,7 @@ def linear_cross_entropy(
     the loss's gradient. reduction="none" with an input that requires grad raises ValueError (its weight
     gradient would need the per-row output gradients before the chunks are summed). Under no_grad no
     gradient is computed. backend: "auto" (default), "torch", "triton", "mojo" (triton and mojo refuse
-    fp16 gradients: FP16_GRAD_REFUSAL).
+    fp16 gradients: fused_refusal).
     Errors: TypeError/ValueError naming the argument.
     """
     key = library.call_key((x, weight, target, bias), (ignore_index, reduction, label_smoothing), backend)

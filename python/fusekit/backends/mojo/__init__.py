@@ -23,7 +23,7 @@ from fusekit.backends.mojo.specs import (
     X_DTYPE_WEIGHTS,
     phase_spec,
 )
-from fusekit.ops.linear_cross_entropy import FP16_GRAD_REFUSAL, fused_backward, fused_forward
+from fusekit.ops.linear_cross_entropy import fused_backward, fused_forward, fused_refusal
 
 HEAD_DIMS = (64, 128, 256)
 # Calls inside torch's CUDA graph capture record MAX's launches into torch's graph (dispatch.py: the
@@ -104,8 +104,8 @@ class MojoBackend(Backend):
             return f"the mojo backend has no {op} kernel for dtypes ({names})"
         if op in X_DTYPE_WEIGHTS and len(set(dtypes)) > 1:
             return f"the mojo {op} kernel takes norm_weight in x's dtype only, got {dtypes[1]} with {dtypes[0]} x"
-        if op == "linear_cross_entropy" and phase == "backward" and dtypes[0] == torch.float16:
-            return FP16_GRAD_REFUSAL  # as the triton backend: its fp16 d weight misses the tolerance
+        if why := fused_refusal(op, phase, dtypes):  # as the triton backend's
+            return why
         if op == "attention" and meta.get("head_dim") not in HEAD_DIMS:
             return f"head dim {meta.get('head_dim')} is not supported (supported: 64, 128, 256)"
         # Every optional input of the specs is taken (attention's kv_len, rope's positions); strided k/v
