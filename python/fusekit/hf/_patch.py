@@ -380,11 +380,12 @@ def _fused_loss(
         and backends.get(backend).supports("linear_cross_entropy", "backward", x.device, (x.dtype,))
     ):
         backend = "auto"  # e.g. triton's fp16 gradients: the loss takes a backend that has them (torch)
-    if num_items_in_batch is None:
-        return ops.linear_cross_entropy(x, w, target, b, ignore_index=ignore_index, backend=backend)
+    reduction = "mean" if num_items_in_batch is None else "sum"
     loss = ops.linear_cross_entropy(
-        x, w, target, b, ignore_index=ignore_index, reduction="sum", backend=backend
+        x, w, target, b, ignore_index=ignore_index, reduction=reduction, backend=backend
     )
+    if num_items_in_batch is None:
+        return loss
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
