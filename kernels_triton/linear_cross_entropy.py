@@ -7,7 +7,7 @@ Entry points (CONTRACT.md):
 
 Forward (the chunk loop is `fusekit.ops.linear_cross_entropy.fused_forward`, shared with the mojo backend,
 whose row kernel is mojo/linear_cross_entropy.mojo), per chunk of C tokens (`chunk_rows`: C x V logits about the size of
-x, and at least 2^27 elements: 1024 tokens at Llama-3's vocabulary): logits = x_c @ weight^T (+ bias) by torch's matmul in x's dtype into one reused [C, V] buffer (cuBLAS /
+x, and at least 2^29 elements: 4096 tokens at Llama-3's vocabulary): logits = x_c @ weight^T (+ bias) by torch's matmul in x's dtype into one reused [C, V] buffer (cuBLAS /
 hipBLASLt, fp32 accumulation, as HF's F.linear), then ONE Triton launch, one program per row, that reads the
 row twice: pass 1 the online logsumexp over V in fp32 (block max, then the rescaled sum of exps) and, with
 label smoothing, the row's sum of logits; the row's loss lse - (1-ε) z_y - ε mean(z). Pass 2 (only when the

@@ -43,7 +43,7 @@ def _hf(x, w, t, b, **kw):
 
 @pytest.fixture(autouse=True)
 def _small_chunks(monkeypatch):
-    """Liger's chunk rule alone (no 256 MiB floor), so these small cases run in several chunks."""
+    """Liger's chunk rule alone (no 1 GiB floor), so these small cases run in several chunks."""
     monkeypatch.setattr(lce, "MIN_CHUNK_LOGITS", 0)
 
 
@@ -51,9 +51,9 @@ def test_chunks_are_about_the_size_of_x(monkeypatch):
     assert chunk_rows(T, V, H) == 4  # V / H -> 17 logits rows per x row: 37 / 17 -> 3 -> 4
     assert chunk_rows(8192, 128256, 4096) == 256  # Llama-3-8B by Liger's rule: 32 chunks of 256 tokens
     assert chunk_rows(9, 64, 64) == 9 and chunk_rows(1, 128256, 64) == 1
-    monkeypatch.setattr(lce, "MIN_CHUNK_LOGITS", 1 << 27)  # the default floor: 256 MiB of bf16 logits
-    assert chunk_rows(8192, 128256, 4096) == 1024  # 8 chunks of 1024 tokens
-    assert chunk_rows(2048, 128256, 2048) == 1024 and chunk_rows(600, 128256, 4096) == 600
+    monkeypatch.setattr(lce, "MIN_CHUNK_LOGITS", 1 << 29)  # the default floor: 1 GiB of bf16 logits
+    assert chunk_rows(8192, 128256, 4096) == 4096  # 2 chunks of 4096 tokens
+    assert chunk_rows(16384, 128256, 2048) == 4096 and chunk_rows(600, 128256, 4096) == 600
     assert chunk_rows(T, V, H) == T  # a small vocabulary: one chunk
 
 

@@ -25,17 +25,20 @@ from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, acc_dtyp
 REDUCTIONS = ("mean", "sum", "none")
 
 
-# Smallest chunk logits, in elements (256 MiB of bf16): Liger's rule alone gives 32 chunks at Llama-3's V/H
+# Smallest chunk logits, in elements (1 GiB of bf16): Liger's rule alone gives 32 chunks at Llama-3's V/H
 # whatever T is, and every chunk adds its [V, H] product into d weight: a read and a write of d weight (2 GiB
-# at Llama-3-8B bf16) and one rounding to x's dtype per chunk. Measured on an H100 (triton, T 4096/8192, H
-# 4096, V 128256, bf16): 61.7 / 65.8 ms a training step at 32 chunks. Tests lower it to exercise chunking.
-MIN_CHUNK_LOGITS = 1 << 27
+# at Llama-3-8B bf16) and one rounding to x's dtype per chunk. Measured on an H100 (triton, H 4096,
+# V 128256, bf16, training step): 32 chunks 61.7 / 65.8 ms at T 4096 / 8192; floor 2^27 (1024 tokens)
+# 21.0 / 42.9 ms; 2^28 21.2 / 42.4; 2^29 (4096 tokens) 21.1 / 40.1 ms, +0.74 GiB (mojo 47.2 -> 41.4 ms at
+# T 8192); 2^30 no faster. Peak stays under torch.compile's unchunked step (3.07 GiB at T 8192). Tests lower
+# it to exercise chunking.
+MIN_CHUNK_LOGITS = 1 << 29
 
 
 def chunk_rows(T: int, V: int, H: int) -> int:
     """Tokens per chunk: a power of two that keeps a chunk's logits [C, V] about the size of x [T, H]
     (Liger-Kernel's rule: C = next_pow2(T / ceil(V / H))) but at least MIN_CHUNK_LOGITS elements, and at
-    most T. Llama-3-8B, T = 8192, H = 4096, V = 128256: 8 chunks of 1024 tokens (251 MiB of bf16 logits)."""
+    most T. Llama-3-8B, T = 8192, H = 4096, V = 128256: 2 chunks of 4096 tokens (1002 MiB of bf16 logits)."""
     inc = -(-V // H)
     c = -(-T // inc)
     c = 1 << (c - 1).bit_length()
