@@ -4,7 +4,7 @@
 # Each tool runs the fast conformance subset (-m fast: the first two CPU cases of every op, dtype and
 # phase, odd sizes included) and, for triton, the decode-attention tests, with --device cuda,
 # under `compute-sanitizer --tool <tool> --error-exitcode 97`. One log per (backend, tool) in $OUT and a
-# summary line each (also appended to its log): the sanitizer's "ERROR SUMMARY" and pytest's counts.
+# summary line each (also appended to its log): the sanitizer's "ERROR SUMMARY" (racecheck: "RACECHECK SUMMARY") and pytest's counts.
 # Each run's JUnit XML and log become $OUT/reliability-sanitize-<backend>.json (tests/reliability.py);
 # the XMLs are then removed to keep $OUT small (KEEP_JUNIT=1 keeps them). Needs no installs (nox
 # sessions cannot create environments on the device machine); MAX staged by pack_max.sh is sourced.
@@ -30,7 +30,7 @@ run() {  # run <log> <pytest args...>: one pytest process under the sanitizer
     > "$log" 2>&1
   code=$?
   [ $code -ne 0 ] && rc=1
-  echo "$b $tool $(basename "$log") exit=$code $(grep -E 'ERROR SUMMARY' "$log" | tail -n 1)" \
+  echo "$b $tool $(basename "$log") exit=$code $(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -n 1)" \
     "$(grep -E 'passed|failed' "$log" | tail -n 1)" | tee -a "$log"
 }
 for b in ${BACKENDS:-triton mojo}; do
