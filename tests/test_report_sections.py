@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from fusekit.bench.results import load_all
-from fusekit.report import e2e, host
+from fusekit.report import e2e, host, targets
 from fusekit.report.render import render
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +160,9 @@ def test_sections_sit_between_the_op_sections_and_reliability(tmp_path) -> None:
     i_host, i_rel = md.index(host.TITLE), md.index("## Reliability")
     assert i_op < i_e2e < i_host < i_rel
     assert md.count(e2e.TITLE) == 1 and md.count(host.TITLE) == 1
-    assert "e2e.json" not in md.split(e2e.TITLE)[0]  # no op section, Sources row or headline for it
+    before = md.split(e2e.TITLE)[0]
+    outside_targets = before.split(targets.TITLE)[0] + before.split(targets.TITLE)[1].split("\n## ", 1)[1]
+    assert "e2e.json" not in outside_targets  # no op section, Sources row or headline for it
 
 
 def test_absent_files_leave_no_section(tmp_path) -> None:
@@ -242,3 +244,55 @@ def test_committed_files_render_both_sections(tmp_path, monkeypatch) -> None:
     md = render(Path("benchmarks/results"), tmp_path, draw=False).read_text()
     assert f"### {SLUG} — `benchmarks/results/{SLUG}/e2e.json`" in md
     assert f"### {SLUG} — `benchmarks/results/{SLUG}/host.json`" in md
+
+
+# --- the Targets section (report/targets.py) ------------------------------------------------------------
+def _op_doc(rows: list[dict]) -> dict:
+    meta = {**_meta("fusekit-bench/1"), "command": "python -m fusekit.bench --suite train"}
+    return {"meta": meta, "op": "rms_norm", "suite": "train", "rows": rows}
+
+
+def _bench_row(prov: str, n: int, vs_compile: float, pct: float) -> dict:
+    return {
+        "op": "rms_norm",
+        "suite": "train",
+        "case": f"M=8,N={n}",
+        "params": {"M": 8, "N": n},
+        "dtype": "bf16",
+        "provider": prov,
+        "kind": "backend",
+        "status": "ok",
+        "speedup_vs": {"torch-compile": vs_compile},
+        "pct_of_ceiling": pct,
+    }
+
+
+def test_targets_met_only_when_every_case_meets_them() -> None:
+    doc = _op_doc(
+        [
+            _bench_row("triton", 4096, 1.3, 85.0),
+            _bench_row("triton", 8192, 1.25, 79.0),  # misses the 80% byte floor target
+            _bench_row("mojo", 4096, 0.6, 50.0),
+        ]
+    )
+    got = {t.what: cells for _, t, cells in targets.evaluate([(SLUG, Path("x.json"), doc)])}
+    compile_ = got["norms fwd+bwd ≥ 1.2× torch.compile"]
+    assert compile_["triton"].startswith("**met**: 2/2 cases, worst 1.25×")
+    assert compile_["mojo"].startswith("not met: 0/1 cases, worst 0.60×")
+    assert got["norms fwd+bwd ≥ 80% of the byte floor"]["triton"].startswith("not met: 1/2 cases, worst 79%")
+    assert "abcdef1234" in compile_["triton"]  # the rows' commit
+    # no row of that suite/baseline: the target is left out, never assumed met
+    assert "norms fwd+bwd ≥ 1.1× Liger" not in got and "attention fwd+bwd ≥ 0.9× SDPA" not in got
+
+
+def test_e2e_targets_from_step_times_and_commit_mark(tmp_path) -> None:
+    res = _results(tmp_path, _e2e_doc(merged=True))
+    [(label, provs, items)] = targets.evaluate_e2e(res)
+    assert provs == ["fusekit-triton"] and "tiny" in label
+    cells = {t.what: c["fusekit-triton"] for t, c in items}
+    # train: 380 vs eager 400 tokens/s -> 0.95x, under 1.15x; timed at the second run's commit: marked
+    assert cells["training step ≥ 1.15× HF eager"].startswith("not met: 0/1 cases, worst 0.95×")
+    assert cells["training step ≥ 1.15× HF eager"].endswith("†")
+    assert "decode ≥ 1.0× HF + Liger" not in cells  # no liger rows
+    md = render(res, tmp_path / "rep", draw=False).read_text()
+    assert targets.TITLE in md and md.index(targets.TITLE) < md.index("## Sources and ceilings")

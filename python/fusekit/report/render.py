@@ -5,7 +5,8 @@ table, every timed cell carries its run's number when a file has more than one, 
 followed by its runs (commit, date, versions, command). The timing method is stated per device: CUDA
 events with a cold L2 on a GPU, host wall-clock on the CPU. After the op sections come the end-to-end
 model (report/e2e.py) and the host path per call (report/host.py), each only where its file exists; the
-report ends with the Reliability section (report/reliability.py: the test and sanitizer records found
+Targets section (report/targets.py: every numeric target of the open issues, met or not, from the
+same files) follows the headline; the report ends with the Reliability section (report/reliability.py: the test and sanitizer records found
 beside the results).
 """
 
@@ -18,7 +19,7 @@ from fusekit.bench import cases
 from fusekit.bench.results import load_all, runs, suite_of
 from fusekit.report import e2e as e2e_section
 from fusekit.report import host as host_section
-from fusekit.report import plots, reliability, tables
+from fusekit.report import plots, reliability, tables, targets
 
 SUITE_ORDER = ("sweep", "train", "small", "decode")
 SUITE_TITLES = {
@@ -135,6 +136,7 @@ def render(results_dir: Path, out_dir: Path, draw: bool = True) -> Path | None:
         "## Headline: which backend wins each op, and by how much",
         "",
         tables.headline_md(tables.headline(entries, src_root)),
+        *targets.section_md(entries, results_dir),
         "## Sources and ceilings",
         "",
     ]

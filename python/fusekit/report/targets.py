@@ -1,0 +1,229 @@
+"""The report's Targets section: every numeric target of the open issues, checked against the committed
+results of each device and backend — met or not, worst case, how many cases, at which commits.
+
+A target is a ratio against a baseline measured in the same run (`speedup_vs`, baseline time / fusekit
+time) or a share of the roofline bound (`pct_of_ceiling`), over the cases of one op and suite that the
+target names (`where`). It is met on a device when every such case of the backend meets it; "no data"
+says the committed results do not cover it (a target is never assumed). The end-to-end targets read
+e2e.json (HF eager / torch.compile / Liger step times of the same file).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusekit.bench.results import runs, suite_of
+from fusekit.report import e2e as e2e_section
+from fusekit.report.tables import commit_str, ok_rows
+
+TITLE = "## Targets of the open issues"
+BACKENDS = ("triton", "mojo")
+Where = Callable[[dict], bool]
+
+
+@dataclass(frozen=True)
+class Target:
+    issue: int
+    what: str  # the issue's words
+    ops: tuple[str, ...]
+    suite: str  # "sweep", "train", "small", "decode"
+    baseline: str | None  # speedup_vs key; None: pct_of_ceiling
+    at_least: float  # ratio, or percent of the roofline bound when baseline is None
+    where: Where | None = None  # on a row: params, dtype
+
+
+def _p(**want: object) -> Where:
+    return lambda r: all((r.get("params") or {}).get(k) == v for k, v in want.items())
+
+
+def _n_in(lo: int, hi: int) -> Where:
+    return lambda r: lo <= int((r.get("params") or {}).get("N", 0)) <= hi
+
+
+def _pow2_n(lo: int, hi: int, dtype: str | None = None) -> Where:
+    def f(r: dict) -> bool:
+        n = int((r.get("params") or {}).get("n", 0))
+        return (1 << lo) <= n <= (1 << hi) and (dtype is None or r.get("dtype") == dtype)
+
+    return f
+
+
+NORMS = ("rms_norm", "layer_norm")
+TARGETS: tuple[Target, ...] = (
+    # #10 training: forward + backward
+    Target(10, "norms fwd+bwd ≥ 1.2× torch.compile", NORMS, "train", "torch-compile", 1.2),
+    Target(10, "norms fwd+bwd ≥ 1.1× Liger", NORMS, "train", "liger", 1.1),
+    Target(10, "norms fwd+bwd ≥ 80% of the byte floor", NORMS, "train", None, 80.0),
+    Target(10, "rope fwd+bwd ≥ 1.5× Liger", ("rope",), "train", "liger", 1.5),
+    Target(10, "swiglu_ffn fwd+bwd ≥ 1.0× torch.compile", ("swiglu_ffn",), "train", "torch-compile", 1.0),
+    Target(10, "attention fwd+bwd ≥ 0.9× SDPA", ("attention",), "train", "sdpa", 0.9),
+    # #11 model-shape speed
+    Target(11, "decode attention ≥ 1.0× SDPA", ("attention",), "decode", "sdpa", 1.0),
+    # GPU time (the small-suite files also hold wall time per call: the host-path targets are in host.json)
+    Target(
+        11,
+        "norms, rope at small shapes ≥ 1.0× torch.compile",
+        (*NORMS, "rope"),
+        "small",
+        "torch-compile",
+        1.0,
+    ),
+    Target(11, "norms, rope at small shapes ≥ 1.0× Liger", (*NORMS, "rope"), "small", "liger", 1.0),
+    # #13 / #14 forward sweeps
+    Target(13, "attention forward ≥ 1.0× SDPA", ("attention",), "sweep", "sdpa", 1.0),
+    Target(
+        13, "reduce_sum fp32 2^30 ≥ 1.0× CUB", ("reduce_sum",), "sweep", "cub", 1.0, _pow2_n(30, 30, "fp32")
+    ),
+    Target(13, "reduce_sum 2^20–2^26 ≥ 0.95× CUB", ("reduce_sum",), "sweep", "cub", 0.95, _pow2_n(20, 26)),
+    Target(
+        13,
+        "norms N 512–262144 ≥ 1.0× torch.compile",
+        NORMS,
+        "sweep",
+        "torch-compile",
+        1.0,
+        _n_in(512, 262144),
+    ),
+    Target(
+        13, "norms N 512–262144 ≥ 95% of the copy ceiling", NORMS, "sweep", None, 95.0, _n_in(512, 262144)
+    ),
+    Target(
+        13,
+        "rope B16 S4096 H32 D128 ≥ 95% of the copy floor",
+        ("rope",),
+        "sweep",
+        None,
+        95.0,
+        _p(B=16, S=4096),
+    ),
+    Target(14, "swiglu_ffn forward ≥ 1.0× torch.compile", ("swiglu_ffn",), "sweep", "torch-compile", 1.0),
+)
+
+
+@dataclass(frozen=True)
+class E2ETarget:
+    issue: int
+    what: str
+    scenario: str
+    baseline: str  # a provider of e2e.json: "eager", "compile", "liger"
+    at_least: float
+
+
+E2E_TARGETS: tuple[E2ETarget, ...] = (
+    E2ETarget(12, "decode ≥ 1.3× HF eager", "decode", "eager", 1.3),
+    E2ETarget(12, "decode ≥ 1.0× HF + torch.compile", "decode", "compile", 1.0),
+    E2ETarget(12, "training step ≥ 1.15× HF eager", "train", "eager", 1.15),
+    E2ETarget(12, "decode ≥ 1.0× HF + Liger", "decode", "liger", 1.0),
+    E2ETarget(12, "training ≥ 1.0× HF + Liger", "train", "liger", 1.0),
+)
+
+
+def _value(r: dict, t: Target) -> float | None:
+    if t.baseline is None:
+        v = r.get("pct_of_ceiling")
+    else:
+        v = (r.get("speedup_vs") or {}).get(t.baseline)
+    return None if v is None else float(v)
+
+
+def _cell(vals: list[float], at_least: float, unit: str, commits: set[str]) -> str:
+    if not vals:
+        return "no data"
+    met = sum(v >= at_least for v in vals)
+    worst, med = min(vals), statistics.median(vals)
+    verdict = "**met**" if met == len(vals) else "not met"
+    fmt = (lambda v: f"{v:.0f}%") if unit == "%" else (lambda v: f"{v:.2f}×")
+    return f"{verdict}: {met}/{len(vals)} cases, worst {fmt(worst)}, median {fmt(med)} ({', '.join(sorted(commits))})"
+
+
+def evaluate(entries: list[tuple[str, Path, dict]]) -> list[tuple[str, Target, dict[str, str]]]:
+    """Per device and op target: backend -> cell."""
+    out = []
+    devices = list(dict.fromkeys(dev for dev, _, _ in entries))
+    for dev in devices:
+        docs = [d for dv, _, d in entries if dv == dev]
+        for t in TARGETS:
+            cells = {}
+            for b in BACKENDS:
+                vals, commits = [], set()
+                for d in docs:
+                    if d["op"] not in t.ops or suite_of(d) != t.suite:
+                        continue
+                    rs = runs(d)
+                    for r in ok_rows(d):
+                        if r["provider"] != b or (t.where is not None and not t.where(r)):
+                            continue
+                        v = _value(r, t)
+                        if v is None:
+                            continue
+                        vals.append(v)
+                        commits.add(commit_str(rs[min(r.get("source", 0), len(rs) - 1)]))
+                cells[b] = _cell(vals, t.at_least, "%" if t.baseline is None else "×", commits)
+            if any(c != "no data" for c in cells.values()):
+                out.append((dev, t, cells))
+    return out
+
+
+def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2ETarget, dict[str, str]]]]]:
+    """Per e2e.json: (label, fusekit providers, [(target, provider -> cell)]), from the ratios of median
+    step times in that file. Every provider runs in its own process (a run); a ratio whose baseline row was measured at another commit
+    (a file merged over sessions) is marked †."""
+    out = []
+    for path, doc in e2e_section.load(results_dir):
+        label = f"{path.parent.name} — {doc.get('setup', {}).get('model') or path.stem} — `{path.name}`"
+        rows = [r for r in doc["rows"] if r.get("status") == "ok"]
+        base = {(r["provider"], r["scenario"], r["case"]): r for r in rows}
+        commits = {i: commit_str(run) for i, run in enumerate(doc.get("runs") or [])}
+        provs = [p for p in dict.fromkeys(r["provider"] for r in rows) if p.startswith("fusekit")]
+        items = []
+        for t in E2E_TARGETS:
+            cells = {}
+            for p in provs:
+                vals, cs, other = [], set(), False
+                for r in rows:
+                    if r["provider"] != p or r["scenario"] != t.scenario:
+                        continue
+                    b = base.get((t.baseline, r["scenario"], r["case"]))
+                    if b:
+                        vals.append(b["ms_per_step"] / r["ms_per_step"])
+                        cs.add(commits.get(r.get("run"), "?"))
+                        other |= commits.get(b.get("run")) != commits.get(r.get("run"))
+                cells[p] = _cell(vals, t.at_least, "×", cs) + (" †" if other else "")
+            if any(not c.startswith("no data") for c in cells.values()):
+                items.append((t, cells))
+        if items:
+            out.append((label, provs, items))
+    return out
+
+
+def section_md(entries: list[tuple[str, Path, dict]], results_dir: Path) -> list[str]:
+    """The Targets section: one table per device for the op targets, one per e2e file."""
+    md = [
+        TITLE,
+        "",
+        "Each target checked against the committed results: **met** when every case of that op and suite "
+        "meets it; ratios are against baselines measured in the same run; commits are the rows' runs. "
+        "Results measured before a kernel was rewritten still count here: their commits say so.",
+        "",
+    ]
+    rows = evaluate(entries)
+    for dev in dict.fromkeys(dev for dev, _, _ in rows):
+        md += [f"### {dev}", "", "| issue | target | " + " | ".join(BACKENDS) + " |", "|---|---|---|---|"]
+        for d, t, cells in rows:
+            if d == dev:
+                md.append(f"| #{t.issue} | {t.what} | " + " | ".join(cells[b] for b in BACKENDS) + " |")
+        md.append("")
+    for label, provs, items in evaluate_e2e(results_dir):
+        md += [f"### e2e: {label}", "", "| issue | target | " + " | ".join(provs) + " |"]
+        md.append("|---|---|" + "---|" * len(provs))
+        for t, cells in items:
+            md.append(f"| #{t.issue} | {t.what} | " + " | ".join(cells[p] for p in provs) + " |")
+        md += [
+            "",
+            "† the baseline's row was measured at another commit (the file merges several sessions).",
+            "",
+        ]
+    return md
