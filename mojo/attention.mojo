@@ -6,7 +6,12 @@
 #                       k [B, Hkv, Skv, D], v [B, Hkv, Skv, D], kv_len? [B] int32,
 #                       params [3] f32 = [causal, scale, has_kv_len]).
 #   attention_backward: outputs (dq [B, H, S, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, D]), inputs
-#                       (do [B, H, S, D], q, k, v, o, lse [B, H, S] f32, kv_len?, params as above).
+#                       (do [B, H, S, D], q, k, v, o, lse [B, H, S] f32, kv_len?, params as above, or
+#                       params [4] f32 = [causal, scale, has_kv_len, bwd_tc]). The 4th slot exists only
+#                       when FUSEKIT_MOJO_ATTN_BWD_TC=1 (python/fusekit/backends/mojo/specs.py) and then
+#                       holds 1: its PRESENCE (params' length, known on the host; its value is on the
+#                       device) selects the tensor-core backward (_attention_backward.mojo) where that
+#                       covers the call. The CPU path ignores it.
 # Head h reads kv head h // (H // Hkv). Sequence b uses keys 0..L_b - 1 only, L_b = clamp(kv_len[b], 0,
 # Skv) with has_kv_len (the values are untrusted on CUDA: clamped, so no length reads outside k/v), else
 # Skv; keys past L_b are never read and get zero gradients (a KV cache may hold anything there). An
@@ -41,12 +46,18 @@
 #   (FA3) is what reaches ~600 TFLOP/s; mma.sync peaks near ~60% of that on H100/H200.
 # - everything else (fp32, other head dims, AMD gfx942): `_attn_rowwise_kernel`, one warp per query
 #   row, exact fp32 math, no tensor cores (correct, slow; also the harness's GPU reference).
-# GPU backward (every dtype / vendor): SIMT fp32 kernels, deterministic (fixed loop orders, no atomics):
+# GPU backward, default (every dtype / vendor): SIMT fp32 kernels, deterministic (fixed loop orders, no
+# atomics):
 #   delta_i = rowsum(do_i * o_i) (one warp per row, into the caller's fp32 workspace [B*H*S]); dK/dV:
 #   one warp per kv row j, looping over the GQA group's heads and the query rows that see j; dQ: one warp
 #   per query row, looping over its visible keys; p = exp(s - lse) recomputed from the forward's lse.
-#   Correct but not tensor-core (a tiled mma.sync backward is the follow-up); rows with no visible key
-#   contribute nothing.
+#   Correct but not tensor-core; rows with no visible key contribute nothing.
+# GPU backward, opt-in (params' 4th slot, FUSEKIT_MOJO_ATTN_BWD_TC=1): NVIDIA, fp16 / bf16, D 64 / 128 / 256,
+#   B * H <= 65535: `attention_backward_tc` in _attention_backward.mojo, FlashAttention-2's backward on
+#   mma.sync (a dK/dV kernel per key block walking the GQA group's heads and query blocks, a dQ kernel per
+#   query block; deterministic, no atomics), after the same delta kernel. Not yet run on a GPU: the harness
+#   (FUSEKIT_HARNESS_ONLY=attn_bwd_tc) checks it against the SIMT kernels and a float64 host reference.
+#   Its non-finite rule is the Triton backend's (see that file), not the SIMT kernels' stricter one.
 #
 # Tile table for `_fa2_kernel` (BM query rows per block = 16 * warps, BN keys per tile):
 #   D    BM   BN  warps  regs/thread (S + O acc + Q frags)   smem (2 stages K+V, rows padded +8)
@@ -85,6 +96,7 @@ from max.gpu.compute.mma import mma, ld_matrix
 from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
 
 from ._util import exp_f64, log_f64, check_workspace
+from ._attention_backward import attention_backward_tc, tc_backward_supported
 
 comptime LOG2E: Float32 = 1.4426950408889634
 comptime LN2: Float32 = 0.6931471805599453
@@ -900,7 +912,9 @@ def attention_backward_gpu[
     Skv: Int,
     D: Int,
     ctx: DeviceContext,
+    tensor_cores: Bool = False,
 ) raises:
+    """tensor_cores: take `attention_backward_tc` where it covers the call (see the header), else SIMT."""
     if D > 256:
         raise Error("fusekit.attention_backward: head dim > 256 is not supported on the GPU")
     var rows = B * H * S
@@ -909,6 +923,11 @@ def attention_backward_gpu[
     ctx.enqueue_function[_attn_bwd_delta_kernel[dtype]](
         delta, do_, o, Int64(rows), Int32(D), grid_dim=ceildiv(rows, 4), block_dim=4 * WARP_SIZE
     )
+    if tensor_cores and tc_backward_supported[dtype](B, H, Hkv, D):
+        attention_backward_tc[dtype](
+            dq, dk, dv, delta, do_, q, k, v, lse, kv_len, params, B, H, Hkv, S, Skv, D, ctx
+        )
+        return
     ctx.enqueue_function[_attn_bwd_dq_kernel[dtype]](
         dq, do_, q, k, v, lse, delta, kv_len, params, Int32(B * H), Int32(H), Int32(Hkv), Int32(S), Int32(Skv), Int32(D),
         grid_dim=ceildiv(rows, 4), block_dim=4 * WARP_SIZE,
@@ -966,7 +985,7 @@ struct Attention:
 @register("fusekit.attention_backward")
 struct AttentionBackward:
     """Outputs (dq [B,H,S,D], dk [B,Hkv,Skv,D], dv [B,Hkv,Skv,D]); workspace (delta [B*H*S] f32); inputs
-    (do, q, k, v, o, lse [B,H,S] f32, kv_len? [B] int32, params [causal, scale, has_kv_len])."""
+    (do, q, k, v, o, lse [B,H,S] f32, kv_len? [B] int32, params [causal, scale, has_kv_len(, bwd_tc)])."""
 
     @staticmethod
     def execute[
@@ -1006,8 +1025,11 @@ struct AttentionBackward:
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":
             var deltap = rebind[Pointer[Float32, MutAnyOrigin]](delta.unsafe_ptr())
+            # params' 4th slot (bwd_tc) is there only when opted in: its presence is read, not its value
+            # (that would need a device -> host read)
             attention_backward_gpu[dtype](
-                dqp, dkp, dvp, deltap, delta.dim_size(0), dop, qp, kp, vp, outp, lp, ip, pp, B, H, Hkv, S, Skv, D, ctx
+                dqp, dkp, dvp, deltap, delta.dim_size(0), dop, qp, kp, vp, outp, lp, ip, pp, B, H, Hkv, S, Skv, D, ctx,
+                tensor_cores=params.dim_size(0) > 3,
             )
         else:  # the CPU path needs no workspace: delta is a 1-element dummy, never read
             attention_backward_cpu[dtype](

@@ -1,11 +1,15 @@
 """Harness entry for fusekit.attention (o, lse) and fusekit.attention_backward: execute["gpu"] checks
 (host float64 at small shapes, incl. NaN/Inf inputs and per-sequence kv_len with NaN keys past each
-length that must never be read; the rowwise fp32 GPU kernel at realistic shapes) and FLOP-rate timing."""
+length that must never be read; the rowwise fp32 GPU kernel at realistic shapes) and FLOP-rate timing.
+
+FUSEKIT_HARNESS_ONLY=attn_bwd_tc runs only the tensor-core backward's checks and timings (`run_bwd_tc`):
+the opt-in path (params' 4th slot, mojo/_attention_backward.mojo) against the SIMT backward and float64."""
 
 from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, StaticTensorSpec
 from max.gpu import global_idx, grid_dim, block_dim
 from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
+from std.os import getenv
 
 from ..attention import Attention, AttentionBackward, attention_gpu, attention_backward_gpu
 from .._util import exp_f64, log_f64
@@ -150,8 +154,9 @@ def _bwd_tensors[
     dqb: DeviceBuffer[dtype], dkb: DeviceBuffer[dtype], dvb: DeviceBuffer[dtype], dob: DeviceBuffer[dtype],
     qb: DeviceBuffer[dtype], kb: DeviceBuffer[dtype], vb: DeviceBuffer[dtype], ob: DeviceBuffer[dtype],
     lb: DeviceBuffer[DType.float32], lenb: DeviceBuffer[DType.int32], pb: DeviceBuffer[DType.float32], B: Int,
-    H: Int, Hkv: Int, S: Int, Skv: Int, D: Int, has_len: Bool, ctx: DeviceContext,
+    H: Int, Hkv: Int, S: Int, Skv: Int, D: Int, has_len: Bool, ctx: DeviceContext, n_params: Int = 3,
 ) raises:
+    """n_params 4: pb holds [causal, scale, has_kv_len, bwd_tc] (the tensor-core backward's opt-in)."""
     comptime s4 = StaticTensorSpec[dtype, 4, ...].get_unknown()
     comptime f3 = StaticTensorSpec[DType.float32, 3, ...].get_unknown()
     comptime f1 = StaticTensorSpec[DType.float32, 1, ...].get_unknown()
@@ -170,7 +175,7 @@ def _bwd_tensors[
     var o = InputTensor[static_spec=s4](_mut(ob.unsafe_ptr()), qs, qst)
     var lse = InputTensor[static_spec=f3](_mut(lb.unsafe_ptr()), IndexList[3](B, H, S), IndexList[3](H * S, S, 1))
     var kl = InputTensor[static_spec=i1](_mut(lenb.unsafe_ptr()), IndexList[1](B if has_len else 1), IndexList[1](1))
-    var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](3), IndexList[1](1))
+    var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](n_params), IndexList[1](1))
     var deltab = workspace[DType.float32](ctx, B * H * S)  # the caller's workspace: one fp32 per query row
     var delta = MutableInputTensor[static_spec=f1](_mut(deltab.unsafe_ptr()), IndexList[1](B * H * S), IndexList[1](1))
     AttentionBackward.execute["gpu"](dq, dk, dv, delta, do_, q, k, v, o, lse, kl, p, ctx)
@@ -487,7 +492,268 @@ def _bench_bwd[dtype: DType](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int,
           "TFLOP/s=", flops / ns / 1000.0)
 
 
+# ---- the opt-in tensor-core backward (mojo/_attention_backward.mojo) -----------------------------------
+
+
+def _cmp[
+    dtype: DType
+](name: String, got: HostBuffer[dtype], want: HostBuffer[dtype], n: Int, tol: Float64, mut failures: Int):
+    """Relative error (NaN / inf patterns must match) and the largest absolute difference."""
+    var e = RelErr()
+    var mx = Float64(0)
+    var mref = Float64(0)
+    for i in range(n):
+        var a = got[i].cast[F64]()
+        var b = want[i].cast[F64]()
+        e.add_pattern(a, b)
+        if b * 0 == 0:
+            mx = _nmax64(mx, abs(a - b))
+            mref = max(mref, abs(b))
+    print("  max_abs_err=", mx, "max_abs_ref=", mref)
+    check(name, e.value(), tol, failures)
+
+
+def _cmp64[
+    dtype: DType
+](name: String, got: HostBuffer[dtype], want: List[Float64], n: Int, tol: Float64, mut failures: Int):
+    var e = RelErr()
+    var mx = Float64(0)
+    var mref = Float64(0)
+    for i in range(n):
+        var a = got[i].cast[F64]()
+        e.add_pattern(a, want[i])
+        if want[i] * 0 == 0:
+            mx = _nmax64(mx, abs(a - want[i]))
+            mref = max(mref, abs(want[i]))
+    print("  max_abs_err=", mx, "max_abs_ref=", mref)
+    check(name, e.value(), tol, failures)
+
+
+def _same[dtype: DType](a: HostBuffer[dtype], b: HostBuffer[dtype], n: Int) -> Int:
+    """Elements whose bits differ (NaN = NaN)."""
+    var diff = 0
+    for i in range(n):
+        if a[i] != b[i] and (a[i] == a[i] or b[i] == b[i]):
+            diff += 1
+    return diff
+
+
+def _tc_case[
+    dtype: DType
+](
+    ctx: DeviceContext,
+    B: Int,
+    H: Int,
+    Hkv: Int,
+    S: Int,
+    Skv: Int,
+    D: Int,
+    causal: Bool,
+    kvk: Int,
+    host_ref: Bool,
+    mut failures: Int,
+    seed: Int,
+) raises:
+    """Forward through execute, then the SIMT backward (params [3]) and the tensor-core one (params [4], the
+    opt-in slot) through execute: TC against SIMT, against float64 on the host (host_ref), keys past kv_len
+    exactly 0 in dk / dv (kvk: per-sequence kv_len as in _case, keys past each length NaN), and a second TC
+    run bit-identical (deterministic)."""
+    var nq = B * H * S * D
+    var nk = B * Hkv * Skv * D
+    var qb = ctx.enqueue_create_buffer[dtype](nq)
+    var kb = ctx.enqueue_create_buffer[dtype](nk)
+    var vb = ctx.enqueue_create_buffer[dtype](nk)
+    var ob = ctx.enqueue_create_buffer[dtype](nq)
+    var dob = ctx.enqueue_create_buffer[dtype](nq)
+    var lb = ctx.enqueue_create_buffer[DType.float32](B * H * S)
+    fill_random(ctx, qb, nq, seed, -1.0, 1.0)
+    fill_random(ctx, kb, nk, seed + 1, -1.0, 1.0)
+    fill_random(ctx, vb, nk, seed + 2, -1.0, 1.0)
+    fill_random(ctx, dob, nq, seed + 3, -1.0, 1.0)
+    var has_len = kvk > 0
+    var raw = _lens(kvk, B, Skv) if has_len else List[Int32]()
+    var lens = List[Int]()
+    var clamped = List[Int32]()
+    for b in range(B):
+        var n = min(max(Int(raw[b]), 0), Skv) if has_len else Skv
+        lens.append(n)
+        clamped.append(Int32(n))
+    var lenb = _device_ints(ctx, raw)
+    if has_len:
+        var clb = _device_ints(ctx, clamped)
+        _nan_tail(ctx, kb, clb, B, Hkv, Skv, D)
+        _nan_tail(ctx, vb, clb, B, Hkv, Skv, D)
+    var scale = Float32(1.0) / Float32(D).__pow__(Float32(0.5)) * 2  # x2: peakier softmax than 1/sqrt(D)
+    var cf = Float32(1.0) if causal else Float32(0.0)
+    var hf = Float32(1.0) if has_len else Float32(0.0)
+    var pb = device_params(ctx, cf, scale, hf)
+    var pb4 = device_params(ctx, cf, scale, hf, Float32(1.0))
+    poison(ctx, ob)
+    poison(ctx, lb)
+    _tensors[dtype](ob, lb, qb, kb, vb, lenb, pb, B, H, Hkv, S, Skv, D, has_len, ctx)
+    var name = String(
+        "attn_bwd_tc ", dtype, " B", B, " H", H, " Hkv", Hkv, " S", S, " Skv", Skv, " D", D, " causal=", causal,
+        " kv_len=", kvk,
+    )
+    var tol = 2e-2 if dtype == DType.bfloat16 else 4e-3  # as _case's gradient checks (2x the output tol)
+
+    var sq = ctx.enqueue_create_buffer[dtype](nq)
+    var sk = ctx.enqueue_create_buffer[dtype](nk)
+    var sv = ctx.enqueue_create_buffer[dtype](nk)
+    var tq = ctx.enqueue_create_buffer[dtype](nq)
+    var tk = ctx.enqueue_create_buffer[dtype](nk)
+    var tv = ctx.enqueue_create_buffer[dtype](nk)
+    poison(ctx, sq)
+    poison(ctx, sk)
+    poison(ctx, sv)
+    poison(ctx, tq)
+    poison(ctx, tk)
+    poison(ctx, tv)
+    var t0 = now_ns()
+    _bwd_tensors[dtype](sq, sk, sv, dob, qb, kb, vb, ob, lb, lenb, pb, B, H, Hkv, S, Skv, D, has_len, ctx)
+    ctx.synchronize()
+    var t1 = now_ns()
+    _bwd_tensors[dtype](tq, tk, tv, dob, qb, kb, vb, ob, lb, lenb, pb4, B, H, Hkv, S, Skv, D, has_len, ctx, 4)
+    ctx.synchronize()
+    var t2 = now_ns()
+    print("CASE", name, "simt_ms=", Float64(t1 - t0) / 1e6, "tc_ms=", Float64(t2 - t1) / 1e6, "(single cold calls)")
+    var hsq = to_host(ctx, sq, nq)
+    var hsk = to_host(ctx, sk, nk)
+    var hsv = to_host(ctx, sv, nk)
+    var htq = to_host(ctx, tq, nq)
+    var htk = to_host(ctx, tk, nk)
+    var htv = to_host(ctx, tv, nk)
+    _cmp[dtype](name + " dq tc vs simt", htq, hsq, nq, tol, failures)
+    _cmp[dtype](name + " dk tc vs simt", htk, hsk, nk, tol, failures)
+    _cmp[dtype](name + " dv tc vs simt", htv, hsv, nk, tol, failures)
+    if host_ref:
+        var hq = to_host(ctx, qb, nq)
+        var hk = to_host(ctx, kb, nk)
+        var hv = to_host(ctx, vb, nk)
+        var hdo = to_host(ctx, dob, nq)
+        var want = _host_ref[dtype](hq, hk, hv, hdo, True, B, H, Hkv, S, Skv, D, Float64(scale), causal, lens)
+        _cmp64[dtype](name + " dq tc vs host f64", htq, want.dq, nq, tol, failures)
+        _cmp64[dtype](name + " dk tc vs host f64", htk, want.dk, nk, tol, failures)
+        _cmp64[dtype](name + " dv tc vs host f64", htv, want.dv, nk, tol, failures)
+        var context_only = 0  # the SIMT kernels' own error, printed for scale (run() checks them)
+        _cmp64[dtype](name + " dq simt vs host f64 (context, not counted)", hsq, want.dq, nq, tol, context_only)
+    # every gradient finite (inputs are; keys past kv_len are NaN and must never be read), and exactly 0
+    # for keys past kv_len
+    var bad = 0
+    for i in range(nq):
+        if htq[i].cast[F64]() * 0 != 0:
+            bad += 1
+    for i in range(nk):
+        if htk[i].cast[F64]() * 0 != 0 or htv[i].cast[F64]() * 0 != 0:
+            bad += 1
+        var j = (i // D) % Skv
+        if j >= lens[i // (Hkv * Skv * D)] and (htk[i] != 0 or htv[i] != 0):
+            bad += 1
+    check(name + " tc grads finite, 0 past kv_len", Float64(bad), 0.0, failures)
+    # deterministic: a second TC run is bit-identical
+    poison(ctx, tq)
+    poison(ctx, tk)
+    poison(ctx, tv)
+    _bwd_tensors[dtype](tq, tk, tv, dob, qb, kb, vb, ob, lb, lenb, pb4, B, H, Hkv, S, Skv, D, has_len, ctx, 4)
+    var diff = _same(to_host(ctx, tq, nq), htq, nq)
+    diff += _same(to_host(ctx, tk, nk), htk, nk)
+    diff += _same(to_host(ctx, tv, nk), htv, nk)
+    check(name + " tc deterministic", Float64(diff), 0.0, failures)
+
+
+def _bench_bwd_ab[
+    dtype: DType
+](ctx: DeviceContext, B: Int, H: Int, Hkv: Int, S: Int, D: Int, causal: Bool, iters: Int) raises:
+    """The SIMT and the tensor-core backward on the same buffers (delta kernel included in both)."""
+    var n = B * H * S * D
+    var nk = B * Hkv * S * D
+    var qb = ctx.enqueue_create_buffer[dtype](n)
+    var kb = ctx.enqueue_create_buffer[dtype](nk)
+    var vb = ctx.enqueue_create_buffer[dtype](nk)
+    var ob = ctx.enqueue_create_buffer[dtype](n)
+    var dob = ctx.enqueue_create_buffer[dtype](n)
+    var dqb = ctx.enqueue_create_buffer[dtype](n)
+    var dkb = ctx.enqueue_create_buffer[dtype](nk)
+    var dvb = ctx.enqueue_create_buffer[dtype](nk)
+    var lb = ctx.enqueue_create_buffer[DType.float32](B * H * S)
+    fill_random(ctx, qb, n, 20, -1.0, 1.0)
+    fill_random(ctx, kb, nk, 21, -1.0, 1.0)
+    fill_random(ctx, vb, nk, 22, -1.0, 1.0)
+    fill_random(ctx, dob, n, 23, -1.0, 1.0)
+    var pb = device_params(
+        ctx, Float32(1.0) if causal else Float32(0.0), Float32(1.0) / Float32(D).__pow__(Float32(0.5)), Float32(0.0)
+    )
+    var lenb = _device_ints(ctx, List[Int32]())
+    var kl = _mut(lenb.unsafe_ptr())
+    var dq = _mut(dqb.unsafe_ptr())
+    var dk = _mut(dkb.unsafe_ptr())
+    var dv = _mut(dvb.unsafe_ptr())
+    var do_ = _mut(dob.unsafe_ptr())
+    var q = _mut(qb.unsafe_ptr())
+    var k = _mut(kb.unsafe_ptr())
+    var v = _mut(vb.unsafe_ptr())
+    var o = _mut(ob.unsafe_ptr())
+    var l = _mut(lb.unsafe_ptr())
+    var p = _mut(pb.unsafe_ptr())
+    var deltab = workspace[DType.float32](ctx, B * H * S)
+    var delta = _mut(deltab.unsafe_ptr())
+    var nd = B * H * S
+    attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, Hkv, S, S, D, ctx)
+    var flops = 10.0 * Float64(B * H) * Float64(S) * Float64(S) * Float64(D) * (0.5 if causal else 1.0)
+    var us = List[Float64]()
+    for tc in range(2):
+        var on = tc == 1
+        attention_backward_gpu[dtype](
+            dq, dk, dv, delta, nd, do_, q, k, v, o, l, kl, p, B, H, Hkv, S, S, D, ctx, tensor_cores=on
+        )  # warm-up (module load)
+        ctx.synchronize()
+        var t0 = now_ns()
+        for _ in range(iters):
+            attention_backward_gpu[dtype](
+                dq, dk, dv, delta, nd, do_, q, k, v, o, l, kl, p, B, H, Hkv, S, S, D, ctx, tensor_cores=on
+            )
+        ctx.synchronize()
+        var ns = Float64(now_ns() - t0) / Float64(iters)
+        us.append(ns / 1000.0)
+        print("PERF attention_backward", "tc  " if on else "simt", dtype, "B", B, "H", H, "Hkv", Hkv, "S", S, "D", D,
+              "causal=", causal, "us=", ns / 1000.0, "TFLOP/s=", flops / ns / 1000.0)
+    print("PERF attention_backward tc speedup over simt:", us[0] / us[1])
+
+
+def run_bwd_tc(bench: Bool = True) raises:
+    """The tensor-core backward's checks (D 64/128/256, causal and not, GQA 4, S != Skv both ways, kv_len
+    with NaN tails, S = Skv = 2048; bf16 and fp16) and its timing against the SIMT backward."""
+    var failures = 0
+    with DeviceContext() as ctx:
+        print("device:", ctx.name())
+        comptime for di in range(3):
+            comptime D = 64 * (1 << di)  # 64, 128, 256
+            for c in range(2):
+                var causal = c == 1
+                _tc_case[DType.bfloat16](ctx, 1, 8, 2, 37, 515, D, causal, 0, True, failures, 100 + di)
+                _tc_case[DType.float16](ctx, 1, 8, 2, 37, 515, D, causal, 0, True, failures, 110 + di)
+                _tc_case[DType.float16](ctx, 2, 4, 1, 130, 70, D, causal, 0, True, failures, 120 + di)
+                _tc_case[DType.bfloat16](ctx, 1, 4, 4, 200, 200, D, causal, 0, True, failures, 130 + di)
+                for kvk in range(1, 3):
+                    _tc_case[DType.bfloat16](ctx, 5, 4, 1, 21, 45, D, causal, kvk, True, failures, 140 + kvk)
+                    _tc_case[DType.float16](ctx, 4, 8, 2, 70, 130, D, causal, kvk, True, failures, 150 + kvk)
+                _tc_case[DType.bfloat16](ctx, 1, 32, 8, 2048, 2048, D, causal, 0, False, failures, 160 + di)
+                _tc_case[DType.float16](ctx, 1, 32, 8, 2048, 2048, D, causal, 0, False, failures, 170 + di)
+        if bench:
+            _bench_bwd_ab[DType.bfloat16](ctx, 1, 32, 8, 2048, 128, True, 3)  # issue #10's shape
+            _bench_bwd_ab[DType.bfloat16](ctx, 1, 32, 8, 2048, 128, False, 3)
+            _bench_bwd_ab[DType.bfloat16](ctx, 1, 32, 8, 2048, 64, True, 3)
+            _bench_bwd_ab[DType.bfloat16](ctx, 1, 32, 8, 2048, 256, True, 3)
+            _bench_bwd_ab[DType.float16](ctx, 1, 32, 8, 2048, 128, True, 3)
+    print("attn_bwd_tc failures:", failures)
+    if failures > 0:
+        raise Error("attention_backward (tensor cores): ", failures, " checks failed")
+
+
 def run(bench: Bool = True) raises:
+    if getenv("FUSEKIT_HARNESS_ONLY") == "attn_bwd_tc":
+        run_bwd_tc(bench)
+        return
     var failures = 0
     with DeviceContext() as ctx:
         print("device:", ctx.name())
@@ -542,3 +808,4 @@ def run(bench: Bool = True) raises:
     print("attention failures:", failures)
     if failures > 0:
         raise Error("attention: ", failures, " checks failed")
+    run_bwd_tc(bench)

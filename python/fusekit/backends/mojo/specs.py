@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -439,12 +440,38 @@ WORKSPACES: dict[str, tuple[Workspace, ...]] = {
 SECOND_CALL: dict[str, frozenset[str]] = {"rope": frozenset({"k"})}
 
 
+# FUSEKIT_MOJO_ATTN_BWD_TC=1 opts attention's backward into the tensor-core kernels (mojo/_attention_backward.mojo;
+# not yet verified on a GPU, hence off by default): its params get a 4th slot, bwd_tc = 1, after
+# [causal, scale, has_kv_len]. The Mojo launcher reads the slot's presence (params' length is known on the
+# host; reading its value would need a device -> host copy), so unset, the op, its compiled graph and its
+# kernels are exactly the default ones. Read once per process, when the phase's spec is first built.
+ATTN_BWD_TC_ENV = "FUSEKIT_MOJO_ATTN_BWD_TC"
+
+
+def attention_bwd_tc() -> bool:
+    return os.environ.get(ATTN_BWD_TC_ENV, "0") == "1"
+
+
+def with_bwd_tc(ms: OpSpec) -> OpSpec:
+    """attention's backward spec with the `bwd_tc` params slot (always 1: its presence selects the kernels)."""
+    bind = ms.bind
+
+    def bind_tc(outs: tuple, ins: tuple, values: tuple) -> Bound:
+        o, i, params = bind(outs, ins, values)
+        return o, i, (*params, 1.0)
+
+    return dataclasses.replace(ms, params=(*ms.params, "bwd_tc"), bind=bind_tc)
+
+
 @functools.cache
 def phase_spec(op: str, phase: str) -> OpSpec:
     """The MAX spec of one phase of a registered fusekit op (cached)."""
     from fusekit.ops import SPECS as OP_SPECS
 
-    return max_spec(OP_SPECS[op], phase, SECOND_CALL.get(op, frozenset()))
+    ms = max_spec(OP_SPECS[op], phase, SECOND_CALL.get(op, frozenset()))
+    if op == "attention" and phase == "backward" and attention_bwd_tc():
+        ms = with_bwd_tc(ms)
+    return ms
 
 
 def __getattr__(name: str) -> dict[str, OpSpec]:
