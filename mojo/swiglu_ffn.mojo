@@ -44,6 +44,13 @@
 #   epilogue stores rows < T straight into `o`. Its tiles are read whole (no masking of the B loads is
 #   relied on), so M is padded to Tp (TC_PAD) and N, K must be multiples of ANY_TC_ALIGN (128 = BM = BN,
 #   a multiple of BK); other shapes keep the GEMV path.
+#
+# Index widths (issue #15, inputs past 2^31 elements: T x F h / g / gu, T x D x / xn / out): every element
+# offset is an Int (64-bit), including block_idx / global_idx products and the epilogues' row * F + col;
+# Int32 kernel arguments carry only D, F, K, N (one matrix dimension each) and T <= DECODE_MAX_T (GEMV),
+# and the copy kernel's length T * D is Int64. Grid: the norm kernel launches T blocks on axis x
+# (limit 2^31 - 1). MAX's matmuls (sm90 wgmma, multistage) take M = Tp rows (TMA coordinates are 32-bit:
+# Tp < 2^31, far above any T whose buffers fit in memory).
 
 from std.math import ceildiv, exp, rsqrt
 # Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
@@ -329,8 +336,10 @@ def _gemv[
 comptime _STATIC_DF = [(4096, 11008)]
 
 
-def _copy_kernel(dst: Pointer[BFloat16, MutAnyOrigin], src: Pointer[BFloat16, MutAnyOrigin], n: Int32):
-    """dst[:n] = src[:n], 8 elements (16 bytes) per thread; n is a multiple of 8 (T * D, D % 8 == 0)."""
+def _copy_kernel(dst: Pointer[BFloat16, MutAnyOrigin], src: Pointer[BFloat16, MutAnyOrigin], n: Int64):
+    """dst[:n] = src[:n], 8 elements (16 bytes) per thread; n is a multiple of 8 (T * D, D % 8 == 0).
+    n is Int64: T * D passes 2^31 from T = 524288 at D = 4096, where an Int32 n wrapped (negative: nothing
+    copied; past 2^32 a partial copy); global_idx.x is 64-bit (mul.wide.u32 in the PTX)."""
     var i = Int(global_idx.x) * 8
     if i < Int(n):
         dst.unsafe_store[width=8](i, src.unsafe_load[width=8](i))
@@ -391,7 +400,7 @@ def _ffn_tc[
     _matmul_gpu[use_tensor_core=True, transpose_b=True, elementwise_lambda_fn=silu_mul_epi](ht, xt, wut, ctx)
     _matmul_gpu[use_tensor_core=True, transpose_b=True](ot, ht, wdt, ctx)
     ctx.enqueue_function[_copy_kernel](
-        o, op, Int32(T * D), grid_dim=ceildiv(T * D, 8 * COPY_THREADS), block_dim=COPY_THREADS
+        o, op, Int64(T * D), grid_dim=ceildiv(T * D, 8 * COPY_THREADS), block_dim=COPY_THREADS
     )
 
 
