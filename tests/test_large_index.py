@@ -13,7 +13,12 @@ element 2^31 and the last row, where an int32 offset would wrap. Sizes:
 - rope: 260 x 512 x 128 x 128 bf16 (B S H D, 2.18e9 elements), forward and dx;
 - attention: 520 x 32 x 1024 x 128 bf16 (B H S D, q, k, v and o each 2.18e9 elements), causal and not,
   o and dq, dk, dv on sampled heads; and decode (S = 16, GQA 32/8, 33000 sequences: q past 2^31, k/v past
-  2^31 too), which takes the split-KV kernel on Triton.
+  2^31 too), which takes the split-KV kernel on Triton;
+- swiglu_ffn: D 4096, F 11008 bf16 (the (D, F) of mojo's static tensor-core path) with a norm, at T 196608
+  (h [T, F] and gu [T, 2F] past 2^31 elements: forward, and dx of the backward) and at T 528384 (x and out
+  [T, D] past 2^31 as well: forward; mojo's padded-output copy had an Int32 length there);
+- linear_cross_entropy: V 32000, H 4096 bf16, T 589824: x [T, H] and each chunk's logits [C, V] (C 131072,
+  4.2e9 elements) past 2^31; per-row losses (reduction="none") and dx of reduction="sum".
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from checks import assert_close
 import fusekit
 from fusekit.ops.attention import reference_forward as attention_ref
 from fusekit.ops.layer_norm import reference_forward as layer_norm_ref
+from fusekit.ops.linear_cross_entropy import chunk_rows
 from fusekit.ops.rms_norm import reference_forward as rms_norm_ref
 from fusekit.ops.rope import reference_forward as rope_ref
+from fusekit.ops.swiglu_ffn import reference_forward as swiglu_ref
 from fusekit.tolerances import rtol
 
 pytestmark = pytest.mark.large
@@ -266,3 +273,118 @@ def test_attention_decode_past_2_31(backend_name, cuda, seed):
         o = _call(fusekit.ops.attention, q, k, v, causal=True, backend=backend_name)
     repro = f"attention decode {(B, H, Hkv, S, Skv, D)} bf16 backend={backend_name} seed={seed}"
     _attn_check(q, k, v, o, True, None, None, _heads(B, H, S, D), repro)
+
+
+# ---- swiglu_ffn --------------------------------------------------------------------------------------------
+FFN_D, FFN_F = 4096, 11008  # Llama-2-7B: mojo's static tensor-core pair, so its GEMMs (and copy) run
+# T: h [T, F] (and gu [T, 2F]) past 2^31 elements; and T * D past 2^31 too (x, xn, out, mojo's out_pad)
+FFN_T = {"TxF": 196608, "TxD": 528384}
+
+
+def _ffn_inputs(T: int, cuda: str):
+    D, F = FFN_D, FFN_F
+    x = torch.randn(T, D, device=cuda, dtype=BF16)
+    # weights scaled like a trained layer (std 1/sqrt(fan_in)): activations stay O(1)
+    wg = torch.randn(F, D, device=cuda, dtype=BF16).mul_(D**-0.5)
+    wu = torch.randn(F, D, device=cuda, dtype=BF16).mul_(D**-0.5)
+    wd = torch.randn(D, F, device=cuda, dtype=BF16).mul_(F**-0.5)
+    nw = torch.rand(D, device=cuda, dtype=BF16).add_(0.5)
+    return x, wg, wu, wd, nw
+
+
+def _ffn_rows(T: int) -> list[int]:
+    """Rows on both sides of element 2^31 of every [T, n] buffer the op touches: x / out (D), h (F), gu (2F)."""
+    return sorted(set(_rows(T, FFN_D, 2)) | set(_rows(T, FFN_F, 2)) | set(_rows(T, 2 * FFN_F, 0)))
+
+
+@pytest.mark.parametrize("case", list(FFN_T))
+def test_swiglu_ffn_past_2_31(case, backend_name, cuda, seed):
+    T, D, F = FFN_T[case], FFN_D, FFN_F
+    # x, out, xn, mojo's out_pad [T, D]; h [T, F] bf16; mojo's g [T, F] fp32
+    _need(T * (4 * D + F) * 2 / GIB + T * F * 4 / GIB + 2, backend_name)
+    x, wg, wu, wd, nw = _ffn_inputs(T, cuda)
+    eps = 1e-6
+    with torch.no_grad():
+        y = _call(fusekit.ops.swiglu_ffn, x, wg, wu, wd, norm_weight=nw, eps=eps, backend=backend_name)
+    w64 = [t.to(F64) for t in (wg, wu, wd, nw)]
+    tol = rtol("swiglu_ffn", BF16)
+    for row in _ffn_rows(T):
+        repro = f"swiglu_ffn {case} row={row} of T={T} D={D} F={F} bf16 backend={backend_name} seed={seed}"
+        want = swiglu_ref(x[row : row + 1].to(F64), *w64[:3], w64[3], eps)[0]
+        assert_close("swiglu_ffn.y", y[row : row + 1], want, tol, repro)
+
+
+def test_swiglu_ffn_backward_past_2_31(backend_name, cuda, seed):
+    T, D, F = FFN_T["TxF"], FFN_D, FFN_F
+    # forward as above plus the saved gu [T, 2F]; backward dy, dx [T, D] and dh, h, dg, du [T, F]
+    _need(T * (7 * D + 7 * F) * 2 / GIB + T * F * 4 / GIB + 4, backend_name)
+    x, wg, wu, wd, nw = _ffn_inputs(T, cuda)
+    x.requires_grad_()
+    eps = 1e-6
+    y = _call(fusekit.ops.swiglu_ffn, x, wg, wu, wd, norm_weight=nw, eps=eps, backend=backend_name)
+    dy = torch.randn_like(y)
+    (dx,) = _grad(y, (x,), dy)
+    del y
+    w64 = [t.to(F64) for t in (wg, wu, wd, nw)]
+    tol = rtol("swiglu_ffn", BF16, "backward")
+    for row in _ffn_rows(T):
+        repro = f"swiglu_ffn backward row={row} of T={T} D={D} F={F} bf16 backend={backend_name} seed={seed}"
+        xr = x.detach()[row : row + 1].to(F64).requires_grad_()
+        want = swiglu_ref(xr, *w64[:3], w64[3], eps)[0]
+        (dwant,) = torch.autograd.grad(want, (xr,), dy[row : row + 1].to(F64))
+        assert_close("swiglu_ffn.dx", dx[row : row + 1], dwant, tol, repro)
+
+
+# ---- linear_cross_entropy ----------------------------------------------------------------------------------
+LCE_T, LCE_H, LCE_V = 589824, 4096, 32000  # x [T, H] 2.4e9 elements; chunks of C = 131072 rows: C x V 4.2e9
+
+
+def _lce_inputs(cuda: str):
+    x = torch.randn(LCE_T, LCE_H, device=cuda, dtype=BF16)
+    w = torch.randn(LCE_V, LCE_H, device=cuda, dtype=BF16).mul_(LCE_H**-0.5)  # logits ~ N(0, 1)
+    t = torch.randint(0, LCE_V, (LCE_T,), device=cuda)
+    t[BIG // LCE_V] = -100  # an ignored row next to element 2^31 of the first chunk's logits
+    return x, w, t
+
+
+def _lce_rows() -> list[int]:
+    """Rows on both sides of element 2^31 of x and of the first chunk's logits (rows 0..C), and the last."""
+    C = chunk_rows(LCE_T, LCE_V, LCE_H)
+    assert C * LCE_V > BIG, f"the chunk rule changed: C={C} x V={LCE_V} no longer passes 2^31; resize"
+    return sorted(set(_rows(LCE_T, LCE_H, 2)) | set(_rows(C, LCE_V, 0)) | {LCE_T - 1})
+
+
+def test_linear_cross_entropy_past_2_31(backend_name, cuda, seed):
+    T, H, V = LCE_T, LCE_H, LCE_V
+    C = chunk_rows(T, V, H)
+    _need((T * H + C * V) * 2 / GIB + 2, backend_name)
+    x, w, t = _lce_inputs(cuda)
+    with torch.no_grad():
+        loss = _call(fusekit.ops.linear_cross_entropy, x, w, t, reduction="none", backend=backend_name)
+    rows = _lce_rows()
+    z = x[rows].to(F64) @ w.to(F64).T  # the float64 logits of the sampled rows only
+    want = torch.nn.functional.cross_entropy(z, t[rows], ignore_index=-100, reduction="none")
+    repro = f"linear_cross_entropy none rows={rows} T={T} H={H} V={V} bf16 backend={backend_name} seed={seed}"
+    assert_close("linear_cross_entropy.loss", loss[rows], want, rtol("linear_cross_entropy", BF16), repro)
+
+
+def test_linear_cross_entropy_grad_past_2_31(backend_name, cuda, seed):
+    T, H, V = LCE_T, LCE_H, LCE_V
+    C = chunk_rows(T, V, H)
+    _need((2 * T * H + C * V) * 2 / GIB + 2, backend_name)
+    x, w, t = _lce_inputs(cuda)
+    x.requires_grad_()
+    loss = _call(fusekit.ops.linear_cross_entropy, x, w, t, reduction="sum", backend=backend_name)
+    (dx,) = _grad(loss, (x,), torch.ones_like(loss))
+    del loss
+    rows = _lce_rows()
+    xr = x.detach()[rows].to(F64).requires_grad_()
+    z = xr @ w.to(F64).T
+    ref = torch.nn.functional.cross_entropy(z, t[rows], ignore_index=-100, reduction="sum")
+    (want,) = torch.autograd.grad(ref, (xr,))  # "sum": row r's gradient depends on row r only
+    repro = (
+        f"linear_cross_entropy sum dx rows={rows} T={T} H={H} V={V} bf16 backend={backend_name} seed={seed}"
+    )
+    assert_close(
+        "linear_cross_entropy.dx", dx[rows], want, rtol("linear_cross_entropy", BF16, "backward"), repro
+    )
