@@ -25,6 +25,8 @@ block.max / block.sum (fixed-order trees, WARP_SIZE-agnostic: 32 NVIDIA, 64 AMD;
 is bit-identical run to run). Pass 2 (grad) re-reads the row (L2-resident: 256 KB at V 128256 bf16) and
 overwrites it. The label's logit is read by thread 0 before the block reductions, whose barriers order it
 before any thread of pass 2 overwrites it.
+Index widths: row offsets row * V are Int (64-bit; the chunk C x V passes 2^31 elements from T ~ 2^31 / H
+tokens, as the chunk is about x's size), sizes arrive as Int64; the grid is min(C, 2^30) blocks, striding.
 Byte floor per chunk: read C V logits twice, write them once (3 * 2 * C * V bytes in bf16): 788 MB at
 Llama-3-8B (C 1024, V 128256) -> ~0.18 ms at 4.3 TB/s, against ~4.8 ms of the chunk's three GEMMs.
 """
