@@ -60,6 +60,10 @@ GEMM picks the warp-specialized TMA config: 0.99 ms at F=11008 against 1.16-1.23
 backward 3.43 / 4.36 ms, its GEMMs 660-770 TFLOP/s (cuBLAS), the swiglu element-wise kernel 4.0 TB/s.
 The remaining gap at F=14336 is the Triton gate/up GEMM (1.32-1.45 ms against 2 x 0.60 ms for cuBLAS).
 fp32 inputs use input_precision="ieee" so fp32 means fp32 (no tf32).
+Index widths (inputs past 2^31 elements, e.g. h [T, F] at T 150000 x F 14336): every row offset is int64
+(`row.to(tl.int64) * D`, `offs.to(tl.int64) * K`) before it meets a row length; tile, column and K offsets
+stay int32 (each < one matrix dimension). TMA coordinates are 32-bit (row < T, col < F); the decode GEMVs
+index their T <= 16 activation rows in int32. The forward's grids are 1-D (tile counts, far below 2^31).
 """
 
 from __future__ import annotations
