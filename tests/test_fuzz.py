@@ -253,7 +253,8 @@ def _breakers(case: Case):
         res = kw.get("residual")
         brk("residual shape", ("residual",), ValueError, None, residual=_like(x, (*x.shape[:-1], n + 1)))
         if res is not None:
-            brk("residual dtype", ("residual",), TypeError, None, residual=res.to(_other_float(x.dtype)))
+            # another float dtype is promoted as x + residual (fusekit.ops._norms.promote_residual): not a float
+            brk("residual dtype", ("residual",), TypeError, None, residual=res.to(I32))
         if op == "rms_norm":
             for v, e in BAD_REALS:
                 if v is not None:  # eps=None is not a default here: a type error too, but skip the noise

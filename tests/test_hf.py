@@ -773,3 +773,39 @@ def test_a_changed_layer_output_is_normalized_again():
     ref = logits(model, x)
     h.remove()
     assert rel_error(edited, ref) < FP32_TOL
+
+
+def test_autocast_training_step_follows_hf_autocast(monkeypatch) -> None:
+    """An fp32 model trained under bf16 autocast (torch AMP): the patched model's matrix ops take bf16
+    inputs as HF's nn.Linear / SDPA do there (fusekit.ops._amp), the fp32 residual stream meets the bf16
+    sublayer outputs in the fused norm as HF's add does (promoted), and the loss and every fp32 gradient
+    match the unpatched model's under the same autocast to bf16 accuracy."""
+    from fusekit.ops import _amp
+
+    cast_calls = []
+    lower = _amp.lower
+
+    def spy(*ts):
+        out = lower(*ts)
+        cast_calls.append(None if out is None else out[0].dtype)
+        return out
+
+    x = ids()
+    runs = {}
+    for name in ("hf", "fusekit"):
+        model = build("llama3").train()
+        if name != "hf":
+            fh.patch(model, backend="auto")
+            monkeypatch.setattr(_amp, "lower", spy)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, labels=x).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        assert all(g is not None and g.dtype == torch.float32 for g in grads.values())
+        runs[name] = (loss.detach(), grads)
+    # 2 layers x (attention, swiglu_ffn) + the fused loss: every matrix op saw bf16 inputs
+    assert cast_calls == [torch.bfloat16] * 5
+    (l_hf, g_hf), (l_fk, g_fk) = runs["hf"], runs["fusekit"]
+    assert rel_error(l_fk, l_hf) < 1e-2
+    worst = max(rel_error(g_fk[n], g_hf[n]) for n in g_hf)
+    assert worst < 6e-2

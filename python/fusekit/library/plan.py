@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from fusekit import dispatch, outputs
+from fusekit.ops import _amp
 from fusekit.ops._spec import OpSpec
 
 
@@ -192,12 +193,23 @@ def _execute(
                 o.zero_()
         return outs
     device = plan.device  # in the signature
+    if torch._C._is_any_autocast_enabled() and _amp.enabled(device.type):
+        # a caller's autocast region must not recast the backend's own torch calls (fusekit.ops._amp)
+        with torch.autocast(device.type, enabled=False):
+            _launch_on(spec, phase, plan, outs, inputs, device)
+    else:
+        _launch_on(spec, phase, plan, outs, inputs, device)
+    return outs
+
+
+def _launch_on(
+    spec: OpSpec, phase: str, plan: _Plan, outs: tuple, inputs: tuple, device: torch.device
+) -> None:
     if plan.guard and device.index != _current_device():
         with torch.cuda.device(device):  # launch on the tensors' GPU, not the current one
             _launch(spec, phase, plan, outs, inputs)
     else:
         _launch(spec, phase, plan, outs, inputs)
-    return outs
 
 
 _RECORD_TRIES = 3  # calls (after the first) on which a plan tries to record a replay

@@ -27,6 +27,21 @@ def add_residual(x: Tensor, residual: Tensor | None) -> Tensor | None:
     return (x.to(acc) + residual.to(acc)).to(x.dtype)
 
 
+def promote_residual(x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """x and residual in one dtype, torch's promotion of x + residual: an fp32 residual stream meeting a
+    bf16 sublayer output (an fp32 model under bf16 autocast, as HF adds them) is normalized in fp32, the
+    narrower tensor cast once. Same dtypes (the common case) pass through untouched."""
+    if (
+        not isinstance(x, Tensor)
+        or not isinstance(residual, Tensor)
+        or residual.dtype == x.dtype
+        or not (x.is_floating_point() and residual.is_floating_point())
+    ):
+        return x, residual  # the common case; or check_norm_inputs names the bad argument
+    dt = torch.promote_types(x.dtype, residual.dtype)
+    return x.to(dt), residual.to(dt)
+
+
 def check_norm_inputs(x: object, weight: object, bias: object, residual: object) -> int:
     """Checks x, weight, bias, residual of a norm; returns N (the normalized extent)."""
     x = C.tensor("x", x, C.ANY_FLOAT)

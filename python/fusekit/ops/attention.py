@@ -10,6 +10,7 @@ from torch import Tensor
 
 from fusekit import dispatch, distributed, library
 from fusekit.distributed import PLAIN
+from fusekit.ops import _amp
 from fusekit.ops import _checks as C
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 
@@ -267,6 +268,8 @@ def attention(
         type(q) not in PLAIN or type(k) not in PLAIN or type(v) not in PLAIN or type(kv_len) not in PLAIN
     ) and (out := distributed.attention(q, k, v, causal, scale, kv_len, layout, backend)) is not None:
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
+    if (cast := _amp.lower(q, k, v)) is not None:  # autocast: as F.scaled_dot_product_attention
+        q, k, v = cast
     key = library.call_key((q, k, v, kv_len), (causal, scale, layout), backend)
     if key is not None and kv_len is not None and kv_len.device.type == "cpu":
         key = None  # its values are checked on the CPU: no memo

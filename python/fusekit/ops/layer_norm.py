@@ -7,7 +7,14 @@ from torch import Tensor
 from fusekit import distributed, library
 from fusekit.distributed import PLAIN
 from fusekit.ops import _checks as C
-from fusekit.ops._norms import NORM_DTYPES, acc_dtype, add_residual, check_norm_inputs, norm_returns
+from fusekit.ops._norms import (
+    NORM_DTYPES,
+    acc_dtype,
+    add_residual,
+    check_norm_inputs,
+    norm_returns,
+    promote_residual,
+)
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 
 
@@ -116,7 +123,8 @@ def layer_norm(
     x [..., N] fp16/bf16/fp32 (fp64 on the torch backend), any strides; weight [N] and bias [N] or None
     of x's dtype, or fp32 with fp16/bf16 x (mixed precision). y [..., N] in x's dtype.
 
-    residual [..., N]: fused residual add, h = x + residual is normalized and returned: (y, h).
+    residual [..., N]: fused residual add, h = x + residual is normalized and returned: (y, h) (a
+    residual of another float dtype is promoted with x's, as x + residual would be).
     `return_stats` appends mean [...] and rstd [...] (fp32). Returns y, (y, h), (y, mean, rstd) or
     (y, h, mean, rstd).
 
@@ -131,6 +139,8 @@ def layer_norm(
         or type(residual) not in PLAIN
     ) and (out := distributed.layer_norm(x, weight, bias, eps, residual, return_stats, backend)) is not None:
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
+    if residual is not None:
+        x, residual = promote_residual(x, residual)  # dtypes as x + residual
     key = library.call_key((x, weight, bias, residual), (eps,), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fusekit import library
+from fusekit.ops import _amp
 from fusekit.ops import _checks as C
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, acc_dtype, t
 
@@ -366,6 +367,8 @@ def linear_cross_entropy(
     fp16 gradients: fused_refusal).
     Errors: TypeError/ValueError naming the argument.
     """
+    if (cast := _amp.lower(x, weight, bias)) is not None:  # autocast: the head as F.linear
+        x, weight, bias = cast
     key = library.call_key((x, weight, target, bias), (ignore_index, reduction, label_smoothing), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)

@@ -7,7 +7,14 @@ from torch import Tensor
 from fusekit import distributed, library
 from fusekit.distributed import PLAIN
 from fusekit.ops import _checks as C
-from fusekit.ops._norms import NORM_DTYPES, acc_dtype, add_residual, check_norm_inputs, norm_returns
+from fusekit.ops._norms import (
+    NORM_DTYPES,
+    acc_dtype,
+    add_residual,
+    check_norm_inputs,
+    norm_returns,
+    promote_residual,
+)
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 
 CASTINGS = ("fp32", "llama", "gemma")
@@ -121,8 +128,9 @@ def rms_norm(
     x [..., N] fp16/bf16/fp32 (fp64 on the torch backend), any strides. weight [N] of x's dtype, or
     fp32 with fp16/bf16 x (mixed precision, as HF keeps norm weights). y [..., N] in x's dtype.
 
-    residual [..., N] (x's shape and dtype): fused residual add, h = x + residual is normalized
-    and returned too, from one kernel: returns (y, h). `casting` picks where the rounding happens:
+    residual [..., N] (x's shape; another float dtype is promoted with x's as x + residual would be,
+    e.g. an fp32 residual stream with a bf16 x under autocast): fused residual add, h = x + residual is
+    normalized and returned too, from one kernel: returns (y, h). `casting` picks where the rounding happens:
     "fp32" (default, most accurate), "llama" (HF LlamaRMSNorm), "gemma" (HF GemmaRMSNorm: 1 + weight).
     `return_rstd` appends rstd [...] (fp32). Returns y, (y, h), (y, rstd) or (y, h, rstd).
 
@@ -134,6 +142,8 @@ def rms_norm(
         out := distributed.rms_norm(x, weight, eps, residual, casting, return_rstd, backend)
     ) is not None:
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
+    if residual is not None:
+        x, residual = promote_residual(x, residual)  # dtypes as x + residual
     key = library.call_key((x, weight, residual), (eps, casting), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)

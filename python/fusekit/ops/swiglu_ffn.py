@@ -8,6 +8,7 @@ from torch import Tensor
 
 from fusekit import distributed, library
 from fusekit.distributed import PLAIN
+from fusekit.ops import _amp
 from fusekit.ops import _checks as C
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 
@@ -191,6 +192,8 @@ def swiglu_ffn(
         or type(norm_weight) not in PLAIN
     ) and (out := distributed.swiglu_ffn(x, w_gate, w_up, w_down, norm_weight, eps, backend)) is not None:
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
+    if (cast := _amp.lower(x, w_gate, w_up, w_down)) is not None:  # autocast: as F.linear
+        x, w_gate, w_up, w_down = cast
     key = library.call_key((x, w_gate, w_up, w_down, norm_weight), (eps,), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)
