@@ -17,6 +17,11 @@ import torch
 from torch import Tensor
 
 _ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+# True when autocast is on for any device: one C call, no device object (torch >= 2.4 has it; the CI's
+# 2.13 and the GPU host's 2.11 do)
+any_enabled = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+)
 # device types with an autocast mode (torch.is_autocast_enabled raises for others, e.g. "meta")
 AMP_DEVICES = frozenset(("cpu", "cuda", "xpu", "mps", "hpu"))
 
@@ -24,17 +29,13 @@ AMP_DEVICES = frozenset(("cpu", "cuda", "xpu", "mps", "hpu"))
 def enabled(device_type: str) -> bool:
     """Autocast is on for this device type (first the one cheap check of every device: no autocast, no
     device object made, on the hot path)."""
-    return (
-        torch._C._is_any_autocast_enabled()
-        and device_type in AMP_DEVICES
-        and torch.is_autocast_enabled(device_type)
-    )
+    return any_enabled() and device_type in AMP_DEVICES and torch.is_autocast_enabled(device_type)
 
 
 def lower(first: Tensor, *ts: Tensor | None) -> tuple[Tensor | None, ...] | None:
     """(first, *ts) cast to the autocast dtype of first's device when autocast is on there, else None
     (the caller goes on with its own tensors). None entries (absent optional tensors) stay None."""
-    if not torch._C._is_any_autocast_enabled():  # the hot path: one cheap check, no device object made
+    if not any_enabled():  # the hot path: one cheap check, no device object made
         return None
     dev = first.device.type
     if dev not in AMP_DEVICES or not torch.is_autocast_enabled(dev):
