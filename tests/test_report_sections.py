@@ -296,3 +296,13 @@ def test_e2e_targets_from_step_times_and_commit_mark(tmp_path) -> None:
     assert "decode ≥ 1.0× HF + Liger" not in cells  # no liger rows
     md = render(res, tmp_path / "rep", draw=False).read_text()
     assert targets.TITLE in md and md.index(targets.TITLE) < md.index("## Sources and ceilings")
+
+
+def test_host_targets_from_host_json(tmp_path) -> None:
+    res = _results(tmp_path, host_doc=_host_doc())
+    got = {(b, w): c for _, b, w, c in targets.evaluate_host(res)}
+    bare = got[("triton", "wall per call ≤ 1.3× a bare launch of the same kernels")]
+    assert bare.startswith("not met: 1/2 cases, worst 4.00×")  # 39/30 = 1.30 meets it, 80/20 does not
+    vs_torch = got[("triton", "never slower than the torch eager op (eager wall / fusekit wall)")]
+    assert vs_torch.startswith("not met: 0/2 cases, worst 0.15×")  # torch 12 us against 39 and 80 us
+    assert not any(b == "mojo" for b, _ in got)  # no mojo rows: no verdict

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fusekit.bench.results import runs, suite_of
 from fusekit.report import e2e as e2e_section
+from fusekit.report import host as host_section
 from fusekit.report.tables import commit_str, ok_rows
 
 TITLE = "## Targets of the open issues"
@@ -129,13 +130,15 @@ def _value(r: dict, t: Target) -> float | None:
     return None if v is None else float(v)
 
 
-def _cell(vals: list[float], at_least: float, unit: str, commits: set[str]) -> str:
+def _cell(vals: list[float], at_least: float, unit: str, commits: set[str], at_most: bool = False) -> str:
+    """ "met: k/n cases, worst, median (commits)"; at_most: the target is an upper bound (worst = largest)."""
     if not vals:
         return "no data"
-    met = sum(v >= at_least for v in vals)
-    worst, med = min(vals), statistics.median(vals)
+    met = sum((v <= at_least) if at_most else (v >= at_least) for v in vals)
+    worst, med = (max(vals) if at_most else min(vals)), statistics.median(vals)
     verdict = "**met**" if met == len(vals) else "not met"
-    fmt = (lambda v: f"{v:.0f}%") if unit == "%" else (lambda v: f"{v:.2f}×")
+    fmts = {"%": lambda v: f"{v:.0f}%", "µs": lambda v: f"{v:.1f} µs"}
+    fmt = fmts.get(unit, lambda v: f"{v:.2f}×")
     return f"{verdict}: {met}/{len(vals)} cases, worst {fmt(worst)}, median {fmt(med)} ({', '.join(sorted(commits))})"
 
 
@@ -199,6 +202,55 @@ def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2E
     return out
 
 
+# issue #11 item 1, from host.json (report/host.py): per backend, (what, row value, bound, unit, at most)
+HOST_TARGETS: tuple[tuple[str, str, Callable[[dict], float | None], float, str, bool], ...] = (
+    (
+        "triton",
+        "wall per call ≤ 1.3× a bare launch of the same kernels",
+        lambda r: r.get("wall_vs_bare"),
+        1.3,
+        "×",
+        True,
+    ),
+    ("mojo", "wall per call ≤ 15 µs", lambda r: r.get("fusekit_wall_us"), 15.0, "µs", True),
+    (
+        "triton",
+        "never slower than the torch eager op (eager wall / fusekit wall)",
+        lambda r: _vs_torch(r),
+        1.0,
+        "×",
+        False,
+    ),
+    (
+        "mojo",
+        "never slower than the torch eager op (eager wall / fusekit wall)",
+        lambda r: _vs_torch(r),
+        1.0,
+        "×",
+        False,
+    ),
+)
+
+
+def _vs_torch(r: dict) -> float | None:
+    f, t = r.get("fusekit_wall_us"), r.get("torch_wall_us")
+    return t / f if f and t else None
+
+
+def evaluate_host(results_dir: Path) -> list[tuple[str, str, str, str]]:
+    """Per host.json and host target that has rows: (file label, backend, target, cell)."""
+    out = []
+    for path, doc in host_section.load(results_dir):
+        commit = commit_str(doc.get("meta") or {})
+        rows = [r for r in doc.get("rows", []) if r.get("status") == "ok"]
+        for backend, what, value, bound, unit, at_most in HOST_TARGETS:
+            vals = [v for r in rows if r.get("backend") == backend and (v := value(r)) is not None]
+            if vals:
+                label = f"{path.parent.name} `{path.name}`"
+                out.append((label, backend, what, _cell(vals, bound, unit, {commit}, at_most)))
+    return out
+
+
 def section_md(entries: list[tuple[str, Path, dict]], results_dir: Path) -> list[str]:
     """The Targets section: one table per device for the op targets, one per e2e file."""
     md = [
@@ -215,6 +267,16 @@ def section_md(entries: list[tuple[str, Path, dict]], results_dir: Path) -> list
         for d, t, cells in rows:
             if d == dev:
                 md.append(f"| #{t.issue} | {t.what} | " + " | ".join(cells[b] for b in BACKENDS) + " |")
+        md.append("")
+    host = evaluate_host(results_dir)
+    if host:
+        md += [
+            "### Host path per call (#11)",
+            "",
+            "| file | backend | target | result |",
+            "|---|---|---|---|",
+        ]
+        md += [f"| {f} | {b} | {w} | {c} |" for f, b, w, c in host]
         md.append("")
     for label, provs, items in evaluate_e2e(results_dir):
         md += [f"### e2e: {label}", "", "| issue | target | " + " | ".join(provs) + " |"]
