@@ -20,7 +20,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 import fusekit.hf as fh  # noqa: E402
 from fusekit import backends, ops  # noqa: E402
@@ -42,6 +49,7 @@ CONFIGS = {
     "llama3": lambda **kw: LlamaConfig(**{**TINY, "rope_parameters": dict(LLAMA3_ROPE), **kw}),
     "mistral": lambda **kw: MistralConfig(**{**TINY, "sliding_window": None, **kw}),
     "qwen2": lambda **kw: Qwen2Config(**{**TINY, **kw}),  # q/k/v projections with biases
+    "qwen3": lambda **kw: Qwen3Config(**{**TINY, **kw}),  # per-head q/k RMSNorm before the rope
 }
 FAMILIES = tuple(CONFIGS)
 FP32_TOL = 1e-5  # patched vs unpatched logits, relative 2-norm
@@ -97,7 +105,7 @@ def test_logits_and_greedy_generate_match_fp32(family):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_low_precision_logits_and_generate(family, dtype):
     """Patched and unpatched half-precision models against the fp32 model: fusekit's error within 2x HF's own."""
     model = build(family)
@@ -119,7 +127,7 @@ def _grads(model, x) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_training_step_gradients_match_every_parameter(family):
     model = build(family).train()
     x = ids(seq=21)
@@ -184,7 +192,7 @@ def test_compiled_prefill_and_training_step_have_no_graph_break(monkeypatch: pyt
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_compiled_forward_without_cache_has_no_graph_break(family: str):
     """use_cache=False (a prefill without a cache, HF Trainer's training forward): transformers keeps its
     packed-sequence mask while tracing (it cannot read position_ids there), so the patched base model
@@ -809,3 +817,25 @@ def test_autocast_training_step_follows_hf_autocast(monkeypatch) -> None:
     assert rel_error(l_fk, l_hf) < 1e-2
     worst = max(rel_error(g_fk[n], g_hf[n]) for n in g_hf)
     assert worst < 6e-2
+
+
+def test_qwen3_per_head_qk_norms_run_on_fusekit(monkeypatch) -> None:
+    """Qwen3's q_norm / k_norm (an RMSNorm over each head's D) become fusekit RMSNorms that the patched
+    attention applies before the rope: 2 layers x (input, q, k, post-attention) + the final norm."""
+    model = build("qwen3")
+    fh.patch(model)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_norm, fnn.RMSNorm) and isinstance(attn.k_norm, fnn.RMSNorm)
+    calls = []
+    real = ops.rms_norm
+
+    def spy(x, *a, **k):
+        calls.append(tuple(x.shape))
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(ops, "rms_norm", spy)
+    model.train()  # no next-norm fusion with gradients: every norm is its own call
+    model(ids(seq=9), labels=ids(seq=9)).loss.backward()
+    head_dim = model.config.head_dim or TINY["hidden_size"] // TINY["num_attention_heads"]
+    per_head = [c for c in calls if c[-1] == head_dim and len(c) == 4]
+    assert len(per_head) == 4 and len(calls) == 2 * 4 + 1

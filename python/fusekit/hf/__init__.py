@@ -1,4 +1,4 @@
-"""Hugging Face transformers integration: one call runs a Llama / Mistral / Qwen2 model on fusekit.
+"""Hugging Face transformers integration: one call runs a Llama / Mistral / Qwen2 / Qwen3 model on fusekit.
 
     import fusekit.hf
     model = AutoModelForCausalLM.from_pretrained(...)

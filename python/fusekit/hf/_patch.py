@@ -1,7 +1,8 @@
-"""patch / unpatch: run an instantiated transformers Llama / Mistral / Qwen2 model on fusekit ops.
+"""patch / unpatch: run an instantiated transformers Llama / Mistral / Qwen2 / Qwen3 model on fusekit ops.
 
 What patch changes (in place; unpatch puts every original object back):
-- every RMSNorm module -> fusekit.nn.RMSNorm(casting="llama"), sharing the original weight Parameter;
+- every RMSNorm module -> fusekit.nn.RMSNorm(casting="llama"), sharing the original weight Parameter
+  (Qwen3's per-head q_norm / k_norm too: the attention forward applies them before the rope, as HF's);
 - every MLP -> fusekit.nn.SwiGLUMLP around the original gate/up/down nn.Linear modules (ops.swiglu_ffn);
 - every attention module's class -> a subclass whose forward is HF's with ops.rope for the rotary step
   (HF's cos/sin [B, S, D] carry duplicated halves; their first halves are fusekit's tables) and the
@@ -47,8 +48,8 @@ from fusekit.hf import _attention
 from fusekit.nn import RMSNorm, SwiGLUMLP
 from fusekit.nn.rotary import apply_rope, rope_parameters
 
-FAMILIES = ("llama", "mistral", "qwen2")
-_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 _ATTR = "_fusekit_patch"
 
 
@@ -90,9 +91,10 @@ def _half_tables(position_embeddings: tuple, half: int) -> tuple[torch.Tensor, t
 
 
 class _AttentionMixin:
-    """HF's Llama/Mistral/Qwen2 attention forward (transformers 5) with fusekit's rope."""
+    """HF's Llama/Mistral/Qwen2/Qwen3 attention forward (transformers 5) with fusekit's rope."""
 
     _fusekit_passes_sliding_window = False
+    _fusekit_qk_norm = False
 
     def forward(
         self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs
@@ -105,6 +107,8 @@ class _AttentionMixin:
         # ops.rope takes [B, S, H, D]: rotate before the transpose HF does, straight off the projection.
         q = self.q_proj(hidden_states).view(hidden_shape)
         k = self.k_proj(hidden_states).view(hidden_shape)
+        if self._fusekit_qk_norm:  # Qwen3: an RMSNorm over each head's D (fusekit's), before the rope
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = _half_tables(position_embeddings, self.head_dim // 2)
         q, k = apply_rope(q, cos, sin, k=k, backend=backend)  # one launch for both
@@ -469,7 +473,7 @@ def patch(
     strict: bool = False,
     allow_sliding_window: bool = False,
 ) -> nn.Module:
-    """Run a transformers Llama / Mistral / Qwen2 model's norms, MLPs, rope and attention on fusekit.
+    """Run a transformers Llama / Mistral / Qwen2 / Qwen3 model's norms, MLPs, rope and attention on fusekit.
 
     In place; returns `model`. backend: "auto", "torch", "triton" or "mojo" for every op. strict: a
     call whose attention mask fusekit cannot express (padding, a sliding-window pattern) raises instead
@@ -524,6 +528,7 @@ def patch(
         classes["Attention"],
         _fusekit_eager=staticmethod(eager),
         _fusekit_passes_sliding_window=family != "llama",
+        _fusekit_qk_norm=family == "qwen3",
     )
     _swap_classes(rec, attentions, attn_cls)
     for m in attentions:
