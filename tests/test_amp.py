@@ -124,3 +124,11 @@ def test_residual_of_another_dtype_is_promoted_as_the_add(op: str, backend_name:
     y2, h2 = fn(x.float(), w, residual=r, backend=backend_name)
     assert y.dtype == h.dtype == F32 and torch.equal(y, y2) and torch.equal(h, h2)
     assert torch.equal(h, x.float() + r)
+
+
+def test_bad_arguments_under_autocast_still_get_named(device: str) -> None:
+    w = torch.randn(8, 4, device=device)
+    with torch.autocast(device, dtype=BF16), pytest.raises(TypeError, match="x"):
+        ops.swiglu_ffn([[1.0] * 4], w, w, w.t(), backend="torch")
+    with torch.autocast(device, dtype=BF16), pytest.raises(TypeError, match="weight"):
+        ops.linear_cross_entropy(torch.randn(3, 4, device=device), "w", torch.zeros(3, dtype=torch.long))

@@ -35,12 +35,13 @@ def enabled(device_type: str) -> bool:
 def lower(first: Tensor, *ts: Tensor | None) -> tuple[Tensor | None, ...] | None:
     """(first, *ts) cast to the autocast dtype of first's device when autocast is on there, else None
     (the caller goes on with its own tensors). None entries (absent optional tensors) stay None."""
-    if not any_enabled():  # the hot path: one cheap check, no device object made
-        return None
+    if not any_enabled() or not isinstance(first, Tensor):  # the hot path: one cheap check, no device
+        return None  # object made; a bad argument goes on to the op's checks, which name it
     dev = first.device.type
     if dev not in AMP_DEVICES or not torch.is_autocast_enabled(dev):
         return None
     dt = torch.get_autocast_dtype(dev)
     return tuple(
-        t.to(dt) if t is not None and t.dtype in _ELIGIBLE and t.dtype != dt else t for t in (first, *ts)
+        t.to(dt) if isinstance(t, Tensor) and t.dtype in _ELIGIBLE and t.dtype != dt else t
+        for t in (first, *ts)
     )
