@@ -5,9 +5,10 @@ On the CPU: the workspace plan (specs._ffn_plan) with the variable off is today'
 g / h / out_pad for every bf16/fp16 (D, F) with D and F multiples of ANY_TC_ALIGN on NVIDIA from TC_MIN_T
 tokens (the g size is what makes the kernel take the path); the mirrored constant matches the kernel's.
 On CUDA (`--device cuda`): the op against a float64 oracle and against the GEMV path (variable off),
-forward and backward (the forward saves gu for it), at Llama-3-8B's (D, F) and small shapes.
+forward and backward (the forward saves gu for it), at Llama-3-8B's (D, F) and small shapes. Each test
+sets and clears the variable itself (monkeypatch), so it need not be in the environment:
 
-    FUSEKIT_MOJO_FFN_ANY_TC=1 python -m pytest tests/test_mojo_swiglu_any_tc.py --device cuda --backends mojo
+    python -m pytest tests/test_mojo_swiglu_any_tc.py --device cuda --backends mojo
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def test_forward_and_backward_on_cuda(
         torch.cuda.synchronize()
         return y.detach(), [a.grad for a in xs]
 
-    assert _sizes(t, d, f, dtype)["g"] == 0  # variable off (deleted by run(False) below too)
+    monkeypatch.delenv(ENV, raising=False)  # the caller's environment may have it on
+    assert _sizes(t, d, f, dtype)["g"] == 0  # variable off: the GEMV path
     y_gemv, grads_gemv = run(False)
     y_tc, grads_tc = run(True)
     assert _sizes(t, d, f, dtype)["g"] == _cdiv(t, 256) * 256 * f  # the path is taken

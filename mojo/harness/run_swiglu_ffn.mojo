@@ -3,8 +3,9 @@ rounding points; the GEMV path as the GPU reference for the tensor-core prefill 
 
 The dynamic-shape tensor-core path (_ffn_tc_any, opted in from Python with FUSEKIT_MOJO_FFN_ANY_TC=1) is
 checked by `_any_case` (host float64 on sampled rows, the GEMV path on every element of out and gu, no
-write past `o`'s T rows, the same bits twice) and timed next to the GEMV path by `_bench_any`: lines
-`CHECK ... any_tc ...` and `PERF swiglu_ffn any_tc ...`."""
+write past `o`'s or gu's T rows, NaN in the workspaces' padding rows never reaching them, the same bits
+from an inference call) and timed next to the GEMV path by `_bench_any`: lines `CHECK ... any_tc ...` and
+`PERF swiglu_ffn any_tc ...`."""
 
 from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, StaticTensorSpec
 from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
@@ -170,18 +171,24 @@ def _any_case[
     """swiglu_ffn_gpu_save with any_tc = True (the dynamic-shape tensor-core path where _any_tc_shape(D, F)
     and T >= TC_MIN_T; else the GEMV path, which must stay correct), save on: out against host float64
     (sampled rows for large shapes) and against the GEMV path (every element), gu against the GEMV path's
-    gu, no write past out's T rows (a poisoned guard of 64 rows after them), and bitwise the same out on
-    a second call."""
+    gu, no write past out's or gu's T rows (poisoned guards of 64 rows after them), and bitwise the same
+    out from a second call with save off (the inference path). The workspaces start as NaN, so xn's
+    padding rows T..Tp-1 (never written: the matmuls read them) are NaN: a padding row that leaked into
+    a real row of G, h or out shows as NaN in out or gu."""
     var bufs = _Bufs[dtype](ctx, T, D, F, seed)
     var eps = 1e-6
     var pb = device_params(ctx, Float32(eps), Float32(1.0) if has_norm else Float32(0.0), Float32(1.0))
-    comptime G = 64  # guard rows after out's T rows
-    var gub = ctx.enqueue_create_buffer[dtype](T * 2 * F)
+    comptime G = 64  # guard rows after out's and gu's T rows
+    var gub = ctx.enqueue_create_buffer[dtype]((T + G) * 2 * F)
     var gur = ctx.enqueue_create_buffer[dtype](T * 2 * F)
     var og = ctx.enqueue_create_buffer[dtype]((T + G) * D)
     poison(ctx, gub)
     poison(ctx, gur)
     poison(ctx, og)
+    poison(ctx, bufs.xn)
+    poison(ctx, bufs.h)
+    poison(ctx, bufs.g)
+    poison(ctx, bufs.out_pad)
     var x, wg, wu = _mut(bufs.x.unsafe_ptr()), _mut(bufs.wg.unsafe_ptr()), _mut(bufs.wu.unsafe_ptr())
     var wd, nw, pp = _mut(bufs.wd.unsafe_ptr()), _mut(bufs.nw.unsafe_ptr()), _mut(pb.unsafe_ptr())
     var rs = _mut(bufs.rstd.unsafe_ptr())
@@ -190,8 +197,9 @@ def _any_case[
         _mut(bufs.o.unsafe_ptr()), rs, _mut(gub.unsafe_ptr()), True, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws,
         any_tc=True,
     )
+    # save off (inference: gu is never touched; swiglu_ffn_gpu passes o for it)
     swiglu_ffn_gpu_save[dtype](
-        _mut(og.unsafe_ptr()), rs, _mut(gub.unsafe_ptr()), True, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws,
+        _mut(og.unsafe_ptr()), rs, _mut(og.unsafe_ptr()), False, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws,
         any_tc=True,
     )
     swiglu_ffn_gpu_save[dtype](
@@ -213,18 +221,23 @@ def _any_case[
         if ho[i] != hg[i] and not (ho[i] != ho[i] and hg[i] != hg[i]):
             same += 1
     check(name + " vs GEMV GPU path", e.value(), tol, failures)
-    check(name + " second call: elements that differ", Float64(same), 0.0, failures)
+    check(name + " save-off call: elements that differ", Float64(same), 0.0, failures)
     var written = 0
     for i in range(T * D, (T + G) * D):
         if hg[i] == hg[i]:  # no longer NaN: written past out's T rows
             written += 1
     check(name + " guard rows written past out", Float64(written), 0.0, failures)
-    var hgu = to_host(ctx, gub, T * 2 * F)
+    var hgu = to_host(ctx, gub, (T + G) * 2 * F)
     var hgr = to_host(ctx, gur, T * 2 * F)
     var eg = RelErr()
     for i in range(T * 2 * F):
         eg.add(hgu[i].cast[DType.float64](), hgr[i].cast[DType.float64]())
     check(name + " gu vs GEMV GPU path", eg.value(), tol, failures)
+    var gu_written = 0
+    for i in range(T * 2 * F, (T + G) * 2 * F):
+        if hgu[i] == hgu[i]:  # no longer NaN: a padding row's g / u stored past gu's T rows
+            gu_written += 1
+    check(name + " guard rows written past gu", Float64(gu_written), 0.0, failures)
 
 
 def _bench_any[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, iters: Int, gemv_iters: Int) raises:
