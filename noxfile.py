@@ -27,6 +27,7 @@ SHARED_TESTS = [
     "tests/test_layouts.py",
     "tests/test_cuda_graphs.py",
     "tests/test_compile_graphs.py",
+    "tests/test_amp.py",
 ]
 
 
