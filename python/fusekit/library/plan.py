@@ -193,7 +193,7 @@ def _execute(
                 o.zero_()
         return outs
     device = plan.device  # in the signature
-    if _amp.any_enabled() and _amp.enabled(device.type):
+    if _amp.any_enabled() and _amp.on(device.type):
         # a caller's autocast region must not recast the backend's own torch calls (fusekit.ops._amp)
         with torch.autocast(device.type, enabled=False):
             _launch_on(spec, phase, plan, outs, inputs, device)

@@ -26,10 +26,10 @@ any_enabled = getattr(torch._C, "_is_any_autocast_enabled", None) or (
 AMP_DEVICES = frozenset(("cpu", "cuda", "xpu", "mps", "hpu"))
 
 
-def enabled(device_type: str) -> bool:
-    """Autocast is on for this device type (first the one cheap check of every device: no autocast, no
-    device object made, on the hot path)."""
-    return any_enabled() and device_type in AMP_DEVICES and torch.is_autocast_enabled(device_type)
+def on(device_type: str) -> bool:
+    """Autocast is on for this device type. Callers on the hot path ask `any_enabled()` first: one C call,
+    no device object made, when no autocast region is open anywhere (the common case)."""
+    return device_type in AMP_DEVICES and torch.is_autocast_enabled(device_type)
 
 
 def lower(first: Tensor, *ts: Tensor | None) -> tuple[Tensor | None, ...] | None:
@@ -38,7 +38,7 @@ def lower(first: Tensor, *ts: Tensor | None) -> tuple[Tensor | None, ...] | None
     if not any_enabled() or not isinstance(first, Tensor):  # the hot path: one cheap check, no device
         return None  # object made; a bad argument goes on to the op's checks, which name it
     dev = first.device.type
-    if dev not in AMP_DEVICES or not torch.is_autocast_enabled(dev):
+    if not on(dev):
         return None
     dt = torch.get_autocast_dtype(dev)
     return tuple(
