@@ -47,6 +47,7 @@ from fusekit import backends, ops
 from fusekit.hf import _attention
 from fusekit.nn import RMSNorm, SwiGLUMLP
 from fusekit.nn.rotary import apply_rope, rope_parameters
+from fusekit.ops import _amp
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
@@ -372,10 +373,8 @@ def _fused_loss(
         shift_labels = labels[..., 1:]
     head = model.lm_head
     x, w, b = hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        x, w, b = x.to(dt), w.to(dt), None if b is None else b.to(dt)
+    if (cast := _amp.lower(x, w, b)) is not None:  # cast here, not inside the op: the backend check
+        x, w, b = cast  # below must see the dtypes the kernels will get
     target = shift_labels.reshape(-1).to(x.device)
     backend = getattr(model, _ATTR).backend
     if (
