@@ -11,7 +11,7 @@ e2e.json (HF eager / torch.compile / Liger step times of the same file).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,29 +142,32 @@ def _cell(vals: list[float], at_least: float, unit: str, commits: set[str], at_m
     return f"{verdict}: {met}/{len(vals)} cases, worst {fmt(worst)}, median {fmt(med)} ({', '.join(sorted(commits))})"
 
 
+def _values(docs: list[dict], t: Target, backend: str) -> Iterator[tuple[float, str]]:
+    """(value, commit) of each timed row of `backend` in the op files `t` names."""
+    for d in docs:
+        if d["op"] not in t.ops or suite_of(d) != t.suite:
+            continue
+        rs = runs(d)
+        for r in ok_rows(d):
+            if (
+                r["provider"] == backend
+                and (t.where is None or t.where(r))
+                and (v := _value(r, t)) is not None
+            ):
+                yield v, commit_str(rs[min(r.get("source", 0), len(rs) - 1)])
+
+
 def evaluate(entries: list[tuple[str, Path, dict]]) -> list[tuple[str, Target, dict[str, str]]]:
     """Per device and op target: backend -> cell."""
     out = []
-    devices = list(dict.fromkeys(dev for dev, _, _ in entries))
-    for dev in devices:
+    for dev in dict.fromkeys(dev for dev, _, _ in entries):
         docs = [d for dv, _, d in entries if dv == dev]
         for t in TARGETS:
             cells = {}
             for b in BACKENDS:
-                vals, commits = [], set()
-                for d in docs:
-                    if d["op"] not in t.ops or suite_of(d) != t.suite:
-                        continue
-                    rs = runs(d)
-                    for r in ok_rows(d):
-                        if r["provider"] != b or (t.where is not None and not t.where(r)):
-                            continue
-                        v = _value(r, t)
-                        if v is None:
-                            continue
-                        vals.append(v)
-                        commits.add(commit_str(rs[min(r.get("source", 0), len(rs) - 1)]))
-                cells[b] = _cell(vals, t.at_least, "%" if t.baseline is None else "×", commits)
+                found = list(_values(docs, t, b))
+                unit = "%" if t.baseline is None else "×"
+                cells[b] = _cell([v for v, _ in found], t.at_least, unit, {c for _, c in found})
             if any(c != "no data" for c in cells.values()):
                 out.append((dev, t, cells))
     return out
@@ -202,13 +205,18 @@ def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2E
     return out
 
 
+def _vs_torch(r: dict) -> float | None:
+    f, t = r.get("fusekit_wall_us"), r.get("torch_wall_us")
+    return t / f if f and t else None
+
+
 # issue #11 item 1, from host.json (report/host.py): per backend, (what, row value, bound, unit, at most)
 HOST_TARGETS: tuple[tuple[str, str, Callable[[dict], float | None], float, str, bool], ...] = (
     (
         "triton",
-        "wall per call ≤ 1.3× a bare launch of the same kernels",
+        f"wall per call ≤ {host_section.TARGET}× a bare launch of the same kernels",
         lambda r: r.get("wall_vs_bare"),
-        1.3,
+        host_section.TARGET,
         "×",
         True,
     ),
@@ -216,7 +224,7 @@ HOST_TARGETS: tuple[tuple[str, str, Callable[[dict], float | None], float, str, 
     (
         "triton",
         "never slower than the torch eager op (eager wall / fusekit wall)",
-        lambda r: _vs_torch(r),
+        _vs_torch,
         1.0,
         "×",
         False,
@@ -224,17 +232,12 @@ HOST_TARGETS: tuple[tuple[str, str, Callable[[dict], float | None], float, str, 
     (
         "mojo",
         "never slower than the torch eager op (eager wall / fusekit wall)",
-        lambda r: _vs_torch(r),
+        _vs_torch,
         1.0,
         "×",
         False,
     ),
 )
-
-
-def _vs_torch(r: dict) -> float | None:
-    f, t = r.get("fusekit_wall_us"), r.get("torch_wall_us")
-    return t / f if f and t else None
 
 
 def evaluate_host(results_dir: Path) -> list[tuple[str, str, str, str]]:
