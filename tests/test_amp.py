@@ -48,33 +48,38 @@ def _cases(device: str, g: torch.Generator) -> dict[str, tuple]:
     }
 
 
+def _case(op: str, backend: str, phase: str, device: str) -> tuple:
+    """(call, fp32 inputs, autocast dtype) of `op`'s case, skipped where `backend` has no such kernel."""
+    call, ins = _cases(device, torch.Generator().manual_seed(SEED))[op]
+    dt = _amp_dtype(device)
+    _skip_unless(backend, op, phase, device, dt)
+    return call, ins, dt
+
+
+def _cast(ts, dt: torch.dtype) -> tuple:
+    """What autocast hands a matrix op: the floating tensors in dt (target ids stay int64)."""
+    return tuple(t.to(dt) if t.is_floating_point() else t for t in ts)
+
+
 @pytest.mark.parametrize("op", ["swiglu_ffn", "attention", "linear_cross_entropy"])
 def test_matrix_ops_run_in_the_autocast_dtype(op: str, backend_name: str, device: str) -> None:
-    g = torch.Generator().manual_seed(SEED)
-    call, ins = _cases(device, g)[op]
-    dt = _amp_dtype(device)
-    _skip_unless(backend_name, op, "forward", device, dt)
+    call, ins, dt = _case(op, backend_name, "forward", device)
     with torch.autocast(device, dtype=dt):
         got = call(ins, backend_name)
-    want = call(tuple(t.to(dt) if t.is_floating_point() else t for t in ins), backend_name)
+    want = call(_cast(ins, dt), backend_name)
     assert got.dtype == want.dtype and (op == "linear_cross_entropy") == (got.dtype == F32)
     assert torch.equal(got, want)  # the same kernels on the same (cast) inputs
 
 
 @pytest.mark.parametrize("op", ["swiglu_ffn", "attention", "linear_cross_entropy"])
 def test_gradients_reach_fp32_leaves_in_fp32(op: str, backend_name: str, device: str) -> None:
-    g = torch.Generator().manual_seed(SEED)
-    call, ins = _cases(device, g)[op]
-    dt = _amp_dtype(device)
-    _skip_unless(backend_name, op, "backward", device, dt)
+    call, ins, dt = _case(op, backend_name, "backward", device)
     leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in ins]
     with torch.autocast(device, dtype=dt):
         out = call(tuple(leaves), backend_name)
     out.float().sum().backward()
     twins = [t.clone().requires_grad_() if t.is_floating_point() else t for t in ins]
-    call(
-        tuple(t.to(dt) if t.is_floating_point() else t for t in twins), backend_name
-    ).float().sum().backward()
+    call(_cast(twins, dt), backend_name).float().sum().backward()
     for a, b in zip(leaves, twins):
         if a.is_floating_point():
             assert a.grad is not None and a.grad.dtype == F32
