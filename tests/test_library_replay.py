@@ -87,3 +87,18 @@ def test_real_cpu_plan_is_set_up_not_to_record() -> None:
         ops.rms_norm(x, w, backend="torch")
     plans = list(library._PLANS.values())
     assert plans and all(p.replay is None and p.calls > library._RECORD_TRIES for p in plans)
+
+
+def test_calls_whose_outputs_are_inputs_never_record_or_replay() -> None:
+    """An eager backward that writes its outputs into its inputs (Phase.reuse) may launch other kernels
+    than a call with fresh outputs (linear_cross_entropy's backward skips an in-place scale by 1): a
+    replay recorded on one kind of call must not serve the other. Aliased calls go through the provider
+    and leave the plan's replay (recorded on unaliased calls) alone."""
+    p = _Provider(succeed_on=1)
+    plan = _plan(p)
+    for _ in range(3):
+        library._launch(None, "backward", plan, (), ("x",), aliased=True)
+    assert p.log == ["run"] * 3 and plan.replay is None and plan.calls == 0
+    _calls(plan, 3)
+    library._launch(None, "backward", plan, (), ("x",), aliased=True)
+    assert p.log == ["run"] * 3 + ["run", "record", "replay", "run"]

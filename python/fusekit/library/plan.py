@@ -193,31 +193,38 @@ def _execute(
                 o.zero_()
         return outs
     device = plan.device  # in the signature
+    # outputs that are inputs (Phase.reuse) change what the kernels see (a kernel may skip work in
+    # place): such a call neither records nor replays launches, which bake the aliasing in or out
+    aliased = reuse and plan.reuse is not None
     if _amp.any_enabled() and _amp.on(device.type):
         # a caller's autocast region must not recast the backend's own torch calls (fusekit.ops._amp)
         with torch.autocast(device.type, enabled=False):
-            _launch_on(spec, phase, plan, outs, inputs, device)
+            _launch_on(spec, phase, plan, outs, inputs, device, aliased)
     else:
-        _launch_on(spec, phase, plan, outs, inputs, device)
+        _launch_on(spec, phase, plan, outs, inputs, device, aliased)
     return outs
 
 
 def _launch_on(
-    spec: OpSpec, phase: str, plan: _Plan, outs: tuple, inputs: tuple, device: torch.device
+    spec: OpSpec, phase: str, plan: _Plan, outs: tuple, inputs: tuple, device: torch.device, aliased: bool
 ) -> None:
     if plan.guard and device.index != _current_device():
         with torch.cuda.device(device):  # launch on the tensors' GPU, not the current one
-            _launch(spec, phase, plan, outs, inputs)
+            _launch(spec, phase, plan, outs, inputs, aliased)
     else:
-        _launch(spec, phase, plan, outs, inputs)
+        _launch(spec, phase, plan, outs, inputs, aliased)
 
 
 _RECORD_TRIES = 3  # calls (after the first) on which a plan tries to record a replay
 
 
-def _launch(spec: OpSpec, phase: str, plan: _Plan, outs: tuple, inputs: tuple) -> None:
+def _launch(spec: OpSpec, phase: str, plan: _Plan, outs: tuple, inputs: tuple, aliased: bool = False) -> None:
     """The provider's kernels for one call: replayed when the plan has a replay that accepts this call
-    (same pointer alignments), else through the provider (recording a replay on calls 2..4)."""
+    (same pointer alignments), else through the provider (recording a replay on calls 2..4); a call whose
+    outputs are its inputs (`aliased`) always through the provider."""
+    if aliased:
+        plan.provider.run(spec, phase, outs, inputs, plan.kscalars)
+        return
     replay = plan.replay
     if replay is not None and replay(outs, inputs):
         return
