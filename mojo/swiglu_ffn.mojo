@@ -9,9 +9,6 @@
 # norm_weight and rstd are not touched when has_norm == 0 (they may be dummies), gu not when save == 0
 # (a [1, 1] dummy; the GPU path tells save from gu's shape, [T, 2F] with 2F >= 2, as params live on the
 # device). With save the gate/up epilogue (GEMV or tensor-core path) also stores round(g) and round(u).
-# The workspaces are the plan: the GPU path takes the dynamic-shape tensor-core path (_ffn_tc_any) for a
-# (D, F) outside _STATIC_DF only when the caller sized g for it (g >= Tp * F; specs.py does so only with
-# FUSEKIT_MOJO_FFN_ANY_TC=1), as it tells save from gu's shape: no device-side flag to read back.
 #
 # fusekit.swiglu_ffn_backward (the struct at the end; kernels in _swiglu_backward.mojo) is the backward's
 # element-wise part only: the five GEMMs run as torch matmuls in python/fusekit/backends/mojo/__init__.py.
@@ -32,24 +29,16 @@
 #   over 16-row chunks of T (correct, re-streams the weights per chunk: slow for large T).
 #   Caveat: MAX's epilogue receives u already cast to the output dtype (bf16), so h = silu(g) * bf16(u)
 #   there; the extra rounding of u is <= 2^-9 relative, the same size as the final rounding of h.
-# - Any other (D, F) with D and F multiples of ANY_TC_ALIGN, bf16 or fp16, NVIDIA, T >= TC_MIN_T, opted in
-#   (FUSEKIT_MOJO_FFN_ANY_TC=1, see the contract above; NOT yet run on a GPU): _ffn_tc_any, compiled once
-#   for every shape. MAX 26.7's `_matmul_gpu` cannot serve it: with dynamic N, K its sm90 wgmma dispatch
-#   and its multistage (mma.sync) branch are both gated off (`has_static_NK`), so it calls cuBLAS through
-#   dlopen (naive kernel if that fails); cross-compiled for sm_90 it emits only gemv + matmul_kernel_naive
-#   PTX. _ffn_tc_any calls MAX's `multistage_gemm` (the Ampere-style cp.async + ldmatrix +
-#   mma.sync.m16n8k16 f32-accumulating kernel) directly with config ampere_128x128_4 and dynamic shapes:
-#   G = xn @ w_gate^T (fp32 out), then xn @ w_up^T with fp32 out whose epilogue reads G and stores h
-#   = silu(g) * u (u in fp32: no extra rounding, unlike the static path), then h @ w_down^T whose
-#   epilogue stores rows < T straight into `o`. Its tiles are read whole (no masking of the B loads is
-#   relied on), so M is padded to Tp (TC_PAD) and N, K must be multiples of ANY_TC_ALIGN (128 = BM = BN,
-#   a multiple of BK); other shapes keep the GEMV path.
+# - Other (D, F): MAX 26.7's multistage_gemm with runtime N/K was tried for other (D, F) and left most of
+#   its output unwritten on an H100 (2026-11-26 probe; static N/K was correct): other shapes run as torch
+#   GEMMs + this package's element-wise kernels from python/fusekit/backends/mojo/__init__.py for
+#   T >= TC_MIN_T, and the GEMV kernels below it.
 #
 # Index widths (issue #15, inputs past 2^31 elements: T x F h / g / gu, T x D x / xn / out): every element
 # offset is an Int (64-bit), including block_idx / global_idx products and the epilogues' row * F + col;
 # Int32 kernel arguments carry only D, F, K, N (one matrix dimension each) and T <= DECODE_MAX_T (GEMV),
 # and the copy kernel's length T * D is Int64. Grid: the norm kernel launches T blocks on axis x
-# (limit 2^31 - 1). MAX's matmuls (sm90 wgmma, multistage) take M = Tp rows (TMA coordinates are 32-bit:
+# (limit 2^31 - 1). MAX's sm90 wgmma matmul takes M = Tp rows (TMA coordinates are 32-bit:
 # Tp < 2^31, far above any T whose buffers fit in memory).
 
 from std.math import ceildiv, exp, rsqrt
@@ -60,8 +49,7 @@ from max.gpu import thread_idx, block_idx, global_idx, lane_id, WARP_SIZE
 from max.gpu.host import DeviceContext
 from max.gpu.primitives import warp, block
 from layout import TileTensor, row_major, Coord, Idx
-from linalg.matmul.gpu import _matmul_gpu, multistage_gemm
-from linalg.utils_gpu import MatmulKernels
+from linalg.matmul.gpu import _matmul_gpu
 
 from ._swiglu_backward import swiglu_bwd_gpu, swiglu_bwd_cpu
 from ._util import check_workspace
@@ -88,9 +76,6 @@ comptime DECODE_MAX_T = 16  # GEMV kernels hold <= 16 activation rows per lane
 comptime TC_MIN_T = 16
 comptime TC_PAD = 256  # >= the largest M tile (and, with swapAB for small M, N tile) of MAX's sm90 matmul
 comptime COPY_THREADS = 256
-# D and F must be multiples of this for the dynamic-shape path (_ffn_tc_any): the block tile of MAX's
-# multistage config ampere_128x128_4 (BM = BN = 128, BK | 128), so every A, B and C tile is whole.
-comptime ANY_TC_ALIGN = 128
 comptime _OP = "fusekit.swiglu_ffn"
 
 
@@ -100,17 +85,10 @@ def _tc_rows(T: Int) -> Int:
     return ceildiv(T, TC_PAD) * TC_PAD
 
 
-@always_inline
-def _any_tc_shape(D: Int, F: Int) -> Bool:
-    """(D, F) the dynamic-shape tensor-core path (_ffn_tc_any) takes: whole tiles in N and K."""
-    return D > 0 and F > 0 and D % ANY_TC_ALIGN == 0 and F % ANY_TC_ALIGN == 0
-
-
 struct FfnScratch[dtype: DType](Copyable, Movable):
     """The GPU path's workspaces (the caller's; lengths in elements). With Tp = _tc_rows(T) from
-    tc_min_t tokens on, else T: xn [Tp, D]; h in x's dtype, [Tp, F] on a tensor-core path (_ffn_tc, or
-    _ffn_tc_any), else one GEMV chunk [min(T, DECODE_MAX_T), F]; g [Tp, F] fp32 and out_pad [Tp, D] on a
-    tensor-core path only (g sized so is what selects _ffn_tc_any: see the op's contract).
+    tc_min_t tokens on, else T: xn [Tp, D]; h in x's dtype, [Tp, F] on the wgmma path (_ffn_tc), else one
+    GEMV chunk [min(T, DECODE_MAX_T), F]; g [Tp, F] fp32 and out_pad [Tp, D] on the wgmma path only.
     (Struct fields cannot hold AnyOrigin pointers: they are stored untracked, read back as MutAnyOrigin.)"""
 
     comptime P = Pointer[Scalar[Self.dtype], MutAnyOrigin]
@@ -404,73 +382,6 @@ def _ffn_tc[
     )
 
 
-def _ffn_tc_any[
-    dtype: DType
-](
-    o: Pointer[Scalar[dtype], MutAnyOrigin],
-    xn: Pointer[Scalar[dtype], MutAnyOrigin],
-    wg: Pointer[Scalar[dtype], MutAnyOrigin],
-    wu: Pointer[Scalar[dtype], MutAnyOrigin],
-    wd: Pointer[Scalar[dtype], MutAnyOrigin],
-    T: Int,
-    D: Int,
-    F: Int,
-    ctx: DeviceContext,
-    gu: Pointer[Scalar[dtype], MutAnyOrigin],
-    save: Bool,
-    ws: FfnScratch[dtype],
-) raises:
-    """Prefill at any (D, F) with _any_tc_shape (bf16 / fp16, NVIDIA): three launches of MAX's multistage
-    mma.sync matmul with dynamic shapes, one compile for every (D, F). xn, G (fp32) and h hold Tp =
-    _tc_rows(T) rows (rows >= T: garbage that stays in rows >= T); G is also the nominal C of the up
-    matmul, whose epilogue writes h (and gu) instead; the down matmul's epilogue writes `o` rows < T
-    (out_pad is its nominal C, never written: the epilogue replaces the store)."""
-    var Tp = _tc_rows(T)
-    check_workspace(_OP, "g", ws.g_len, Tp * F)
-    check_workspace(_OP, "h", ws.h_len, Tp * F)
-    check_workspace(_OP, "out_pad", ws.out_pad_len, Tp * D)
-    var gp = ws.g()
-    var hp = ws.h()
-    var gt = TileTensor(ptr=gp, layout=row_major(Coord(Tp, F)))
-    var ht = TileTensor(ptr=hp, layout=row_major(Coord(Tp, F)))
-    var xt = TileTensor(ptr=xn, layout=row_major(Coord(Tp, D)))
-    var ot = TileTensor(ptr=ws.out_pad(), layout=row_major(Coord(Tp, D)))
-    var wgt = TileTensor(ptr=wg, layout=row_major(Coord(F, D)))
-    var wut = TileTensor(ptr=wu, layout=row_major(Coord(F, D)))
-    var wdt = TileTensor(ptr=wd, layout=row_major(Coord(D, F)))
-
-    # MAX 26.7's multistage_gemm takes the epilogue as a value (an ElementwiseEpilogueFn closure); the
-    # captures are by value (`var`): a by-reference capture would hand the GPU a host stack address
-    @always_inline
-    def silu_mul_epi[
-        _dtype: DType, width: SIMDLength, *, alignment: Int = 1
-    ](idx: Coord, val: SIMD[_dtype, width]) {var gp, var hp, var gu, var save, var T, var F}:
-        var row = Int(idx[0].value())
-        var col = Int(idx[1].value())
-        var off = row * F + col
-        var g = gp.unsafe_load[width=width](off)
-        var u = val.cast[DType.float32]()  # fp32: the up matmul's C type
-        var hv = g / (1.0 + exp(-g)) * u
-        hp.unsafe_store[width=width](off, hv.cast[dtype]())
-        if save and row < T:  # gu is the caller's [T, 2F]: padding rows must not reach it
-            gu.unsafe_store[width=width](2 * row * F + col, g.cast[dtype]())
-            gu.unsafe_store[width=width](2 * row * F + F + col, u.cast[dtype]())
-
-    @always_inline
-    def store_rows_epi[
-        _dtype: DType, width: SIMDLength, *, alignment: Int = 1
-    ](idx: Coord, val: SIMD[_dtype, width]) {var o, var T, var D}:
-        var row = Int(idx[0].value())
-        if row < T:  # rows >= T are padding: `o` has T rows
-            o.unsafe_store[width=width](row * D + Int(idx[1].value()), val.cast[dtype]())
-
-    comptime f32_out = MatmulKernels[dtype, dtype, DType.float32, True]().ampere_128x128_4
-    comptime x_out = MatmulKernels[dtype, dtype, dtype, True]().ampere_128x128_4
-    multistage_gemm[transpose_b=True, config=f32_out](gt, xt, wgt, ctx)
-    multistage_gemm[transpose_b=True, config=f32_out](gt, xt, wut, silu_mul_epi, ctx)
-    multistage_gemm[transpose_b=True, config=x_out](ot, ht, wdt, store_rows_epi, ctx)
-
-
 def swiglu_ffn_gpu[
     dtype: DType
 ](
@@ -489,11 +400,8 @@ def swiglu_ffn_gpu[
     ws: FfnScratch[dtype],
     allow_tc: Bool = True,
     tc_min_t: Int = TC_MIN_T,
-    any_tc: Bool = False,
 ) raises:
-    swiglu_ffn_gpu_save[dtype](
-        o, rstd, o, False, x, wg, wu, wd, nw, params, T, D, F, ctx, ws, allow_tc, tc_min_t, any_tc
-    )
+    swiglu_ffn_gpu_save[dtype](o, rstd, o, False, x, wg, wu, wd, nw, params, T, D, F, ctx, ws, allow_tc, tc_min_t)
 
 
 def swiglu_ffn_gpu_save[
@@ -516,10 +424,8 @@ def swiglu_ffn_gpu_save[
     ws: FfnScratch[dtype],
     allow_tc: Bool = True,
     tc_min_t: Int = TC_MIN_T,
-    any_tc: Bool = False,
 ) raises:
-    """The forward of swiglu_ffn_gpu, and with save also gu [T, 2F] (every path); scratch in `ws`.
-    any_tc: take _ffn_tc_any for a (D, F) outside _STATIC_DF with _any_tc_shape (bf16/fp16, NVIDIA)."""
+    """The forward of swiglu_ffn_gpu, and with save also gu [T, 2F] (both paths); scratch in `ws`."""
     # the tensor-core path reads xn as a Tp-row matrix (see TC_PAD); rows T.. are never written
     var xn_rows = _tc_rows(T) if T >= tc_min_t and allow_tc else T
     check_workspace(_OP, "xn", ws.xn_len, xn_rows * D)
@@ -545,11 +451,6 @@ def swiglu_ffn_gpu_save[
                         ws.as_bf16(),
                     )
                     return
-
-    comptime if (dtype == DType.bfloat16 or dtype == DType.float16) and DeviceContext.default_device_info.api == "cuda":
-        if T >= tc_min_t and allow_tc and any_tc and _any_tc_shape(D, F):
-            _ffn_tc_any[dtype](o, xn, wg, wu, wd, T, D, F, ctx, gu, save, ws)
-            return
 
     # GEMV path: T <= 16 at once (decode), larger T in 16-row chunks.
     check_workspace(_OP, "h", ws.h_len, min(T, DECODE_MAX_T) * F)
@@ -661,11 +562,7 @@ struct SwigluFfn:
                 rebind[P](out_pad.unsafe_ptr()),
                 out_pad.dim_size(0),
             )
-            # the caller sized g for the tensor-core path (see the contract): _ffn_tc_any where no static pair
-            var any_tc = T > 0 and g.dim_size(0) >= _tc_rows(T) * F
-            swiglu_ffn_gpu_save[dtype](
-                op, rp, gup, save, xp, gp, up, dp, np, pp, T, D, F, ctx, ws, any_tc=any_tc
-            )
+            swiglu_ffn_gpu_save[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp, T, D, F, ctx, ws)
         else:  # the CPU path needs no workspace: xn / h / g / out_pad are 1-element dummies, never read
             var has_norm = pp[unsafe_offset=1] != 0
             swiglu_ffn_cpu[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp[unsafe_offset=0], has_norm, T, D, F)

@@ -201,7 +201,6 @@ def _ffn_need(t: int, d: int, f: int, dtype: torch.dtype, nvidia: bool) -> dict[
 @pytest.mark.parametrize("hip", (False, True), ids=("nvidia", "amd"))
 def test_swiglu_ffn_bound(hip: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.version, "hip", "6.2" if hip else None)
-    monkeypatch.delenv(specs.SW_ANY_TC_ENV, raising=False)  # opt-in path: test_mojo_swiglu_any_tc.py
     ms = specs.phase_spec("swiglu_ffn", "forward")
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for d, f in ((4096, 11008), (256, 512), (4096, 14336), (64, 96)):

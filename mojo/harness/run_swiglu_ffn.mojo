@@ -1,20 +1,12 @@
 """Harness entry for fusekit.swiglu_ffn: execute["gpu"] checks (host float64 with the reference's
-rounding points; the GEMV path as the GPU reference for the tensor-core prefill path) and timing.
-
-The dynamic-shape tensor-core path (_ffn_tc_any, opted in from Python with FUSEKIT_MOJO_FFN_ANY_TC=1) is
-checked by `_any_case` (host float64 on sampled rows, the GEMV path on every element of out and gu, no
-write past `o`'s or gu's T rows, NaN in the workspaces' padding rows never reaching them, the same bits
-from an inference call) and timed next to the GEMV path by `_bench_any`: lines `CHECK ... any_tc ...` and
-`PERF swiglu_ffn any_tc ...`."""
+rounding points; the GEMV path as the GPU reference for the tensor-core prefill path) and timing."""
 
 from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, StaticTensorSpec
 from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
-from std.math import ceildiv, exp, sqrt
+from std.math import exp, sqrt
 
-from ..swiglu_ffn import (
-    SwigluFfn, SwigluFfnBackward, swiglu_ffn_gpu, swiglu_ffn_gpu_save, FfnScratch, _tc_rows, _any_tc_shape
-)
+from ..swiglu_ffn import SwigluFfn, SwigluFfnBackward, swiglu_ffn_gpu, FfnScratch, _tc_rows
 from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params, workspace
 
 
@@ -165,110 +157,6 @@ def _case[
         check(name + " vs GEMV GPU path", e.value(), tol, failures)
 
 
-def _any_case[
-    dtype: DType
-](ctx: DeviceContext, T: Int, D: Int, F: Int, has_norm: Bool, mut failures: Int, seed: Int) raises:
-    """swiglu_ffn_gpu_save with any_tc = True (the dynamic-shape tensor-core path where _any_tc_shape(D, F)
-    and T >= TC_MIN_T; else the GEMV path, which must stay correct), save on: out against host float64
-    (sampled rows for large shapes) and against the GEMV path (every element), gu against the GEMV path's
-    gu, no write past out's or gu's T rows (poisoned guards of 64 rows after them), and bitwise the same
-    out from a second call with save off (the inference path). The workspaces start as NaN, so xn's
-    padding rows T..Tp-1 (never written: the matmuls read them) are NaN: a padding row that leaked into
-    a real row of G, h or out shows as NaN in out or gu."""
-    var bufs = _Bufs[dtype](ctx, T, D, F, seed)
-    var eps = 1e-6
-    var pb = device_params(ctx, Float32(eps), Float32(1.0) if has_norm else Float32(0.0), Float32(1.0))
-    comptime G = 64  # guard rows after out's and gu's T rows
-    var gub = ctx.enqueue_create_buffer[dtype]((T + G) * 2 * F)
-    var gur = ctx.enqueue_create_buffer[dtype](T * 2 * F)
-    var og = ctx.enqueue_create_buffer[dtype]((T + G) * D)
-    poison(ctx, gub)
-    poison(ctx, gur)
-    poison(ctx, og)
-    poison(ctx, bufs.xn)
-    poison(ctx, bufs.h)
-    poison(ctx, bufs.g)
-    poison(ctx, bufs.out_pad)
-    var x, wg, wu = _mut(bufs.x.unsafe_ptr()), _mut(bufs.wg.unsafe_ptr()), _mut(bufs.wu.unsafe_ptr())
-    var wd, nw, pp = _mut(bufs.wd.unsafe_ptr()), _mut(bufs.nw.unsafe_ptr()), _mut(pb.unsafe_ptr())
-    var rs = _mut(bufs.rstd.unsafe_ptr())
-    var ws = bufs.scratch()
-    swiglu_ffn_gpu_save[dtype](
-        _mut(bufs.o.unsafe_ptr()), rs, _mut(gub.unsafe_ptr()), True, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws,
-        any_tc=True,
-    )
-    # save off (inference: gu is never touched; swiglu_ffn_gpu passes o for it)
-    swiglu_ffn_gpu_save[dtype](
-        _mut(og.unsafe_ptr()), rs, _mut(og.unsafe_ptr()), False, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws,
-        any_tc=True,
-    )
-    swiglu_ffn_gpu_save[dtype](
-        _mut(bufs.r.unsafe_ptr()), rs, _mut(gur.unsafe_ptr()), True, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws,
-        allow_tc=False,
-    )
-    var path = "any_tc" if T >= 16 and _any_tc_shape(D, F) else "any_tc(refused->GEMV)"
-    var name = String("swiglu_ffn ", path, " ", dtype, " T=", T, " D=", D, " F=", F, " norm=", has_norm)
-    var tol = 1e-2 if dtype == DType.bfloat16 else 2e-3
-    var step = 1 if T * D * F <= (1 << 28) else ceildiv(T, 8)
-    check(name + " vs host f64", _host_ref_err[dtype](ctx, bufs, T, D, F, eps, has_norm, step), tol, failures)
-    var ho = to_host(ctx, bufs.o, T * D)
-    var hr = to_host(ctx, bufs.r, T * D)
-    var hg = to_host(ctx, og, (T + G) * D)
-    var e = RelErr()
-    var same = 0
-    for i in range(T * D):
-        e.add(ho[i].cast[DType.float64](), hr[i].cast[DType.float64]())
-        if ho[i] != hg[i] and not (ho[i] != ho[i] and hg[i] != hg[i]):
-            same += 1
-    check(name + " vs GEMV GPU path", e.value(), tol, failures)
-    check(name + " save-off call: elements that differ", Float64(same), 0.0, failures)
-    var written = 0
-    for i in range(T * D, (T + G) * D):
-        if hg[i] == hg[i]:  # no longer NaN: written past out's T rows
-            written += 1
-    check(name + " guard rows written past out", Float64(written), 0.0, failures)
-    var hgu = to_host(ctx, gub, (T + G) * 2 * F)
-    var hgr = to_host(ctx, gur, T * 2 * F)
-    var eg = RelErr()
-    for i in range(T * 2 * F):
-        eg.add(hgu[i].cast[DType.float64](), hgr[i].cast[DType.float64]())
-    check(name + " gu vs GEMV GPU path", eg.value(), tol, failures)
-    var gu_written = 0
-    for i in range(T * 2 * F, (T + G) * 2 * F):
-        if hgu[i] == hgu[i]:  # no longer NaN: a padding row's g / u stored past gu's T rows
-            gu_written += 1
-    check(name + " guard rows written past gu", Float64(gu_written), 0.0, failures)
-
-
-def _bench_any[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, iters: Int, gemv_iters: Int) raises:
-    """The dynamic-shape tensor-core path next to the GEMV path (same call, allow_tc=False) at one shape."""
-    var bufs = _Bufs[dtype](ctx, T, D, F, 7)
-    var pb = device_params(ctx, Float32(1e-6), Float32(1.0), Float32(0.0))
-    var o, x, wg = _mut(bufs.o.unsafe_ptr()), _mut(bufs.x.unsafe_ptr()), _mut(bufs.wg.unsafe_ptr())
-    var wu, wd, nw = _mut(bufs.wu.unsafe_ptr()), _mut(bufs.wd.unsafe_ptr()), _mut(bufs.nw.unsafe_ptr())
-    var pp = _mut(pb.unsafe_ptr())
-    var rs = _mut(bufs.rstd.unsafe_ptr())
-    var ws = bufs.scratch()
-    var flops = 6.0 * Float64(T) * Float64(D) * Float64(F)
-    swiglu_ffn_gpu[dtype](o, rs, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws, any_tc=True)
-    ctx.synchronize()
-    var t0 = now_ns()
-    for _ in range(iters):
-        swiglu_ffn_gpu[dtype](o, rs, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws, any_tc=True)
-    ctx.synchronize()
-    var ns_tc = Float64(now_ns() - t0) / Float64(iters)
-    swiglu_ffn_gpu[dtype](o, rs, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws, allow_tc=False)
-    ctx.synchronize()
-    t0 = now_ns()
-    for _ in range(gemv_iters):
-        swiglu_ffn_gpu[dtype](o, rs, x, wg, wu, wd, nw, pp, T, D, F, ctx, ws, allow_tc=False)
-    ctx.synchronize()
-    var ns_gemv = Float64(now_ns() - t0) / Float64(gemv_iters)
-    print("PERF swiglu_ffn any_tc", dtype, "T", T, "D", D, "F", F, "any_tc_us=", ns_tc / 1000.0,
-          "TFLOP/s=", flops / ns_tc / 1000.0, "gemv_us=", ns_gemv / 1000.0, "TFLOP/s=", flops / ns_gemv / 1000.0,
-          "speedup=", ns_gemv / ns_tc)
-
-
 def _backward_case[dtype: DType](ctx: DeviceContext, T: Int, D: Int, F: Int, mut failures: Int, seed: Int) raises:
     """fusekit.swiglu_ffn_backward (the element-wise part; the GEMMs are torch's) against host float64:
     h = g sig u, dg = dh u sig (1 + g (1 - sig)), du = dh g sig from gu = [g, u]; xn = (x rstd) nw."""
@@ -395,15 +283,6 @@ def run(bench: Bool = True) raises:
         _case[DType.bfloat16](ctx, 64, 4096, 11008, False, False, failures, 42)
         _case[DType.bfloat16](ctx, 4096, 4096, 11008, True, False, failures, 38)  # wgmma prefill path
         _case[DType.bfloat16](ctx, 300, 4096, 11008, False, False, failures, 39)
-        # the dynamic-shape tensor-core path (_ffn_tc_any; FUSEKIT_MOJO_FFN_ANY_TC=1 from Python)
-        for t in [16, 37, 2048]:
-            _any_case[DType.bfloat16](ctx, t, 256, 768, True, failures, 60 + t)
-            _any_case[DType.float16](ctx, t, 384, 640, t != 37, failures, 61 + t)
-            _any_case[DType.bfloat16](ctx, t, 4096, 14336, True, failures, 62 + t)
-        _any_case[DType.float16](ctx, 37, 4096, 14336, True, failures, 63)
-        _any_case[DType.float16](ctx, 300, 4096, 11008, False, failures, 64)  # fp16 at the static pair
-        _any_case[DType.bfloat16](ctx, 37, 256, 704, True, failures, 65)  # F % 128 != 0: refused, GEMV
-        _any_case[DType.bfloat16](ctx, 5, 256, 768, True, failures, 66)  # T < TC_MIN_T: GEMV
         _backward_case[DType.float32](ctx, 3, 64, 96, failures, 50)
         _backward_case[DType.float16](ctx, 5, 72, 37, failures, 51)  # odd F: the scalar (W = 1) path
         _backward_case[DType.bfloat16](ctx, 16, 4096, 11008, failures, 52)
@@ -416,10 +295,6 @@ def run(bench: Bool = True) raises:
             for t in [2, 3, 4, 8, 16, 32, 64]:
                 _bench_path[DType.bfloat16](ctx, t, 4096, 11008, 30, 1)
                 _bench_path[DType.bfloat16](ctx, t, 4096, 11008, 30, 1 << 30)
-            for t in [16, 128, 512, 2048]:
-                _bench_any[DType.bfloat16](ctx, t, 4096, 14336, 10, 3)
-            _bench_any[DType.float16](ctx, 2048, 4096, 14336, 10, 3)
-            _bench_any[DType.bfloat16](ctx, 2048, 3584, 18944, 10, 3)
     print("swiglu_ffn failures:", failures)
     if failures > 0:
         raise Error("swiglu_ffn: ", failures, " checks failed")

@@ -19,8 +19,10 @@ from fusekit.backends.mojo.specs import (
     LINEAR_CROSS_ENTROPY_ROWS,
     NO_KERNEL,
     RUNS_ON,
+    SW_TC_MIN_T,
     SWIGLU_FFN_BACKWARD,
     X_DTYPE_WEIGHTS,
+    ffn_static_tc,
     phase_spec,
 )
 from fusekit.ops.linear_cross_entropy import fused_backward, fused_forward, fused_refusal
@@ -30,6 +32,15 @@ HEAD_DIMS = (64, 128, 256)
 # stream fence joins MAX's stream to the capture); "0" refuses them instead.
 CAPTURE_ENV = "FUSEKIT_MOJO_CAPTURE"
 CAPTURE = os.environ.get(CAPTURE_ENV, "1") != "0"
+# Devices where swiglu_ffn's forward from SW_TC_MIN_T tokens on runs as torch GEMMs around the Mojo norm,
+# unless the Mojo op has its own tensor cores for the shape (MojoBackend._swiglu_ffn_forward_gemm).
+FFN_GEMM_DEVICES: tuple[str, ...] = ("cuda",)
+
+
+def ffn_by_gemm(device: torch.device, x: torch.Tensor, w_gate: torch.Tensor) -> bool:
+    """Whether a swiglu_ffn forward takes MojoBackend._swiglu_ffn_forward_gemm."""
+    t, d = x.shape
+    return device.type in FFN_GEMM_DEVICES and t >= SW_TC_MIN_T and not ffn_static_tc(x, d, w_gate.shape[0])
 
 
 class MojoBackend(Backend):
@@ -123,6 +134,8 @@ class MojoBackend(Backend):
             )
         if spec.name == "swiglu_ffn" and phase == "backward":
             self._swiglu_ffn_backward(outputs, inputs, scalars)
+        elif spec.name == "swiglu_ffn" and ffn_by_gemm(device, inputs[0], inputs[1]):
+            self._swiglu_ffn_forward_gemm(device, outputs, inputs, scalars)
         elif spec.name == "linear_cross_entropy":
             self._linear_cross_entropy(phase, device, outputs, inputs, scalars)
         elif spec.name == "rope":  # (y, yk), (x, cos, sin, positions, k): x, then k as a second call
@@ -139,6 +152,44 @@ class MojoBackend(Backend):
         compiled = self.compiler.get(ms, ms.dtype_key(outs, ins), device)
         disp = self.dispatcher
         disp.run(compiled, disp.state(device), outs, ins, params)
+
+    def _swiglu_ffn_forward_gemm(
+        self, device: torch.device, outputs: tuple, inputs: tuple, scalars: tuple
+    ) -> None:
+        """swiglu_ffn's forward at T >= SW_TC_MIN_T where the Mojo op has no tensor-core path (every (D, F)
+        but _STATIC_DF's in bf16; fp16; fp32), laid out as the backward: the norm is the Mojo op
+        fusekit.rms_norm (casting "fp32": the reference's xn and rstd), the three GEMMs torch matmuls (cuBLAS:
+        fp32 accumulation, results in x's dtype), g and u copied into gu's halves with save, h = silu(g) u in
+        fp32 from them, rounded once. Against the reference, g and u
+        are rounded to x's dtype before h (one more rounding, <= 2^-9 relative in bf16; the Mojo wgmma path
+        rounds u the same way). The Mojo op's own GEMV path re-streams the weights every 16 tokens (112 ms at
+        Llama-3-8B's (4096, 14336) and 2048 tokens on an H100) and MAX 26.7's multistage matmul with runtime
+        N and K left most of its output unwritten there (mojo/swiglu_ffn.mojo), hence cuBLAS here."""
+        y, rstd, gu = outputs
+        x, w_gate, w_up, w_down, nw = inputs
+        f = w_gate.shape[0]
+        xn = x
+        if nw is not None:
+            xn = torch.empty_like(x)
+            self._call(
+                phase_spec("rms_norm", "forward"),
+                device,
+                (xn, None, rstd),
+                (x, None, nw),
+                (scalars[0], "fp32"),
+            )
+        g = torch.matmul(xn, w_gate.t())
+        u = torch.matmul(xn, w_up.t())
+        del xn
+        if gu is not None:  # copies, not matmuls into gu's strided halves: an `out=` view may be restrided
+            gu[:, :f].copy_(g)
+            gu[:, f:].copy_(u)
+        hf = g.float()
+        del g
+        torch.nn.functional.silu(hf, inplace=True)
+        h = hf.mul_(u).to(x.dtype)
+        del hf, u
+        torch.matmul(h, w_down.t(), out=y)
 
     def _swiglu_ffn_backward(self, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
         """swiglu_ffn's backward (ops/swiglu_ffn.py reference_backward), laid out as the Triton backend's.

@@ -376,16 +376,6 @@ SW_DECODE_MAX_T = 16  # DECODE_MAX_T
 SW_TC_MIN_T = 16  # TC_MIN_T
 SW_TC_PAD = 256  # TC_PAD
 SW_STATIC_DF = ((4096, 11008),)  # _STATIC_DF: the (D, F) pairs of the bf16 wgmma path (NVIDIA only)
-SW_ANY_TC_ALIGN = 128  # ANY_TC_ALIGN: D and F multiples of it for the dynamic-shape tensor-core path
-# Opt-in (default off: not yet run on a GPU) for swiglu_ffn's dynamic-shape tensor-core path (_ffn_tc_any:
-# MAX's multistage mma.sync matmul, one compile for every (D, F)): "1" sizes the g / h / out_pad workspaces
-# for it, and a g workspace of Tp * F elements is what makes the kernel take it (no device-side flag).
-SW_ANY_TC_ENV = "FUSEKIT_MOJO_FFN_ANY_TC"
-
-
-def ffn_any_tc() -> bool:
-    """FUSEKIT_MOJO_FFN_ANY_TC=1 (read at each call, so a test can set it)."""
-    return os.environ.get(SW_ANY_TC_ENV, "0") == "1"
 
 
 class _FfnPlan(NamedTuple):
@@ -393,7 +383,12 @@ class _FfnPlan(NamedTuple):
     d: int
     f: int
     tp: int  # xn's rows: T rounded up to TC_PAD from TC_MIN_T tokens on, else T
-    tc: bool  # a tensor-core path: the static-shape wgmma one (_STATIC_DF) or, opted in, _ffn_tc_any
+    tc: bool  # the static-shape wgmma path (_STATIC_DF)
+
+
+def ffn_static_tc(x: torch.Tensor, d: int, f: int) -> bool:
+    """The Mojo op's own tensor-core path: bf16 at a (D, F) of _STATIC_DF on NVIDIA (T >= TC_MIN_T)."""
+    return x.dtype == torch.bfloat16 and (d, f) in SW_STATIC_DF and torch.version.hip is None
 
 
 def _ffn_plan(ins: tuple) -> _FfnPlan:
@@ -401,16 +396,7 @@ def _ffn_plan(ins: tuple) -> _FfnPlan:
     t, d = x.shape
     f = w_gate.shape[0]
     big = t >= SW_TC_MIN_T
-    static = x.dtype == torch.bfloat16 and (d, f) in SW_STATIC_DF
-    any_tc = (
-        x.dtype in (torch.bfloat16, torch.float16)
-        and d > 0
-        and f > 0
-        and d % SW_ANY_TC_ALIGN == 0
-        and f % SW_ANY_TC_ALIGN == 0
-        and ffn_any_tc()
-    )
-    tc = big and torch.version.hip is None and (static or any_tc)
+    tc = big and ffn_static_tc(x, d, f)
     return _FfnPlan(t, d, f, _cdiv(t, SW_TC_PAD) * SW_TC_PAD if big else t, tc)
 
 
@@ -427,14 +413,13 @@ def swiglu_h(outs: tuple, ins: tuple, sms: int) -> int:
 
 
 def swiglu_g(outs: tuple, ins: tuple, sms: int) -> int:
-    """A tensor-core path's fp32 gate product G, Tp * F (its size selects _ffn_tc_any: see SW_ANY_TC_ENV)."""
+    """The tensor-core path's fp32 gate product G, Tp * F."""
     p = _ffn_plan(ins)
     return p.tp * p.f if p.tc else 0
 
 
 def swiglu_out(outs: tuple, ins: tuple, sms: int) -> int:
-    """A tensor-core path's padded output, Tp * D (wgmma: its first T rows are copied to the caller's y;
-    _ffn_tc_any: the nominal C of the down matmul, whose epilogue writes y instead)."""
+    """The tensor-core path's padded output, Tp * D (its first T rows are copied to the caller's y)."""
     p = _ffn_plan(ins)
     return p.tp * p.d if p.tc else 0
 

@@ -1,0 +1,78 @@
+"""swiglu_ffn's forward on the mojo backend from SW_TC_MIN_T tokens on, where the Mojo op has no tensor-core
+path of its own: torch GEMMs around the Mojo norm (MojoBackend._swiglu_ffn_forward_gemm).
+
+    pytest tests/test_mojo_swiglu_gemm.py [--device cuda]
+
+On the GPU that path is the default for every (D, F) but _STATIC_DF's in bf16; on the CPU the Mojo op's
+own loops run, so these tests switch the path on for the CPU too (FFN_GEMM_DEVICES) and check it against
+the float64 reference and, for the gradients, against the torch backend (the backward is the same code
+either way: what it reads is the gu this forward saved).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusekit.backends.mojo as mojo_backend
+from fusekit import backends, ops
+from fusekit.ops.swiglu_ffn import reference_forward
+from fusekit.tolerances import rtol
+
+
+@pytest.fixture(autouse=True)
+def _gemm_path_here(monkeypatch: pytest.MonkeyPatch, device: str):
+    why = backends.available()["mojo"]
+    if why is not None:
+        pytest.skip(f"the mojo backend is not installed: {why}")
+    monkeypatch.setattr(mojo_backend, "FFN_GEMM_DEVICES", ("cuda", "cpu"))
+    calls: list[int] = []
+    real = mojo_backend.MojoBackend._swiglu_ffn_forward_gemm
+
+    def spy(self, *args):
+        calls.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(mojo_backend.MojoBackend, "_swiglu_ffn_forward_gemm", spy)
+    return calls
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_forward_and_gradients(dtype, norm, device, _gemm_path_here) -> None:
+    g = torch.Generator(device="cpu").manual_seed(11)
+    t, d, f = 37, 64, 96  # T >= SW_TC_MIN_T (16); D, F outside _STATIC_DF
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    x, wg, wu, wd = r(t, d), r(f, d, scale=0.1), r(f, d, scale=0.1), r(d, f, scale=0.1)
+    nw = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype) if norm else None
+    leaves = [v.clone().requires_grad_() for v in (x, wg, wu, wd)]
+    y = ops.swiglu_ffn(*leaves, norm_weight=nw, backend="mojo")
+    assert _gemm_path_here == [1]
+    want = reference_forward(
+        *(v.double() for v in (x, wg, wu, wd)), None if nw is None else nw.double(), 1e-6
+    )[0]
+    tol = rtol("swiglu_ffn", dtype)
+    assert _rel(y, want) <= tol, f"forward {_rel(y, want):.2e} > {tol:.0e}"
+    dy = r(t, d)
+    got = torch.autograd.grad(y, leaves, dy)
+    ref_leaves = [v.double().requires_grad_() for v in (x, wg, wu, wd)]
+    y_ref = ops.swiglu_ffn(*ref_leaves, norm_weight=None if nw is None else nw.double(), backend="torch")
+    ref = torch.autograd.grad(y_ref, ref_leaves, dy.double())
+    gtol = rtol("swiglu_ffn", dtype, "backward")
+    for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down"), got, ref):
+        assert _rel(a, b) <= gtol, f"{name} {_rel(a, b):.2e} vs float64 > {gtol:.0e}"
+
+
+def test_short_inputs_keep_the_mojo_op(device, _gemm_path_here) -> None:
+    """Below SW_TC_MIN_T tokens (decode) the Mojo op's GEMV kernels run, not the GEMM path."""
+    x = torch.randn(4, 64, device=device)
+    w = torch.randn(96, 64, device=device) * 0.1
+    ops.swiglu_ffn(x, w, w, torch.randn(64, 96, device=device) * 0.1, backend="mojo")
+    assert _gemm_path_here == []
