@@ -28,6 +28,9 @@ def _calls(dev: str) -> dict[str, tuple[Callable[..., object], tuple[torch.Tenso
     def norm_weight(n: int) -> torch.Tensor:
         return (1.0 + 0.1 * torch.randn(n, generator=g, dtype=F32)).to(dev)
 
+    def half(*shape: int) -> torch.Tensor:  # attention on a GPU takes fp16 / bf16 only
+        return r(*shape).to(F32 if dev == "cpu" else torch.bfloat16)
+
     target = torch.randint(0, 100, (9,), generator=g).to(dev)
     target[::4] = -100
     return {
@@ -49,7 +52,7 @@ def _calls(dev: str) -> dict[str, tuple[Callable[..., object], tuple[torch.Tenso
         ),
         "attention": (
             lambda q, k, v, be: ops.attention(q, k, v, causal=True, backend=be),
-            (r(1, 4, 9, 64), r(1, 2, 11, 64), r(1, 2, 11, 64)),
+            (half(1, 4, 9, 64), half(1, 2, 11, 64), half(1, 2, 11, 64)),
         ),
         "reduce_sum": (lambda x, be: ops.reduce_sum(x, dim=-1, backend=be), (r(6, 40),)),
         "linear_cross_entropy": (
