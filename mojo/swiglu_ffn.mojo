@@ -405,7 +405,7 @@ def swiglu_ffn_gpu[
 
 
 def swiglu_ffn_gpu_save[
-    dtype: DType
+    dtype: DType, with_tc: Bool = True
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     rstd: Pointer[Float32, MutAnyOrigin],
@@ -425,14 +425,15 @@ def swiglu_ffn_gpu_save[
     allow_tc: Bool = True,
     tc_min_t: Int = TC_MIN_T,
 ) raises:
-    """The forward of swiglu_ffn_gpu, and with save also gu [T, 2F] (both paths); scratch in `ws`."""
+    """The forward of swiglu_ffn_gpu, and with save also gu [T, 2F] (both paths); scratch in `ws`.
+    with_tc: compile the wgmma path in (fusekit.swiglu_ffn_tc); without it only the GEMV path exists."""
     # the tensor-core path reads xn as a Tp-row matrix (see TC_PAD); rows T.. are never written
-    var xn_rows = _tc_rows(T) if T >= tc_min_t and allow_tc else T
+    var xn_rows = _tc_rows(T) if with_tc and T >= tc_min_t and allow_tc else T
     check_workspace(_OP, "xn", ws.xn_len, xn_rows * D)
     var xn = ws.xn()
     ctx.enqueue_function[_norm_kernel[dtype]](xn, rstd, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
 
-    comptime if dtype == DType.bfloat16 and DeviceContext.default_device_info.api == "cuda":
+    comptime if with_tc and dtype == DType.bfloat16 and DeviceContext.default_device_info.api == "cuda":
         if T >= tc_min_t and allow_tc:
             comptime for i in range(len(_STATIC_DF)):
                 comptime DD = _STATIC_DF[i][0]
@@ -516,6 +517,58 @@ def swiglu_ffn_cpu[
             o[unsafe_offset=t * D + d] = acc.cast[dtype]()
 
 
+# The op's body, shared by fusekit.swiglu_ffn (GEMV path only) and fusekit.swiglu_ffn_tc (with the wgmma
+# path for _STATIC_DF): the wgmma matmuls cost ~70 s of the GPU compile (H100, MAX 26.7), so a call compiles
+# them only when python/fusekit/backends/mojo routes a static-pair prefill to fusekit.swiglu_ffn_tc.
+def _swiglu_ffn_execute[
+    dtype: DType, //, target: StaticString, with_tc: Bool
+](
+    res: MutableInputTensor[dtype=dtype, rank=2, ...],
+    rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
+    gu: MutableInputTensor[dtype=dtype, rank=2, ...],
+    xn: MutableInputTensor[dtype=dtype, rank=1, ...],
+    h: MutableInputTensor[dtype=dtype, rank=1, ...],
+    g: MutableInputTensor[dtype=DType.float32, rank=1, ...],
+    out_pad: MutableInputTensor[dtype=dtype, rank=1, ...],
+    x: InputTensor[dtype=dtype, rank=2, ...],
+    w_gate: InputTensor[dtype=dtype, rank=2, ...],
+    w_up: InputTensor[dtype=dtype, rank=2, ...],
+    w_down: InputTensor[dtype=dtype, rank=2, ...],
+    norm_weight: InputTensor[dtype=dtype, rank=1, ...],
+    params: InputTensor[dtype=DType.float32, rank=1, ...],
+    ctx: DeviceContext,
+) raises:
+    var T = x.dim_size(0)
+    var D = x.dim_size(1)
+    var F = w_gate.dim_size(0)
+    var op = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](res.unsafe_ptr())
+    var rp = rebind[Pointer[Float32, MutAnyOrigin]](rstd.unsafe_ptr())
+    var xp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](x.unsafe_ptr())
+    var gp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_gate.unsafe_ptr())
+    var up = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_up.unsafe_ptr())
+    var dp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_down.unsafe_ptr())
+    var np = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](norm_weight.unsafe_ptr())
+    var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
+    var gup = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](gu.unsafe_ptr())
+    var save = gu.dim_size(1) == 2 * F  # a [1, 1] dummy without save (2F >= 2)
+    comptime if target == "gpu":
+        comptime P = Pointer[Scalar[dtype], MutAnyOrigin]
+        var ws = FfnScratch[dtype](
+            rebind[P](xn.unsafe_ptr()),
+            xn.dim_size(0),
+            rebind[P](h.unsafe_ptr()),
+            h.dim_size(0),
+            rebind[Pointer[Float32, MutAnyOrigin]](g.unsafe_ptr()),
+            g.dim_size(0),
+            rebind[P](out_pad.unsafe_ptr()),
+            out_pad.dim_size(0),
+        )
+        swiglu_ffn_gpu_save[dtype, with_tc](op, rp, gup, save, xp, gp, up, dp, np, pp, T, D, F, ctx, ws)
+    else:  # the CPU path needs no workspace: xn / h / g / out_pad are 1-element dummies, never read
+        var has_norm = pp[unsafe_offset=1] != 0
+        swiglu_ffn_cpu[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp[unsafe_offset=0], has_norm, T, D, F)
+
+
 @register("fusekit.swiglu_ffn")
 struct SwigluFfn:
     @staticmethod
@@ -537,35 +590,37 @@ struct SwigluFfn:
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        var T = x.dim_size(0)
-        var D = x.dim_size(1)
-        var F = w_gate.dim_size(0)
-        var op = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](res.unsafe_ptr())
-        var rp = rebind[Pointer[Float32, MutAnyOrigin]](rstd.unsafe_ptr())
-        var xp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](x.unsafe_ptr())
-        var gp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_gate.unsafe_ptr())
-        var up = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_up.unsafe_ptr())
-        var dp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_down.unsafe_ptr())
-        var np = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](norm_weight.unsafe_ptr())
-        var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
-        var gup = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](gu.unsafe_ptr())
-        var save = gu.dim_size(1) == 2 * F  # a [1, 1] dummy without save (2F >= 2)
-        comptime if target == "gpu":
-            comptime P = Pointer[Scalar[dtype], MutAnyOrigin]
-            var ws = FfnScratch[dtype](
-                rebind[P](xn.unsafe_ptr()),
-                xn.dim_size(0),
-                rebind[P](h.unsafe_ptr()),
-                h.dim_size(0),
-                rebind[Pointer[Float32, MutAnyOrigin]](g.unsafe_ptr()),
-                g.dim_size(0),
-                rebind[P](out_pad.unsafe_ptr()),
-                out_pad.dim_size(0),
-            )
-            swiglu_ffn_gpu_save[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp, T, D, F, ctx, ws)
-        else:  # the CPU path needs no workspace: xn / h / g / out_pad are 1-element dummies, never read
-            var has_norm = pp[unsafe_offset=1] != 0
-            swiglu_ffn_cpu[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp[unsafe_offset=0], has_norm, T, D, F)
+        _swiglu_ffn_execute[target, False](
+            res, rstd, gu, xn, h, g, out_pad, x, w_gate, w_up, w_down, norm_weight, params, ctx
+        )
+
+
+@register("fusekit.swiglu_ffn_tc")
+struct SwigluFfnTc:
+    """fusekit.swiglu_ffn with the wgmma path compiled in (bf16 at a _STATIC_DF pair from TC_MIN_T tokens)."""
+
+    @staticmethod
+    def execute[
+        dtype: DType, //, target: StaticString
+    ](
+        res: MutableInputTensor[dtype=dtype, rank=2, ...],
+        rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
+        gu: MutableInputTensor[dtype=dtype, rank=2, ...],
+        xn: MutableInputTensor[dtype=dtype, rank=1, ...],
+        h: MutableInputTensor[dtype=dtype, rank=1, ...],
+        g: MutableInputTensor[dtype=DType.float32, rank=1, ...],
+        out_pad: MutableInputTensor[dtype=dtype, rank=1, ...],
+        x: InputTensor[dtype=dtype, rank=2, ...],
+        w_gate: InputTensor[dtype=dtype, rank=2, ...],
+        w_up: InputTensor[dtype=dtype, rank=2, ...],
+        w_down: InputTensor[dtype=dtype, rank=2, ...],
+        norm_weight: InputTensor[dtype=dtype, rank=1, ...],
+        params: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        _swiglu_ffn_execute[target, True](
+            res, rstd, gu, xn, h, g, out_pad, x, w_gate, w_up, w_down, norm_weight, params, ctx
+        )
 
 
 @register("fusekit.swiglu_ffn_backward")

@@ -76,3 +76,50 @@ def test_short_inputs_keep_the_mojo_op(device, _gemm_path_here) -> None:
     w = torch.randn(96, 64, device=device) * 0.1
     ops.swiglu_ffn(x, w, w, torch.randn(64, 96, device=device) * 0.1, backend="mojo")
     assert _gemm_path_here == []
+
+
+def test_routes() -> None:
+    """Which path a forward takes: the wgmma op for bf16 prefill at a static pair on a GPU, the GEMM path for
+    other prefill on a GPU, the Mojo op (GEMV kernels; the CPU's loops) for decode and on the CPU."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def route(device, t, d, f, dtype=torch.bfloat16) -> str:
+        x = torch.empty(t, d, dtype=dtype, device="meta")
+        return mojo_backend.ffn_route(device, x, torch.empty(f, d, dtype=dtype, device="meta"))
+
+    assert route(cuda, 32, 4096, 11008) == "tc"
+    assert route(cuda, 15, 4096, 11008) == "op"
+    assert route(cuda, 32, 4096, 11008, torch.float16) == "gemm"
+    assert route(cuda, 2048, 4096, 14336) == "gemm"
+    assert route(cpu, 2048, 4096, 14336) == "gemm"  # FFN_GEMM_DEVICES includes the CPU in this module
+    mojo_backend.FFN_GEMM_DEVICES = ("cuda",)
+    assert route(cpu, 2048, 4096, 14336) == "op"
+
+
+def test_tc_op_runs_through_max_on_cpu() -> None:
+    """fusekit.swiglu_ffn_tc (the op with the wgmma path compiled in) is registered and, on the CPU where
+    that path does not exist, computes exactly what fusekit.swiglu_ffn does."""
+    from fusekit.backends.mojo import specs
+
+    be = backends.get("mojo")
+    g = torch.Generator().manual_seed(5)
+    t, d, f = 20, 32, 48
+    ins = (
+        torch.randn(t, d, generator=g),
+        torch.randn(f, d, generator=g) * 0.1,
+        torch.randn(f, d, generator=g) * 0.1,
+        torch.randn(d, f, generator=g) * 0.1,
+        torch.rand(d, generator=g) + 0.5,
+    )
+    got = []
+    for ms in (specs.phase_spec("swiglu_ffn", "forward"), specs.swiglu_ffn_tc_spec()):
+        outs = (
+            torch.full((t, d), float("nan")),
+            torch.full((t,), float("nan")),
+            torch.full((t, 2 * f), float("nan")),
+        )
+        be._call(ms, torch.device("cpu"), outs, ins, (1e-6,))
+        got.append(outs)
+    assert specs.swiglu_ffn_tc_spec().max_op == "fusekit.swiglu_ffn_tc" in be.registered()
+    for a, b in zip(*got):
+        assert torch.isfinite(a).all() and torch.equal(a, b)

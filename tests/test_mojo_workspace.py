@@ -189,26 +189,30 @@ def test_norm_backward_partials_bound(ln: bool, dtype: torch.dtype) -> None:
                     assert got["part_w"] <= max(1, min(m, 16 * sms)) * n  # the harness's allocation
 
 
-def _ffn_need(t: int, d: int, f: int, dtype: torch.dtype, nvidia: bool) -> dict[str, int]:
-    """mojo/swiglu_ffn.mojo swiglu_ffn_gpu_save (allow_tc, tc_min_t = TC_MIN_T) and _ffn_tc."""
+def _ffn_need(t: int, d: int, f: int, dtype: torch.dtype, nvidia: bool, with_tc: bool) -> dict[str, int]:
+    """mojo/swiglu_ffn.mojo swiglu_ffn_gpu_save (allow_tc, tc_min_t = TC_MIN_T) and _ffn_tc: the wgmma path
+    only in fusekit.swiglu_ffn_tc (with_tc), where it pads xn to TC_PAD rows."""
     tp = _cdiv(t, 256) * 256
-    need = {"xn": (tp if t >= 16 else t) * d, "h": min(t, 16) * f, "g": 0, "out_pad": 0}
-    if dtype == torch.bfloat16 and nvidia and t >= 16 and (d, f) in ((4096, 11008),):
-        need.update(h=tp * f, g=tp * f, out_pad=tp * d)
+    need = {"xn": t * d, "h": min(t, 16) * f, "g": 0, "out_pad": 0}
+    if with_tc and dtype == torch.bfloat16 and nvidia and t >= 16 and (d, f) in ((4096, 11008),):
+        need.update(xn=tp * d, h=tp * f, g=tp * f, out_pad=tp * d)
     return need
 
 
 @pytest.mark.parametrize("hip", (False, True), ids=("nvidia", "amd"))
 def test_swiglu_ffn_bound(hip: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.version, "hip", "6.2" if hip else None)
-    ms = specs.phase_spec("swiglu_ffn", "forward")
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for d, f in ((4096, 11008), (256, 512), (4096, 14336), (64, 96)):
-            for t in (*range(1, 40), 255, 256, 257, 4096, 4097):
-                ins = (_meta(t, d, dtype=dtype), _meta(f, d, dtype=dtype))
-                need = _ffn_need(t, d, f, dtype, not hip)
-                got = _sizes(ms, (), ins, 132)
-                assert got == need, (t, d, f, dtype, hip)
+    for with_tc, ms in (
+        (False, specs.phase_spec("swiglu_ffn", "forward")),
+        (True, specs.swiglu_ffn_tc_spec()),
+    ):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for d, f in ((4096, 11008), (256, 512), (4096, 14336), (64, 96)):
+                for t in (*range(1, 40), 255, 256, 257, 4096, 4097):
+                    ins = (_meta(t, d, dtype=dtype), _meta(f, d, dtype=dtype))
+                    need = _ffn_need(t, d, f, dtype, not hip, with_tc)
+                    got = _sizes(ms, (), ins, 132)
+                    assert got == need, (t, d, f, dtype, hip, with_tc)
 
 
 def test_attention_delta() -> None:

@@ -6,7 +6,7 @@ from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
 from std.math import exp, sqrt
 
-from ..swiglu_ffn import SwigluFfn, SwigluFfnBackward, swiglu_ffn_gpu, FfnScratch, _tc_rows
+from ..swiglu_ffn import SwigluFfnTc, SwigluFfnBackward, swiglu_ffn_gpu, FfnScratch, _tc_rows
 from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params, workspace
 
 
@@ -128,7 +128,7 @@ def _run_op[dtype: DType](ctx: DeviceContext, bufs: _Bufs[dtype], T: Int, D: Int
     var h = MutableInputTensor[static_spec=s1](_mut(bufs.h.unsafe_ptr()), IndexList[1](nf), IndexList[1](1))
     var g = MutableInputTensor[static_spec=sr](_mut(bufs.g.unsafe_ptr()), IndexList[1](nf), IndexList[1](1))
     var op = MutableInputTensor[static_spec=s1](_mut(bufs.out_pad.unsafe_ptr()), IndexList[1](nd), IndexList[1](1))
-    SwigluFfn.execute["gpu"](o, rs, gu, xn, h, g, op, x, wg, wu, wd, nw, p, ctx)
+    SwigluFfnTc.execute["gpu"](o, rs, gu, xn, h, g, op, x, wg, wu, wd, nw, p, ctx)  # the op with the wgmma path
 
 
 def _case[

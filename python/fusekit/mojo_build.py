@@ -56,6 +56,7 @@ def entries(
         NO_KERNEL,
         SWIGLU_FFN_BACKWARD,
         phase_spec,
+        swiglu_ffn_tc_spec,
     )
 
     backend = backends.get("mojo")  # supports() needs no MAX
@@ -87,6 +88,14 @@ def entries(
                     # backward is torch multiplies (nothing to build)
                     if phase == "forward":
                         add(op, phase, LINEAR_CROSS_ENTROPY_ROWS, key[:1])
+                elif op == "swiglu_ffn" and phase == "forward":
+                    # the Mojo op (decode), its wgmma twin for bf16 prefill at a static pair (GPU), and the
+                    # rms_norm op that prefill elsewhere runs between torch matmuls
+                    add(op, phase, spec, key)
+                    if device.type == "cuda" and key[0] == torch.bfloat16:
+                        add(op, phase, swiglu_ffn_tc_spec(), key)
+                    norm = phase_spec("rms_norm", "forward")
+                    add(op, phase, norm, key[:1] * len(norm.dtype_vars))
                 elif op == "swiglu_ffn" and phase == "backward":
                     # what the backend runs for it: its element-wise op and the rms_norm backward (weight
                     # in x's dtype) between torch matmuls

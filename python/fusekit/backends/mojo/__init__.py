@@ -24,6 +24,7 @@ from fusekit.backends.mojo.specs import (
     X_DTYPE_WEIGHTS,
     ffn_static_tc,
     phase_spec,
+    swiglu_ffn_tc_spec,
 )
 from fusekit.ops.linear_cross_entropy import fused_backward, fused_forward, fused_refusal
 
@@ -37,10 +38,15 @@ CAPTURE = os.environ.get(CAPTURE_ENV, "1") != "0"
 FFN_GEMM_DEVICES: tuple[str, ...] = ("cuda",)
 
 
-def ffn_by_gemm(device: torch.device, x: torch.Tensor, w_gate: torch.Tensor) -> bool:
-    """Whether a swiglu_ffn forward takes MojoBackend._swiglu_ffn_forward_gemm."""
+def ffn_route(device: torch.device, x: torch.Tensor, w_gate: torch.Tensor) -> str:
+    """A swiglu_ffn forward's path: "tc" the Mojo op with the wgmma path (fusekit.swiglu_ffn_tc), "gemm"
+    MojoBackend._swiglu_ffn_forward_gemm, "op" the Mojo op's GEMV kernels (decode; the CPU's loops)."""
     t, d = x.shape
-    return device.type in FFN_GEMM_DEVICES and t >= SW_TC_MIN_T and not ffn_static_tc(x, d, w_gate.shape[0])
+    if t < SW_TC_MIN_T:
+        return "op"
+    if device.type == "cuda" and ffn_static_tc(x, d, w_gate.shape[0]):
+        return "tc"
+    return "gemm" if device.type in FFN_GEMM_DEVICES else "op"
 
 
 class MojoBackend(Backend):
@@ -134,8 +140,11 @@ class MojoBackend(Backend):
             )
         if spec.name == "swiglu_ffn" and phase == "backward":
             self._swiglu_ffn_backward(outputs, inputs, scalars)
-        elif spec.name == "swiglu_ffn" and ffn_by_gemm(device, inputs[0], inputs[1]):
-            self._swiglu_ffn_forward_gemm(device, outputs, inputs, scalars)
+        elif spec.name == "swiglu_ffn" and (route := ffn_route(device, inputs[0], inputs[1])) != "op":
+            if route == "tc":
+                self._call(swiglu_ffn_tc_spec(), device, outputs, inputs, scalars)
+            else:
+                self._swiglu_ffn_forward_gemm(device, outputs, inputs, scalars)
         elif spec.name == "linear_cross_entropy":
             self._linear_cross_entropy(phase, device, outputs, inputs, scalars)
         elif spec.name == "rope":  # (y, yk), (x, cos, sin, positions, k): x, then k as a second call

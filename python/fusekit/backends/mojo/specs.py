@@ -382,8 +382,8 @@ class _FfnPlan(NamedTuple):
     t: int
     d: int
     f: int
-    tp: int  # xn's rows: T rounded up to TC_PAD from TC_MIN_T tokens on, else T
-    tc: bool  # the static-shape wgmma path (_STATIC_DF)
+    tp: int  # xn's rows: T rounded up to TC_PAD on the wgmma path, else T
+    tc: bool  # the static-shape wgmma path (_STATIC_DF; fusekit.swiglu_ffn_tc only)
 
 
 def ffn_static_tc(x: torch.Tensor, d: int, f: int) -> bool:
@@ -391,37 +391,52 @@ def ffn_static_tc(x: torch.Tensor, d: int, f: int) -> bool:
     return x.dtype == torch.bfloat16 and (d, f) in SW_STATIC_DF and torch.version.hip is None
 
 
-def _ffn_plan(ins: tuple) -> _FfnPlan:
+def _ffn_plan(ins: tuple, with_tc: bool) -> _FfnPlan:
+    """fusekit.swiglu_ffn (with_tc False: GEMV path only) or fusekit.swiglu_ffn_tc (with the wgmma path)."""
     x, w_gate = ins[0], ins[1]
     t, d = x.shape
     f = w_gate.shape[0]
-    big = t >= SW_TC_MIN_T
-    tc = big and ffn_static_tc(x, d, f)
-    return _FfnPlan(t, d, f, _cdiv(t, SW_TC_PAD) * SW_TC_PAD if big else t, tc)
+    tc = with_tc and t >= SW_TC_MIN_T and ffn_static_tc(x, d, f)
+    return _FfnPlan(t, d, f, _cdiv(t, SW_TC_PAD) * SW_TC_PAD if tc else t, tc)
 
 
-def swiglu_xn(outs: tuple, ins: tuple, sms: int) -> int:
+def swiglu_xn(outs: tuple, ins: tuple, sms: int, with_tc: bool = False) -> int:
     """The normed activations, Tp * D."""
-    p = _ffn_plan(ins)
+    p = _ffn_plan(ins, with_tc)
     return p.tp * p.d
 
 
-def swiglu_h(outs: tuple, ins: tuple, sms: int) -> int:
-    """h = silu(g) u in x's dtype: Tp * F on a tensor-core path, else one GEMV chunk of min(T, DECODE_MAX_T) rows."""
-    p = _ffn_plan(ins)
+def swiglu_h(outs: tuple, ins: tuple, sms: int, with_tc: bool = False) -> int:
+    """h = silu(g) u in x's dtype: Tp * F on the wgmma path, else one GEMV chunk of min(T, DECODE_MAX_T) rows."""
+    p = _ffn_plan(ins, with_tc)
     return p.tp * p.f if p.tc else min(p.t, SW_DECODE_MAX_T) * p.f
 
 
-def swiglu_g(outs: tuple, ins: tuple, sms: int) -> int:
-    """The tensor-core path's fp32 gate product G, Tp * F."""
-    p = _ffn_plan(ins)
+def swiglu_g(outs: tuple, ins: tuple, sms: int, with_tc: bool = False) -> int:
+    """The wgmma path's fp32 gate product G, Tp * F."""
+    p = _ffn_plan(ins, with_tc)
     return p.tp * p.f if p.tc else 0
 
 
-def swiglu_out(outs: tuple, ins: tuple, sms: int) -> int:
-    """The tensor-core path's padded output, Tp * D (its first T rows are copied to the caller's y)."""
-    p = _ffn_plan(ins)
+def swiglu_out(outs: tuple, ins: tuple, sms: int, with_tc: bool = False) -> int:
+    """The wgmma path's padded output, Tp * D (its first T rows are copied to the caller's y)."""
+    p = _ffn_plan(ins, with_tc)
     return p.tp * p.d if p.tc else 0
+
+
+def _swiglu_workspaces(with_tc: bool) -> tuple[Workspace, ...]:
+    fns = (
+        ("xn", "x", swiglu_xn),
+        ("h", "x", swiglu_h),
+        ("g", "float32", swiglu_g),
+        ("out_pad", "x", swiglu_out),
+    )
+    return tuple(Workspace(n, dt, functools.partial(fn, with_tc=with_tc)) for n, dt, fn in fns)
+
+
+# fusekit.swiglu_ffn with the wgmma path compiled in (mojo/swiglu_ffn.mojo SwigluFfnTc): the backend calls it
+# only for a bf16 prefill at a _STATIC_DF pair, so other calls never compile MAX's sm90 matmuls (~70 s).
+SWIGLU_FFN_TC_OP = "fusekit.swiglu_ffn_tc"
 
 
 _NORM_BWD = (Workspace("sums", "float32", norm_bwd_sums), Workspace("part_w", "float32", norm_bwd_partials))
@@ -431,12 +446,8 @@ WORKSPACES: dict[str, tuple[Workspace, ...]] = {
     "fusekit.rms_norm_backward": _NORM_BWD,
     "fusekit.layer_norm_backward": (*_NORM_BWD, Workspace("part_b", "float32", norm_bwd_partials)),
     "fusekit.attention_backward": (Workspace("delta", "float32", attention_delta),),
-    "fusekit.swiglu_ffn": (
-        Workspace("xn", "x", swiglu_xn),
-        Workspace("h", "x", swiglu_h),
-        Workspace("g", "float32", swiglu_g),
-        Workspace("out_pad", "x", swiglu_out),
-    ),
+    "fusekit.swiglu_ffn": _swiglu_workspaces(False),
+    SWIGLU_FFN_TC_OP: _swiglu_workspaces(True),
 }
 
 
@@ -467,6 +478,13 @@ def with_bwd_tc(ms: OpSpec) -> OpSpec:
         return o, i, (*params, 1.0)
 
     return dataclasses.replace(ms, params=(*ms.params, "bwd_tc"), bind=bind_tc)
+
+
+@functools.cache
+def swiglu_ffn_tc_spec() -> OpSpec:
+    """swiglu_ffn's forward spec as fusekit.swiglu_ffn_tc (the same tensors; its own workspace plan)."""
+    fwd = phase_spec("swiglu_ffn", "forward")
+    return dataclasses.replace(fwd, max_op=SWIGLU_FFN_TC_OP, workspaces=WORKSPACES[SWIGLU_FFN_TC_OP])
 
 
 @functools.cache
