@@ -121,5 +121,13 @@ def test_tc_op_runs_through_max_on_cpu() -> None:
         be._call(ms, torch.device("cpu"), outs, ins, (1e-6,))
         got.append(outs)
     assert specs.swiglu_ffn_tc_spec().max_op == "fusekit.swiglu_ffn_tc" in be.registered()
+    # each MAX op its own compiled model (a cache keyed by the fusekit op alone ran the plain op for both)
+    cpu, key = torch.device("cpu"), (torch.float32, torch.float32)  # (x, w)
+    plain = be.compiler.get(specs.phase_spec("swiglu_ffn", "forward"), key, cpu)
+    tc = be.compiler.get(specs.swiglu_ffn_tc_spec(), key, cpu)
+    assert plain is not tc and (plain.spec.max_op, tc.spec.max_op) == (
+        "fusekit.swiglu_ffn",
+        "fusekit.swiglu_ffn_tc",
+    )
     for a, b in zip(*got):
         assert torch.isfinite(a).all() and torch.equal(a, b)

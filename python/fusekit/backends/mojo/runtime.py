@@ -730,7 +730,8 @@ class OpCompiler:
         return (self.package / f"{op}.mojo").exists()
 
     def get(self, spec: OpSpec, dtypes: tuple[torch.dtype, ...], device: torch.device) -> Compiled:
-        key = (spec.op, dtypes, device)
+        # the MAX op too: swiglu_ffn's forward has two (specs.SWIGLU_FFN_TC_OP)
+        key = (spec.op, spec.max_op, dtypes, device)
         hit = self._models.get(key)
         if hit is not None:
             return hit
