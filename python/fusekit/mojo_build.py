@@ -92,7 +92,7 @@ def entries(
                     # the Mojo op (decode), its wgmma twin for bf16 prefill at a static pair (GPU), and the
                     # rms_norm op that prefill elsewhere runs between torch matmuls
                     add(op, phase, spec, key)
-                    if device.type == "cuda" and key[0] == torch.bfloat16:
+                    if device.type == "cuda" and key[0] == torch.bfloat16 and torch.version.hip is None:
                         add(op, phase, swiglu_ffn_tc_spec(), key)
                     norm = phase_spec("rms_norm", "forward")
                     add(op, phase, norm, key[:1] * len(norm.dtype_vars))

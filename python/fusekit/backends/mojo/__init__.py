@@ -169,11 +169,11 @@ class MojoBackend(Backend):
         but _STATIC_DF's in bf16; fp16; fp32), laid out as the backward: the norm is the Mojo op
         fusekit.rms_norm (casting "fp32": the reference's xn and rstd), the three GEMMs torch matmuls (cuBLAS:
         fp32 accumulation, results in x's dtype), g and u copied into gu's halves with save, h = silu(g) u in
-        fp32 from them, rounded once. Against the reference, g and u
-        are rounded to x's dtype before h (one more rounding, <= 2^-9 relative in bf16; the Mojo wgmma path
-        rounds u the same way). The Mojo op's own GEMV path re-streams the weights every 16 tokens (112 ms at
-        Llama-3-8B's (4096, 14336) and 2048 tokens on an H100) and MAX 26.7's multistage matmul with runtime
-        N and K left most of its output unwritten there (mojo/swiglu_ffn.mojo), hence cuBLAS here."""
+        fp32 from them, rounded once. Against the reference, g and u are rounded to x's dtype before h (one
+        more rounding, <= 2^-9 relative in bf16; the Mojo wgmma path rounds u the same way). The Mojo op's
+        own GEMV path re-streams the weights every 16 tokens (112 ms at Llama-3-8B's (4096, 14336) and 2048
+        tokens on an H100) and MAX 26.7's multistage matmul with runtime N and K left most of its output
+        unwritten there (mojo/swiglu_ffn.mojo), hence cuBLAS here."""
         y, rstd, gu = outputs
         x, w_gate, w_up, w_down, nw = inputs
         f = w_gate.shape[0]
