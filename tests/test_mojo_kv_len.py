@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fusekit import backends, library, ops
+from fusekit.backends.mojo import specs
 from fusekit.backends.mojo.specs import phase_spec
 from fusekit.ops.attention import SPEC
 
@@ -51,7 +52,9 @@ def test_signature_takes_kv_len() -> None:
         assert be.supports("attention", phase, cpu, (torch.float32,), head_dim=64, kv_len=True) is None
         ms = phase_spec("attention", phase)
         assert ms.inputs[-1].name == "kv_len" and ms.inputs[-1].dtype == "int32"
-        assert ms.params == ("causal", "scale", "has_kv_len")
+        # the backward's 4th slot selects the tensor-core kernels (specs.attention_bwd_tc, on by default)
+        tc = ("bwd_tc",) if phase == "backward" and specs.attention_bwd_tc() else ()
+        assert ms.params == ("causal", "scale", "has_kv_len", *tc)
 
 
 @pytest.mark.parametrize("causal", (False, True))
