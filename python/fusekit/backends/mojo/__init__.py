@@ -236,7 +236,7 @@ class MojoBackend(Backend):
         """linear_cross_entropy laid out as the Triton backend's: the chunk loop, the logits GEMM and the
         gradient GEMMs are torch (ops/linear_cross_entropy.py fused_forward; cuBLAS on the GPU), each
         chunk's row kernel the Mojo op fusekit.linear_cross_entropy (LINEAR_CROSS_ENTROPY_ROWS); the
-        backward is torch multiplies of the saved gradients (fused_backward)."""
+        backward is a torch multiply (one _foreach_mul_) of the saved gradients (fused_backward)."""
         if phase == "backward":
             fused_backward(*outputs, *inputs)
             return
