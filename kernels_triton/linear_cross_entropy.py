@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusekit.ops.linear_cross_entropy import fused_forward
+from fusekit.ops.linear_cross_entropy import fused_forward, scale_saved
 from kernels_triton._config import device_index, is_interpreter, next_pow2, warps_for
 from kernels_triton._launch import fast_launch
 
@@ -182,20 +182,21 @@ def backward(
     *scalars: object,
 ) -> None:
     """The saved gradients (dx, dweight, dbias) times dloss [1], into gx, gweight, gbias (which may be the
-    saved tensors themselves: then a dloss of 1 costs one near-empty launch each); torch's multiply, as
-    fused_backward, for anything else (a dloss of another shape, non-contiguous tensors)."""
+    saved tensors themselves: then a dloss of 1 costs one near-empty launch each); the shared multiply
+    (ops/linear_cross_entropy.py scale_saved) for anything else (a dloss of another shape, float64,
+    non-contiguous tensors)."""
+    rest = []
     for out, saved in ((gx, dx), (gweight, dweight), (gbias, dbias)):
         if out is None:
             continue
-        n = saved.numel()
         if (
             dloss.numel() != 1
             or saved.dtype == torch.float64  # fp64 math, as the multiply's own
             or not (saved.is_contiguous() and out.is_contiguous())
             or out.shape != saved.shape
         ):
-            torch.mul(saved, dloss, out=out)
-        elif n:
+            rest.append((out, saved))
+        elif n := saved.numel():
             _scale_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
                 saved,
                 out,
@@ -205,6 +206,7 @@ def backward(
                 SKIP_ONE=out.data_ptr() == saved.data_ptr(),
                 num_warps=4,
             )
+    scale_saved(rest, dloss)
 
 
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------

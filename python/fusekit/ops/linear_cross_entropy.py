@@ -250,7 +250,15 @@ def fused_backward(
     dloss as a 0-d device tensor (clip_grad_norm_'s pattern: vectorized, fp32 opmath, no host sync), where
     `torch.mul` of a bf16 tensor by an fp32 [1] one ran torch's unvectorized mixed-dtype kernel (2.25 ms
     for d weight in the H100's 8B training step)."""
-    pairs = [(out, saved) for out, saved in ((gx, dx), (gweight, dweight), (gbias, dbias)) if out is not None]
+    scale_saved(
+        [(out, saved) for out, saved in ((gx, dx), (gweight, dweight), (gbias, dbias)) if out is not None],
+        dloss,
+    )
+
+
+def scale_saved(pairs: list[tuple[Tensor, Tensor]], dloss: Tensor) -> None:
+    """out = saved * dloss for each (out, saved) pair (out may be saved itself), fp32 math, one rounding:
+    fused_backward's multiply, and the triton backend's for the pairs its scale kernel does not take."""
     if dloss.numel() != 1:
         for out, saved in pairs:
             torch.mul(saved, dloss, out=out)
@@ -258,7 +266,8 @@ def fused_backward(
     for out, saved in pairs:
         if out.data_ptr() != saved.data_ptr():
             out.copy_(saved)
-    torch._foreach_mul_([out for out, _ in pairs], dloss.reshape(()))
+    if pairs:
+        torch._foreach_mul_([out for out, _ in pairs], dloss.reshape(()))
 
 
 def _loss_shape(ins: dict[str, Tensor | None], sc: dict[str, object]) -> dict[str, tuple[int, ...]]:
