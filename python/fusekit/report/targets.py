@@ -210,6 +210,7 @@ def _vs_torch(r: dict) -> float | None:
     return t / f if f and t else None
 
 
+_NOT_SLOWER = "never slower than the torch eager op (eager wall / fusekit wall)"
 # issue #11 item 1, from host.json (report/host.py): per backend, (what, row value, bound, unit, at most)
 HOST_TARGETS: tuple[tuple[str, str, Callable[[dict], float | None], float, str, bool], ...] = (
     (
@@ -221,22 +222,7 @@ HOST_TARGETS: tuple[tuple[str, str, Callable[[dict], float | None], float, str, 
         True,
     ),
     ("mojo", "wall per call ≤ 15 µs", lambda r: r.get("fusekit_wall_us"), 15.0, "µs", True),
-    (
-        "triton",
-        "never slower than the torch eager op (eager wall / fusekit wall)",
-        _vs_torch,
-        1.0,
-        "×",
-        False,
-    ),
-    (
-        "mojo",
-        "never slower than the torch eager op (eager wall / fusekit wall)",
-        _vs_torch,
-        1.0,
-        "×",
-        False,
-    ),
+    *((b, _NOT_SLOWER, _vs_torch, 1.0, "×", False) for b in ("triton", "mojo")),
 )
 
 
