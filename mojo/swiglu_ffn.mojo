@@ -29,10 +29,10 @@
 #   over 16-row chunks of T (correct, re-streams the weights per chunk: slow for large T).
 #   Caveat: MAX's epilogue receives u already cast to the output dtype (bf16), so h = silu(g) * bf16(u)
 #   there; the extra rounding of u is <= 2^-9 relative, the same size as the final rounding of h.
-# - Other (D, F): MAX 26.7's multistage_gemm with runtime N/K was tried for other (D, F) and left most of
-#   its output unwritten on an H100 (2026-11-26 probe; static N/K was correct): other shapes run as torch
-#   GEMMs + this package's element-wise kernels from python/fusekit/backends/mojo/__init__.py for
-#   T >= TC_MIN_T, and the GEMV kernels below it.
+# - Other (D, F): MAX 26.7's multistage_gemm with runtime N/K was tried for them and left most of its
+#   output unwritten on an H100 (2026-11-26 probe; static N/K was correct). From TC_MIN_T tokens on they
+#   run as torch GEMMs around this package's norm (python/fusekit/backends/mojo/__init__.py), below it on
+#   the GEMV kernels.
 #
 # Index widths (issue #15, inputs past 2^31 elements: T x F h / g / gu, T x D x / xn / out): every element
 # offset is an Int (64-bit), including block_idx / global_idx products and the epilogues' row * F + col;
