@@ -7,6 +7,7 @@ dtype, device or scalar, values that the checks read (kv_len on the CPU), non-pl
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import pytest
@@ -115,6 +116,72 @@ def test_memo_path_outputs_are_poisoned_like_the_checked_path(monkeypatch: pytes
     with fusekit.poisoned():
         y = ops.rms_norm(x, w, backend="torch")
     assert torch.isnan(y).all()
+
+
+def _count_allocations(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    calls: list[tuple] = []
+    real = library.outputs.empty
+    monkeypatch.setattr(library.outputs, "empty", lambda *a: (calls.append(a[0]), real(*a))[1])
+    return calls
+
+
+@pytest.mark.parametrize(
+    "op, stats",
+    [
+        (lambda x, w, b, r: ops.rms_norm(x, w, return_rstd=r, backend="torch"), 1),
+        (lambda x, w, b, r: ops.layer_norm(x, w, b, return_stats=r, backend="torch"), 2),
+    ],
+    ids=["rms_norm", "layer_norm"],
+)
+def test_remembered_call_writes_dropped_statistics_to_scratch(
+    monkeypatch: pytest.MonkeyPatch, op, stats: int
+) -> None:
+    """A remembered forward call allocates only what it returns: statistics it drops go to the scratch
+    arena (outputs.scratch); a call that returns them (its own key) gets fresh ones with the right values."""
+    dispatch.clear_cache()
+    torch.manual_seed(0)
+    x, w, b = torch.randn(6, 64), torch.randn(64), torch.randn(64)
+    want = op(x, w, b, True)
+    op(x, w, b, False)  # remembered now
+    calls = _count_allocations(monkeypatch)
+    y = op(x, w, b, False)
+    assert calls == [(6, 64)]  # y only
+    assert torch.equal(y, want[0])
+    calls.clear()
+    for _ in range(2):  # the first call of this key is checked, the second remembered: both allocate all
+        got = op(x, w, b, True)
+        assert len(calls) == 1 + stats
+        calls.clear()
+        for g_, w_ in zip(got, want):
+            assert torch.equal(g_, w_)
+    arena = library.outputs._ARENAS[x.device]
+    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    assert all(not lo <= t.data_ptr() < hi for t in got)  # returned statistics are never scratch
+
+
+def test_scratch_views_do_not_overlap_and_large_ones_are_allocated() -> None:
+    f32 = torch.float32
+    views = library.outputs.scratch([((5,), f32), ((3, 7), torch.bfloat16), ((1,), f32)], torch.device("cpu"))
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in views)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    base = library.outputs._ARENAS[torch.device("cpu")].data_ptr()  # 512-byte aligned on CUDA
+    assert all((v.data_ptr() - base) % 256 == 0 for v in views) and [v.shape for v in views] == [
+        (5,),
+        (3, 7),
+        (1,),
+    ]
+    big = library.outputs.SCRATCH_MAX // 4 + 1
+    assert library.outputs.scratch([((big,), f32)], torch.device("cpu")) is None
+
+
+def test_large_dropped_statistics_are_allocated_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    dispatch.clear_cache()
+    monkeypatch.setattr(library.outputs, "SCRATCH_MAX", 256)  # rstd of 65 rows (260 bytes) does not fit
+    x, w = torch.randn(65, 8), torch.randn(8)
+    ops.rms_norm(x, w, backend="torch")
+    calls = _count_allocations(monkeypatch)
+    ops.rms_norm(x, w, backend="torch")
+    assert calls == [(65, 8), (65,)]
 
 
 def test_values_read_by_checks_are_never_memoized() -> None:

@@ -29,11 +29,13 @@ class _Kernel:
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def run(self, *a) -> None:  # presence checked by the launcher
-        raise AssertionError("not called directly")
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args) -> None:
+        # the compiled launcher, as _launch's direct path calls it: no metadata, no hooks
+        assert launch_metadata is None and enter is None and exit_ is None
+        self.log.append(("fast", (gx, gy, gz), args))
 
-    def __getitem__(self, grid):
-        return lambda *args: self.log.append(("fast", grid, args))
+    def __getitem__(self, grid):  # Triton's runner: taken while a launch hook is registered
+        return lambda *args: self.log.append(("hooked", grid, args))
 
 
 @pytest.fixture
@@ -46,6 +48,7 @@ def toy(monkeypatch: pytest.MonkeyPatch):
         return _Kernel(log)
 
     monkeypatch.setattr(type(fn), "run", run)
+    monkeypatch.setattr(_launch, "_stream", lambda device: 0)  # no CUDA stream on the CPU
     fn = _launch.fast_launch(fn)
     _launch.clear()
     yield fn, log
@@ -78,6 +81,34 @@ def test_enabled_remembers_and_binds_in_parameter_order(toy, monkeypatch: pytest
     assert grid == (4, 1, 1)
     # every parameter in order: positionals, the BLOCK keyword, FLAG's default; num_warps is an option
     assert args[:4] == (x, y, 64, 8) and args[4:] == (32, False)
+
+
+def test_a_registered_launch_hook_takes_tritons_runner(toy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct launch passes no launch metadata and no hooks; while a hook is registered (a profiler)
+    the remembered kernel launches through Triton's runner, which calls it."""
+    from triton import knobs
+
+    fn, log = toy
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    x, y = torch.zeros(64), torch.zeros(64)
+    fn[(4,)](x, y, 64, 7)
+    fn[(4,)](x, y, 64, 8)
+    old = knobs.runtime.launch_enter_hook
+    chain = hasattr(old, "add")  # Triton >= 3.6 keeps a HookChain; older ones a callable or None
+    if chain:
+        old.add(print)
+    else:
+        knobs.runtime.launch_enter_hook = print
+    try:
+        fn[(4,)](x, y, 64, 9)
+    finally:
+        if chain:
+            old.remove(print)
+        else:
+            knobs.runtime.launch_enter_hook = old
+    fn[(4,)](x, y, 64, 10)
+    assert [e[0] for e in log] == ["run", "fast", "hooked", "fast"]
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -13,7 +15,12 @@ _poison = False
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty, or a tensor full of NaN (floats) / the most negative integer while poisoning."""
     if not _poison:
-        return torch.empty(shape, dtype=dtype, device=device)
+        # sizes as separate arguments: torch's argument parser takes them ~0.7 us faster than a Size
+        return (
+            torch.empty(*shape, dtype=dtype, device=device)
+            if shape
+            else torch.empty((), dtype=dtype, device=device)
+        )
     fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
     return torch.full(shape, fill, dtype=dtype, device=device)
 
@@ -27,3 +34,36 @@ def poisoned() -> Iterator[None]:
         yield
     finally:
         _poison = old
+
+
+# --- scratch for outputs a call throws away ------------------------------------------------------------
+# A forward-only call still gets its statistics (rms_norm's rstd, layer_norm's mean/rstd, attention's lse)
+# from the kernels, which write them unconditionally; when the caller does not return them they are dead
+# on arrival. At decode shapes each such torch.empty costs 2-3.5 us of host time (H100 host, .dev probe at
+# dc925c5) beside a 5 us launch, so a remembered forward call (library.Runner) writes them into a scratch
+# arena instead. The arena (SCRATCH_MAX bytes per device) is never freed (a CUDA graph that captured a call keeps writing there on every
+# replay) and never read; calls racing on it from several streams only overwrite garbage with garbage.
+SCRATCH_MAX = 1 << 20  # bytes: one arena per device; larger statistics are allocated per call as usual
+_ARENAS: dict[torch.device, torch.Tensor] = {}
+_ARENA_LOCK = threading.Lock()
+
+
+def scratch(
+    layouts: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
+) -> list[torch.Tensor] | None:
+    """Non-overlapping views of `device`'s scratch arena, one per (shape, dtype), each at a multiple of 256
+    bytes from its start (CUDA's allocator aligns it to 512); None when they need more than SCRATCH_MAX."""
+    offsets, end = [], 0
+    for shape, dtype in layouts:
+        offsets.append(end)
+        end += -(-math.prod(shape) * dtype.itemsize // 256) * 256
+    if end > SCRATCH_MAX:
+        return None
+    with _ARENA_LOCK:
+        arena = _ARENAS.get(device)
+        if arena is None:
+            arena = _ARENAS[device] = torch.empty(SCRATCH_MAX, dtype=torch.uint8, device=device)
+    return [
+        arena[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        for o, (shape, dtype) in zip(offsets, layouts)
+    ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusekit import dispatch
+from fusekit import dispatch, outputs
 from fusekit.library.autograd import _EAGER, _apply, _as_tuple, _needs_grad, _present, apply
 from fusekit.library.plan import _PLANS, _RECORD_TRIES, _execute, _Plan, _plan_for, _signature, may_reuse
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec
@@ -59,15 +59,18 @@ def call_key(tensors: tuple, scalars: tuple, backend: object) -> tuple | None:
 
 
 class Runner:
-    """A validated forward signature's plan: `runner(inputs)` allocates the outputs and launches."""
+    """A validated forward signature's plan: `runner(inputs)` allocates the outputs and launches.
 
-    __slots__ = ("plan", "spec")
+    `scratch` (per output: a view of the scratch arena, or None) holds the outputs its caller throws away
+    (statistics it does not return; outputs.scratch): they are written there instead of allocated."""
 
-    def __init__(self, spec: OpSpec, plan: _Plan) -> None:
-        self.spec, self.plan = spec, plan
+    __slots__ = ("plan", "scratch", "spec")
+
+    def __init__(self, spec: OpSpec, plan: _Plan, scratch: tuple | None = None) -> None:
+        self.spec, self.plan, self.scratch = spec, plan, scratch
 
     def __call__(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-        return _execute(self.spec, FORWARD, self.plan, inputs)
+        return _execute(self.spec, FORWARD, self.plan, inputs, False, self.scratch)
 
     def unreplayed(self) -> SizedRunner:
         """This runner for calls that differ from its signature only in sizes its plan does not depend
@@ -78,7 +81,7 @@ class Runner:
         for slot in _Plan.__slots__:
             setattr(plan, slot, getattr(self.plan, slot))
         plan.replay, plan.calls = None, _RECORD_TRIES + 1
-        return SizedRunner(self.spec, plan)
+        return SizedRunner(self.spec, plan, self.scratch)
 
 
 class SizedRunner(Runner):
@@ -94,8 +97,8 @@ class SizedRunner(Runner):
     __slots__ = ("last", "longest", "run")
     PROMOTE_RUN = 256
 
-    def __init__(self, spec: OpSpec, plan: _Plan) -> None:
-        super().__init__(spec, plan)
+    def __init__(self, spec: OpSpec, plan: _Plan, scratch: tuple | None = None) -> None:
+        super().__init__(spec, plan, scratch)
         self.last, self.run, self.longest = None, 0, 0
 
     def repeats(self, size: object) -> bool:
@@ -113,9 +116,13 @@ def apply_memo(
     inputs: tuple[Tensor | None, ...],
     scalars: tuple,
     backend: str,
+    discard: tuple[str, ...] = (),
 ) -> tuple[Tensor | None, ...]:
     """`apply`, remembering an eager call under `key` (None: do not remember): a forward-only call's
-    plan (Runner), or a call that records a gradient with its backend pinned (GradRunner)."""
+    plan (Runner), or a call that records a gradient with its backend pinned (GradRunner).
+
+    discard: forward outputs (statistics) the caller throws away; `key` must tell the calls that return
+    them apart. A forward-only call's Runner writes them into the scratch arena."""
     if key is None or torch.compiler.is_compiling():
         return apply(spec, inputs, scalars, backend)
     if _needs_grad(spec, inputs):
@@ -131,8 +138,26 @@ def apply_memo(
     if plan is not None:
         if len(memo_) >= _MEMO_SIZE:
             memo_.clear()
-        memo_[key] = Runner(spec, plan)
+        memo_[key] = Runner(spec, plan, _scratch(spec, plan, discard) if discard else None)
     return outs
+
+
+def _scratch(spec: OpSpec, plan: _Plan, discard: tuple[str, ...]) -> tuple | None:
+    """Per forward output: a scratch view for a discarded statistic, else None (None: no scratch)."""
+    picked = [
+        j
+        for j, (a, lay) in enumerate(zip(spec.forward.outputs, plan.layout))
+        if a.name in discard and lay is not None and not a.grad
+    ]
+    views = (
+        outputs.scratch([plan.layout[j] for j in picked], plan.device) if picked and not plan.empty else None
+    )
+    if views is None:
+        return None
+    out: list[Tensor | None] = [None] * len(plan.layout)
+    for j, v in zip(picked, views):
+        out[j] = v
+    return tuple(out)
 
 
 class GradRunner:

@@ -111,12 +111,21 @@ def _signature(spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend:
     return sig
 
 
-def _allocate(spec: OpSpec, phase: str, plan: _Plan, reuse: tuple | None = None) -> tuple[Tensor | None, ...]:
+def _allocate(
+    spec: OpSpec, phase: str, plan: _Plan, reuse: tuple | None = None, scratch: tuple | None = None
+) -> tuple[Tensor | None, ...]:
     """The phase's outputs (poisoned in tests); with `reuse` (an eager call's inputs), outputs the phase
-    writes in place (Phase.reuse) are those inputs. Out of GPU memory: torch's OutOfMemoryError again,
-    naming the op and what it asked for (what was allocated before the failure is freed with this frame)."""
+    writes in place (Phase.reuse) are those inputs; with `scratch` (a remembered forward call's), outputs
+    the caller throws away are those views of the scratch arena (outputs.scratch). Out of GPU memory:
+    torch's OutOfMemoryError again, naming the op and what it asked for (what was allocated before the
+    failure is freed with this frame)."""
     empty, device = outputs.empty, plan.device
     try:  # a list comprehension: cheaper than a generator on this path
+        if scratch is not None:
+            return tuple([
+                s if s is not None else None if lay is None else empty(lay[0], lay[1], device)
+                for lay, s in zip(plan.layout, scratch)
+            ])  # fmt: skip
         if reuse is not None and plan.reuse is not None:
             return tuple([
                 None if lay is None else empty(lay[0], lay[1], device) if j is None else reuse[j]
@@ -181,12 +190,17 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.curre
 
 
 def _execute(
-    spec: OpSpec, phase: str, plan: _Plan, inputs: tuple[Tensor | None, ...], reuse: bool = False
+    spec: OpSpec,
+    phase: str,
+    plan: _Plan,
+    inputs: tuple[Tensor | None, ...],
+    reuse: bool = False,
+    scratch: tuple | None = None,
 ) -> tuple[Tensor | None, ...]:
     """One call of a planned signature: contiguous copies where the plan says, outputs, the launch."""
     if plan.contig:
         inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
-    outs = _allocate(spec, phase, plan, inputs if reuse else None)
+    outs = _allocate(spec, phase, plan, inputs if reuse else None, scratch)
     if plan.empty:
         for o in outs:
             if o is not None:

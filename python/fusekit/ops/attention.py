@@ -297,7 +297,7 @@ def attention(
     if run is not None:
         o = run(ins)[0]
     else:
-        o = library.apply_memo(_MEMO, key, SPEC, ins, (causal, s), backend)[0]
+        o = library.apply_memo(_MEMO, key, SPEC, ins, (causal, s), backend, ("lse",))[0]
         if grown is not None and grown not in _MEMO and isinstance(checked := _MEMO.get(key), library.Runner):
             _MEMO[grown] = checked.unreplayed()  # kept on a promotion: its run lengths are the history
     return o.transpose(1, 2) if bshd else o

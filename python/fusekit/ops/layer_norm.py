@@ -141,7 +141,7 @@ def layer_norm(
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     if residual is not None:
         x, residual = promote_residual(x, residual)  # dtypes as x + residual
-    key = library.call_key((x, weight, bias, residual), (eps,), backend)
+    key = library.call_key((x, weight, bias, residual), (eps, return_stats), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)
         check_norm_inputs(x, weight, bias, residual)
@@ -151,6 +151,10 @@ def layer_norm(
     b = bias.contiguous() if bias is not None else None
     inputs = (C.rows(x), r, weight.contiguous(), b)
     y, h, mean, rstd = (
-        run(inputs) if run is not None else library.apply_memo(_MEMO, key, SPEC, inputs, scalars, backend)
+        run(inputs)
+        if run is not None
+        else library.apply_memo(
+            _MEMO, key, SPEC, inputs, scalars, backend, () if return_stats else ("mean", "rstd")
+        )
     )
     return norm_returns(x, y, h, (mean, rstd) if return_stats else ())

@@ -144,7 +144,7 @@ def rms_norm(
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     if residual is not None:
         x, residual = promote_residual(x, residual)  # dtypes as x + residual
-    key = library.call_key((x, weight, residual), (eps, casting), backend)
+    key = library.call_key((x, weight, residual), (eps, casting, return_rstd), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)
         check_norm_inputs(x, weight, None, residual)
@@ -153,6 +153,8 @@ def rms_norm(
     r = C.rows(residual) if residual is not None else None
     inputs = (C.rows(x), r, weight.contiguous())
     y, h, rstd = (
-        run(inputs) if run is not None else library.apply_memo(_MEMO, key, SPEC, inputs, scalars, backend)
+        run(inputs)
+        if run is not None
+        else library.apply_memo(_MEMO, key, SPEC, inputs, scalars, backend, () if return_rstd else ("rstd",))
     )
     return norm_returns(x, y, h, (rstd,) if return_rstd else ())
