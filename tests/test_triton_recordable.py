@@ -34,6 +34,7 @@ class _Kernel:  # a CompiledKernel stand-in: launches do nothing
 
 JITFunction.run = lambda self, *a, grid, warmup, **k: _Kernel()
 torch.cuda.current_device = lambda: 0
+_launch._stream = lambda device: 0  # no CUDA stream on the CPU
 _launch.ENABLED = True
 out = {}
 
