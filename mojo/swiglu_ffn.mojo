@@ -405,7 +405,7 @@ def swiglu_ffn_gpu[
 
 
 def swiglu_ffn_gpu_save[
-    dtype: DType, with_tc: Bool = True
+    dtype: DType
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     rstd: Pointer[Float32, MutAnyOrigin],
@@ -426,14 +426,12 @@ def swiglu_ffn_gpu_save[
     tc_min_t: Int = TC_MIN_T,
 ) raises:
     """The forward of swiglu_ffn_gpu, and with save also gu [T, 2F] (both paths); scratch in `ws`.
-    with_tc: compile the wgmma path in (fusekit.swiglu_ffn_tc); without it only the GEMV path exists."""
+    With the wgmma path (fusekit.swiglu_ffn_tc); swiglu_ffn_gpu_gemv is the same without it."""
     # the tensor-core path reads xn as a Tp-row matrix (see TC_PAD); rows T.. are never written
-    var xn_rows = _tc_rows(T) if with_tc and T >= tc_min_t and allow_tc else T
-    check_workspace(_OP, "xn", ws.xn_len, xn_rows * D)
-    var xn = ws.xn()
-    ctx.enqueue_function[_norm_kernel[dtype]](xn, rstd, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
+    var xn_rows = _tc_rows(T) if T >= tc_min_t and allow_tc else T
+    var xn = _ffn_norm[dtype](rstd, x, nw, params, T, D, xn_rows, ctx, ws)
 
-    comptime if with_tc and dtype == DType.bfloat16 and DeviceContext.default_device_info.api == "cuda":
+    comptime if dtype == DType.bfloat16 and DeviceContext.default_device_info.api == "cuda":
         if T >= tc_min_t and allow_tc:
             comptime for i in range(len(_STATIC_DF)):
                 comptime DD = _STATIC_DF[i][0]
@@ -452,8 +450,77 @@ def swiglu_ffn_gpu_save[
                         ws.as_bf16(),
                     )
                     return
+    _ffn_gemv_path[dtype](o, gu, save, xn, wg, wu, wd, T, D, F, ctx, ws)
 
-    # GEMV path: T <= 16 at once (decode), larger T in 16-row chunks.
+
+# Compile time (issue #14): no function reachable from fusekit.swiglu_ffn may name _ffn_tc, not even in a
+# `comptime if` branch that is never taken: such a dead reference (its _matmul_gpu calls) still cost ~20 s
+# of the op's first-call compile (bf16 virtual-sm_90 MAX graph compile on a 2-core CPU: 32-38 s with it,
+# 14-18 s without; `mojo build` of the forward alone 20 s -> 7 s; byte-identical PTX either way), which
+# is why the GEMV-only forward is its own function rather than swiglu_ffn_gpu_save with a with_tc = False
+# parameter, and why the ops pick it through a struct parameter (_FfnGpuPath) rather than a comptime if.
+def swiglu_ffn_gpu_gemv[
+    dtype: DType
+](
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    rstd: Pointer[Float32, MutAnyOrigin],
+    gu: Pointer[Scalar[dtype], MutAnyOrigin],
+    save: Bool,
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    wg: Pointer[Scalar[dtype], MutAnyOrigin],
+    wu: Pointer[Scalar[dtype], MutAnyOrigin],
+    wd: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    T: Int,
+    D: Int,
+    F: Int,
+    ctx: DeviceContext,
+    ws: FfnScratch[dtype],
+) raises:
+    """swiglu_ffn_gpu_save with the GEMV path only (fusekit.swiglu_ffn): T <= 16 at once, larger T in
+    16-row chunks."""
+    var xn = _ffn_norm[dtype](rstd, x, nw, params, T, D, T, ctx, ws)
+    _ffn_gemv_path[dtype](o, gu, save, xn, wg, wu, wd, T, D, F, ctx, ws)
+
+
+def _ffn_norm[
+    dtype: DType
+](
+    rstd: Pointer[Float32, MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    T: Int,
+    D: Int,
+    xn_rows: Int,
+    ctx: DeviceContext,
+    ws: FfnScratch[dtype],
+) raises -> Pointer[Scalar[dtype], MutAnyOrigin]:
+    """Launch the norm kernel into ws.xn (checked to hold xn_rows rows) and return ws.xn."""
+    check_workspace(_OP, "xn", ws.xn_len, xn_rows * D)
+    var xn = ws.xn()
+    ctx.enqueue_function[_norm_kernel[dtype]](xn, rstd, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
+    return xn
+
+
+def _ffn_gemv_path[
+    dtype: DType
+](
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    gu: Pointer[Scalar[dtype], MutAnyOrigin],
+    save: Bool,
+    xn: Pointer[Scalar[dtype], MutAnyOrigin],
+    wg: Pointer[Scalar[dtype], MutAnyOrigin],
+    wu: Pointer[Scalar[dtype], MutAnyOrigin],
+    wd: Pointer[Scalar[dtype], MutAnyOrigin],
+    T: Int,
+    D: Int,
+    F: Int,
+    ctx: DeviceContext,
+    ws: FfnScratch[dtype],
+) raises:
+    """The GEMV path after the norm: T <= 16 at once (decode), larger T in 16-row chunks."""
     check_workspace(_OP, "h", ws.h_len, min(T, DECODE_MAX_T) * F)
     var hp = ws.h()
     var t0 = 0
@@ -463,6 +530,84 @@ def swiglu_ffn_gpu_save[
         _gemv[dtype, True](hp, xn.unsafe_offset(t0 * D), wg, wu, tc, D, F, ctx, gu_t, save)
         _gemv[dtype, False](o.unsafe_offset(t0 * D), hp, wd, wd, tc, F, D, ctx, gu_t, False)
         t0 += tc
+
+
+trait _FfnGpuPath:
+    """The GPU forward an op compiles (see swiglu_ffn_gpu_gemv for why this is a type, not a Bool)."""
+
+    @staticmethod
+    def run[
+        dtype: DType
+    ](
+        o: Pointer[Scalar[dtype], MutAnyOrigin],
+        rstd: Pointer[Float32, MutAnyOrigin],
+        gu: Pointer[Scalar[dtype], MutAnyOrigin],
+        save: Bool,
+        x: Pointer[Scalar[dtype], MutAnyOrigin],
+        wg: Pointer[Scalar[dtype], MutAnyOrigin],
+        wu: Pointer[Scalar[dtype], MutAnyOrigin],
+        wd: Pointer[Scalar[dtype], MutAnyOrigin],
+        nw: Pointer[Scalar[dtype], MutAnyOrigin],
+        params: Pointer[Float32, MutAnyOrigin],
+        T: Int,
+        D: Int,
+        F: Int,
+        ctx: DeviceContext,
+        ws: FfnScratch[dtype],
+    ) raises:
+        ...
+
+
+struct _GemvPath(_FfnGpuPath):
+    """fusekit.swiglu_ffn: the GEMV kernels only."""
+
+    @staticmethod
+    def run[
+        dtype: DType
+    ](
+        o: Pointer[Scalar[dtype], MutAnyOrigin],
+        rstd: Pointer[Float32, MutAnyOrigin],
+        gu: Pointer[Scalar[dtype], MutAnyOrigin],
+        save: Bool,
+        x: Pointer[Scalar[dtype], MutAnyOrigin],
+        wg: Pointer[Scalar[dtype], MutAnyOrigin],
+        wu: Pointer[Scalar[dtype], MutAnyOrigin],
+        wd: Pointer[Scalar[dtype], MutAnyOrigin],
+        nw: Pointer[Scalar[dtype], MutAnyOrigin],
+        params: Pointer[Float32, MutAnyOrigin],
+        T: Int,
+        D: Int,
+        F: Int,
+        ctx: DeviceContext,
+        ws: FfnScratch[dtype],
+    ) raises:
+        swiglu_ffn_gpu_gemv[dtype](o, rstd, gu, save, x, wg, wu, wd, nw, params, T, D, F, ctx, ws)
+
+
+struct _TcPath(_FfnGpuPath):
+    """fusekit.swiglu_ffn_tc: the wgmma path for _STATIC_DF from TC_MIN_T tokens, else the GEMV kernels."""
+
+    @staticmethod
+    def run[
+        dtype: DType
+    ](
+        o: Pointer[Scalar[dtype], MutAnyOrigin],
+        rstd: Pointer[Float32, MutAnyOrigin],
+        gu: Pointer[Scalar[dtype], MutAnyOrigin],
+        save: Bool,
+        x: Pointer[Scalar[dtype], MutAnyOrigin],
+        wg: Pointer[Scalar[dtype], MutAnyOrigin],
+        wu: Pointer[Scalar[dtype], MutAnyOrigin],
+        wd: Pointer[Scalar[dtype], MutAnyOrigin],
+        nw: Pointer[Scalar[dtype], MutAnyOrigin],
+        params: Pointer[Float32, MutAnyOrigin],
+        T: Int,
+        D: Int,
+        F: Int,
+        ctx: DeviceContext,
+        ws: FfnScratch[dtype],
+    ) raises:
+        swiglu_ffn_gpu_save[dtype](o, rstd, gu, save, x, wg, wu, wd, nw, params, T, D, F, ctx, ws)
 
 
 def swiglu_ffn_cpu[
@@ -517,11 +662,12 @@ def swiglu_ffn_cpu[
             o[unsafe_offset=t * D + d] = acc.cast[dtype]()
 
 
-# The op's body, shared by fusekit.swiglu_ffn (GEMV path only) and fusekit.swiglu_ffn_tc (with the wgmma
-# path for _STATIC_DF): the wgmma matmuls cost ~70 s of the GPU compile (H100, MAX 26.7), so a call compiles
-# them only when python/fusekit/backends/mojo routes a static-pair prefill to fusekit.swiglu_ffn_tc.
+# The op's body, shared by fusekit.swiglu_ffn (Path = _GemvPath) and fusekit.swiglu_ffn_tc (_TcPath: with
+# the wgmma path for _STATIC_DF): the wgmma matmuls cost ~70 s of the GPU compile (H100, MAX 26.7), so a
+# call compiles them only when python/fusekit/backends/mojo routes a static-pair prefill to
+# fusekit.swiglu_ffn_tc.
 def _swiglu_ffn_execute[
-    dtype: DType, //, target: StaticString, with_tc: Bool
+    dtype: DType, //, target: StaticString, Path: _FfnGpuPath
 ](
     res: MutableInputTensor[dtype=dtype, rank=2, ...],
     rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
@@ -563,7 +709,7 @@ def _swiglu_ffn_execute[
             rebind[P](out_pad.unsafe_ptr()),
             out_pad.dim_size(0),
         )
-        swiglu_ffn_gpu_save[dtype, with_tc](op, rp, gup, save, xp, gp, up, dp, np, pp, T, D, F, ctx, ws)
+        Path.run[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp, T, D, F, ctx, ws)
     else:  # the CPU path needs no workspace: xn / h / g / out_pad are 1-element dummies, never read
         var has_norm = pp[unsafe_offset=1] != 0
         swiglu_ffn_cpu[dtype](op, rp, gup, save, xp, gp, up, dp, np, pp[unsafe_offset=0], has_norm, T, D, F)
@@ -590,7 +736,7 @@ struct SwigluFfn:
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        _swiglu_ffn_execute[target, False](
+        _swiglu_ffn_execute[target, _GemvPath](
             res, rstd, gu, xn, h, g, out_pad, x, w_gate, w_up, w_down, norm_weight, params, ctx
         )
 
@@ -618,7 +764,7 @@ struct SwigluFfnTc:
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        _swiglu_ffn_execute[target, True](
+        _swiglu_ffn_execute[target, _TcPath](
             res, rstd, gu, xn, h, g, out_pad, x, w_gate, w_up, w_down, norm_weight, params, ctx
         )
 
