@@ -34,6 +34,7 @@ class Target:
     baseline: str | None  # speedup_vs key; None: pct_of_ceiling
     at_least: float  # ratio, or percent of the roofline bound when baseline is None
     where: Where | None = None  # on a row: params, dtype
+    provider: str = "{b}"  # the rows' provider for backend b (the model bench names its own)
 
 
 def _p(**want: object) -> Where:
@@ -42,6 +43,10 @@ def _p(**want: object) -> Where:
 
 def _n_in(lo: int, hi: int) -> Where:
     return lambda r: lo <= int((r.get("params") or {}).get("N", 0)) <= hi
+
+
+def _scenario(prefix: str) -> Where:
+    return lambda r: str(r.get("scenario", "")).startswith(prefix)
 
 
 def _pow2_n(lo: int, hi: int, dtype: str | None = None) -> Where:
@@ -73,6 +78,47 @@ TARGETS: tuple[Target, ...] = (
         1.0,
     ),
     Target(11, "norms, rope at small shapes ≥ 1.0× Liger", (*NORMS, "rope"), "small", "liger", 1.0),
+    # a decoder layer (model.json): eager fusekit layers, and the same captured in a CUDA graph
+    Target(
+        11,
+        "layer eager decode ≥ 1.0× torch.compile",
+        ("model",),
+        "sweep",
+        "torch-compile",
+        1.0,
+        _scenario("decode"),
+        "fusekit-{b}",
+    ),
+    Target(
+        11,
+        "layer graphed decode ≥ 1.5× torch.compile",
+        ("model",),
+        "sweep",
+        "torch-compile",
+        1.5,
+        _scenario("decode"),
+        "fusekit-{b}-graph",
+    ),
+    Target(
+        11,
+        "layer graphed decode ≥ 60% of the byte floor",
+        ("model",),
+        "sweep",
+        None,
+        60.0,
+        _scenario("decode"),
+        "fusekit-{b}-graph",
+    ),
+    Target(
+        11,
+        "layer prefill ≥ 1.05× torch.compile",
+        ("model",),
+        "sweep",
+        "torch-compile",
+        1.05,
+        _scenario("prefill"),
+        "fusekit-{b}",
+    ),
     # #13 / #14 forward sweeps
     Target(13, "attention forward ≥ 1.0× SDPA", ("attention",), "sweep", "sdpa", 1.0),
     Target(
@@ -150,7 +196,7 @@ def _values(docs: list[dict], t: Target, backend: str) -> Iterator[tuple[float, 
         rs = runs(d)
         for r in ok_rows(d):
             if (
-                r["provider"] == backend
+                r["provider"] == t.provider.format(b=backend)
                 and (t.where is None or t.where(r))
                 and (v := _value(r, t)) is not None
             ):
