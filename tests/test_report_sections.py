@@ -285,6 +285,36 @@ def test_targets_met_only_when_every_case_meets_them() -> None:
     assert "norms fwd+bwd ≥ 1.1× Liger" not in got and "attention fwd+bwd ≥ 0.9× SDPA" not in got
 
 
+def test_layer_targets_read_the_model_benchs_providers() -> None:
+    """model.json names providers fusekit-<backend>[-graph]: eager decode and graphed decode are checked
+    on their own rows, by scenario."""
+
+    def row(prov: str, scenario: str, vs_compile: float, pct: float) -> dict:
+        r = {**_bench_row(prov, 4096, vs_compile, pct), "op": "model", "suite": "sweep", "scenario": scenario}
+        return r | {"case": f"{scenario} {prov}"}
+
+    doc = {**_op_doc([]), "op": "model", "suite": "sweep"}
+    doc["rows"] = [
+        row("fusekit-triton", "decode-b1-2k", 1.2, 40.0),
+        row("fusekit-triton", "decode-b32-2k", 0.9, 70.0),
+        row("fusekit-triton-graph", "decode-b1-2k", 1.6, 75.0),
+        row("fusekit-triton", "prefill-2k", 1.1, 90.0),
+        row("torch-compile", "decode-b1-2k", 1.0, 30.0),
+    ]
+    got = {t.what: cells for _, t, cells in targets.evaluate([(SLUG, Path("model.json"), doc)])}
+    assert got["layer eager decode ≥ 1.0× torch.compile"]["triton"].startswith(
+        "not met: 1/2 cases, worst 0.90×"
+    )
+    assert got["layer graphed decode ≥ 1.5× torch.compile"]["triton"].startswith(
+        "**met**: 1/1 cases, worst 1.60×"
+    )
+    assert got["layer graphed decode ≥ 60% of the byte floor"]["triton"].startswith(
+        "**met**: 1/1 cases, worst 75%"
+    )
+    assert got["layer prefill ≥ 1.05× torch.compile"]["triton"].startswith("**met**: 1/1 cases, worst 1.10×")
+    assert got["layer eager decode ≥ 1.0× torch.compile"]["mojo"] == "no data"
+
+
 def test_e2e_targets_from_step_times_and_commit_mark(tmp_path) -> None:
     res = _results(tmp_path, _e2e_doc(merged=True))
     [(label, provs, items)] = targets.evaluate_e2e(res)
