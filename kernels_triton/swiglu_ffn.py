@@ -46,8 +46,9 @@ Paths (chosen by T; tests force them with `_path=`):
   wrong values, is warned about once (RuntimeWarning with the error) and excluded for good (`_BROKEN`);
   a wrong-but-fast kernel can never be picked. `_gemm="tma"` checks its configs the same way. Inputs
   whose pointer-kernel output is non-finite or all zero cannot judge a candidate: that call runs "ptr"
-  (under `_gemm="tma"`: its first config, unchecked) and the choice waits for the next call. Elsewhere
-  "ptr" runs without timing or checks.
+  (under `_gemm="tma"`: its first config, unchecked) and the choice waits for the next call. On any GPU in
+  fp16/bf16 the down GEMM also has the vendor GEMM ("blas": torch.mm, cuBLAS / hipBLASLt) among its
+  candidates, checked and timed the same way (`_blas_auto`). Elsewhere "ptr" runs without timing or checks.
 Measured (H200, bf16, D=4096, F=11008, triton 3.6): T=1 83 us (3.26 TB/s; torch.compile 96 us, cuBLAS
 97.5 us); T=4096 "ptr" 534-559 TFLOP/s end to end (gate/up GEMM alone 562, down 549; torch.compile of
 the native-bf16 MLP 646-667, cuBLAS 634-637, torch.compile of the fp32 reference 50). The TMA kernels
@@ -689,7 +690,7 @@ def swiglu_ffn(
 # ----------------------------------------------------------------------------------------------------
 # prefill GEMM selection: pointer kernels vs TMA persistent kernels, by measurement on first use
 # ----------------------------------------------------------------------------------------------------
-# (kind, T bucket, F, D, dtype, fused norm, TMA-aligned, device, _gemm) -> "ptr" | a TMA config tuple
+# (kind, T bucket, F, D, dtype, fused norm, TMA-aligned, device, _gemm) -> "ptr" | "blas" | a TMA config
 _CHOICE: dict[tuple, object] = {}
 TIMINGS: dict[tuple, list[tuple[object, float]]] = {}  # same key -> [(candidate, ms)], for benchmarks
 _BROKEN: set[tuple] = set()  # (kind, TMA config) that failed to compile or launch on this Triton
@@ -757,9 +758,28 @@ def _candidates(
                 "swiglu_ffn _gemm='tma' needs _prologue='xn' (or no norm) and 16-byte aligned rows"
             )
         return {k: _tma_configs(k, T, save) for k in ("gate_up", "down")}
+    blas = ["blas"] if gemm is None and _blas_auto(tensors) else []
     if gemm is None and tma_ok and _tma_auto(tensors):
-        return {k: ["ptr", *_tma_configs(k, T, save)] for k in ("gate_up", "down")}
-    return {"gate_up": ["ptr"], "down": ["ptr"]}
+        return {
+            "gate_up": ["ptr", *_tma_configs("gate_up", T, save)],
+            "down": ["ptr", *_tma_configs("down", T, save), *blas],
+        }
+    return {"gate_up": ["ptr"], "down": ["ptr", *blas]}
+
+
+def _blas_auto(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """The vendor GEMM (cuBLAS / hipBLASLt through torch.mm) competes for the down GEMM h @ Wd^T on a GPU in
+    fp16/bf16: the same product class as the Triton kernels (fp32 accumulation, one rounding of y), so the
+    first-use timing picks whichever is faster at this shape and the check against the pointer kernel
+    holds it to the same bound. Not for fp32 (torch may run it in TF32; fusekit's fp32 is IEEE) and not for
+    gate/up, whose fused epilogue forms h from the unrounded fp32 g and u. FUSEKIT_FFN_BLAS=0 leaves it out."""
+    x = tensors[0]
+    return (
+        os.environ.get("FUSEKIT_FFN_BLAS", "1") != "0"
+        and not is_interpreter()
+        and x.device.type == "cuda"
+        and x.dtype in (torch.float16, torch.bfloat16)
+    )
 
 
 def _bench_ms(fn) -> float:
@@ -829,7 +849,8 @@ def _choose(
 
     `launch(cfg)` writes `dst` (h, and gu when saving, for gate/up; out for down) from the caller's real
     inputs. "ptr" runs first and its outputs are kept (one copy per key, first use only); every TMA config
-    then writes dst after it is poisoned with NaN and must match that copy before it is timed, and again
+    (and "blas", the vendor GEMM, for down) then writes dst after it is poisoned with NaN and must match
+    that copy before it is timed, and again
     after its timed runs (a race that shows up only sometimes). TMA configs that fail to compile or
     launch, or do not match, are warned about and dropped for good. dst is left with an arbitrary
     candidate's output: the caller launches the returned config, which rewrites it.
@@ -868,7 +889,8 @@ def _choose(
             _BROKEN.add((kind, cfg))
             what = "wrong results" if isinstance(exc, _WrongResult) else "failed"
             warnings.warn(
-                f"swiglu_ffn: TMA {kind} config {cfg} excluded on triton {triton.__version__} ({what}): "
+                f"swiglu_ffn: {'TMA ' if cfg != 'blas' else ''}{kind} config {cfg} excluded on triton "
+                f"{triton.__version__} ({what}): "
                 f"{type(exc).__name__}: {exc}",
                 RuntimeWarning,
                 stacklevel=2,
@@ -912,6 +934,9 @@ def _launch_gate_up(
 
 
 def _launch_down(cfg, h, w_down, out, T: int, D: int, F: int, ieee: bool) -> None:
+    if cfg == "blas":
+        torch.mm(h, w_down.t(), out=out)
+        return
     if cfg == "ptr":
         if is_interpreter():
             bm, bn, bk, g, w, _s = _MM_INTERP

@@ -190,6 +190,34 @@ def test_swiglu_ffn_choice_picks_and_caches(ffn_choice) -> None:
     assert rel_error(out, ref) < TOL[torch.float16] and len(calls) == 4
 
 
+def test_swiglu_ffn_down_may_pick_the_vendor_gemm(ffn_choice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU (fp16/bf16) the down GEMM has "blas" (torch.mm) among its candidates: checked against the
+    pointer kernel and timed like a TMA config, and picked when fastest (here: timed last, "fastest")."""
+    ffn_mod, calls = ffn_choice
+    monkeypatch.setattr(ffn_mod, "_blas_auto", lambda tensors: True)
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=8)
+    for _ in range(2):
+        out = torch.full_like(x, float("nan"))
+        ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
+        assert rel_error(out, ref) < TOL[torch.float16]
+    assert len(calls) == 5  # gate_up: ptr, TMA; down: ptr, TMA, blas - once
+    assert {k[0]: v for k, v in ffn_mod._CHOICE.items()} == {"gate_up": ffn_mod._TMA_INTERP, "down": "blas"}
+
+
+def test_vendor_gemm_only_where_it_means_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels_triton.swiglu_ffn as ffn_mod
+
+    cpu16 = (torch.empty(4, 8, dtype=torch.float16),)
+    assert not ffn_mod._blas_auto(cpu16)  # no GPU (and the interpreter never)
+    assert ffn_mod._candidates(20, cpu16, None, tma_ok=True)["down"] == ["ptr"]
+    monkeypatch.setattr(ffn_mod, "is_interpreter", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    assert ffn_mod._blas_auto(cpu16)
+    assert not ffn_mod._blas_auto((torch.empty(4, 8),))  # fp32 stays IEEE (torch.mm may use TF32)
+    monkeypatch.setenv("FUSEKIT_FFN_BLAS", "0")
+    assert not ffn_mod._blas_auto(cpu16)
+
+
 def test_swiglu_ffn_choice_excludes_failing_tma(ffn_choice, monkeypatch: pytest.MonkeyPatch) -> None:
     """A TMA kernel that does not compile on this Triton is warned about once and the pointer GEMM runs."""
     ffn_mod, _calls = ffn_choice
