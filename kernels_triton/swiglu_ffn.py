@@ -51,9 +51,11 @@ Paths (chosen by T; tests force them with `_path=`):
   candidates, checked and timed the same way (`_blas_auto`). Elsewhere "ptr" runs without timing or checks.
 Measured (H200, bf16, D=4096, F=11008, triton 3.6): T=1 83 us (3.26 TB/s; torch.compile 96 us, cuBLAS
 97.5 us); T=4096 "ptr" 534-559 TFLOP/s end to end (gate/up GEMM alone 562, down 549; torch.compile of
-the native-bf16 MLP 646-667, cuBLAS 634-637, torch.compile of the fp32 reference 50). The TMA kernels
-are not measured yet: benchmarks/gpu_checks/ffn.py checks them and prints what the selector picked
-(target >= 600 TFLOP/s end to end at T=4096).
+the native-bf16 MLP 646-667, cuBLAS 634-637, torch.compile of the fp32 reference 50). With the TMA
+candidates and the vendor down GEMM (H100 80GB, bf16, D=4096, ecc7406, `.dev` probe, torch.compile of the
+bf16 MLP in the same process): T=4096 F=11008 1.56 ms = 709 TFLOP/s, 1.09x; F=14336 0.97x; T=8192
+F=14336 1.03x; T=512 F=11008 0.99x; T=128 F=14336 1.60x. The gate/up GEMM picks the warp-specialized
+TMA config from T=512 on; benchmarks/gpu_checks/ffn.py prints what the selector picked.
 Training (H200, bf16, T=4096, D=4096, triton 3.6, torch 2.11; no norm; median of do_bench, best of 3):
 forward saving gu + backward 5.14 ms at F=11008 (torch.compile of the bf16 MLP, forward + backward:
 5.16 ms, 1.005x) and 6.68 ms at F=14336 (6.59 ms, 0.987x). Forward saving gu 1.67 / 2.20 ms (the gate/up
