@@ -42,7 +42,8 @@ def _meta(*shape: int, dtype: torch.dtype = torch.float32, aligned: bool = True)
 
 # --- the sources -----------------------------------------------------------------------------------
 def _op_files() -> list[Path]:
-    return sorted(MOJO.glob("*.mojo"))  # the op package; mojo/harness/ (test drivers) may allocate
+    # the op package and its lazy subpackage tc/; mojo/harness/ (test drivers) may allocate
+    return sorted(MOJO.glob("*.mojo")) + sorted(MOJO.glob("tc/*.mojo"))
 
 
 def test_no_op_allocates_device_memory() -> None:
@@ -106,7 +107,7 @@ def test_mirrored_constants_match_the_kernels() -> None:
     assert int(_comptime("swiglu_ffn.mojo", "DECODE_MAX_T")) == specs.SW_DECODE_MAX_T
     assert int(_comptime("swiglu_ffn.mojo", "TC_MIN_T")) == specs.SW_TC_MIN_T
     assert int(_comptime("swiglu_ffn.mojo", "TC_PAD")) == specs.SW_TC_PAD
-    pairs = re.findall(r"\((\d+),\s*(\d+)\)", _comptime("swiglu_ffn.mojo", "_STATIC_DF"))
+    pairs = re.findall(r"\((\d+),\s*(\d+)\)", _comptime("tc/swiglu_ffn_tc.mojo", "_STATIC_DF"))
     assert tuple((int(d), int(f)) for d, f in pairs) == specs.SW_STATIC_DF
 
 

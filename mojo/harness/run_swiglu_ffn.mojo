@@ -6,7 +6,8 @@ from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
 from std.math import exp, sqrt
 
-from ..swiglu_ffn import SwigluFfnTc, SwigluFfnBackward, swiglu_ffn_gpu, FfnScratch, _tc_rows
+from ..swiglu_ffn import SwigluFfnBackward, FfnScratch, _tc_rows
+from ..tc.swiglu_ffn_tc import SwigluFfnTc, swiglu_ffn_gpu
 from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params, workspace
 
 

@@ -9,7 +9,8 @@ it on disk (fusekit/backends/mojo/runtime.py: ~10-20 s each on a GPU host, plus 
 dtype combinations the backend runs (MojoBackend.supports: no float64 input; fp32 attention is CPU-only),
 for swiglu_ffn's backward its element-wise op and the rms_norm backward it calls — and loads or builds
 each, so that later processes' first calls are cache loads (--jobs N: N processes, each every N-th
-entry; the op package is precompiled once, the others wait on its lock). One line per entry
+entry; the op package is precompiled once, the others wait on its lock; the lazy subpackage mojo/tc/ of
+fusekit.swiglu_ffn_tc, an NVIDIA bf16 entry, is precompiled into its own .mojoc by that entry). One line per entry
 (`compiled`, `cached` or the error) and a summary; exit status 1 if any entry failed. Concurrent runs (and concurrent first calls
 of user processes) are safe: the cache's per-artifact locks make the second one wait and load.
 Cache location: $FUSEKIT_CACHE_DIR, else ~/.cache/fusekit.
@@ -89,8 +90,9 @@ def entries(
                     if phase == "forward":
                         add(op, phase, LINEAR_CROSS_ENTROPY_ROWS, key[:1])
                 elif op == "swiglu_ffn" and phase == "forward":
-                    # the Mojo op (decode), its wgmma twin for bf16 prefill at a static pair (GPU), and the
-                    # rms_norm op that prefill elsewhere runs between torch matmuls
+                    # the Mojo op (decode), its wgmma twin for bf16 prefill at a static pair (GPU; built from
+                    # the lazy subpackage mojo/tc/), and the rms_norm op that prefill elsewhere runs between
+                    # torch matmuls
                     add(op, phase, spec, key)
                     if device.type == "cuda" and key[0] == torch.bfloat16 and torch.version.hip is None:
                         add(op, phase, swiglu_ffn_tc_spec(), key)

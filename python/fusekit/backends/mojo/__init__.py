@@ -9,7 +9,6 @@ like to MAX is derived from the op's spec (specs.py).
 from __future__ import annotations
 
 import os
-import re
 import threading
 
 import torch
@@ -94,12 +93,10 @@ class MojoBackend(Backend):
         return self._dispatcher
 
     def registered(self) -> frozenset[str]:
-        """The MAX op names the package registers (read from its sources once)."""
+        """The MAX op names the package registers, its lazy subpackages' included (runtime.registered_ops,
+        read from its sources once)."""
         if self._registered is None:
-            names: set[str] = set()
-            for f in self.compiler.package.glob("*.mojo"):
-                names.update(re.findall(r'@register\("([\w.]+)"\)', f.read_text()))
-            self._registered = frozenset(names)
+            self._registered = frozenset(self.compiler.ops)
         return self._registered
 
     # --- capability -----------------------------------------------------------------------------

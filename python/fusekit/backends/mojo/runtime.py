@@ -18,6 +18,14 @@ Pipeline, cheapest first (each step runs only when the one before it misses):
 file of the package (name and bytes) plus the max and mojo versions, so editing a kernel or upgrading MAX
 never reuses a stale .mojoc or MEF.
 
+Lazy subpackages (LAZY_SUBPACKAGES, issue #14 item 3): the ops of `<package>/tc/` (fusekit.swiglu_ffn_tc,
+whose `linalg` import alone more than doubles the package's precompile) are not part of the package every
+first call builds. The first call routed to one of them precompiles the subpackage, with the top-level
+files it imports (followed through `from ..x import` / `from .x import`), to
+`<cache>/fusekit_tc_<its hash>.mojoc`, loaded as a KernelLibrary of its own (it registers those files'
+ops too); its MEFs live under `mef/<its hash>/`. Its hash covers exactly the files it compiles, so an
+edit elsewhere in the package keeps its (minutes-long on a GPU) compiled models.
+
 The cache is shared by every process of the user, so it has to survive crashes, races and bad disks:
 
 - Sealed artifacts. Each .mojoc / MEF is built in a private staging dir and renamed into place, and
@@ -49,6 +57,7 @@ import hashlib
 import importlib.metadata
 import importlib.resources
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -160,13 +169,53 @@ def package_files(pkg: Path) -> list[Path]:
     return sorted(f for f in pkg.glob("*.mojo") if f.is_file())
 
 
-def package_hash(pkg: Path) -> str:
-    """Content hash of the package's .mojo files (name + bytes) and the toolchain versions."""
-    h = hashlib.sha256(f"fusekit-mojo/{_FORMAT}/{versions()}".encode())
-    for f in package_files(pkg):
-        h.update(f.name.encode() + b"\0")
+# Subpackages whose ops are built only when a call first needs them (see the module docstring).
+LAZY_SUBPACKAGES = ("tc",)
+_REGISTER = re.compile(r'@register\("([\w.]+)"\)')
+_RELATIVE_IMPORT = re.compile(r"^\s*from\s+(\.+)(\w+)", re.MULTILINE)
+
+
+def subpackage_files(pkg: Path, sub: str) -> list[Path]:
+    """What the lazy subpackage `sub` compiles: its own .mojo files, then the top-level files they import,
+    transitively, and the package's __init__.mojo."""
+    own = sorted(f for f in (pkg / sub).glob("*.mojo") if f.is_file())
+    top: set[Path] = set()
+    todo = [(f, 2) for f in own]  # (file, the number of dots that reach the top level from it)
+    while todo:
+        f, up = todo.pop()
+        for dots, name in _RELATIVE_IMPORT.findall(f.read_text()):
+            dep = pkg / f"{name}.mojo"
+            if len(dots) == up and dep.is_file() and dep not in top:
+                top.add(dep)
+                todo.append((dep, 1))
+    init = pkg / "__init__.mojo"
+    if init.is_file():
+        top.add(init)
+    return sorted(top) + own
+
+
+def package_hash(pkg: Path, sub: str | None = None) -> str:
+    """Content hash of the package's .mojo files (name + bytes) and the toolchain versions; with `sub`,
+    of the files the lazy subpackage compiles (subpackage_files)."""
+    tag = f"fusekit-mojo/{_FORMAT}/{versions()}" + (f"/{sub}" if sub else "")
+    h = hashlib.sha256(tag.encode())
+    for f in package_files(pkg) if sub is None else subpackage_files(pkg, sub):
+        h.update(f.relative_to(pkg).as_posix().encode() + b"\0")
         h.update(f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+def registered_ops(pkg: Path) -> dict[str, str | None]:
+    """MAX op name -> the lazy subpackage that registers it (None: the package proper), read from sources."""
+    found: dict[str, str | None] = {}
+    for sub, files in (
+        (None, package_files(pkg)),
+        *((s, sorted((pkg / s).glob("*.mojo"))) for s in LAZY_SUBPACKAGES),
+    ):
+        for f in files:
+            for name in _REGISTER.findall(f.read_text()):
+                found.setdefault(name, sub)  # a top-level op stays the package's
+    return found
 
 
 # --- the cache dir ---------------------------------------------------------------------------------
@@ -492,14 +541,18 @@ def _obtain(
 
 
 # --- building the package --------------------------------------------------------------------------
-def _precompile_into(pkg: Path, out: Path) -> None:
-    """`mojo precompile` of the package's files to `out` (its stem becomes the Mojo module name)."""
-    staged = out.parent / "fusekit_ops"  # only the files package_files() hashed
+def _precompile_into(pkg: Path, out: Path, sub: str | None = None) -> None:
+    """`mojo precompile` of the package's files (with `sub`: the lazy subpackage's, subpackage_files) to
+    `out` (its stem becomes the Mojo module name)."""
+    staged = out.parent / "fusekit_ops"  # only the files package_hash() hashed
     staged.mkdir()
-    for f in package_files(pkg):
-        shutil.copy2(f, staged / f.name)
-    if not (staged / "__init__.mojo").exists():
-        (staged / "__init__.mojo").write_text("")
+    for f in package_files(pkg) if sub is None else subpackage_files(pkg, sub):
+        dest = staged / f.relative_to(pkg)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dest)
+    for d in (staged, *(p for p in staged.rglob("*") if p.is_dir())):
+        if not (d / "__init__.mojo").exists():
+            (d / "__init__.mojo").write_text("")
     proc = subprocess.run(
         [*mojo_command(), "precompile", str(staged), "-o", str(out)],
         capture_output=True,
@@ -515,26 +568,39 @@ def _precompile_into(pkg: Path, out: Path) -> None:
         raise MojoBuildError(f"`mojo precompile {pkg}` failed (exit {proc.returncode}):\n{text}")
 
 
-def _build_package(store: _Store, pkg: Path, rel: Path, damaged: bool) -> Path:
+def _package_rel(digest: str, sub: str | None = None) -> Path:
+    """The .mojoc's name in the cache dir (its stem is the Mojo module name)."""
+    return Path(f"fusekit_{sub}_{digest}.mojoc" if sub else f"fusekit_{digest}.mojoc")
+
+
+def _what(pkg: Path, sub: str | None) -> str:
+    return (
+        f"the mojo op package {_show(pkg)}" if sub is None else f"the mojo op subpackage {_show(pkg / sub)}"
+    )
+
+
+def _build_package(store: _Store, pkg: Path, rel: Path, damaged: bool, sub: str | None = None) -> Path:
     why = "rebuilding a damaged cache file" if damaged else "first use of this version"
-    _say(f"precompiling the mojo op package {_show(pkg)} — {why}, {store.where()}")
+    _say(f"precompiling {_what(pkg, sub)} — {why}, {store.where()}")
     t0 = time.perf_counter()
-    path = store.save(rel, lambda out: _precompile_into(pkg, out))
-    _say(f"precompiled the mojo op package in {time.perf_counter() - t0:.1f} s")
+    path = store.save(rel, lambda out: _precompile_into(pkg, out, sub))
+    what = "the mojo op package" if sub is None else f"the mojo op subpackage {sub}"
+    _say(f"precompiled {what} in {time.perf_counter() - t0:.1f} s")
     return path
 
 
-def precompile(pkg: Path, digest: str, cache: Path) -> Path:
-    """`mojo precompile` the package once per content hash into `cache`; later processes reuse the
-    .mojoc (a damaged one is rebuilt). Raises CacheDirError when `cache` takes no writes."""
+def precompile(pkg: Path, digest: str, cache: Path, sub: str | None = None) -> Path:
+    """`mojo precompile` the package (or its lazy subpackage `sub`, `digest` then being its hash) once
+    per content hash into `cache`; later processes reuse the .mojoc (a damaged one is rebuilt). Raises
+    CacheDirError when `cache` takes no writes."""
     store = _Store(Path(cache), fallback=False)
-    rel = Path(f"fusekit_{digest}.mojoc")
+    rel = _package_rel(digest, sub)
     path, _ = _obtain(
         store,
         rel,
-        "to finish precompiling the mojo op package",
+        f"to finish precompiling {_what(pkg, sub)}",
         lambda p: p,
-        lambda damaged: _build_package(store, pkg, rel, damaged),
+        lambda damaged: _build_package(store, pkg, rel, damaged, sub),
     )
     return path
 
@@ -691,7 +757,7 @@ class Compiled:
 class Stats:
     """Counters for tests and reports: how often each cache level was hit or missed."""
 
-    precompiles: int = 0  # `mojo precompile` runs of this process
+    precompiles: int = 0  # `mojo precompile` runs of this process (the package's and its subpackages')
     graph_compiles: int = 0  # MAX graph compiles of this process
     mef_loads: int = 0  # MEF files loaded from the disk cache
     rebuilds: int = 0  # damaged cache files found and rebuilt
@@ -717,13 +783,15 @@ class OpCompiler:
     def __init__(self, package: str | os.PathLike[str] | None = None) -> None:
         self.package = locate_package(package)
         self.digest = package_hash(self.package)
+        self.ops = registered_ops(self.package)  # MAX op -> its lazy subpackage (None: the package)
+        self._digests: dict[str | None, str] = {None: self.digest}  # a subpackage's: on its first use
         self.stats = Stats()
         cache, why = _configured_cache()
         self.cache = cache  # the shared cache dir, as configured (None: no home dir)
         self.store = _Store(cache, why, stats=self.stats)
         self._models: dict[tuple, Compiled] = {}
         self._sessions: dict[str, Any] = {}
-        self._library: Any = None
+        self._libraries: dict[str | None, Any] = {}
         self._lock = threading.Lock()
 
     def has_op(self, op: str) -> bool:
@@ -751,12 +819,23 @@ class OpCompiler:
             self._sessions[tag] = InferenceSession(devices=[max_device(device)])
         return self._sessions[tag]
 
+    def subpackage(self, max_op: str) -> str | None:
+        """The lazy subpackage that registers `max_op` (None: the package proper)."""
+        return self.ops.get(max_op)
+
+    def digest_of(self, sub: str | None) -> str:
+        """The content hash of the package (None) or of the lazy subpackage `sub`."""
+        if sub not in self._digests:
+            self._digests[sub] = package_hash(self.package, sub)
+        return self._digests[sub]
+
     def mef_rel(self, spec: OpSpec, dtypes: tuple[torch.dtype, ...], device: torch.device) -> Path:
-        """The MEF's path relative to the cache dir."""
+        """The MEF's path relative to the cache dir (under the hash of the package its op is built from)."""
         sig = repr((spec.max_op, spec.outputs, spec.workspaces, spec.inputs, spec.params))
         sig = hashlib.sha256(sig.encode()).hexdigest()
         names = "_".join(_DTYPES[d] for d in dtypes)
-        return Path("mef") / self.digest / f"{spec.op}-{names}-{device_tag(device)}-{sig[:8]}.mef"
+        digest = self.digest_of(self.subpackage(spec.max_op))
+        return Path("mef") / digest / f"{spec.op}-{names}-{device_tag(device)}-{sig[:8]}.mef"
 
     def mef_path(self, spec: OpSpec, dtypes: tuple[torch.dtype, ...], device: torch.device) -> Path:
         """Where the MEF lives in the shared cache dir (see `store` for the private fallback)."""
@@ -773,7 +852,7 @@ class OpCompiler:
             return session.init(session.compile(path))
 
         def build(damaged: bool) -> Any:
-            self.library()  # first: its own progress lines come before this op's
+            self.library(self.subpackage(spec.max_op))  # first: its progress lines come before this op's
             why = "rebuilding a damaged cache file" if damaged else "first use"
             _say(f"compiling {label} — {why}, {self.store.where()}")
             t1 = time.perf_counter()
@@ -807,22 +886,22 @@ class OpCompiler:
         self.stats.seconds[f"{'compile' if built else 'load'} {rel.name}"] = time.perf_counter() - t0
         return model
 
-    def library(self) -> Any:
-        """The MAX KernelLibrary over the precompiled package (built once per package version)."""
-        if self._library is None:
+    def library(self, sub: str | None = None) -> Any:
+        """The MAX KernelLibrary over the precompiled package, or over its lazy subpackage `sub` (each
+        built once per version of its files)."""
+        if sub not in self._libraries:
             t0 = time.perf_counter()
-            rel = Path(f"fusekit_{self.digest}.mojoc")
+            rel = _package_rel(self.digest_of(sub), sub)
 
             def build(damaged: bool) -> Any:
-                path = _build_package(self.store, self.package, rel, damaged)
+                path = _build_package(self.store, self.package, rel, damaged, sub)
                 self.stats.precompiles += 1
                 return _load_library(path)
 
-            self._library, _ = _obtain(
-                self.store, rel, "to finish precompiling the mojo op package", _load_library, build
-            )
-            self.stats.seconds["precompile+library"] = time.perf_counter() - t0
-        return self._library
+            what = f"to finish precompiling {_what(self.package, sub)}"
+            self._libraries[sub], _ = _obtain(self.store, rel, what, _load_library, build)
+            self.stats.seconds["precompile+library" + (f" {sub}" if sub else "")] = time.perf_counter() - t0
+        return self._libraries[sub]
 
     def _graph(self, spec: OpSpec, dtypes: tuple[torch.dtype, ...], device: torch.device) -> Any:
         """A destination-passing graph: outputs (then workspaces) are buffer inputs the custom op writes
@@ -851,7 +930,7 @@ class OpCompiler:
             Graph(
                 f"fusekit_{spec.op}_{names}",
                 input_types=[t.as_buffer() for t in out_types] + in_types,
-                kernel_library=self.library(),
+                kernel_library=self.library(self.subpackage(spec.max_op)),
             ) as g,
         ):
             n = len(out_types)

@@ -1,0 +1,83 @@
+"""The tensor-core swiglu op lives in a lazy subpackage (issue #14 item 3: any op's first call <= 20 s).
+
+`from linalg.matmul.gpu import _matmul_gpu` alone made the op package's `mojo precompile`, which every
+op's first call in a fresh process pays, 7 s instead of 3 s on a 2-core CPU. Only fusekit.swiglu_ffn_tc
+needs it, so it lives in mojo/tc/, precompiled into a .mojoc of its own when a call is first routed there.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("max.engine", reason="MAX is not importable")
+
+from fusekit.backends.mojo import MojoBackend, specs
+from fusekit.backends.mojo import runtime as rt
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "mojo"
+
+
+def test_op_package_does_not_import_linalg_or_the_subpackage() -> None:
+    """No top-level file of the op package imports linalg (its matmuls) or the lazy subpackage: either
+    would bring the cost back into every op's first call."""
+    for f in rt.package_files(PKG):
+        text = f.read_text()
+        assert not re.search(r"^\s*(from|import)\s+linalg\b", text, re.MULTILINE), f.name
+        assert not re.search(r"^\s*from\s+\.(tc)\b", text, re.MULTILINE), f.name
+    assert "_matmul_gpu" in (PKG / "tc" / "swiglu_ffn_tc.mojo").read_text()
+
+
+def test_subpackage_compiles_only_what_it_imports() -> None:
+    ops = rt.registered_ops(PKG)
+    assert ops[specs.SWIGLU_FFN_TC_OP] == "tc"
+    assert ops["fusekit.swiglu_ffn"] is None and ops["fusekit.rms_norm"] is None
+    names = {f.relative_to(PKG).as_posix() for f in rt.subpackage_files(PKG, "tc")}
+    assert {"__init__.mojo", "swiglu_ffn.mojo", "_util.mojo", "_swiglu_backward.mojo"} <= names
+    assert {"tc/__init__.mojo", "tc/swiglu_ffn_tc.mojo"} <= names
+    assert "attention.mojo" not in names  # not imported by the tc op: an edit there keeps its models
+    assert rt.package_hash(PKG, "tc") != rt.package_hash(PKG)
+
+
+def test_tc_package_is_built_on_first_use_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh cache: fusekit.swiglu_ffn builds the op package only; the first fusekit.swiglu_ffn_tc call
+    builds the subpackage (its own .mojoc and MEF dir) and computes what the plain op does on the CPU."""
+    monkeypatch.setenv(rt.CACHE_ENV, str(tmp_path))
+    be = MojoBackend()
+    comp = be.compiler
+    assert specs.SWIGLU_FFN_TC_OP in be.registered()
+    g = torch.Generator().manual_seed(7)
+    t, d, f = 20, 32, 48
+    ins = (
+        torch.randn(t, d, generator=g),
+        torch.randn(f, d, generator=g) * 0.1,
+        torch.randn(f, d, generator=g) * 0.1,
+        torch.randn(d, f, generator=g) * 0.1,
+        torch.rand(d, generator=g) + 0.5,
+    )
+
+    def call(ms) -> tuple[torch.Tensor, ...]:
+        outs = (
+            torch.full((t, d), float("nan")),
+            torch.full((t,), float("nan")),
+            torch.full((t, 2 * f), float("nan")),
+        )
+        be._call(ms, torch.device("cpu"), outs, ins, (1e-6,))
+        return outs
+
+    plain = call(specs.phase_spec("swiglu_ffn", "forward"))
+    assert comp.stats.precompiles == 1 and list(comp._libraries) == [None]
+    assert [p.name for p in tmp_path.glob("fusekit_*.mojoc")] == [f"fusekit_{comp.digest}.mojoc"]
+
+    tc = call(specs.swiglu_ffn_tc_spec())
+    tc_digest = rt.package_hash(PKG, "tc")
+    assert comp.stats.precompiles == 2 and comp.stats.graph_compiles == 2
+    assert (tmp_path / f"fusekit_tc_{tc_digest}.mojoc").is_file()
+    assert len(list((tmp_path / "mef" / tc_digest).glob("swiglu_ffn-*.mef"))) == 1
+    assert len(list((tmp_path / "mef" / comp.digest).glob("swiglu_ffn-*.mef"))) == 1
+    for a, b in zip(plain, tc):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
