@@ -64,3 +64,20 @@ def test_every_python_package_is_in_the_wheel():
         if "__pycache__" not in p.parts
     }
     assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+
+
+def test_every_mojo_source_ships_in_the_wheel():
+    """An installed fusekit compiles its Mojo ops from the package data: a .mojo file the globs miss
+    (a new subpackage such as mojo/tc/) would be absent from a wheel and its op would fail to build."""
+    py = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    globs = py["tool"]["setuptools"]["package-data"]["fusekit._mojo"]
+    mojo = ROOT / "mojo"
+    missing = [
+        str(p.relative_to(mojo))
+        for p in mojo.rglob("*.mojo")
+        if not any(
+            p.relative_to(mojo).match(g) and len(p.relative_to(mojo).parts) == len(Path(g).parts)
+            for g in globs
+        )
+    ]
+    assert not missing, f"not in [tool.setuptools.package-data] fusekit._mojo: {missing}"
