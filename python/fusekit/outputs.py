@@ -41,8 +41,9 @@ def poisoned() -> Iterator[None]:
 # from the kernels, which write them unconditionally; when the caller does not return them they are dead
 # on arrival. At decode shapes each such torch.empty costs 2-3.5 us of host time (H100 host, .dev probe at
 # dc925c5) beside a 5 us launch, so a remembered forward call (library.Runner) writes them into a scratch
-# arena instead. The arena (SCRATCH_MAX bytes per device) is never freed (a CUDA graph that captured a call keeps writing there on every
-# replay) and never read; calls racing on it from several streams only overwrite garbage with garbage.
+# arena instead. The arena (SCRATCH_MAX bytes per device) is never freed (a CUDA graph that captured a
+# call keeps writing there on every replay) and never read; calls racing on it from several streams only
+# overwrite garbage with garbage.
 SCRATCH_MAX = 1 << 20  # bytes: one arena per device; larger statistics are allocated per call as usual
 _ARENAS: dict[torch.device, torch.Tensor] = {}
 _ARENA_LOCK = threading.Lock()
