@@ -15,11 +15,36 @@ import torch
 
 pytest.importorskip("max.engine", reason="MAX is not importable")
 
+from fusekit import backends
 from fusekit.backends.mojo import MojoBackend, specs
 from fusekit.backends.mojo import runtime as rt
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "mojo"
+_T, _D, _F = 20, 32, 48  # a swiglu_ffn case small enough for the CPU
+
+
+def _ffn_inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    """x, w_gate, w_up, w_down, norm_weight of a small fp32 swiglu_ffn call."""
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(_T, _D, generator=g),
+        torch.randn(_F, _D, generator=g) * 0.1,
+        torch.randn(_F, _D, generator=g) * 0.1,
+        torch.randn(_D, _F, generator=g) * 0.1,
+        torch.rand(_D, generator=g) + 0.5,
+    )
+
+
+def _run_cpu(be: MojoBackend, ms: specs.OpSpec, ins: tuple) -> tuple[torch.Tensor, ...]:
+    """The MAX op `ms` on the CPU: (y, rstd, gu), NaN-poisoned before the call."""
+    outs = (
+        torch.full((_T, _D), float("nan")),
+        torch.full((_T,), float("nan")),
+        torch.full((_T, 2 * _F), float("nan")),
+    )
+    be._call(ms, torch.device("cpu"), outs, ins, (1e-6,))
+    return outs
 
 
 def test_op_package_does_not_import_linalg_or_the_subpackage() -> None:
@@ -50,34 +75,38 @@ def test_tc_package_is_built_on_first_use_only(tmp_path: Path, monkeypatch: pyte
     be = MojoBackend()
     comp = be.compiler
     assert specs.SWIGLU_FFN_TC_OP in be.registered()
-    g = torch.Generator().manual_seed(7)
-    t, d, f = 20, 32, 48
-    ins = (
-        torch.randn(t, d, generator=g),
-        torch.randn(f, d, generator=g) * 0.1,
-        torch.randn(f, d, generator=g) * 0.1,
-        torch.randn(d, f, generator=g) * 0.1,
-        torch.rand(d, generator=g) + 0.5,
-    )
-
-    def call(ms) -> tuple[torch.Tensor, ...]:
-        outs = (
-            torch.full((t, d), float("nan")),
-            torch.full((t,), float("nan")),
-            torch.full((t, 2 * f), float("nan")),
-        )
-        be._call(ms, torch.device("cpu"), outs, ins, (1e-6,))
-        return outs
-
-    plain = call(specs.phase_spec("swiglu_ffn", "forward"))
+    ins = _ffn_inputs(7)
+    plain = _run_cpu(be, specs.phase_spec("swiglu_ffn", "forward"), ins)
     assert comp.stats.precompiles == 1 and list(comp._libraries) == [None]
     assert [p.name for p in tmp_path.glob("fusekit_*.mojoc")] == [f"fusekit_{comp.digest}.mojoc"]
 
-    tc = call(specs.swiglu_ffn_tc_spec())
+    tc = _run_cpu(be, specs.swiglu_ffn_tc_spec(), ins)
     tc_digest = rt.package_hash(PKG, "tc")
     assert comp.stats.precompiles == 2 and comp.stats.graph_compiles == 2
     assert (tmp_path / f"fusekit_tc_{tc_digest}.mojoc").is_file()
     assert len(list((tmp_path / "mef" / tc_digest).glob("swiglu_ffn-*.mef"))) == 1
     assert len(list((tmp_path / "mef" / comp.digest).glob("swiglu_ffn-*.mef"))) == 1
     for a, b in zip(plain, tc):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_tc_op_runs_through_max_on_cpu() -> None:
+    """fusekit.swiglu_ffn_tc (the op with the wgmma path compiled in) is registered and, on the CPU where
+    that path does not exist, computes exactly what fusekit.swiglu_ffn does."""
+    be = backends.get("mojo")
+    ins = _ffn_inputs(5)
+    got = [
+        _run_cpu(be, ms, ins)
+        for ms in (specs.phase_spec("swiglu_ffn", "forward"), specs.swiglu_ffn_tc_spec())
+    ]
+    assert specs.swiglu_ffn_tc_spec().max_op == "fusekit.swiglu_ffn_tc" in be.registered()
+    # each MAX op its own compiled model (a cache keyed by the fusekit op alone ran the plain op for both)
+    cpu, key = torch.device("cpu"), (torch.float32, torch.float32)  # (x, w)
+    plain = be.compiler.get(specs.phase_spec("swiglu_ffn", "forward"), key, cpu)
+    tc = be.compiler.get(specs.swiglu_ffn_tc_spec(), key, cpu)
+    assert plain is not tc and (plain.spec.max_op, tc.spec.max_op) == (
+        "fusekit.swiglu_ffn",
+        "fusekit.swiglu_ffn_tc",
+    )
+    for a, b in zip(*got):
         assert torch.isfinite(a).all() and torch.equal(a, b)
