@@ -213,7 +213,12 @@ def _attn_fwd_kernel(
 #   D256 full   : 128x64 w8 s2 399 | 360 | 318; TMA 523 | 463 | 390 (TMA frees the address registers that
 #                 the 128x256 accumulator leaves no room for). Causal: 407 | 282 | 231; TMA 465 | 318 | 244.
 #   Not taken: tl.range(warp_specialize=True) on the unmasked loop (compiles on sm_90 with Triton 3.6, same
-#   speed), causal blocks in reverse order (heaviest first: same speed), 64x128 tiles (0.42-0.68x SDPA).
+#   speed), causal blocks in reverse order (heaviest first: same speed), 64x128 tiles (0.42-0.68x SDPA), and
+#   (2026-11-27, H100) the unmasked loop software-pipelined by hand (tile j+1's scores issued before tile j's
+#   softmax, FA3's intra-warpgroup overlap): Triton 3.6 still waits on the score wgmma, the second live score
+#   tile costs registers and 128x128 s3 no longer fits shared memory: 0.6-1.06x the plain loop, 0.93x at
+#   best on the defaults. Reaching SDPA (cuDNN: 674 TFLOP/s D128 here) needs explicit warpgroup control
+#   (Gluon / FA3 pingpong), not a Triton-level loop rewrite.
 # The autotuner keys on (S bucket, Skv bucket, causal): causal and full attention pick different tiles.
 _CUDA_TILES: dict[int, list[Tile]] = {
     64: [(128, 64, 8, 3), (64, 64, 4, 3)],
