@@ -1,0 +1,382 @@
+"""FlashAttention-3-style attention forward for Hopper (sm_90), written in Gluon.
+
+Entry points (not wired into attention.forward; the caller chooses):
+    hopper_supported(q, k, v, kv_len) -> bool    whether hopper_forward can run these tensors
+    hopper_forward(o, lse, q, k, v, causal, qk_scale) -> None
+
+Contract (that of attention.forward without kv_len): q/o [B, H, S, D] contiguous, k/v [B, Hkv, Skv, D] with
+a contiguous last dim (strided views allowed when every stride is 16-byte aligned), GQA head h // (H // Hkv),
+fp16/bf16, D 64 or 128. qk_scale = scale * log2(e) >= 0 (the exp2 domain, folded by the caller). Causal mask
+bottom-right aligned: query i sees key j iff j <= i + Skv - S. lse [B, H, S] fp32 = natural-log logsumexp of
+the visible scaled scores; a row that sees no key gives o = 0 and lse = -inf.
+
+Structure (FA3, Shah et al. 2024), one CTA per (128 query rows, b*H + h), three partitions:
+- producer, 1 warp (24 registers): TMA loads of the two Q halves, then K and V tiles into a STAGES-deep
+  shared-memory ring. k_ready/v_ready mbarriers (TMA transaction counts) say a slot is full; kv_empty (count 2,
+  one arrival per consumer) says both consumers are done with it. K and V have separate ready barriers so the
+  S = Q K^T wgmma starts before V lands.
+- two consumer warpgroups (the default partition and one 4-warp worker, 240 registers each), each owning 64
+  query rows (wgmma M = 64 per warpgroup). Intra-warpgroup overlap: tile j's S = Q K_j^T is issued async, then
+  tile j-1's O += P V_{j-1} (P from registers, the wgmma A operand); the S wait leaves the PV wgmma in flight
+  while the softmax of tile j runs on the CUDA cores. The two warpgroups are not ping-ponged by named barriers
+  (Gluon on Triton 3.6 has no named-barrier op); the warp schedulers interleave them freely.
+- Causal: tiles past the last key the CTA's rows see are never loaded; tiles every row of a warpgroup sees in
+  full run without a mask; the diagonal tiles (and a ragged Skv tail) run masked. The first tile is always
+  processed masked, so a CTA that sees no key at all (causal with S > Skv) still runs one all-masked tile and
+  writes o = 0, lse = -inf. TMA zero-fills loads past S / Skv and clips the O store at S.
+Descriptors are built on the device (per head, so the ragged tails clip at the head's own end), which needs
+Triton's global scratch allocator (installed by the launcher).
+
+Gluon is experimental and its API moves between Triton releases: written against Triton 3.6 (the GPU host)
+and compile-checked for sm_90 with 3.9 (CI). Without Gluon's Hopper module, hopper_supported says False.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Gluon (triton.experimental) is optional: without it this module only says "not supported"
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    HAS_GLUON = hasattr(gl, "warp_specialize") and hasattr(tma, "make_tensor_descriptor")
+    # TMA copies were renamed after 3.6 (3.9 keeps the old names only to raise): take whichever this has
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+except Exception:  # ImportError, or an API this module does not know
+    HAS_GLUON = False
+
+HEAD_DIMS = (64, 128)
+BLOCK_M = 128  # query rows per CTA: two consumer warpgroups of 64
+WG_M = 64  # query rows per consumer warpgroup (wgmma M)
+# (BLOCK_N, STAGES) per head dim: the K/V ring is STAGES * 2 * BLOCK_N * D * 2 bytes, Q 2 * 64 * D * 2 bytes
+# (reused for the O store); D128: 2 stages of 128x128 = 128 KB + 32 KB of Q.
+CONFIGS: dict[int, tuple[int, int]] = {64: (128, 3), 128: (128, 2)}
+NUM_WARPS = 4  # the default partition (consumer warpgroup 0); + 4 (consumer 1) + 1 (producer) warps
+# Registers: the launch reserves MAXNREG per thread for all 12 warps (the 1-warp producer rounds up to a
+# warpgroup), 12 * 32 * 168 = 64512 <= 65536; then setmaxnreg moves them: producer 24, consumers 240
+# (128 * 24 + 256 * 240 = 64512).
+MAXNREG = 168
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+_MAX_GRID_Y = 65535
+
+
+def _env_config(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, STAGES): the table above, or FUSEKIT_HOPPER_ATTN_CFG="BLOCK_N,STAGES" (probes)."""
+    env = os.environ.get("FUSEKIT_HOPPER_ATTN_CFG")
+    if env:
+        bn, st = (int(x) for x in env.split(","))
+        return bn, st
+    return CONFIGS[head_dim]
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _softmax_tile(s, m_i, l_i, rows, cols, start_n, qk_scale, diag, SKV, MASK: gl.constexpr,
+                      CAUSAL: gl.constexpr):  # fmt: skip
+        # Online softmax of one [64, BLOCK_N] score tile in fp32, exp2 domain (m is the scaled row max).
+        if MASK:
+            kn = start_n + cols
+            valid = gl.expand_dims(kn < SKV, 0)
+            if CAUSAL:
+                valid = valid & (gl.expand_dims(kn, 0) <= gl.expand_dims(rows + diag, 1))
+            s = gl.where(valid, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, no NaN
+            p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        else:
+            # qk_scale >= 0, so max(s) * scale is the scaled max and the scale folds into one FMA
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            m_use = m_new
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, rows, cols,
+                       qk_scale, diag, SKV, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                       CAUSAL: gl.constexpr):  # fmt: skip
+        # Tile j's scores overlap tile j-1's P V: issue S_j, issue PV_{j-1}, wait for S_j only, softmax, then
+        # wait for PV_{j-1}, free slot j-1 and rescale O.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        slot = j % STAGES
+        pslot = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        s_tok = warpgroup_mma(q_s, k_bufs.index(slot).permute((1, 0)),
+                              gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                              is_async=True)  # fmt: skip
+        mbarrier.wait(v_ready.index(pslot), ((j - 1) // STAGES) & 1)
+        acc_tok = warpgroup_mma(p, v_bufs.index(pslot), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, cols, j * BLOCK_N, qk_scale, diag, SKV,
+                                               MASK, CAUSAL)  # fmt: skip
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))  # p stays live until PV is done
+        mbarrier.arrive(kv_empty.index(pslot), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+        p = gl.convert_layout(p_new.to(q_s.dtype), p.type.layout)
+        return p, m_i, l_i, acc
+
+    @gluon.jit
+    def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
+                  qk_scale, m0, n_tiles, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+        M: gl.constexpr = 64
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_smem.dtype
+
+        q_s = q_smem.index(WG)
+        r0 = m0 + WG * M
+        rows = r0 + gl.arange(0, M, layout=row_s)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        diag = SKV - S  # row i sees keys j <= i + diag
+        if CAUSAL:
+            n_full = gl.minimum(gl.maximum(r0 + diag + 1, 0), SKV) // BLOCK_N  # tiles every row sees
+        else:
+            n_full = SKV // BLOCK_N
+        n_full = gl.minimum(n_full, n_tiles)
+
+        # tile 0 (always masked: it may be the only tile and see no key)
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q_s, k_bufs.index(0).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)  # fmt: skip
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        m_i = gl.full([M], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([M], gl.float32, row_s)
+        p, m_i, l_i, _alpha = _softmax_tile(s, m_i, l_i, rows, cols, 0, qk_scale, diag, SKV, True, CAUSAL)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        acc = gl.zeros([M, HEAD_DIM], gl.float32, o_layout)
+
+        for j in range(1, n_full):
+            p, m_i, l_i, acc = _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
+                                              kv_empty, rows, cols, qk_scale, diag, SKV, BLOCK_N, STAGES, False,
+                                              CAUSAL)  # fmt: skip
+        for j in range(gl.maximum(n_full, 1), n_tiles):
+            p, m_i, l_i, acc = _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
+                                              kv_empty, rows, cols, qk_scale, diag, SKV, BLOCK_N, STAGES, True,
+                                              CAUSAL)  # fmt: skip
+
+        # the last tile's P V
+        last = n_tiles - 1
+        lslot = last % STAGES
+        mbarrier.wait(v_ready.index(lslot), (last // STAGES) & 1)
+        acc_tok = warpgroup_mma(p, v_bufs.index(lslot), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
+        mbarrier.arrive(kv_empty.index(lslot), count=1)
+
+        # epilogue: O through this warpgroup's Q buffer (its last wgmma is done) and a TMA store clipped at S
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # no visible key: acc is 0, the row stays exactly 0
+        out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+        q_s.store(out.to(dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [r0, 0], q_s)
+        # lse in the natural log: (m + log2 l) * ln 2; no visible key: -inf; a +inf score: +inf
+        lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
+        lse = gl.where(l_i == 0.0, float("-inf"), lse)
+        lse = gl.where(m_i == float("inf"), float("inf"), lse)
+        gl.store(lse_ptr + bh.to(gl.int64) * S + rows, lse, mask=rows < S)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, m0,
+                  n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [m0, 0], q_bar, q_smem.index(0))
+        _tma_load(q_desc, [m0 + 64, 0], q_bar, q_smem.index(1))
+        for j in range(n_tiles):
+            slot = j % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0: the first round passes
+            mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            kb = k_ready.index(slot)
+            mbarrier.expect(kb, k_desc.block_type.nbytes)
+            _tma_load(k_desc, [j * BLOCK_N, 0], kb, k_bufs.index(slot))
+            vb = v_ready.index(slot)
+            mbarrier.expect(vb, v_desc.block_type.nbytes)
+            _tma_load(v_desc, [j * BLOCK_N, 0], vb, v_bufs.index(slot))
+
+    @gluon.jit
+    def _attn_fwd_hopper(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, H, HKV, S, SKV, qk_scale,
+                         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        BM: gl.constexpr = 128
+        M: gl.constexpr = 64
+        WG0: gl.constexpr = 0  # partition arguments must be IR values or constexprs, not Python ints
+        WG1: gl.constexpr = 1
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # heaviest query blocks first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        bh = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hkv = h // (H // HKV)
+        m0 = pid_m * BM
+
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        qo_off = bh.to(gl.int64) * S * HEAD_DIM
+        q_desc = tma.make_tensor_descriptor(
+            q_ptr + qo_off, [S, HEAD_DIM], [HEAD_DIM, 1], [M, HEAD_DIM], q_layout
+        )
+        o_desc = tma.make_tensor_descriptor(
+            o_ptr + qo_off, [S, HEAD_DIM], [HEAD_DIM, 1], [M, HEAD_DIM], q_layout
+        )
+        k_base = k_ptr + b.to(gl.int64) * stride_kb + hkv.to(gl.int64) * stride_kh
+        v_base = v_ptr + b.to(gl.int64) * stride_vb + hkv.to(gl.int64) * stride_vh
+        k_desc = tma.make_tensor_descriptor(k_base, [SKV, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM],
+                                            kv_layout)  # fmt: skip
+        v_desc = tma.make_tensor_descriptor(v_base, [SKV, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM],
+                                            kv_layout)  # fmt: skip
+
+        if CAUSAL:  # keys past the last one any row of the block sees are never loaded
+            hi = gl.minimum(gl.maximum(m0 + BM + SKV - S, 0), SKV)
+            n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+        else:
+            n_tiles = gl.cdiv(SKV, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, M, HEAD_DIM], q_layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+        gl.warp_specialize(
+            [
+                (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
+                             qk_scale, m0, n_tiles, WG0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
+                             qk_scale, m0, n_tiles, WG1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+                             m0, n_tiles, BLOCK_N, STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+
+def _aligned16(t: torch.Tensor) -> bool:
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in t.stride()[:-1])
+
+
+def hopper_supported(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None = None
+) -> bool:
+    """Whether hopper_forward can run these tensors: Gluon with its Hopper module, an sm_90 CUDA device (wgmma
+    is sm_90a only), no kv_len, fp16/bf16, D 64/128, q contiguous, k/v with a contiguous last dim and 16-byte
+    aligned base and strides (TMA), non-empty, B*H within the grid limit."""
+    if not HAS_GLUON or kv_len is not None:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False  # Gluon kernels do not run in the interpreter
+    if not (q.is_cuda and k.is_cuda and v.is_cuda) or torch.version.hip is not None:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        return False
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    if D not in HEAD_DIMS or k.shape[0] != B or k.shape[3] != D or Hkv == 0 or H % Hkv:
+        return False
+    if S == 0 or Skv == 0 or B * H == 0:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if not q.is_contiguous() or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    return all(_aligned16(t) for t in (q, k, v))
+
+
+def hopper_forward(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    qk_scale: float,
+) -> None:
+    """o[B, H, S, D] = attention(q, k, v), lse[B, H, S] fp32; qk_scale = scale * log2(e) >= 0. Call only where
+    hopper_supported(q, k, v, None) is True; o must be contiguous and 16-byte aligned, lse contiguous fp32."""
+    if not hopper_supported(q, k, v, None):
+        raise ValueError("hopper_forward: unsupported inputs (see hopper_supported)")
+    if o.shape != q.shape or o.dtype != q.dtype or not o.is_contiguous() or o.data_ptr() % 16:
+        raise ValueError(f"hopper_forward: o must be a contiguous 16-byte aligned {tuple(q.shape)} {q.dtype}")
+    B, H, S, D = q.shape
+    if lse.shape != (B, H, S) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"hopper_forward: lse must be contiguous fp32 {(B, H, S)}")
+    if qk_scale < 0:
+        raise ValueError("hopper_forward: qk_scale must be >= 0 (negate q instead)")
+    from kernels_triton._config import ensure_tma_allocator
+
+    ensure_tma_allocator()
+    Hkv, Skv = k.shape[1], k.shape[2]
+    block_n, stages = _env_config(D)
+    bstep = max(1, _MAX_GRID_Y // H)
+    with torch.cuda.device(q.device):
+        for b0 in range(0, B, bstep):
+            sl = slice(b0, min(B, b0 + bstep))
+            kk, vv = k[sl], v[sl]
+            grid = (triton_cdiv(S, BLOCK_M), (sl.stop - sl.start) * H)
+            _attn_fwd_hopper[grid](
+                q[sl], kk, vv, o[sl], lse[sl], H, Hkv, S, Skv, float(qk_scale),
+                kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2),
+                HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
+                PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            )  # fmt: skip
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def aot_specs_gluon() -> list[tuple[str, object, dict, dict, dict]]:
+    """(name, gluon kernel, signature, constexprs, options) per (dtype, D, causal) variant, for an ahead-of-time
+    compile for sm_90 with triton.experimental.gluon._runtime.GluonASTSource; [] without Gluon."""
+    if not HAS_GLUON:
+        return []
+    specs = []
+    for dt in ("fp16", "bf16"):
+        p = f"*{dt}"
+        for d in HEAD_DIMS:
+            bn, st = CONFIGS[d]
+            for causal in (False, True):
+                sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "lse_ptr": "*fp32", "H": "i32", "HKV": "i32",
+                       "S": "i32", "SKV": "i32", "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32",
+                       "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+                       "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
+                       "CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}  # fmt: skip
+                const = {"HEAD_DIM": d, "BLOCK_N": bn, "STAGES": st, "CAUSAL": causal,
+                         "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}  # fmt: skip
+                specs.append((f"attn_hopper_{dt}_d{d}_c{int(causal)}", _attn_fwd_hopper, sig, const,
+                              {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}))  # fmt: skip
+    return specs
