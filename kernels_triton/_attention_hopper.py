@@ -132,7 +132,7 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
                   qk_scale, m0, n_tiles, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, HOST: gl.constexpr):  # fmt: skip
         M: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
@@ -188,7 +188,10 @@ if HAS_GLUON:
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
         q_s.store(out.to(dtype))
         fence_async_shared()
-        _tma_store(o_desc, [r0, 0], q_s)
+        if HOST:  # [B*H, S, D] descriptor built on the host: rows clip at this head's S
+            _tma_store(o_desc, [bh, r0, 0], q_s.reshape([1, M, HEAD_DIM]))
+        else:
+            _tma_store(o_desc, [r0, 0], q_s)
         # lse in the natural log: (m + log2 l) * ln 2; no visible key: -inf; a +inf score: +inf
         lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
         lse = gl.where(l_i == 0.0, float("-inf"), lse)
@@ -198,32 +201,53 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, m0,
-                  n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                  n_tiles, bh, b, hkv, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HOST: gl.constexpr):  # fmt: skip
+        # HOST: descriptors built on the host over q [B*H, S, D] and k/v [B, Hkv, Skv, D] (through their
+        # strides); the 2-D ring slots are viewed with the descriptor's rank. Else per-head 2-D descriptors.
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [m0, 0], q_bar, q_smem.index(0))
-        _tma_load(q_desc, [m0 + 64, 0], q_bar, q_smem.index(1))
+        if HOST:
+            _tma_load(q_desc, [bh, m0, 0], q_bar, q_smem.index(0).reshape([1, 64, HEAD_DIM]))
+            _tma_load(q_desc, [bh, m0 + 64, 0], q_bar, q_smem.index(1).reshape([1, 64, HEAD_DIM]))
+        else:
+            _tma_load(q_desc, [m0, 0], q_bar, q_smem.index(0))
+            _tma_load(q_desc, [m0 + 64, 0], q_bar, q_smem.index(1))
         for j in range(n_tiles):
             slot = j % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first round passes
             mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
             kb = k_ready.index(slot)
             mbarrier.expect(kb, k_desc.block_type.nbytes)
-            _tma_load(k_desc, [j * BLOCK_N, 0], kb, k_bufs.index(slot))
+            if HOST:
+                _tma_load(
+                    k_desc,
+                    [b, hkv, j * BLOCK_N, 0],
+                    kb,
+                    k_bufs.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]),
+                )
+            else:
+                _tma_load(k_desc, [j * BLOCK_N, 0], kb, k_bufs.index(slot))
             vb = v_ready.index(slot)
             mbarrier.expect(vb, v_desc.block_type.nbytes)
-            _tma_load(v_desc, [j * BLOCK_N, 0], vb, v_bufs.index(slot))
+            if HOST:
+                _tma_load(
+                    v_desc,
+                    [b, hkv, j * BLOCK_N, 0],
+                    vb,
+                    v_bufs.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]),
+                )
+            else:
+                _tma_load(v_desc, [j * BLOCK_N, 0], vb, v_bufs.index(slot))
 
     @gluon.jit
-    def _attn_fwd_hopper(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, H, HKV, S, SKV, qk_scale,
-                         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr):  # fmt: skip
+    def _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                  PRODUCER_REGS: gl.constexpr, HOST: gl.constexpr):  # fmt: skip
         BM: gl.constexpr = 128
         M: gl.constexpr = 64
         WG0: gl.constexpr = 0  # partition arguments must be IR values or constexprs, not Python ints
         WG1: gl.constexpr = 1
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        dtype: gl.constexpr = q_desc.dtype
         pid_m = gl.program_id(0)
         if CAUSAL:  # heaviest query blocks first
             pid_m = gl.num_programs(0) - 1 - pid_m
@@ -232,22 +256,8 @@ if HAS_GLUON:
         h = bh % H
         hkv = h // (H // HKV)
         m0 = pid_m * BM
-
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        qo_off = bh.to(gl.int64) * S * HEAD_DIM
-        q_desc = tma.make_tensor_descriptor(
-            q_ptr + qo_off, [S, HEAD_DIM], [HEAD_DIM, 1], [M, HEAD_DIM], q_layout
-        )
-        o_desc = tma.make_tensor_descriptor(
-            o_ptr + qo_off, [S, HEAD_DIM], [HEAD_DIM, 1], [M, HEAD_DIM], q_layout
-        )
-        k_base = k_ptr + b.to(gl.int64) * stride_kb + hkv.to(gl.int64) * stride_kh
-        v_base = v_ptr + b.to(gl.int64) * stride_vb + hkv.to(gl.int64) * stride_vh
-        k_desc = tma.make_tensor_descriptor(k_base, [SKV, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM],
-                                            kv_layout)  # fmt: skip
-        v_desc = tma.make_tensor_descriptor(v_base, [SKV, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM],
-                                            kv_layout)  # fmt: skip
 
         if CAUSAL:  # keys past the last one any row of the block sees are never loaded
             hi = gl.minimum(gl.maximum(m0 + BM + SKV - S, 0), SKV)
@@ -271,15 +281,52 @@ if HAS_GLUON:
         gl.warp_specialize(
             [
                 (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
-                             qk_scale, m0, n_tiles, WG0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                             qk_scale, m0, n_tiles, WG0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HOST)),
                 (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
-                             qk_scale, m0, n_tiles, WG1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                             qk_scale, m0, n_tiles, WG1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HOST)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             m0, n_tiles, BLOCK_N, STAGES)),
+                             m0, n_tiles, bh, b, hkv, BLOCK_N, STAGES, HOST)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
         )  # fmt: skip
+
+    @gluon.jit
+    def _attn_fwd_hopper_hd(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale,
+                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                            CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        # Host-built descriptors (kernel parameters): no per-CTA descriptor construction in the prologue.
+        _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, True)  # fmt: skip
+
+    @gluon.jit
+    def _attn_fwd_hopper(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, H, HKV, S, SKV, qk_scale,
+                         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        # Descriptors built on the device, per head (needs Triton's global scratch allocator).
+        M: gl.constexpr = 64
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        bh = gl.program_id(1)
+        b = bh // H
+        hkv = (bh % H) // (H // HKV)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        qo_off = bh.to(gl.int64) * S * HEAD_DIM
+        q_desc = tma.make_tensor_descriptor(q_ptr + qo_off, [S, HEAD_DIM], [HEAD_DIM, 1], [M, HEAD_DIM],
+                                            q_layout)  # fmt: skip
+        o_desc = tma.make_tensor_descriptor(o_ptr + qo_off, [S, HEAD_DIM], [HEAD_DIM, 1], [M, HEAD_DIM],
+                                            q_layout)  # fmt: skip
+        k_base = k_ptr + b.to(gl.int64) * stride_kb + hkv.to(gl.int64) * stride_kh
+        v_base = v_ptr + b.to(gl.int64) * stride_vb + hkv.to(gl.int64) * stride_vh
+        k_desc = tma.make_tensor_descriptor(k_base, [SKV, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM],
+                                            kv_layout)  # fmt: skip
+        v_desc = tma.make_tensor_descriptor(v_base, [SKV, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM],
+                                            kv_layout)  # fmt: skip
+        _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, False)  # fmt: skip
 
 
 def _aligned16(t: torch.Tensor) -> bool:
@@ -336,23 +383,50 @@ def hopper_forward(
         raise ValueError(f"hopper_forward: lse must be contiguous fp32 {(B, H, S)}")
     if qk_scale < 0:
         raise ValueError("hopper_forward: qk_scale must be >= 0 (negate q instead)")
-    from kernels_triton._config import ensure_tma_allocator
-
-    ensure_tma_allocator()
     Hkv, Skv = k.shape[1], k.shape[2]
     block_n, stages = _env_config(D)
+    host = os.environ.get("FUSEKIT_HOPPER_ATTN_DESC", "host") != "device"
+    if not host:
+        from kernels_triton._config import ensure_tma_allocator
+
+        ensure_tma_allocator()
+    consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
     bstep = max(1, _MAX_GRID_Y // H)
     with torch.cuda.device(q.device):
         for b0 in range(0, B, bstep):
             sl = slice(b0, min(B, b0 + bstep))
-            kk, vv = k[sl], v[sl]
+            qq, kk, vv, oo = q[sl], k[sl], v[sl], o[sl]
             grid = (triton_cdiv(S, BLOCK_M), (sl.stop - sl.start) * H)
-            _attn_fwd_hopper[grid](
-                q[sl], kk, vv, o[sl], lse[sl], H, Hkv, S, Skv, float(qk_scale),
-                kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2),
-                HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
-                PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG,
-            )  # fmt: skip
+            if host:
+                qd, kd, vd, od = _host_descriptors(qq, kk, vv, oo, block_n)
+                _attn_fwd_hopper_hd[grid](qd, kd, vd, od, lse[sl], H, Hkv, S, Skv, float(qk_scale), **consts)
+            else:
+                _attn_fwd_hopper[grid](
+                    qq, kk, vv, oo, lse[sl], H, Hkv, S, Skv, float(qk_scale),
+                    kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2), **consts,
+                )  # fmt: skip
+
+
+def _host_layouts(dtype_name: str, head_dim: int, block_n: int):
+    """Shared layouts of the host descriptors: q/o [1, 64, D] boxes of [B*H, S, D], k/v [1, 1, BLOCK_N, D] boxes
+    of [B, Hkv, Skv, D]; the kernel views its 2-D ring slots with these ranks (same 128-byte swizzle)."""
+    gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype_name]
+    return (gl.NVMMASharedLayout.get_default_for([1, WG_M, head_dim], gdt),
+            gl.NVMMASharedLayout.get_default_for([1, 1, block_n, head_dim], gdt))  # fmt: skip
+
+
+def _host_descriptors(q, k, v, o, block_n):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, H, S, D = q.shape
+    q_lay, kv_lay = _host_layouts("bf16" if q.dtype == torch.bfloat16 else "fp16", D, block_n)
+    q3, o3 = q.view(B * H, S, D), o.view(B * H, S, D)
+    qd = TensorDescriptor(q3, list(q3.shape), list(q3.stride()), [1, WG_M, D], q_lay)
+    od = TensorDescriptor(o3, list(o3.shape), list(o3.stride()), [1, WG_M, D], q_lay)
+    kd = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, block_n, D], kv_lay)
+    vd = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, block_n, D], kv_lay)
+    return qd, kd, vd, od
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -377,6 +451,19 @@ def aot_specs_gluon() -> list[tuple[str, object, dict, dict, dict]]:
                        "CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}  # fmt: skip
                 const = {"HEAD_DIM": d, "BLOCK_N": bn, "STAGES": st, "CAUSAL": causal,
                          "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}  # fmt: skip
-                specs.append((f"attn_hopper_{dt}_d{d}_c{int(causal)}", _attn_fwd_hopper, sig, const,
-                              {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}))  # fmt: skip
+                opts = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
+                specs.append(
+                    (f"attn_hopper_{dt}_d{d}_c{int(causal)}_devdesc", _attn_fwd_hopper, sig, const, opts)
+                )
+                q_lay, kv_lay = _host_layouts(dt, d, bn)
+                hsig = {"q_desc": f"tensordesc<{dt}[1, {WG_M}, {d}],{q_lay!r}>",
+                        "k_desc": f"tensordesc<{dt}[1, 1, {bn}, {d}],{kv_lay!r}>",
+                        "v_desc": f"tensordesc<{dt}[1, 1, {bn}, {d}],{kv_lay!r}>",
+                        "o_desc": f"tensordesc<{dt}[1, {WG_M}, {d}],{q_lay!r}>"}  # fmt: skip
+                hsig.update({k: t for k, t in sig.items() if not k.endswith("_ptr") or k == "lse_ptr"})
+                for k in ("stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"):
+                    del hsig[k]
+                specs.append(
+                    (f"attn_hopper_{dt}_d{d}_c{int(causal)}", _attn_fwd_hopper_hd, hsig, const, opts)
+                )
     return specs
