@@ -105,9 +105,30 @@ if HAS_GLUON:
         return p, m_new, l_i, alpha
 
     @gluon.jit
+    def _named_barrier(dummy, WHICH: gl.constexpr, SYNC: gl.constexpr):
+        # FA3's warpgroup pingpong: named barriers 8 + WHICH over both consumer warpgroups (256 threads); a
+        # warpgroup syncs on its own before issuing its GEMMs and arrives on the other's after. (Triton's own
+        # partition barriers use the low ids.) Inline asm: Gluon on Triton 3.6 has no named-barrier op.
+        if SYNC:
+            if WHICH == 0:
+                gl.inline_asm_elementwise("bar.sync 8, 256;\nmov.b32 $0, $1;", "=r,r", [dummy], dtype=gl.int32,
+                                          is_pure=False, pack=1)  # fmt: skip
+            else:
+                gl.inline_asm_elementwise("bar.sync 9, 256;\nmov.b32 $0, $1;", "=r,r", [dummy], dtype=gl.int32,
+                                          is_pure=False, pack=1)  # fmt: skip
+        else:
+            if WHICH == 0:
+                gl.inline_asm_elementwise("bar.arrive 8, 256;\nmov.b32 $0, $1;", "=r,r", [dummy], dtype=gl.int32,
+                                          is_pure=False, pack=1)  # fmt: skip
+            else:
+                gl.inline_asm_elementwise("bar.arrive 9, 256;\nmov.b32 $0, $1;", "=r,r", [dummy], dtype=gl.int32,
+                                          is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
     def _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, rows, cols,
-                       qk_scale, diag, SKV, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                       CAUSAL: gl.constexpr):  # fmt: skip
+                       qk_scale, diag, SKV, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       MASK: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                       PINGPONG: gl.constexpr):  # fmt: skip
         # Tile j's scores overlap tile j-1's P V: issue S_j, issue PV_{j-1}, wait for S_j only, softmax, then
         # wait for PV_{j-1}, free slot j-1 and rescale O.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -115,11 +136,19 @@ if HAS_GLUON:
         slot = j % STAGES
         pslot = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        if PINGPONG:  # wait for this warpgroup's turn to issue its two GEMMs
+            _named_barrier(j, WG, True)
         s_tok = warpgroup_mma(q_s, k_bufs.index(slot).permute((1, 0)),
                               gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
                               is_async=True)  # fmt: skip
         mbarrier.wait(v_ready.index(pslot), ((j - 1) // STAGES) & 1)
         acc_tok = warpgroup_mma(p, v_bufs.index(pslot), acc, is_async=True)
+        if PINGPONG:  # hand the tensor cores to the other warpgroup while this one runs its softmax
+            if WG == 0:
+                _named_barrier(j, 1, False)
+            else:
+                if j < n_tiles - 1:  # warpgroup 0 waits n_tiles - 1 times; one arrival came before the loop
+                    _named_barrier(j, 0, False)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
         p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, cols, j * BLOCK_N, qk_scale, diag, SKV,
                                                MASK, CAUSAL)  # fmt: skip
@@ -132,7 +161,8 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
                   qk_scale, m0, n_tiles, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, HOST: gl.constexpr):  # fmt: skip
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, HOST: gl.constexpr,
+                  PINGPONG: gl.constexpr):  # fmt: skip
         M: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
@@ -165,15 +195,19 @@ if HAS_GLUON:
         p, m_i, l_i, _alpha = _softmax_tile(s, m_i, l_i, rows, cols, 0, qk_scale, diag, SKV, True, CAUSAL)
         p = gl.convert_layout(p.to(dtype), p_layout)
         acc = gl.zeros([M, HEAD_DIM], gl.float32, o_layout)
+        # warpgroup 0 issues first (compile-time test outside, runtime test inside: not one `and`)
+        if PINGPONG and WG == 1:  # noqa: SIM102
+            if n_tiles > 1:
+                _named_barrier(n_tiles, 0, False)
 
         for j in range(1, n_full):
             p, m_i, l_i, acc = _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
-                                              kv_empty, rows, cols, qk_scale, diag, SKV, BLOCK_N, STAGES, False,
-                                              CAUSAL)  # fmt: skip
+                                              kv_empty, rows, cols, qk_scale, diag, SKV, n_tiles, BLOCK_N, STAGES, False,
+                                              CAUSAL, WG, PINGPONG)  # fmt: skip
         for j in range(gl.maximum(n_full, 1), n_tiles):
             p, m_i, l_i, acc = _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
-                                              kv_empty, rows, cols, qk_scale, diag, SKV, BLOCK_N, STAGES, True,
-                                              CAUSAL)  # fmt: skip
+                                              kv_empty, rows, cols, qk_scale, diag, SKV, n_tiles, BLOCK_N, STAGES, True,
+                                              CAUSAL, WG, PINGPONG)  # fmt: skip
 
         # the last tile's P V
         last = n_tiles - 1
@@ -242,7 +276,7 @@ if HAS_GLUON:
     @gluon.jit
     def _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr, HOST: gl.constexpr):  # fmt: skip
+                  PRODUCER_REGS: gl.constexpr, HOST: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
         BM: gl.constexpr = 128
         M: gl.constexpr = 64
         WG0: gl.constexpr = 0  # partition arguments must be IR values or constexprs, not Python ints
@@ -281,9 +315,11 @@ if HAS_GLUON:
         gl.warp_specialize(
             [
                 (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
-                             qk_scale, m0, n_tiles, WG0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HOST)),
+                             qk_scale, m0, n_tiles, WG0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HOST,
+                             PINGPONG)),
                 (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
-                             qk_scale, m0, n_tiles, WG1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HOST)),
+                             qk_scale, m0, n_tiles, WG1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HOST,
+                             PINGPONG)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              m0, n_tiles, bh, b, hkv, BLOCK_N, STAGES, HOST)),
             ],
@@ -295,17 +331,17 @@ if HAS_GLUON:
     def _attn_fwd_hopper_hd(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                             CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            PRODUCER_REGS: gl.constexpr):  # fmt: skip
+                            PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False):  # fmt: skip
         # Host-built descriptors (kernel parameters): no per-CTA descriptor construction in the prologue.
         _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, True)  # fmt: skip
+                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, True, PINGPONG)  # fmt: skip
 
     @gluon.jit
     def _attn_fwd_hopper(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, H, HKV, S, SKV, qk_scale,
                          stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr):  # fmt: skip
+                         PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False):  # fmt: skip
         # Descriptors built on the device, per head (needs Triton's global scratch allocator).
         M: gl.constexpr = 64
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -326,7 +362,7 @@ if HAS_GLUON:
         v_desc = tma.make_tensor_descriptor(v_base, [SKV, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM],
                                             kv_layout)  # fmt: skip
         _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, False)  # fmt: skip
+                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, False, PINGPONG)  # fmt: skip
 
 
 def _aligned16(t: torch.Tensor) -> bool:
@@ -390,8 +426,9 @@ def hopper_forward(
         from kernels_triton._config import ensure_tma_allocator
 
         ensure_tma_allocator()
+    pingpong = os.environ.get("FUSEKIT_HOPPER_ATTN_PINGPONG", "0") == "1"
     consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+                  PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
     bstep = max(1, _MAX_GRID_Y // H)
     with torch.cuda.device(q.device):
         for b0 in range(0, B, bstep):
@@ -448,9 +485,10 @@ def aot_specs_gluon() -> list[tuple[str, object, dict, dict, dict]]:
                        "S": "i32", "SKV": "i32", "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32",
                        "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
                        "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
-                       "CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}  # fmt: skip
+                       "CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
+                       "PINGPONG": "constexpr"}  # fmt: skip
                 const = {"HEAD_DIM": d, "BLOCK_N": bn, "STAGES": st, "CAUSAL": causal,
-                         "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}  # fmt: skip
+                         "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS, "PINGPONG": False}  # fmt: skip
                 opts = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
                 specs.append(
                     (f"attn_hopper_{dt}_d{d}_c{int(causal)}_devdesc", _attn_fwd_hopper, sig, const, opts)
