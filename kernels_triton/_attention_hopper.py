@@ -18,14 +18,37 @@ Structure (FA3, Shah et al. 2024), one CTA per (128 query rows, b*H + h), three 
 - two consumer warpgroups (the default partition and one 4-warp worker, 240 registers each), each owning 64
   query rows (wgmma M = 64 per warpgroup). Intra-warpgroup overlap: tile j's S = Q K_j^T is issued async, then
   tile j-1's O += P V_{j-1} (P from registers, the wgmma A operand); the S wait leaves the PV wgmma in flight
-  while the softmax of tile j runs on the CUDA cores. The two warpgroups are not ping-ponged by named barriers
-  (Gluon on Triton 3.6 has no named-barrier op); the warp schedulers interleave them freely.
+  while the softmax of tile j runs on the CUDA cores. By default the warp schedulers interleave the two
+  warpgroups freely; FUSEKIT_HOPPER_ATTN_PINGPONG=1 orders their GEMM issue with FA3's named-barrier pingpong
+  (bar.sync/bar.arrive 8 and 9 through inline asm: Gluon on Triton 3.6 has no named-barrier op).
 - Causal: tiles past the last key the CTA's rows see are never loaded; tiles every row of a warpgroup sees in
   full run without a mask; the diagonal tiles (and a ragged Skv tail) run masked. The first tile is always
   processed masked, so a CTA that sees no key at all (causal with S > Skv) still runs one all-masked tile and
   writes o = 0, lse = -inf. TMA zero-fills loads past S / Skv and clips the O store at S.
-Descriptors are built on the device (per head, so the ragged tails clip at the head's own end), which needs
-Triton's global scratch allocator (installed by the launcher).
+TMA descriptors are built on the host by default: q/o as [B*H, S, D] (boxes [1, 64, D], so the ragged S tail
+clips at the head's own end) and k/v as [B, Hkv, Skv, D] through their strides (boxes [1, 1, BLOCK_N, D]);
+the kernel views its 2-D shared-memory slots with those ranks (same 128-byte swizzle). The alternative,
+FUSEKIT_HOPPER_ATTN_DESC=device, builds per-head 2-D descriptors in the kernel (Triton's global scratch
+allocator), which costs every CTA four serialized tensormap writes + fences in its prologue.
+
+Measured on an H100 80GB (Triton 3.6.0, torch 2.11+cu130, 2026-11-27; .dev/s/gluon_probe.py and
+gluon_overhead.py), bf16 TFLOP/s, kernel only (CUDA graph, L2 not flushed) | do_bench wall (L2 flushed):
+                        this kernel     SDPA (cuDNN)   attention.py (_attn_fwd_kernel, autotuned)
+  B4 S4096 D128 full :  528 | 544       582 | 603      449 | 459
+  B4 S4096 D128 causal:   - | 474         - | 524        - | 424
+  B1 S2048 D128 full :  470 | 452       549 | 593      393 | 414   (graph figures in fp16)
+  B4 S1024 D128 causal:  298 | 284       370 | 376      273 | 257
+  B4 S4096 D64 full  :    - | 422         - | 458        - | 396
+  B1 S2048 D64 full  :  392 | (launch-bound)  432 | 416  374 | 333
+  B4 S1024 D64 causal:  207 | (launch-bound)  288 | 279  261 | 129
+  GQA 32/8 B2 S2048 D128: full - | 517 vs SDPA 607, triton 427; causal - | 396 vs 459, 337.
+So: faster than the current Triton kernel for D128 (1.09-1.21x) and D64 non-causal (1.05-1.07x), slower for
+D64 causal (0.97x at S4096, 0.79-0.89x at S <= 2048); 0.72-0.92x SDPA everywhere.
+The Python launch (TensorDescriptor objects + Gluon's JIT binder with descriptor arguments) costs 150-290 us
+per call on that host (device descriptors: 80-160 us), so calls shorter than ~0.5 ms are launch-bound in
+eager mode: a lean launcher (cached layouts, the compiled kernel launched directly, or CUDA graphs) is
+needed before dispatching small shapes here.
+Pingpong: 0.95-1.02x of the free-running warpgroups (553 vs 544 at B4 S4096 D128 full): off by default.
 
 Gluon is experimental and its API moves between Triton releases: written against Triton 3.6 (the GPU host)
 and compile-checked for sm_90 with 3.9 (CI). Without Gluon's Hopper module, hopper_supported says False.
@@ -59,7 +82,10 @@ HEAD_DIMS = (64, 128)
 BLOCK_M = 128  # query rows per CTA: two consumer warpgroups of 64
 WG_M = 64  # query rows per consumer warpgroup (wgmma M)
 # (BLOCK_N, STAGES) per head dim: the K/V ring is STAGES * 2 * BLOCK_N * D * 2 bytes, Q 2 * 64 * D * 2 bytes
-# (reused for the O store); D128: 2 stages of 128x128 = 128 KB + 32 KB of Q.
+# (reused for the O store); D128: 2 stages of 128x128 = 128 KB + 32 KB of Q. H100 sweep (B4 S4096, do_bench
+# TFLOP/s, host descriptors): D128 full 128x2 545, 64x4 533, 64x3 536; D128 causal 128x2 467, 64x4 490,
+# 64x3 492 (a candidate for a causal entry, measured at this shape only); D64 full 128x3 416, 128x2 421,
+# 64x4 386; D64 causal 128x3 362, 128x2 363, 64x4 342.
 CONFIGS: dict[int, tuple[int, int]] = {64: (128, 3), 128: (128, 2)}
 NUM_WARPS = 4  # the default partition (consumer warpgroup 0); + 4 (consumer 1) + 1 (producer) warps
 # Registers: the launch reserves MAXNREG per thread for all 12 warps (the 1-warp producer rounds up to a
