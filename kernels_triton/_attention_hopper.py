@@ -56,9 +56,13 @@ and compile-checked for sm_90 with 3.9 (CI). Without Gluon's Hopper module, hopp
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+
+from kernels_triton._config import on_device
+from kernels_triton._launch import fast_launch, launch_keyed
 
 try:  # Gluon (triton.experimental) is optional: without it this module only says "not supported"
     from triton.experimental import gluon
@@ -362,6 +366,8 @@ if HAS_GLUON:
         _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
                   CAUSAL, CONSUMER_REGS, PRODUCER_REGS, True, PINGPONG)  # fmt: skip
 
+    _attn_fwd_hopper_hd = fast_launch(_attn_fwd_hopper_hd)  # launched through launch_keyed (run_hopper)
+
     @gluon.jit
     def _attn_fwd_hopper(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, H, HKV, S, SKV, qk_scale,
                          stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -391,6 +397,11 @@ if HAS_GLUON:
                   CAUSAL, CONSUMER_REGS, PRODUCER_REGS, False, PINGPONG)  # fmt: skip
 
 
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _aligned16(t: torch.Tensor) -> bool:
     es = t.element_size()
     return t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in t.stride()[:-1])
@@ -418,7 +429,7 @@ def hopper_supported(
         return False
     if S == 0 or Skv == 0 or B * H == 0:
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if _capability(q.device.index) != (9, 0):
         return False
     if not q.is_contiguous() or k.stride(-1) != 1 or v.stride(-1) != 1:
         return False
@@ -440,11 +451,29 @@ def hopper_forward(
         raise ValueError("hopper_forward: unsupported inputs (see hopper_supported)")
     if o.shape != q.shape or o.dtype != q.dtype or not o.is_contiguous() or o.data_ptr() % 16:
         raise ValueError(f"hopper_forward: o must be a contiguous 16-byte aligned {tuple(q.shape)} {q.dtype}")
-    B, H, S, D = q.shape
+    B, H, S = q.shape[:3]
     if lse.shape != (B, H, S) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"hopper_forward: lse must be contiguous fp32 {(B, H, S)}")
     if qk_scale < 0:
         raise ValueError("hopper_forward: qk_scale must be >= 0 (negate q instead)")
+    with on_device(q):
+        run_hopper(o, lse, q, k, v, causal, qk_scale)
+
+
+def run_hopper(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    qk_scale: float,
+) -> None:
+    """hopper_forward minus its checks, on the current device (attention.forward has made both). Host
+    descriptors launch through the lean path (launch_keyed): Gluon's JIT binder costs 150-290 us per call on
+    descriptor arguments, the remembered compiled kernel a few (the descriptors are rebuilt every call: they
+    hold the data pointers)."""
+    B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     block_n, stages = _env_config(D)
     host = os.environ.get("FUSEKIT_HOPPER_ATTN_DESC", "host") != "device"
@@ -456,21 +485,26 @@ def hopper_forward(
     consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
     bstep = max(1, _MAX_GRID_Y // H)
-    with torch.cuda.device(q.device):
-        for b0 in range(0, B, bstep):
-            sl = slice(b0, min(B, b0 + bstep))
-            qq, kk, vv, oo = q[sl], k[sl], v[sl], o[sl]
-            grid = (triton_cdiv(S, BLOCK_M), (sl.stop - sl.start) * H)
-            if host:
-                qd, kd, vd, od = _host_descriptors(qq, kk, vv, oo, block_n)
-                _attn_fwd_hopper_hd[grid](qd, kd, vd, od, lse[sl], H, Hkv, S, Skv, float(qk_scale), **consts)
-            else:
-                _attn_fwd_hopper[grid](
-                    qq, kk, vv, oo, lse[sl], H, Hkv, S, Skv, float(qk_scale),
-                    kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2), **consts,
-                )  # fmt: skip
+    for b0 in range(0, B, bstep):
+        sl = slice(b0, min(B, b0 + bstep))
+        qq, kk, vv, oo, ll = q[sl], k[sl], v[sl], o[sl], lse[sl]
+        grid = (triton_cdiv(S, BLOCK_M), (sl.stop - sl.start) * H)
+        if host:
+            qd, kd, vd, od = _host_descriptors(qq, kk, vv, oo, block_n)
+            # everything the compiled kernel depends on: dtypes, constexprs, grid, device, the int arguments'
+            # specialization classes and lse's 16-byte alignment (descriptors are 16-byte aligned by contract)
+            key = ("attn_hopper", q.device.index, q.dtype, D, bool(causal), block_n, stages, pingpong, grid,
+                   *((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv)), ll.data_ptr() & 15 == 0)  # fmt: skip
+            args = (qd, kd, vd, od, ll, H, Hkv, S, Skv, float(qk_scale))
+            launch_keyed(_attn_fwd_hopper_hd, key, grid, args, consts)
+        else:
+            _attn_fwd_hopper[grid](
+                qq, kk, vv, oo, ll, H, Hkv, S, Skv, float(qk_scale),
+                kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2), **consts,
+            )  # fmt: skip
 
 
+@functools.cache
 def _host_layouts(dtype_name: str, head_dim: int, block_n: int):
     """Shared layouts of the host descriptors: q/o [1, 64, D] boxes of [B*H, S, D], k/v [1, 1, BLOCK_N, D] boxes
     of [B, Hkv, Skv, D]; the kernel views its 2-D ring slots with these ranks (same 128-byte swizzle)."""

@@ -50,6 +50,14 @@ def _arg_key(v: Any) -> Any:
         return (v.dtype, v.data_ptr() & 15 == 0)
     if v is None or type(v) is int or type(v) is bool:
         return v
+    if hasattr(v, "block_shape") and hasattr(v, "base"):  # a host tensor descriptor: its whole type counts
+        return (
+            type(v),
+            v.base.dtype,
+            tuple(v.block_shape),
+            repr(getattr(v, "layout", None)),
+            getattr(v, "padding", None),
+        )
     return type(v)
 
 

@@ -10,7 +10,8 @@ or None: sequence b sees keys 0..L_b - 1, L_b = clamp(kv_len[b], 0, Skv) (clampe
 values never read outside k/v); keys past L_b are never loaded. lse = logsumexp of the visible scaled scores
 (natural log); a row with no visible key (L_b = 0, or causal with S > L_b) gives o = 0 and lse = -inf.
 Few queries (S <= 16 with at most 128 rows per GQA group: decode) run the split-KV kernels of
-_attention_decode.py instead of the kernel below.
+_attention_decode.py instead of the kernel below; on sm_90 without kv_len, D128 and full-attention D64 run
+the Gluon FA3-style kernel of _attention_hopper.py (`use_hopper`).
 
 Floors (H200: ~790 TFLOP/s dense bf16, ~4.3 TB/s), B=4 H=32 S=Skv=4096 D=128 bf16:
 - FLOPs: 4*B*H*S*Skv*D = 1.1 PFLOP non-causal (~1.4 ms at 790 TFLOP/s), about half of that causal.
@@ -40,12 +41,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
+from kernels_triton._attention_hopper import hopper_supported, run_hopper
 from kernels_triton._config import is_hip, is_interpreter, on_device
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
@@ -260,6 +263,29 @@ def use_decode(q: torch.Tensor, k: torch.Tensor) -> bool:
     return S <= DECODE_MAX_S and group * S <= DECODE_MAX_ROWS
 
 
+# FUSEKIT_TRITON_ATTN_GLUON=0 keeps every prefill call on the kernel above (see use_hopper).
+GLUON = os.environ.get("FUSEKIT_TRITON_ATTN_GLUON", "1") not in ("", "0")
+# Below ~17 GFLOP (4*B*H*S*Skv*D; e.g. B1 H32 S=Skv=512 D128 is 4.3) the Gluon call's host path (four host
+# TMA descriptors per call) outweighs its kernel: H100, B1 H32 S128 D128 causal 106 us wall per call against
+# ~45 us on the kernel above; B1 H32/8 S2048 D128 causal (34 GFLOP) 1.55x the kernel above.
+_GLUON_MIN_FLOP = 1 << 34
+
+
+def use_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, causal: bool) -> bool:
+    """Whether `forward` runs the Gluon FA3-style kernel of _attention_hopper.py (sm_90; no kv_len): where it
+    beat the kernel above on the H100 (D128 1.09-1.21x, causal or not; D64 full 1.05-1.07x; D64 causal lost,
+    0.79-0.97x: softmax-bound at D64, see that module's figures), with 16-byte aligned o and tensors it takes,
+    at sizes where its kernel outweighs its host path (_GLUON_MIN_FLOP)."""
+    B, H, S, D = q.shape
+    return (
+        GLUON
+        and (D == 128 or (D == 64 and not causal))
+        and 4 * B * H * S * k.shape[2] * D >= _GLUON_MIN_FLOP
+        and o.data_ptr() % 16 == 0
+        and hopper_supported(q, k, v, None)
+    )
+
+
 def forward(
     o: torch.Tensor,
     lse: torch.Tensor,
@@ -298,6 +324,10 @@ def forward(
     if _splits is not None or (_config is None and use_decode(q, k)):
         with on_device(q):
             decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale, splits=_splits)
+        return
+    if _config is None and kv_len is None and use_hopper(q, k, v, o, causal):
+        with on_device(q):
+            run_hopper(o, lse, q, k, v, causal, qk_scale)
         return
     ieee = q.dtype == torch.float32
     tma_ok = tma_setup("attention", None if _config is None else (_config,), q, k, v, o)

@@ -309,3 +309,17 @@ def test_cuda_results_equal_tritons_launch(device: str, monkeypatch: pytest.Monk
     torch.cuda.synchronize()
     assert _launch._CACHE, "the lean path was never taken"
     assert _launch._KEYED, "decode attention's keyed launches were never taken"
+
+
+def test_host_descriptor_key_holds_its_whole_type() -> None:
+    """A host TensorDescriptor argument keys the remembered kernel by its dtype, block shape and layout (its
+    type in Triton's signature): a bf16 call must never reuse the kernel compiled for fp16 descriptors."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a16 = torch.zeros(64, 64, dtype=torch.float16)
+    abf = torch.zeros(64, 64, dtype=torch.bfloat16)
+    key = _launch._arg_key
+    d = TensorDescriptor(a16, [64, 64], [64, 1], [16, 16])
+    assert key(d) == key(TensorDescriptor(a16.clone(), [32, 64], [64, 1], [16, 16]))  # shape: a runtime value
+    assert key(d) != key(TensorDescriptor(abf, [64, 64], [64, 1], [16, 16]))
+    assert key(d) != key(TensorDescriptor(a16, [64, 64], [64, 1], [32, 16]))
