@@ -362,3 +362,17 @@ def test_capture_switch_sets_what_auto_and_the_library_see() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_replay_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSEKIT_MOJO_REPLAY: default torch CUDA graphs of the fenced call; "max" MAX's own device graphs; "0" off."""
+    from fusekit.backends.mojo.dispatch import REPLAY_ENV, Dispatcher
+
+    monkeypatch.delenv(REPLAY_ENV, raising=False)
+    d = Dispatcher()
+    assert (d.replay, d.torch_graphs) == (True, True)
+    monkeypatch.setenv(REPLAY_ENV, "max")
+    d = Dispatcher()
+    assert (d.replay, d.torch_graphs) == (True, False)
+    monkeypatch.setenv(REPLAY_ENV, "0")
+    assert Dispatcher().replay is False

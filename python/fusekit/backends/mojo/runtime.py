@@ -744,6 +744,7 @@ class Compiled:
     seen: dict = field(default_factory=dict)
     next_graph: int = 1
     capturable: bool = True  # False once a capture failed: the model then always executes
+    capture_error: str | None = None  # why (the first line of the capture's exception)
     # (dtype, size function) of each of the spec's workspaces, resolved for `dtypes` once
     workspaces: tuple = field(init=False)
 
