@@ -6,7 +6,10 @@ Gluon kernels do not run on the CPU (nor in Triton's interpreter), so this check
 the module imports without a GPU, `hopper_supported` refuses what the kernel does not take (no GPU, kv_len,
 fp32, head dims other than 64/128, non-aligned or empty inputs), and, where the installed Triton has Gluon's
 Hopper module, every (dtype, head dim, causal) variant compiles ahead of time for sm_90 down to a cubin with
-wgmma instructions. Numerics and speed are checked on an H100 by .dev/s/gluon_probe.py (not in CI).
+wgmma instructions. With `--device cuda` on an sm_90 GPU the kernel runs: against a float64 reference at odd
+shapes (ragged tails, GQA, causal rows that see no key, a NaN-padded KV-cache view), and through
+`ops.attention` with the size threshold lowered, so the routed path runs at test sizes too. Speed: the
+benchmarks (and .dev/s/gluon_probe.py).
 """
 
 from __future__ import annotations
@@ -139,3 +142,113 @@ def test_compiles_ahead_of_time_for_sm90(name):
     r = _compiled()[name]
     assert "error" not in r, r.get("error")
     assert r == {"cubin": True, "wgmma": True, "setmaxnreg": True, "tma": True}, r
+
+
+# --- GPU (sm_90) ----------------------------------------------------------------------------------------
+def _need_sm90(device: str) -> None:
+    if device != "cuda":
+        pytest.skip("the Gluon kernel runs on an sm_90 GPU only (--device cuda)")
+    if not _mod().HAS_GLUON:
+        pytest.skip("the installed triton has no Gluon Hopper module")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs sm_90 (wgmma)")
+
+
+def _reference(q, k, v, causal: bool, scale: float):
+    """float64 o and natural-log lse of the visible scaled scores (bottom-right causal); no key: 0, -inf."""
+    q, k, v = (t.double() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    S, Skv = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(S, device=q.device)[:, None]
+        j = torch.arange(Skv, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Skv - S), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ v, lse
+
+
+# (B, H, Hkv, S, Skv, D, causal): ragged tails, GQA, S > Skv causal (the first rows see no key), S < Skv.
+_CASES = [
+    (1, 4, 4, 128, 128, 64, False),
+    (2, 8, 2, 77, 300, 128, True),
+    (1, 4, 1, 300, 77, 128, True),
+    (1, 2, 2, 1000, 1000, 64, False),
+    (2, 4, 4, 129, 129, 128, True),
+    (1, 4, 2, 200, 333, 128, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "case", _CASES, ids=lambda c: "B{}H{}-{}S{}K{}D{}{}".format(*c[:6], "c" if c[6] else "")
+)
+def test_gpu_matches_float64(device: str, dtype: torch.dtype, case) -> None:
+    from fusekit.tolerances import rtol
+
+    _need_sm90(device)
+    B, H, Hkv, S, Skv, D, causal = case
+    g = torch.Generator(device="cuda").manual_seed(sum(case[:6]))
+    q = torch.randn(B, H, S, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Skv, D, device="cuda", generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Skv, D, device="cuda", generator=g).to(dtype)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((B, H, S), float("nan"), device="cuda")
+    scale = D**-0.5
+    _mod().hopper_forward(o, lse, q, k, v, causal, scale * 1.4426950408889634)
+    ref, ref_lse = _reference(q, k, v, causal, scale)
+    assert not o.isnan().any() and not lse.isnan().any()
+    err = ((o.double() - ref).norm() / ref.norm()).item()
+    assert err < rtol("attention", dtype), err
+    fin = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), fin)  # rows with no key: -inf exactly, and o = 0
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-3
+    assert (o[~fin] == 0).all()
+
+
+def test_gpu_kv_cache_view(device: str) -> None:
+    """k/v as strided views into a NaN-padded cache [B, max_len, Hkv, D] (read in place through the strides;
+    the slots past Skv are never read)."""
+    from fusekit.tolerances import rtol
+
+    _need_sm90(device)
+    B, H, Hkv, S, Skv, D, max_len = 2, 8, 2, 96, 200, 128, 256
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dt = torch.bfloat16
+    kc = torch.full((B, max_len, Hkv, D), float("nan"), device="cuda", dtype=dt)
+    vc = torch.full_like(kc, float("nan"))
+    kc[:, :Skv] = torch.randn(B, Skv, Hkv, D, device="cuda", generator=g).to(dt)
+    vc[:, :Skv] = torch.randn(B, Skv, Hkv, D, device="cuda", generator=g).to(dt)
+    k, v = kc.transpose(1, 2)[:, :, :Skv], vc.transpose(1, 2)[:, :, :Skv]
+    q = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    assert _mod().hopper_supported(q, k, v, None)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.empty(B, H, S, device="cuda")
+    _mod().hopper_forward(o, lse, q, k, v, True, D**-0.5 * 1.4426950408889634)
+    ref, _ = _reference(q, k, v, True, D**-0.5)
+    assert ((o.double() - ref).norm() / ref.norm()).item() < rtol("attention", dt)
+
+
+def test_gpu_ops_attention_routes_here(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.attention(backend="triton") runs the Gluon kernel where attention.use_hopper says so (the size
+    threshold lowered to test sizes), and its output carries gradients through the backward as before."""
+    from fusekit import ops
+    from fusekit.tolerances import rtol
+    from kernels_triton import attention as A
+
+    _need_sm90(device)
+    calls = []
+    real = A.run_hopper
+    monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
+    monkeypatch.setattr(A, "run_hopper", lambda *a: (calls.append(1), real(*a))[1])
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 150, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    q.requires_grad_()
+    y = ops.attention(q, k, v, causal=True, backend="triton")
+    assert calls, "the Gluon kernel did not run"
+    ref, _ = _reference(q.detach(), k, v, True, 128**-0.5)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < rtol("attention", torch.bfloat16)
+    y.float().sum().backward()
+    assert q.grad is not None and q.grad.isfinite().all()
