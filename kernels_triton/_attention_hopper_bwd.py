@@ -1,0 +1,612 @@
+"""FlashAttention-3-style attention backward for Hopper (sm_90), written in Gluon; deterministic (no atomics).
+
+Entry points (not wired into attention.backward; the caller chooses):
+    hopper_bwd_supported(q, k, v, kv_len) -> bool    whether hopper_backward can run these tensors
+    hopper_backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale) -> None
+
+Contract (that of attention_backward.attention_backward without kv_len): q/o/do/dq [B, H, S, D] contiguous,
+k/v [B, Hkv, Skv, D] with a contiguous last dim (strided views allowed when every stride is 16-byte aligned),
+dk/dv [B, Hkv, Skv, D] contiguous, lse [B, H, S] fp32 natural log (-inf for a row that sees no key), GQA head
+h // (H // Hkv), fp16/bf16, D 64 or 128. Causal bottom-right (query i sees key j iff j <= i + Skv - S). With
+s = scale q k^T over the visible keys, p = exp(s - lse), delta = rowsum(do * o):
+    dv = p^T do,  dp = do v^T,  ds = p (dp - delta),  dq = scale ds k,  dk = scale ds^T q,
+each kv head's dk/dv summing its H / Hkv query heads in a fixed order.
+
+Three launches, as attention_backward.py (7 matmuls, no atomics):
+1. `_bwd_preprocess_kernel` (attention_backward.py, reused): delta and lse2 = lse * log2(e), -inf -> +inf, so
+   p = exp2(s * scale * log2(e) - lse2) is exactly 0 for a row that sees no key without a mask.
+2. `_dkdv_hopper`, one CTA per (128 keys, b*Hkv + hkv), three partitions (FA3's warp specialization):
+   - producer, 1 warp: TMA loads of the CTA's K and V (two 64-key halves each, once), then Q and dO tiles of
+     BLOCK_M query rows into a STAGES-deep ring (q_ready/do_ready mbarriers with TMA transaction counts,
+     qdo_empty with one arrival per consumer), walking every query head of the GQA group and every query
+     block that sees the CTA's keys.
+   - two consumer warpgroups, each owning 64 keys (wgmma M = 64) and their fp32 dk, dv [64, D] in registers.
+     Per ring slot, computed transposed (keys as rows): S^T = K Q^T and dP^T = V dO^T (both A and B from
+     shared memory, issued back to back, async), P^T = exp2(S^T c - lse2), dS^T = P^T (dP^T - delta), then
+     dV += P^T dO and dK += dS^T Q with P^T / dS^T as register A operands (no shared-memory round trip).
+     Both consumers see the same slots: the two warpgroups' GEMMs interleave on the tensor cores.
+   - epilogue: dk * scale, dv through the warpgroup's own K/V shared buffers and TMA stores clipped at Skv.
+3. `_dq_hopper`, one CTA per (128 queries, b*H + h): producer loads Q and dO once (two 64-row halves) and
+   streams K, V tiles of BLOCK_N keys through a ring (separate K and V ready barriers); each consumer
+   warpgroup owns 64 query rows: S = Q K^T, dP = dO V^T, P, dS = P (dP - delta), dQ += dS K (dS from
+   registers), dq * scale stored through its Q buffer by TMA (clipped at S).
+Causal: query blocks (dk/dv) and key tiles (dq) nobody sees are never loaded; only the diagonal tiles (and for
+dq the ragged Skv tail, whose zero-filled keys would otherwise give p = exp2(-lse2)) run masked. A ragged S
+tail needs no mask: TMA zero-fills q/do rows past S (the [B*H, S, D] descriptors clip at the head's end) and
+lse2 loads as +inf there, so p = 0 exactly. Keys past Skv in a dk/dv CTA collect garbage that the store clips.
+A key block no query sees (causal, S < Skv... or rows seeing nothing) runs no step and stores dk = dv = 0.
+
+Not measured yet (written and compile-checked without a GPU, 2026-11): the config tables below are FA3's
+choices (dk/dv: 128 keys x 64 queries at D128, x 128 at D64; dq: 128 queries x 64/128 keys), not a sweep.
+FUSEKIT_HOPPER_BWD_CFG="DKDV_BLOCK_M,DKDV_STAGES,DQ_BLOCK_N,DQ_STAGES" overrides them (probes).
+
+Gluon is experimental and its API moves between Triton releases: written against Triton 3.6 (the GPU host)
+and compile-checked for sm_90 with 3.6 and 3.9. Without Gluon's Hopper module, hopper_bwd_supported says False.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels_triton._attention_hopper import HAS_GLUON, _aligned16, _capability
+from kernels_triton._config import on_device
+from kernels_triton._launch import fast_launch, launch_keyed
+
+if HAS_GLUON:  # the forward module's guarded import succeeded: these names exist
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+_LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+WG_M = 64  # rows per consumer warpgroup (wgmma M)
+BLOCK_KEYS = 128  # dk/dv CTA: keys (two warpgroups of 64)
+BLOCK_QUERIES = 128  # dq CTA: query rows (two warpgroups of 64)
+# dk/dv: (BLOCK_M query rows per ring slot, STAGES); shared memory: K, V 2 * 128 * D * 2 bytes + the ring
+# STAGES * 2 * BLOCK_M * D * 2 (D128: 64 KB + 2 * 32 KB). Registers per consumer thread: dk, dv 2 * 64 * D / 128,
+# S^T and dP^T 2 * 64 * BLOCK_M / 128 (D128, BLOCK_M 64: 128 + 64).
+DKDV_CONFIGS: dict[int, tuple[int, int]] = {64: (128, 2), 128: (64, 2)}
+# dq: (BLOCK_N keys per ring slot, STAGES); Q, dO 2 * 128 * D * 2 bytes + STAGES * 2 * BLOCK_N * D * 2.
+DQ_CONFIGS: dict[int, tuple[int, int]] = {64: (128, 2), 128: (64, 3)}
+NUM_WARPS = 4  # default partition = consumer warpgroup 0; + 4 (consumer 1) + 1 (producer) warps
+MAXNREG = 168  # 12 warps * 32 * 168 <= 65536, then setmaxnreg: consumers 240, producer 24 (as the forward)
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+_MAX_GRID_Y = 65535
+
+
+def _env_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(DKDV_BLOCK_M, DKDV_STAGES, DQ_BLOCK_N, DQ_STAGES): the tables, or FUSEKIT_HOPPER_BWD_CFG (probes)."""
+    env = os.environ.get("FUSEKIT_HOPPER_BWD_CFG")
+    if env:
+        a, b, c, d = (int(x) for x in env.split(","))
+        return a, b, c, d
+    return (*DKDV_CONFIGS[head_dim], *DQ_CONFIGS[head_dim])
+
+
+if HAS_GLUON:
+    # ------------------------------------------------------------------------------------------ dk / dv
+    @gluon.jit
+    def _dkdv_step(t, m, dk, dv, k_s, v_s, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, lse2_ptr, delta_ptr,
+                   row_base, keys, cols, S, diag, qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   MASK: gl.constexpr):  # fmt: skip
+        # One ring slot (query rows [m, m + BLOCK_M) of one head) into this warpgroup's dk, dv [64, D].
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+        dtype: gl.constexpr = k_s.dtype
+        slot = t % STAGES
+        phase = (t // STAGES) & 1
+        q_s = q_bufs.index(slot)
+        do_s = do_bufs.index(slot)
+        mbarrier.wait(q_ready.index(slot), phase)
+        s_tok = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, s_layout),
+                              use_acc=False, is_async=True)  # fmt: skip
+        mbarrier.wait(do_ready.index(slot), phase)
+        dp_tok = warpgroup_mma(v_s, do_s.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, s_layout),
+                               use_acc=False, is_async=True)  # fmt: skip
+        qi = m + cols
+        in_s = qi < S
+        # rows past S: lse2 = +inf makes p exactly 0 (q and do are zero-filled there too)
+        lse2 = gl.load(lse2_ptr + row_base + qi, mask=in_s, other=float("inf"))
+        delta = gl.load(delta_ptr + row_base + qi, mask=in_s, other=0.0)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if MASK:  # causal diagonal: key j visible to query i iff j <= i + diag
+            pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(qi + diag, 0), pt, 0.0)
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        p16 = gl.convert_layout(pt.to(dtype), a_layout)
+        ds16 = gl.convert_layout(dst.to(dtype), a_layout)
+        dv_tok = warpgroup_mma(p16, do_s, dv, is_async=True)
+        dk_tok = warpgroup_mma(ds16, q_s, dk, is_async=True)
+        dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, p16, ds16))
+        mbarrier.arrive(qdo_empty.index(slot), count=1)
+        return dk, dv
+
+    @gluon.jit
+    def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready, qdo_empty,
+                       lse2_ptr, delta_ptr, head0, bhkv, n0, S, SKV, qk_scale, sm_scale, m_lo, n_diag, n_m, group,
+                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr):  # fmt: skip
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+        dtype: gl.constexpr = k_smem.dtype
+        k_s = k_smem.index(WG)
+        v_s = v_smem.index(WG)
+        r0 = n0 + WG * 64
+        keys = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        diag = SKV - S
+        dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+        mbarrier.wait(kv_bar, 0)
+        t = 0
+        # the GQA group sum in a fixed order (head, then query block): deterministic
+        for g in range(group):
+            row_base = (head0 + g).to(gl.int64) * S
+            for i in range(n_diag):  # causal diagonal blocks: masked
+                dk, dv = _dkdv_step(t, m_lo + i * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, q_ready, do_ready,
+                                    qdo_empty, lse2_ptr, delta_ptr, row_base, keys, cols, S, diag, qk_scale,
+                                    BLOCK_M, STAGES, True)  # fmt: skip
+                t += 1
+            for i in range(n_diag, n_m):  # every row sees every key of the CTA (or rows past S: p = 0)
+                dk, dv = _dkdv_step(t, m_lo + i * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, q_ready, do_ready,
+                                    qdo_empty, lse2_ptr, delta_ptr, row_base, keys, cols, S, diag, qk_scale,
+                                    BLOCK_M, STAGES, False)  # fmt: skip
+                t += 1
+        # epilogue: this warpgroup's own K/V buffers are free (its last wgmma is done); the store clips at Skv
+        k_s.store((dk * sm_scale).to(dtype))
+        v_s.store(dv.to(dtype))
+        fence_async_shared()
+        _tma_store(dk_desc, [bhkv, r0, 0], k_s.reshape([1, 64, HEAD_DIM]))
+        _tma_store(dv_desc, [bhkv, r0, 0], v_s.reshape([1, 64, HEAD_DIM]))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready,
+                       do_ready, qdo_empty, b, hkv, head0, n0, m_lo, n_m, group, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr):  # fmt: skip
+        HEAD_DIM: gl.constexpr = k_smem.shape[2]
+        mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [b, hkv, n0, 0], kv_bar, k_smem.index(0).reshape([1, 1, 64, HEAD_DIM]))
+        _tma_load(k_desc, [b, hkv, n0 + 64, 0], kv_bar, k_smem.index(1).reshape([1, 1, 64, HEAD_DIM]))
+        _tma_load(v_desc, [b, hkv, n0, 0], kv_bar, v_smem.index(0).reshape([1, 1, 64, HEAD_DIM]))
+        _tma_load(v_desc, [b, hkv, n0 + 64, 0], kv_bar, v_smem.index(1).reshape([1, 1, 64, HEAD_DIM]))
+        for t in range(group * n_m):
+            g = t // n_m
+            m = m_lo + (t - g * n_m) * BLOCK_M
+            bh = head0 + g
+            slot = t % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0: the first round passes
+            mbarrier.wait(qdo_empty.index(slot), ((t // STAGES) & 1) ^ 1)
+            qb = q_ready.index(slot)
+            mbarrier.expect(qb, q_desc.block_type.nbytes)
+            _tma_load(q_desc, [bh, m, 0], qb, q_bufs.index(slot).reshape([1, BLOCK_M, HEAD_DIM]))
+            db = do_ready.index(slot)
+            mbarrier.expect(db, do_desc.block_type.nbytes)
+            _tma_load(do_desc, [bh, m, 0], db, do_bufs.index(slot).reshape([1, BLOCK_M, HEAD_DIM]))
+
+    @gluon.jit
+    def _dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, H, HKV, S, SKV,
+                     qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        BN: gl.constexpr = 128
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        dtype: gl.constexpr = q_desc.dtype
+        n0 = gl.program_id(0) * BN  # causal: low key blocks are seen by the most queries, so run first as is
+        bhkv = gl.program_id(1)
+        b = bhkv // HKV
+        hkv = bhkv % HKV
+        group = H // HKV
+        head0 = b * H + hkv * group  # first query head of the group (within this launch's batch slab)
+        diag = SKV - S
+        m_end = gl.cdiv(S, BLOCK_M) * BLOCK_M
+        if CAUSAL:
+            # queries below n0 - diag see none of these keys; from i_full on they see every (real) one
+            m_lo = gl.minimum((gl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M, m_end)
+            i_full = gl.minimum(n0 + BN, SKV) - 1 - diag
+            m_full = m_lo + gl.cdiv(gl.maximum(i_full - m_lo, 0), BLOCK_M) * BLOCK_M
+            m_full = gl.minimum(m_full, m_end)
+            n_diag = (m_full - m_lo) // BLOCK_M
+        else:
+            m_lo = 0
+            n_diag = 0
+        n_m = (m_end - m_lo) // BLOCK_M  # query blocks per head: n_diag masked, then the rest unmasked
+
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+        k_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], kv_layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+        gl.warp_specialize(
+            [
+                (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
+                                  qdo_empty, lse2_ptr, delta_ptr, head0, bhkv, n0, S, SKV, qk_scale, sm_scale,
+                                  m_lo, n_diag, n_m, group, WG0, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+                (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
+                                  qdo_empty, lse2_ptr, delta_ptr, head0, bhkv, n0, S, SKV, qk_scale, sm_scale,
+                                  m_lo, n_diag, n_m, group, WG1, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+                (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
+                                  q_ready, do_ready, qdo_empty, b, hkv, head0, n0, m_lo, n_m, group, BLOCK_M,
+                                  STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+    _dkdv_hopper = fast_launch(_dkdv_hopper)
+
+    # ---------------------------------------------------------------------------------------------- dq
+    @gluon.jit
+    def _dq_step(j, dq, q_s, do_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, lse2, delta, rows, cols, SKV,
+                 diag, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                 CAUSAL: gl.constexpr):  # fmt: skip
+        # One key tile [j * BLOCK_N, (j + 1) * BLOCK_N) into this warpgroup's dq [64, D].
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        k_s = k_bufs.index(slot)
+        v_s = v_bufs.index(slot)
+        mbarrier.wait(k_ready.index(slot), phase)
+        s_tok = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)  # fmt: skip
+        mbarrier.wait(v_ready.index(slot), phase)
+        dp_tok = warpgroup_mma(do_s, v_s.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                               use_acc=False, is_async=True)  # fmt: skip
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if MASK:  # the causal diagonal and the ragged Skv tail (zero-filled keys: s = 0, p = exp2(-lse2))
+            kn = j * BLOCK_N + cols
+            valid = gl.expand_dims(kn < SKV, 0)
+            if CAUSAL:
+                valid = valid & (gl.expand_dims(kn, 0) <= gl.expand_dims(rows + diag, 1))
+            p = gl.where(valid, p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        ds16 = gl.convert_layout(ds.to(q_s.dtype), a_layout)
+        dq_tok = warpgroup_mma(ds16, k_s, dq, is_async=True)
+        dq, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ds16))
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+        return dq
+
+    @gluon.jit
+    def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, qdo_bar, k_ready, v_ready, kv_empty, lse2_ptr,
+                     delta_ptr, bh, m0, S, SKV, qk_scale, sm_scale, n_tiles, WG: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr):  # fmt: skip
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = q_smem.dtype
+        q_s = q_smem.index(WG)
+        do_s = do_smem.index(WG)
+        r0 = m0 + WG * 64
+        rows = r0 + gl.arange(0, 64, layout=row_s)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        in_s = rows < S
+        row_base = bh.to(gl.int64) * S
+        lse2 = gl.load(lse2_ptr + row_base + rows, mask=in_s, other=float("inf"))  # past S: p = 0
+        delta = gl.load(delta_ptr + row_base + rows, mask=in_s, other=0.0)
+        diag = SKV - S
+        if CAUSAL:
+            n_full = gl.minimum(gl.maximum(r0 + diag + 1, 0), SKV) // BLOCK_N  # tiles every row sees
+        else:
+            n_full = SKV // BLOCK_N
+        n_full = gl.minimum(n_full, n_tiles)
+        dq = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+        mbarrier.wait(qdo_bar, 0)
+        for j in range(0, n_full):
+            dq = _dq_step(j, dq, q_s, do_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, lse2, delta, rows, cols,
+                          SKV, diag, qk_scale, BLOCK_N, STAGES, False, CAUSAL)  # fmt: skip
+        for j in range(n_full, n_tiles):
+            dq = _dq_step(j, dq, q_s, do_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, lse2, delta, rows, cols,
+                          SKV, diag, qk_scale, BLOCK_N, STAGES, True, CAUSAL)  # fmt: skip
+        # epilogue through this warpgroup's Q buffer (its last wgmma is done); the store clips at S
+        q_s.store((dq * sm_scale).to(dtype))
+        fence_async_shared()
+        _tma_store(dq_desc, [bh, r0, 0], q_s.reshape([1, 64, HEAD_DIM]))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, qdo_bar, k_ready,
+                     v_ready, kv_empty, bh, b, hkv, m0, n_tiles, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):  # fmt: skip
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
+        mbarrier.expect(qdo_bar, 4 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [bh, m0, 0], qdo_bar, q_smem.index(0).reshape([1, 64, HEAD_DIM]))
+        _tma_load(q_desc, [bh, m0 + 64, 0], qdo_bar, q_smem.index(1).reshape([1, 64, HEAD_DIM]))
+        _tma_load(do_desc, [bh, m0, 0], qdo_bar, do_smem.index(0).reshape([1, 64, HEAD_DIM]))
+        _tma_load(do_desc, [bh, m0 + 64, 0], qdo_bar, do_smem.index(1).reshape([1, 64, HEAD_DIM]))
+        for j in range(n_tiles):
+            slot = j % STAGES
+            mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            kb = k_ready.index(slot)
+            mbarrier.expect(kb, k_desc.block_type.nbytes)
+            _tma_load(
+                k_desc, [b, hkv, j * BLOCK_N, 0], kb, k_bufs.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM])
+            )
+            vb = v_ready.index(slot)
+            mbarrier.expect(vb, v_desc.block_type.nbytes)
+            _tma_load(
+                v_desc, [b, hkv, j * BLOCK_N, 0], vb, v_bufs.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM])
+            )
+
+    @gluon.jit
+    def _dq_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, H, HKV, S, SKV, qk_scale,
+                   sm_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        BM: gl.constexpr = 128
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        dtype: gl.constexpr = q_desc.dtype
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # heaviest query blocks first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        bh = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hkv = h // (H // HKV)
+        m0 = pid_m * BM
+        if CAUSAL:  # keys past the last one any row of the block sees are never loaded (0 tiles: dq = 0)
+            hi = gl.minimum(gl.maximum(m0 + BM + SKV - S, 0), SKV)
+            n_tiles = gl.cdiv(hi, BLOCK_N)
+        else:
+            n_tiles = gl.cdiv(SKV, BLOCK_N)
+
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(qdo_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+        gl.warp_specialize(
+            [
+                (_dq_consumer, (dq_desc, q_smem, do_smem, k_bufs, v_bufs, qdo_bar, k_ready, v_ready, kv_empty,
+                                lse2_ptr, delta_ptr, bh, m0, S, SKV, qk_scale, sm_scale, n_tiles, WG0, HEAD_DIM,
+                                BLOCK_N, STAGES, CAUSAL)),
+                (_dq_consumer, (dq_desc, q_smem, do_smem, k_bufs, v_bufs, qdo_bar, k_ready, v_ready, kv_empty,
+                                lse2_ptr, delta_ptr, bh, m0, S, SKV, qk_scale, sm_scale, n_tiles, WG1, HEAD_DIM,
+                                BLOCK_N, STAGES, CAUSAL)),
+                (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, qdo_bar,
+                                k_ready, v_ready, kv_empty, bh, b, hkv, m0, n_tiles, BLOCK_N, STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+    _dq_hopper = fast_launch(_dq_hopper)
+
+
+# ------------------------------------------------------------------------------------------------ host
+def hopper_bwd_supported(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None = None
+) -> bool:
+    """Whether hopper_backward can run these tensors: Gluon with its Hopper module, not the interpreter, an
+    sm_90 CUDA device, no kv_len, fp16/bf16, D 64/128, q contiguous, k/v with a contiguous last dim and 16-byte
+    aligned base and strides (TMA), non-empty, H a multiple of Hkv."""
+    if not HAS_GLUON or kv_len is not None:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False  # Gluon kernels do not run in the interpreter
+    if not (q.is_cuda and k.is_cuda and v.is_cuda) or torch.version.hip is not None:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        return False
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    if D not in HEAD_DIMS or k.shape[0] != B or k.shape[3] != D or Hkv == 0 or H % Hkv:
+        return False
+    if S == 0 or Skv == 0 or B * H == 0:
+        return False
+    if _capability(q.device.index) != (9, 0):
+        return False
+    if not q.is_contiguous() or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    return all(_aligned16(t) for t in (q, k, v))
+
+
+def _check_out(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    if t.shape != like.shape or t.dtype != like.dtype or not t.is_contiguous() or t.data_ptr() % 16:
+        raise ValueError(
+            f"hopper_backward: {name} must be a contiguous 16-byte aligned {tuple(like.shape)} {like.dtype}"
+        )
+
+
+def hopper_backward(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> None:
+    """Writes dq [B, H, S, D], dk, dv [B, Hkv, Skv, D] (all contiguous, 16-byte aligned) from do, o (contiguous
+    like q), lse [B, H, S] fp32 (natural log) and q, k, v. Call only where hopper_bwd_supported(q, k, v, None)
+    is True."""
+    if not hopper_bwd_supported(q, k, v, None):
+        raise ValueError("hopper_backward: unsupported inputs (see hopper_bwd_supported)")
+    _check_out("dq", dq, q)
+    _check_out("do", do, q)
+    _check_out("o", o, q)
+    for name, t in (("dk", dk), ("dv", dv)):
+        if t.shape != k.shape or t.dtype != k.dtype or not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(
+                f"hopper_backward: {name} must be a contiguous 16-byte aligned {tuple(k.shape)} {k.dtype}"
+            )
+    B, H, S = q.shape[:3]
+    if lse.shape != (B, H, S) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"hopper_backward: lse must be contiguous fp32 {(B, H, S)}")
+    with on_device(q):
+        run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
+
+
+def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) -> None:
+    """hopper_backward minus its checks, on the current device: the preprocess (attention_backward.py's
+    kernel), then the dk/dv and dq kernels through the lean launch path (launch_keyed, host descriptors)."""
+    from kernels_triton.attention_backward import _bwd_preprocess_kernel, _preprocess_rows
+
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    bm, st_kv, bn, st_q = _env_config(D)
+    qk_scale = float(scale) * _LOG2E  # no row max in the backward: any sign of scale is fine
+    sm_scale = float(scale)
+    delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    pre_rows = _preprocess_rows(D)
+    kv_consts = dict(HEAD_DIM=D, BLOCK_M=bm, STAGES=st_kv, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
+                     PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+    q_consts = dict(HEAD_DIM=D, BLOCK_N=bn, STAGES=st_q, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
+                    PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+    bstep = max(1, _MAX_GRID_Y // H)
+    for b0 in range(0, B, bstep):
+        sl = slice(b0, min(B, b0 + bstep))
+        nb = sl.stop - sl.start
+        _bwd_preprocess_kernel[(triton_cdiv(S, pre_rows), nb * H)](
+            o[sl], do[sl], lse[sl], delta[sl], lse2[sl], S, HEAD_DIM=D, BLOCK=pre_rows, num_warps=8
+        )
+        ds = _descriptors(q[sl], k[sl], v[sl], do[sl], dq[sl], dk[sl], dv[sl], bm, bn)
+        l2, dl = lse2[sl], delta[sl]
+        # everything the compiled kernels depend on: dtypes, constexprs, grid, device, the int arguments'
+        # specialization classes and the fp32 pointers' 16-byte alignment (descriptors: aligned by contract)
+        ints = tuple((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv))
+        aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)
+        grid_kv = (triton_cdiv(Skv, BLOCK_KEYS), nb * Hkv)
+        key = ("attn_hopper_bwd_dkdv", q.device.index, q.dtype, D, bool(causal), bm, st_kv, grid_kv, *ints,
+               *aligned)  # fmt: skip
+        args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, H, Hkv, S, Skv, qk_scale,
+                sm_scale)  # fmt: skip
+        launch_keyed(_dkdv_hopper, key, grid_kv, args, kv_consts)
+        grid_q = (triton_cdiv(S, BLOCK_QUERIES), nb * H)
+        key = ("attn_hopper_bwd_dq", q.device.index, q.dtype, D, bool(causal), bn, st_q, grid_q, *ints,
+               *aligned)  # fmt: skip
+        args = (ds["q64"], ds["kq"], ds["vq"], ds["do64"], ds["dq"], l2, dl, H, Hkv, S, Skv, qk_scale,
+                sm_scale)  # fmt: skip
+        launch_keyed(_dq_hopper, key, grid_q, args, q_consts)
+
+
+_LAYOUTS: dict[tuple, object] = {}
+
+
+def _layout(dtype_name: str, block: tuple[int, ...]):
+    """The 128-byte-swizzled shared layout of a host descriptor's box (cached: building one costs Python)."""
+    lay = _LAYOUTS.get((dtype_name, block))
+    if lay is None:
+        gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype_name]
+        lay = _LAYOUTS[(dtype_name, block)] = gl.NVMMASharedLayout.get_default_for(list(block), gdt)
+    return lay
+
+
+def _blocks(head_dim: int, bm: int, bn: int) -> dict[str, tuple[int, ...]]:
+    """Descriptor boxes: dk/dv kernel q/do [1, BLOCK_M, D] of [B*H, S, D], k/v [1, 1, 64, D] of [B, Hkv, Skv,
+    D], dk/dv [1, 64, D] of [B*Hkv, Skv, D]; dq kernel q/do/dq [1, 64, D], k/v [1, 1, BLOCK_N, D]."""
+    d = head_dim
+    return {"q": (1, bm, d), "do": (1, bm, d), "k": (1, 1, 64, d), "v": (1, 1, 64, d), "dk": (1, 64, d),
+            "dv": (1, 64, d), "q64": (1, 64, d), "do64": (1, 64, d), "dq": (1, 64, d), "kq": (1, 1, bn, d),
+            "vq": (1, 1, bn, d)}  # fmt: skip
+
+
+def _descriptors(q, k, v, do, dq, dk, dv, bm: int, bn: int) -> dict:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    dt = "bf16" if q.dtype == torch.bfloat16 else "fp16"
+    src = {"q": q.view(B * H, S, D), "do": do.view(B * H, S, D), "dq": dq.view(B * H, S, D), "k": k, "v": v,
+           "dk": dk.view(B * Hkv, Skv, D), "dv": dv.view(B * Hkv, Skv, D)}  # fmt: skip
+    src.update(q64=src["q"], do64=src["do"], kq=k, vq=v)
+    out = {}
+    for name, box in _blocks(D, bm, bn).items():
+        t = src[name]
+        out[name] = TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _layout(dt, box))
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def aot_specs_gluon_bwd() -> list[tuple[str, object, dict, dict, dict]]:
+    """(name, gluon kernel, signature, constexprs, options) per (kernel, dtype, D, causal) variant, for an
+    ahead-of-time compile for sm_90 with triton.experimental.gluon._runtime.GluonASTSource; [] without Gluon.
+    (The preprocess is attention_backward.py's kernel: aot_specs_backward covers it.)"""
+    if not HAS_GLUON:
+        return []
+    specs = []
+    for dt in ("fp16", "bf16"):
+        for d in HEAD_DIMS:
+            bm, st_kv, bn, st_q = (*DKDV_CONFIGS[d], *DQ_CONFIGS[d])
+            blocks = _blocks(d, bm, bn)
+
+            def desc(name: str, dt=dt, blocks=blocks) -> str:
+                box = blocks[name]
+                return f"tensordesc<{dt}[{', '.join(map(str, box))}],{_layout(dt, box)!r}>"
+
+            tail = {"lse2_ptr": "*fp32", "delta_ptr": "*fp32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
+                    "qk_scale": "fp32", "sm_scale": "fp32", "HEAD_DIM": "constexpr"}  # fmt: skip
+            regs = {"CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}
+            opts = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
+            for causal in (False, True):
+                kv_sig = {"q_desc": desc("q"), "k_desc": desc("k"), "v_desc": desc("v"), "do_desc": desc("do"),
+                          "dk_desc": desc("dk"), "dv_desc": desc("dv"), **tail, "BLOCK_M": "constexpr",
+                          "STAGES": "constexpr", **regs}  # fmt: skip
+                kv_const = {"HEAD_DIM": d, "BLOCK_M": bm, "STAGES": st_kv, "CAUSAL": causal,
+                            "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}  # fmt: skip
+                specs.append((f"attn_hopper_bwd_dkdv_{dt}_d{d}_c{int(causal)}", _dkdv_hopper, kv_sig, kv_const,
+                              opts))  # fmt: skip
+                q_sig = {"q_desc": desc("q64"), "k_desc": desc("kq"), "v_desc": desc("vq"), "do_desc": desc("do64"),
+                         "dq_desc": desc("dq"), **tail, "BLOCK_N": "constexpr", "STAGES": "constexpr", **regs}  # fmt: skip
+                q_const = {"HEAD_DIM": d, "BLOCK_N": bn, "STAGES": st_q, "CAUSAL": causal,
+                           "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}  # fmt: skip
+                specs.append(
+                    (f"attn_hopper_bwd_dq_{dt}_d{d}_c{int(causal)}", _dq_hopper, q_sig, q_const, opts)
+                )
+    return specs
