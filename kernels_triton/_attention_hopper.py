@@ -264,6 +264,16 @@ if HAS_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
+    def _load_kv_tile(desc, b, hkv, row, bar, buf, HOST: gl.constexpr):
+        # One K or V tile (rows row..row+BLOCK_N of this kv head) into a ring slot, arriving on `bar`: the
+        # [1, 1, BLOCK_N, D] box of a host descriptor over [B, Hkv, Skv, D], or a per-head [BLOCK_N, D] box.
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        if HOST:
+            _tma_load(desc, [b, hkv, row, 0], bar, buf.reshape([1, 1, buf.shape[0], buf.shape[1]]))
+        else:
+            _tma_load(desc, [row, 0], bar, buf)
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, m0,
                   n_tiles, bh, b, hkv, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HOST: gl.constexpr):  # fmt: skip
         # HOST: descriptors built on the host over q [B*H, S, D] and k/v [B, Hkv, Skv, D] (through their
@@ -280,28 +290,8 @@ if HAS_GLUON:
             slot = j % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first round passes
             mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
-            kb = k_ready.index(slot)
-            mbarrier.expect(kb, k_desc.block_type.nbytes)
-            if HOST:
-                _tma_load(
-                    k_desc,
-                    [b, hkv, j * BLOCK_N, 0],
-                    kb,
-                    k_bufs.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]),
-                )
-            else:
-                _tma_load(k_desc, [j * BLOCK_N, 0], kb, k_bufs.index(slot))
-            vb = v_ready.index(slot)
-            mbarrier.expect(vb, v_desc.block_type.nbytes)
-            if HOST:
-                _tma_load(
-                    v_desc,
-                    [b, hkv, j * BLOCK_N, 0],
-                    vb,
-                    v_bufs.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]),
-                )
-            else:
-                _tma_load(v_desc, [j * BLOCK_N, 0], vb, v_bufs.index(slot))
+            _load_kv_tile(k_desc, b, hkv, j * BLOCK_N, k_ready.index(slot), k_bufs.index(slot), HOST)
+            _load_kv_tile(v_desc, b, hkv, j * BLOCK_N, v_ready.index(slot), v_bufs.index(slot), HOST)
 
     @gluon.jit
     def _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM: gl.constexpr,
