@@ -1,0 +1,283 @@
+"""The Gluon FA3-style Hopper attention backward (kernels_triton/_attention_hopper_bwd.py).
+
+    pytest tests/test_triton_attention_hopper_bwd.py                 (CPU: imports, refusals, AOT compile)
+    pytest tests/test_triton_attention_hopper_bwd.py --device cuda   (an sm_90 GPU: gradients, determinism)
+
+Gluon kernels do not run on the CPU (nor in Triton's interpreter). On the CPU this checks that the module
+imports, that `hopper_bwd_supported` refuses what the kernels do not take, and, where the installed Triton has
+Gluon's Hopper module, that every (kernel, dtype, head dim, causal) variant compiles ahead of time for sm_90
+to a cubin with wgmma, TMA and setmaxnreg in its PTX. With `--device cuda` on an sm_90 GPU the kernels run:
+dq, dk, dv against float64 autograd at odd shapes (ragged S / Skv tails, GQA, causal with S > Skv rows that
+see no key, S < Skv, a strided KV-cache view) into NaN-poisoned outputs, and bit-identical on a second run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT / "python"), str(ROOT)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+
+def _mod():
+    from kernels_triton import _attention_hopper_bwd
+
+    return _attention_hopper_bwd
+
+
+def _qkv(dtype=torch.bfloat16, B=1, H=4, Hkv=2, S=37, Skv=53, D=64):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, S, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Skv, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Skv, D, generator=g).to(dtype)
+    return q, k, v
+
+
+def test_module_imports_without_a_gpu():
+    m = _mod()
+    assert isinstance(m.HAS_GLUON, bool)
+    assert callable(m.hopper_backward) and callable(m.hopper_bwd_supported)
+    assert set(m.DKDV_CONFIGS) == set(m.DQ_CONFIGS) == set(m.HEAD_DIMS) == {64, 128}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_not_supported_on_the_cpu(dtype):
+    assert _mod().hopper_bwd_supported(*_qkv(dtype), None) is False
+
+
+def test_not_supported_with_kv_len():
+    q, k, v = _qkv()
+    assert _mod().hopper_bwd_supported(q, k, v, torch.full((1,), 53, dtype=torch.int32)) is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_not_supported_dtypes(dtype):
+    assert _mod().hopper_bwd_supported(*_qkv(dtype), None) is False
+
+
+@pytest.mark.parametrize("D", [32, 96, 256])
+def test_not_supported_head_dims(D):
+    assert _mod().hopper_bwd_supported(*_qkv(D=D), None) is False
+
+
+def test_not_supported_empty():
+    assert _mod().hopper_bwd_supported(*_qkv(S=0), None) is False
+    assert _mod().hopper_bwd_supported(*_qkv(Skv=0), None) is False
+
+
+def test_not_supported_under_the_interpreter(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _mod().hopper_bwd_supported(*_qkv(), None) is False
+
+
+def test_backward_refuses_unsupported_inputs():
+    q, k, v = _qkv()
+    o, do, dq = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32)
+    with pytest.raises(ValueError, match="unsupported"):
+        _mod().hopper_backward(dq, dk, dv, do, q, k, v, o, lse, False, 0.125)
+
+
+def _spec_names() -> list:
+    names = [s[0] for s in _mod().aot_specs_gluon_bwd()]
+    return [pytest.param(n, id=n) for n in names] or [
+        pytest.param(None, marks=pytest.mark.skip(reason="the installed triton has no Gluon Hopper module"))
+    ]
+
+
+def test_aot_specs_cover_every_variant():
+    names = [s[0] for s in _mod().aot_specs_gluon_bwd()]
+    if not names:
+        pytest.skip("the installed triton has no Gluon Hopper module")
+    assert len(names) == len(set(names)) == 2 * 2 * 2 * 2  # kernel x dtype x head dim x causal
+
+
+# Gluon does not compile under TRITON_INTERPRET=1 (its reductions are jit functions the interpreter swaps
+# for InterpretedFunction objects), which the CPU test run sets: compile in a child process without it.
+_COMPILE_ALL = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels_triton._attention_hopper_bwd import aot_specs_gluon_bwd
+for name, fn, sig, const, opts in aot_specs_gluon_bwd():
+    try:
+        k = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)
+        ptx = k.asm["ptx"]
+        res = {"cubin": bool(k.asm.get("cubin")), "wgmma": "wgmma.mma_async" in ptx,
+               "setmaxnreg": "setmaxnreg" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
+               "tma_store": "cp.async.bulk.tensor" in ptx and ".global.shared::cta" in ptx}
+    except Exception as exc:
+        res = {"error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
+    print("RESULT " + json.dumps({"name": name, **res}), flush=True)
+"""
+
+
+@functools.cache
+def _compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_ALL], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT ") :])
+            out[r.pop("name")] = r
+    if not out:
+        raise AssertionError(f"compile subprocess gave nothing (rc {proc.returncode}): {proc.stderr[-3000:]}")
+    return out
+
+
+@pytest.mark.parametrize("name", _spec_names())
+def test_compiles_ahead_of_time_for_sm90(name):
+    """Each (kernel, dtype, D, causal) variant compiles to a cubin for sm_90 without a GPU (Triton 3.6 and
+    3.9): wgmma, TMA loads and stores and the warp-specialized register split (setmaxnreg) are in its PTX."""
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - Gluon without its AST source class
+        pytest.skip(f"no GluonASTSource in this triton: {exc}")
+    r = _compiled()[name]
+    assert "error" not in r, r.get("error")
+    assert r == {"cubin": True, "wgmma": True, "setmaxnreg": True, "tma": True, "tma_store": True}, r
+
+
+# --- GPU (sm_90) ----------------------------------------------------------------------------------------
+def _need_sm90(device: str) -> None:
+    if device != "cuda":
+        pytest.skip("the Gluon kernels run on an sm_90 GPU only (--device cuda)")
+    if not _mod().HAS_GLUON:
+        pytest.skip("the installed triton has no Gluon Hopper module")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels need sm_90 (wgmma)")
+
+
+def _forward64(q, k, v, causal: bool, scale: float):
+    """float64 attention with autograd: o and the natural-log lse of the visible scaled scores (bottom-right
+    causal); a row that sees no key gives o = 0, lse = -inf and zero gradients."""
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ kk.transpose(-1, -2) * scale
+    S, Skv = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(S, device=q.device)[:, None]
+        j = torch.arange(Skv, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Skv - S), float("-inf"))
+    dead = (s == float("-inf")).all(-1, keepdim=True)  # rows that see no key
+    s_safe = torch.where(dead, torch.zeros_like(s), s)
+    p = torch.softmax(s_safe, -1) * (~dead)
+    lse = torch.logsumexp(s_safe, -1).masked_fill(dead[..., 0], float("-inf"))
+    return p @ vv, lse
+
+
+def _inputs(B, H, Hkv, S, Skv, D, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, H, S, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Skv, D, device="cuda", generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Skv, D, device="cuda", generator=g).to(dtype)
+    do = torch.randn(B, H, S, D, device="cuda", generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _reference(q, k, v, do, causal: bool, scale: float):
+    """(o, lse) in the input dtype / fp32 for the kernel, and float64 autograd dq, dk, dv."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o64, lse64 = _forward64(q64, k64, v64, causal, scale)
+    dq, dk, dv = torch.autograd.grad(o64, (q64, k64, v64), do.double())
+    return o64.detach().to(q.dtype).contiguous(), lse64.detach().float().contiguous(), (dq, dk, dv)
+
+
+def _run(q, k, v, do, o, lse, causal, scale):
+    dq = torch.full_like(q, float("nan"))
+    dk = torch.full(k.shape, float("nan"), dtype=k.dtype, device=k.device)
+    dv = torch.full_like(dk, float("nan"))
+    _mod().hopper_backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
+    return dq, dk, dv
+
+
+def _check(got, ref, dtype):
+    from fusekit.tolerances import rtol
+
+    tol = rtol("attention", dtype, "backward")
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert not g.isnan().any(), f"{name}: NaN left (poisoned output not fully written?)"
+        err = ((g.double() - r).norm() / r.norm().clamp_min(1e-30)).item()
+        assert err < tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
+
+
+# (B, H, Hkv, S, Skv, D, causal): ragged tails, GQA, S > Skv causal (the first rows see no key), S < Skv.
+_CASES = [
+    (1, 4, 4, 128, 128, 64, False),
+    (1, 4, 4, 256, 256, 128, True),
+    (2, 8, 2, 77, 300, 128, True),
+    (1, 4, 1, 300, 77, 128, True),
+    (1, 4, 1, 300, 77, 64, True),
+    (1, 2, 2, 1000, 1000, 64, False),
+    (2, 4, 4, 129, 129, 128, True),
+    (1, 4, 2, 200, 333, 128, False),
+    (1, 8, 2, 333, 200, 64, False),
+    (1, 2, 1, 1, 190, 128, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "case", _CASES, ids=lambda c: "B{}H{}-{}S{}K{}D{}{}".format(*c[:6], "c" if c[6] else "")
+)
+def test_gpu_matches_float64(device: str, dtype: torch.dtype, case) -> None:
+    _need_sm90(device)
+    B, H, Hkv, S, Skv, D, causal = case
+    q, k, v, do = _inputs(B, H, Hkv, S, Skv, D, dtype, sum(case[:6]))
+    scale = D**-0.5
+    o, lse, ref = _reference(q, k, v, do, causal, scale)
+    assert _mod().hopper_bwd_supported(q, k, v, None)
+    got = _run(q, k, v, do, o, lse, causal, scale)
+    _check(got, ref, dtype)
+    if causal and Skv < S:  # rows that see no key: dq exactly 0
+        dead = torch.arange(S, device="cuda") + (Skv - S) < 0
+        assert (got[0][:, :, dead] == 0).all()
+
+
+def test_gpu_kv_cache_view(device: str) -> None:
+    """k/v as strided views into a NaN-padded cache [B, max_len, Hkv, D] (read in place through the strides;
+    the slots past Skv are never read)."""
+    _need_sm90(device)
+    B, H, Hkv, S, Skv, D, max_len = 2, 8, 2, 96, 200, 128, 256
+    dt = torch.bfloat16
+    q, k0, v0, do = _inputs(B, H, Hkv, S, Skv, D, dt, 5)
+    kc = torch.full((B, max_len, Hkv, D), float("nan"), device="cuda", dtype=dt)
+    vc = torch.full_like(kc, float("nan"))
+    kc[:, :Skv] = k0.transpose(1, 2)
+    vc[:, :Skv] = v0.transpose(1, 2)
+    k, v = kc.transpose(1, 2)[:, :, :Skv], vc.transpose(1, 2)[:, :, :Skv]
+    assert _mod().hopper_bwd_supported(q, k, v, None)
+    o, lse, ref = _reference(q, k0, v0, do, True, D**-0.5)
+    _check(_run(q, k, v, do, o, lse, True, D**-0.5), ref, dt)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_deterministic(device: str, causal: bool) -> None:
+    """Two runs give bit-identical dq, dk, dv (no atomics; the GQA sum has a fixed order)."""
+    _need_sm90(device)
+    B, H, Hkv, S, Skv, D = 2, 8, 2, 700, 900, 128
+    q, k, v, do = _inputs(B, H, Hkv, S, Skv, D, torch.bfloat16, 11)
+    o, lse, _ = _reference(q, k, v, do, causal, D**-0.5)
+    a = _run(q, k, v, do, o, lse, causal, D**-0.5)
+    b = _run(q, k, v, do, o, lse, causal, D**-0.5)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
