@@ -37,7 +37,8 @@ lse2 loads as +inf there, so p = 0 exactly. Keys past Skv in a dk/dv CTA collect
 A key block no query sees (causal, S < Skv... or rows seeing nothing) runs no step and stores dk = dv = 0.
 
 Not measured yet (written and compile-checked without a GPU, 2026-11): the config tables below are FA3's
-choices (dk/dv: 128 keys x 64 queries at D128, x 128 at D64; dq: 128 queries x 64/128 keys), not a sweep.
+choices where they fit (dk/dv: 128 keys x 64 queries; dq: 128 queries x 64 keys at D128, x 128 at D64), not a
+sweep.
 FUSEKIT_HOPPER_BWD_CFG="DKDV_BLOCK_M,DKDV_STAGES,DQ_BLOCK_N,DQ_STAGES" overrides them (probes).
 
 Gluon is experimental and its API moves between Triton releases: written against Triton 3.6 (the GPU host)
@@ -75,8 +76,9 @@ BLOCK_KEYS = 128  # dk/dv CTA: keys (two warpgroups of 64)
 BLOCK_QUERIES = 128  # dq CTA: query rows (two warpgroups of 64)
 # dk/dv: (BLOCK_M query rows per ring slot, STAGES); shared memory: K, V 2 * 128 * D * 2 bytes + the ring
 # STAGES * 2 * BLOCK_M * D * 2 (D128: 64 KB + 2 * 32 KB). Registers per consumer thread: dk, dv 2 * 64 * D / 128,
-# S^T and dP^T 2 * 64 * BLOCK_M / 128 (D128, BLOCK_M 64: 128 + 64).
-DKDV_CONFIGS: dict[int, tuple[int, int]] = {64: (128, 2), 128: (64, 2)}
+# S^T and dP^T 2 * 64 * BLOCK_M / 128 (D128, BLOCK_M 64: 128 + 64). ptxas (Triton 3.6, sm_90a): D64 64x3 spills
+# nothing (128x2 spilled 532-1256 bytes); D128 64x2 spills 88 / 172 bytes (non-causal / causal).
+DKDV_CONFIGS: dict[int, tuple[int, int]] = {64: (64, 3), 128: (64, 2)}
 # dq: (BLOCK_N keys per ring slot, STAGES); Q, dO 2 * 128 * D * 2 bytes + STAGES * 2 * BLOCK_N * D * 2.
 DQ_CONFIGS: dict[int, tuple[int, int]] = {64: (128, 2), 128: (64, 3)}
 NUM_WARPS = 4  # default partition = consumer warpgroup 0; + 4 (consumer 1) + 1 (producer) warps
@@ -125,11 +127,13 @@ if HAS_GLUON:
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         if MASK:  # causal diagonal: key j visible to query i iff j <= i + diag
             pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(qi + diag, 0), pt, 0.0)
-        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
-        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        # dV += P^T dO goes to the tensor cores while dS^T is formed (wgmma groups retire in order: waiting
+        # for all but one leaves exactly that dV in flight once dP^T is done)
         p16 = gl.convert_layout(pt.to(dtype), a_layout)
-        ds16 = gl.convert_layout(dst.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p16, do_s, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
+        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        ds16 = gl.convert_layout(dst.to(dtype), a_layout)
         dk_tok = warpgroup_mma(ds16, q_s, dk, is_async=True)
         dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, p16, ds16))
         mbarrier.arrive(qdo_empty.index(slot), count=1)
