@@ -77,7 +77,8 @@ BLOCK_QUERIES = 128  # dq CTA: query rows (two warpgroups of 64)
 # dk/dv: (BLOCK_M query rows per ring slot, STAGES); shared memory: K, V 2 * 128 * D * 2 bytes + the ring
 # STAGES * 2 * BLOCK_M * D * 2 (D128: 64 KB + 2 * 32 KB). Registers per consumer thread: dk, dv 2 * 64 * D / 128,
 # S^T and dP^T 2 * 64 * BLOCK_M / 128 (D128, BLOCK_M 64: 128 + 64). ptxas (Triton 3.6, sm_90a): D64 64x3 spills
-# nothing (128x2 spilled 532-1256 bytes); D128 64x2 spills 88 / 172 bytes (non-causal / causal).
+# nothing (128x2 spilled 532-1256 bytes); D128 64x2 spills 88 / 172 bytes (non-causal / causal): dk, dv, S^T,
+# dP^T, P^T/dS^T as wgmma operands and delta are ~240 registers; 32x3 spills nothing (smaller wgmmas): to measure.
 DKDV_CONFIGS: dict[int, tuple[int, int]] = {64: (64, 3), 128: (64, 2)}
 # dq: (BLOCK_N keys per ring slot, STAGES); Q, dO 2 * 128 * D * 2 bytes + STAGES * 2 * BLOCK_N * D * 2.
 DQ_CONFIGS: dict[int, tuple[int, int]] = {64: (128, 2), 128: (64, 3)}
