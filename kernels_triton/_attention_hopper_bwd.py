@@ -51,7 +51,7 @@ import os
 
 import torch
 
-from kernels_triton._attention_hopper import HAS_GLUON, _aligned16, _capability
+from kernels_triton._attention_hopper import HAS_GLUON, hopper_supported
 from kernels_triton._config import on_device
 from kernels_triton._launch import fast_launch, launch_keyed
 
@@ -425,33 +425,8 @@ if HAS_GLUON:
 
 
 # ------------------------------------------------------------------------------------------------ host
-def hopper_bwd_supported(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None = None
-) -> bool:
-    """Whether hopper_backward can run these tensors: Gluon with its Hopper module, not the interpreter, an
-    sm_90 CUDA device, no kv_len, fp16/bf16, D 64/128, q contiguous, k/v with a contiguous last dim and 16-byte
-    aligned base and strides (TMA), non-empty, H a multiple of Hkv."""
-    if not HAS_GLUON or kv_len is not None:
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False  # Gluon kernels do not run in the interpreter
-    if not (q.is_cuda and k.is_cuda and v.is_cuda) or torch.version.hip is not None:
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        return False
-    B, H, S, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
-    if D not in HEAD_DIMS or k.shape[0] != B or k.shape[3] != D or Hkv == 0 or H % Hkv:
-        return False
-    if S == 0 or Skv == 0 or B * H == 0:
-        return False
-    if _capability(q.device.index) != (9, 0):
-        return False
-    if not q.is_contiguous() or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return False
-    return all(_aligned16(t) for t in (q, k, v))
+# The backward takes what the forward takes (same layouts, TMA descriptors and head dims).
+hopper_bwd_supported = hopper_supported
 
 
 def _check_out(name: str, t: torch.Tensor, like: torch.Tensor) -> None:

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +26,8 @@ for p in (str(ROOT / "python"), str(ROOT)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from gluon_support import compile_all, need_sm90, qkv, spec_params  # noqa: E402
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 
@@ -38,12 +37,7 @@ def _mod():
     return _attention_hopper_bwd
 
 
-def _qkv(dtype=torch.bfloat16, B=1, H=4, Hkv=2, S=37, Skv=53, D=64):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, S, D, generator=g).to(dtype)
-    k = torch.randn(B, Hkv, Skv, D, generator=g).to(dtype)
-    v = torch.randn(B, Hkv, Skv, D, generator=g).to(dtype)
-    return q, k, v
+_qkv = qkv
 
 
 def test_module_imports_without_a_gpu():
@@ -53,34 +47,11 @@ def test_module_imports_without_a_gpu():
     assert set(m.DKDV_CONFIGS) == set(m.DQ_CONFIGS) == set(m.HEAD_DIMS) == {64, 128}
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_not_supported_on_the_cpu(dtype):
-    assert _mod().hopper_bwd_supported(*_qkv(dtype), None) is False
+def test_takes_what_the_forward_takes():
+    """The backward's gate is the forward's (tests/test_triton_attention_hopper.py tests its refusals)."""
+    from kernels_triton._attention_hopper import hopper_supported
 
-
-def test_not_supported_with_kv_len():
-    q, k, v = _qkv()
-    assert _mod().hopper_bwd_supported(q, k, v, torch.full((1,), 53, dtype=torch.int32)) is False
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_not_supported_dtypes(dtype):
-    assert _mod().hopper_bwd_supported(*_qkv(dtype), None) is False
-
-
-@pytest.mark.parametrize("D", [32, 96, 256])
-def test_not_supported_head_dims(D):
-    assert _mod().hopper_bwd_supported(*_qkv(D=D), None) is False
-
-
-def test_not_supported_empty():
-    assert _mod().hopper_bwd_supported(*_qkv(S=0), None) is False
-    assert _mod().hopper_bwd_supported(*_qkv(Skv=0), None) is False
-
-
-def test_not_supported_under_the_interpreter(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert _mod().hopper_bwd_supported(*_qkv(), None) is False
+    assert _mod().hopper_bwd_supported is hopper_supported
 
 
 def test_backward_refuses_unsupported_inputs():
@@ -93,10 +64,7 @@ def test_backward_refuses_unsupported_inputs():
 
 
 def _spec_names() -> list:
-    names = [s[0] for s in _mod().aot_specs_gluon_bwd()]
-    return [pytest.param(n, id=n) for n in names] or [
-        pytest.param(None, marks=pytest.mark.skip(reason="the installed triton has no Gluon Hopper module"))
-    ]
+    return spec_params([s[0] for s in _mod().aot_specs_gluon_bwd()])
 
 
 def test_aot_specs_cover_every_variant():
@@ -106,42 +74,9 @@ def test_aot_specs_cover_every_variant():
     assert len(names) == len(set(names)) == 2 * 2 * 2 * 2  # kernel x dtype x head dim x causal
 
 
-# Gluon does not compile under TRITON_INTERPRET=1 (its reductions are jit functions the interpreter swaps
-# for InterpretedFunction objects), which the CPU test run sets: compile in a child process without it.
-_COMPILE_ALL = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from kernels_triton._attention_hopper_bwd import aot_specs_gluon_bwd
-for name, fn, sig, const, opts in aot_specs_gluon_bwd():
-    try:
-        k = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)
-        ptx = k.asm["ptx"]
-        res = {"cubin": bool(k.asm.get("cubin")), "wgmma": "wgmma.mma_async" in ptx,
-               "setmaxnreg": "setmaxnreg" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
-               "tma_store": "cp.async.bulk.tensor" in ptx and ".global.shared::cta" in ptx}
-    except Exception as exc:
-        res = {"error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
-    print("RESULT " + json.dumps({"name": name, **res}), flush=True)
-"""
-
-
 @functools.cache
 def _compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(ROOT), env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_ALL], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT ") :])
-            out[r.pop("name")] = r
-    if not out:
-        raise AssertionError(f"compile subprocess gave nothing (rc {proc.returncode}): {proc.stderr[-3000:]}")
-    return out
+    return compile_all("kernels_triton._attention_hopper_bwd", "aot_specs_gluon_bwd")
 
 
 @pytest.mark.parametrize("name", _spec_names())
@@ -159,12 +94,7 @@ def test_compiles_ahead_of_time_for_sm90(name):
 
 # --- GPU (sm_90) ----------------------------------------------------------------------------------------
 def _need_sm90(device: str) -> None:
-    if device != "cuda":
-        pytest.skip("the Gluon kernels run on an sm_90 GPU only (--device cuda)")
-    if not _mod().HAS_GLUON:
-        pytest.skip("the installed triton has no Gluon Hopper module")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernels need sm_90 (wgmma)")
+    need_sm90(device, _mod().HAS_GLUON)
 
 
 def _forward64(q, k, v, causal: bool, scale: float):
