@@ -35,6 +35,10 @@
 # Backward: 2.5x the forward FLOPs (5 GEMMs of the forward's size, 2 in the forward).
 #
 # GPU forward paths (chosen at compile time per vendor, at run time per dtype / head dim):
+# - decode shapes, every dtype and vendor: S <= 16, a GQA group of H/Hkv * S <= 128 rows, D in {64, 128,
+#   256}: the split-KV (flash-decoding) kernels of _attention_decode.mojo (SIMT, one block per kv head's
+#   group rows and KV chunk, fp32 partials in the caller's workspace `part`, deterministic combine).
+#   Compiled for sm_90 / gfx942; NOT YET RUN ON A GPU (harness: FUSEKIT_HARNESS_ONLY=attn_decode).
 # - NVIDIA, fp16/bf16, D in {64, 128, 256}: `_fa2_kernel`, FlashAttention-2 forward with warp-level
 #   tensor-core MMA (mma.sync m16n8k16, fp32 accumulation): each warp owns 16 query rows whose Q
 #   fragments stay in registers; K/V tiles go global -> shared with cp.async, double-buffered so the
@@ -97,6 +101,7 @@ from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_
 
 from ._util import exp_f64, log_f64, check_workspace
 from ._attention_backward import attention_backward_tc, tc_backward_supported
+from ._attention_decode import attention_decode_gpu, decode_applies
 
 comptime LOG2E: Float32 = 1.4426950408889634
 comptime LN2: Float32 = 0.6931471805599453
@@ -591,7 +596,45 @@ def attention_gpu[
     ctx: DeviceContext,
     force_rowwise: Bool = False,
 ) raises:
-    """Launch the best kernel for this target / dtype / head dim (see the header table)."""
+    """`attention_gpu_ws` without a workspace: a decode shape that needs split partials raises (check_workspace)."""
+    attention_gpu_ws[dtype](
+        o, lse, lse, 0, q, k, v, kv_len, params, B, H, Hkv, S, Skv, D, ctx, force_rowwise=force_rowwise
+    )
+
+
+def attention_gpu_ws[
+    dtype: DType
+](
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
+    part: Pointer[Float32, MutAnyOrigin],
+    part_len: Int,
+    q: Pointer[Scalar[dtype], MutAnyOrigin],
+    k: Pointer[Scalar[dtype], MutAnyOrigin],
+    v: Pointer[Scalar[dtype], MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    B: Int,
+    H: Int,
+    Hkv: Int,
+    S: Int,
+    Skv: Int,
+    D: Int,
+    ctx: DeviceContext,
+    force_rowwise: Bool = False,
+    decode: Bool = True,
+    force_splits: Int = 0,
+) raises:
+    """Launch the best kernel for this target / dtype / head dim (see the header table). Decode shapes
+    (S <= 16, GQA group rows <= 128, D 64 / 128 / 256) take the split-KV kernels of _attention_decode.mojo,
+    whose partials go to the caller's workspace `part` (part_len elements; specs.py attention_decode_part),
+    unless decode is False or force_rowwise is set (the harness's references); force_splits > 0 forces their
+    split count."""
+    if decode and not force_rowwise and decode_applies(H, Hkv, S, D):
+        attention_decode_gpu[dtype](
+            o, lse, part, part_len, q, k, v, kv_len, params, B, H, Hkv, S, Skv, D, ctx, force_splits
+        )
+        return
 
     @always_inline
     def launch_fa2[HD: Int]() raises {var}:
@@ -944,8 +987,8 @@ def attention_backward_gpu[
 
 @register("fusekit.attention")
 struct Attention:
-    """Outputs (o [B,H,S,D], lse [B,H,S] f32); inputs (q, k, v, kv_len? [B] int32,
-    params [causal, scale, has_kv_len])."""
+    """Outputs (o [B,H,S,D], lse [B,H,S] f32); workspace (part: the decode kernels' split partials, f32);
+    inputs (q, k, v, kv_len? [B] int32, params [causal, scale, has_kv_len])."""
 
     @staticmethod
     def execute[
@@ -953,6 +996,7 @@ struct Attention:
     ](
         res: MutableInputTensor[dtype=dtype, rank=4, ...],
         lse: MutableInputTensor[dtype=DType.float32, rank=3, ...],
+        part: MutableInputTensor[dtype=DType.float32, rank=1, ...],
         q: InputTensor[dtype=dtype, rank=4, ...],
         k: InputTensor[dtype=dtype, rank=4, ...],
         v: InputTensor[dtype=dtype, rank=4, ...],
@@ -974,8 +1018,9 @@ struct Attention:
         var ip = rebind[Pointer[Int32, MutAnyOrigin]](kv_len.unsafe_ptr())
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":
-            attention_gpu[dtype](op, lp, qp, kp, vp, ip, pp, B, H, Hkv, S, Skv, D, ctx)
-        else:
+            var partp = rebind[Pointer[Float32, MutAnyOrigin]](part.unsafe_ptr())
+            attention_gpu_ws[dtype](op, lp, partp, part.dim_size(0), qp, kp, vp, ip, pp, B, H, Hkv, S, Skv, D, ctx)
+        else:  # the CPU path needs no workspace: part is a 1-element dummy, never read
             attention_cpu[dtype](
                 op, lp, qp, kp, vp, ip, pp[unsafe_offset=0] != 0, pp[unsafe_offset=1], pp[unsafe_offset=2] != 0,
                 B, H, Hkv, S, Skv, D,

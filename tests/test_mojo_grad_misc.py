@@ -109,6 +109,7 @@ ATTENTION = OpSpec(
     dtype_vars=("x",),
     allowed=frozenset((d,) for d in FLOATS),
     bind=_bind,
+    workspaces=WORKSPACES["fusekit.attention"],  # part (the GPU decode kernels' partials; a dummy on the CPU)
 )
 ATTENTION_BWD = OpSpec(
     op="attention_backward",

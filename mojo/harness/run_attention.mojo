@@ -2,6 +2,7 @@
 (host float64 at small shapes, incl. NaN/Inf inputs and per-sequence kv_len with NaN keys past each
 length that must never be read; the rowwise fp32 GPU kernel at realistic shapes) and FLOP-rate timing.
 
+FUSEKIT_HARNESS_ONLY=attn_decode runs only the split-KV decode path's checks and timings (`run_decode`).
 FUSEKIT_HARNESS_ONLY=attn_bwd_tc runs only the tensor-core backward's checks and timings (`run_bwd_tc`):
 the opt-in path (params' 4th slot, mojo/_attention_backward.mojo) against the SIMT backward and float64."""
 
@@ -11,10 +12,12 @@ from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
 from std.os import getenv
 from std.math import sqrt
+from std.sys import size_of
 
-from ..attention import Attention, AttentionBackward, attention_gpu, attention_backward_gpu
+from ..attention import Attention, AttentionBackward, attention_gpu, attention_gpu_ws, attention_backward_gpu
 from .._util import exp_f64, log_f64
-from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params, workspace
+from .._attention_decode import decode_applies, decode_plan, decode_part_len, attention_decode_gpu
+from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params, workspace, sm_count
 
 comptime F64 = DType.float64
 
@@ -146,7 +149,19 @@ def _tensors[
     var v = InputTensor[static_spec=s4](_mut(vb.unsafe_ptr()), ks, kst)
     var kl = InputTensor[static_spec=i1](_mut(lenb.unsafe_ptr()), IndexList[1](B if has_len else 1), IndexList[1](1))
     var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](3), IndexList[1](1))
-    Attention.execute["gpu"](o, lse, q, k, v, kl, p, ctx)
+    var n_part = _decode_part[dtype](ctx, B, H, Hkv, S, Skv, D)
+    var partb = workspace[DType.float32](ctx, n_part)  # the caller's workspace (specs.attention_decode_part)
+    var part = MutableInputTensor[static_spec=f1](_mut(partb.unsafe_ptr()), IndexList[1](max(n_part, 1)), IndexList[1](1))
+    Attention.execute["gpu"](o, lse, part, q, k, v, kl, p, ctx)
+    ctx.synchronize()  # partb is freed on return
+
+
+def _decode_part[dtype: DType](ctx: DeviceContext, B: Int, H: Int, Hkv: Int, S: Int, Skv: Int, D: Int) raises -> Int:
+    """The split partials' workspace a decode-shaped forward needs (0 otherwise): specs.attention_decode_part."""
+    if not decode_applies(H, Hkv, S, D):
+        return 0
+    var plan = decode_plan(B, H, Hkv, S, Skv, D, size_of[dtype](), sm_count(ctx))
+    return decode_part_len(B, H, S, D, plan[2])
 
 
 def _bwd_tensors[
@@ -800,9 +815,161 @@ def run_bwd_tc(bench: Bool = True) raises:
         raise Error("attention_backward (tensor cores): ", failures, " checks failed")
 
 
+def _decode_splits_case[
+    dtype: DType
+](ctx: DeviceContext, B: Int, H: Int, Hkv: Int, S: Int, Skv: Int, D: Int, causal: Bool, kvk: Int, mut failures: Int,
+  seed: Int) raises:
+    """The split-KV decode kernels at forced split counts (1: direct store; 2, 5, 64: partials + combine)
+    against the row-wise fp32 GPU kernel, with kv_len (kvk as _case, keys past each length NaN), and a
+    repeat that must be bit-identical (fixed combine order)."""
+    var nq = B * H * S * D
+    var nk = B * Hkv * Skv * D
+    var qb = ctx.enqueue_create_buffer[dtype](nq)
+    var kb = ctx.enqueue_create_buffer[dtype](nk)
+    var vb = ctx.enqueue_create_buffer[dtype](nk)
+    var ob = ctx.enqueue_create_buffer[dtype](nq)
+    var lb = ctx.enqueue_create_buffer[DType.float32](B * H * S)
+    var rb = ctx.enqueue_create_buffer[dtype](nq)
+    var rlb = ctx.enqueue_create_buffer[DType.float32](B * H * S)
+    fill_random(ctx, qb, nq, seed, -1.0, 1.0)
+    fill_random(ctx, kb, nk, seed + 1, -1.0, 1.0)
+    fill_random(ctx, vb, nk, seed + 2, -1.0, 1.0)
+    var has_len = kvk > 0
+    var raw = _lens(kvk, B, Skv) if has_len else List[Int32]()
+    var lenb = _device_ints(ctx, raw)
+    if has_len:
+        var clamped = List[Int32]()
+        for b in range(B):
+            clamped.append(Int32(min(max(Int(raw[b]), 0), Skv)))
+        var clb = _device_ints(ctx, clamped)
+        _nan_tail(ctx, kb, clb, B, Hkv, Skv, D)
+        _nan_tail(ctx, vb, clb, B, Hkv, Skv, D)
+    var scale = Float32(1.0) / Float32(D).__pow__(Float32(0.5)) * 2
+    var pb = device_params(ctx, Float32(1.0) if causal else Float32(0.0), scale, Float32(1.0) if has_len else Float32(0.0))
+    var o = _mut(ob.unsafe_ptr())
+    var l = _mut(lb.unsafe_ptr())
+    var q = _mut(qb.unsafe_ptr())
+    var k = _mut(kb.unsafe_ptr())
+    var v = _mut(vb.unsafe_ptr())
+    var kl = _mut(lenb.unsafe_ptr())
+    var p = _mut(pb.unsafe_ptr())
+    poison(ctx, rb)
+    poison(ctx, rlb)
+    attention_gpu[dtype](_mut(rb.unsafe_ptr()), _mut(rlb.unsafe_ptr()), q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx,
+                         force_rowwise=True)
+    var hr = to_host(ctx, rb, nq)
+    var hrl = to_host(ctx, rlb, B * H * S)
+    var tol = 1e-2 if dtype == DType.bfloat16 else (2e-3 if dtype == DType.float16 else 2e-5)
+    var sp_list: List[Int] = [1, 2, 5, 64]
+    for si in range(len(sp_list)):
+        var sp = sp_list[si]
+        var n_part = decode_part_len(B, H, S, D, sp)
+        var partb = workspace[DType.float32](ctx, n_part)
+        poison(ctx, ob)
+        poison(ctx, lb)
+        attention_gpu_ws[dtype](o, l, _mut(partb.unsafe_ptr()), n_part, q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx,
+                                force_splits=sp)
+        var ho = to_host(ctx, ob, nq)
+        var hl = to_host(ctx, lb, B * H * S)
+        var name = String("attn_decode ", dtype, " B", B, " H", H, " Hkv", Hkv, " S", S, " Skv", Skv, " D", D,
+                          " causal=", causal, " kv_len=", kvk, " splits=", sp)
+        var e = RelErr()
+        for i in range(nq):
+            e.add_pattern(ho[i].cast[F64](), hr[i].cast[F64]())
+        check(name + " o vs rowwise fp32 GPU", e.value(), tol, failures)
+        var el = RelErr()
+        for i in range(B * H * S):
+            el.add_pattern(hl[i].cast[F64](), hrl[i].cast[F64]())
+        check(name + " lse vs rowwise fp32 GPU", el.value(), 1e-4, failures)
+        attention_gpu_ws[dtype](o, l, _mut(partb.unsafe_ptr()), n_part, q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx,
+                                force_splits=sp)
+        var diff = _same(to_host(ctx, ob, nq), ho, nq)
+        check(name + " deterministic", Float64(diff), 0.0, failures)
+
+
+def _bench_decode[dtype: DType](ctx: DeviceContext, B: Int, H: Int, Hkv: Int, Skv: Int, D: Int, iters: Int) raises:
+    """Decode (S = 1) through the split-KV kernels (the plan's split count) and the prefill path (decode off)."""
+    var S = 1
+    var nq = B * H * S * D
+    var nk = B * Hkv * Skv * D
+    var qb = ctx.enqueue_create_buffer[dtype](nq)
+    var kb = ctx.enqueue_create_buffer[dtype](nk)
+    var vb = ctx.enqueue_create_buffer[dtype](nk)
+    var ob = ctx.enqueue_create_buffer[dtype](nq)
+    var lb = ctx.enqueue_create_buffer[DType.float32](B * H * S)
+    fill_random(ctx, qb, nq, 7, -1.0, 1.0)
+    fill_random(ctx, kb, nk, 8, -1.0, 1.0)
+    fill_random(ctx, vb, nk, 9, -1.0, 1.0)
+    var pb = device_params(ctx, Float32(0.0), Float32(1.0) / Float32(D).__pow__(Float32(0.5)), Float32(0.0))
+    var lenb = _device_ints(ctx, List[Int32]())
+    var n_part = _decode_part[dtype](ctx, B, H, Hkv, S, Skv, D)
+    var partb = workspace[DType.float32](ctx, n_part)
+    var plan = decode_plan(B, H, Hkv, S, Skv, D, size_of[dtype](), sm_count(ctx))
+    var o = _mut(ob.unsafe_ptr())
+    var l = _mut(lb.unsafe_ptr())
+    var q = _mut(qb.unsafe_ptr())
+    var k = _mut(kb.unsafe_ptr())
+    var v = _mut(vb.unsafe_ptr())
+    var kl = _mut(lenb.unsafe_ptr())
+    var p = _mut(pb.unsafe_ptr())
+    var pp = _mut(partb.unsafe_ptr())
+    var bytes = Float64(2 * nk * size_of[dtype]())
+    for dec in range(2):
+        attention_gpu_ws[dtype](o, l, pp, n_part, q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx, decode=dec == 1)
+        ctx.synchronize()
+        var t0 = now_ns()
+        for _ in range(iters):
+            attention_gpu_ws[dtype](o, l, pp, n_part, q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx, decode=dec == 1)
+        ctx.synchronize()
+        var ns = Float64(now_ns() - t0) / Float64(iters)
+        print("PERF attention_decode", "split-kv" if dec == 1 else "prefill ", dtype, "B", B, "H", H, "Hkv", Hkv,
+              "Skv", Skv, "D", D, "splits", plan[2], "us=", ns / 1000.0, "GB/s=", bytes / ns,
+              "(wall per call, L2 warm)")
+
+
+def run_decode(bench: Bool = True) raises:
+    """The split-KV decode path: S 1/4/16, GQA 1/4/8, D 64/128/256, kv_len ragged (incl. 0, untrusted),
+    causal, every dtype; against float64 on the host, the row-wise fp32 GPU kernel, and itself (splits)."""
+    var failures = 0
+    with DeviceContext() as ctx:
+        print("device:", ctx.name(), "SMs:", sm_count(ctx))
+        comptime for di in range(3):
+            comptime D = 64 * (1 << di)
+            for c in range(2):
+                var causal = c == 1
+                for kvk in range(3):
+                    # through execute (the plan's split count) against float64 on the host
+                    _case[DType.bfloat16](ctx, 5, 4, 4, 1, 300, D, causal, True, failures, 200 + kvk, 0, False, kvk)
+                    _case[DType.float16](ctx, 5, 8, 2, 4, 300, D, causal, True, failures, 210 + kvk, 0, False, kvk)
+                    _case[DType.bfloat16](ctx, 4, 8, 1, 16, 200, D, causal, True, failures, 220 + kvk, 0, False, kvk)
+                    _case[DType.float32](ctx, 5, 8, 1, 4, 129, D, causal, True, failures, 230 + kvk, 0, False, kvk)
+                    # forced split counts against the row-wise kernel, and determinism
+                    _decode_splits_case[DType.bfloat16](ctx, 5, 32, 8, 1, 2100, D, causal, kvk, failures, 240 + kvk)
+                    _decode_splits_case[DType.float16](ctx, 4, 16, 2, 16, 777, D, causal, kvk, failures, 250 + kvk)
+                    _decode_splits_case[DType.float32](ctx, 4, 8, 8, 3, 500, D, causal, kvk, failures, 260 + kvk)
+            # non-finite inputs (q NaN, k NaN, v NaN/inf/-inf, tail NaN/inf, k +inf) through the decode path
+            for bad in range(1, 6):
+                _case[DType.bfloat16](ctx, 1, 8, 2, 4, 70, D, True, True, failures, 270 + bad, bad)
+                _case[DType.float32](ctx, 1, 8, 2, 4, 70, D, False, True, failures, 280 + bad, bad)
+            # realistic decode shapes against the row-wise kernel (through execute)
+            _case[DType.bfloat16](ctx, 4, 32, 8, 1, 8192, D, False, False, failures, 290)
+            _case[DType.bfloat16](ctx, 4, 32, 8, 4, 4099, D, True, False, failures, 291, 0, False, 1)
+        if bench:
+            for skv in range(3):
+                var n = 2048 << (2 * skv)  # 2048, 8192, 32768
+                _bench_decode[DType.bfloat16](ctx, 1, 32, 8, n, 128, 20)
+                _bench_decode[DType.bfloat16](ctx, 32, 32, 8, n, 128, 10)
+    print("attn_decode failures:", failures)
+    if failures > 0:
+        raise Error("attention (decode): ", failures, " checks failed")
+
+
 def run(bench: Bool = True) raises:
     if getenv("FUSEKIT_HARNESS_ONLY") == "attn_bwd_tc":
         run_bwd_tc(bench)
+        return
+    if getenv("FUSEKIT_HARNESS_ONLY") == "attn_decode":
+        run_decode(bench)
         return
     var failures = 0
     with DeviceContext() as ctx:
@@ -858,4 +1025,5 @@ def run(bench: Bool = True) raises:
     print("attention failures:", failures)
     if failures > 0:
         raise Error("attention: ", failures, " checks failed")
+    run_decode(bench)
     run_bwd_tc(bench)

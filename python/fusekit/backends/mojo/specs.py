@@ -371,6 +371,40 @@ def attention_delta(outs: tuple, ins: tuple, sms: int) -> int:
     return b * h * s
 
 
+# mojo/_attention_decode.mojo (decode_applies, decode_plan, decode_part_len): the split-KV forward's partials
+AD_MAX_S = 16  # DECODE_MAX_S
+AD_MAX_ROWS = 128  # DECODE_MAX_ROWS
+AD_CTAS_PER_SM = 4  # DECODE_CTAS_PER_SM
+AD_MIN_TILES = 2  # DECODE_MIN_TILES
+AD_MAX_SPLITS = 256  # DECODE_MAX_SPLITS
+AD_TILE_BYTES = 8192  # DECODE_TILE_BYTES
+AD_MAX_BN = 32  # DECODE_MAX_BN
+AD_Q_ELEMS = 4096  # DECODE_Q_ELEMS
+
+
+def attention_decode_splits(b: int, h: int, hkv: int, s: int, skv: int, d: int, es: int, sms: int) -> int:
+    """The split count of the decode kernels (decode_plan), 0 where attention_gpu does not take them: S <= 16,
+    a GQA group of H/Hkv * S <= 128 rows, D 64 / 128 / 256. Blocks = B * Hkv * row_blocks * splits aim at
+    CTAS_PER_SM per SM, each split at least MIN_TILES tiles of BN keys, at most MAX_SPLITS."""
+    if d not in (64, 128, 256) or s > AD_MAX_S or (h // hkv) * s > AD_MAX_ROWS:
+        return 0
+    rows = (h // hkv) * s
+    bn = max(1, min(AD_MAX_BN, AD_TILE_BYTES // (d * es)))
+    row_blocks = max(1, _cdiv(rows, min(64, AD_Q_ELEMS // d)))
+    groups = b * hkv * row_blocks
+    max_s = max(1, min(AD_MAX_SPLITS, _cdiv(skv, bn) // AD_MIN_TILES))
+    return max(1, min(max_s, _cdiv(sms * AD_CTAS_PER_SM, max(groups, 1))))
+
+
+def attention_decode_part(outs: tuple, ins: tuple, sms: int) -> int:
+    """The split partials, fp32: B*H*S * splits * (D + 1) (o then lse per split); 0 with one split or where
+    the decode kernels do not run."""
+    q, k = ins[0], ins[1]
+    b, h, s, d = q.shape
+    splits = attention_decode_splits(b, h, k.shape[1], s, k.shape[2], d, q.element_size(), sms)
+    return b * h * s * splits * (d + 1) if splits > 1 else 0
+
+
 # mojo/swiglu_ffn.mojo (swiglu_ffn_gpu_save)
 SW_DECODE_MAX_T = 16  # DECODE_MAX_T
 SW_TC_MIN_T = 16  # TC_MIN_T
@@ -445,6 +479,7 @@ WORKSPACES: dict[str, tuple[Workspace, ...]] = {
     "fusekit.reduce_sum": (Workspace("part", "acc", reduce_sum_partials),),
     "fusekit.rms_norm_backward": _NORM_BWD,
     "fusekit.layer_norm_backward": (*_NORM_BWD, Workspace("part_b", "float32", norm_bwd_partials)),
+    "fusekit.attention": (Workspace("part", "float32", attention_decode_part),),
     "fusekit.attention_backward": (Workspace("delta", "float32", attention_delta),),
     "fusekit.swiglu_ffn": _swiglu_workspaces(False),
     SWIGLU_FFN_TC_OP: _swiglu_workspaces(True),
