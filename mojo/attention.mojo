@@ -4,7 +4,9 @@
 # Contract (.dev/CONTRACT.md, "attention"):
 #   attention:          outputs (o [B, H, S, D], lse [B, H, S] f32), inputs (q [B, H, S, D],
 #                       k [B, Hkv, Skv, D], v [B, Hkv, Skv, D], kv_len? [B] int32,
-#                       params [3] f32 = [causal, scale, has_kv_len]).
+#                       params [3] f32 = [causal, scale, has_kv_len], or [4] with a 4th slot `decode` whose
+#                       PRESENCE selects the split-KV decode kernels for decode shapes: opt-in,
+#                       FUSEKIT_MOJO_ATTN_DECODE=1, until the H100 harness has run them).
 #   attention_backward: outputs (dq [B, H, S, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, D]), inputs
 #                       (do [B, H, S, D], q, k, v, o, lse [B, H, S] f32, kv_len?, params as above, or
 #                       params [4] f32 = [causal, scale, has_kv_len, bwd_tc]). The 4th slot exists
@@ -1019,7 +1021,11 @@ struct Attention:
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":
             var partp = rebind[Pointer[Float32, MutAnyOrigin]](part.unsafe_ptr())
-            attention_gpu_ws[dtype](op, lp, partp, part.dim_size(0), qp, kp, vp, ip, pp, B, H, Hkv, S, Skv, D, ctx)
+            # params' 4th slot (decode) is there only when opted in (specs.ATTN_DECODE): its presence is read
+            attention_gpu_ws[dtype](
+                op, lp, partp, part.dim_size(0), qp, kp, vp, ip, pp, B, H, Hkv, S, Skv, D, ctx,
+                decode=params.dim_size(0) > 3,
+            )
         else:  # the CPU path needs no workspace: part is a 1-element dummy, never read
             attention_cpu[dtype](
                 op, lp, qp, kp, vp, ip, pp[unsafe_offset=0] != 0, pp[unsafe_offset=1], pp[unsafe_offset=2] != 0,

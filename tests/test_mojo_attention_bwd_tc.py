@@ -36,7 +36,7 @@ def test_default_signature_has_the_slot() -> None:
 
 def test_opt_in_adds_the_slot() -> None:
     base = specs.max_spec(OP_SPECS["attention"], "backward")
-    tc = specs.with_bwd_tc(base)
+    tc = specs.with_flag(base, "bwd_tc")
     assert tc.params == (*_DEFAULT, "bwd_tc")
     assert tc.op == base.op and tc.max_op == base.max_op and tc.workspaces == base.workspaces
     q = torch.randn(1, 2, 5, 64)

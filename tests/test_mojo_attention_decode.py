@@ -18,6 +18,25 @@ MOJO = Path(__file__).resolve().parents[1] / "mojo"
 SMS = (78, 132, 304)
 
 
+@pytest.fixture(autouse=True)
+def _decode_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size function as it runs with the kernels opted in (FUSEKIT_MOJO_ATTN_DECODE=1)."""
+    monkeypatch.setattr(specs, "ATTN_DECODE", True)
+
+
+def test_off_by_default_until_run_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the opt-in the forward spec has no `decode` slot (the Mojo launcher keeps the prefill kernels
+    for decode shapes) and allocates no partials."""
+    monkeypatch.setattr(specs, "ATTN_DECODE", False)
+    base = specs.phase_spec("attention", "forward")
+    assert base.params[-1] != "decode" and len(base.params) == 3
+    q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 8, 2048, 128, dtype=torch.bfloat16, device="meta")
+    assert _sizes(q, k, 132) == 0
+    flagged = specs.with_flag(base, "decode")
+    assert flagged.params[-1] == "decode" and len(flagged.params) == 4
+
+
 def _comptime(name: str) -> int:
     m = re.search(rf"^comptime {name} = (\d+)", (MOJO / "_attention_decode.mojo").read_text(), flags=re.M)
     assert m, f"comptime {name} not found in mojo/_attention_decode.mojo"

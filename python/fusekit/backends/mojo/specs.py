@@ -396,9 +396,19 @@ def attention_decode_splits(b: int, h: int, hkv: int, s: int, skv: int, d: int, 
     return max(1, min(max_s, _cdiv(sms * AD_CTAS_PER_SM, max(groups, 1))))
 
 
+# The split-KV decode kernels are opt-in (FUSEKIT_MOJO_ATTN_DECODE=1) until the H100 harness has run them
+# (written and compiled for sm_90 / gfx942 without a GPU, 2026-11-27): off, decode shapes keep the prefill
+# kernels that the GPU suite has checked. On, the forward spec gets a 4th params slot (`decode`, its presence
+# read by Attention.execute, as the backward's bwd_tc) and the workspace its size. Read once per process.
+ATTN_DECODE_ENV = "FUSEKIT_MOJO_ATTN_DECODE"
+ATTN_DECODE = os.environ.get(ATTN_DECODE_ENV, "0") == "1"
+
+
 def attention_decode_part(outs: tuple, ins: tuple, sms: int) -> int:
-    """The split partials, fp32: B*H*S * splits * (D + 1) (o then lse per split); 0 with one split or where
-    the decode kernels do not run."""
+    """The split partials, fp32: B*H*S * splits * (D + 1) (o then lse per split); 0 with one split, where
+    the decode kernels do not run, or while they are off (ATTN_DECODE)."""
+    if not ATTN_DECODE:
+        return 0
     q, k = ins[0], ins[1]
     b, h, s, d = q.shape
     splits = attention_decode_splits(b, h, k.shape[1], s, k.shape[2], d, q.element_size(), sms)
@@ -504,15 +514,16 @@ def attention_bwd_tc() -> bool:
     return os.environ.get(ATTN_BWD_TC_ENV, "1") != "0"
 
 
-def with_bwd_tc(ms: OpSpec) -> OpSpec:
-    """attention's backward spec with the `bwd_tc` params slot (always 1: its presence selects the kernels)."""
+def with_flag(ms: OpSpec, name: str) -> OpSpec:
+    """The spec with one more params slot `name`, always 1: its presence (params' length) selects kernels in
+    the Mojo launcher (attention's backward `bwd_tc`, forward `decode`)."""
     bind = ms.bind
 
-    def bind_tc(outs: tuple, ins: tuple, values: tuple) -> Bound:
+    def bind_flag(outs: tuple, ins: tuple, values: tuple) -> Bound:
         o, i, params = bind(outs, ins, values)
         return o, i, (*params, 1.0)
 
-    return dataclasses.replace(ms, params=(*ms.params, "bwd_tc"), bind=bind_tc)
+    return dataclasses.replace(ms, params=(*ms.params, name), bind=bind_flag)
 
 
 @functools.cache
@@ -529,7 +540,9 @@ def phase_spec(op: str, phase: str) -> OpSpec:
 
     ms = max_spec(OP_SPECS[op], phase, SECOND_CALL.get(op, frozenset()))
     if op == "attention" and phase == "backward" and attention_bwd_tc():
-        ms = with_bwd_tc(ms)
+        ms = with_flag(ms, "bwd_tc")
+    if op == "attention" and phase == "forward" and ATTN_DECODE:
+        ms = with_flag(ms, "decode")
     return ms
 
 
