@@ -1,6 +1,6 @@
 """GPU check of the Mojo split-KV decode attention (mojo/_attention_decode.mojo) against the Triton backend and SDPA.
 
-    PYTHONPATH=python:. python benchmarks/gpu_checks/mojo_decode.py
+    PYTHONPATH=python:. python benchmarks/gpu_checks/mojo_decode.py      (sets FUSEKIT_MOJO_ATTN_DECODE=1)
 
 Per shape (B, H/Hkv, Skv, D 128, bf16, one query per sequence): ops.attention with backend="mojo" and
 "triton", and SDPA (enable_gqa), checked against SDPA (relative error <= 2e-2), then timed with
@@ -9,6 +9,12 @@ short kernels). Prints one line per (shape, provider) with us and GB/s of the KV
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault(
+    "FUSEKIT_MOJO_ATTN_DECODE", "1"
+)  # the decode kernels are opt-in until checked (specs.py)
 
 import torch
 import torch.nn.functional as F
