@@ -376,3 +376,37 @@ def test_replay_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (d.replay, d.torch_graphs) == (True, False)
     monkeypatch.setenv(REPLAY_ENV, "0")
     assert Dispatcher().replay is False
+
+
+def test_graph_cache_bookkeeping() -> None:
+    """A key is captured on its second sighting (the first executes and is noted by _launch), replayed from then
+    on, and the least recently used graph is handed back for release when the cache overflows (both graph
+    kinds share Dispatcher._keep)."""
+    from types import SimpleNamespace
+
+    from fusekit.backends.mojo.dispatch import GRAPH_CACHE, Dispatcher
+
+    class _Graph:
+        replays = 0
+
+        def replay(self) -> None:
+            self.replays += 1
+
+    d = Dispatcher()
+    compiled = SimpleNamespace(graphs={}, seen={}, capturable=True)
+
+    def capture(c, st, key, bufs):  # a capture that succeeds, without CUDA
+        g = _Graph()
+        d._keep(c, key, g)
+        return g
+
+    d._capture_torch = capture
+    assert d._torch_graph_call(compiled, None, ("k",), []) is False and not compiled.graphs
+    compiled.seen[("k",)] = None  # what _launch does for the executed first call
+    assert d._torch_graph_call(compiled, None, ("k",), []) is True
+    g = compiled.graphs[("k",)]
+    assert g.replays == 1 and ("k",) not in compiled.seen
+    assert d._torch_graph_call(compiled, None, ("k",), []) is True and g.replays == 2
+    evicted = [d._keep(compiled, (i,), i) for i in range(GRAPH_CACHE)]
+    assert evicted[:-1] == [None] * (GRAPH_CACHE - 1) and evicted[-1] is g  # ("k",) was the oldest
+    assert len(compiled.graphs) == GRAPH_CACHE

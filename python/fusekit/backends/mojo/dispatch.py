@@ -380,10 +380,7 @@ class Dispatcher:
         g = graphs.get(key)
         if g is None:
             if key not in compiled.seen:
-                compiled.seen[key] = None
-                if len(compiled.seen) > 4 * GRAPH_CACHE:
-                    del compiled.seen[next(iter(compiled.seen))]
-                return False
+                return False  # a first sighting: _launch executes it and notes the key
             g = self._capture_torch(compiled, st, key, bufs)
             if g is None:
                 return False
@@ -415,11 +412,8 @@ class Dispatcher:
             _capture_failed(compiled, exc)
             return None
         cur.wait_stream(side)
-        compiled.seen.pop(key, None)
-        compiled.graphs[key] = g
-        self.counts["capture"] += 1
-        if len(compiled.graphs) > GRAPH_CACHE:
-            st.retire(compiled.graphs.pop(next(iter(compiled.graphs))))
+        if (old := self._keep(compiled, key, g)) is not None:
+            st.retire(old)
         return g
 
     def _launch(self, compiled: Compiled, key: tuple, bufs: list[Any]) -> None:
@@ -455,10 +449,16 @@ class Dispatcher:
         except Exception as exc:  # capture is best effort: this model then always executes
             _capture_failed(compiled, exc)
             return None
+        if (old := self._keep(compiled, key, gk)) is not None:
+            model._release_captured_graph([old])
+        return gk
+
+    def _keep(self, compiled: Compiled, key: tuple, graph: Any) -> Any:
+        """Remember a captured graph (either kind) under its key, most recent last; returns the least recently
+        used one when the cache overflows (GRAPH_CACHE), for the caller to release."""
         compiled.seen.pop(key, None)
-        compiled.graphs[key] = gk
+        compiled.graphs[key] = graph
         self.counts["capture"] += 1
         if len(compiled.graphs) > GRAPH_CACHE:
-            old_key = next(iter(compiled.graphs))
-            model._release_captured_graph([compiled.graphs.pop(old_key)])
-        return gk
+            return compiled.graphs.pop(next(iter(compiled.graphs)))
+        return None
