@@ -264,6 +264,22 @@ if HAS_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
+    def ring_barriers(STAGES: gl.constexpr):
+        # The mbarriers of a producer/consumer ring (here and in _attention_hopper_bwd.py): `once` for the
+        # tiles loaded once per CTA, two "ready" per slot (two tensors whose TMA loads land separately) and an
+        # "empty" per slot on which both consumer warpgroups arrive.
+        once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(once, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_a.index(i), count=1)
+            mbarrier.init(ready_b.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        return once, ready_a, ready_b, empty
+
+    @gluon.jit
     def _load_kv_tile(desc, b, hkv, row, bar, buf, HOST: gl.constexpr):
         # One K or V tile (rows row..row+BLOCK_N of this kv head) into a ring slot, arriving on `bar`: the
         # [1, 1, BLOCK_N, D] box of a host descriptor over [B, Hkv, Skv, D], or a per-head [BLOCK_N, D] box.
@@ -322,15 +338,7 @@ if HAS_GLUON:
         q_smem = gl.allocate_shared_memory(dtype, [2, M, HEAD_DIM], q_layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        q_bar, k_ready, v_ready, kv_empty = ring_barriers(STAGES)
 
         gl.warp_specialize(
             [

@@ -66,6 +66,8 @@ if HAS_GLUON:  # the forward module's guarded import succeeded: these names exis
         warpgroup_mma_wait,
     )
 
+    from kernels_triton._attention_hopper import ring_barriers
+
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
@@ -240,15 +242,7 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], kv_layout)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        kv_bar, q_ready, do_ready, qdo_empty = ring_barriers(STAGES)
 
         gl.warp_specialize(
             [
@@ -396,15 +390,7 @@ if HAS_GLUON:
         do_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(qdo_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        qdo_bar, k_ready, v_ready, kv_empty = ring_barriers(STAGES)
 
         gl.warp_specialize(
             [
