@@ -50,6 +50,8 @@ def _arg_key(v: Any) -> Any:
         return (v.dtype, v.data_ptr() & 15 == 0)
     if v is None or type(v) is int or type(v) is bool:
         return v
+    if type(v) is float:  # the common scalar, keyed before the descriptor probe below (every lean launch)
+        return float
     if hasattr(v, "block_shape") and hasattr(v, "base"):  # a host tensor descriptor: its whole type counts
         return (
             type(v),
