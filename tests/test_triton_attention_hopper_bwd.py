@@ -211,3 +211,47 @@ def test_gpu_deterministic(device: str, causal: bool) -> None:
     b = _run(q, k, v, do, o, lse, causal, D**-0.5)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+def test_backward_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attention.use_hopper_bwd: only without kv_len, at the size threshold, with every dense tensor contiguous
+    and 16-byte aligned (what the TMA descriptors need); the device test is hopper_supported's (patched here)."""
+    from kernels_triton import attention as A
+
+    monkeypatch.setattr(A, "hopper_supported", lambda *a: True)
+    monkeypatch.setattr(A, "GLUON", True)
+    q, k, v = _qkv()
+    dense = (q, k, v, q, q)
+    monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
+    assert A.use_hopper_bwd(q, k, v, None, *dense)
+    assert not A.use_hopper_bwd(q, k, v, torch.ones(q.shape[0], dtype=torch.int32), *dense)
+    assert not A.use_hopper_bwd(q, k, v, None, q, k, v, q.transpose(2, 3), q)  # a strided do
+    off = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # 2-byte offset
+    assert not A.use_hopper_bwd(q, k, v, None, off, k, v, q, q)
+    monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 4 * q.numel() * k.shape[2] + 1)
+    assert not A.use_hopper_bwd(q, k, v, None, *dense)
+    monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
+    monkeypatch.setattr(A, "GLUON", False)  # FUSEKIT_TRITON_ATTN_GLUON=0
+    assert not A.use_hopper_bwd(q, k, v, None, *dense)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_ops_attention_backward_routes_here(device: str, monkeypatch: pytest.MonkeyPatch, causal) -> None:
+    """ops.attention(backend="triton")'s backward runs these kernels where attention.use_hopper_bwd says so
+    (the size threshold lowered to test sizes): dq, dk, dv against float64 autograd, GQA, ragged S."""
+    from fusekit import ops
+    from kernels_triton import attention as A
+
+    _need_sm90(device)
+    calls = []
+    real = A.run_hopper_bwd
+    monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
+    monkeypatch.setattr(A, "run_hopper_bwd", lambda *a: (calls.append(1), real(*a))[1])
+    dt = torch.bfloat16
+    q, k, v, do = _inputs(2, 8, 2, 203, 203, 128, dt, 23)
+    _, _, ref = _reference(q, k, v, do, causal, 128**-0.5)
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    y = ops.attention(qs, ks, vs, causal=causal, backend="triton")
+    got = torch.autograd.grad(y, (qs, ks, vs), do)
+    assert calls, "the Gluon backward did not run"
+    _check(got, ref, dt)
