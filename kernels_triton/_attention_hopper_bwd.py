@@ -266,6 +266,195 @@ if HAS_GLUON:
 
     _dkdv_hopper = fast_launch(_dkdv_hopper)
 
+    # --------------------------------------------------------------------------- dk / dv + atomic dq
+    @gluon.jit
+    def _bar_sync_consumers(dummy):
+        # Named barrier 8 over both consumer warpgroups (256 threads; Triton's own partition barriers use the low
+        # ids). Inline asm: Gluon on Triton 3.6 has no named-barrier op. bar.sync orders the shared-memory
+        # writes of all 256 threads before it (each thread fenced its own writes for the async proxy first).
+        gl.inline_asm_elementwise("bar.sync 8, 256;\nmov.b32 $0, $1;", "=r,r", [dummy], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _dkdvdq_step(t, m, dk, dv, k_smem, v_s, q_bufs, do_bufs, ds_smem, q_ready, do_ready, qdo_empty, lse2_ptr,
+                     delta_ptr, dqa_ptr, row_base, keys, cols, S, diag, qk_scale, sm_scale, WG: gl.constexpr,
+                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                     SPLIT_D: gl.constexpr):  # fmt: skip
+        # _dkdv_step plus dQ[m:m+BLOCK_M] += scale dS K through fp32 atomics. dS^T goes to shared memory
+        # (double-buffered by step parity); then SPLIT_D (D128): this warpgroup computes dQ[:, its half of D]
+        # over both warpgroups' 128 keys (after a named barrier: both halves of dS stored), FA3's split, so the
+        # accumulator is [BLOCK_M, D/2] and every dq element gets one atomic per CTA; else (D64) dQ[:, D] over
+        # its own 64 keys (accumulator [BLOCK_M, D]; both warpgroups add into the same elements).
+        HEAD_DIM: gl.constexpr = dk.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+        if SPLIT_D:
+            DQ_N: gl.constexpr = HEAD_DIM // 2
+        else:
+            DQ_N: gl.constexpr = HEAD_DIM
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_N, 16])  # fmt: skip
+        dtype: gl.constexpr = v_s.dtype
+        k_s = k_smem.index(WG)
+        slot = t % STAGES
+        phase = (t // STAGES) & 1
+        q_s = q_bufs.index(slot)
+        do_s = do_bufs.index(slot)
+        ds_buf = ds_smem.index(t % 2)
+        mbarrier.wait(q_ready.index(slot), phase)
+        s_tok = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, s_layout),
+                              use_acc=False, is_async=True)  # fmt: skip
+        mbarrier.wait(do_ready.index(slot), phase)
+        dp_tok = warpgroup_mma(v_s, do_s.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, s_layout),
+                               use_acc=False, is_async=True)  # fmt: skip
+        qi = m + cols
+        in_s = qi < S
+        lse2 = gl.load(lse2_ptr + row_base + qi, mask=in_s, other=float("inf"))
+        delta = gl.load(delta_ptr + row_base + qi, mask=in_s, other=0.0)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if MASK:
+            pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(qi + diag, 0), pt, 0.0)
+        p16 = gl.convert_layout(pt.to(dtype), a_layout)
+        dv_tok = warpgroup_mma(p16, do_s, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
+        ds_t = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        ds16 = gl.convert_layout(ds_t, a_layout)
+        dk_tok = warpgroup_mma(ds16, q_s, dk, is_async=True)
+        # dS^T [64 keys, BLOCK_M] into this warpgroup's half of the buffer, visible to the async proxy
+        ds_buf.index(WG).store(ds_t)
+        fence_async_shared()
+        if SPLIT_D:
+            # both halves stored; the buffer written next step (the other parity) was last read by the other
+            # warpgroup's dQ GEMM two steps back, which finished before it reached this step's barrier
+            _bar_sync_consumers(t)
+            dq_tok = warpgroup_mma(ds_buf.index(0).permute((1, 0)), k_smem.index(0).slice(WG * DQ_N, DQ_N, dim=1),
+                                   gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
+                                   is_async=True)  # fmt: skip
+            dq_tok = warpgroup_mma(ds_buf.index(1).permute((1, 0)), k_smem.index(1).slice(WG * DQ_N, DQ_N, dim=1),
+                                   dq_tok, is_async=True)  # fmt: skip
+            dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=2, deps=(dv_tok, dk_tok, p16, ds16))
+        else:
+            dq_tok = warpgroup_mma(ds_buf.index(WG).permute((1, 0)), k_s,
+                                   gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
+                                   is_async=True)  # fmt: skip
+            dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dk_tok, p16, ds16))
+        mbarrier.arrive(qdo_empty.index(slot), count=1)  # the dQ GEMM reads dS and K only
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,))
+        rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dcols = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout))
+        if SPLIT_D:
+            dcols = dcols + WG * DQ_N
+        offs = gl.expand_dims((row_base + rows) * HEAD_DIM, 1) + gl.expand_dims(dcols, 0)
+        # rows past S: masked (their dS is 0 anyway; the buffer ends at S)
+        gl.atomic_add(dqa_ptr + offs, dq * sm_scale, mask=gl.expand_dims(rows < S, 1), sem="relaxed")
+        return dk, dv
+
+    @gluon.jit
+    def _dkdvdq_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_bar, q_ready, do_ready,
+                         qdo_empty, lse2_ptr, delta_ptr, dqa_ptr, head0, bhkv, n0, S, SKV, qk_scale, sm_scale,
+                         m_lo, n_diag, n_m, group, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                         SPLIT_D: gl.constexpr):  # fmt: skip
+        # _dkdv_consumer with _dkdvdq_step (the same walk: every warpgroup runs the same steps, which the
+        # SPLIT_D named barrier needs)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+        dtype: gl.constexpr = k_smem.dtype
+        k_s = k_smem.index(WG)
+        v_s = v_smem.index(WG)
+        r0 = n0 + WG * 64
+        keys = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        diag = SKV - S
+        dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+        mbarrier.wait(kv_bar, 0)
+        t = 0
+        for g in range(group):
+            row_base = (head0 + g).to(gl.int64) * S
+            for i in range(n_diag):
+                dk, dv = _dkdvdq_step(t, m_lo + i * BLOCK_M, dk, dv, k_smem, v_s, q_bufs, do_bufs, ds_smem, q_ready,
+                                      do_ready, qdo_empty, lse2_ptr, delta_ptr, dqa_ptr, row_base, keys, cols, S,
+                                      diag, qk_scale, sm_scale, WG, BLOCK_M, STAGES, True, SPLIT_D)  # fmt: skip
+                t += 1
+            for i in range(n_diag, n_m):
+                dk, dv = _dkdvdq_step(t, m_lo + i * BLOCK_M, dk, dv, k_smem, v_s, q_bufs, do_bufs, ds_smem, q_ready,
+                                      do_ready, qdo_empty, lse2_ptr, delta_ptr, dqa_ptr, row_base, keys, cols, S,
+                                      diag, qk_scale, sm_scale, WG, BLOCK_M, STAGES, False, SPLIT_D)  # fmt: skip
+                t += 1
+        if SPLIT_D:  # the other warpgroup's last dQ GEMM reads this warpgroup's K half: wait for it
+            _bar_sync_consumers(t)
+        k_s.store((dk * sm_scale).to(dtype))
+        v_s.store(dv.to(dtype))
+        fence_async_shared()
+        _tma_store(dk_desc, [bhkv, r0, 0], k_s.reshape([1, 64, HEAD_DIM]))
+        _tma_store(dv_desc, [bhkv, r0, 0], v_s.reshape([1, 64, HEAD_DIM]))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dkdvdq_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, dqa_ptr, H, HKV, S,
+                       SKV, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        # _dkdv_hopper plus dqa [B*H, S, D] fp32 (zeroed by the host) += scale dS K per (query block, head)
+        BN: gl.constexpr = 128
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        SPLIT_D: gl.constexpr = HEAD_DIM == 128
+        dtype: gl.constexpr = q_desc.dtype
+        n0 = gl.program_id(0) * BN
+        bhkv = gl.program_id(1)
+        b = bhkv // HKV
+        hkv = bhkv % HKV
+        group = H // HKV
+        head0 = b * H + hkv * group
+        diag = SKV - S
+        m_end = gl.cdiv(S, BLOCK_M) * BLOCK_M
+        if CAUSAL:
+            m_lo = gl.minimum((gl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M, m_end)
+            i_full = gl.minimum(n0 + BN, SKV) - 1 - diag
+            m_full = m_lo + gl.cdiv(gl.maximum(i_full - m_lo, 0), BLOCK_M) * BLOCK_M
+            m_full = gl.minimum(m_full, m_end)
+            n_diag = (m_full - m_lo) // BLOCK_M
+        else:
+            m_lo = 0
+            n_diag = 0
+        n_m = (m_end - m_lo) // BLOCK_M
+
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype)
+        k_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], kv_layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 2, 64, BLOCK_M], ds_layout)  # [parity, warpgroup]
+        kv_bar, q_ready, do_ready, qdo_empty = ring_barriers(STAGES)
+
+        gl.warp_specialize(
+            [
+                (_dkdvdq_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_bar, q_ready,
+                                    do_ready, qdo_empty, lse2_ptr, delta_ptr, dqa_ptr, head0, bhkv, n0, S, SKV,
+                                    qk_scale, sm_scale, m_lo, n_diag, n_m, group, WG0, HEAD_DIM, BLOCK_M, STAGES,
+                                    CAUSAL, SPLIT_D)),
+                (_dkdvdq_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_bar, q_ready,
+                                    do_ready, qdo_empty, lse2_ptr, delta_ptr, dqa_ptr, head0, bhkv, n0, S, SKV,
+                                    qk_scale, sm_scale, m_lo, n_diag, n_m, group, WG1, HEAD_DIM, BLOCK_M, STAGES,
+                                    CAUSAL, SPLIT_D)),
+                (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
+                                  q_ready, do_ready, qdo_empty, b, hkv, head0, n0, m_lo, n_m, group, BLOCK_M,
+                                  STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+    _dkdvdq_hopper = fast_launch(_dkdvdq_hopper)
+
     # ---------------------------------------------------------------------------------------------- dq
     @gluon.jit
     def _dq_step(j, dq, q_s, do_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, lse2, delta, rows, cols, SKV,
@@ -415,8 +604,12 @@ if HAS_GLUON:
 
 
 # ------------------------------------------------------------------------------------------------ host
-# The backward takes what the forward takes (same layouts, TMA descriptors and head dims).
-hopper_bwd_supported = hopper_supported
+def hopper_bwd_supported(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None = None
+) -> bool:
+    """What the forward takes (same layouts and TMA descriptors, hopper_supported) at the backward's head
+    dims (the forward also takes D256)."""
+    return q.shape[-1] in HEAD_DIMS and hopper_supported(q, k, v, kv_len)
 
 
 def _check_out(name: str, t: torch.Tensor, like: torch.Tensor) -> None:

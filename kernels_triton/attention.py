@@ -50,6 +50,7 @@ import triton.language as tl
 
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
 from kernels_triton._attention_hopper import hopper_supported, run_hopper
+from kernels_triton._attention_hopper_bwd import HEAD_DIMS as BWD_HEAD_DIMS
 from kernels_triton._attention_hopper_bwd import run_hopper_bwd
 from kernels_triton._config import is_hip, is_interpreter, on_device
 from kernels_triton._launch import fast_tuned
@@ -271,17 +272,21 @@ GLUON = os.environ.get("FUSEKIT_TRITON_ATTN_GLUON", "1") not in ("", "0")
 # TMA descriptors per call) outweighs its kernel: H100, B1 H32 S128 D128 causal 106 us wall per call against
 # ~45 us on the kernel above; B1 H32/8 S2048 D128 causal (34 GFLOP) 1.55x the kernel above.
 _GLUON_MIN_FLOP = 1 << 34
+# D256 in the Gluon kernel (causal or not): off until measured on a GPU against the kernel above (0.62-0.85x
+# SDPA at D256 on the H100); FUSEKIT_TRITON_ATTN_GLUON_D256=1 turns it on (.dev/s/d256_probe.py compares).
+_GLUON_D256 = os.environ.get("FUSEKIT_TRITON_ATTN_GLUON_D256", "0") not in ("", "0")
 
 
 def use_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, causal: bool) -> bool:
     """Whether `forward` runs the Gluon FA3-style kernel of _attention_hopper.py (sm_90; no kv_len): where it
     beat the kernel above on the H100 (D128 1.09-1.21x, causal or not; D64 full 1.05-1.07x; D64 causal lost,
-    0.79-0.97x: softmax-bound at D64, see that module's figures), with 16-byte aligned o and tensors it takes,
-    at sizes where its kernel outweighs its host path (_GLUON_MIN_FLOP)."""
+    0.79-0.97x: softmax-bound at D64, see that module's figures), D256 only with _GLUON_D256 (not measured
+    yet), with 16-byte aligned o and tensors it takes, at sizes where its kernel outweighs its host path
+    (_GLUON_MIN_FLOP)."""
     B, H, S, D = q.shape
     return (
         GLUON
-        and (D == 128 or (D == 64 and not causal))
+        and (D == 128 or (D == 64 and not causal) or (D == 256 and _GLUON_D256))
         and 4 * B * H * S * k.shape[2] * D >= _GLUON_MIN_FLOP
         and o.data_ptr() % 16 == 0
         and hopper_supported(q, k, v, None)
@@ -300,6 +305,7 @@ def use_hopper_bwd(q, k, v, kv_len, *dense: torch.Tensor) -> bool:
         and kv_len is None
         and 4 * B * H * S * k.shape[2] * D >= _GLUON_MIN_FLOP
         and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in dense)
+        and D in BWD_HEAD_DIMS  # the forward also takes D256, the backward kernels do not
         and hopper_supported(q, k, v, None)
     )
 

@@ -47,11 +47,15 @@ def test_module_imports_without_a_gpu():
     assert set(m.DKDV_CONFIGS) == set(m.DQ_CONFIGS) == set(m.HEAD_DIMS) == {64, 128}
 
 
-def test_takes_what_the_forward_takes():
-    """The backward's gate is the forward's (tests/test_triton_attention_hopper.py tests its refusals)."""
-    from kernels_triton._attention_hopper import hopper_supported
-
-    assert _mod().hopper_bwd_supported is hopper_supported
+def test_takes_what_the_forward_takes(monkeypatch: pytest.MonkeyPatch):
+    """The backward's gate is the forward's (tests/test_triton_attention_hopper.py tests its refusals) at the
+    backward's head dims: the forward also takes D256, the backward kernels do not."""
+    m = _mod()
+    monkeypatch.setattr(m, "hopper_supported", lambda *a: True)
+    assert m.hopper_bwd_supported(*_qkv(D=64), None) and m.hopper_bwd_supported(*_qkv(D=128), None)
+    assert not m.hopper_bwd_supported(*_qkv(D=256), None)
+    monkeypatch.setattr(m, "hopper_supported", lambda *a: False)
+    assert not m.hopper_bwd_supported(*_qkv(D=64), None)
 
 
 def test_backward_refuses_unsupported_inputs():
