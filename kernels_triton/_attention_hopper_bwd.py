@@ -301,7 +301,7 @@ if HAS_GLUON:
         phase = (t // STAGES) & 1
         q_s = q_bufs.index(slot)
         do_s = do_bufs.index(slot)
-        ds_buf = ds_smem.index(t % 2)
+        ds0 = (t % 2) * 2  # this step's pair of dS^T buffers: [parity * 2 + warpgroup]
         mbarrier.wait(q_ready.index(slot), phase)
         s_tok = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, s_layout),
                               use_acc=False, is_async=True)  # fmt: skip
@@ -322,23 +322,26 @@ if HAS_GLUON:
         ds_t = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         ds16 = gl.convert_layout(ds_t, a_layout)
         dk_tok = warpgroup_mma(ds16, q_s, dk, is_async=True)
-        # dS^T [64 keys, BLOCK_M] into this warpgroup's half of the buffer, visible to the async proxy
-        ds_buf.index(WG).store(ds_t)
+        # dS^T [64 keys, BLOCK_M] into this warpgroup's buffer (K-major; transposed, the A operand of dQ = dS K),
+        # visible to the async proxy. (dK from this buffer instead of registers spilled more: ptxas, 3.6.)
+        ds_s = ds_smem.index(ds0 + WG)
+        ds_s.store(ds_t)
         fence_async_shared()
         if SPLIT_D:
-            # both halves stored; the buffer written next step (the other parity) was last read by the other
+            # both halves stored; the buffers written next step (the other parity) were last read by the other
             # warpgroup's dQ GEMM two steps back, which finished before it reached this step's barrier
             _bar_sync_consumers(t)
-            dq_tok = warpgroup_mma(ds_buf.index(0).permute((1, 0)), k_smem.index(0).slice(WG * DQ_N, DQ_N, dim=1),
+            # dQ[:, this warpgroup's D half] = dS[:, keys 0..63] K[0..63, half] + dS[:, 64..127] K[64..127, half]
+            k_lo = k_smem.index(0).slice(WG * DQ_N, DQ_N, dim=1)
+            k_hi = k_smem.index(1).slice(WG * DQ_N, DQ_N, dim=1)
+            dq_tok = warpgroup_mma(ds_smem.index(ds0).permute((1, 0)), k_lo,
                                    gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
                                    is_async=True)  # fmt: skip
-            dq_tok = warpgroup_mma(ds_buf.index(1).permute((1, 0)), k_smem.index(1).slice(WG * DQ_N, DQ_N, dim=1),
-                                   dq_tok, is_async=True)  # fmt: skip
+            dq_tok = warpgroup_mma(ds_smem.index(ds0 + 1).permute((1, 0)), k_hi, dq_tok, is_async=True)
             dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=2, deps=(dv_tok, dk_tok, p16, ds16))
         else:
-            dq_tok = warpgroup_mma(ds_buf.index(WG).permute((1, 0)), k_s,
-                                   gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
-                                   is_async=True)  # fmt: skip
+            dq_tok = warpgroup_mma(ds_s.permute((1, 0)), k_s, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout),
+                                   use_acc=False, is_async=True)  # fmt: skip
             dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dk_tok, p16, ds16))
         mbarrier.arrive(qdo_empty.index(slot), count=1)  # the dQ GEMM reads dS and K only
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,))
@@ -347,7 +350,8 @@ if HAS_GLUON:
         if SPLIT_D:
             dcols = dcols + WG * DQ_N
         offs = gl.expand_dims((row_base + rows) * HEAD_DIM, 1) + gl.expand_dims(dcols, 0)
-        # rows past S: masked (their dS is 0 anyway; the buffer ends at S)
+        # rows past S: masked (their dS is 0 anyway; the buffer ends at S). relaxed, result unused: ptxas
+        # emits REDG.E.ADD.F32 (fire and forget)
         gl.atomic_add(dqa_ptr + offs, dq * sm_scale, mask=gl.expand_dims(rows < S, 1), sem="relaxed")
         return dk, dv
 
@@ -432,7 +436,7 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], kv_layout)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, 2, 64, BLOCK_M], ds_layout)  # [parity, warpgroup]
+        ds_smem = gl.allocate_shared_memory(dtype, [4, 64, BLOCK_M], ds_layout)  # [parity * 2 + warpgroup]
         kv_bar, q_ready, do_ready, qdo_empty = ring_barriers(STAGES)
 
         gl.warp_specialize(
@@ -631,10 +635,12 @@ def hopper_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    deterministic: bool = True,
 ) -> None:
     """Writes dq [B, H, S, D], dk, dv [B, Hkv, Skv, D] (all contiguous, 16-byte aligned) from do, o (contiguous
     like q), lse [B, H, S] fp32 (natural log) and q, k, v. Call only where hopper_bwd_supported(q, k, v, None)
-    is True."""
+    is True. deterministic=False: dq through fp32 atomics in the dk/dv kernel (_dkdvdq_hopper, 5 matmuls
+    instead of 7): dq is not bit-reproducible across runs (the fp32 sum order varies), dk and dv still are."""
     if not hopper_bwd_supported(q, k, v, None):
         raise ValueError("hopper_backward: unsupported inputs (see hopper_bwd_supported)")
     _check_out("dq", dq, q)
@@ -649,12 +655,16 @@ def hopper_backward(
     if lse.shape != (B, H, S) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"hopper_backward: lse must be contiguous fp32 {(B, H, S)}")
     with on_device(q):
-        run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
+        run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale, deterministic)
 
 
-def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) -> None:
+def run_hopper_bwd(
+    dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float, deterministic: bool = True
+) -> None:
     """hopper_backward minus its checks, on the current device: the preprocess (attention_backward.py's
-    kernel), then the dk/dv and dq kernels through the lean launch path (launch_keyed, host descriptors)."""
+    kernel), then the dk/dv and dq kernels through the lean launch path (launch_keyed, host descriptors); with
+    deterministic=False one _dkdvdq_hopper launch into a zeroed fp32 dq buffer instead, then dq = that buffer
+    in dq's dtype (dq not bit-reproducible; dk, dv are)."""
     from kernels_triton.attention_backward import _bwd_preprocess_kernel, _preprocess_rows
 
     B, H, S, D = q.shape
@@ -669,6 +679,8 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
                      PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
     q_consts = dict(HEAD_DIM=D, BLOCK_N=bn, STAGES=st_q, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
                     PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+    # atomic dq: fp32 [B, H, S, D], scale folded in before the atomics; one rounding to dq's dtype at the end
+    dqa = None if deterministic else torch.zeros((B, H, S, D), dtype=torch.float32, device=q.device)
     bstep = max(1, _MAX_GRID_Y // H)
     for b0 in range(0, B, bstep):
         sl = slice(b0, min(B, b0 + bstep))
@@ -683,6 +695,14 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
         ints = tuple((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv))
         aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)
         grid_kv = (triton_cdiv(Skv, BLOCK_KEYS), nb * Hkv)
+        if dqa is not None:
+            qa = dqa[sl]
+            key = ("attn_hopper_bwd_dkdvdq", q.device.index, q.dtype, D, bool(causal), bm, st_kv, grid_kv, *ints,
+                   *aligned, qa.data_ptr() & 15 == 0)  # fmt: skip
+            args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, qa, H, Hkv, S, Skv,
+                    qk_scale, sm_scale)  # fmt: skip
+            launch_keyed(_dkdvdq_hopper, key, grid_kv, args, kv_consts)
+            continue
         key = ("attn_hopper_bwd_dkdv", q.device.index, q.dtype, D, bool(causal), bm, st_kv, grid_kv, *ints,
                *aligned)  # fmt: skip
         args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, H, Hkv, S, Skv, qk_scale,
@@ -694,6 +714,8 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
         args = (ds["q64"], ds["kq"], ds["vq"], ds["do64"], ds["dq"], l2, dl, H, Hkv, S, Skv, qk_scale,
                 sm_scale)  # fmt: skip
         launch_keyed(_dq_hopper, key, grid_q, args, q_consts)
+    if dqa is not None:
+        dq.copy_(dqa)
 
 
 _LAYOUTS: dict[tuple, object] = {}
@@ -772,4 +794,9 @@ def aot_specs_gluon_bwd() -> list[tuple[str, object, dict, dict, dict]]:
                 specs.append(
                     (f"attn_hopper_bwd_dq_{dt}_d{d}_c{int(causal)}", _dq_hopper, q_sig, q_const, opts)
                 )
+                aq_sig = {n: kv_sig[n] for n in ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc",
+                                                 "lse2_ptr", "delta_ptr")}  # fmt: skip
+                aq_sig.update({"dqa_ptr": "*fp32"}, **{n: t for n, t in kv_sig.items() if n not in aq_sig})
+                specs.append((f"attn_hopper_bwd_dkdvdq_{dt}_d{d}_c{int(causal)}", _dkdvdq_hopper, aq_sig, kv_const,
+                              opts))  # fmt: skip
     return specs
