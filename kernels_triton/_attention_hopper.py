@@ -1,14 +1,14 @@
 """FlashAttention-3-style attention forward for Hopper (sm_90), written in Gluon.
 
-Entry points (not wired into attention.forward; the caller chooses):
+Entry points (attention.forward calls run_hopper where attention.use_hopper says so):
     hopper_supported(q, k, v, kv_len) -> bool    whether hopper_forward can run these tensors
     hopper_forward(o, lse, q, k, v, causal, qk_scale) -> None
 
 Contract (that of attention.forward without kv_len): q/o [B, H, S, D] contiguous, k/v [B, Hkv, Skv, D] with
 a contiguous last dim (strided views allowed when every stride is 16-byte aligned), GQA head h // (H // Hkv),
-fp16/bf16, D 64 or 128. qk_scale = scale * log2(e) >= 0 (the exp2 domain, folded by the caller). Causal mask
-bottom-right aligned: query i sees key j iff j <= i + Skv - S. lse [B, H, S] fp32 = natural-log logsumexp of
-the visible scaled scores; a row that sees no key gives o = 0 and lse = -inf.
+fp16/bf16, D 64, 128 or 256. qk_scale = scale * log2(e) >= 0 (the exp2 domain, folded by the caller). Causal
+mask bottom-right aligned: query i sees key j iff j <= i + Skv - S. lse [B, H, S] fp32 = natural-log logsumexp
+of the visible scaled scores; a row that sees no key gives o = 0 and lse = -inf.
 
 Structure (FA3, Shah et al. 2024), one CTA per (128 query rows, b*H + h), three partitions:
 - producer, 1 warp (24 registers): TMA loads of the two Q halves, then K and V tiles into a STAGES-deep
@@ -50,6 +50,17 @@ eager mode: a lean launcher (cached layouts, the compiled kernel launched direct
 needed before dispatching small shapes here.
 Pingpong: 0.95-1.02x of the free-running warpgroups (553 vs 544 at B4 S4096 D128 full): off by default.
 
+D256 (FA3's hdim-256 forward: 128 query rows = 2 consumer warpgroups x 64, 2 K/V stages; FA3 takes 80-key
+tiles, here 64: Gluon's register tensors need power-of-two shapes, so no 80, 48 or 96): the same kernel and
+overlap at BLOCK_N 64, STAGES 2. Shared memory: Q 2 x 64 x 256 x 2 = 64 KB (reused for the O store) + 2 stages
+of 64 x 256 K and V tiles = 128 KB, 192 KB in all (196864 bytes with the barriers and the epilogue's scratch;
+227 KB fit). Registers per consumer thread: the 64 x 256 fp32 O accumulator is 128 of 240, the 64 x 64 S tile
+32, P 16 (in flight in the P V wgmma) + 16 (the next tile's); ptxas (Triton 3.6 and 3.9, fp16 and bf16,
+causal or not, host or device descriptors): 0 bytes spilled. 128-key tiles (one stage, 192 KB) spill
+850-930 bytes (S 64 + P 2 x 32 registers on top of O); 32-key tiles (3 or 4 stages) do not spill either
+(FUSEKIT_HOPPER_ATTN_CFG=32,4 for probes). Not measured on a GPU yet: attention.use_hopper routes D256 here
+only with FUSEKIT_TRITON_ATTN_GLUON_D256=1 (.dev/s/d256_probe.py compares it with SDPA and attention.py).
+
 Gluon is experimental and its API moves between Triton releases: written against Triton 3.6 (the GPU host)
 and compile-checked for sm_90 with 3.9 (CI). Without Gluon's Hopper module, hopper_supported says False.
 """
@@ -82,15 +93,16 @@ try:  # Gluon (triton.experimental) is optional: without it this module only say
 except Exception:  # ImportError, or an API this module does not know
     HAS_GLUON = False
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 BLOCK_M = 128  # query rows per CTA: two consumer warpgroups of 64
 WG_M = 64  # query rows per consumer warpgroup (wgmma M)
 # (BLOCK_N, STAGES) per head dim: the K/V ring is STAGES * 2 * BLOCK_N * D * 2 bytes, Q 2 * 64 * D * 2 bytes
 # (reused for the O store); D128: 2 stages of 128x128 = 128 KB + 32 KB of Q. H100 sweep (B4 S4096, do_bench
 # TFLOP/s, host descriptors): D128 full 128x2 545, 64x4 533, 64x3 536; D128 causal 128x2 467, 64x4 490,
 # 64x3 492 (a candidate for a causal entry, measured at this shape only); D64 full 128x3 416, 128x2 421,
-# 64x4 386; D64 causal 128x3 362, 128x2 363, 64x4 342.
-CONFIGS: dict[int, tuple[int, int]] = {64: (128, 3), 128: (128, 2)}
+# 64x4 386; D64 causal 128x3 362, 128x2 363, 64x4 342. D256: 2 stages of 64 x 256 = 128 KB + 64 KB of Q, no
+# spills (see the docstring); not measured on a GPU yet.
+CONFIGS: dict[int, tuple[int, int]] = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
 NUM_WARPS = 4  # the default partition (consumer warpgroup 0); + 4 (consumer 1) + 1 (producer) warps
 # Registers: the launch reserves MAXNREG per thread for all 12 warps (the 1-warp producer rounds up to a
 # warpgroup), 12 * 32 * 168 = 64512 <= 65536; then setmaxnreg moves them: producer 24, consumers 240
@@ -409,7 +421,7 @@ def hopper_supported(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None = None
 ) -> bool:
     """Whether hopper_forward can run these tensors: Gluon with its Hopper module, an sm_90 CUDA device (wgmma
-    is sm_90a only), no kv_len, fp16/bf16, D 64/128, q contiguous, k/v with a contiguous last dim and 16-byte
+    is sm_90a only), no kv_len, fp16/bf16, D 64/128/256, q contiguous, k/v with a contiguous last dim and 16-byte
     aligned base and strides (TMA), non-empty, B*H within the grid limit."""
     if not HAS_GLUON or kv_len is not None:
         return False

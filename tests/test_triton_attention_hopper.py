@@ -4,7 +4,7 @@
 
 Gluon kernels do not run on the CPU (nor in Triton's interpreter), so this checks what can be checked there:
 the module imports without a GPU, `hopper_supported` refuses what the kernel does not take (no GPU, kv_len,
-fp32, head dims other than 64/128, non-aligned or empty inputs), and, where the installed Triton has Gluon's
+fp32, head dims other than 64/128/256, non-aligned or empty inputs), and, where the installed Triton has Gluon's
 Hopper module, every (dtype, head dim, causal) variant compiles ahead of time for sm_90 down to a cubin with
 wgmma instructions. With `--device cuda` on an sm_90 GPU the kernel runs: against a float64 reference at odd
 shapes (ragged tails, GQA, causal rows that see no key, a NaN-padded KV-cache view), and through
@@ -45,7 +45,7 @@ def test_module_imports_without_a_gpu():
     m = _mod()
     assert isinstance(m.HAS_GLUON, bool)
     assert callable(m.hopper_forward) and callable(m.hopper_supported)
-    assert set(m.CONFIGS) == set(m.HEAD_DIMS) == {64, 128}
+    assert set(m.CONFIGS) == set(m.HEAD_DIMS) == {64, 128, 256}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -63,7 +63,7 @@ def test_not_supported_dtypes(dtype):
     assert _mod().hopper_supported(*_qkv(dtype), None) is False
 
 
-@pytest.mark.parametrize("D", [32, 96, 256])
+@pytest.mark.parametrize("D", [32, 96, 512])
 def test_not_supported_head_dims(D):
     assert _mod().hopper_supported(*_qkv(D=D), None) is False
 
@@ -88,6 +88,33 @@ def test_forward_refuses_unsupported_inputs():
 
 def _spec_names() -> list:
     return spec_params([s[0] for s in _mod().aot_specs_gluon()])
+
+
+def test_aot_spec_names():
+    names = [s[0] for s in _mod().aot_specs_gluon()]
+    if not _mod().HAS_GLUON:
+        pytest.skip("the installed triton has no Gluon Hopper module")
+    assert len(names) == len(set(names)) == 2 * 3 * 2 * 2  # dtype x head dim x causal x descriptor kind
+    assert sum("_d256_" in n for n in names) == 8
+
+
+def test_d256_routing(monkeypatch: pytest.MonkeyPatch):
+    """attention.use_hopper sends D256 to this kernel only with _GLUON_D256 (FUSEKIT_TRITON_ATTN_GLUON_D256,
+    off by default until measured); use_hopper_bwd never sends D256 to the Gluon backward (D64/D128 only)."""
+    from kernels_triton import attention as A
+
+    monkeypatch.setattr(A, "hopper_supported", lambda *a: True)
+    monkeypatch.setattr(A, "GLUON", True)
+    monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
+    q, k, v = _qkv(D=256)
+    for causal in (False, True):
+        monkeypatch.setattr(A, "_GLUON_D256", False)
+        assert not A.use_hopper(q, k, v, q, causal)
+        monkeypatch.setattr(A, "_GLUON_D256", True)
+        assert A.use_hopper(q, k, v, q, causal)
+    assert not A.use_hopper_bwd(q, k, v, None, q, k, v, q, q)
+    q, k, v = _qkv(D=128)
+    assert A.use_hopper(q, k, v, q, True) and A.use_hopper_bwd(q, k, v, None, q, k, v, q, q)
 
 
 @functools.cache
@@ -137,6 +164,13 @@ _CASES = [
     (1, 2, 2, 1000, 1000, 64, False),
     (2, 4, 4, 129, 129, 128, True),
     (1, 4, 2, 200, 333, 128, False),
+    # D256: the 64-key tile, odd lengths, GQA, causal with S > Skv and S < Skv
+    (1, 4, 4, 128, 128, 256, False),
+    (2, 4, 2, 77, 300, 256, True),
+    (1, 4, 1, 300, 77, 256, True),
+    (1, 2, 2, 333, 333, 256, False),
+    (2, 4, 4, 129, 129, 256, True),
+    (1, 8, 2, 200, 333, 256, False),
 ]
 
 
@@ -210,4 +244,30 @@ def test_gpu_ops_attention_routes_here(device: str, monkeypatch: pytest.MonkeyPa
     ref, _ = _reference(q.detach(), k, v, True, 128**-0.5)
     assert ((y.double() - ref).norm() / ref.norm()).item() < rtol("attention", torch.bfloat16)
     y.float().sum().backward()
+    assert q.grad is not None and q.grad.isfinite().all()
+
+
+def test_gpu_d256_routes_here_forward_only(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With _GLUON_D256 on, ops.attention(backend="triton") runs D256 forwards here and their backward on the
+    kernels of attention_backward.py (the Gluon backward has no D256)."""
+    from fusekit import ops
+    from fusekit.tolerances import rtol
+    from kernels_triton import attention as A
+
+    _need_sm90(device)
+    fwd, bwd = [], []
+    real_f, real_b = A.run_hopper, A.run_hopper_bwd
+    monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
+    monkeypatch.setattr(A, "_GLUON_D256", True)
+    monkeypatch.setattr(A, "run_hopper", lambda *a: (fwd.append(1), real_f(*a))[1])
+    monkeypatch.setattr(A, "run_hopper_bwd", lambda *a: (bwd.append(1), real_b(*a))[1])
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q, k, v = (torch.randn(1, 4, 150, 256, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    q.requires_grad_()
+    y = ops.attention(q, k, v, causal=True, backend="triton")
+    assert fwd, "the Gluon kernel did not run"
+    ref, _ = _reference(q.detach(), k, v, True, 256**-0.5)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < rtol("attention", torch.bfloat16)
+    y.float().sum().backward()
+    assert not bwd, "D256 reached the Gluon backward"
     assert q.grad is not None and q.grad.isfinite().all()
