@@ -1,8 +1,10 @@
-"""FlashAttention-3-style attention backward for Hopper (sm_90), written in Gluon; deterministic (no atomics).
+"""FlashAttention-3-style attention backward for Hopper (sm_90), written in Gluon; deterministic (no atomics)
+by default, or with dq through fp32 atomics (deterministic=False: dq not bit-reproducible, dk/dv still are).
 
-Entry points (attention.backward runs it through `use_hopper_bwd`):
+Entry points (attention.backward runs it through `use_hopper_bwd`; atomic dq only through `use_atomic_dq`:
+FUSEKIT_TRITON_ATTN_ATOMIC_DQ=1, off by default, and never under torch.use_deterministic_algorithms(True)):
     hopper_bwd_supported(q, k, v, kv_len) -> bool    whether hopper_backward can run these tensors
-    hopper_backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale) -> None
+    hopper_backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale, deterministic=True) -> None
 
 Contract (that of attention_backward.attention_backward without kv_len): q/o/do/dq [B, H, S, D] contiguous,
 k/v [B, Hkv, Skv, D] with a contiguous last dim (strided views allowed when every stride is 16-byte aligned),
@@ -30,6 +32,20 @@ Three launches, as attention_backward.py (7 matmuls, no atomics):
    streams K, V tiles of BLOCK_N keys through a ring (separate K and V ready barriers); each consumer
    warpgroup owns 64 query rows: S = Q K^T, dP = dO V^T, P, dS = P (dP - delta), dQ += dS K (dS from
    registers), dq * scale stored through its Q buffer by TMA (clipped at S).
+Atomic dq (deterministic=False; FA3's and SDPA's way, 5 matmuls instead of 7): the preprocess, then one launch
+of `_dkdvdq_hopper` = `_dkdv_hopper` plus, per ring slot, dQ[m:m+BLOCK_M] += scale dS K added with relaxed fp32
+atomics (ptxas: REDG.E.ADD.F32, fire and forget) into a zeroed fp32 [B, H, S, D] buffer (rows past S masked;
+GQA: each kv-head CTA adds into every query head of its group), then dq = that buffer in dq's dtype (one copy).
+Each warpgroup stores its dS^T [64 keys, BLOCK_M] (bf16/fp16) into shared memory (double-buffered by step
+parity); the dQ wgmma reads it transposed as A (MN-major) and K from the CTA's K tile as B. D128 follows FA3's
+split: after a named barrier over both consumer warpgroups (bar.sync 8, 256: both dS^T halves stored), warpgroup
+w computes dQ[:, w*64:(w+1)*64] over all 128 keys (two K=64 wgmmas), so its accumulator is [BLOCK_M, 64] fp32
+(32 registers) and each dq element gets one atomic per CTA. D64 (a 32-column slice of a 128-byte swizzled tile
+would cut a swizzle atom): each warpgroup computes dQ[:, D] over its own 64 keys ([64, 64] fp32, 32 registers)
+and both add. P^T is clamped at 1 (exact p <= 1): the zero-filled keys past Skv of the last CTA get
+p = exp2(-lse2), which overflows to inf for lse < -88, and inf * 0 in dS K would reach dq (dk/dv clip them).
+ptxas (Triton 3.6, sm_90a) spills: D64 none; D128 428/396 bytes stored/loaded non-causal, 856/1016 causal (the
+deterministic dk/dv kernel: 88/88, 172/220). Not measured on a GPU yet (.dev/s/atomic_probe.py).
 Causal: query blocks (dk/dv) and key tiles (dq) nobody sees are never loaded; only the diagonal tiles (and for
 dq the ragged Skv tail, whose zero-filled keys would otherwise give p = exp2(-lse2)) run masked. A ragged S
 tail needs no mask: TMA zero-fills q/do rows past S (the [B*H, S, D] descriptors clip at the head's end) and
@@ -313,7 +329,9 @@ if HAS_GLUON:
         lse2 = gl.load(lse2_ptr + row_base + qi, mask=in_s, other=float("inf"))
         delta = gl.load(delta_ptr + row_base + qi, mask=in_s, other=0.0)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        # at most 1 (p <= 1 up to rounding): zero-filled keys past Skv get p = exp2(-lse2), which overflows to inf
+        # for lse < -88, and inf * 0 in dS K would reach dq (dk, dv of those keys are clipped by the store)
+        pt = gl.minimum(gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0)), 1.0)
         if MASK:
             pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(qi + diag, 0), pt, 0.0)
         p16 = gl.convert_layout(pt.to(dtype), a_layout)

@@ -207,6 +207,19 @@ def test_gpu_atomic_dq_matches_float64(device: str, dtype: torch.dtype, case) ->
         assert (got[0][:, :, dead] == 0).all()
 
 
+def test_gpu_atomic_dq_tiny_lse(device: str) -> None:
+    """Scores all near -100 (lse < -88) with a ragged Skv: the zero-filled keys past Skv would give
+    p = exp2(-lse2) = inf and NaN in dq through dS K; the kernel clamps p at 1."""
+    _need_sm90(device)
+    B, H, Hkv, S, Skv, D = 1, 4, 2, 100, 77, 128
+    q, k, v, do = _inputs(B, H, Hkv, S, Skv, D, torch.bfloat16, 3)
+    q = (3 + 0.1 * q.float()).to(q.dtype)
+    k = (-3 + 0.1 * k.float()).to(k.dtype)
+    o, lse, ref = _reference(q, k, v, do, False, D**-0.5)
+    assert lse.max() < -88
+    _check(_run(q, k, v, do, o, lse, False, D**-0.5, deterministic=False), ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_atomic_dq_dkdv_reproducible(device: str, causal: bool, D: int) -> None:
