@@ -58,8 +58,12 @@ of 64 x 256 K and V tiles = 128 KB, 192 KB in all (196864 bytes with the barrier
 32, P 16 (in flight in the P V wgmma) + 16 (the next tile's); ptxas (Triton 3.6 and 3.9, fp16 and bf16,
 causal or not, host or device descriptors): 0 bytes spilled. 128-key tiles (one stage, 192 KB) spill
 850-930 bytes (S 64 + P 2 x 32 registers on top of O); 32-key tiles (3 or 4 stages) do not spill either
-(FUSEKIT_HOPPER_ATTN_CFG=32,4 for probes). Not measured on a GPU yet: attention.use_hopper routes D256 here
-only with FUSEKIT_TRITON_ATTN_GLUON_D256=1 (.dev/s/d256_probe.py compares it with SDPA and attention.py).
+(FUSEKIT_HOPPER_ATTN_CFG=32,4 for probes). With 2 stages the next tile's K waits until both warpgroups
+are done with the P V of the tile before; K_EARLY (FA3's separate K and V pipelines) frees a K slot as soon as
+its S = Q K^T is done, through a second set of empty barriers (FUSEKIT_HOPPER_ATTN_CFG=64,2,1; no spills
+either; off everywhere until measured: K_EARLY_DIMS). Not measured on a GPU yet: attention.use_hopper routes
+D256 here only with FUSEKIT_TRITON_ATTN_GLUON_D256=1 (.dev/s/d256_probe.py compares it with SDPA and
+attention.py).
 
 Gluon is experimental and its API moves between Triton releases: written against Triton 3.6 (the GPU host)
 and compile-checked for sm_90 with 3.9 (CI). Without Gluon's Hopper module, hopper_supported says False.
@@ -113,13 +117,20 @@ PRODUCER_REGS = 24
 _MAX_GRID_Y = 65535
 
 
-def _env_config(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_N, STAGES): the table above, or FUSEKIT_HOPPER_ATTN_CFG="BLOCK_N,STAGES" (probes)."""
+# Head dims whose K slots are freed as soon as S = Q K^T is done (FA3's separate K and V pipelines) instead of
+# after P V with V's: the next K load starts a tile earlier, which matters with 2 stages. None yet: it is not
+# measured on a GPU (FUSEKIT_HOPPER_ATTN_CFG="BLOCK_N,STAGES,1" turns it on for probes).
+K_EARLY_DIMS: tuple[int, ...] = ()
+
+
+def _env_config(head_dim: int) -> tuple[int, int, bool]:
+    """(BLOCK_N, STAGES, K_EARLY): the tables above, or FUSEKIT_HOPPER_ATTN_CFG="BLOCK_N,STAGES[,K_EARLY]"
+    (probes)."""
     env = os.environ.get("FUSEKIT_HOPPER_ATTN_CFG")
     if env:
-        bn, st = (int(x) for x in env.split(","))
-        return bn, st
-    return CONFIGS[head_dim]
+        bn, st, *ke = (int(x) for x in env.split(","))
+        return bn, st, bool(ke and ke[0])
+    return (*CONFIGS[head_dim], head_dim in K_EARLY_DIMS)
 
 
 if HAS_GLUON:
@@ -170,9 +181,9 @@ if HAS_GLUON:
     def _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, rows, cols,
                        qk_scale, diag, SKV, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        MASK: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                       PINGPONG: gl.constexpr):  # fmt: skip
+                       PINGPONG: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
         # Tile j's scores overlap tile j-1's P V: issue S_j, issue PV_{j-1}, wait for S_j only, softmax, then
-        # wait for PV_{j-1}, free slot j-1 and rescale O.
+        # wait for PV_{j-1}, free slot j-1 and rescale O. K_EARLY: K_j's slot is freed once S_j is done.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
         slot = j % STAGES
@@ -192,6 +203,8 @@ if HAS_GLUON:
                 if j < n_tiles - 1:  # warpgroup 0 waits n_tiles - 1 times; one arrival came before the loop
                     _named_barrier(j, 0, False)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        if K_EARLY:
+            mbarrier.arrive(kv_empty.index(STAGES + slot), count=1)
         p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, cols, j * BLOCK_N, qk_scale, diag, SKV,
                                                MASK, CAUSAL)  # fmt: skip
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))  # p stays live until PV is done
@@ -204,7 +217,7 @@ if HAS_GLUON:
     def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
                   qk_scale, m0, n_tiles, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, HOST: gl.constexpr,
-                  PINGPONG: gl.constexpr):  # fmt: skip
+                  PINGPONG: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
         M: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
@@ -232,6 +245,8 @@ if HAS_GLUON:
         s_tok = warpgroup_mma(q_s, k_bufs.index(0).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False, is_async=True)  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        if K_EARLY:
+            mbarrier.arrive(kv_empty.index(STAGES), count=1)
         m_i = gl.full([M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([M], gl.float32, row_s)
         p, m_i, l_i, _alpha = _softmax_tile(s, m_i, l_i, rows, cols, 0, qk_scale, diag, SKV, True, CAUSAL)
@@ -245,11 +260,11 @@ if HAS_GLUON:
         for j in range(1, n_full):
             p, m_i, l_i, acc = _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
                                               kv_empty, rows, cols, qk_scale, diag, SKV, n_tiles, BLOCK_N, STAGES, False,
-                                              CAUSAL, WG, PINGPONG)  # fmt: skip
+                                              CAUSAL, WG, PINGPONG, K_EARLY)  # fmt: skip
         for j in range(gl.maximum(n_full, 1), n_tiles):
             p, m_i, l_i, acc = _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
                                               kv_empty, rows, cols, qk_scale, diag, SKV, n_tiles, BLOCK_N, STAGES, True,
-                                              CAUSAL, WG, PINGPONG)  # fmt: skip
+                                              CAUSAL, WG, PINGPONG, K_EARLY)  # fmt: skip
 
         # the last tile's P V
         last = n_tiles - 1
@@ -303,7 +318,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, m0,
-                  n_tiles, bh, b, hkv, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HOST: gl.constexpr):  # fmt: skip
+                  n_tiles, bh, b, hkv, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HOST: gl.constexpr,
+                  K_EARLY: gl.constexpr):  # fmt: skip
         # HOST: descriptors built on the host over q [B*H, S, D] and k/v [B, Hkv, Skv, D] (through their
         # strides); the 2-D ring slots are viewed with the descriptor's rank. Else per-head 2-D descriptors.
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -317,14 +333,20 @@ if HAS_GLUON:
         for j in range(n_tiles):
             slot = j % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first round passes
-            mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
-            _load_kv_tile(k_desc, b, hkv, j * BLOCK_N, k_ready.index(slot), k_bufs.index(slot), HOST)
+            if K_EARLY:  # K's own empty barriers (freed after S = Q K^T), then V's
+                mbarrier.wait(kv_empty.index(STAGES + slot), ((j // STAGES) & 1) ^ 1)
+                _load_kv_tile(k_desc, b, hkv, j * BLOCK_N, k_ready.index(slot), k_bufs.index(slot), HOST)
+                mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            else:
+                mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+                _load_kv_tile(k_desc, b, hkv, j * BLOCK_N, k_ready.index(slot), k_bufs.index(slot), HOST)
             _load_kv_tile(v_desc, b, hkv, j * BLOCK_N, v_ready.index(slot), v_bufs.index(slot), HOST)
 
     @gluon.jit
     def _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr, HOST: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+                  PRODUCER_REGS: gl.constexpr, HOST: gl.constexpr, PINGPONG: gl.constexpr,
+                  K_EARLY: gl.constexpr):  # fmt: skip
         BM: gl.constexpr = 128
         M: gl.constexpr = 64
         WG0: gl.constexpr = 0  # partition arguments must be IR values or constexprs, not Python ints
@@ -351,17 +373,22 @@ if HAS_GLUON:
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_bar, k_ready, v_ready, kv_empty = ring_barriers(STAGES)
+        # K_EARLY: kv_empty [0, STAGES) says a V slot is free (after P V), [STAGES, 2 STAGES) a K slot (after S)
+        if K_EARLY:
+            kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2 * STAGES):
+                mbarrier.init(kv_empty.index(i), count=2)
 
         gl.warp_specialize(
             [
                 (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
                              qk_scale, m0, n_tiles, WG0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HOST,
-                             PINGPONG)),
+                             PINGPONG, K_EARLY)),
                 (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
                              qk_scale, m0, n_tiles, WG1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HOST,
-                             PINGPONG)),
+                             PINGPONG, K_EARLY)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             m0, n_tiles, bh, b, hkv, BLOCK_N, STAGES, HOST)),
+                             m0, n_tiles, bh, b, hkv, BLOCK_N, STAGES, HOST, K_EARLY)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -371,10 +398,11 @@ if HAS_GLUON:
     def _attn_fwd_hopper_hd(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                             CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False):  # fmt: skip
+                            PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False,
+                            K_EARLY: gl.constexpr = False):  # fmt: skip
         # Host-built descriptors (kernel parameters): no per-CTA descriptor construction in the prologue.
         _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, True, PINGPONG)  # fmt: skip
+                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, True, PINGPONG, K_EARLY)  # fmt: skip
 
     _attn_fwd_hopper_hd = fast_launch(_attn_fwd_hopper_hd)  # launched through launch_keyed (run_hopper)
 
@@ -383,7 +411,8 @@ if HAS_GLUON:
                          stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False):  # fmt: skip
+                         PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False,
+                         K_EARLY: gl.constexpr = False):  # fmt: skip
         # Descriptors built on the device, per head (needs Triton's global scratch allocator).
         M: gl.constexpr = 64
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -404,7 +433,7 @@ if HAS_GLUON:
         v_desc = tma.make_tensor_descriptor(v_base, [SKV, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM],
                                             kv_layout)  # fmt: skip
         _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, False, PINGPONG)  # fmt: skip
+                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, False, PINGPONG, K_EARLY)  # fmt: skip
 
 
 @functools.cache
@@ -485,7 +514,7 @@ def run_hopper(
     hold the data pointers)."""
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    block_n, stages = _env_config(D)
+    block_n, stages, k_early = _env_config(D)
     host = os.environ.get("FUSEKIT_HOPPER_ATTN_DESC", "host") != "device"
     if not host:
         from kernels_triton._config import ensure_tma_allocator
@@ -493,7 +522,8 @@ def run_hopper(
         ensure_tma_allocator()
     pingpong = os.environ.get("FUSEKIT_HOPPER_ATTN_PINGPONG", "0") == "1"
     consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+                  PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong, K_EARLY=k_early, num_warps=NUM_WARPS,
+                  maxnreg=MAXNREG)  # fmt: skip
     bstep = max(1, _MAX_GRID_Y // H)
     for b0 in range(0, B, bstep):
         sl = slice(b0, min(B, b0 + bstep))
@@ -503,7 +533,7 @@ def run_hopper(
             qd, kd, vd, od = _host_descriptors(qq, kk, vv, oo, block_n)
             # everything the compiled kernel depends on: dtypes, constexprs, grid, device, the int arguments'
             # specialization classes and lse's 16-byte alignment (descriptors are 16-byte aligned by contract)
-            key = ("attn_hopper", q.device.index, q.dtype, D, bool(causal), block_n, stages, pingpong, grid,
+            key = ("attn_hopper", q.device.index, q.dtype, D, bool(causal), block_n, stages, pingpong, k_early, grid,
                    *((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv)), ll.data_ptr() & 15 == 0)  # fmt: skip
             args = (qd, kd, vd, od, ll, H, Hkv, S, Skv, float(qk_scale))
             launch_keyed(_attn_fwd_hopper_hd, key, grid, args, consts)
@@ -556,9 +586,10 @@ def aot_specs_gluon() -> list[tuple[str, object, dict, dict, dict]]:
                        "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
                        "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
                        "CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
-                       "PINGPONG": "constexpr"}  # fmt: skip
+                       "PINGPONG": "constexpr", "K_EARLY": "constexpr"}  # fmt: skip
                 const = {"HEAD_DIM": d, "BLOCK_N": bn, "STAGES": st, "CAUSAL": causal,
-                         "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS, "PINGPONG": False}  # fmt: skip
+                         "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS, "PINGPONG": False,
+                         "K_EARLY": d in K_EARLY_DIMS}  # fmt: skip
                 opts = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
                 specs.append(
                     (f"attn_hopper_{dt}_d{d}_c{int(causal)}_devdesc", _attn_fwd_hopper, sig, const, opts)

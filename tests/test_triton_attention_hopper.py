@@ -201,6 +201,37 @@ def test_gpu_matches_float64(device: str, dtype: torch.dtype, case) -> None:
     assert (o[~fin] == 0).all()
 
 
+@pytest.mark.parametrize(
+    "cfg", ["64,2,1", "32,4,1", "128,2,1"], ids=["bn64s2-kearly", "bn32s4-kearly", "bn128s2-kearly"]
+)
+@pytest.mark.parametrize(
+    "case", [(2, 4, 2, 77, 300, True), (1, 4, 1, 300, 77, True), (1, 2, 2, 333, 333, False)]
+)
+def test_gpu_k_early_matches_float64(device: str, monkeypatch: pytest.MonkeyPatch, cfg: str, case) -> None:
+    """K_EARLY (K slots freed after S, FUSEKIT_HOPPER_ATTN_CFG=BLOCK_N,STAGES,1), not in the default tables
+    yet: bf16 at D256 (D128 for the 128-key tile, which spills at D256) against float64."""
+    from fusekit.tolerances import rtol
+
+    _need_sm90(device)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_CFG", cfg)
+    B, H, Hkv, S, Skv, causal = case
+    D = 128 if cfg.startswith("128") else 256
+    dt = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(S + Skv)
+    q = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    k = torch.randn(B, Hkv, Skv, D, device="cuda", generator=g).to(dt)
+    v = torch.randn(B, Hkv, Skv, D, device="cuda", generator=g).to(dt)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((B, H, S), float("nan"), device="cuda")
+    _mod().hopper_forward(o, lse, q, k, v, causal, D**-0.5 * 1.4426950408889634)
+    ref, ref_lse = _reference(q, k, v, causal, D**-0.5)
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert ((o.double() - ref).norm() / ref.norm()).item() < rtol("attention", dt)
+    fin = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), fin) and (o[~fin] == 0).all()
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-3
+
+
 def test_gpu_kv_cache_view(device: str) -> None:
     """k/v as strided views into a NaN-padded cache [B, max_len, Hkv, D] (read in place through the strides;
     the slots past Skv are never read)."""
