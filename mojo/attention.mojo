@@ -5,8 +5,8 @@
 #   attention:          outputs (o [B, H, S, D], lse [B, H, S] f32), inputs (q [B, H, S, D],
 #                       k [B, Hkv, Skv, D], v [B, Hkv, Skv, D], kv_len? [B] int32,
 #                       params [3] f32 = [causal, scale, has_kv_len], or [4] with a 4th slot `decode` whose
-#                       PRESENCE selects the split-KV decode kernels for decode shapes: opt-in,
-#                       FUSEKIT_MOJO_ATTN_DECODE=1, until the H100 harness has run them).
+#                       PRESENCE selects the split-KV decode kernels for decode shapes: on by default,
+#                       FUSEKIT_MOJO_ATTN_DECODE=0 leaves the slot out).
 #   attention_backward: outputs (dq [B, H, S, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, D]), inputs
 #                       (do [B, H, S, D], q, k, v, o, lse [B, H, S] f32, kv_len?, params as above, or
 #                       params [4] f32 = [causal, scale, has_kv_len, bwd_tc]). The 4th slot exists
@@ -1021,7 +1021,7 @@ struct Attention:
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":
             var partp = rebind[Pointer[Float32, MutAnyOrigin]](part.unsafe_ptr())
-            # params' 4th slot (decode) is there only when opted in (specs.ATTN_DECODE): its presence is read
+            # params' 4th slot (decode) is there unless switched off (specs.ATTN_DECODE): its presence is read
             attention_gpu_ws[dtype](
                 op, lp, partp, part.dim_size(0), qp, kp, vp, ip, pp, B, H, Hkv, S, Skv, D, ctx,
                 decode=params.dim_size(0) > 3,

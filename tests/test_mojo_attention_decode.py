@@ -20,21 +20,25 @@ SMS = (78, 132, 304)
 
 @pytest.fixture(autouse=True)
 def _decode_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The size function as it runs with the kernels opted in (FUSEKIT_MOJO_ATTN_DECODE=1)."""
+    """The size function as it runs with the kernels on (the default; FUSEKIT_MOJO_ATTN_DECODE=0 is off)."""
     monkeypatch.setattr(specs, "ATTN_DECODE", True)
 
 
-def test_off_by_default_until_run_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the opt-in the forward spec has no `decode` slot (the Mojo launcher keeps the prefill kernels
-    for decode shapes) and allocates no partials."""
+def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Switched off (FUSEKIT_MOJO_ATTN_DECODE=0) the forward spec has no `decode` slot (the Mojo launcher keeps
+    the prefill kernels for decode shapes) and allocates no partials."""
     monkeypatch.setattr(specs, "ATTN_DECODE", False)
-    base = specs.phase_spec("attention", "forward")
-    assert base.params[-1] != "decode" and len(base.params) == 3
-    q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(1, 8, 2048, 128, dtype=torch.bfloat16, device="meta")
-    assert _sizes(q, k, 132) == 0
-    flagged = specs.with_flag(base, "decode")
-    assert flagged.params[-1] == "decode" and len(flagged.params) == 4
+    specs.phase_spec.cache_clear()  # phase_spec is cached per process: the switch is read once
+    try:
+        base = specs.phase_spec("attention", "forward")
+        assert base.params[-1] != "decode" and len(base.params) == 3
+        q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(1, 8, 2048, 128, dtype=torch.bfloat16, device="meta")
+        assert _sizes(q, k, 132) == 0
+        flagged = specs.with_flag(base, "decode")
+        assert flagged.params[-1] == "decode" and len(flagged.params) == 4
+    finally:
+        specs.phase_spec.cache_clear()  # later tests (same process) see the default spec again
 
 
 def _comptime(name: str) -> int:

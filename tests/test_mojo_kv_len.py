@@ -53,8 +53,10 @@ def test_signature_takes_kv_len() -> None:
         ms = phase_spec("attention", phase)
         assert ms.inputs[-1].name == "kv_len" and ms.inputs[-1].dtype == "int32"
         # the backward's 4th slot selects the tensor-core kernels (specs.attention_bwd_tc, on by default)
+        # the forward's 4th slot selects the split-KV decode kernels (specs.ATTN_DECODE, on by default)
         tc = ("bwd_tc",) if phase == "backward" and specs.attention_bwd_tc() else ()
-        assert ms.params == ("causal", "scale", "has_kv_len", *tc)
+        dec = ("decode",) if phase == "forward" and specs.ATTN_DECODE else ()
+        assert ms.params == ("causal", "scale", "has_kv_len", *tc, *dec)
 
 
 @pytest.mark.parametrize("causal", (False, True))

@@ -14,7 +14,7 @@ import os
 
 os.environ.setdefault(
     "FUSEKIT_MOJO_ATTN_DECODE", "1"
-)  # the decode kernels are opt-in until checked (specs.py)
+)  # on by default since 2026-11-27; kept so the check never times the prefill path
 
 import torch
 import torch.nn.functional as F
