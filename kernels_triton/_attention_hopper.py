@@ -61,9 +61,10 @@ causal or not, host or device descriptors): 0 bytes spilled. 128-key tiles (one 
 (FUSEKIT_HOPPER_ATTN_CFG=32,4 for probes). With 2 stages the next tile's K waits until both warpgroups
 are done with the P V of the tile before; K_EARLY (FA3's separate K and V pipelines) frees a K slot as soon as
 its S = Q K^T is done, through a second set of empty barriers (FUSEKIT_HOPPER_ATTN_CFG=64,2,1; no spills
-either; off everywhere until measured: K_EARLY_DIMS). Not measured on a GPU yet: attention.use_hopper routes
-D256 here only with FUSEKIT_TRITON_ATTN_GLUON_D256=1 (.dev/s/d256_probe.py compares it with SDPA and
-attention.py).
+either; on at D256: K_EARLY_DIMS). Measured on an H100 (Triton 3.6, .dev probe at b7a6498, do_bench with the
+L2 flushed, SDPA and attention.py's kernel in the same process), bf16: B4 H32 S4096 D256 699 TFLOP/s (SDPA
+669, attention.py 511), causal 615 (607, 465), B16 S1024 564 (591, 418); without K_EARLY 539 / 498 / 459.
+attention.use_hopper routes D256 here (FUSEKIT_TRITON_ATTN_GLUON_D256=0 does not).
 
 Gluon is experimental and its API moves between Triton releases: written against Triton 3.6 (the GPU host)
 and compile-checked for sm_90 with 3.9 (CI). Without Gluon's Hopper module, hopper_supported says False.
@@ -118,9 +119,10 @@ _MAX_GRID_Y = 65535
 
 
 # Head dims whose K slots are freed as soon as S = Q K^T is done (FA3's separate K and V pipelines) instead of
-# after P V with V's: the next K load starts a tile earlier, which matters with 2 stages. None yet: it is not
-# measured on a GPU (FUSEKIT_HOPPER_ATTN_CFG="BLOCK_N,STAGES,1" turns it on for probes).
-K_EARLY_DIMS: tuple[int, ...] = ()
+# after P V with V's: the next K load starts a tile earlier, which matters with 2 stages. H100 at D256 (64 x 2,
+# B4 H32 S4096): 699 TFLOP/s against 539 without it, causal 615 against 498, B16 S1024 564 against 459.
+# (FUSEKIT_HOPPER_ATTN_CFG="BLOCK_N,STAGES,0|1" chooses for probes.)
+K_EARLY_DIMS: tuple[int, ...] = (256,)
 
 
 def _env_config(head_dim: int) -> tuple[int, int, bool]:

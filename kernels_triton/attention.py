@@ -272,16 +272,16 @@ GLUON = os.environ.get("FUSEKIT_TRITON_ATTN_GLUON", "1") not in ("", "0")
 # TMA descriptors per call) outweighs its kernel: H100, B1 H32 S128 D128 causal 106 us wall per call against
 # ~45 us on the kernel above; B1 H32/8 S2048 D128 causal (34 GFLOP) 1.55x the kernel above.
 _GLUON_MIN_FLOP = 1 << 34
-# D256 in the Gluon kernel (causal or not): off until measured on a GPU against the kernel above (0.62-0.85x
-# SDPA at D256 on the H100); FUSEKIT_TRITON_ATTN_GLUON_D256=1 turns it on (.dev/s/d256_probe.py compares).
-_GLUON_D256 = os.environ.get("FUSEKIT_TRITON_ATTN_GLUON_D256", "0") not in ("", "0")
+# D256 in the Gluon kernel (causal or not; 64-key tiles with K_EARLY). H100, .dev probe at b7a6498 (do_bench,
+# L2 flushed, same process): B4 H32 S4096 699 TFLOP/s (1.37x the kernel above, 1.05x SDPA), causal 615 (1.32x,
+# 1.01x), B16 S1024 564 (1.35x, 0.96x). FUSEKIT_TRITON_ATTN_GLUON_D256=0 keeps D256 on the kernel above.
+_GLUON_D256 = os.environ.get("FUSEKIT_TRITON_ATTN_GLUON_D256", "1") not in ("", "0")
 
 
 def use_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, causal: bool) -> bool:
     """Whether `forward` runs the Gluon FA3-style kernel of _attention_hopper.py (sm_90; no kv_len): where it
     beat the kernel above on the H100 (D128 1.09-1.21x, causal or not; D64 full 1.05-1.07x; D64 causal lost,
-    0.79-0.97x: softmax-bound at D64, see that module's figures), D256 only with _GLUON_D256 (not measured
-    yet), with 16-byte aligned o and tensors it takes, at sizes where its kernel outweighs its host path
+    0.79-0.97x: softmax-bound at D64, see that module's figures), D256 (1.32-1.37x; _GLUON_D256), with 16-byte aligned o and tensors it takes, at sizes where its kernel outweighs its host path
     (_GLUON_MIN_FLOP)."""
     B, H, S, D = q.shape
     return (

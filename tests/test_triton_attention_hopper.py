@@ -99,8 +99,8 @@ def test_aot_spec_names():
 
 
 def test_d256_routing(monkeypatch: pytest.MonkeyPatch):
-    """attention.use_hopper sends D256 to this kernel only with _GLUON_D256 (FUSEKIT_TRITON_ATTN_GLUON_D256,
-    off by default until measured); use_hopper_bwd never sends D256 to the Gluon backward (D64/D128 only)."""
+    """attention.use_hopper sends D256 to this kernel only with _GLUON_D256 (on unless
+    FUSEKIT_TRITON_ATTN_GLUON_D256=0); use_hopper_bwd never sends D256 to the Gluon backward (D64/D128 only)."""
     from kernels_triton import attention as A
 
     monkeypatch.setattr(A, "hopper_supported", lambda *a: True)
