@@ -120,9 +120,10 @@ _MAX_GRID_Y = 65535
 
 # Head dims whose K slots are freed as soon as S = Q K^T is done (FA3's separate K and V pipelines) instead of
 # after P V with V's: the next K load starts a tile earlier, which matters with 2 stages. H100 at D256 (64 x 2,
-# B4 H32 S4096): 699 TFLOP/s against 539 without it, causal 615 against 498, B16 S1024 564 against 459.
-# (FUSEKIT_HOPPER_ATTN_CFG="BLOCK_N,STAGES,0|1" chooses for probes.)
-K_EARLY_DIMS: tuple[int, ...] = (256,)
+# B4 H32 S4096): 699 TFLOP/s against 539 without it, causal 615 against 498, B16 S1024 564 against 459. D128
+# (128 x 2): 633 against 552, causal 539 against 475, B8 S1024 causal 340 against 307. D64 (128 x 3): 418
+# against 437 non-causal, so not there. (FUSEKIT_HOPPER_ATTN_CFG="BLOCK_N,STAGES,0|1" chooses for probes.)
+K_EARLY_DIMS: tuple[int, ...] = (128, 256)
 
 
 def _env_config(head_dim: int) -> tuple[int, int, bool]:
