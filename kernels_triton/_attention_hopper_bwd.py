@@ -1,10 +1,8 @@
-"""FlashAttention-3-style attention backward for Hopper (sm_90), written in Gluon; deterministic (no atomics)
-by default, or with dq through fp32 atomics (deterministic=False: dq not bit-reproducible, dk/dv still are).
+"""FlashAttention-3-style attention backward for Hopper (sm_90), written in Gluon; deterministic (no atomics).
 
-Entry points (attention.backward runs it through `use_hopper_bwd`; atomic dq only through `use_atomic_dq`:
-FUSEKIT_TRITON_ATTN_ATOMIC_DQ=1, off by default, and never under torch.use_deterministic_algorithms(True)):
+Entry points (attention.backward runs it through `use_hopper_bwd`):
     hopper_bwd_supported(q, k, v, kv_len) -> bool    whether hopper_backward can run these tensors
-    hopper_backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale, deterministic=True) -> None
+    hopper_backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale) -> None
 
 Contract (that of attention_backward.attention_backward without kv_len): q/o/do/dq [B, H, S, D] contiguous,
 k/v [B, Hkv, Skv, D] with a contiguous last dim (strided views allowed when every stride is 16-byte aligned),
@@ -32,20 +30,6 @@ Three launches, as attention_backward.py (7 matmuls, no atomics):
    streams K, V tiles of BLOCK_N keys through a ring (separate K and V ready barriers); each consumer
    warpgroup owns 64 query rows: S = Q K^T, dP = dO V^T, P, dS = P (dP - delta), dQ += dS K (dS from
    registers), dq * scale stored through its Q buffer by TMA (clipped at S).
-Atomic dq (deterministic=False; FA3's and SDPA's way, 5 matmuls instead of 7): the preprocess, then one launch
-of `_dkdvdq_hopper` = `_dkdv_hopper` plus, per ring slot, dQ[m:m+BLOCK_M] += scale dS K added with relaxed fp32
-atomics (ptxas: REDG.E.ADD.F32, fire and forget) into a zeroed fp32 [B, H, S, D] buffer (rows past S masked;
-GQA: each kv-head CTA adds into every query head of its group), then dq = that buffer in dq's dtype (one copy).
-Each warpgroup stores its dS^T [64 keys, BLOCK_M] (bf16/fp16) into shared memory (double-buffered by step
-parity); the dQ wgmma reads it transposed as A (MN-major) and K from the CTA's K tile as B. D128 follows FA3's
-split: after a named barrier over both consumer warpgroups (bar.sync 8, 256: both dS^T halves stored), warpgroup
-w computes dQ[:, w*64:(w+1)*64] over all 128 keys (two K=64 wgmmas), so its accumulator is [BLOCK_M, 64] fp32
-(32 registers) and each dq element gets one atomic per CTA. D64 (a 32-column slice of a 128-byte swizzled tile
-would cut a swizzle atom): each warpgroup computes dQ[:, D] over its own 64 keys ([64, 64] fp32, 32 registers)
-and both add. P^T is clamped at 1 (exact p <= 1): the zero-filled keys past Skv of the last CTA get
-p = exp2(-lse2), which overflows to inf for lse < -88, and inf * 0 in dS K would reach dq (dk/dv clip them).
-ptxas (Triton 3.6, sm_90a) spills: D64 none; D128 428/396 bytes stored/loaded non-causal, 856/1016 causal (the
-deterministic dk/dv kernel: 88/88, 172/220). Not measured on a GPU yet (.dev/s/atomic_probe.py).
 Causal: query blocks (dk/dv) and key tiles (dq) nobody sees are never loaded; only the diagonal tiles (and for
 dq the ragged Skv tail, whose zero-filled keys would otherwise give p = exp2(-lse2)) run masked. A ragged S
 tail needs no mask: TMA zero-fills q/do rows past S (the [B*H, S, D] descriptors clip at the head's end) and
@@ -56,10 +40,26 @@ Measured (H100, torch 2.11, Triton 3.6, .dev probe at 332704d; kernel time with 
 S=Skv=4096 bf16; FLOPs 10*B*H*S*Skv*D, half causal): D128 446 TFLOP/s non-causal (1.11x the kernels of
 attention_backward.py), 396 causal (1.09x); D64 357 / 323 (1.00x / 1.01x); B1 H32/8 S2048 D128 causal 239
 (1.05x). SDPA's backward ran at 523 / 455 (D128) and 438 / 371 (D64) in the same process: FA3's dq via
-fp32 atomics in the dk/dv kernel saves the second kernel's recompute, and is not deterministic. Config sweep
+fp32 atomics in the dk/dv kernel saves the second kernel's recompute (tried here and lost: below). Config sweep
 (same run, D128): dq BLOCK_N 128 x 2 stages 1-2% faster than 64 x 3 (the table below); dk/dv BLOCK_M 64 beat
 32 by 5-10% (32 x 3: 407 TFLOP/s), 3 stages = 2. D64: the table's (64, 3) / (128, 2) was the best of three.
 FUSEKIT_HOPPER_BWD_CFG="DKDV_BLOCK_M,DKDV_STAGES,DQ_BLOCK_N,DQ_STAGES" overrides them (probes).
+
+Atomic dq, tried and removed (8d72676, fa4b21e; the code is in git at fa4b21e): FA3's and SDPA's way, dQ +=
+scale dS K inside the dk/dv kernel (5 matmuls instead of 7) through relaxed fp32 `red.global.add` into a zeroed
+fp32 [B, H, S, D] buffer, then one copy to dq's dtype. It lost on the H100 (Triton 3.6, torch 2.11, 2026-11-27;
+do_bench, L2 flushed; B4 H32 S=Skv=4096 bf16; FLOPs 10*B*H*S*Skv*D, half causal): D128 356 TFLOP/s against 446
+for the deterministic kernels, causal 279 against 403; D64 242 / 356, causal 232 / 322; B1 H32/8 S2048 D128
+causal 144 / 239; the zero-fill + copy alone took 0.22 ms at D128. It was correct (dq within 3.5e-5 of the
+deterministic kernels', dk/dv bit-identical). Through the bench's train suite (fwd+bwd): 391 TFLOP/s against
+489. Why: every dk/dv CTA adds a full [S, D] fp32 slice per query head, B*H*(Skv/128)*S*D = 2.1 G scalar atomic
+adds at that shape (~8.6 GB of atomic traffic); FA3 makes the same adds as bulk TMA reduce-adds of shared-memory
+tiles, which Gluon on Triton 3.6 lacks (3.9 has TMA reduce); and its D128 variant spilled 428-1016 bytes (ptxas,
+3.6). Worth another try from fa4b21e once the GPU host's Triton has TMA reduce.
+The deterministic path's split in the same run (each kernel timed with the preprocess; ms): D128 dk/dv 3.88, dq
+2.41 (whole backward 6.17), causal 2.21 / 1.36 (3.41); D64 2.51 / 1.48, causal 1.38 / 0.82. SDPA's backward:
+5.26 / 2.96 (D128, non-causal / causal), 3.16 / 1.91 (D64). So the remaining gap is in the dk/dv kernel
+(4 matmuls, ~580 TFLOP/s actual); the dq kernel (3 matmuls) runs near 700 TFLOP/s actual.
 
 Gluon is experimental and its API moves between Triton releases: written against Triton 3.6 (the GPU host)
 and compile-checked for sm_90 with 3.6 and 3.9. Without Gluon's Hopper module, hopper_bwd_supported says False.
@@ -282,201 +282,6 @@ if HAS_GLUON:
 
     _dkdv_hopper = fast_launch(_dkdv_hopper)
 
-    # --------------------------------------------------------------------------- dk / dv + atomic dq
-    @gluon.jit
-    def _bar_sync_consumers(dummy):
-        # Named barrier 8 over both consumer warpgroups (256 threads; Triton's own partition barriers use the low
-        # ids). Inline asm: Gluon on Triton 3.6 has no named-barrier op. bar.sync orders the shared-memory
-        # writes of all 256 threads before it (each thread fenced its own writes for the async proxy first).
-        gl.inline_asm_elementwise("bar.sync 8, 256;\nmov.b32 $0, $1;", "=r,r", [dummy], dtype=gl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-
-    @gluon.jit
-    def _dkdvdq_step(t, m, dk, dv, k_smem, v_s, q_bufs, do_bufs, ds_smem, q_ready, do_ready, qdo_empty, lse2_ptr,
-                     delta_ptr, dqa_ptr, row_base, keys, cols, S, diag, qk_scale, sm_scale, WG: gl.constexpr,
-                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                     SPLIT_D: gl.constexpr):  # fmt: skip
-        # _dkdv_step plus dQ[m:m+BLOCK_M] += scale dS K through fp32 atomics. dS^T goes to shared memory
-        # (double-buffered by step parity); then SPLIT_D (D128): this warpgroup computes dQ[:, its half of D]
-        # over both warpgroups' 128 keys (after a named barrier: both halves of dS stored), FA3's split, so the
-        # accumulator is [BLOCK_M, D/2] and every dq element gets one atomic per CTA; else (D64) dQ[:, D] over
-        # its own 64 keys (accumulator [BLOCK_M, D]; both warpgroups add into the same elements).
-        HEAD_DIM: gl.constexpr = dk.shape[1]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])  # fmt: skip
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
-        if SPLIT_D:
-            DQ_N: gl.constexpr = HEAD_DIM // 2
-        else:
-            DQ_N: gl.constexpr = HEAD_DIM
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_N, 16])  # fmt: skip
-        dtype: gl.constexpr = v_s.dtype
-        k_s = k_smem.index(WG)
-        slot = t % STAGES
-        phase = (t // STAGES) & 1
-        q_s = q_bufs.index(slot)
-        do_s = do_bufs.index(slot)
-        ds0 = (t % 2) * 2  # this step's pair of dS^T buffers: [parity * 2 + warpgroup]
-        mbarrier.wait(q_ready.index(slot), phase)
-        s_tok = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, s_layout),
-                              use_acc=False, is_async=True)  # fmt: skip
-        mbarrier.wait(do_ready.index(slot), phase)
-        dp_tok = warpgroup_mma(v_s, do_s.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, s_layout),
-                               use_acc=False, is_async=True)  # fmt: skip
-        qi = m + cols
-        in_s = qi < S
-        lse2 = gl.load(lse2_ptr + row_base + qi, mask=in_s, other=float("inf"))
-        delta = gl.load(delta_ptr + row_base + qi, mask=in_s, other=0.0)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-        # at most 1 (p <= 1 up to rounding): zero-filled keys past Skv get p = exp2(-lse2), which overflows to inf
-        # for lse < -88, and inf * 0 in dS K would reach dq (dk, dv of those keys are clipped by the store)
-        pt = gl.minimum(gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0)), 1.0)
-        if MASK:
-            pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(qi + diag, 0), pt, 0.0)
-        p16 = gl.convert_layout(pt.to(dtype), a_layout)
-        dv_tok = warpgroup_mma(p16, do_s, dv, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
-        ds_t = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-        ds16 = gl.convert_layout(ds_t, a_layout)
-        dk_tok = warpgroup_mma(ds16, q_s, dk, is_async=True)
-        # dS^T [64 keys, BLOCK_M] into this warpgroup's buffer (K-major; transposed, the A operand of dQ = dS K),
-        # visible to the async proxy. (dK from this buffer instead of registers spilled more: ptxas, 3.6.)
-        ds_s = ds_smem.index(ds0 + WG)
-        ds_s.store(ds_t)
-        fence_async_shared()
-        if SPLIT_D:
-            # both halves stored; the buffers written next step (the other parity) were last read by the other
-            # warpgroup's dQ GEMM two steps back, which finished before it reached this step's barrier
-            _bar_sync_consumers(t)
-            # dQ[:, this warpgroup's D half] = dS[:, keys 0..63] K[0..63, half] + dS[:, 64..127] K[64..127, half]
-            k_lo = k_smem.index(0).slice(WG * DQ_N, DQ_N, dim=1)
-            k_hi = k_smem.index(1).slice(WG * DQ_N, DQ_N, dim=1)
-            dq_tok = warpgroup_mma(ds_smem.index(ds0).permute((1, 0)), k_lo,
-                                   gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
-                                   is_async=True)  # fmt: skip
-            dq_tok = warpgroup_mma(ds_smem.index(ds0 + 1).permute((1, 0)), k_hi, dq_tok, is_async=True)
-            dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=2, deps=(dv_tok, dk_tok, p16, ds16))
-        else:
-            dq_tok = warpgroup_mma(ds_s.permute((1, 0)), k_s, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout),
-                                   use_acc=False, is_async=True)  # fmt: skip
-            dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dk_tok, p16, ds16))
-        mbarrier.arrive(qdo_empty.index(slot), count=1)  # the dQ GEMM reads dS and K only
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,))
-        rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        dcols = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout))
-        if SPLIT_D:
-            dcols = dcols + WG * DQ_N
-        offs = gl.expand_dims((row_base + rows) * HEAD_DIM, 1) + gl.expand_dims(dcols, 0)
-        # rows past S: masked (their dS is 0 anyway; the buffer ends at S). relaxed, result unused: ptxas
-        # emits REDG.E.ADD.F32 (fire and forget)
-        gl.atomic_add(dqa_ptr + offs, dq * sm_scale, mask=gl.expand_dims(rows < S, 1), sem="relaxed")
-        return dk, dv
-
-    @gluon.jit
-    def _dkdvdq_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_bar, q_ready, do_ready,
-                         qdo_empty, lse2_ptr, delta_ptr, dqa_ptr, head0, bhkv, n0, S, SKV, qk_scale, sm_scale,
-                         m_lo, n_diag, n_m, group, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         SPLIT_D: gl.constexpr):  # fmt: skip
-        # _dkdv_consumer with _dkdvdq_step (the same walk: every warpgroup runs the same steps, which the
-        # SPLIT_D named barrier needs)
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])  # fmt: skip
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
-        dtype: gl.constexpr = k_smem.dtype
-        k_s = k_smem.index(WG)
-        v_s = v_smem.index(WG)
-        r0 = n0 + WG * 64
-        keys = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        diag = SKV - S
-        dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
-        mbarrier.wait(kv_bar, 0)
-        t = 0
-        for g in range(group):
-            row_base = (head0 + g).to(gl.int64) * S
-            for i in range(n_diag):
-                dk, dv = _dkdvdq_step(t, m_lo + i * BLOCK_M, dk, dv, k_smem, v_s, q_bufs, do_bufs, ds_smem, q_ready,
-                                      do_ready, qdo_empty, lse2_ptr, delta_ptr, dqa_ptr, row_base, keys, cols, S,
-                                      diag, qk_scale, sm_scale, WG, BLOCK_M, STAGES, True, SPLIT_D)  # fmt: skip
-                t += 1
-            for i in range(n_diag, n_m):
-                dk, dv = _dkdvdq_step(t, m_lo + i * BLOCK_M, dk, dv, k_smem, v_s, q_bufs, do_bufs, ds_smem, q_ready,
-                                      do_ready, qdo_empty, lse2_ptr, delta_ptr, dqa_ptr, row_base, keys, cols, S,
-                                      diag, qk_scale, sm_scale, WG, BLOCK_M, STAGES, False, SPLIT_D)  # fmt: skip
-                t += 1
-        if SPLIT_D:  # the other warpgroup's last dQ GEMM reads this warpgroup's K half: wait for it
-            _bar_sync_consumers(t)
-        k_s.store((dk * sm_scale).to(dtype))
-        v_s.store(dv.to(dtype))
-        fence_async_shared()
-        _tma_store(dk_desc, [bhkv, r0, 0], k_s.reshape([1, 64, HEAD_DIM]))
-        _tma_store(dv_desc, [bhkv, r0, 0], v_s.reshape([1, 64, HEAD_DIM]))
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _dkdvdq_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, dqa_ptr, H, HKV, S,
-                       SKV, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr):  # fmt: skip
-        # _dkdv_hopper plus dqa [B*H, S, D] fp32 (zeroed by the host) += scale dS K per (query block, head)
-        BN: gl.constexpr = 128
-        WG0: gl.constexpr = 0
-        WG1: gl.constexpr = 1
-        SPLIT_D: gl.constexpr = HEAD_DIM == 128
-        dtype: gl.constexpr = q_desc.dtype
-        n0 = gl.program_id(0) * BN
-        bhkv = gl.program_id(1)
-        b = bhkv // HKV
-        hkv = bhkv % HKV
-        group = H // HKV
-        head0 = b * H + hkv * group
-        diag = SKV - S
-        m_end = gl.cdiv(S, BLOCK_M) * BLOCK_M
-        if CAUSAL:
-            m_lo = gl.minimum((gl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M, m_end)
-            i_full = gl.minimum(n0 + BN, SKV) - 1 - diag
-            m_full = m_lo + gl.cdiv(gl.maximum(i_full - m_lo, 0), BLOCK_M) * BLOCK_M
-            m_full = gl.minimum(m_full, m_end)
-            n_diag = (m_full - m_lo) // BLOCK_M
-        else:
-            m_lo = 0
-            n_diag = 0
-        n_m = (m_end - m_lo) // BLOCK_M
-
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype)
-        k_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], kv_layout)
-        q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-        do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [4, 64, BLOCK_M], ds_layout)  # [parity * 2 + warpgroup]
-        kv_bar, q_ready, do_ready, qdo_empty = ring_barriers(STAGES)
-
-        gl.warp_specialize(
-            [
-                (_dkdvdq_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_bar, q_ready,
-                                    do_ready, qdo_empty, lse2_ptr, delta_ptr, dqa_ptr, head0, bhkv, n0, S, SKV,
-                                    qk_scale, sm_scale, m_lo, n_diag, n_m, group, WG0, HEAD_DIM, BLOCK_M, STAGES,
-                                    CAUSAL, SPLIT_D)),
-                (_dkdvdq_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_bar, q_ready,
-                                    do_ready, qdo_empty, lse2_ptr, delta_ptr, dqa_ptr, head0, bhkv, n0, S, SKV,
-                                    qk_scale, sm_scale, m_lo, n_diag, n_m, group, WG1, HEAD_DIM, BLOCK_M, STAGES,
-                                    CAUSAL, SPLIT_D)),
-                (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
-                                  q_ready, do_ready, qdo_empty, b, hkv, head0, n0, m_lo, n_m, group, BLOCK_M,
-                                  STAGES)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
-
-    _dkdvdq_hopper = fast_launch(_dkdvdq_hopper)
-
     # ---------------------------------------------------------------------------------------------- dq
     @gluon.jit
     def _dq_step(j, dq, q_s, do_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, lse2, delta, rows, cols, SKV,
@@ -653,12 +458,10 @@ def hopper_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
-    deterministic: bool = True,
 ) -> None:
     """Writes dq [B, H, S, D], dk, dv [B, Hkv, Skv, D] (all contiguous, 16-byte aligned) from do, o (contiguous
     like q), lse [B, H, S] fp32 (natural log) and q, k, v. Call only where hopper_bwd_supported(q, k, v, None)
-    is True. deterministic=False: dq through fp32 atomics in the dk/dv kernel (_dkdvdq_hopper, 5 matmuls
-    instead of 7): dq is not bit-reproducible across runs (the fp32 sum order varies), dk and dv still are."""
+    is True."""
     if not hopper_bwd_supported(q, k, v, None):
         raise ValueError("hopper_backward: unsupported inputs (see hopper_bwd_supported)")
     _check_out("dq", dq, q)
@@ -673,16 +476,12 @@ def hopper_backward(
     if lse.shape != (B, H, S) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"hopper_backward: lse must be contiguous fp32 {(B, H, S)}")
     with on_device(q):
-        run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale, deterministic)
+        run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
 
 
-def run_hopper_bwd(
-    dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float, deterministic: bool = True
-) -> None:
+def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) -> None:
     """hopper_backward minus its checks, on the current device: the preprocess (attention_backward.py's
-    kernel), then the dk/dv and dq kernels through the lean launch path (launch_keyed, host descriptors); with
-    deterministic=False one _dkdvdq_hopper launch into a zeroed fp32 dq buffer instead, then dq = that buffer
-    in dq's dtype (dq not bit-reproducible; dk, dv are)."""
+    kernel), then the dk/dv and dq kernels through the lean launch path (launch_keyed, host descriptors)."""
     from kernels_triton.attention_backward import _bwd_preprocess_kernel, _preprocess_rows
 
     B, H, S, D = q.shape
@@ -697,8 +496,6 @@ def run_hopper_bwd(
                      PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
     q_consts = dict(HEAD_DIM=D, BLOCK_N=bn, STAGES=st_q, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
                     PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
-    # atomic dq: fp32 [B, H, S, D], scale folded in before the atomics; one rounding to dq's dtype at the end
-    dqa = None if deterministic else torch.zeros((B, H, S, D), dtype=torch.float32, device=q.device)
     bstep = max(1, _MAX_GRID_Y // H)
     for b0 in range(0, B, bstep):
         sl = slice(b0, min(B, b0 + bstep))
@@ -713,14 +510,6 @@ def run_hopper_bwd(
         ints = tuple((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv))
         aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)
         grid_kv = (triton_cdiv(Skv, BLOCK_KEYS), nb * Hkv)
-        if dqa is not None:
-            qa = dqa[sl]
-            key = ("attn_hopper_bwd_dkdvdq", q.device.index, q.dtype, D, bool(causal), bm, st_kv, grid_kv, *ints,
-                   *aligned, qa.data_ptr() & 15 == 0)  # fmt: skip
-            args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, qa, H, Hkv, S, Skv,
-                    qk_scale, sm_scale)  # fmt: skip
-            launch_keyed(_dkdvdq_hopper, key, grid_kv, args, kv_consts)
-            continue
         key = ("attn_hopper_bwd_dkdv", q.device.index, q.dtype, D, bool(causal), bm, st_kv, grid_kv, *ints,
                *aligned)  # fmt: skip
         args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, H, Hkv, S, Skv, qk_scale,
@@ -732,8 +521,6 @@ def run_hopper_bwd(
         args = (ds["q64"], ds["kq"], ds["vq"], ds["do64"], ds["dq"], l2, dl, H, Hkv, S, Skv, qk_scale,
                 sm_scale)  # fmt: skip
         launch_keyed(_dq_hopper, key, grid_q, args, q_consts)
-    if dqa is not None:
-        dq.copy_(dqa)
 
 
 _LAYOUTS: dict[tuple, object] = {}
@@ -812,9 +599,4 @@ def aot_specs_gluon_bwd() -> list[tuple[str, object, dict, dict, dict]]:
                 specs.append(
                     (f"attn_hopper_bwd_dq_{dt}_d{d}_c{int(causal)}", _dq_hopper, q_sig, q_const, opts)
                 )
-                aq_sig = {n: kv_sig[n] for n in ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc",
-                                                 "lse2_ptr", "delta_ptr")}  # fmt: skip
-                aq_sig.update({"dqa_ptr": "*fp32"}, **{n: t for n, t in kv_sig.items() if n not in aq_sig})
-                specs.append((f"attn_hopper_bwd_dkdvdq_{dt}_d{d}_c{int(causal)}", _dkdvdq_hopper, aq_sig, kv_const,
-                              opts))  # fmt: skip
     return specs

@@ -310,18 +310,6 @@ def use_hopper_bwd(q, k, v, kv_len, *dense: torch.Tensor) -> bool:
     )
 
 
-# The Gluon backward's dq through fp32 atomics inside the dk/dv kernel (5 matmuls instead of 7; FA3's and
-# SDPA's way): dq is then not bit-reproducible across runs (dk, dv still are). Off until measured on a GPU;
-# FUSEKIT_TRITON_ATTN_ATOMIC_DQ=1 turns it on; torch.use_deterministic_algorithms(True) always turns it off.
-_ATOMIC_DQ = os.environ.get("FUSEKIT_TRITON_ATTN_ATOMIC_DQ", "0") not in ("", "0")
-
-
-def use_atomic_dq() -> bool:
-    """Whether a backward that runs the Gluon kernels (use_hopper_bwd) computes dq with fp32 atomics
-    (_attention_hopper_bwd._dkdvdq_hopper): only with _ATOMIC_DQ on and torch's deterministic mode off."""
-    return _ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled()
-
-
 def forward(
     o: torch.Tensor,
     lse: torch.Tensor,
@@ -427,9 +415,6 @@ def backward(
 ) -> None:
     """dq [B, H, S, D], dk/dv [B, Hkv, Skv, D] of attention from the forward's o and lse (FlashAttention-2,
     deterministic: GQA groups are summed inside one program per kv block, no atomics). Writes all three.
-    Exception: with FUSEKIT_TRITON_ATTN_ATOMIC_DQ=1 (use_atomic_dq; off by default) the Gluon Hopper path sums
-    dq with fp32 atomics, so dq is not bit-reproducible (dk, dv are); torch.use_deterministic_algorithms(True)
-    keeps the deterministic kernels.
     k/v may be strided views (last dim contiguous); with kv_len, keys past kv_len[b] get zero gradients.
 
     `_config` = (dk/dv tile, dq tile), each (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma]), forces the
@@ -453,7 +438,7 @@ def backward(
         raise ValueError("attention backward: tensors must be contiguous")
     if _config is None and use_hopper_bwd(q, k, v, kv_len, dq, dk, dv, do, o):
         with on_device(q):
-            run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale, not use_atomic_dq())
+            run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
         return
     attention_backward(
         dq, dk, dv, do, q, k, v, o, lse, kv_len, causal, scale, s_bucket=_bucket(S),

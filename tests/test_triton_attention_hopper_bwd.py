@@ -75,8 +75,7 @@ def test_aot_specs_cover_every_variant():
     names = [s[0] for s in _mod().aot_specs_gluon_bwd()]
     if not names:
         pytest.skip("the installed triton has no Gluon Hopper module")
-    # kernel (dk/dv, dq, dk/dv + atomic dq) x dtype x head dim x causal
-    assert len(names) == len(set(names)) == 3 * 2 * 2 * 2
+    assert len(names) == len(set(names)) == 2 * 2 * 2 * 2  # kernel x dtype x head dim x causal
 
 
 @functools.cache
@@ -137,11 +136,11 @@ def _reference(q, k, v, do, causal: bool, scale: float):
     return o64.detach().to(q.dtype).contiguous(), lse64.detach().float().contiguous(), (dq, dk, dv)
 
 
-def _run(q, k, v, do, o, lse, causal, scale, deterministic=True):
+def _run(q, k, v, do, o, lse, causal, scale):
     dq = torch.full_like(q, float("nan"))
     dk = torch.full(k.shape, float("nan"), dtype=k.dtype, device=k.device)
     dv = torch.full_like(dk, float("nan"))
-    _mod().hopper_backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale, deterministic)
+    _mod().hopper_backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
     return dq, dk, dv
 
 
@@ -186,54 +185,6 @@ def test_gpu_matches_float64(device: str, dtype: torch.dtype, case) -> None:
     if causal and Skv < S:  # rows that see no key: dq exactly 0
         dead = torch.arange(S, device="cuda") + (Skv - S) < 0
         assert (got[0][:, :, dead] == 0).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize(
-    "case", _CASES, ids=lambda c: "B{}H{}-{}S{}K{}D{}{}".format(*c[:6], "c" if c[6] else "")
-)
-def test_gpu_atomic_dq_matches_float64(device: str, dtype: torch.dtype, case) -> None:
-    """deterministic=False (dq by fp32 atomics inside the dk/dv kernel): dq, dk, dv against float64 at the
-    same cases (GQA: every kv-head CTA adds into each query head of its group; ragged S rows masked)."""
-    _need_sm90(device)
-    B, H, Hkv, S, Skv, D, causal = case
-    q, k, v, do = _inputs(B, H, Hkv, S, Skv, D, dtype, sum(case[:6]))
-    scale = D**-0.5
-    o, lse, ref = _reference(q, k, v, do, causal, scale)
-    got = _run(q, k, v, do, o, lse, causal, scale, deterministic=False)
-    _check(got, ref, dtype)
-    if causal and Skv < S:  # rows that see no key: no CTA adds into them, dq stays exactly 0
-        dead = torch.arange(S, device="cuda") + (Skv - S) < 0
-        assert (got[0][:, :, dead] == 0).all()
-
-
-def test_gpu_atomic_dq_tiny_lse(device: str) -> None:
-    """Scores all near -100 (lse < -88) with a ragged Skv: the zero-filled keys past Skv would give
-    p = exp2(-lse2) = inf and NaN in dq through dS K; the kernel clamps p at 1."""
-    _need_sm90(device)
-    B, H, Hkv, S, Skv, D = 1, 4, 2, 100, 77, 128
-    q, k, v, do = _inputs(B, H, Hkv, S, Skv, D, torch.bfloat16, 3)
-    q = (3 + 0.1 * q.float()).to(q.dtype)
-    k = (-3 + 0.1 * k.float()).to(k.dtype)
-    o, lse, ref = _reference(q, k, v, do, False, D**-0.5)
-    assert lse.max() < -88
-    _check(_run(q, k, v, do, o, lse, False, D**-0.5, deterministic=False), ref, torch.bfloat16)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128])
-def test_gpu_atomic_dq_dkdv_reproducible(device: str, causal: bool, D: int) -> None:
-    """With atomic dq, dk and dv stay bit-identical across runs (only dq's fp32 sum order varies); dq of two
-    runs agree to fp32 rounding noise."""
-    _need_sm90(device)
-    B, H, Hkv, S, Skv = 2, 8, 2, 700, 900
-    q, k, v, do = _inputs(B, H, Hkv, S, Skv, D, torch.bfloat16, 13)
-    o, lse, _ = _reference(q, k, v, do, causal, D**-0.5)
-    a = _run(q, k, v, do, o, lse, causal, D**-0.5, deterministic=False)
-    b = _run(q, k, v, do, o, lse, causal, D**-0.5, deterministic=False)
-    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
-    err = ((a[0].double() - b[0].double()).norm() / b[0].double().norm()).item()
-    assert err < 1e-2, f"dq of two atomic runs differ by {err:.3g}"
 
 
 def test_gpu_kv_cache_view(device: str) -> None:
@@ -286,37 +237,6 @@ def test_backward_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
     monkeypatch.setattr(A, "GLUON", False)  # FUSEKIT_TRITON_ATTN_GLUON=0
     assert not A.use_hopper_bwd(q, k, v, None, *dense)
-
-
-def test_backward_atomic_dq_gate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """attention.backward runs the Gluon kernels with atomic dq only with the switch on
-    (FUSEKIT_TRITON_ATTN_ATOMIC_DQ, _ATOMIC_DQ) and torch's deterministic mode off; under
-    torch.use_deterministic_algorithms(True) it keeps the deterministic kernels (the launch is patched)."""
-    from kernels_triton import attention as A
-
-    calls = []
-    monkeypatch.setattr(A, "use_hopper_bwd", lambda *a: True)
-    monkeypatch.setattr(A, "run_hopper_bwd", lambda *a: calls.append(a[11]))
-    q, k, v = _qkv()
-    o, do, dq = torch.zeros_like(q), torch.zeros_like(q), torch.empty_like(q)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    lse = torch.zeros(q.shape[:3], dtype=torch.float32)
-
-    def deterministic_flag() -> bool:
-        A.backward(dq, dk, dv, do, q, k, v, o, lse, None, False, 0.125)
-        return calls.pop()
-
-    monkeypatch.setattr(A, "_ATOMIC_DQ", False)  # the default (FUSEKIT_TRITON_ATTN_ATOMIC_DQ unset or 0)
-    assert deterministic_flag() is True
-    monkeypatch.setattr(A, "_ATOMIC_DQ", True)
-    was = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(False)
-        assert deterministic_flag() is False
-        torch.use_deterministic_algorithms(True)
-        assert deterministic_flag() is True
-    finally:
-        torch.use_deterministic_algorithms(was)
 
 
 @pytest.mark.parametrize("causal", [False, True])
