@@ -1,40 +1,75 @@
 # Split-KV (flash-decoding) forward of fusekit.attention for few queries against a long KV: the GPU path
 # `attention_gpu` (attention.mojo) takes for S <= DECODE_MAX_S and a GQA group of at most DECODE_MAX_ROWS rows
-# (H/Hkv * S), D in {64, 128, 256}, every dtype (fp16 / bf16 / fp32), both vendors. A port of the Triton
-# backend's design (kernels_triton/_attention_decode.py), SIMT instead of tensor cores:
+# (H/Hkv * S), D in {64, 128, 256}, every dtype (fp16 / bf16 / fp32), both vendors. Three kernels:
 #
-# 1. `_decode_split_kernel`, one block per (b, kv head, row block) x split: the rows r = g * S + s of the GQA
-#    group (g the query head within the group, s the query; row r is also row r of the group's q / o block),
-#    at most _dec_rb(D) of them per block (more rows: further row blocks), attend to one chunk of the
-#    sequence's keys, so each K / V tile is read once per row block instead of once per query head. The
-#    sequence's L_b keys are cut into `splits` chunks of whole BN-key tiles (per sequence: with kv_len each
-#    block of a sequence gets an equal share). Per tile: K and V go global -> shared (16-byte loads where
-#    aligned), scores s = q.k * scale * log2(e) for the (row, key) pairs a row sees, an online softmax per
+# 1. `_decode_reg_kernel[R]` (groups of at most DECODE_REG_ROWS = 8 rows: S = 1 decode with GQA <= 8, MHA, small
+#    S; R = 1 / 4 / 8 rows compiled), one block of 128 threads per (b, kv head) x split, no shared memory in its
+#    key loop. A key row is read by TPK = D*es/16 threads (at most WARP_SIZE), one 16-byte load each per K and
+#    V (fp32 D256 on NVIDIA: two), straight into registers; a warp's load instruction covers WARP_SIZE * 16
+#    contiguous bytes. A block holds NKS = 128 / TPK key slots, each taking U keys per batch (U = 4: 64 bytes of
+#    K and 64 of V per thread; 2 at 8 rows). Each thread keeps q, and the running max m, sum l and unnormalized
+#    o of its columns, of every row in registers; a dot product is summed over its key's TPK lanes with xor
+#    shuffles (every lane gets the score), so P.V needs no exchange: each thread accumulates p * v of its own
+#    columns. The next batch's K and V loads are issued before the current batch's math (register double
+#    buffer): 2U 16-byte loads per thread always in flight. At the end the slots' (m, l, o) are merged, in a
+#    warp by xor shuffles, across the warps through shared memory, in a fixed order.
+# 2. `_decode_split_kernel` (larger groups, up to 128 rows: the compute-heavier case), one block per
+#    (b, kv head, row block) x split, SIMT: the rows r = g * S + s of the GQA group (g the query head within the
+#    group, s the query; row r is also row r of the group's q / o block), at most _dec_rb(D) of them per block
+#    (more rows: further row blocks), attend to one chunk of the sequence's keys, so each K / V tile is read
+#    once per row block instead of once per query head. Per tile: K and V go global -> shared (16-byte loads
+#    where aligned), scores s = q.k * scale * log2(e) for the (row, key) pairs a row sees, an online softmax per
 #    row (NaN-propagating max, exp2), O += P V with each thread owning one head-dim column of 16 rows.
-#    A row only ever touches the keys it sees (loop bounds from indices, not from masked scores), so keys
-#    past kv_len are never read and a non-finite V of a key that row does not see cannot reach it.
-#    With one split the block writes o and lse itself; otherwise an fp32 partial (o normalized by its own
-#    l, and its log2-domain lse) into the caller's workspace `part` [B*H*S * splits * (D + 1)] (specs.py
-#    attention_decode_part mirrors `decode_plan`).
-# 2. `_decode_combine_kernel`, one warp per output row: lse = log-sum-exp of the partial lses, o = sum_i
-#    2^(lse_i - lse) o_i, in split order: deterministic (bit-identical repeats, no atomics).
+# Both: the sequence's L_b keys are cut into `splits` chunks (per sequence: with kv_len each block of a
+# sequence gets an equal share; whole 16-key grains / BN-key tiles). A row only ever touches the keys it sees
+# (loop bounds and visibility from indices, not from masked scores), so keys past kv_len are never read and a
+# non-finite V of a key that row does not see is never multiplied. With one split the block writes o and lse
+# itself; otherwise an fp32 partial (o normalized by its own l, and its log2-domain lse) into the caller's
+# workspace `part` [B*H*S * splits * (D + 1)] (specs.py attention_decode_part mirrors `decode_plan`).
+# 3. `_decode_combine_kernel`, one block of 256 threads per output row: the max and the weights 2^(lse_i - M)
+#    of the splits once (shared memory), then 256 / D threads per column, each summing every (256/D)-th split
+#    with 8 independent loads in flight, their sums added in a fixed order: deterministic (bit-identical
+#    repeats, no atomics).
 #
 # Non-finite rules (attention.mojo's header): a partial of a chunk with no visible key is (o 0, lse -inf);
 # a chunk whose max is NaN or +inf gives (NaN, max); one whose visible scores are all -inf gives (its sum of
 # 0 * v, which is 0 or NaN, -inf); the combine decides "the row sees no key" from indices (o 0, lse -inf),
 # a non-finite overall max M gives o NaN and lse M (so all visible scores -inf: NaN, -inf; +inf: NaN, +inf),
-# and a NaN / inf o_i of a weight-0 split still reaches o (0 * NaN), as a float64 softmax does.
+# and a NaN / inf o_i of a weight-0 split still reaches o (0 * NaN), as a float64 softmax does. The register
+# kernel's slot merge is the same rescaling as its per-batch update (weights 2^(m_i - M), M = 0 where every
+# m_i is -inf), so a slot's state follows the rules of one sequential pass.
 #
-# Split count (`decode_plan`, mirrored by specs.py): blocks = B * Hkv * row_blocks * splits should give each
-# SM DECODE_CTAS_PER_SM blocks (the split kernel does not pipeline its loads: several resident blocks per SM
-# hide the load latency), with at least DECODE_MIN_TILES tiles per split and at most DECODE_MAX_SPLITS.
+# Split count (`decode_plan`, mirrored by specs.py): register kernel: B * Hkv * splits aims at
+# DECODE_REG_CTAS_PER_SM = 8 blocks per SM (2 resident at ~210 registers x 128 threads: ~4 waves),
+# at least DECODE_REG_MIN_KEYS = 64 keys per split, at most DECODE_MAX_SPLITS; tile kernel: blocks =
+# B * Hkv * row_blocks * splits aim at DECODE_CTAS_PER_SM per SM, at least DECODE_MIN_TILES tiles per split.
 # The plan uses Skv (the tensor's length), not kv_len (on the device): ragged batches split every sequence
 # into the same number of chunks.
 #
-# Floor: bytes = the KV read, B * Skv * Hkv * D * 2 * es. SIMT FLOPs are 4 * rows * D per key and row block
-# against 4 * D * es bytes per key: bandwidth-bound for small groups (S = 1, GQA 4/8: 4 FLOP/B at bf16),
-# compute-bound (fp32 FMA) for the largest ones (128 rows), where a tensor-core (mma) variant would be the
-# next step. NOT MEASURED ON A GPU YET: compiled for sm_90 and gfx942 only.
+# Floor: bytes = the KV read, B * Skv * Hkv * D * 2 * es.
+# Measured (H100 80 GB HBM3, ~3.0 TB/s copy ceiling; harness FUSEKIT_HARNESS_ONLY=attn_decode, wall per call,
+# L2 warm; bf16 H32 / Hkv8 D128 S1), the tile kernel for every decode shape (before the register kernel):
+#   B1 Skv2048 splits 32: 40.5 us (207 GB/s); B32 Skv2048 splits 3: 480 us (559 GB/s)
+#   B1 Skv8192 splits 66: 103 us (325 GB/s); B32 Skv8192 splits 3: 1827 us (588 GB/s)
+#   B1 Skv32768 splits 66: 297 us (452 GB/s); B32 Skv32768 splits 3: 6916 us (621 GB/s)
+#   through ops.attention (do_bench, L2 flushed), B32 Skv32768: 6978 us vs the Triton split-KV kernel 1392 us
+#   (3084 GB/s) and SDPA 1391; B1 Skv32768 301 vs 98.7 vs 65; B1 Skv2048 44.5 vs 15.4 vs 14.5.
+# Why the tile kernel is slow at S = 1 (4 rows): per 32-key tile a block goes through four barrier-separated
+# phases with nothing overlapped: (a) the loads: each thread has one K and one V 16-byte load in flight (a
+# runtime-bounded loop that stores to shared before the next load), 8 KB per block; (b) the scores: only
+# rows * BN = 128 of 256 threads work, each a serial D-long dot product from shared memory (64 dependent
+# 4-byte shared loads of K and q plus an FMA chain, ~2-3k cycles of latency per tile); (c) softmax: 4 of 8 warps;
+# (d) P.V: every thread walks 32 keys for its rows. Bytes in flight per SM are a few KB for most of a tile's
+# time, far below the ~20-40 KB an H100 SM needs to stream at 3 TB/s / 132 SMs. The old combine (one warp per
+# row, every lane looping over all splits with a dependent load and exp2 per split and column) was serial
+# too: 4 columns x 66 splits per lane at B1, each iteration a full L2 round trip.
+# The register kernel instead keeps 2U = 8 16-byte loads (128 B) per thread in flight at all times (128
+# threads x 128 B = 16 KB per block; ptxas -v for sm_90a: bf16/fp16 R=4 D128 210-219 registers, so 2 blocks
+# per SM: ~32 KB in flight per SM, which at ~1 us loaded latency covers ~40 GB/s per SM, 5 TB/s over 132
+# SMs; R=1 ~122 registers (4 blocks), R=8 255 (2 blocks), no spills), has no barrier in the
+# key loop, and spends per key and thread (bf16 D128, 4 rows) ~150 instructions (32 + 32 FMA, 16 shuffles,
+# the softmax), ~19 issue cycles per key per SM against the ~39 a 3 TB/s stream allows.
+# NOT MEASURED ON A GPU YET (the register kernel and the new combine): compiled for sm_90 and gfx942 only.
 
 from std.math import ceildiv, exp2, log2
 from std.memory import unsafe_stack_allocation
@@ -60,6 +95,12 @@ comptime DECODE_MAX_SPLITS = 256
 comptime DECODE_TILE_BYTES = 8192  # one K (or V) tile: BN keys x D x es
 comptime DECODE_MAX_BN = 32
 comptime DECODE_Q_ELEMS = 4096  # fp32 q rows in shared memory per block: rows x D (16 KB)
+# the register kernel (`_decode_reg_kernel`, GQA groups of at most DECODE_REG_ROWS rows: S = 1 decode)
+comptime DECODE_REG_ROWS = 8  # rows up to which it runs (q and the accumulators of every row in registers)
+comptime DECODE_REG_THREADS = 128  # threads per block (a multiple of 32 and of 64)
+comptime DECODE_REG_CTAS_PER_SM = 8  # blocks per SM its split count aims at (2-4 resident: 2-4 waves)
+comptime DECODE_REG_MIN_KEYS = 64  # keys per split at least
+comptime DECODE_COMBINE_THREADS = 256  # threads per block of the combine (one block per output row)
 
 
 @always_inline
@@ -82,8 +123,13 @@ def decode_applies(H: Int, Hkv: Int, S: Int, D: Int) -> Bool:
 
 
 def decode_plan(B: Int, H: Int, Hkv: Int, S: Int, Skv: Int, D: Int, es: Int, sms: Int) -> Tuple[Int, Int, Int]:
-    """(row_blocks, rows per block, splits) of a decode call."""
+    """(row_blocks, rows per block, splits) of a decode call. Up to DECODE_REG_ROWS rows: the register kernel
+    (one row block, DECODE_REG_CTAS_PER_SM blocks per SM, at least DECODE_REG_MIN_KEYS keys per split)."""
     var rows = (H // Hkv) * S
+    if rows <= DECODE_REG_ROWS:
+        var max_r = max(1, min(DECODE_MAX_SPLITS, Skv // DECODE_REG_MIN_KEYS))
+        var groups_r = max(B * Hkv, 1)
+        return (1, max(rows, 1), max(1, min(max_r, ceildiv(sms * DECODE_REG_CTAS_PER_SM, groups_r))))
     var row_blocks = max(1, ceildiv(rows, _dec_rb(D)))
     var rpp = max(1, ceildiv(rows, row_blocks))
     var groups = B * Hkv * row_blocks
@@ -341,6 +387,263 @@ def _decode_split_kernel[
                     part[unsafe_offset=Int(plse_off) + prow] = lp
 
 
+@always_inline
+def _reg_u(R: Int, ept: Int, es: Int) -> Int:
+    """Keys per slot per batch of the register kernel: one batch of K (and of V) is at most 64 bytes per thread
+    (4 x 16-byte loads, 16 registers; double-buffered: 64 registers for K and V), halved at 8 rows."""
+    var u = max(1, min(4, 64 // (ept * es)))
+    return max(1, u // 2) if R > 4 else u
+
+
+@always_inline
+def _ld_kv[
+    dtype: DType, D: Int, N: Int, EPT: Int, TPK: Int, NKS: Int
+](
+    p: Pointer[Scalar[dtype], MutAnyOrigin], base: Int, kb: Int, hi: Int, slot: Int, tl: Int, aligned: Bool
+) -> SIMD[dtype, N * EPT]:
+    """The thread's columns of the N keys kb + u * NKS + slot (u < N) of one operand, 16-byte loads; keys at or
+    past hi are not read (zeros)."""
+    comptime VW = 16 // size_of[dtype]()
+    comptime NV = EPT // VW
+    var res = SIMD[dtype, N * EPT](0)
+    var pg = p.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+    comptime for u in range(N):
+        var key = kb + u * NKS + slot
+        if key < hi:
+            comptime for j in range(NV):
+                var src = base + key * D + (j * TPK + tl) * VW
+                if aligned:
+                    res = res.insert[offset = (u * NV + j) * VW](pg.unsafe_load[width=VW, alignment=16](src))
+                else:
+                    comptime for e in range(VW):
+                        res[(u * NV + j) * VW + e] = p[unsafe_offset=src + e]
+    return res
+
+
+@always_inline
+def _emit[
+    dtype: DType, D: Int
+](
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
+    part: Pointer[Float32, MutAnyOrigin],
+    grow: Int,
+    d: Int,
+    a: Float32,
+    m: Float32,
+    l: Float32,
+    sees: Bool,
+    n_split: Int,
+    sp: Int,
+    plse_off: Int,
+):
+    """Column d of row grow from its (unnormalized o, max m, sum l) over the block's keys: the answer with one
+    split, else the partial (the split kernel's finish rules, the header's non-finite rules)."""
+    if n_split == 1:
+        var inv: Float32 = 0
+        var lrow = _NEG_INF
+        if sees:
+            if _nonfinite(m):  # NaN or +-inf: the float64 softmax is NaN, lse = m
+                inv = m * 0
+                lrow = m * _LN2
+            else:
+                inv = 1.0 / l
+                lrow = (m + log2(l)) * _LN2
+        o[unsafe_offset=grow * D + d] = (a * inv).cast[dtype]()
+        if d == 0:
+            lse[unsafe_offset=grow] = lrow
+    else:
+        var val: Float32 = 0
+        var lp = _NEG_INF
+        if sees:
+            if m != m or m > 0 and _nonfinite(m):  # NaN or +inf
+                val = a * (m * 0)
+                lp = m
+            elif _nonfinite(m):  # every visible score -inf: weight 0, keeps a 0 * NaN of V
+                val = a
+            else:
+                val = a / l
+                lp = m + log2(l)
+        var prow = grow * n_split + sp
+        part[unsafe_offset=prow * D + d] = val
+        if d == 0:
+            part[unsafe_offset=plse_off + prow] = lp
+
+
+def _decode_reg_kernel[
+    dtype: DType, D: Int, R: Int
+](
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
+    part: Pointer[Float32, MutAnyOrigin],
+    q: Pointer[Scalar[dtype], MutAnyOrigin],
+    k: Pointer[Scalar[dtype], MutAnyOrigin],
+    v: Pointer[Scalar[dtype], MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    H: Int32,
+    Hkv: Int32,
+    S: Int32,
+    Skv: Int32,
+    splits: Int32,
+    plse_off: Int64,
+    vec: Int32,
+):
+    """One block per (b, kv head) x split for a GQA group of at most R rows (R in 1 / 4 / 8): no shared memory
+    in the key loop. A key is read by TPK threads (16 bytes each, EPT = D / TPK columns: K and V rows land in
+    registers straight from global memory, coalesced: a warp reads WARP_SIZE * 16 contiguous bytes); a block
+    holds NKS = threads / TPK such key slots, each taking U keys per batch. Every thread keeps q, the running max
+    m, sum l and unnormalized o of its columns for all R rows in registers; dot products are summed over the
+    TPK threads of a key with xor shuffles (every lane gets the sum). The next batch's K and V loads are issued
+    before the current batch's math (register double buffer). At the end the slots' (m, l, o) are merged:
+    within a warp by xor shuffles, across warps through shared memory, in a fixed order."""
+    comptime es = size_of[dtype]()
+    comptime VW = 16 // es  # elements per 16-byte load
+    comptime TPK = min(D // VW, WARP_SIZE)  # threads per key
+    comptime EPT = D // TPK  # columns per thread (one or two 16-byte loads per key and operand)
+    comptime KPW = WARP_SIZE // TPK  # key slots per warp
+    comptime NT = DECODE_REG_THREADS
+    comptime NW = NT // WARP_SIZE
+    comptime NKS = NT // TPK  # key slots per block
+    comptime U = _reg_u(R, EPT, es)
+    comptime STEP = NKS * U  # keys per batch of the block
+
+    var sacc = unsafe_stack_allocation[NW * R * D, _F32, address_space=AddressSpace.SHARED]()
+    var sml = unsafe_stack_allocation[2 * NW * R, _F32, address_space=AddressSpace.SHARED]()
+
+    var tid = thread_idx.x
+    var lane = tid % WARP_SIZE
+    var w = tid // WARP_SIZE
+    var tl = lane % TPK
+    var slot = w * KPW + lane // TPK
+    var h_n = Int(H)
+    var hkv_n = Int(Hkv)
+    var s_len = Int(S)
+    var skv = Int(Skv)
+    var n_split = Int(splits)
+    var group = h_n // hkv_n
+    var rows = min(group * s_len, R)  # the caller guarantees group * S <= R
+    var pid = block_idx.x
+    var sp = block_idx.y
+    var b = pid // hkv_n
+    var hk = pid % hkv_n
+    var causal = params[unsafe_offset=0] != 0
+    var scale2 = params[unsafe_offset=1] * _LOG2E
+    var L = _seq_len(kv_len, params[unsafe_offset=2] != 0, b, skv)
+    # this block's keys: the sequence's L keys in n_split chunks of whole 16-key grains
+    var chunk = ceildiv(ceildiv(L, 16), n_split) * 16
+    var lo = min(sp * chunk, L)
+    var hi = min(lo + chunk, L)
+    var row0 = (b * h_n + hk * group) * s_len  # the group's first row in q / o / lse
+    var kv_base = ((b * hkv_n + hk) * skv) * D
+
+    # q (fp32) of the thread's columns, and each row's visible keys [lo, kend) (rows >= `rows`: none)
+    var qr = SIMD[_F32, R * EPT](0)
+    var kend = SIMD[DType.int32, R](Int32(lo))
+    comptime for r in range(R):
+        if r < rows:
+            comptime for j in range(EPT // VW):
+                comptime for e in range(VW):
+                    qr[r * EPT + j * VW + e] = q[unsafe_offset=(row0 + r) * D + (j * TPK + tl) * VW + e].cast[_F32]()
+            kend[r] = Int32(max(lo, min(hi, _last_key(r % s_len, s_len, L, causal) + 1)))
+
+    var m = SIMD[_F32, R](_NEG_INF)
+    var l = SIMD[_F32, R](0)
+    var acc = SIMD[_F32, R * EPT](0)
+    var aligned = vec != 0
+    var kb = lo
+    var kc = _ld_kv[dtype, D, U, EPT, TPK, NKS](k, kv_base, kb, hi, slot, tl, aligned)
+    var vc = _ld_kv[dtype, D, U, EPT, TPK, NKS](v, kv_base, kb, hi, slot, tl, aligned)
+    while kb < hi:  # uniform over the block: every lane reaches the shuffles
+        var nb = kb + STEP
+        # the next batch's loads go out before this batch's math (nothing past hi is read)
+        var kn = _ld_kv[dtype, D, U, EPT, TPK, NKS](k, kv_base, nb, hi, slot, tl, aligned)
+        var vn = _ld_kv[dtype, D, U, EPT, TPK, NKS](v, kv_base, nb, hi, slot, tl, aligned)
+        # partial dots over the thread's columns, then summed over the key's TPK lanes
+        var sc = SIMD[_F32, U * R](0)
+        comptime for u in range(U):
+            var kf = kc.slice[EPT, offset = u * EPT]().cast[_F32]()
+            comptime for r in range(R):
+                sc[u * R + r] = (qr.slice[EPT, offset = r * EPT]() * kf).reduce_add()
+        comptime for t in range(7):
+            comptime off = TPK >> (t + 1)
+            comptime if off > 0:
+                comptime for i in range(U * R):
+                    sc[i] = sc[i] + warp.shuffle_xor(sc[i], UInt32(off))
+        # online softmax per row over the batch (log2 domain); keys a row does not see: -inf, V not multiplied
+        var pv = SIMD[_F32, U * R](0)
+        comptime for r in range(R):
+            var mx = _NEG_INF
+            comptime for u in range(U):
+                var s = sc[u * R + r] * scale2
+                if kb + u * NKS + slot >= Int(kend[r]):
+                    s = _NEG_INF
+                sc[u * R + r] = s
+                mx = _nmax(mx, s)
+            var m_new = _nmax(m[r], mx)
+            # a row with nothing visible yet keeps -inf: use 0 there so masked scores give 2^-inf = 0
+            var mref = m_new if m_new > _NEG_INF else Float32(0)
+            var alpha = exp2(m[r] - mref)
+            var lsum: Float32 = 0
+            comptime for u in range(U):
+                var p = exp2(sc[u * R + r] - mref)
+                pv[u * R + r] = p
+                lsum += p
+            l[r] = l[r] * alpha + lsum
+            m[r] = m_new
+            acc = acc.insert[offset = r * EPT](acc.slice[EPT, offset = r * EPT]() * alpha)
+        comptime for u in range(U):
+            var key = kb + u * NKS + slot
+            var vf = vc.slice[EPT, offset = u * EPT]().cast[_F32]()
+            comptime for r in range(R):
+                if key < Int(kend[r]):
+                    acc = acc.insert[offset = r * EPT](acc.slice[EPT, offset = r * EPT]() + pv[u * R + r] * vf)
+        kb = nb
+        kc = kn
+        vc = vn
+
+    # merge the key slots of a warp (xor over the slot bits of the lane), then the warps (shared, fixed order)
+    comptime for t in range(7):
+        comptime off = TPK << t
+        comptime if off < WARP_SIZE:
+            comptime for r in range(R):
+                var mo = warp.shuffle_xor(m[r], UInt32(off))
+                var lo_ = warp.shuffle_xor(l[r], UInt32(off))
+                var mm = _nmax(m[r], mo)
+                var mref = mm if mm > _NEG_INF else Float32(0)
+                var wa = exp2(m[r] - mref)
+                var wb = exp2(mo - mref)
+                l[r] = l[r] * wa + lo_ * wb
+                comptime for e in range(EPT):
+                    var ao = warp.shuffle_xor(acc[r * EPT + e], UInt32(off))
+                    acc[r * EPT + e] = acc[r * EPT + e] * wa + ao * wb
+                m[r] = mm
+    if lane < TPK:
+        comptime for r in range(R):
+            comptime for j in range(EPT // VW):
+                comptime for e in range(VW):
+                    sacc[unsafe_offset=(w * R + r) * D + (j * TPK + tl) * VW + e] = acc[r * EPT + j * VW + e]
+            if tl == 0:
+                sml[unsafe_offset=w * R + r] = m[r]
+                sml[unsafe_offset=(NW + w) * R + r] = l[r]
+    barrier()
+    for idx in range(tid, rows * D, NT):
+        var r = idx // D
+        var d = idx % D
+        var mm = _NEG_INF
+        comptime for ww in range(NW):
+            mm = _nmax(mm, sml[unsafe_offset=ww * R + r])
+        var mref = mm if mm > _NEG_INF else Float32(0)
+        var a: Float32 = 0
+        var lsum: Float32 = 0
+        comptime for ww in range(NW):
+            var wt = exp2(sml[unsafe_offset=ww * R + r] - mref)
+            a += sacc[unsafe_offset=(ww * R + r) * D + d] * wt
+            lsum += sml[unsafe_offset=(NW + ww) * R + r] * wt
+        var sees = min(hi, _last_key(r % s_len, s_len, L, causal) + 1) > lo  # this chunk holds a key row r sees
+        _emit[dtype, D](o, lse, part, row0 + r, d, a, mm, lsum, sees, n_split, sp, Int(plse_off))
+
+
 def _decode_combine_kernel[
     dtype: DType, D: Int
 ](
@@ -356,10 +659,20 @@ def _decode_combine_kernel[
     splits: Int32,
     plse_off: Int64,
 ):
-    """One warp per output row (b, h, s); lanes split the head dim; splits summed in order."""
-    comptime WPB = 4
-    var lane = lane_id()
-    var row = block_idx.x * WPB + thread_idx.x // WARP_SIZE
+    """One block per output row (b, h, s): the max and the weights 2^(lse_i - M) of the splits once (shared
+    memory), then TPD = threads / D threads per column, each summing every TPD-th split with 8 independent
+    loads in flight, and the TPD sums added in a fixed order: deterministic."""
+    comptime NT = DECODE_COMBINE_THREADS
+    comptime NW = NT // WARP_SIZE
+    comptime TPD = NT // D  # threads per column: D64 4, D128 2, D256 1
+    comptime UN = 8
+    var sw = unsafe_stack_allocation[DECODE_MAX_SPLITS, _F32, address_space=AddressSpace.SHARED]()
+    var sred = unsafe_stack_allocation[2 * NW, _F32, address_space=AddressSpace.SHARED]()
+    var ssum = unsafe_stack_allocation[NT, _F32, address_space=AddressSpace.SHARED]()
+    var tid = thread_idx.x
+    var lane = tid % WARP_SIZE
+    var wid = tid // WARP_SIZE
+    var row = block_idx.x
     if row >= Int(n_rows):
         return
     var s_len = Int(S)
@@ -371,29 +684,64 @@ def _decode_combine_kernel[
     var sees = _last_key(sq, s_len, L, causal) >= 0
     var base = row * n_split
     var plse = part.unsafe_offset(Int(plse_off))
+    var mx = _NEG_INF
+    for i in range(tid, n_split, NT):
+        mx = _nmax(mx, plse[unsafe_offset=base + i])
+    mx = _warp_nmax(mx)
+    if lane == 0:
+        sred[unsafe_offset=wid] = mx
+    barrier()
     var M = _NEG_INF
-    for i in range(n_split):
-        M = _nmax(M, plse[unsafe_offset=base + i])
-    var lrow = _NEG_INF
-    var finite_m = not _nonfinite(M)
+    comptime for ww in range(NW):
+        M = _nmax(M, sred[unsafe_offset=ww])
+    var ok = sees and not _nonfinite(M)
+    var ws: Float32 = 0
+    for i in range(tid, n_split, NT):
+        var wt: Float32 = 0
+        if ok:
+            wt = exp2(plse[unsafe_offset=base + i] - M)
+        sw[unsafe_offset=i] = wt
+        ws += wt
+    ws = warp.sum(ws)
+    if lane == 0:
+        sred[unsafe_offset=NW + wid] = ws
+    barrier()
     var wsum: Float32 = 0
-    if sees and finite_m:
-        for i in range(n_split):
-            wsum += exp2(plse[unsafe_offset=base + i] - M)
-        lrow = (M + log2(wsum)) * _LN2
-    elif sees:  # NaN, +inf, or every visible score -inf: o NaN, lse M
-        lrow = M * _LN2
-    for d in range(lane, D, WARP_SIZE):
+    comptime for ww in range(NW):
+        wsum += sred[unsafe_offset=NW + ww]
+    var d = tid % D
+    var g = tid // D
+    var a: Float32 = 0
+    if ok:
+        var i = g
+        while i + (UN - 1) * TPD < n_split:
+            var vals = SIMD[_F32, UN](0)
+            comptime for t in range(UN):
+                vals[t] = part[unsafe_offset=(base + i + t * TPD) * D + d]
+            comptime for t in range(UN):
+                a += sw[unsafe_offset=i + t * TPD] * vals[t]
+            i += UN * TPD
+        while i < n_split:
+            a += sw[unsafe_offset=i] * part[unsafe_offset=(base + i) * D + d]
+            i += TPD
+    ssum[unsafe_offset=tid] = a
+    barrier()
+    if g == 0:
         var val: Float32 = 0
-        if sees and finite_m:
-            var a: Float32 = 0
-            for i in range(n_split):
-                a += exp2(plse[unsafe_offset=base + i] - M) * part[unsafe_offset=(base + i) * D + d]
-            val = a / wsum
-        elif sees:
+        if ok:
+            var tot: Float32 = 0
+            comptime for t in range(TPD):
+                tot += ssum[unsafe_offset=t * D + d]
+            val = tot / wsum
+        elif sees:  # NaN, +inf, or every visible score -inf: o NaN, lse M
             val = M * 0
         o[unsafe_offset=row * D + d] = val.cast[dtype]()
-    if lane == 0:
+    if tid == 0:
+        var lrow = _NEG_INF
+        if ok:
+            lrow = (M + log2(wsum)) * _LN2
+        elif sees:
+            lrow = M * _LN2
         lse[unsafe_offset=row] = lrow
 
 
@@ -433,23 +781,40 @@ def attention_decode_gpu[
     var rpp = plan[1]
     var splits = plan[2]
     if force_splits > 0:
-        splits = force_splits
+        splits = min(force_splits, DECODE_MAX_SPLITS)  # the combine keeps <= DECODE_MAX_SPLITS weights in shared
     var n = B * H * S * splits
     if splits > 1:
         check_workspace("fusekit.attention", "part", part_len, decode_part_len(B, H, S, D, splits))
     var vec = Int32(1) if Int(k) % 16 == 0 and Int(v) % 16 == 0 else Int32(0)
     var plse_off = Int64(n * D if splits > 1 else 0)  # the lse partials follow the o partials
 
+    var rows = (H // Hkv) * S
+
+    @always_inline
+    def launch_reg[HD: Int, R: Int]() raises {var}:
+        ctx.enqueue_function[_decode_reg_kernel[dtype, HD, R]](
+            o, lse, part, q, k, v, kv_len, params, Int32(H), Int32(Hkv), Int32(S), Int32(Skv), Int32(splits),
+            plse_off, vec, grid_dim=(B * Hkv, splits), block_dim=DECODE_REG_THREADS,
+        )
+
     @always_inline
     def launch[HD: Int]() raises {var}:
-        ctx.enqueue_function[_decode_split_kernel[dtype, HD]](
-            o, lse, part, q, k, v, kv_len, params, Int32(H), Int32(Hkv), Int32(S), Int32(Skv), Int32(row_blocks),
-            Int32(rpp), Int32(splits), plse_off, vec, grid_dim=(B * Hkv * row_blocks, splits), block_dim=DECODE_THREADS,
-        )
+        if rows <= 1:
+            launch_reg[HD, 1]()
+        elif rows <= 4:
+            launch_reg[HD, 4]()
+        elif rows <= DECODE_REG_ROWS:
+            launch_reg[HD, DECODE_REG_ROWS]()
+        else:
+            ctx.enqueue_function[_decode_split_kernel[dtype, HD]](
+                o, lse, part, q, k, v, kv_len, params, Int32(H), Int32(Hkv), Int32(S), Int32(Skv), Int32(row_blocks),
+                Int32(rpp), Int32(splits), plse_off, vec, grid_dim=(B * Hkv * row_blocks, splits),
+                block_dim=DECODE_THREADS,
+            )
         if splits > 1:
             ctx.enqueue_function[_decode_combine_kernel[dtype, HD]](
                 o, lse, part, kv_len, params, Int64(B * H * S), Int32(H), Int32(S), Int32(Skv), Int32(splits), plse_off,
-                grid_dim=ceildiv(B * H * S, 4), block_dim=4 * WARP_SIZE,
+                grid_dim=B * H * S, block_dim=DECODE_COMBINE_THREADS,
             )
 
     if D == 64:

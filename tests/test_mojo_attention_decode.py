@@ -57,6 +57,9 @@ def test_mirrored_constants_match_the_kernel() -> None:
         "DECODE_TILE_BYTES": specs.AD_TILE_BYTES,
         "DECODE_MAX_BN": specs.AD_MAX_BN,
         "DECODE_Q_ELEMS": specs.AD_Q_ELEMS,
+        "DECODE_REG_ROWS": specs.AD_REG_ROWS,
+        "DECODE_REG_CTAS_PER_SM": specs.AD_REG_CTAS_PER_SM,
+        "DECODE_REG_MIN_KEYS": specs.AD_REG_MIN_KEYS,
     }
     for name, value in pairs.items():
         assert _comptime(name) == value, name
@@ -73,6 +76,8 @@ def _plan(b: int, h: int, hkv: int, s: int, skv: int, d: int, es: int, sms: int)
     bn = max(1, min(32, 8192 // (d * es)))
     rb = min(64, 4096 // d)
     rows = (h // hkv) * s
+    if rows <= 8:  # the register kernel: one row block, 8 blocks per SM, >= 64 keys per split
+        return max(1, min(max(1, min(256, skv // 64)), _cdiv(sms * 8, max(b * hkv, 1))))
     row_blocks = max(1, _cdiv(rows, rb))
     groups = b * hkv * row_blocks
     max_s = max(1, min(256, _cdiv(skv, bn) // 2))
@@ -102,12 +107,17 @@ def test_part_bound(sms: int, dtype: torch.dtype) -> None:
 
 
 def test_decode_shapes_split_to_fill_the_gpu() -> None:
-    """B1 H32/8 D128 bf16 on an H100 (132 SMs): 8 kv heads x 1 row block, 528 blocks wanted (4 per SM): Skv 2048
-    has 64 tiles of 32 keys, so 32 splits of 2 tiles; Skv 32768 66 splits; B32: 256 groups, 3 splits."""
+    """B1 H32/8 D128 bf16 on an H100 (132 SMs), 4 rows: the register kernel, 8 kv heads, 1056 blocks wanted
+    (8 per SM): Skv 2048 allows 32 splits of 64 keys; Skv 32768 132 splits; B32: 256 groups, 5 splits. 16 rows
+    (S 4): the tile kernel, 528 blocks wanted (4 per SM): Skv 2048 has 64 tiles of 32 keys, so 32 splits."""
     bf = torch.bfloat16
     assert specs.attention_decode_splits(1, 32, 8, 1, 2048, 128, 2, 132) == 32
-    assert specs.attention_decode_splits(1, 32, 8, 1, 32768, 128, 2, 132) == 66
-    assert specs.attention_decode_splits(32, 32, 8, 1, 2048, 128, 2, 132) == 3
+    assert specs.attention_decode_splits(1, 32, 8, 1, 32768, 128, 2, 132) == 132
+    assert specs.attention_decode_splits(32, 32, 8, 1, 2048, 128, 2, 132) == 5
+    assert specs.attention_decode_splits(32, 32, 8, 1, 32768, 128, 2, 132) == 5
+    assert specs.attention_decode_splits(1, 64, 8, 1, 300, 128, 2, 132) == 4  # 8 rows, 300 // 64 keys
+    assert specs.attention_decode_splits(1, 32, 8, 4, 2048, 128, 2, 132) == 32  # 16 rows: tile kernel
+    assert specs.attention_decode_splits(32, 32, 8, 4, 2048, 128, 2, 132) == 3
     assert specs.attention_decode_splits(1, 32, 8, 17, 2048, 128, 2, 132) == 0  # S > 16: prefill kernel
     q = torch.empty(1, 32, 1, 128, dtype=bf, device="meta")
     k = torch.empty(1, 8, 2048, 128, dtype=bf, device="meta")

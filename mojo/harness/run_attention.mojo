@@ -947,10 +947,20 @@ def run_decode(bench: Bool = True) raises:
                     _decode_splits_case[DType.bfloat16](ctx, 5, 32, 8, 1, 2100, D, causal, kvk, failures, 240 + kvk)
                     _decode_splits_case[DType.float16](ctx, 4, 16, 2, 16, 777, D, causal, kvk, failures, 250 + kvk)
                     _decode_splits_case[DType.float32](ctx, 4, 8, 8, 3, 500, D, causal, kvk, failures, 260 + kvk)
+                    # the register kernel at 1 / 4 / 8 rows (R 1 / 4 / 8): MHA, S 4 without GQA, GQA 8
+                    _case[DType.bfloat16](ctx, 5, 8, 8, 1, 300, D, causal, True, failures, 300 + kvk, 0, False, kvk)
+                    _case[DType.float32](ctx, 3, 4, 4, 4, 333, D, causal, True, failures, 310 + kvk, 0, False, kvk)
+                    _case[DType.float16](ctx, 3, 16, 2, 1, 300, D, causal, True, failures, 320 + kvk, 0, False, kvk)
+                    _decode_splits_case[DType.float16](ctx, 3, 64, 8, 1, 1000, D, causal, kvk, failures, 330 + kvk)
+                    _decode_splits_case[DType.float32](ctx, 3, 4, 4, 1, 333, D, causal, kvk, failures, 340 + kvk)
+                    _decode_splits_case[DType.bfloat16](ctx, 2, 8, 2, 2, 4100, D, causal, kvk, failures, 350 + kvk)
             # non-finite inputs (q NaN, k NaN, v NaN/inf/-inf, tail NaN/inf, k +inf) through the decode path
             for bad in range(1, 6):
                 _case[DType.bfloat16](ctx, 1, 8, 2, 4, 70, D, True, True, failures, 270 + bad, bad)
                 _case[DType.float32](ctx, 1, 8, 2, 4, 70, D, False, True, failures, 280 + bad, bad)
+                # the same through the register kernel (4 rows of 4 queries, causal; 8 rows of GQA 8)
+                _case[DType.bfloat16](ctx, 1, 4, 4, 4, 70, D, True, True, failures, 360 + bad, bad)
+                _case[DType.float16](ctx, 1, 16, 2, 1, 70, D, False, True, failures, 370 + bad, bad)
             # realistic decode shapes against the row-wise kernel (through execute)
             _case[DType.bfloat16](ctx, 4, 32, 8, 1, 8192, D, False, False, failures, 290)
             _case[DType.bfloat16](ctx, 4, 32, 8, 4, 4099, D, True, False, failures, 291, 0, False, 1)
@@ -959,6 +969,12 @@ def run_decode(bench: Bool = True) raises:
                 var n = 2048 << (2 * skv)  # 2048, 8192, 32768
                 _bench_decode[DType.bfloat16](ctx, 1, 32, 8, n, 128, 20)
                 _bench_decode[DType.bfloat16](ctx, 32, 32, 8, n, 128, 10)
+            # the register kernel's other row counts (8: GQA 8, 1: MHA), head dims and fp32
+            _bench_decode[DType.bfloat16](ctx, 32, 64, 8, 8192, 128, 10)
+            _bench_decode[DType.bfloat16](ctx, 8, 32, 32, 8192, 128, 10)
+            _bench_decode[DType.bfloat16](ctx, 32, 32, 8, 8192, 64, 10)
+            _bench_decode[DType.bfloat16](ctx, 32, 32, 8, 8192, 256, 10)
+            _bench_decode[DType.float32](ctx, 32, 32, 8, 8192, 128, 10)
     print("attn_decode failures:", failures)
     if failures > 0:
         raise Error("attention (decode): ", failures, " checks failed")

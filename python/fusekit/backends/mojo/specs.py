@@ -380,15 +380,23 @@ AD_MAX_SPLITS = 256  # DECODE_MAX_SPLITS
 AD_TILE_BYTES = 8192  # DECODE_TILE_BYTES
 AD_MAX_BN = 32  # DECODE_MAX_BN
 AD_Q_ELEMS = 4096  # DECODE_Q_ELEMS
+AD_REG_ROWS = 8  # DECODE_REG_ROWS: groups of at most this many rows take the register kernel
+AD_REG_CTAS_PER_SM = 8  # DECODE_REG_CTAS_PER_SM
+AD_REG_MIN_KEYS = 64  # DECODE_REG_MIN_KEYS
 
 
 def attention_decode_splits(b: int, h: int, hkv: int, s: int, skv: int, d: int, es: int, sms: int) -> int:
     """The split count of the decode kernels (decode_plan), 0 where attention_gpu does not take them: S <= 16,
     a GQA group of H/Hkv * S <= 128 rows, D 64 / 128 / 256. Blocks = B * Hkv * row_blocks * splits aim at
-    CTAS_PER_SM per SM, each split at least MIN_TILES tiles of BN keys, at most MAX_SPLITS."""
+    CTAS_PER_SM per SM, each split at least MIN_TILES tiles of BN keys, at most MAX_SPLITS; groups of at most
+    REG_ROWS rows (the register kernel, one row block): B * Hkv * splits aim at REG_CTAS_PER_SM per SM, each
+    split at least REG_MIN_KEYS keys, at most MAX_SPLITS."""
     if d not in (64, 128, 256) or s > AD_MAX_S or (h // hkv) * s > AD_MAX_ROWS:
         return 0
     rows = (h // hkv) * s
+    if rows <= AD_REG_ROWS:
+        max_r = max(1, min(AD_MAX_SPLITS, skv // AD_REG_MIN_KEYS))
+        return max(1, min(max_r, _cdiv(sms * AD_REG_CTAS_PER_SM, max(b * hkv, 1))))
     bn = max(1, min(AD_MAX_BN, AD_TILE_BYTES // (d * es)))
     row_blocks = max(1, _cdiv(rows, min(64, AD_Q_ELEMS // d)))
     groups = b * hkv * row_blocks
@@ -398,7 +406,8 @@ def attention_decode_splits(b: int, h: int, hkv: int, s: int, skv: int, d: int, 
 
 # The split-KV decode kernels run decode shapes by default (checked on an H100, 2026-11-27: the harness's
 # attn_decode cases 0 failures; the GPU conformance suite's attention forward and kv_len cases passed with them;
-# B1 H32/8 D128 2.1x / 3.1x / 4.2x the prefill kernels at Skv 2048 / 8192 / 32768, B32 1.3x).
+# B1 H32/8 D128 2.1x / 3.1x / 4.2x the prefill kernels at Skv 2048 / 8192 / 32768, B32 1.3x; that was the tile
+# kernel for every decode shape: the register kernel that now takes groups of <= 8 rows is not measured yet).
 # FUSEKIT_MOJO_ATTN_DECODE=0 keeps the prefill kernels for decode shapes. On, the forward spec gets a 4th
 # params slot (`decode`, its presence read by Attention.execute, as the backward's bwd_tc) and the workspace
 # its size. Read once per process.
