@@ -66,6 +66,34 @@ L2 flushed, SDPA and attention.py's kernel in the same process), bf16: B4 H32 S4
 669, attention.py 511), causal 615 (607, 465), B16 S1024 564 (591, 418); without K_EARLY 539 / 498 / 459.
 attention.use_hopper routes D256 here (FUSEKIT_TRITON_ATTN_GLUON_D256=0 does not).
 
+Persistent variant (issue #13; opt-in: PERSISTENT_DIMS is empty, FUSEKIT_HOPPER_ATTN_PERSIST=1 turns it on at
+D64/D128 for probes; NOT MEASURED ON A GPU YET, compile-checked only). Short sequences lose to SDPA (B32 S512
+D128 0.67x causal / 0.81x, B16 S1024 0.84x / 0.91x, D64 0.73-0.97x on the H100 harness) because with 4-8 key
+tiles per CTA the prologue (Q load, ring fill) and epilogue (normalize, O store, lse) of every CTA overlap with
+nothing, and causal CTAs are ragged. _attn_fwd_hopper_persist (FA3's answer): grid (min(SMs, work tiles), 1);
+a work tile is 128 query rows of one (b, h); CTA pid takes tiles pid, pid + nprog, ... (static round-robin).
+Causal order: query blocks in descending m across all heads (most keys first), so the round-robin hands the
+short tiles out last (LPT-like); non-causal: m fastest within a head, so the CTAs running at the same time read
+the same head's K/V (L2). The same partitions' code runs each work tile (_consumer_tile / _producer_tile, which
+the one-tile-per-CTA kernel also calls: its sm_90 PTX is unchanged, Triton 3.6, all 24 variants, debug info
+aside), so a work tile should give bit-identically what the one-tile kernel gives (a GPU test checks). Across
+work tiles:
+- the K/V ring's sequence of loads continues: both sides count the K/V tiles of earlier work tiles (c), and
+  load c + j uses slot (c + j) % STAGES, phase ((c + j) // STAGES) & 1; the producer runs ahead into the next
+  work tile's K/V as soon as slots free up.
+- q_bar (count 1, TMA bytes) completes once per work tile: the i-th is waited for with parity i & 1. A new
+  q_empty barrier (count 2, one arrival per consumer warpgroup after its last S = Q K^T of the tile) gates the
+  next Q load: the producer waits for parity (i & 1) ^ 1 before tile i's Q (a fresh barrier passes i = 0).
+  Neither side can run two phases ahead of the other: Q(i+1) needs both releases of Q(i), and a release of
+  Q(i) comes after the wait for Q(i).
+- O leaves through its own buffer (2 x 64 x D; each warpgroup waits for its previous TMA store to have read
+  it, then writes), so Q's buffer is refilled while the consumers run the last P V, normalize and store.
+Shared memory: D128 Q 32 KB + ring 128 KB + O 32 KB = 196928 bytes with barriers and scratch (227 KB fit);
+D64 (128 x 3) 131424 bytes. D256 (Q 64 KB + ring 128 KB) has no room for an O buffer: no persistent variant
+(PERSIST_HEAD_DIMS). Host descriptors only; no pingpong. ptxas (fp16/bf16 x D64/D128 x causal, Triton 3.6 and
+3.9): 168 registers, 0 bytes spilled. FUSEKIT_HOPPER_ATTN_PERSIST_CTAS=n caps the grid (tests: many work
+tiles per CTA at small shapes). Next if it pays: an atomic (dynamic) scheduler for causal, as FA3's.
+
 Gluon is experimental and its API moves between Triton releases: written against Triton 3.6 (the GPU host)
 and compile-checked for sm_90 with 3.9 (CI). Without Gluon's Hopper module, hopper_supported says False.
 """
@@ -136,6 +164,35 @@ def _env_config(head_dim: int) -> tuple[int, int, bool]:
     return (*CONFIGS[head_dim], head_dim in K_EARLY_DIMS)
 
 
+# The persistent variant (_attn_fwd_hopper_persist, issue #13): grid = min(SMs, work tiles), each CTA loops over
+# work tiles (128 query rows of one head) from a static round-robin schedule; causal tiles heaviest first. O
+# leaves through its own shared-memory buffer (2 x 64 x D), so the producer reloads Q for the next work tile
+# while the consumers finish the last P V and the epilogue. Shared memory at D128: Q 32 KB + ring 128 KB + O
+# 32 KB = 192 KB (+ barriers, scratch); D64 16 + 96 + 16 KB. D256 (Q 64 KB + ring 128 KB) has no room for an O
+# buffer: no persistent variant there. PERSIST_HEAD_DIMS: where it exists; PERSISTENT_DIMS: where run_hopper
+# takes it by default (none until it is measured on a GPU). FUSEKIT_HOPPER_ATTN_PERSIST=1 / 0 forces it on (at
+# PERSIST_HEAD_DIMS, host descriptors) / off, read per call; FUSEKIT_HOPPER_ATTN_PERSIST_CTAS=n caps the grid
+# (tests and probes: many work tiles per CTA at small shapes).
+PERSIST_HEAD_DIMS: tuple[int, ...] = (64, 128)
+PERSISTENT_DIMS: tuple[int, ...] = ()
+
+
+def _env_persist(head_dim: int) -> bool:
+    """Whether run_hopper launches the persistent kernel for this head dim (PERSISTENT_DIMS, or the
+    FUSEKIT_HOPPER_ATTN_PERSIST override)."""
+    if head_dim not in PERSIST_HEAD_DIMS:
+        return False
+    env = os.environ.get("FUSEKIT_HOPPER_ATTN_PERSIST", "")
+    if env:
+        return env not in ("0", "false", "False")
+    return head_dim in PERSISTENT_DIMS
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 if HAS_GLUON:
 
     @gluon.jit
@@ -181,23 +238,25 @@ if HAS_GLUON:
                                           is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
-    def _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, rows, cols,
+    def _consumer_step(idx, j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, rows, cols,
                        qk_scale, diag, SKV, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        MASK: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
         # Tile j's scores overlap tile j-1's P V: issue S_j, issue PV_{j-1}, wait for S_j only, softmax, then
         # wait for PV_{j-1}, free slot j-1 and rescale O. K_EARLY: K_j's slot is freed once S_j is done.
+        # idx: tile j's position in the ring's sequence of loads (j, or j plus the tiles of the work tiles
+        # before in the persistent kernel): it gives the slot and the phase.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-        slot = j % STAGES
-        pslot = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        slot = idx % STAGES
+        pslot = (idx - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (idx // STAGES) & 1)
         if PINGPONG:  # wait for this warpgroup's turn to issue its two GEMMs
             _named_barrier(j, WG, True)
         s_tok = warpgroup_mma(q_s, k_bufs.index(slot).permute((1, 0)),
                               gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
                               is_async=True)  # fmt: skip
-        mbarrier.wait(v_ready.index(pslot), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(pslot), ((idx - 1) // STAGES) & 1)
         acc_tok = warpgroup_mma(p, v_bufs.index(pslot), acc, is_async=True)
         if PINGPONG:  # hand the tensor cores to the other warpgroup while this one runs its softmax
             if WG == 0:
@@ -221,6 +280,22 @@ if HAS_GLUON:
                   qk_scale, m0, n_tiles, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, HOST: gl.constexpr,
                   PINGPONG: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
+        # One work tile per CTA: Q phase 0, the ring from its start, O out through this warpgroup's Q buffer.
+        _consumer_tile(o_desc, q_smem.index(WG), q_smem.index(WG), k_bufs, v_bufs, q_bar, 0, q_bar, k_ready,
+                       v_ready, kv_empty, lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, 0, WG, HEAD_DIM, BLOCK_N,
+                       STAGES, CAUSAL, HOST, PINGPONG, K_EARLY, False)  # fmt: skip
+
+    @gluon.jit
+    def _consumer_tile(o_desc, q_s, o_s, k_bufs, v_bufs, q_bar, q_phase, q_empty, k_ready, v_ready, kv_empty,
+                       lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, c, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HOST: gl.constexpr,
+                       PINGPONG: gl.constexpr, K_EARLY: gl.constexpr, PERSIST: gl.constexpr):  # fmt: skip
+        # One work tile (64 query rows m0 + 64 WG.. of head bh against n_tiles key tiles) of one consumer
+        # warpgroup. q_phase: the parity of q_bar's phase that brings this tile's Q; c: how many K/V tiles the
+        # ring carried before this work tile (slot c % STAGES, phase (c // STAGES) & 1 for its first).
+        # PERSIST: arrive on q_empty once the last S = Q K^T is done (the producer may refill Q while this
+        # warpgroup finishes P V and the epilogue) and send O through o_s, a buffer of its own, after the
+        # previous work tile's O store has left it; else o_s is q_s and the store is waited for at the end.
         M: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
@@ -229,9 +304,8 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        dtype: gl.constexpr = q_smem.dtype
+        dtype: gl.constexpr = q_s.dtype
 
-        q_s = q_smem.index(WG)
         r0 = m0 + WG * M
         rows = r0 + gl.arange(0, M, layout=row_s)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -243,13 +317,15 @@ if HAS_GLUON:
         n_full = gl.minimum(n_full, n_tiles)
 
         # tile 0 (always masked: it may be the only tile and see no key)
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        s_tok = warpgroup_mma(q_s, k_bufs.index(0).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False, is_async=True)  # fmt: skip
+        slot0 = c % STAGES
+        mbarrier.wait(q_bar, q_phase)
+        mbarrier.wait(k_ready.index(slot0), (c // STAGES) & 1)
+        s_tok = warpgroup_mma(q_s, k_bufs.index(slot0).permute((1, 0)),
+                              gl.zeros([M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                              is_async=True)  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         if K_EARLY:
-            mbarrier.arrive(kv_empty.index(STAGES), count=1)
+            mbarrier.arrive(kv_empty.index(STAGES + slot0), count=1)
         m_i = gl.full([M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([M], gl.float32, row_s)
         p, m_i, l_i, _alpha = _softmax_tile(s, m_i, l_i, rows, cols, 0, qk_scale, diag, SKV, True, CAUSAL)
@@ -261,37 +337,43 @@ if HAS_GLUON:
                 _named_barrier(n_tiles, 0, False)
 
         for j in range(1, n_full):
-            p, m_i, l_i, acc = _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
+            p, m_i, l_i, acc = _consumer_step(c + j, j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
                                               kv_empty, rows, cols, qk_scale, diag, SKV, n_tiles, BLOCK_N, STAGES, False,
                                               CAUSAL, WG, PINGPONG, K_EARLY)  # fmt: skip
         for j in range(gl.maximum(n_full, 1), n_tiles):
-            p, m_i, l_i, acc = _consumer_step(j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
+            p, m_i, l_i, acc = _consumer_step(c + j, j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
                                               kv_empty, rows, cols, qk_scale, diag, SKV, n_tiles, BLOCK_N, STAGES, True,
                                               CAUSAL, WG, PINGPONG, K_EARLY)  # fmt: skip
+        if PERSIST:  # the last S = Q K^T is done: Q's buffer may take the next work tile's rows
+            mbarrier.arrive(q_empty, count=1)
 
         # the last tile's P V
-        last = n_tiles - 1
+        last = c + n_tiles - 1
         lslot = last % STAGES
         mbarrier.wait(v_ready.index(lslot), (last // STAGES) & 1)
         acc_tok = warpgroup_mma(p, v_bufs.index(lslot), acc, is_async=True)
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
         mbarrier.arrive(kv_empty.index(lslot), count=1)
 
-        # epilogue: O through this warpgroup's Q buffer (its last wgmma is done) and a TMA store clipped at S
+        # epilogue: O through this warpgroup's Q buffer (its last wgmma is done; PERSIST: its own O buffer, once
+        # the previous work tile's store has read it) and a TMA store clipped at S
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # no visible key: acc is 0, the row stays exactly 0
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-        q_s.store(out.to(dtype))
+        if PERSIST:
+            tma.store_wait(0)
+        o_s.store(out.to(dtype))
         fence_async_shared()
         if HOST:  # [B*H, S, D] descriptor built on the host: rows clip at this head's S
-            _tma_store(o_desc, [bh, r0, 0], q_s.reshape([1, M, HEAD_DIM]))
+            _tma_store(o_desc, [bh, r0, 0], o_s.reshape([1, M, HEAD_DIM]))
         else:
-            _tma_store(o_desc, [r0, 0], q_s)
+            _tma_store(o_desc, [r0, 0], o_s)
         # lse in the natural log: (m + log2 l) * ln 2; no visible key: -inf; a +inf score: +inf
         lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
         lse = gl.where(l_i == 0.0, float("-inf"), lse)
         lse = gl.where(m_i == float("inf"), float("inf"), lse)
         gl.store(lse_ptr + bh.to(gl.int64) * S + rows, lse, mask=rows < S)
-        tma.store_wait(0)
+        if not PERSIST:  # the persistent consumer waits before its next O store and at its end
+            tma.store_wait(0)
 
     @gluon.jit
     def ring_barriers(STAGES: gl.constexpr):
@@ -323,6 +405,15 @@ if HAS_GLUON:
     def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, m0,
                   n_tiles, bh, b, hkv, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HOST: gl.constexpr,
                   K_EARLY: gl.constexpr):  # fmt: skip
+        _producer_tile(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, m0,
+                       n_tiles, bh, b, hkv, 0, BLOCK_N, STAGES, HOST, K_EARLY)  # fmt: skip
+
+    @gluon.jit
+    def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, m0,
+                       n_tiles, bh, b, hkv, c, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HOST: gl.constexpr,
+                       K_EARLY: gl.constexpr):  # fmt: skip
+        # One work tile's loads: Q's two halves, then its n_tiles K/V tiles into the ring, whose sequence of
+        # loads is at c (the tiles of earlier work tiles; 0 in the one-tile-per-CTA kernel).
         # HOST: descriptors built on the host over q [B*H, S, D] and k/v [B, Hkv, Skv, D] (through their
         # strides); the 2-D ring slots are viewed with the descriptor's rank. Else per-head 2-D descriptors.
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -334,16 +425,28 @@ if HAS_GLUON:
             _tma_load(q_desc, [m0, 0], q_bar, q_smem.index(0))
             _tma_load(q_desc, [m0 + 64, 0], q_bar, q_smem.index(1))
         for j in range(n_tiles):
-            slot = j % STAGES
+            idx = c + j
+            slot = idx % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first round passes
             if K_EARLY:  # K's own empty barriers (freed after S = Q K^T), then V's
-                mbarrier.wait(kv_empty.index(STAGES + slot), ((j // STAGES) & 1) ^ 1)
+                mbarrier.wait(kv_empty.index(STAGES + slot), ((idx // STAGES) & 1) ^ 1)
                 _load_kv_tile(k_desc, b, hkv, j * BLOCK_N, k_ready.index(slot), k_bufs.index(slot), HOST)
-                mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+                mbarrier.wait(kv_empty.index(slot), ((idx // STAGES) & 1) ^ 1)
             else:
-                mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+                mbarrier.wait(kv_empty.index(slot), ((idx // STAGES) & 1) ^ 1)
                 _load_kv_tile(k_desc, b, hkv, j * BLOCK_N, k_ready.index(slot), k_bufs.index(slot), HOST)
             _load_kv_tile(v_desc, b, hkv, j * BLOCK_N, v_ready.index(slot), v_bufs.index(slot), HOST)
+
+    @gluon.jit
+    def _kv_tiles(m0, S, SKV, BM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        # Key tiles of the query block at m0 (at least 1: a causal block that sees no key runs one all-masked
+        # tile and writes o = 0, lse = -inf).
+        if CAUSAL:  # keys past the last one any row of the block sees are never loaded
+            hi = gl.minimum(gl.maximum(m0 + BM + SKV - S, 0), SKV)
+            n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+        else:
+            n_tiles = gl.cdiv(SKV, BLOCK_N)
+        return n_tiles
 
     @gluon.jit
     def _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM: gl.constexpr,
@@ -366,11 +469,7 @@ if HAS_GLUON:
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
 
-        if CAUSAL:  # keys past the last one any row of the block sees are never loaded
-            hi = gl.minimum(gl.maximum(m0 + BM + SKV - S, 0), SKV)
-            n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
-        else:
-            n_tiles = gl.cdiv(SKV, BLOCK_N)
+        n_tiles = _kv_tiles(m0, S, SKV, BM, BLOCK_N, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, M, HEAD_DIM], q_layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -437,6 +536,107 @@ if HAS_GLUON:
                                             kv_layout)  # fmt: skip
         _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
                   CAUSAL, CONSUMER_REGS, PRODUCER_REGS, False, PINGPONG, K_EARLY)  # fmt: skip
+
+    # --- persistent variant (FUSEKIT_HOPPER_ATTN_PERSIST / PERSISTENT_DIMS; see the module docstring) -------
+    @gluon.jit
+    def _persist_tile(t, n_m, BH, S, SKV, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        # Work tile t -> (m0, bh, key tiles). Causal: query blocks in descending m across all heads, the
+        # heaviest (most keys) first, so the static round-robin hands the light ones out last (LPT). Otherwise
+        # m fastest: CTAs working at the same time share (b, h), and that head's K/V stays in L2.
+        if CAUSAL:
+            mb = n_m - 1 - t // BH
+            bh = t % BH
+        else:
+            bh = t // n_m
+            mb = t % n_m
+        m0 = mb * 128
+        return m0, bh, _kv_tiles(m0, S, SKV, 128, BLOCK_N, CAUSAL)
+
+    @gluon.jit
+    def _consumer_persist(o_desc, q_smem, o_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                          lse_ptr, pid, nprog, BH, S, SKV, qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                          K_EARLY: gl.constexpr):  # fmt: skip
+        # Work tiles pid, pid + nprog, ...: the i-th brings its Q with q_bar's phase i (parity i & 1); c counts
+        # the K/V tiles the ring carried before it, so slots and phases continue across work tiles.
+        n_m = gl.cdiv(S, 128)
+        c = 0
+        it = 0
+        for t in range(pid, n_m * BH, nprog):
+            m0, bh, n_tiles = _persist_tile(t, n_m, BH, S, SKV, BLOCK_N, CAUSAL)
+            _consumer_tile(o_desc, q_smem.index(WG), o_smem.index(WG), k_bufs, v_bufs, q_bar, it & 1, q_empty,
+                           k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, c, WG, HEAD_DIM,
+                           BLOCK_N, STAGES, CAUSAL, True, False, K_EARLY, True)  # fmt: skip
+            c += n_tiles
+            it += 1  # noqa: SIM113 (no enumerate over a runtime range in Gluon)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _producer_persist(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
+                          kv_empty, pid, nprog, H, HKV, BH, S, SKV, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          CAUSAL: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
+        # The same work tiles in the same order as the consumers. Before the i-th tile's Q it waits until both
+        # consumers have released tile i-1's (q_empty phase i-1, parity (i & 1) ^ 1: a fresh barrier passes the
+        # first); the K/V loads then run ahead into the ring as slots free up, across work tiles.
+        n_m = gl.cdiv(S, 128)
+        c = 0
+        it = 0
+        for t in range(pid, n_m * BH, nprog):
+            m0, bh, n_tiles = _persist_tile(t, n_m, BH, S, SKV, BLOCK_N, CAUSAL)
+            b = bh // H
+            hkv = (bh % H) // (H // HKV)
+            mbarrier.wait(q_empty, (it & 1) ^ 1)
+            _producer_tile(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, m0,
+                           n_tiles, bh, b, hkv, c, BLOCK_N, STAGES, True, K_EARLY)  # fmt: skip
+            c += n_tiles
+            it += 1  # noqa: SIM113 (no enumerate over a runtime range in Gluon)
+
+    @gluon.jit
+    def _attn_fwd_hopper_persist(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, BH, qk_scale,
+                                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                 CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                 K_EARLY: gl.constexpr):  # fmt: skip
+        # Persistent: grid (min(SMs, work tiles), 1), host descriptors; each CTA takes work tiles pid, pid +
+        # nprog, ... (static round-robin) over one set of buffers and barriers. O leaves through o_smem, so Q's
+        # buffer is refilled for the next work tile while the consumers finish P V and the epilogue.
+        M: gl.constexpr = 64
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        dtype: gl.constexpr = q_desc.dtype
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, M, HEAD_DIM], q_layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2, M, HEAD_DIM], q_layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar, k_ready, v_ready, kv_empty = ring_barriers(STAGES)
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
+        if K_EARLY:
+            kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2 * STAGES):
+                mbarrier.init(kv_empty.index(i), count=2)
+
+        gl.warp_specialize(
+            [
+                (_consumer_persist, (o_desc, q_smem, o_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
+                                     kv_empty, lse_ptr, pid, nprog, BH, S, SKV, qk_scale, WG0, HEAD_DIM, BLOCK_N,
+                                     STAGES, CAUSAL, K_EARLY)),
+                (_consumer_persist, (o_desc, q_smem, o_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
+                                     kv_empty, lse_ptr, pid, nprog, BH, S, SKV, qk_scale, WG1, HEAD_DIM, BLOCK_N,
+                                     STAGES, CAUSAL, K_EARLY)),
+                (_producer_persist, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready,
+                                     v_ready, kv_empty, pid, nprog, H, HKV, BH, S, SKV, BLOCK_N, STAGES, CAUSAL,
+                                     K_EARLY)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+    _attn_fwd_hopper_persist = fast_launch(_attn_fwd_hopper_persist)  # launched through launch_keyed
 
 
 @functools.cache
@@ -519,6 +719,9 @@ def run_hopper(
     Hkv, Skv = k.shape[1], k.shape[2]
     block_n, stages, k_early = _env_config(D)
     host = os.environ.get("FUSEKIT_HOPPER_ATTN_DESC", "host") != "device"
+    if host and _env_persist(D):
+        _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early)
+        return
     if not host:
         from kernels_triton._config import ensure_tma_allocator
 
@@ -545,6 +748,29 @@ def run_hopper(
                 qq, kk, vv, oo, ll, H, Hkv, S, Skv, float(qk_scale),
                 kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2), **consts,
             )  # fmt: skip
+
+
+def _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early) -> None:
+    """The persistent kernel over every (query block, head): grid (min(SMs, work tiles), 1), no batch split
+    (work tiles are counted in int32: B * H * ceil(S / 128) < 2**31)."""
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    bh = B * H
+    work = triton_cdiv(S, BLOCK_M) * bh
+    if work >= 2**31:
+        raise ValueError(f"hopper_forward (persistent): {work} work tiles overflow int32")
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    cap = os.environ.get("FUSEKIT_HOPPER_ATTN_PERSIST_CTAS")
+    ctas = min(_num_sms(dev), work, int(cap) if cap else work)
+    grid = (max(ctas, 1), 1)
+    qd, kd, vd, od = _host_descriptors(q, k, v, o, block_n)
+    consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS, K_EARLY=k_early, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+    # everything the compiled kernel depends on (as run_hopper's key), with B*H's specialization class too
+    key = ("attn_hopper_persist", q.device.index, q.dtype, D, bool(causal), block_n, stages, k_early, grid,
+           *((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv, bh)), lse.data_ptr() & 15 == 0)  # fmt: skip
+    launch_keyed(_attn_fwd_hopper_persist, key, grid, (qd, kd, vd, od, lse, H, Hkv, S, Skv, bh, float(qk_scale)),
+                 consts)  # fmt: skip
 
 
 @functools.cache
@@ -608,4 +834,18 @@ def aot_specs_gluon() -> list[tuple[str, object, dict, dict, dict]]:
                 specs.append(
                     (f"attn_hopper_{dt}_d{d}_c{int(causal)}", _attn_fwd_hopper_hd, hsig, const, opts)
                 )
+                if d in PERSIST_HEAD_DIMS:  # the persistent kernel: BH before qk_scale, no PINGPONG
+                    psig = {k: t for k, t in hsig.items() if k not in ("qk_scale", "PINGPONG")}
+                    psig = {**dict(list(psig.items())[:9]), "BH": "i32", "qk_scale": "fp32",
+                            **dict(list(psig.items())[9:])}  # fmt: skip
+                    pconst = {k: x for k, x in const.items() if k != "PINGPONG"}
+                    specs.append(
+                        (
+                            f"attn_hopper_{dt}_d{d}_c{int(causal)}_persist",
+                            _attn_fwd_hopper_persist,
+                            psig,
+                            pconst,
+                            opts,
+                        )
+                    )
     return specs

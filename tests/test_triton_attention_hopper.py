@@ -8,8 +8,10 @@ fp32, head dims other than 64/128/256, non-aligned or empty inputs), and, where 
 Hopper module, every (dtype, head dim, causal) variant compiles ahead of time for sm_90 down to a cubin with
 wgmma instructions. With `--device cuda` on an sm_90 GPU the kernel runs: against a float64 reference at odd
 shapes (ragged tails, GQA, causal rows that see no key, a NaN-padded KV-cache view), and through
-`ops.attention` with the size threshold lowered, so the routed path runs at test sizes too. Speed: the
-benchmarks (and .dev/s/gluon_probe.py).
+`ops.attention` with the size threshold lowered, so the routed path runs at test sizes too. The persistent
+variant (FUSEKIT_HOPPER_ATTN_PERSIST=1, D64/D128) runs the same odd shapes with its grid at min(SMs, work
+tiles) and capped at a few CTAs (barrier phases carried across work tiles), against float64 and bit for bit
+against the one-tile-per-CTA kernel. Speed: the benchmarks (and .dev/s/gluon_probe.py, persist_probe.py).
 """
 
 from __future__ import annotations
@@ -94,8 +96,28 @@ def test_aot_spec_names():
     names = [s[0] for s in _mod().aot_specs_gluon()]
     if not _mod().HAS_GLUON:
         pytest.skip("the installed triton has no Gluon Hopper module")
-    assert len(names) == len(set(names)) == 2 * 3 * 2 * 2  # dtype x head dim x causal x descriptor kind
+    # dtype x head dim x causal x descriptor kind, + the persistent kernel: dtype x (D64, D128) x causal
+    assert len(names) == len(set(names)) == 2 * 3 * 2 * 2 + 2 * 2 * 2
     assert sum("_d256_" in n for n in names) == 8
+    assert sorted(n for n in names if n.endswith("_persist")) == sorted(
+        f"attn_hopper_{dt}_d{d}_c{c}_persist" for dt in ("fp16", "bf16") for d in (64, 128) for c in (0, 1)
+    )
+
+
+def test_persistent_selection(monkeypatch: pytest.MonkeyPatch):
+    """The persistent kernel runs where PERSISTENT_DIMS says (empty: off until measured on a GPU) or where
+    FUSEKIT_HOPPER_ATTN_PERSIST=1 forces it, and never at D256 (no shared memory left for its O buffer)."""
+    m = _mod()
+    assert m.PERSISTENT_DIMS == () and set(m.PERSIST_HEAD_DIMS) == {64, 128}
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_PERSIST", raising=False)
+    assert not any(m._env_persist(d) for d in m.HEAD_DIMS)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST", "1")
+    assert [d for d in m.HEAD_DIMS if m._env_persist(d)] == [64, 128]
+    monkeypatch.setattr(m, "PERSISTENT_DIMS", (64, 128, 256))
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST", "0")
+    assert not any(m._env_persist(d) for d in m.HEAD_DIMS)
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_PERSIST")
+    assert [d for d in m.HEAD_DIMS if m._env_persist(d)] == [64, 128]
 
 
 def test_d256_routing(monkeypatch: pytest.MonkeyPatch):
@@ -230,6 +252,102 @@ def test_gpu_k_early_matches_float64(device: str, monkeypatch: pytest.MonkeyPatc
     fin = ref_lse.isfinite()
     assert torch.equal(lse.isfinite(), fin) and (o[~fin] == 0).all()
     assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-3
+
+
+# The persistent kernel (FUSEKIT_HOPPER_ATTN_PERSIST=1) at _CASES' D64/D128 shapes, with its grid at
+# min(SMs, work tiles) (fewer work tiles than SMs at these sizes) and capped at 3 CTAs (each loops over several
+# work tiles: the ring's and Q's barrier phases carry over between them), plus a case with more work tiles than
+# an H100 has SMs (4 x 32 heads x 3 query blocks = 384).
+_PERSIST_CASES = [c for c in _CASES if c[5] in (64, 128)] + [(4, 32, 8, 333, 700, 64, True)]
+
+
+def _persist_inputs(case, dtype):
+    B, H, Hkv, S, Skv, D, _ = case
+    g = torch.Generator(device="cuda").manual_seed(sum(case[:6]) + 1)
+    q = torch.randn(B, H, S, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Skv, D, device="cuda", generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Skv, D, device="cuda", generator=g).to(dtype)
+    return q, k, v
+
+
+def _persist_run(monkeypatch, q, k, v, causal, persist: bool):
+    """o, lse (NaN-poisoned before the call) of hopper_forward with the persistent kernel on or off; asserts
+    which kernel ran."""
+    m = _mod()
+    calls = []
+    real = m._run_persistent
+    monkeypatch.setattr(m, "_run_persistent", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST", "1" if persist else "0")
+    B, H, S, D = q.shape
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((B, H, S), float("nan"), device="cuda")
+    m.hopper_forward(o, lse, q, k, v, causal, D**-0.5 * 1.4426950408889634)
+    assert bool(calls) == persist, "the persistent kernel did not run" if persist else "it ran unasked"
+    return o, lse
+
+
+@pytest.mark.parametrize("ctas", ["sms", "3"], ids=["grid-sms", "grid-3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "case", _PERSIST_CASES, ids=lambda c: "B{}H{}-{}S{}K{}D{}{}".format(*c[:6], "c" if c[6] else "")
+)
+def test_gpu_persistent_matches_float64(
+    device: str, monkeypatch: pytest.MonkeyPatch, ctas, dtype, case
+) -> None:
+    from fusekit.tolerances import rtol
+
+    _need_sm90(device)
+    if ctas != "sms":
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_CTAS", ctas)
+    q, k, v = _persist_inputs(case, dtype)
+    causal, D = case[6], case[5]
+    o, lse = _persist_run(monkeypatch, q, k, v, causal, True)
+    ref, ref_lse = _reference(q, k, v, causal, D**-0.5)
+    assert not o.isnan().any() and not lse.isnan().any()
+    err = ((o.double() - ref).norm() / ref.norm()).item()
+    assert err < rtol("attention", dtype), err
+    fin = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), fin)  # rows with no key: -inf exactly, and o = 0
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-3
+    assert (o[~fin] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "case", _PERSIST_CASES, ids=lambda c: "B{}H{}-{}S{}K{}D{}{}".format(*c[:6], "c" if c[6] else "")
+)
+def test_gpu_persistent_bit_identical_to_one_tile_per_cta(device: str, monkeypatch, case) -> None:
+    """Each work tile runs the same consumer code (_consumer_tile) on the same data in the same order as the
+    one-tile-per-CTA kernel: o and lse are bit-identical, whichever CTA takes a tile and after how many."""
+    _need_sm90(device)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_CTAS", "5")
+    q, k, v = _persist_inputs(case, torch.bfloat16)
+    o, lse = _persist_run(monkeypatch, q, k, v, case[6], True)
+    o2, lse2 = _persist_run(monkeypatch, q, k, v, case[6], False)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("cfg", ["64,4,1", "128,2,0"], ids=["bn64s4-kearly", "bn128s2"])
+def test_gpu_persistent_ring_configs(device: str, monkeypatch: pytest.MonkeyPatch, cfg: str) -> None:
+    """The persistent kernel at D128 with other rings (FUSEKIT_HOPPER_ATTN_CFG): 4 stages of 64 keys (the
+    slot/phase sequence wraps at another period) and K freed with V (no K_EARLY), over a capped grid."""
+    from fusekit.tolerances import rtol
+
+    _need_sm90(device)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_CFG", cfg)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_CTAS", "3")
+    for case in [
+        (2, 8, 2, 77, 300, 128, True),
+        (1, 4, 1, 300, 77, 128, True),
+        (1, 4, 2, 200, 333, 128, False),
+    ]:
+        q, k, v = _persist_inputs(case, torch.bfloat16)
+        o, lse = _persist_run(monkeypatch, q, k, v, case[6], True)
+        ref, ref_lse = _reference(q, k, v, case[6], 128**-0.5)
+        assert not o.isnan().any() and not lse.isnan().any()
+        assert ((o.double() - ref).norm() / ref.norm()).item() < rtol("attention", torch.bfloat16)
+        fin = ref_lse.isfinite()
+        assert torch.equal(lse.isfinite(), fin) and (o[~fin] == 0).all()
+        assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-3
 
 
 def test_gpu_kv_cache_view(device: str) -> None:
