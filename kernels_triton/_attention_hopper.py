@@ -67,7 +67,14 @@ L2 flushed, SDPA and attention.py's kernel in the same process), bf16: B4 H32 S4
 attention.use_hopper routes D256 here (FUSEKIT_TRITON_ATTN_GLUON_D256=0 does not).
 
 Persistent variant (issue #13; opt-in: PERSISTENT_DIMS is empty, FUSEKIT_HOPPER_ATTN_PERSIST=1 turns it on at
-D64/D128 for probes; NOT MEASURED ON A GPU YET, compile-checked only). Short sequences lose to SDPA (B32 S512
+D64/D128 for probes). Measured once on an H100 (.dev probe at c445956, do_bench with the L2 flushed, against
+this module's one-tile-per-CTA kernel and SDPA in the same process, bf16 H32; outputs bit-identical to the
+one-tile kernel at 4 odd shapes, causal and GQA, grid capped at 3 and 7 CTAs): non-causal it wins, D128 B32
+S512 1.18x (486 TFLOP/s, 0.89x SDPA), B16 S1024 1.11x (571, 0.92x), B4 S4096 1.01x (610, 1.00x); D64 B32
+S512 1.17x, B16 S1024 1.10x. Causal it loses at D128 (S512 0.90x, S4096 0.71x: the causal order interleaves
+heads, so the CTAs running together read ~132 heads' K/V, far more than the L2 holds; a head-grouped causal
+order is the next thing to try) and wins at D64 (S512 1.17x, S1024 1.06x; D64 causal is not routed to Gluon).
+Not on by default yet: the harness has not timed it, and the causal order needs the fix above. Short sequences lose to SDPA (B32 S512
 D128 0.67x causal / 0.81x, B16 S1024 0.84x / 0.91x, D64 0.73-0.97x on the H100 harness) because with 4-8 key
 tiles per CTA the prologue (Q load, ring fill) and epilogue (normalize, O store, lse) of every CTA overlap with
 nothing, and causal CTAs are ragged. _attn_fwd_hopper_persist (FA3's answer): grid (min(SMs, work tiles), 1);
