@@ -71,18 +71,48 @@ D64/D128 for probes). Measured once on an H100 (.dev probe at c445956, do_bench 
 this module's one-tile-per-CTA kernel and SDPA in the same process, bf16 H32; outputs bit-identical to the
 one-tile kernel at 4 odd shapes, causal and GQA, grid capped at 3 and 7 CTAs): non-causal it wins, D128 B32
 S512 1.18x (486 TFLOP/s, 0.89x SDPA), B16 S1024 1.11x (571, 0.92x), B4 S4096 1.01x (610, 1.00x); D64 B32
-S512 1.17x, B16 S1024 1.10x. Causal it loses at D128 (S512 0.90x, S4096 0.71x: the causal order interleaves
-heads, so the CTAs running together read ~132 heads' K/V, far more than the L2 holds; a head-grouped causal
-order is the next thing to try) and wins at D64 (S512 1.17x, S1024 1.06x; D64 causal is not routed to Gluon).
-Not on by default yet: the harness has not timed it, and the causal order needs the fix above. Short sequences lose to SDPA (B32 S512
-D128 0.67x causal / 0.81x, B16 S1024 0.84x / 0.91x, D64 0.73-0.97x on the H100 harness) because with 4-8 key
+S512 1.17x, B16 S1024 1.10x. Causal (with the first causal order, "global" below) it loses at D128 (S512 0.90x,
+S4096 0.71x: that order interleaves heads, so the CTAs running together read ~132 heads' K/V, far more than the
+L2 holds) and wins at D64 (S512 1.17x, S1024 1.06x; D64 causal is not routed to Gluon). The head-grouped causal
+orders below are not measured on a GPU yet (.dev/s/persist_probe.py A/Bs them). Not on by default yet: the
+harness has not timed it. Short sequences lose to SDPA (B32 S512 D128 0.67x causal / 0.81x, B16 S1024 0.84x /
+0.91x, D64 0.73-0.97x on the H100 harness) because with 4-8 key
 tiles per CTA the prologue (Q load, ring fill) and epilogue (normalize, O store, lse) of every CTA overlap with
-nothing, and causal CTAs are ragged. _attn_fwd_hopper_persist (FA3's answer): grid (min(SMs, work tiles), 1);
-a work tile is 128 query rows of one (b, h); CTA pid takes tiles pid, pid + nprog, ... (static round-robin).
-Causal order: query blocks in descending m across all heads (most keys first), so the round-robin hands the
-short tiles out last (LPT-like); non-causal: m fastest within a head, so the CTAs running at the same time read
-the same head's K/V (L2). The same partitions' code runs each work tile (_consumer_tile / _producer_tile, which
-the one-tile-per-CTA kernel also calls: its sm_90 PTX is unchanged, Triton 3.6, all 24 variants, debug info
+nothing, and causal CTAs are ragged. _attn_fwd_hopper_persist (FA3's answer): grid (min(SMs, units), 1);
+a work tile is 128 query rows of one (b, h); CTA pid takes schedule units pid, pid + nprog, ... (static
+round-robin), a unit being one work tile, or two (causal "pairs"). Non-causal: m fastest within a head, so the
+CTAs running at the same time read the same head's K/V (L2), and every tile costs the same. Causal (work tile
+cost ~ its key tiles, 1..n_m at S = Skv), _persist_unit / _persist_schedule:
+- what the static round-robin does with an order: at any moment the ~nprog CTAs run a window of ~nprog
+  consecutive units (CTAs fall behind each other only by their load differences so far), and CTA p's total is
+  the sum over units p, p + nprog, ...: each "row" of nprog consecutive units gives one to every CTA, so a
+  row whose costs fall from its first unit to its last hands CTA 0 the most every time.
+- "global" (the first order): descending m across all B*H heads. Each row is one or two m levels: balanced to
+  ~one light tile at the end (LPT-like), but the window spans ~nprog heads: B4 H32 S4096 D128 reads ~126
+  heads' K/V (2 MB each) at once.
+- sections (FA3's L2 swizzle): heads b*H + h cut into sections of SEC consecutive heads (whole GQA groups)
+  whose K/V, Skv * D * 2 bytes * 2 per KV head, fit in half the L2 (PERSIST_L2_SHARE; H100 50 MB: 12 heads at
+  Skv 4096 D128, 100 at Skv 512); sections in order, the last one ragged. A section is >= ~3 rows of units at
+  S = Skv (D <= 128), so the window straddles at most two sections: at most the whole L2 of K/V in flight.
+- "sections" (FA3's order within a section: descending m, heads fastest): locality, but a row now spans
+  nprog / SEC m levels (B16 S1024 D128: 2.6 of 8), so CTA 0 gets the heaviest tile of every row, and the
+  sawtooth at section boundaries only shifts which CTAs. A static-sum model (key tiles + 0.5 per work tile, 132
+  CTAs, each CTA's sum of its units) gives the busiest CTA 1.16-1.33x the mean at B32 S512 / B16 S1024 /
+  B8 S2048 / B4 S2048 D128 (global 1.03x); only at B4 S4096 D128 is it good (1.003x). FA3 pairs this order
+  with a dynamic (atomic) scheduler, where it balances.
+- "pairs" (the default): unit (k, h) = head h's blocks n_m - 1 - k, then k (k < n_m // 2, heads fastest within
+  the section); their key tiles add up to ~n_m + 1 for every k, so every unit costs about the same and every
+  row is balanced, whatever the section boundaries (an odd n_m's middle blocks pair up across heads, after the
+  pairs of their section). Same window locality (model: B4 S4096 D128 ~20 heads in flight, global 126). Its
+  cost: units are coarse, U units over P CTAs leave the busiest CTA ceil(U / P) against the mean U / P (1.03x
+  at the shapes above, 1.15-1.4x at a few units a CTA, e.g. B4 H32 S1088 D128, 4.4 a CTA); where that exceeds
+  1.1x (PERSIST_PAIRS_MAX_QUANT) the default takes "global": few units means little K/V to thrash the L2.
+  With S > Skv many tiles clamp at one key tile and the pairs are less even (model 1.1x at B3 S4000 Skv1000).
+FUSEKIT_HOPPER_ATTN_PERSIST_ORDER=pairs|sections|global and FUSEKIT_HOPPER_ATTN_PERSIST_SECTION=heads force
+them (probes, tests). The order is a runtime argument (PAIRS, SEC, PER, NU; not specialized), so the A/B runs
+one compiled kernel; each unit's tiles are recomputed from u per tile (the producer has 24 registers).
+The same partitions' code runs each work tile (_consumer_tile / _producer_tile, which the one-tile-per-CTA
+kernel also calls: its sm_90 PTX is unchanged, Triton 3.6, all 24 variants, debug info
 aside), so a work tile should give bit-identically what the one-tile kernel gives (a GPU test checks). Across
 work tiles:
 - the K/V ring's sequence of loads continues: both sides count the K/V tiles of earlier work tiles (c), and
@@ -546,66 +576,126 @@ if HAS_GLUON:
 
     # --- persistent variant (FUSEKIT_HOPPER_ATTN_PERSIST / PERSISTENT_DIMS; see the module docstring) -------
     @gluon.jit
-    def _persist_tile(t, n_m, BH, S, SKV, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        # Work tile t -> (m0, bh, key tiles). Causal: query blocks in descending m across all heads, the
-        # heaviest (most keys) first, so the static round-robin hands the light ones out last (LPT). Otherwise
-        # m fastest: CTAs working at the same time share (b, h), and that head's K/V stays in L2.
-        if CAUSAL:
-            mb = n_m - 1 - t // BH
-            bh = t % BH
-        else:
-            bh = t // n_m
-            mb = t % n_m
+    def _persist_tile(t, n_m, S, SKV, BLOCK_N: gl.constexpr):
+        # Non-causal work tile t -> (m0, bh, key tiles): m fastest, so the CTAs working at the same time share
+        # (b, h) and that head's K/V stays in L2 (every tile costs the same: no balance to keep).
+        bh = t // n_m
+        mb = t % n_m
         m0 = mb * 128
-        return m0, bh, _kv_tiles(m0, S, SKV, 128, BLOCK_N, CAUSAL)
+        return m0, bh, _kv_tiles(m0, S, SKV, 128, BLOCK_N, False)
+
+    @gluon.jit
+    def _persist_unit(u, w, PAIRS, SEC, PER, n_m, BH):
+        # Causal schedule unit u -> (tiles in it, query block and head of its tile w). Heads (b * H + h) are cut
+        # into sections of SEC (the last one may have fewer: g), PER units per full section; sections in order.
+        # PAIRS = 0 ("sections", FA3's order; "global" is SEC = B * H): unit (k, h) is the tile of block
+        # n_m - 1 - k, heads fastest. PAIRS = 1 ("pairs"): unit (k, h), k < n_m // 2, is head h's blocks
+        # n_m - 1 - k, then k (their key tiles add up to about the same for every k), heads fastest; an odd
+        # n_m's middle blocks follow, paired across heads (2v, 2v + 1). Recomputed per tile from the (u, w) cursor
+        # rather than carried: the producer has 24 registers, the consumers none to spare at D128.
+        sec = u // PER
+        r = u - sec * PER
+        base = sec * SEC
+        g = gl.minimum(SEC, BH - base)
+        levels = n_m // (1 + PAIRS)  # unit levels per head: n_m // 2 pairs, or n_m single tiles
+        n_lev = g * levels
+        k = r // g
+        v = r - n_lev
+        if r < n_lev:
+            nt = 1 + PAIRS
+            mb = n_m - 1 - k + w * (2 * k + 1 - n_m)
+            bh = base + r - k * g
+        else:  # an odd n_m's middle block (PAIRS only)
+            nt = 1 + (2 * v + 1 < g).to(gl.int32)
+            mb = levels + v * 0
+            bh = base + 2 * v + w
+        return nt, mb, bh
 
     @gluon.jit
     def _consumer_persist(o_desc, q_smem, o_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                          lse_ptr, pid, nprog, BH, S, SKV, qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                          K_EARLY: gl.constexpr):  # fmt: skip
-        # Work tiles pid, pid + nprog, ...: the i-th brings its Q with q_bar's phase i (parity i & 1); c counts
-        # the K/V tiles the ring carried before it, so slots and phases continue across work tiles.
+                          lse_ptr, pid, nprog, BH, S, SKV, qk_scale, PAIRS, SEC, PER, NU, WG: gl.constexpr,
+                          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          CAUSAL: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
+        # Work tiles in schedule order (causal: units pid, pid + nprog, ... of NU, each 1 or 2 work tiles; else
+        # tiles pid, pid + nprog, ...): the i-th brings its Q with q_bar's phase i (parity i & 1); c counts the
+        # K/V tiles the ring carried before it, so slots and phases continue across work tiles.
         n_m = gl.cdiv(S, 128)
         c = 0
         it = 0
-        for t in range(pid, n_m * BH, nprog):
-            m0, bh, n_tiles = _persist_tile(t, n_m, BH, S, SKV, BLOCK_N, CAUSAL)
-            _consumer_tile(o_desc, q_smem.index(WG), o_smem.index(WG), k_bufs, v_bufs, q_bar, it & 1, q_empty,
-                           k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, c, WG, HEAD_DIM,
-                           BLOCK_N, STAGES, CAUSAL, True, False, K_EARLY, True)  # fmt: skip
-            c += n_tiles
-            it += 1  # noqa: SIM113 (no enumerate over a runtime range in Gluon)
+        if CAUSAL:
+            u = pid
+            w = pid * 0
+            while u < NU:  # cursor (unit u, its tile w): one loop, fewer registers live than a nested one
+                nt, mb, bh = _persist_unit(u, w, PAIRS, SEC, PER, n_m, BH)
+                m0 = mb * 128
+                n_tiles = _kv_tiles(m0, S, SKV, 128, BLOCK_N, True)
+                _consumer_tile(o_desc, q_smem.index(WG), o_smem.index(WG), k_bufs, v_bufs, q_bar, it & 1, q_empty,
+                               k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, c, WG,
+                               HEAD_DIM, BLOCK_N, STAGES, CAUSAL, True, False, K_EARLY, True)  # fmt: skip
+                c += n_tiles
+                it += 1
+                w += 1
+                done = w == nt
+                u = gl.where(done, u + nprog, u)
+                w = gl.where(done, 0, w)
+        else:
+            for t in range(pid, n_m * BH, nprog):
+                m0, bh, n_tiles = _persist_tile(t, n_m, S, SKV, BLOCK_N)
+                _consumer_tile(o_desc, q_smem.index(WG), o_smem.index(WG), k_bufs, v_bufs, q_bar, it & 1, q_empty,
+                               k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, c, WG,
+                               HEAD_DIM, BLOCK_N, STAGES, CAUSAL, True, False, K_EARLY, True)  # fmt: skip
+                c += n_tiles
+                it += 1
         tma.store_wait(0)
 
     @gluon.jit
     def _producer_persist(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
-                          kv_empty, pid, nprog, H, HKV, BH, S, SKV, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
+                          kv_empty, pid, nprog, H, HKV, BH, S, SKV, PAIRS, SEC, PER, NU, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
         # The same work tiles in the same order as the consumers. Before the i-th tile's Q it waits until both
         # consumers have released tile i-1's (q_empty phase i-1, parity (i & 1) ^ 1: a fresh barrier passes the
         # first); the K/V loads then run ahead into the ring as slots free up, across work tiles.
         n_m = gl.cdiv(S, 128)
         c = 0
         it = 0
-        for t in range(pid, n_m * BH, nprog):
-            m0, bh, n_tiles = _persist_tile(t, n_m, BH, S, SKV, BLOCK_N, CAUSAL)
-            b = bh // H
-            hkv = (bh % H) // (H // HKV)
-            mbarrier.wait(q_empty, (it & 1) ^ 1)
-            _producer_tile(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, m0,
-                           n_tiles, bh, b, hkv, c, BLOCK_N, STAGES, True, K_EARLY)  # fmt: skip
-            c += n_tiles
-            it += 1  # noqa: SIM113 (no enumerate over a runtime range in Gluon)
+        if CAUSAL:
+            u = pid
+            w = pid * 0
+            while u < NU:
+                nt, mb, bh = _persist_unit(u, w, PAIRS, SEC, PER, n_m, BH)
+                m0 = mb * 128
+                n_tiles = _kv_tiles(m0, S, SKV, 128, BLOCK_N, True)
+                b = bh // H
+                hkv = (bh % H) // (H // HKV)
+                mbarrier.wait(q_empty, (it & 1) ^ 1)
+                _producer_tile(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+                               m0, n_tiles, bh, b, hkv, c, BLOCK_N, STAGES, True, K_EARLY)  # fmt: skip
+                c += n_tiles
+                it += 1
+                w += 1
+                done = w == nt
+                u = gl.where(done, u + nprog, u)
+                w = gl.where(done, 0, w)
+        else:
+            for t in range(pid, n_m * BH, nprog):
+                m0, bh, n_tiles = _persist_tile(t, n_m, S, SKV, BLOCK_N)
+                b = bh // H
+                hkv = (bh % H) // (H // HKV)
+                mbarrier.wait(q_empty, (it & 1) ^ 1)
+                _producer_tile(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+                               m0, n_tiles, bh, b, hkv, c, BLOCK_N, STAGES, True, K_EARLY)  # fmt: skip
+                c += n_tiles
+                it += 1
 
-    @gluon.jit
-    def _attn_fwd_hopper_persist(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, BH, qk_scale,
-                                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    @gluon.jit(do_not_specialize=["PAIRS", "SEC", "PER", "NU"])
+    def _attn_fwd_hopper_persist(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, BH, qk_scale, PAIRS, SEC,
+                                 PER, NU, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                  CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                  K_EARLY: gl.constexpr):  # fmt: skip
-        # Persistent: grid (min(SMs, work tiles), 1), host descriptors; each CTA takes work tiles pid, pid +
-        # nprog, ... (static round-robin) over one set of buffers and barriers. O leaves through o_smem, so Q's
-        # buffer is refilled for the next work tile while the consumers finish P V and the epilogue.
+        # Persistent: grid (min(SMs, schedule units), 1), host descriptors; each CTA takes units pid, pid +
+        # nprog, ... (static round-robin) over one set of buffers and barriers: non-causal a unit is a work tile,
+        # causal one or two (_persist_unit; PAIRS, SEC, PER, NU from _persist_schedule). O leaves through o_smem, so
+        # Q's buffer is refilled for the next work tile while the consumers finish P V and the epilogue.
         M: gl.constexpr = 64
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
@@ -630,14 +720,14 @@ if HAS_GLUON:
         gl.warp_specialize(
             [
                 (_consumer_persist, (o_desc, q_smem, o_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
-                                     kv_empty, lse_ptr, pid, nprog, BH, S, SKV, qk_scale, WG0, HEAD_DIM, BLOCK_N,
-                                     STAGES, CAUSAL, K_EARLY)),
+                                     kv_empty, lse_ptr, pid, nprog, BH, S, SKV, qk_scale, PAIRS, SEC, PER, NU, WG0,
+                                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_EARLY)),
                 (_consumer_persist, (o_desc, q_smem, o_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
-                                     kv_empty, lse_ptr, pid, nprog, BH, S, SKV, qk_scale, WG1, HEAD_DIM, BLOCK_N,
-                                     STAGES, CAUSAL, K_EARLY)),
+                                     kv_empty, lse_ptr, pid, nprog, BH, S, SKV, qk_scale, PAIRS, SEC, PER, NU, WG1,
+                                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_EARLY)),
                 (_producer_persist, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready,
-                                     v_ready, kv_empty, pid, nprog, H, HKV, BH, S, SKV, BLOCK_N, STAGES, CAUSAL,
-                                     K_EARLY)),
+                                     v_ready, kv_empty, pid, nprog, H, HKV, BH, S, SKV, PAIRS, SEC, PER, NU, BLOCK_N,
+                                     STAGES, CAUSAL, K_EARLY)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -757,27 +847,92 @@ def run_hopper(
             )  # fmt: skip
 
 
+# Causal schedule of the persistent kernel (see the module docstring): "pairs" (head h's query blocks n_m-1-k
+# and k in one unit), "sections" (FA3's order: descending m, heads fastest) within sections of SEC heads whose
+# K/V fit in L2 together, or "global" (descending m across all heads: sections of B*H heads, the first order,
+# kept for A/B probes). FUSEKIT_HOPPER_ATTN_PERSIST_ORDER=pairs|sections|global forces one,
+# FUSEKIT_HOPPER_ATTN_PERSIST_SECTION=n the heads per section (probes, tests).
+PERSIST_ORDERS = ("pairs", "sections", "global")
+# L2 share a section's K/V may take: the ~nprog work tiles in flight straddle at most two sections (a section is
+# >= ~3 x 132 work tiles at S = Skv, D <= 128 on an H100), so two sections' K/V fill at most the whole L2.
+PERSIST_L2_SHARE = 0.5
+# "pairs" gives every CTA whole units (two work tiles): with U units over P CTAs the busiest CTA runs ceil(U/P),
+# the mean U/P. Past this ratio (few units, e.g. 1.1 units a CTA) the default takes "global", whose last work
+# tiles are the lightest of all heads (LPT-like, fine grained) instead; such shapes have little K/V in all.
+PERSIST_PAIRS_MAX_QUANT = 1.1
+
+
+@functools.cache
+def _l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def _persist_units(pairs: bool, sec: int, bh: int, n_m: int) -> tuple[int, int]:
+    """(units per full section, units in all) of the causal order: a unit is one work tile, or a pair of them
+    (an odd n_m's middle blocks pair up across heads)."""
+    if not pairs:
+        return sec * n_m, bh * n_m
+    npl, odd = n_m // 2, n_m % 2
+    per = sec * npl + odd * triton_cdiv(sec, 2)
+    full, rem = divmod(bh, sec)
+    return per, full * per + rem * npl + odd * triton_cdiv(rem, 2)
+
+
+def _persist_schedule(
+    bh: int, group: int, n_m: int, skv: int, d: int, elem: int, l2: int, sms: int
+) -> tuple[int, int, int, int]:
+    """(PAIRS, SEC, PER, NU) of the causal persistent kernel: the order (the env override, else "pairs" unless
+    it quantizes badly, PERSIST_PAIRS_MAX_QUANT), heads per section (SEC: whole GQA groups whose K/V, Skv * D *
+    elem * 2 bytes per KV head, fit in PERSIST_L2_SHARE of the L2; at least one group), units per full section
+    and units in all."""
+    kv_head = skv * d * elem * 2
+    sec = max(1, int(l2 * PERSIST_L2_SHARE) // kv_head) * group
+    env_sec = os.environ.get("FUSEKIT_HOPPER_ATTN_PERSIST_SECTION")
+    if env_sec:
+        sec = int(env_sec)
+    sec = max(1, min(sec, bh))
+    order = os.environ.get("FUSEKIT_HOPPER_ATTN_PERSIST_ORDER", "")
+    if order not in PERSIST_ORDERS:
+        if order:
+            raise ValueError(f"FUSEKIT_HOPPER_ATTN_PERSIST_ORDER={order!r}: one of {PERSIST_ORDERS}")
+        nu = _persist_units(True, sec, bh, n_m)[1]
+        p = min(sms, nu)
+        order = "pairs" if triton_cdiv(nu, p) <= PERSIST_PAIRS_MAX_QUANT * nu / p else "global"
+    if order == "global":
+        sec = bh
+    pairs = order == "pairs"
+    return (int(pairs), sec, *_persist_units(pairs, sec, bh, n_m))
+
+
 def _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early) -> None:
-    """The persistent kernel over every (query block, head): grid (min(SMs, work tiles), 1), no batch split
+    """The persistent kernel over every (query block, head): grid (min(SMs, schedule units), 1), no batch split
     (work tiles are counted in int32: B * H * ceil(S / 128) < 2**31)."""
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     bh = B * H
-    work = triton_cdiv(S, BLOCK_M) * bh
+    n_m = triton_cdiv(S, BLOCK_M)
+    work = n_m * bh
     if work >= 2**31:
         raise ValueError(f"hopper_forward (persistent): {work} work tiles overflow int32")
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    sms = _num_sms(dev)
+    pairs, sec, per, units = 0, 1, 1, work  # non-causal: unused (every tile costs the same; m fastest)
+    if causal:
+        pairs, sec, per, units = _persist_schedule(
+            bh, H // Hkv, n_m, Skv, D, q.element_size(), _l2_bytes(dev), sms
+        )
     cap = os.environ.get("FUSEKIT_HOPPER_ATTN_PERSIST_CTAS")
-    ctas = min(_num_sms(dev), work, int(cap) if cap else work)
+    ctas = min(sms, units, int(cap) if cap else units)
     grid = (max(ctas, 1), 1)
     qd, kd, vd, od = _host_descriptors(q, k, v, o, block_n)
     consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, K_EARLY=k_early, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
     # everything the compiled kernel depends on (as run_hopper's key), with B*H's specialization class too
+    # (PAIRS, SEC, PER and NU are not specialized: do_not_specialize)
     key = ("attn_hopper_persist", q.device.index, q.dtype, D, bool(causal), block_n, stages, k_early, grid,
            *((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv, bh)), lse.data_ptr() & 15 == 0)  # fmt: skip
-    launch_keyed(_attn_fwd_hopper_persist, key, grid, (qd, kd, vd, od, lse, H, Hkv, S, Skv, bh, float(qk_scale)),
-                 consts)  # fmt: skip
+    args = (qd, kd, vd, od, lse, H, Hkv, S, Skv, bh, float(qk_scale), pairs, sec, per, units)
+    launch_keyed(_attn_fwd_hopper_persist, key, grid, args, consts)
 
 
 @functools.cache
@@ -841,10 +996,11 @@ def aot_specs_gluon() -> list[tuple[str, object, dict, dict, dict]]:
                 specs.append(
                     (f"attn_hopper_{dt}_d{d}_c{int(causal)}", _attn_fwd_hopper_hd, hsig, const, opts)
                 )
-                if d in PERSIST_HEAD_DIMS:  # the persistent kernel: BH before qk_scale, no PINGPONG
+                # the persistent kernel: BH, qk_scale, PAIRS, SEC, PER, NU; no PINGPONG
+                if d in PERSIST_HEAD_DIMS:
                     psig = {k: t for k, t in hsig.items() if k not in ("qk_scale", "PINGPONG")}
-                    psig = {**dict(list(psig.items())[:9]), "BH": "i32", "qk_scale": "fp32",
-                            **dict(list(psig.items())[9:])}  # fmt: skip
+                    psig = {**dict(list(psig.items())[:9]), "BH": "i32", "qk_scale": "fp32", "PAIRS": "i32",
+                            "SEC": "i32", "PER": "i32", "NU": "i32", **dict(list(psig.items())[9:])}  # fmt: skip
                     pconst = {k: x for k, x in const.items() if k != "PINGPONG"}
                     specs.append(
                         (

@@ -11,13 +11,16 @@ shapes (ragged tails, GQA, causal rows that see no key, a NaN-padded KV-cache vi
 `ops.attention` with the size threshold lowered, so the routed path runs at test sizes too. The persistent
 variant (FUSEKIT_HOPPER_ATTN_PERSIST=1, D64/D128) runs the same odd shapes with its grid at min(SMs, work
 tiles) and capped at a few CTAs (barrier phases carried across work tiles), against float64 and bit for bit
-against the one-tile-per-CTA kernel. Speed: the benchmarks (and .dev/s/gluon_probe.py, persist_probe.py).
+against the one-tile-per-CTA kernel; its causal schedules (pairs, sections, global; small sections, ragged last
+ones) cover every work tile once (CPU, the kernel's unit mapping in Python) and give bit-identical results (GPU).
+Speed: the benchmarks (and .dev/s/gluon_probe.py, persist_probe.py).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 
@@ -118,6 +121,92 @@ def test_persistent_selection(monkeypatch: pytest.MonkeyPatch):
     assert not any(m._env_persist(d) for d in m.HEAD_DIMS)
     monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_PERSIST")
     assert [d for d in m.HEAD_DIMS if m._env_persist(d)] == [64, 128]
+
+
+def _unit_tiles(u: int, pairs: int, sec: int, per: int, n_m: int, bh: int) -> list[tuple[int, int]]:
+    """The kernel's _persist_unit transcribed to Python: unit u's (query block, b*H + h) work tiles in order."""
+    s, r = divmod(u, per)
+    base = s * sec
+    g = min(sec, bh - base)
+    levels = n_m // (1 + pairs)
+    n_lev = g * levels
+    k, v = r // g, r - n_lev
+    if r < n_lev:
+        return [(n_m - 1 - k + w * (2 * k + 1 - n_m), base + r - k * g) for w in range(1 + pairs)]
+    return [(levels, base + 2 * v + w) for w in range(1 + (2 * v + 1 < g))]
+
+
+# (B, H, Hkv, S, Skv, D, order, heads per section or None): several sections with a ragged last one (odd and
+# even), odd and even query-block counts, one query block, GQA, one section (the L2 rule), and global.
+_SCHED_CASES = [
+    (2, 8, 2, 333, 700, 128, "pairs", 6),
+    (3, 5, 5, 640, 640, 64, "pairs", 4),
+    (1, 6, 2, 1000, 1000, 128, "pairs", 4),
+    (2, 4, 1, 77, 300, 64, "pairs", 3),
+    (1, 4, 4, 300, 77, 128, "pairs", 1),
+    (4, 32, 8, 4096, 4096, 128, "pairs", None),
+    (3, 5, 5, 640, 640, 64, "sections", 4),
+    (2, 8, 2, 333, 700, 128, "sections", None),
+    (4, 32, 32, 4096, 4096, 128, "sections", None),
+    (3, 5, 5, 640, 640, 64, "global", 4),
+]
+
+
+@pytest.mark.parametrize("case", _SCHED_CASES, ids=lambda c: "B{}H{}-{}S{}K{}D{}-{}-{}".format(*c))
+def test_persist_causal_schedule_covers_every_tile(monkeypatch: pytest.MonkeyPatch, case) -> None:
+    """The causal schedule (_persist_schedule's PAIRS, SEC, PER, NU through the kernel's unit mapping) runs every
+    work tile exactly once, 1 or 2 per unit, heavier first; a section holds whole GQA groups when the L2 rule sizes
+    it, and the CTAs in flight (a window of ~132 consecutive units) touch at most two sections."""
+    m = _mod()
+    B, H, Hkv, S, Skv, D, order, sec_env = case
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_ORDER", order)
+    if sec_env:
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_SECTION", str(sec_env))
+    else:
+        monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_PERSIST_SECTION", raising=False)
+    bh, n_m, l2 = B * H, -(-S // 128), 50 * 2**20
+    pairs, sec, per, nu = m._persist_schedule(bh, H // Hkv, n_m, Skv, D, 2, l2, 132)
+    assert pairs == (order == "pairs")
+    if order == "global":
+        assert sec == bh
+    elif sec_env:
+        assert sec == min(sec_env, bh)
+    else:
+        kv = Skv * D * 2 * 2
+        assert sec % (H // Hkv) == 0 and (sec * kv <= l2 // 2 * (H // Hkv) or sec == H // Hkv or sec == bh)
+    tiles = [_unit_tiles(u, pairs, sec, per, n_m, bh) for u in range(nu)]
+    flat = [t for ts in tiles for t in ts]
+    assert sorted(flat) == [(mb, h) for mb in range(n_m) for h in range(bh)]
+    assert all(1 <= len(ts) <= 2 for ts in tiles) and all(ts[0][0] >= ts[-1][0] for ts in tiles)
+    if not pairs:
+        assert all(
+            a[0] >= b[0] for a, b in itertools.pairwise(flat) if a[1] // sec == b[1] // sec
+        )  # descending m
+    sections = [{h // sec for ts in tiles[u : u + 132] for _, h in ts} for u in range(0, nu, 33)]
+    assert max(max(s) - min(s) for s in sections) <= (1 if per >= 132 else -(-132 // per))
+
+
+def test_persist_causal_schedule_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default causal order: sections sized by the L2 (B4 H32 S4096 D128 bf16 on a 50 MB L2: 2 MB of K+V a
+    head, 12 heads in 25 MB; GQA: whole groups), "pairs" where the units spread evenly over the CTAs, "global"
+    where whole units would leave some CTAs a unit more than the mean by over 10% (PERSIST_PAIRS_MAX_QUANT);
+    the env overrides and their validation."""
+    m = _mod()
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_PERSIST_ORDER", raising=False)
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_PERSIST_SECTION", raising=False)
+    l2 = 50 * 2**20
+    assert m._persist_schedule(128, 1, 32, 4096, 128, 2, l2, 132) == (1, 12, 12 * 16, 128 * 16)
+    assert m._persist_schedule(128, 4, 32, 4096, 128, 2, l2, 132)[1] == 48  # 12 KV heads x 4 query heads
+    assert m._persist_schedule(1024, 1, 4, 512, 128, 2, l2, 132)[:2] == (1, 100)
+    assert m._persist_schedule(32, 1, 512, 65536, 128, 2, l2, 132)[1] == 1  # one head's K/V > 25 MB
+    # B4 H32 S1088 D128: 9 query blocks, 47-head sections -> 577 units = 4.37 a CTA, the busiest 5: global
+    assert m._persist_schedule(128, 1, 9, 1088, 128, 2, l2, 132)[:2] == (0, 128)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_ORDER", "sections")
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_SECTION", "5")
+    assert m._persist_schedule(128, 1, 32, 4096, 128, 2, l2, 132) == (0, 5, 5 * 32, 128 * 32)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_ORDER", "lpt")
+    with pytest.raises(ValueError, match="PERSIST_ORDER"):
+        m._persist_schedule(128, 1, 32, 4096, 128, 2, l2, 132)
 
 
 def test_d256_routing(monkeypatch: pytest.MonkeyPatch):
@@ -323,6 +412,40 @@ def test_gpu_persistent_bit_identical_to_one_tile_per_cta(device: str, monkeypat
     q, k, v = _persist_inputs(case, torch.bfloat16)
     o, lse = _persist_run(monkeypatch, q, k, v, case[6], True)
     o2, lse2 = _persist_run(monkeypatch, q, k, v, case[6], False)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+# The causal orders (FUSEKIT_HOPPER_ATTN_PERSIST_ORDER) with small sections (FUSEKIT_HOPPER_ATTN_PERSIST_SECTION):
+# several sections and a ragged last one (odd and even), odd query-block counts (middle blocks paired across
+# heads, one left alone), one query block, GQA with sections that split a group, rows that see no key; grid at
+# min(SMs, units) and capped at 7 CTAs.
+_ORDER_CASES = [
+    ((2, 8, 2, 333, 700, 128, True), 6),
+    ((3, 5, 5, 640, 640, 64, True), 4),
+    ((1, 6, 2, 1000, 1000, 128, True), 4),
+    ((2, 4, 1, 77, 300, 64, True), 3),
+    ((1, 4, 4, 300, 77, 128, True), 3),
+]
+
+
+@pytest.mark.parametrize("ctas", ["sms", "7"], ids=["grid-sms", "grid-7"])
+@pytest.mark.parametrize("order", ["pairs", "sections", "global"])
+@pytest.mark.parametrize(
+    "case", _ORDER_CASES, ids=lambda c: "B{}H{}-{}S{}K{}D{}".format(*c[0][:6]) + f"-sec{c[1]}"
+)
+def test_gpu_persistent_causal_orders_bit_identical(device: str, monkeypatch, ctas, order, case) -> None:
+    """Every causal order gives o and lse bit-identical to the one-tile-per-CTA kernel (itself checked against
+    float64 above): each work tile runs once, through the same code, whichever unit and CTA it falls in."""
+    _need_sm90(device)
+    shape, sec = case
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_ORDER", order)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_SECTION", str(sec))
+    if ctas != "sms":
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_CTAS", ctas)
+    q, k, v = _persist_inputs(shape, torch.bfloat16)
+    o, lse = _persist_run(monkeypatch, q, k, v, True, True)
+    o2, lse2 = _persist_run(monkeypatch, q, k, v, True, False)
+    assert not o.isnan().any() and not lse.isnan().any()
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 
