@@ -31,7 +31,9 @@ def test_default_signature_has_the_slot() -> None:
     if not specs.attention_bwd_tc():
         pytest.skip(f"{specs.ATTN_BWD_TC_ENV}=0 in this process")
     assert specs.phase_spec("attention", "backward").params == (*_DEFAULT, "bwd_tc")
-    assert specs.phase_spec("attention", "forward").params == _DEFAULT
+    # the forward's own 4th slot selects the split-KV decode kernels (specs.ATTN_DECODE, on by default)
+    decode = ("decode",) if specs.ATTN_DECODE else ()
+    assert specs.phase_spec("attention", "forward").params == (*_DEFAULT, *decode)
 
 
 def test_opt_in_adds_the_slot() -> None:
