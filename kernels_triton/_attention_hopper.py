@@ -142,7 +142,7 @@ import os
 
 import torch
 
-from kernels_triton._config import on_device
+from kernels_triton._config import device_index, l2_bytes, num_sms, on_device
 from kernels_triton._launch import fast_launch, launch_keyed
 
 try:  # Gluon (triton.experimental) is optional: without it this module only says "not supported"
@@ -223,11 +223,6 @@ def _env_persist(head_dim: int) -> bool:
     if env:
         return env not in ("0", "false", "False")
     return head_dim in PERSISTENT_DIMS
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 if HAS_GLUON:
@@ -862,11 +857,6 @@ PERSIST_L2_SHARE = 0.5
 PERSIST_PAIRS_MAX_QUANT = 1.1
 
 
-@functools.cache
-def _l2_bytes(index: int) -> int:
-    return torch.cuda.get_device_properties(index).L2_cache_size
-
-
 def _persist_units(pairs: bool, sec: int, bh: int, n_m: int) -> tuple[int, int]:
     """(units per full section, units in all) of the causal order: a unit is one work tile, or a pair of them
     (an odd n_m's middle blocks pair up across heads)."""
@@ -914,12 +904,12 @@ def _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early)
     work = n_m * bh
     if work >= 2**31:
         raise ValueError(f"hopper_forward (persistent): {work} work tiles overflow int32")
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    sms = _num_sms(dev)
+    dev = device_index(q)
+    sms = num_sms(dev)
     pairs, sec, per, units = 0, 1, 1, work  # non-causal: unused (every tile costs the same; m fastest)
     if causal:
         pairs, sec, per, units = _persist_schedule(
-            bh, H // Hkv, n_m, Skv, D, q.element_size(), _l2_bytes(dev), sms
+            bh, H // Hkv, n_m, Skv, D, q.element_size(), l2_bytes(dev), sms
         )
     cap = os.environ.get("FUSEKIT_HOPPER_ATTN_PERSIST_CTAS")
     ctas = min(sms, units, int(cap) if cap else units)
