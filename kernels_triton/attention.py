@@ -50,8 +50,7 @@ import triton.language as tl
 
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
 from kernels_triton._attention_hopper import hopper_supported, run_hopper
-from kernels_triton._attention_hopper_bwd import HEAD_DIMS as BWD_HEAD_DIMS
-from kernels_triton._attention_hopper_bwd import run_hopper_bwd
+from kernels_triton._attention_hopper_bwd import hopper_bwd_supported, run_hopper_bwd
 from kernels_triton._config import is_hip, is_interpreter, on_device
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
@@ -281,8 +280,8 @@ _GLUON_D256 = os.environ.get("FUSEKIT_TRITON_ATTN_GLUON_D256", "1") not in ("", 
 def use_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, causal: bool) -> bool:
     """Whether `forward` runs the Gluon FA3-style kernel of _attention_hopper.py (sm_90; no kv_len): where it
     beat the kernel above on the H100 (D128 1.09-1.21x, causal or not; D64 full 1.05-1.07x; D64 causal lost,
-    0.79-0.97x: softmax-bound at D64, see that module's figures), D256 (1.32-1.37x; _GLUON_D256), with 16-byte aligned o and tensors it takes, at sizes where its kernel outweighs its host path
-    (_GLUON_MIN_FLOP)."""
+    0.79-0.97x: softmax-bound at D64, see that module's figures), D256 (1.32-1.37x; _GLUON_D256), with 16-byte
+    aligned o and tensors it takes, at sizes where its kernel outweighs its host path (_GLUON_MIN_FLOP)."""
     B, H, S, D = q.shape
     return (
         GLUON
@@ -305,8 +304,7 @@ def use_hopper_bwd(q, k, v, kv_len, *dense: torch.Tensor) -> bool:
         and kv_len is None
         and 4 * B * H * S * k.shape[2] * D >= _GLUON_MIN_FLOP
         and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in dense)
-        and D in BWD_HEAD_DIMS  # the forward also takes D256, the backward kernels do not
-        and hopper_supported(q, k, v, None)
+        and hopper_bwd_supported(q, k, v, None)  # the forward's gate at the backward's head dims (no D256)
     )
 
 

@@ -212,9 +212,12 @@ def test_persist_causal_schedule_defaults(monkeypatch: pytest.MonkeyPatch) -> No
 def test_d256_routing(monkeypatch: pytest.MonkeyPatch):
     """attention.use_hopper sends D256 to this kernel only with _GLUON_D256 (on unless
     FUSEKIT_TRITON_ATTN_GLUON_D256=0); use_hopper_bwd never sends D256 to the Gluon backward (D64/D128 only)."""
+    from kernels_triton import _attention_hopper_bwd as HB
     from kernels_triton import attention as A
 
+    # the device test (sm_90, CUDA) of both gates; the backward's adds its head dims on top
     monkeypatch.setattr(A, "hopper_supported", lambda *a: True)
+    monkeypatch.setattr(HB, "hopper_supported", lambda *a: True)
     monkeypatch.setattr(A, "GLUON", True)
     monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
     q, k, v = _qkv(D=256)

@@ -222,7 +222,7 @@ def test_backward_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     and 16-byte aligned (what the TMA descriptors need); the device test is hopper_supported's (patched here)."""
     from kernels_triton import attention as A
 
-    monkeypatch.setattr(A, "hopper_supported", lambda *a: True)
+    monkeypatch.setattr(_mod(), "hopper_supported", lambda *a: True)  # hopper_bwd_supported's device test
     monkeypatch.setattr(A, "GLUON", True)
     q, k, v = _qkv()
     dense = (q, k, v, q, q)
