@@ -607,6 +607,21 @@ if HAS_GLUON:
         return nt, mb, bh
 
     @gluon.jit
+    def _persist_causal_tile(u, w, PAIRS, SEC, PER, n_m, BH, S, SKV, BLOCK_N: gl.constexpr):
+        # The causal cursor (unit u, its tile w) -> (tiles in the unit, m0, bh, key tiles): what the producer
+        # and the consumers walk in lockstep.
+        nt, mb, bh = _persist_unit(u, w, PAIRS, SEC, PER, n_m, BH)
+        m0 = mb * 128
+        return nt, m0, bh, _kv_tiles(m0, S, SKV, 128, BLOCK_N, True)
+
+    @gluon.jit
+    def _persist_next(u, w, nt, nprog):
+        # The cursor's next position: the unit's next tile, else tile 0 of this CTA's next unit.
+        w += 1
+        done = w == nt
+        return gl.where(done, u + nprog, u), gl.where(done, 0, w)
+
+    @gluon.jit
     def _consumer_persist(o_desc, q_smem, o_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, kv_empty,
                           lse_ptr, pid, nprog, BH, S, SKV, qk_scale, PAIRS, SEC, PER, NU, WG: gl.constexpr,
                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -621,18 +636,13 @@ if HAS_GLUON:
             u = pid
             w = pid * 0
             while u < NU:  # cursor (unit u, its tile w): one loop, fewer registers live than a nested one
-                nt, mb, bh = _persist_unit(u, w, PAIRS, SEC, PER, n_m, BH)
-                m0 = mb * 128
-                n_tiles = _kv_tiles(m0, S, SKV, 128, BLOCK_N, True)
+                nt, m0, bh, n_tiles = _persist_causal_tile(u, w, PAIRS, SEC, PER, n_m, BH, S, SKV, BLOCK_N)
                 _consumer_tile(o_desc, q_smem.index(WG), o_smem.index(WG), k_bufs, v_bufs, q_bar, it & 1, q_empty,
                                k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, c, WG,
                                HEAD_DIM, BLOCK_N, STAGES, CAUSAL, True, False, K_EARLY, True)  # fmt: skip
                 c += n_tiles
                 it += 1
-                w += 1
-                done = w == nt
-                u = gl.where(done, u + nprog, u)
-                w = gl.where(done, 0, w)
+                u, w = _persist_next(u, w, nt, nprog)
         else:
             for t in range(pid, n_m * BH, nprog):
                 m0, bh, n_tiles = _persist_tile(t, n_m, S, SKV, BLOCK_N)
@@ -657,9 +667,7 @@ if HAS_GLUON:
             u = pid
             w = pid * 0
             while u < NU:
-                nt, mb, bh = _persist_unit(u, w, PAIRS, SEC, PER, n_m, BH)
-                m0 = mb * 128
-                n_tiles = _kv_tiles(m0, S, SKV, 128, BLOCK_N, True)
+                nt, m0, bh, n_tiles = _persist_causal_tile(u, w, PAIRS, SEC, PER, n_m, BH, S, SKV, BLOCK_N)
                 b = bh // H
                 hkv = (bh % H) // (H // HKV)
                 mbarrier.wait(q_empty, (it & 1) ^ 1)
@@ -667,10 +675,7 @@ if HAS_GLUON:
                                m0, n_tiles, bh, b, hkv, c, BLOCK_N, STAGES, True, K_EARLY)  # fmt: skip
                 c += n_tiles
                 it += 1
-                w += 1
-                done = w == nt
-                u = gl.where(done, u + nprog, u)
-                w = gl.where(done, 0, w)
+                u, w = _persist_next(u, w, nt, nprog)
         else:
             for t in range(pid, n_m * BH, nprog):
                 m0, bh, n_tiles = _persist_tile(t, n_m, S, SKV, BLOCK_N)
