@@ -359,39 +359,11 @@ def _decode_split_kernel[
     comptime for i in range(RPT):
         var r = rl + RL * i
         if r < nrows:
-            var grow = row0 + r
             var sees = Int(vend[i]) > lo  # this chunk holds a key row r sees
-            var m = m_s[unsafe_offset=r]
-            var l = l_s[unsafe_offset=r]
-            if n_split == 1:  # the answer itself (lo = 0, hi = L: sees = the row sees any key)
-                var inv: Float32 = 0
-                var lrow = _NEG_INF
-                if sees:
-                    if _nonfinite(m):  # NaN or +-inf: the float64 softmax is NaN, lse = m
-                        inv = m * 0
-                        lrow = m * _LN2
-                    else:
-                        inv = 1.0 / l
-                        lrow = (m + log2(l)) * _LN2
-                o[unsafe_offset=grow * D + dcol] = (acc[i] * inv).cast[dtype]()
-                if dcol == 0:
-                    lse[unsafe_offset=grow] = lrow
-            else:  # partials: o [rows * splits, D] then lse [rows * splits] (log2 domain)
-                var val: Float32 = 0
-                var lp = _NEG_INF
-                if sees:
-                    if m != m or m > 0 and _nonfinite(m):  # NaN or +inf
-                        val = acc[i] * (m * 0)
-                        lp = m
-                    elif _nonfinite(m):  # every visible score -inf: weight 0, keeps a 0 * NaN of V
-                        val = acc[i]
-                    else:
-                        val = acc[i] / l
-                        lp = m + log2(l)
-                var prow = grow * n_split + sp
-                part[unsafe_offset=prow * D + dcol] = val
-                if dcol == 0:
-                    part[unsafe_offset=Int(plse_off) + prow] = lp
+            _emit[dtype, D](
+                o, lse, part, row0 + r, dcol, acc[i], m_s[unsafe_offset=r], l_s[unsafe_offset=r], sees, n_split, sp,
+                Int(plse_off),
+            )
 
 
 @always_inline
@@ -445,7 +417,8 @@ def _emit[
     plse_off: Int,
 ):
     """Column d of row grow from its (unnormalized o, max m, sum l) over the block's keys: the answer with one
-    split, else the partial (the split kernel's finish rules, the header's non-finite rules)."""
+    split (lo = 0, hi = L: `sees` = the row sees any key), else the partial, o [rows * splits, D] then lse
+    [rows * splits] in the log2 domain (the header's non-finite rules). Both split kernels finish through it."""
     if n_split == 1:
         var inv: Float32 = 0
         var lrow = _NEG_INF
