@@ -66,16 +66,16 @@ L2 flushed, SDPA and attention.py's kernel in the same process), bf16: B4 H32 S4
 669, attention.py 511), causal 615 (607, 465), B16 S1024 564 (591, 418); without K_EARLY 539 / 498 / 459.
 attention.use_hopper routes D256 here (FUSEKIT_TRITON_ATTN_GLUON_D256=0 does not).
 
-Persistent variant (issue #13; opt-in: PERSISTENT_DIMS is empty, FUSEKIT_HOPPER_ATTN_PERSIST=1 turns it on at
-D64/D128 for probes). Measured once on an H100 (.dev probe at c445956, do_bench with the L2 flushed, against
+Persistent variant (issue #13; on by default at D64/D128 since the H200 figures beside PERSISTENT_DIMS;
+FUSEKIT_HOPPER_ATTN_PERSIST=0 turns it off). Measured once on an H100 (.dev probe at c445956, do_bench with the L2 flushed, against
 this module's one-tile-per-CTA kernel and SDPA in the same process, bf16 H32; outputs bit-identical to the
 one-tile kernel at 4 odd shapes, causal and GQA, grid capped at 3 and 7 CTAs): non-causal it wins, D128 B32
 S512 1.18x (486 TFLOP/s, 0.89x SDPA), B16 S1024 1.11x (571, 0.92x), B4 S4096 1.01x (610, 1.00x); D64 B32
 S512 1.17x, B16 S1024 1.10x. Causal (with the first causal order, "global" below) it loses at D128 (S512 0.90x,
 S4096 0.71x: that order interleaves heads, so the CTAs running together read ~132 heads' K/V, far more than the
 L2 holds) and wins at D64 (S512 1.17x, S1024 1.06x; D64 causal is not routed to Gluon). The head-grouped causal
-orders below are not measured on a GPU yet (.dev/s/persist_probe.py A/Bs them). Not on by default yet: the
-harness has not timed it. Short sequences lose to SDPA (B32 S512 D128 0.67x causal / 0.81x, B16 S1024 0.84x /
+orders below were A/B'd on an H200 (.dev/s/persist_probe.py, figures beside PERSISTENT_DIMS): "pairs"
+1.07-1.36x the one-tile kernel except B4 S4096 D128 (1.00x; "sections" 0.98x there, "global" 0.81x). Short sequences lose to SDPA (B32 S512 D128 0.67x causal / 0.81x, B16 S1024 0.84x /
 0.91x, D64 0.73-0.97x on the H100 harness) because with 4-8 key
 tiles per CTA the prologue (Q load, ring fill) and epilogue (normalize, O store, lse) of every CTA overlap with
 nothing, and causal CTAs are ragged. _attn_fwd_hopper_persist (FA3's answer): grid (min(SMs, units), 1);
@@ -207,14 +207,17 @@ def _env_config(head_dim: int) -> tuple[int, int, bool]:
 # while the consumers finish the last P V and the epilogue. Shared memory at D128: Q 32 KB + ring 128 KB + O
 # 32 KB = 192 KB (+ barriers, scratch); D64 16 + 96 + 16 KB. D256 (Q 64 KB + ring 128 KB) has no room for an O
 # buffer: no persistent variant there. PERSIST_HEAD_DIMS: where it exists; PERSISTENT_DIMS: where run_hopper
-# takes it by default (none until it is measured on a GPU). FUSEKIT_HOPPER_ATTN_PERSIST=1 / 0 forces it on (at
-# PERSIST_HEAD_DIMS, host descriptors) / off, read per call; FUSEKIT_HOPPER_ATTN_PERSIST_CTAS=n caps the grid
-# (tests and probes: many work tiles per CTA at small shapes).
+# takes it by default. FUSEKIT_HOPPER_ATTN_PERSIST=1 / 0 forces it on (at PERSIST_HEAD_DIMS, host descriptors)
+# / off, read per call; FUSEKIT_HOPPER_ATTN_PERSIST_CTAS=n caps the grid (tests and probes: many work tiles per
+# CTA at small shapes). H200 (.dev probe at e96184c, do_bench with the L2 flushed, bf16 H32, against the
+# one-tile-per-CTA kernel in the same process; bit-identical to it): non-causal D128 B32 S512 1.20x, B16 S1024
+# 1.13x, B4 S4096 1.04x, D64 B4 S4096 1.01x; causal ("pairs") D128 B32 S512 1.23x, B16 S1024 1.07x, B4 S4096
+# 1.00x, D64 B32 S512 1.36x, B16 S1024 1.24x, B4 S4096 1.08x.
 PERSIST_HEAD_DIMS: tuple[int, ...] = (64, 128)
-PERSISTENT_DIMS: tuple[int, ...] = ()
+PERSISTENT_DIMS: tuple[int, ...] = (64, 128)
 
 
-def _env_persist(head_dim: int) -> bool:
+def persistent_at(head_dim: int) -> bool:
     """Whether run_hopper launches the persistent kernel for this head dim (PERSISTENT_DIMS, or the
     FUSEKIT_HOPPER_ATTN_PERSIST override)."""
     if head_dim not in PERSIST_HEAD_DIMS:
@@ -816,7 +819,7 @@ def run_hopper(
     Hkv, Skv = k.shape[1], k.shape[2]
     block_n, stages, k_early = _env_config(D)
     host = os.environ.get("FUSEKIT_HOPPER_ATTN_DESC", "host") != "device"
-    if host and _env_persist(D):
+    if host and persistent_at(D):
         _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early)
         return
     if not host:

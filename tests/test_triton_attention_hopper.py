@@ -108,19 +108,21 @@ def test_aot_spec_names():
 
 
 def test_persistent_selection(monkeypatch: pytest.MonkeyPatch):
-    """The persistent kernel runs where PERSISTENT_DIMS says (empty: off until measured on a GPU) or where
+    """The persistent kernel runs where PERSISTENT_DIMS says (D64, D128 since the H200 probe) or where
     FUSEKIT_HOPPER_ATTN_PERSIST=1 forces it, and never at D256 (no shared memory left for its O buffer)."""
     m = _mod()
-    assert m.PERSISTENT_DIMS == () and set(m.PERSIST_HEAD_DIMS) == {64, 128}
+    assert m.PERSISTENT_DIMS == (64, 128) and set(m.PERSIST_HEAD_DIMS) == {64, 128}
     monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_PERSIST", raising=False)
-    assert not any(m._env_persist(d) for d in m.HEAD_DIMS)
+    assert [d for d in m.HEAD_DIMS if m.persistent_at(d)] == [64, 128]
+    monkeypatch.setattr(m, "PERSISTENT_DIMS", ())
+    assert not any(m.persistent_at(d) for d in m.HEAD_DIMS)
     monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST", "1")
-    assert [d for d in m.HEAD_DIMS if m._env_persist(d)] == [64, 128]
+    assert [d for d in m.HEAD_DIMS if m.persistent_at(d)] == [64, 128]
     monkeypatch.setattr(m, "PERSISTENT_DIMS", (64, 128, 256))
     monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST", "0")
-    assert not any(m._env_persist(d) for d in m.HEAD_DIMS)
+    assert not any(m.persistent_at(d) for d in m.HEAD_DIMS)
     monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_PERSIST")
-    assert [d for d in m.HEAD_DIMS if m._env_persist(d)] == [64, 128]
+    assert [d for d in m.HEAD_DIMS if m.persistent_at(d)] == [64, 128]
 
 
 def _unit_tiles(u: int, pairs: int, sec: int, per: int, n_m: int, bh: int) -> list[tuple[int, int]]:
@@ -229,6 +231,21 @@ def test_d256_routing(monkeypatch: pytest.MonkeyPatch):
     assert not A.use_hopper_bwd(q, k, v, None, q, k, v, q, q)
     q, k, v = _qkv(D=128)
     assert A.use_hopper(q, k, v, q, True) and A.use_hopper_bwd(q, k, v, None, q, k, v, q, q)
+
+
+def test_d64_causal_routing(monkeypatch: pytest.MonkeyPatch):
+    """D64 causal goes to Gluon only through the persistent kernel (the one-tile kernel lost there to
+    attention.py's); D64 non-causal goes either way."""
+    from kernels_triton import attention as A
+
+    monkeypatch.setattr(A, "hopper_supported", lambda *a: True)
+    monkeypatch.setattr(A, "GLUON", True)
+    monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_PERSIST", raising=False)
+    q, k, v = _qkv(D=64)
+    assert A.use_hopper(q, k, v, q, True) and A.use_hopper(q, k, v, q, False)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST", "0")
+    assert not A.use_hopper(q, k, v, q, True) and A.use_hopper(q, k, v, q, False)
 
 
 @functools.cache
