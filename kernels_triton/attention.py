@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
-from kernels_triton._attention_hopper import hopper_supported, persistent_at, run_hopper
+from kernels_triton._attention_hopper import hopper_supported, run_hopper
 from kernels_triton._attention_hopper_bwd import hopper_bwd_supported, run_hopper_bwd
 from kernels_triton._config import is_hip, is_interpreter, on_device
 from kernels_triton._launch import fast_tuned
@@ -280,14 +280,14 @@ _GLUON_D256 = os.environ.get("FUSEKIT_TRITON_ATTN_GLUON_D256", "1") not in ("", 
 def use_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, causal: bool) -> bool:
     """Whether `forward` runs the Gluon FA3-style kernel of _attention_hopper.py (sm_90; no kv_len): where it
     beat the kernel above on the H100 (D128 1.09-1.21x, causal or not; D64 full 1.05-1.07x; D256 1.32-1.37x,
-    _GLUON_D256). D64 causal only through its persistent variant (PERSISTENT_DIMS): the one-tile kernel lost
-    there, 0.79-0.97x (softmax-bound at D64), and the persistent one is 1.08-1.36x that on the H200. With
-    16-byte aligned o and tensors it takes, at sizes where its kernel outweighs its host path
-    (_GLUON_MIN_FLOP)."""
+    _GLUON_D256). Not D64 causal: softmax-bound there, the one-tile kernel ran at 0.79-0.97x the kernel above
+    (H100) and even the persistent one at 0.57-0.99x (H200, .dev probe at 1983f47: B32 S512 0.74x, B4 S4096
+    0.98x, B1 H32/8 S2048 0.57x). With 16-byte aligned o and tensors it takes, at sizes where its kernel
+    outweighs its host path (_GLUON_MIN_FLOP)."""
     B, H, S, D = q.shape
     return (
         GLUON
-        and (D == 128 or (D == 64 and (not causal or persistent_at(64))) or (D == 256 and _GLUON_D256))
+        and (D == 128 or (D == 64 and not causal) or (D == 256 and _GLUON_D256))
         and 4 * B * H * S * k.shape[2] * D >= _GLUON_MIN_FLOP
         and o.data_ptr() % 16 == 0
         and hopper_supported(q, k, v, None)

@@ -234,17 +234,14 @@ def test_d256_routing(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_d64_causal_routing(monkeypatch: pytest.MonkeyPatch):
-    """D64 causal goes to Gluon only through the persistent kernel (the one-tile kernel lost there to
-    attention.py's); D64 non-causal goes either way."""
+    """D64 causal stays on attention.py's kernel (Gluon lost there, persistent or not); D64 non-causal goes to
+    Gluon."""
     from kernels_triton import attention as A
 
     monkeypatch.setattr(A, "hopper_supported", lambda *a: True)
     monkeypatch.setattr(A, "GLUON", True)
     monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
-    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_PERSIST", raising=False)
     q, k, v = _qkv(D=64)
-    assert A.use_hopper(q, k, v, q, True) and A.use_hopper(q, k, v, q, False)
-    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST", "0")
     assert not A.use_hopper(q, k, v, q, True) and A.use_hopper(q, k, v, q, False)
 
 
