@@ -186,3 +186,24 @@ def test_non_contiguous_inputs(op, backend_name, device, seed):
         got = _tuple(getattr(ops, op)(*sargs, **skw, backend=backend_name))
     for g, w in zip(got, want):
         assert torch.equal(g, w), f"{op}: strided inputs changed the result [seed={seed}]"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_oracle_in_row_blocks_matches_whole(monkeypatch: pytest.MonkeyPatch, causal: bool) -> None:
+    """The float64 attention oracle computed in blocks of query rows (its memory bound on the GPU) gives the
+    whole computation's output and gradients (causal diagonal and kv_len per block)."""
+    from cases import attention as A
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in ((2, 4, 45, 64), (2, 2, 37, 64), (2, 2, 37, 64)))  # fmt: skip
+    kv_len = torch.tensor([37, 10], dtype=torch.int32)
+    (whole,) = A.oracle(q, k, v, causal=causal, kv_len=kv_len)
+    dout = torch.randn(whole.shape, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad(whole, (q, k, v), dout)
+    monkeypatch.setattr(A, "ORACLE_BLOCK_BYTES", 2 * 4 * 37 * 8 * 7)  # 7 rows a block: 7 blocks, a ragged one
+    (blocks,) = A.oracle(q, k, v, causal=causal, kv_len=kv_len)
+    got = torch.autograd.grad(blocks, (q, k, v), dout)
+    torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.utils.checkpoint
 
 from cases import randn
 
@@ -78,8 +79,35 @@ def make(case: dict, dtype: torch.dtype, device: str) -> tuple[tuple, dict]:
 
 
 def oracle(q, k, v, causal=False, scale=None, kv_len=None):
-    H, S, D = q.shape[1], q.shape[2], q.shape[3]
+    """Float64 attention, computed in blocks of query rows so that its [B, H, rows, Skv] scores stay near
+    ORACLE_BLOCK_BYTES (the whole (4, 32, 2048, 2048) score tensor is 4 GiB in float64, and several such
+    temporaries per pytest worker ran an H200 out of memory at -n 8); under autograd each block is
+    checkpointed, so the float64 backward recomputes it instead of holding every block's scores."""
+    B, H, S = q.shape[:3]
+    Skv = k.shape[2]
+    rows = max(1, ORACLE_BLOCK_BYTES // max(1, B * H * Skv * 8))
+    if rows >= S:
+        return (_oracle_rows(q, k, v, causal, scale, kv_len, 0, S, S),)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    blocks = []
+    for r0 in range(0, S, rows):
+        args = (q, k, v, causal, scale, kv_len, r0, min(S, r0 + rows), S)
+        if grad:
+            blocks.append(torch.utils.checkpoint.checkpoint(_oracle_rows, *args, use_reentrant=False))
+        else:
+            blocks.append(_oracle_rows(*args))
+    return (torch.cat(blocks, dim=2),)
+
+
+ORACLE_BLOCK_BYTES = 256 * 2**20
+
+
+def _oracle_rows(q, k, v, causal, scale, kv_len, r0, r1, S):
+    """Query rows r0..r1-1 of the float64 attention (S = all query rows, for the bottom-right causal
+    diagonal)."""
+    H, D = q.shape[1], q.shape[3]
     Hkv, Skv = k.shape[1], k.shape[2]
+    q = q[:, :, r0:r1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     j = torch.arange(Skv, device=q.device)[None, :]
     lens = torch.full((q.shape[0],), Skv, device=q.device) if kv_len is None else kv_len.long()
@@ -91,7 +119,7 @@ def oracle(q, k, v, causal=False, scale=None, kv_len=None):
     kd, vd = k.to(F64)[:, kv_head], v.to(F64)[:, kv_head]
     s = torch.einsum("bhsd,bhtd->bhst", q.to(F64), kd) * scale
     if causal or kv_len is not None:
-        i = torch.arange(S, device=q.device)[:, None]
+        i = torch.arange(r0, r1, device=q.device)[:, None]
         seen = j < lens[:, None, None, None]  # [B, 1, 1, Skv]
         if causal:  # bottom-right against each sequence's own length
             seen = seen & (j <= i + (lens[:, None, None, None] - S))
@@ -102,7 +130,7 @@ def oracle(q, k, v, causal=False, scale=None, kv_len=None):
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True)
     p = torch.where(denom == 0, torch.zeros_like(p), p / torch.where(denom == 0, 1.0, denom))
-    return (torch.einsum("bhst,bhtd->bhsd", p, vd),)
+    return torch.einsum("bhst,bhtd->bhsd", p, vd)
 
 
 def grad_magnitude(args: tuple, kwargs: dict) -> float:
