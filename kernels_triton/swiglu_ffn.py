@@ -627,6 +627,11 @@ def forward(
             tensors += (gu, gu[:, F:])
         # alignment is part of the key: a cached TMA choice must never meet a misaligned view
         key = (next_pow2(T), F, D, x.dtype, has_norm, _tma_aligned(tensors), device_index(x), _gemm, save)
+        chosen_gu, chosen_down = _CHOICE.get(("gate_up", *key)), _CHOICE.get(("down", *key))
+        if chosen_gu is not None and chosen_down is not None:  # the run half: both GEMMs decided for this key
+            _launch_gate_up(chosen_gu, a, w_gate, w_up, nw, rstd_buf, h, T, F, D, has_norm, ieee, gu)
+            _launch_down(chosen_down, h, w_down, y, T, D, F, ieee)
+            return
         # TMA needs the materialized xn
         cands = _candidates(T, tensors, _gemm, tma_ok=not has_norm, save=save)
 

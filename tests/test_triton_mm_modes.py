@@ -190,6 +190,26 @@ def test_swiglu_ffn_choice_picks_and_caches(ffn_choice) -> None:
     assert rel_error(out, ref) < TOL[torch.float16] and len(calls) == 4
 
 
+def test_swiglu_ffn_decided_key_skips_the_candidates(ffn_choice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once both GEMMs are chosen for a key, a call only launches (the plan/run split): no candidate list,
+    no alignment or device probes beyond the key; same result."""
+    ffn_mod, _ = ffn_choice
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=6)
+    out = torch.full_like(x, float("nan"))
+    ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
+    first = out.clone()
+
+    def no_candidates(*a, **k):
+        raise AssertionError("_candidates called for a decided key")
+
+    monkeypatch.setattr(ffn_mod, "_candidates", no_candidates)
+    out = torch.full_like(x, float("nan"))
+    ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
+    assert torch.equal(out, first) and rel_error(out, ref) < TOL[torch.float16]
+    with pytest.raises(AssertionError, match="decided key"):  # another key still takes the choosing path
+        ffn_forward(out[:20], None, None, x[:20], wg, wu, wd, nw, 1e-6)  # T bucket 32, not 64
+
+
 def test_swiglu_ffn_down_may_pick_the_vendor_gemm(ffn_choice, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU (fp16/bf16) the down GEMM has "blas" (torch.mm) among its candidates: checked against the
     pointer kernel and timed like a TMA config, and picked when fastest (here: timed last, "fastest")."""
