@@ -8,8 +8,12 @@ one call normally while watching it and, when the call was nothing but lean laun
 of them, or workspaces it allocated, returns a generated `replay(outs, inputs)` that re-issues the
 same compiled kernels with the new calls' data pointers (and fresh workspaces) and nothing else.
 
+Besides lean launches, a recorded call may run `torch.mm(a, b, out=c)` (aten.mm.out: the vendor GEMM
+swiglu_ffn's down projection picks where cuBLAS wins): it is replayed as the same torch.mm over views
+rebuilt at the new call's pointers (same dtypes, sizes and strides, constants of the signature).
+
 What makes a call unrecordable (it then simply keeps the normal path; `record` returns None):
-- any aten op other than allocating (empty*) or viewing a tensor, seen by a TorchDispatchMode:
+- any aten op other than allocating (empty*), viewing a tensor or mm.out, seen by a TorchDispatchMode:
   a copy, a fill, a conversion, a host read (`.item()`): replay would skip that work;
 - any launch that did not go through the lean path's cache (a compile, an autotuner, a kernel
   without `@fast_launch`), seen by wrapping `JITFunction.run` while recording;
@@ -48,21 +52,39 @@ _VIEWS = {
 _LOCK = threading.Lock()  # one recording at a time (it briefly wraps JITFunction.run for every thread)
 
 
-class _Watch(TorchDispatchMode):
-    """Lets allocations and views through (remembering allocated workspaces); anything else is noted."""
+class _MM:
+    """Marks a recorded step as torch.mm(a, b, out=c) (its arguments: [a, b, c]) instead of a launch."""
 
-    def __init__(self) -> None:
+
+class _Watch(TorchDispatchMode):
+    """Lets allocations and views through (remembering allocated workspaces) and appends mm.out calls to
+    the recording `steps` (in order with the launches); anything else is noted."""
+
+    def __init__(self, steps: list) -> None:
         super().__init__()
+        self.steps = steps
         self.temps: list[torch.Tensor] = []
         self.other: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func in _ALLOC:
             self.temps.append(out)
+        elif func is _aten.mm.out and len(args) == 2 and set(kwargs) == {"out"}:
+            self.steps.append((_MM, [args[0], args[1], kwargs["out"]]))
         elif func not in _VIEWS:
             self.other.append(str(func))
         return out
+
+
+def _tensor_at(base: torch.Tensor, off: int, dtype: torch.dtype, elsize: int, size: tuple, stride: tuple):
+    """The view of `base`'s storage starting `off` bytes past base's first element, with the recorded
+    dtype, sizes and strides (an mm step's operand at the new call's pointers)."""
+    start = base.storage_offset() * base.element_size() + off
+    return torch.empty((), dtype=dtype, device=base.device).set_(
+        base.untyped_storage(), start // elsize, size, stride
+    )
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -97,12 +119,31 @@ def _generate(
     launches: list[tuple[Callable, list]], bases: list[tuple[str, int, torch.Tensor, int, int]]
 ) -> Callable | None:
     """Source of `replay(o, i)` for the recorded launches, compiled with exec."""
-    ns: dict[str, Any] = {"_empty": torch.empty, "_u8": torch.uint8}
+    ns: dict[str, Any] = {"_empty": torch.empty, "_u8": torch.uint8, "_mm": torch.mm, "_at": _tensor_at}
     lines = ["def replay(o, i):"]
     ptrs: dict[tuple[str, int], str] = {}  # base -> local holding its data_ptr()
+    mm_ws: set[int] = set()  # workspaces an mm step reads or writes (allocated even without a launch)
+    by_slot = {(kind, i): b for kind, i, b, _, _ in bases}
     checks: list[str] = []
     calls: list[str] = []
     for k, (runner, args) in enumerate(launches):
+        if runner is _MM:
+            parts = []
+            for j, a in enumerate(args):
+                s = _slot(a, bases)
+                if s is None or s[0] == "c":
+                    return None
+                kind, idx, off = s
+                base = f"w{idx}" if kind == "t" else f"{kind}[{idx}]"
+                if kind == "t":
+                    mm_ws.add(idx)
+                if kind != "t" and off == 0 and a is by_slot[(kind, idx)]:
+                    parts.append(base)  # the output or input itself: no view to build
+                    continue
+                ns[f"m{k}_{j}"] = (a.dtype, a.element_size(), tuple(a.shape), tuple(a.stride()))
+                parts.append(f"_at({base}, {off}, *m{k}_{j})")
+            calls.append(f"    _mm({parts[0]}, {parts[1]}, out={parts[2]})")
+            continue
         ns[f"r{k}"] = runner
         parts = []
         for j, a in enumerate(args):
@@ -123,14 +164,13 @@ def _generate(
             parts.append(expr)
         calls.append(f"    r{k}({', '.join(parts)})")
     temps = {i: t for kind, i, t, _, _ in bases if kind == "t"}
+    for idx in sorted(mm_ws | {idx for kind, idx in ptrs if kind == "t"}):
+        t = temps[idx]
+        ns[f"n{idx}"], ns[f"d{idx}"] = t.untyped_storage().nbytes(), t.device
+        lines.append(f"    w{idx} = _empty(n{idx}, dtype=_u8, device=d{idx})")
     for (kind, idx), name in ptrs.items():
-        if kind == "t":
-            t = temps[idx]
-            ns[f"n{idx}"], ns[f"d{idx}"] = t.untyped_storage().nbytes(), t.device
-            lines.append(f"    w{idx} = _empty(n{idx}, dtype=_u8, device=d{idx})")
-            lines.append(f"    {name} = w{idx}.data_ptr()")
-        else:
-            lines.append(f"    {name} = {kind}[{idx}].data_ptr()")
+        src = f"w{idx}" if kind == "t" else f"{kind}[{idx}]"
+        lines.append(f"    {name} = {src}.data_ptr()")
     if checks:
         lines.append(f"    if not ({' and '.join(sorted(set(checks)))}):")
         lines.append("        return False")
@@ -175,7 +215,7 @@ def record(call: Callable[[], None], outs: tuple, ins: tuple) -> Callable[[tuple
 
         JITFunction.run = run
         tls.launches = rec
-        watch = _Watch()
+        watch = _Watch(rec)
         try:
             with watch:
                 call()
@@ -187,7 +227,7 @@ def record(call: Callable[[], None], outs: tuple, ins: tuple) -> Callable[[tuple
         last_refusal = f"torch ops {sorted(set(watch.other))}"
     elif missed:
         last_refusal = "a launch outside the lean path's cache"
-    elif not rec:
+    elif not any(step[0] is not _MM for step in rec):
         last_refusal = "no launch"
     else:
         bases = [("o", i, t) for i, t in enumerate(outs) if t is not None]

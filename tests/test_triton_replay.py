@@ -155,6 +155,41 @@ def test_unrecordable_calls_keep_the_normal_path(toy, what: str) -> None:
     assert _warm_and_record(fn, log, launcher, outs, ins) is None
 
 
+def test_mm_step_is_replayed_at_the_new_pointers(toy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.mm(a, b, out=c) in a recorded call (swiglu_ffn's vendor down GEMM) is replayed in order with
+    the launches, over the new call's input, a view of an input (w.t()) and a fresh workspace."""
+    fn, log = toy
+    real_mm = torch.mm
+
+    def spy(a, b, *, out):
+        log.append(("mm", a.data_ptr(), tuple(a.shape), b.data_ptr(), tuple(b.stride()), out.data_ptr()))
+        return real_mm(a, b, out=out)
+
+    monkeypatch.setattr(torch, "mm", spy)
+
+    def launcher(outs, ins):
+        (y,), (x, w) = outs, ins
+        h = torch.empty(2, 64)  # a workspace the first kernel writes and the mm reads
+        fn[(2,)](x, h, 64, 1.0, BLOCK=64)
+        torch.mm(h[:, :32], w.view(2, 32).t(), out=y[:, :2])
+        torch.mm(x, w.view(64, 1), out=y[:, 2:3])
+        fn[(2,)](y, y, 64, 2.0, BLOCK=64)
+
+    outs, ins = _io()
+    replay = _warm_and_record(fn, log, launcher, outs, ins)
+    assert replay is not None, _replay.last_refusal
+    outs2, ins2 = _io()
+    assert replay(outs2, ins2) is True
+    (y2,), (x2, w2) = outs2, ins2
+    (l1, m1, m2, l2) = log
+    assert l1[0] == "launch" and l2 == ("launch", (2, 1, 1), (_ptr(y2), _ptr(y2), 64, 2.0, 64))
+    h_ptr = l1[2][1]
+    assert h_ptr not in (_ptr(x2), _ptr(y2), _ptr(outs[0]))  # fresh, not the recorded call's
+    assert m1 == ("mm", h_ptr, (2, 32), _ptr(w2), (1, 32), _ptr(y2))
+    assert m2 == ("mm", _ptr(x2), (2, 64), _ptr(w2), (1, 1), _ptr(y2) + 2 * 4)
+    torch.testing.assert_close(y2[:, 2], (x2 @ w2).view(2), rtol=0, atol=0)
+
+
 def test_alignment_change_falls_back(toy) -> None:
     fn, log = toy
 
@@ -217,6 +252,7 @@ def test_cuda_replayed_results_equal_normal_launch(device: str, monkeypatch: pyt
     x, w, b, res = r(4, 4096), r(4096), r(4096), r(4, 4096)
     q, kc, vc = r(2, 32, 1, 128), r(2, 8, 1000, 128), r(2, 8, 1000, 128)
     kv_len = torch.tensor([999, 517], device=device, dtype=torch.int32)
+    xs, wg, wu, wd = r(128, 1024) * 0.5, r(2816, 1024) * 0.03, r(2816, 1024) * 0.03, r(1024, 2816) * 0.02
     ops = fusekit.ops
     cases = {
         "rms_norm": lambda: ops.rms_norm(x, w, backend="triton"),
@@ -225,6 +261,8 @@ def test_cuda_replayed_results_equal_normal_launch(device: str, monkeypatch: pyt
         "rope": lambda: ops.rope(q.transpose(1, 2), start_pos=5, backend="triton"),
         "attention decode": lambda: ops.attention(q, kc, vc, kv_len=kv_len, backend="triton"),
         "reduce_sum": lambda: ops.reduce_sum(x.float(), backend="triton"),
+        # prefill GEMMs; the down GEMM may be the vendor one (torch.mm, replayed as an mm step)
+        "swiglu_ffn prefill": lambda: ops.swiglu_ffn(xs, wg, wu, wd, backend="triton"),
     }
 
     def flat(o):
