@@ -23,7 +23,8 @@ Floors (H200: ~790 TFLOP/s dense bf16, ~4.3 TB/s), B=4 H=32 S=Skv=4096 D=128 bf1
 
 One program per (BLOCK_M query rows, b*H + h): grid axis 0 = M blocks (limit 2^31 - 1), axis 1 = B*H
 (limit 65535: larger B*H is launched in batch slabs).
-Online softmax in fp32 registers with exp2 and scale*log2(e) folded into one multiply. GQA: kv head
+Online softmax in fp32 registers with exp2 and scale*log2(e) folded into one multiply (opt-in,
+FUSEKIT_TRITON_ATTN_EXP2_POLY: a fraction of the exponentials on the FMA pipe, _exp2_poly.py). GQA: kv head
 h // (H // Hkv). Causal mask aligned bottom-right: query i sees key j iff j <= i + (L_b - S). The key loop
 is split: tiles every row of the block fully sees run unmasked; the diagonal tiles (and a ragged tail at
 L_b) run with the mask; tiles past the last visible key are skipped. Rows that see no key give 0.
@@ -52,6 +53,7 @@ from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_
 from kernels_triton._attention_hopper import hopper_supported, run_hopper
 from kernels_triton._attention_hopper_bwd import hopper_bwd_supported, run_hopper_bwd
 from kernels_triton._config import is_hip, is_interpreter, on_device
+from kernels_triton._exp2_poly import exp2_mixed
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 from kernels_triton.attention_backward import (
@@ -76,12 +78,15 @@ def _attn_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len, S_BUCKET, SKV_BUCKET,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
+    EXP2_POLY: tl.constexpr = 0, EXP2_DEGREE: tl.constexpr = 3,
 ):  # fmt: skip
     # S_BUCKET / SKV_BUCKET are unused here: they exist so the autotuner can key on bucketed lengths.
     # has_kv_len is a runtime flag (one scalar load per program), so kv_len adds no compiled variants.
     # TMA (sm_90+, fp16/bf16, 16-byte aligned tensors and k/v strides): q, k, v and o go through tensor
     # descriptors built on the device (k/v: this sequence's first L keys through their strides, zero-filled
     # past L), which frees the per-element address registers of pointer loads and makes the loads async.
+    # EXP2_POLY > 0 (opt-in, FUSEKIT_TRITON_ATTN_EXP2_POLY): 1 / 2^EXP2_POLY of each score tile's exponentials
+    # go through a degree-EXP2_DEGREE polynomial on the FMA pipe instead of MUFU (_exp2_poly.exp2_mixed).
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -143,7 +148,10 @@ def _attn_fwd_kernel(
             kt = tl.load(kt_ptrs + start_n * skn)
         qk = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        if EXP2_POLY == 0:
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        else:
+            p = exp2_mixed(qk * qk_scale - m_new[:, None], BLOCK_M, BLOCK_N, EXP2_POLY, EXP2_DEGREE)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
@@ -171,7 +179,10 @@ def _attn_fwd_kernel(
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
+        if EXP2_POLY == 0:
+            p = tl.math.exp2(s - m_safe[:, None])
+        else:  # masked scores are -inf here: exp2_poly gives exactly 0 there, as MUFU does
+            p = exp2_mixed(s - m_safe[:, None], BLOCK_M, BLOCK_N, EXP2_POLY, EXP2_DEGREE)
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
@@ -245,7 +256,9 @@ def _tuned(head_dim: int, tma_ok: bool):
     # Keyed on power-of-two buckets of the lengths (re-tune per octave, not per length) and on causal (a
     # key the autotuner needs by name: it keys on tensor dtypes by itself, but not on constexpr values);
     # head_dim has a tuner of its own.
-    return fast_tuned(triton.autotune(cfgs, key=["S_BUCKET", "SKV_BUCKET", "CAUSAL"])(_attn_fwd_kernel))
+    # EXP2_POLY / EXP2_DEGREE: keys only when passed (the opt-in polynomial exp2), so the default key is as before
+    key = ["S_BUCKET", "SKV_BUCKET", "CAUSAL", "EXP2_POLY", "EXP2_DEGREE"]
+    return fast_tuned(triton.autotune(cfgs, key=key)(_attn_fwd_kernel))
 
 
 _LEGACY = object()  # marks the pre-kv_len call forms (…, causal, scale) of the entry points below
@@ -264,6 +277,26 @@ def use_decode(q: torch.Tensor, k: torch.Tensor) -> bool:
     S, group = q.shape[2], q.shape[1] // k.shape[1]
     return S <= DECODE_MAX_S and group * S <= DECODE_MAX_ROWS
 
+
+def _exp2_poly_env() -> tuple[int, int]:
+    """(EXP2_POLY, EXP2_DEGREE) of _attn_fwd_kernel from FUSEKIT_TRITON_ATTN_EXP2_POLY (unset / "0": (0, 3), the
+    MUFU-only kernel; "1": 1/4 of each score tile's exponentials through the polynomial; "2", "4", "8": 1/2,
+    1/4, 1/8) and FUSEKIT_TRITON_ATTN_EXP2_POLY_DEGREE (3, 4 or 5; default 3: <= 7.5e-5 relative error)."""
+    raw = os.environ.get("FUSEKIT_TRITON_ATTN_EXP2_POLY", "").strip()
+    frac = {"": 0, "0": 0, "1": 2, "2": 1, "4": 2, "8": 3}
+    deg = os.environ.get("FUSEKIT_TRITON_ATTN_EXP2_POLY_DEGREE", "3").strip() or "3"
+    if raw not in frac or deg not in ("3", "4", "5"):
+        raise ValueError(
+            f"FUSEKIT_TRITON_ATTN_EXP2_POLY={raw!r} / _DEGREE={deg!r}: expected 0, 1, 2, 4 or 8 / 3, 4 or 5"
+        )
+    return frac[raw], int(deg)
+
+
+# Opt-in (issue #13, not yet measured on a GPU): a fraction of the forward's exponentials on the FMA pipe
+# (_exp2_poly.py; FlashAttention-4's MUFU offload) for the softmax-bound D64 tiles. (0, 3) launches the
+# kernel exactly as without it (no extra launch arguments, so the same compiled kernel and tuning key).
+# A module global, so a probe can flip it in-process: EXP2_POLY = (log2 of 1/fraction, degree).
+EXP2_POLY: tuple[int, int] = _exp2_poly_env()
 
 # FUSEKIT_TRITON_ATTN_GLUON=0 keeps every prefill call on the kernel above (see use_hopper).
 GLUON = os.environ.get("FUSEKIT_TRITON_ATTN_GLUON", "1") not in ("", "0")
@@ -360,6 +393,10 @@ def forward(
     strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     # Grid axis 1 (B*H) is limited to 65535: split larger batches into slabs (views).
     bstep = max(1, _MAX_GRID_Y // H)
+    # fp32 inputs (the CPU; CUDA refuses fp32 attention) keep P in fp32, so they take the degree-5 polynomial
+    # (2.3e-7, ~ex2.approx's error) rather than one sized for P rounded to half precision.
+    poly, degree = EXP2_POLY[0], (5 if ieee else EXP2_POLY[1])
+    exp2_kw = {"EXP2_POLY": poly, "EXP2_DEGREE": degree} if poly else {}  # off: the launch as before
     for b0 in range(0, B, bstep):
         sl = slice(b0, min(B, b0 + bstep))
         nb = sl.stop - sl.start
@@ -369,12 +406,12 @@ def forward(
             tile = _config or _INTERP_TILE
             with on_device(q):
                 _attn_fwd_kernel[(triton.cdiv(S, tile[0]), nb * H)](
-                    *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee, **_launch_kw(tile)
+                    *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee, **exp2_kw, **_launch_kw(tile)
                 )  # fmt: skip
             continue
         with on_device(q):
             _tuned(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]), nb * H)](
-                *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee
+                *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee, **exp2_kw
             )
 
 
@@ -503,9 +540,11 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                            "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
                            "S_BUCKET": "i32", "SKV_BUCKET": "i32", "HEAD_DIM": "constexpr",
                            "CAUSAL": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr",
-                           "BLOCK_N": "constexpr", "TMA": "constexpr"}  # fmt: skip
+                           "BLOCK_N": "constexpr", "TMA": "constexpr", "EXP2_POLY": "constexpr",
+                           "EXP2_DEGREE": "constexpr"}  # fmt: skip
+                    # EXP2_POLY: the default kernel (FUSEKIT_TRITON_ATTN_EXP2_POLY is opt-in, not AOT-compiled)
                     const = {"HEAD_DIM": d, "CAUSAL": causal, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn,
-                             "TMA": _tma(t)}  # fmt: skip
+                             "TMA": _tma(t), "EXP2_POLY": 0, "EXP2_DEGREE": 3}  # fmt: skip
                     name = f"attn_{dt}_d{d}_c{int(causal)}_{bm}x{bn}_w{w}s{s}{'_tma' if _tma(t) else ''}"
                     specs.append((name, _attn_fwd_kernel, sig, const, {"num_warps": w, "num_stages": s}))
     specs += aot_specs_decode()

@@ -1,0 +1,127 @@
+"""exp2 on the FMA pipe (software, for fp32 tensors), and a score-tile exp2 that splits its work between it and
+the MUFU unit: FlashAttention-4's answer to softmax-bound attention (issue #13).
+
+Why: at head dim 64 a [BLOCK_M, BLOCK_N] score tile needs as many exponentials as at D128 for half the MMA
+work. Hopper's MUFU runs ex2 at 16 results / clock / SM, the FP32 pipe 128 FMA / clock / SM, and the softmax
+gives the FP32 pipe only ~3-4 ops per score (scale FMA, max, sum, cvt). A polynomial exp2 costs ~10 issue
+slots of FP32/INT work, so moving a fraction f of the exponentials to it balances the two pipes around
+f ~ 1/4 (issue-bound estimate: 8 (1 - f) = 4 + 10 f gives f ~ 0.22). FlashAttention-4 (flash_attn/cute,
+`ex2_emulation` / `apply_exp2_convert`) emulates 4 of every 16 exponentials of a row with a degree-3
+polynomial on [0, 1) (10-25% of a row, per its paper).
+
+exp2_poly(x, DEGREE) (this module's own; not FA4's code): Cody-Waite range reduction with round-to-nearest
+    x = max(x, -127)                  (NaN-propagating max: -inf -> -127, NaN stays NaN)
+    t = x + 1.5 * 2^23                (fp32 add, round to nearest even: t's low mantissa bits hold n = rint(x))
+    f = x - (t - 1.5 * 2^23)          (exact; f in [-0.5, 0.5])
+    2^f ~ minimax polynomial of degree DEGREE (relative error, Horner: DEGREE FMAs)
+    2^n = bits((bits(t) << 23) + (127 << 23))   (bits(t) = 0x4B400000 + n: the shift drops the 0x4B4 part)
+    result = 2^f * 2^n                 (a multiply, not an integer add into the polynomial's exponent: 2^-127
+                                        gives bits 0 = 0.0, so every x <= -126.5 gives exactly +0, and a NaN
+                                        polynomial stays NaN whatever the integer part made of NaN's bits)
+Plain Triton ops only (no inline asm), so it also runs under TRITON_INTERPRET=1, and fp32 adds round to nearest
+everywhere (the GPU's add.rn, numpy on the CPU); Triton sets no reassociation flags, so (x + C) - C is not
+folded (the sm_90 PTX keeps both adds). Per element on sm_90: max, 3 adds, DEGREE FMAs, shl + add (INT pipe),
+one multiply: 9 instructions at degree 3, against one MUFU ex2.approx.
+
+Domain and accuracy (tests/test_triton_exp2_poly.py sweeps [-130, 0] densely, plus -inf, against float64):
+- x in [-126, 127]: relative error <= 7.5e-5 (degree 3), 2.6e-6 (4), 7.5e-8 (5) from the minimax fits on
+  [-0.5, 0.5] below, plus fp32 evaluation (measured over 2e6 + 1 points of [-126, 0] in the interpreter:
+  degree 3 7.48e-5 max / 4.7e-5 mean, 4 2.71e-6, 5 2.34e-7). The hardware ex2.approx.f32 is ~2 ulp (2.4e-7).
+  x = 0 gives 0.99993 at degree 3 (not exactly 1: c0 is the fit's).
+- x in [-126.5, -126): results in [2^-126.5, 2^-126] (normal or subnormal; no FTZ on the multiply).
+- x < -126.5, and -inf: exactly +0.0 (the true value is below 2^-126.5 ~ 1.1e-38: flushed, as ex2.approx.ftz).
+- NaN -> NaN. x > 127.5 is outside the domain (2^n overflows the exponent field: garbage, not inf); the
+  softmax feeds x = s - rowmax <= 0 (+ rounding), and +inf scores arrive as NaN (inf - inf), as with MUFU.
+
+sm_90 code (attention.py's _attn_fwd_kernel, D64 128x64 tile, 8 warps: 32 scores per thread per tile; SASS of
+the whole kernel, unmasked + masked loop bodies, Triton 3.6; 3.9 the same counts): MUFU.EX2 68 / FFMA 60
+(MUFU only) -> 60 / 92 (1/8 through the polynomial) -> 52 / 124 (1/4) -> 36 / 188 (1/2); per polynomial
+exp2 +4 FFMA (3 Horner + the multiply fused into the row sum), +2 FADD, +1 FMUL, +1 FMNMX and the integer
+shift/add. The column split (tl.reshape / tl.split / tl.join on register bits of the MMA layout) adds no
+shuffles, shared-memory round trips or barriers (SHFL, STS, BAR counts unchanged) and no spills.
+
+What the softmax loses (fraction f of the scores through the polynomial, degree 3): each such p carries a
+relative error <= 7.6e-5, before P is rounded to bf16 (2^-9 = 2e-3) / fp16 (2^-11 = 4.9e-4) for P V, so o
+moves by well under one output ulp. The row sum l is a sum of positive terms, so its relative error is at most
+the largest term's, 7.6e-5 (typically f * that, averaged): lse = (m + log2 l) ln 2 moves by <= 7.6e-5 in
+absolute terms (natural-log units). The backward recomputes p = exp2(s * scale * log2e - lse * log2e) with
+MUFU from the saved lse, so its p is off by the same <= 7.6e-5 relative, far inside the gradient tolerances.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Minimax (relative error) fits of 2^f on [-0.5, 0.5], coefficients rounded to fp32 (c0 first). Fitted with a
+# Remez exchange in 40-digit mpmath; max relative error of the exact-coefficient fit: degree 3 7.48e-5,
+# 4 2.59e-6, 5 7.49e-8.
+POLY_EXP2 = {
+    3: (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716685295105),
+    4: (0.9999992847442627, 0.6931217908859253, 0.240247443318367, 0.05591785907745361, 0.009570102207362652),
+    5: (1.0000001192092896, 0.6931469440460205, 0.24022120237350464, 0.05550713092088699,
+        0.009675540961325169, 0.0013276472454890609),
+}  # fmt: skip
+_ROUND = 12582912.0  # 1.5 * 2^23: x + _ROUND rounds x to an integer kept in the low mantissa bits
+
+
+@triton.jit
+def exp2_poly(x, DEGREE: tl.constexpr = 3):
+    """2^x of an fp32 tensor on the FMA/ALU pipes (no MUFU): see the module docstring for range and error."""
+    x = tl.maximum(x, -127.0, propagate_nan=tl.PropagateNan.ALL)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    if DEGREE == 3:
+        p = ((0.0551716685295105 * f + 0.2426111251115799) * f + 0.6932609677314758) * f + 0.9999280571937561
+    elif DEGREE == 4:
+        p = (0.009570102207362652 * f + 0.05591785907745361) * f + 0.240247443318367
+        p = (p * f + 0.6931217908859253) * f + 0.9999992847442627
+    else:
+        tl.static_assert(DEGREE == 5, "exp2_poly: DEGREE must be 3, 4 or 5")
+        p = ((0.0013276472454890609 * f + 0.009675540961325169) * f + 0.05550713092088699) * f
+        p = ((p + 0.24022120237350464) * f + 0.6931469440460205) * f + 1.0000001192092896
+    scale = ((t.to(tl.int32, bitcast=True) << 23) + 0x3F800000).to(tl.float32, bitcast=True)
+    return p * scale
+
+
+@triton.jit
+def _cols_split(x, ROWS: tl.constexpr, COLS: tl.constexpr, HALVES: tl.constexpr):
+    # x [ROWS, COLS] -> two [ROWS, COLS // 2]: HALVES the first / last half of the columns, else the even / odd
+    # columns. On sm_80/sm_90 MMA accumulators a thread holds column bit 0 and the bits from 3 up in registers
+    # (bits 1-2 are lanes), so both splits stay inside each thread's registers (no shuffles).
+    if HALVES:
+        return tl.split(tl.permute(tl.reshape(x, [ROWS, 2, COLS // 2]), [0, 2, 1]))
+    return tl.split(tl.reshape(x, [ROWS, COLS // 2, 2]))
+
+
+@triton.jit
+def _cols_join(a, b, ROWS: tl.constexpr, COLS: tl.constexpr, HALVES: tl.constexpr):
+    # the inverse of _cols_split: two [ROWS, COLS // 2] -> [ROWS, COLS]
+    if HALVES:
+        return tl.reshape(tl.permute(tl.join(a, b), [0, 2, 1]), [ROWS, COLS])
+    return tl.reshape(tl.join(a, b), [ROWS, COLS])
+
+
+@triton.jit
+def exp2_mixed(x, ROWS: tl.constexpr, COLS: tl.constexpr, POLY_LOG2: tl.constexpr, DEGREE: tl.constexpr = 3):
+    """2^x of an fp32 [ROWS, COLS] score tile, 1 / 2^POLY_LOG2 of its columns through exp2_poly, the rest
+    through tl.math.exp2 (MUFU ex2.approx): POLY_LOG2 = 0 all MUFU (tl.math.exp2 itself), 1 the odd columns,
+    2 the odd columns of the last half, 3 the odd columns of the last quarter. COLS >= 2^(POLY_LOG2 + 1)."""
+    if POLY_LOG2 == 0:
+        return tl.math.exp2(x)
+    elif POLY_LOG2 == 1:
+        a, b = _cols_split(x, ROWS, COLS, False)
+        return _cols_join(tl.math.exp2(a), exp2_poly(b, DEGREE), ROWS, COLS, False)
+    elif POLY_LOG2 == 2:
+        a, b = _cols_split(x, ROWS, COLS, True)
+        b0, b1 = _cols_split(b, ROWS, COLS // 2, False)
+        b = _cols_join(tl.math.exp2(b0), exp2_poly(b1, DEGREE), ROWS, COLS // 2, False)
+        return _cols_join(tl.math.exp2(a), b, ROWS, COLS, True)
+    else:
+        tl.static_assert(POLY_LOG2 == 3, "exp2_mixed: POLY_LOG2 must be 0, 1, 2 or 3")
+        a, b = _cols_split(x, ROWS, COLS, True)
+        b0, b1 = _cols_split(b, ROWS, COLS // 2, True)
+        c0, c1 = _cols_split(b1, ROWS, COLS // 4, False)
+        b1 = _cols_join(tl.math.exp2(c0), exp2_poly(c1, DEGREE), ROWS, COLS // 4, False)
+        b = _cols_join(tl.math.exp2(b0), b1, ROWS, COLS // 2, True)
+        return _cols_join(tl.math.exp2(a), b, ROWS, COLS, True)
