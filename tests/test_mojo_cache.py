@@ -319,7 +319,7 @@ def test_progress_lines_on_a_cold_compile_not_on_a_hit(cold: Cold) -> None:
     compiler = _only([run for run in cold.runs if run.res.get("stats", {}).get("graph_compiles")])
     text = "\n".join(compiler.progress)
     assert "fusekit: precompiling the mojo op package" in text and "first use" in text, text
-    assert "fusekit: precompiled the mojo op package in " in text, text
+    assert "fusekit: precompiled the mojo op package's unit reduce_sum in " in text, text
     assert "fusekit: compiling mojo reduce_sum (float32, cpu) — first use, cached in " in text, text
     assert "fusekit: compiled mojo reduce_sum (float32, cpu) in " in text, text
     warm = _run(cold.pkg, _fresh(cold))

@@ -4,13 +4,13 @@
                                  [--dtypes bfloat16,float32] [--jobs N] [--list]
 
 The mojo backend compiles one shape-generic MAX graph per op phase x dtypes x device on first use and keeps
-it on disk (fusekit/backends/mojo/runtime.py: ~10-20 s each on a GPU host, plus the op package's one
-`mojo precompile`). This walks every entry a call can need — each op's forward and backward over the
+it on disk (fusekit/backends/mojo/runtime.py: ~10-20 s each on a GPU host, plus one `mojo precompile` of
+the op's compile unit: its file and the files it imports). This walks every entry a call can need — each op's forward and backward over the
 dtype combinations the backend runs (MojoBackend.supports: no float64 input; fp32 attention is CPU-only),
 for swiglu_ffn's backward its element-wise op and the rms_norm backward it calls — and loads or builds
 each, so that later processes' first calls are cache loads (--jobs N: N processes, each every N-th
-entry; the op package is precompiled once, the others wait on its lock; the lazy subpackage mojo/tc/ of
-fusekit.swiglu_ffn_tc, an NVIDIA bf16 entry, is precompiled into its own .mojoc by that entry). One line per entry
+entry; each compile unit is precompiled once, a worker that needs it while another builds it waits on its
+lock; the lazy subpackage mojo/tc/ of fusekit.swiglu_ffn_tc, an NVIDIA bf16 entry, is one such unit). One line per entry
 (`compiled`, `cached` or the error) and a summary; exit status 1 if any entry failed. Concurrent runs (and concurrent first calls
 of user processes) are safe: the cache's per-artifact locks make the second one wait and load.
 Cache location: $FUSEKIT_CACHE_DIR, else ~/.cache/fusekit.
