@@ -131,6 +131,24 @@ D64 (128 x 3) 131424 bytes. D256 (Q 64 KB + ring 128 KB) has no room for an O bu
 3.9): 168 registers, 0 bytes spilled. FUSEKIT_HOPPER_ATTN_PERSIST_CTAS=n caps the grid (tests: many work
 tiles per CTA at small shapes). Next if it pays: an atomic (dynamic) scheduler for causal, as FA3's.
 
+Opt-in polynomial exp2 (issue #13, FlashAttention-4's MUFU offload; not yet measured on a GPU):
+FUSEKIT_HOPPER_ATTN_EXP2_POLY=1|4 (1/4), 2 (1/2), 8 (1/8), FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE=3|4|5 (the values of
+attention.py's FUSEKIT_TRITON_ATTN_EXP2_POLY), read per call by run_hopper / _run_persistent and passed as the
+kernels' EXP2_POLY / EXP2_DEGREE constexprs (in launch_keyed's key). _softmax_tile then computes p with
+_exp2_poly.py's exp2_mixed_gluon: that fraction of each [64, BLOCK_N] score tile's columns through the
+polynomial on the FMA pipe, the rest (and alpha) through MUFU ex2. The column split is Gluon's reshape / permute /
+split / join on the wgmma accumulator layout, whose inferred layouts keep it in each thread's registers; the
+rejoined tile's convert_layout back to s's layout is a renaming. Off (EXP2_POLY = 0, the default) every AOT
+variant's PTX is byte-identical to before the switch (md5 of all 32, Triton 3.6 and 3.9, debug info aside).
+sm_90 SASS of the D64 kernels (fp16 and bf16, causal or not, one-tile with host or device descriptors and
+persistent; Triton 3.6 and 3.9 give the same counts), whole kernel = 6 softmax instances (tile 0, the unmasked
+and the masked loop, per consumer warpgroup), 64 scores per thread each: off MUFU.EX2 396 / FFMA 188 / FMUL 604 /
+FADD 676 / FMNMX 408; 1/4 through the polynomial (degree 3) 300 / 572 / 700 / 868 / 504, i.e. per instance 66 ->
+50 ex2 and per polynomial exp2 +4 FFMA, +1 FMUL, +2 FADD, +1 FMNMX, +1 LEA (9 FMA/ALU-pipe instructions for one
+MUFU op); SHFL, STS and BAR counts unchanged, 0 bytes spilled. 1/8: 348 / 380 ex2 / FFMA, 1/2: 204 / 956 (bf16
+persistent non-causal, Triton 3.6; 0 spills). D128 (1/4, Triton 3.6): 0 spills except the
+causal persistent kernel, 12 bytes (3 STL / 3 LDL); D256 non-causal one-tile 0.
+
 Gluon is experimental and its API moves between Triton releases: written against Triton 3.6 (the GPU host)
 and compile-checked for sm_90 with 3.9 (CI). Without Gluon's Hopper module, hopper_supported says False.
 """
@@ -155,6 +173,8 @@ try:  # Gluon (triton.experimental) is optional: without it this module only say
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+
+    from kernels_triton._exp2_poly import exp2_mixed_gluon
 
     HAS_GLUON = hasattr(gl, "warp_specialize") and hasattr(tma, "make_tensor_descriptor")
     # TMA copies were renamed after 3.6 (3.9 keeps the old names only to raise): take whichever this has
@@ -217,6 +237,28 @@ PERSIST_HEAD_DIMS: tuple[int, ...] = (64, 128)
 PERSISTENT_DIMS: tuple[int, ...] = (64, 128)
 
 
+# Opt-in (issue #13, not yet measured on a GPU): a fraction of p's exponentials on the FMA pipe (the polynomial of
+# _exp2_poly.py, FlashAttention-4's MUFU offload; attention.py's FUSEKIT_TRITON_ATTN_EXP2_POLY for the Triton
+# kernel) for the softmax-bound D64 tiles. FUSEKIT_HOPPER_ATTN_EXP2_POLY: unset / "0" off (the kernels as
+# before: EXP2_POLY = 0 compiles to the same PTX); "1" or "4" 1/4 of each score tile's columns, "2" 1/2, "8" 1/8;
+# FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE 3 (default, <= 7.5e-5 relative error), 4 or 5. Read per call (run_hopper,
+# _run_persistent), like the other FUSEKIT_HOPPER_ATTN_* switches, so a probe can A/B it in one process.
+_EXP2_POLY_FRACTIONS = {"": 0, "0": 0, "1": 2, "2": 1, "4": 2, "8": 3}  # env value -> EXP2_POLY (log2 of 1/f)
+
+
+def exp2_poly_config() -> tuple[int, int]:
+    """(EXP2_POLY, EXP2_DEGREE) of the forward kernels from FUSEKIT_HOPPER_ATTN_EXP2_POLY[_DEGREE]: (0, 3) when
+    off; a ValueError naming the accepted values otherwise."""
+    raw = os.environ.get("FUSEKIT_HOPPER_ATTN_EXP2_POLY", "").strip()
+    deg = os.environ.get("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE", "3").strip() or "3"
+    if raw not in _EXP2_POLY_FRACTIONS or deg not in ("3", "4", "5"):
+        raise ValueError(
+            f"FUSEKIT_HOPPER_ATTN_EXP2_POLY={raw!r} / _DEGREE={deg!r}: expected 0, 1, 2, 4 or 8 / 3, 4 or 5"
+        )
+    poly = _EXP2_POLY_FRACTIONS[raw]
+    return poly, (int(deg) if poly else 3)
+
+
 def persistent_at(head_dim: int) -> bool:
     """Whether run_hopper launches the persistent kernel for this head dim (PERSISTENT_DIMS, or the
     FUSEKIT_HOPPER_ATTN_PERSIST override)."""
@@ -232,8 +274,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, rows, cols, start_n, qk_scale, diag, SKV, MASK: gl.constexpr,
-                      CAUSAL: gl.constexpr):  # fmt: skip
+                      CAUSAL: gl.constexpr, EXP2_POLY: gl.constexpr, EXP2_DEGREE: gl.constexpr):  # fmt: skip
         # Online softmax of one [64, BLOCK_N] score tile in fp32, exp2 domain (m is the scaled row max).
+        # EXP2_POLY > 0 (opt-in, FUSEKIT_HOPPER_ATTN_EXP2_POLY): 1 / 2^EXP2_POLY of p's columns through the
+        # degree-EXP2_DEGREE polynomial on the FMA pipe (_exp2_poly.py), the rest (and alpha) through MUFU.
         if MASK:
             kn = start_n + cols
             valid = gl.expand_dims(kn < SKV, 0)
@@ -242,12 +286,18 @@ if HAS_GLUON:
             s = gl.where(valid, s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, no NaN
-            p = gl.exp2(s - gl.expand_dims(m_use, 1))
+            if EXP2_POLY == 0:
+                p = gl.exp2(s - gl.expand_dims(m_use, 1))
+            else:
+                p = exp2_mixed_gluon(s - gl.expand_dims(m_use, 1), EXP2_POLY, EXP2_DEGREE)
         else:
             # qk_scale >= 0, so max(s) * scale is the scaled max and the scale folds into one FMA
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
             m_use = m_new
-            p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+            if EXP2_POLY == 0:
+                p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+            else:
+                p = exp2_mixed_gluon(s * qk_scale - gl.expand_dims(m_use, 1), EXP2_POLY, EXP2_DEGREE)
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, m_new, l_i, alpha
@@ -276,7 +326,8 @@ if HAS_GLUON:
     def _consumer_step(idx, j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready, kv_empty, rows, cols,
                        qk_scale, diag, SKV, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        MASK: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                       PINGPONG: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
+                       PINGPONG: gl.constexpr, K_EARLY: gl.constexpr, EXP2_POLY: gl.constexpr,
+                       EXP2_DEGREE: gl.constexpr):  # fmt: skip
         # Tile j's scores overlap tile j-1's P V: issue S_j, issue PV_{j-1}, wait for S_j only, softmax, then
         # wait for PV_{j-1}, free slot j-1 and rescale O. K_EARLY: K_j's slot is freed once S_j is done.
         # idx: tile j's position in the ring's sequence of loads (j, or j plus the tiles of the work tiles
@@ -303,7 +354,7 @@ if HAS_GLUON:
         if K_EARLY:
             mbarrier.arrive(kv_empty.index(STAGES + slot), count=1)
         p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, cols, j * BLOCK_N, qk_scale, diag, SKV,
-                                               MASK, CAUSAL)  # fmt: skip
+                                               MASK, CAUSAL, EXP2_POLY, EXP2_DEGREE)  # fmt: skip
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))  # p stays live until PV is done
         mbarrier.arrive(kv_empty.index(pslot), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
@@ -314,17 +365,19 @@ if HAS_GLUON:
     def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
                   qk_scale, m0, n_tiles, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, HOST: gl.constexpr,
-                  PINGPONG: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
+                  PINGPONG: gl.constexpr, K_EARLY: gl.constexpr, EXP2_POLY: gl.constexpr,
+                  EXP2_DEGREE: gl.constexpr):  # fmt: skip
         # One work tile per CTA: Q phase 0, the ring from its start, O out through this warpgroup's Q buffer.
         _consumer_tile(o_desc, q_smem.index(WG), q_smem.index(WG), k_bufs, v_bufs, q_bar, 0, q_bar, k_ready,
                        v_ready, kv_empty, lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, 0, WG, HEAD_DIM, BLOCK_N,
-                       STAGES, CAUSAL, HOST, PINGPONG, K_EARLY, False)  # fmt: skip
+                       STAGES, CAUSAL, HOST, PINGPONG, K_EARLY, False, EXP2_POLY, EXP2_DEGREE)  # fmt: skip
 
     @gluon.jit
     def _consumer_tile(o_desc, q_s, o_s, k_bufs, v_bufs, q_bar, q_phase, q_empty, k_ready, v_ready, kv_empty,
                        lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, c, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HOST: gl.constexpr,
-                       PINGPONG: gl.constexpr, K_EARLY: gl.constexpr, PERSIST: gl.constexpr):  # fmt: skip
+                       PINGPONG: gl.constexpr, K_EARLY: gl.constexpr, PERSIST: gl.constexpr,
+                       EXP2_POLY: gl.constexpr, EXP2_DEGREE: gl.constexpr):  # fmt: skip
         # One work tile (64 query rows m0 + 64 WG.. of head bh against n_tiles key tiles) of one consumer
         # warpgroup. q_phase: the parity of q_bar's phase that brings this tile's Q; c: how many K/V tiles the
         # ring carried before this work tile (slot c % STAGES, phase (c // STAGES) & 1 for its first).
@@ -363,7 +416,8 @@ if HAS_GLUON:
             mbarrier.arrive(kv_empty.index(STAGES + slot0), count=1)
         m_i = gl.full([M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([M], gl.float32, row_s)
-        p, m_i, l_i, _alpha = _softmax_tile(s, m_i, l_i, rows, cols, 0, qk_scale, diag, SKV, True, CAUSAL)
+        p, m_i, l_i, _alpha = _softmax_tile(s, m_i, l_i, rows, cols, 0, qk_scale, diag, SKV, True, CAUSAL,
+                                            EXP2_POLY, EXP2_DEGREE)  # fmt: skip
         p = gl.convert_layout(p.to(dtype), p_layout)
         acc = gl.zeros([M, HEAD_DIM], gl.float32, o_layout)
         # warpgroup 0 issues first (compile-time test outside, runtime test inside: not one `and`)
@@ -374,11 +428,11 @@ if HAS_GLUON:
         for j in range(1, n_full):
             p, m_i, l_i, acc = _consumer_step(c + j, j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
                                               kv_empty, rows, cols, qk_scale, diag, SKV, n_tiles, BLOCK_N, STAGES, False,
-                                              CAUSAL, WG, PINGPONG, K_EARLY)  # fmt: skip
+                                              CAUSAL, WG, PINGPONG, K_EARLY, EXP2_POLY, EXP2_DEGREE)  # fmt: skip
         for j in range(gl.maximum(n_full, 1), n_tiles):
             p, m_i, l_i, acc = _consumer_step(c + j, j, p, m_i, l_i, acc, q_s, k_bufs, v_bufs, k_ready, v_ready,
                                               kv_empty, rows, cols, qk_scale, diag, SKV, n_tiles, BLOCK_N, STAGES, True,
-                                              CAUSAL, WG, PINGPONG, K_EARLY)  # fmt: skip
+                                              CAUSAL, WG, PINGPONG, K_EARLY, EXP2_POLY, EXP2_DEGREE)  # fmt: skip
         if PERSIST:  # the last S = Q K^T is done: Q's buffer may take the next work tile's rows
             mbarrier.arrive(q_empty, count=1)
 
@@ -487,7 +541,7 @@ if HAS_GLUON:
     def _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                   PRODUCER_REGS: gl.constexpr, HOST: gl.constexpr, PINGPONG: gl.constexpr,
-                  K_EARLY: gl.constexpr):  # fmt: skip
+                  K_EARLY: gl.constexpr, EXP2_POLY: gl.constexpr, EXP2_DEGREE: gl.constexpr):  # fmt: skip
         BM: gl.constexpr = 128
         M: gl.constexpr = 64
         WG0: gl.constexpr = 0  # partition arguments must be IR values or constexprs, not Python ints
@@ -520,10 +574,10 @@ if HAS_GLUON:
             [
                 (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
                              qk_scale, m0, n_tiles, WG0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HOST,
-                             PINGPONG, K_EARLY)),
+                             PINGPONG, K_EARLY, EXP2_POLY, EXP2_DEGREE)),
                 (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV,
                              qk_scale, m0, n_tiles, WG1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HOST,
-                             PINGPONG, K_EARLY)),
+                             PINGPONG, K_EARLY, EXP2_POLY, EXP2_DEGREE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              m0, n_tiles, bh, b, hkv, BLOCK_N, STAGES, HOST, K_EARLY)),
             ],
@@ -536,10 +590,11 @@ if HAS_GLUON:
                             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                             CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False,
-                            K_EARLY: gl.constexpr = False):  # fmt: skip
+                            K_EARLY: gl.constexpr = False, EXP2_POLY: gl.constexpr = 0,
+                            EXP2_DEGREE: gl.constexpr = 3):  # fmt: skip
         # Host-built descriptors (kernel parameters): no per-CTA descriptor construction in the prologue.
         _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, True, PINGPONG, K_EARLY)  # fmt: skip
+                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, True, PINGPONG, K_EARLY, EXP2_POLY, EXP2_DEGREE)  # fmt: skip
 
     _attn_fwd_hopper_hd = fast_launch(_attn_fwd_hopper_hd)  # launched through launch_keyed (run_hopper)
 
@@ -549,7 +604,8 @@ if HAS_GLUON:
                          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False,
-                         K_EARLY: gl.constexpr = False):  # fmt: skip
+                         K_EARLY: gl.constexpr = False, EXP2_POLY: gl.constexpr = 0,
+                         EXP2_DEGREE: gl.constexpr = 3):  # fmt: skip
         # Descriptors built on the device, per head (needs Triton's global scratch allocator).
         M: gl.constexpr = 64
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -570,7 +626,7 @@ if HAS_GLUON:
         v_desc = tma.make_tensor_descriptor(v_base, [SKV, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM],
                                             kv_layout)  # fmt: skip
         _fwd_body(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, False, PINGPONG, K_EARLY)  # fmt: skip
+                  CAUSAL, CONSUMER_REGS, PRODUCER_REGS, False, PINGPONG, K_EARLY, EXP2_POLY, EXP2_DEGREE)  # fmt: skip
 
     # --- persistent variant (FUSEKIT_HOPPER_ATTN_PERSIST / PERSISTENT_DIMS; see the module docstring) -------
     @gluon.jit
@@ -628,7 +684,8 @@ if HAS_GLUON:
     def _consumer_persist(o_desc, q_smem, o_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, kv_empty,
                           lse_ptr, pid, nprog, BH, S, SKV, qk_scale, PAIRS, SEC, PER, NU, WG: gl.constexpr,
                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, K_EARLY: gl.constexpr):  # fmt: skip
+                          CAUSAL: gl.constexpr, K_EARLY: gl.constexpr, EXP2_POLY: gl.constexpr,
+                          EXP2_DEGREE: gl.constexpr):  # fmt: skip
         # Work tiles in schedule order (causal: units pid, pid + nprog, ... of NU, each 1 or 2 work tiles; else
         # tiles pid, pid + nprog, ...): the i-th brings its Q with q_bar's phase i (parity i & 1); c counts the
         # K/V tiles the ring carried before it, so slots and phases continue across work tiles.
@@ -642,7 +699,8 @@ if HAS_GLUON:
                 nt, m0, bh, n_tiles = _persist_causal_tile(u, w, PAIRS, SEC, PER, n_m, BH, S, SKV, BLOCK_N)
                 _consumer_tile(o_desc, q_smem.index(WG), o_smem.index(WG), k_bufs, v_bufs, q_bar, it & 1, q_empty,
                                k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, c, WG,
-                               HEAD_DIM, BLOCK_N, STAGES, CAUSAL, True, False, K_EARLY, True)  # fmt: skip
+                               HEAD_DIM, BLOCK_N, STAGES, CAUSAL, True, False, K_EARLY, True, EXP2_POLY,
+                               EXP2_DEGREE)  # fmt: skip
                 c += n_tiles
                 it += 1
                 u, w = _persist_next(u, w, nt, nprog)
@@ -651,7 +709,8 @@ if HAS_GLUON:
                 m0, bh, n_tiles = _persist_tile(t, n_m, S, SKV, BLOCK_N)
                 _consumer_tile(o_desc, q_smem.index(WG), o_smem.index(WG), k_bufs, v_bufs, q_bar, it & 1, q_empty,
                                k_ready, v_ready, kv_empty, lse_ptr, bh, S, SKV, qk_scale, m0, n_tiles, c, WG,
-                               HEAD_DIM, BLOCK_N, STAGES, CAUSAL, True, False, K_EARLY, True)  # fmt: skip
+                               HEAD_DIM, BLOCK_N, STAGES, CAUSAL, True, False, K_EARLY, True, EXP2_POLY,
+                               EXP2_DEGREE)  # fmt: skip
                 c += n_tiles
                 it += 1
         tma.store_wait(0)
@@ -694,7 +753,8 @@ if HAS_GLUON:
     def _attn_fwd_hopper_persist(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, HKV, S, SKV, BH, qk_scale, PAIRS, SEC,
                                  PER, NU, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                  CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                 K_EARLY: gl.constexpr):  # fmt: skip
+                                 K_EARLY: gl.constexpr, EXP2_POLY: gl.constexpr = 0,
+                                 EXP2_DEGREE: gl.constexpr = 3):  # fmt: skip
         # Persistent: grid (min(SMs, schedule units), 1), host descriptors; each CTA takes units pid, pid +
         # nprog, ... (static round-robin) over one set of buffers and barriers: non-causal a unit is a work tile,
         # causal one or two (_persist_unit; PAIRS, SEC, PER, NU from _persist_schedule). O leaves through o_smem, so
@@ -724,10 +784,10 @@ if HAS_GLUON:
             [
                 (_consumer_persist, (o_desc, q_smem, o_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
                                      kv_empty, lse_ptr, pid, nprog, BH, S, SKV, qk_scale, PAIRS, SEC, PER, NU, WG0,
-                                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_EARLY)),
+                                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_EARLY, EXP2_POLY, EXP2_DEGREE)),
                 (_consumer_persist, (o_desc, q_smem, o_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
                                      kv_empty, lse_ptr, pid, nprog, BH, S, SKV, qk_scale, PAIRS, SEC, PER, NU, WG1,
-                                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_EARLY)),
+                                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_EARLY, EXP2_POLY, EXP2_DEGREE)),
                 (_producer_persist, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                                      v_ready, kv_empty, pid, nprog, H, HKV, BH, S, SKV, PAIRS, SEC, PER, NU, BLOCK_N,
                                      STAGES, CAUSAL, K_EARLY)),
@@ -818,9 +878,10 @@ def run_hopper(
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     block_n, stages, k_early = _env_config(D)
+    poly, degree = exp2_poly_config()
     host = os.environ.get("FUSEKIT_HOPPER_ATTN_DESC", "host") != "device"
     if host and persistent_at(D):
-        _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early)
+        _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early, poly, degree)
         return
     if not host:
         from kernels_triton._config import ensure_tma_allocator
@@ -828,8 +889,8 @@ def run_hopper(
         ensure_tma_allocator()
     pingpong = os.environ.get("FUSEKIT_HOPPER_ATTN_PINGPONG", "0") == "1"
     consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong, K_EARLY=k_early, num_warps=NUM_WARPS,
-                  maxnreg=MAXNREG)  # fmt: skip
+                  PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong, K_EARLY=k_early, EXP2_POLY=poly,
+                  EXP2_DEGREE=degree, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
     bstep = max(1, _MAX_GRID_Y // H)
     for b0 in range(0, B, bstep):
         sl = slice(b0, min(B, b0 + bstep))
@@ -839,7 +900,8 @@ def run_hopper(
             qd, kd, vd, od = _host_descriptors(qq, kk, vv, oo, block_n)
             # everything the compiled kernel depends on: dtypes, constexprs, grid, device, the int arguments'
             # specialization classes and lse's 16-byte alignment (descriptors are 16-byte aligned by contract)
-            key = ("attn_hopper", q.device.index, q.dtype, D, bool(causal), block_n, stages, pingpong, k_early, grid,
+            key = ("attn_hopper", q.device.index, q.dtype, D, bool(causal), block_n, stages, pingpong, k_early,
+                   poly, degree, grid,
                    *((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv)), ll.data_ptr() & 15 == 0)  # fmt: skip
             args = (qd, kd, vd, od, ll, H, Hkv, S, Skv, float(qk_scale))
             launch_keyed(_attn_fwd_hopper_hd, key, grid, args, consts)
@@ -902,7 +964,7 @@ def _persist_schedule(
     return (int(pairs), sec, *_persist_units(pairs, sec, bh, n_m))
 
 
-def _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early) -> None:
+def _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early, poly=0, degree=3) -> None:
     """The persistent kernel over every (query block, head): grid (min(SMs, schedule units), 1), no batch split
     (work tiles are counted in int32: B * H * ceil(S / 128) < 2**31)."""
     B, H, S, D = q.shape
@@ -924,10 +986,12 @@ def _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early)
     grid = (max(ctas, 1), 1)
     qd, kd, vd, od = _host_descriptors(q, k, v, o, block_n)
     consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, K_EARLY=k_early, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+                  PRODUCER_REGS=PRODUCER_REGS, K_EARLY=k_early, EXP2_POLY=poly, EXP2_DEGREE=degree,
+                  num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
     # everything the compiled kernel depends on (as run_hopper's key), with B*H's specialization class too
     # (PAIRS, SEC, PER and NU are not specialized: do_not_specialize)
-    key = ("attn_hopper_persist", q.device.index, q.dtype, D, bool(causal), block_n, stages, k_early, grid,
+    key = ("attn_hopper_persist", q.device.index, q.dtype, D, bool(causal), block_n, stages, k_early, poly, degree,
+           grid,
            *((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv, bh)), lse.data_ptr() & 15 == 0)  # fmt: skip
     args = (qd, kd, vd, od, lse, H, Hkv, S, Skv, bh, float(qk_scale), pairs, sec, per, units)
     launch_keyed(_attn_fwd_hopper_persist, key, grid, args, consts)
@@ -959,11 +1023,15 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def aot_specs_gluon() -> list[tuple[str, object, dict, dict, dict]]:
+def aot_specs_gluon(exp2_poly: int = 0, exp2_degree: int = 3) -> list[tuple[str, object, dict, dict, dict]]:
     """(name, gluon kernel, signature, constexprs, options) per (dtype, D, causal) variant, for an ahead-of-time
-    compile for sm_90 with triton.experimental.gluon._runtime.GluonASTSource; [] without Gluon."""
+    compile for sm_90 with triton.experimental.gluon._runtime.GluonASTSource; [] without Gluon. exp2_poly > 0
+    (EXP2_POLY: log2 of 1 / the polynomial's fraction; compile checks of the opt-in, not shipped) gives the same
+    variants with the polynomial exp2 of degree exp2_degree, named with a _poly{exp2_poly}d{exp2_degree} suffix;
+    the default gives the kernels as they ship (EXP2_POLY = 0 compiles to the PTX it did before the switch)."""
     if not HAS_GLUON:
         return []
+    tag = f"_poly{exp2_poly}d{exp2_degree}" if exp2_poly else ""
     specs = []
     for dt in ("fp16", "bf16"):
         p = f"*{dt}"
@@ -975,13 +1043,15 @@ def aot_specs_gluon() -> list[tuple[str, object, dict, dict, dict]]:
                        "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
                        "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
                        "CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
-                       "PINGPONG": "constexpr", "K_EARLY": "constexpr"}  # fmt: skip
+                       "PINGPONG": "constexpr", "K_EARLY": "constexpr", "EXP2_POLY": "constexpr",
+                       "EXP2_DEGREE": "constexpr"}  # fmt: skip
                 const = {"HEAD_DIM": d, "BLOCK_N": bn, "STAGES": st, "CAUSAL": causal,
                          "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS, "PINGPONG": False,
-                         "K_EARLY": d in K_EARLY_DIMS}  # fmt: skip
+                         "K_EARLY": d in K_EARLY_DIMS, "EXP2_POLY": exp2_poly,
+                         "EXP2_DEGREE": exp2_degree if exp2_poly else 3}  # fmt: skip
                 opts = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
                 specs.append(
-                    (f"attn_hopper_{dt}_d{d}_c{int(causal)}_devdesc", _attn_fwd_hopper, sig, const, opts)
+                    (f"attn_hopper_{dt}_d{d}_c{int(causal)}_devdesc{tag}", _attn_fwd_hopper, sig, const, opts)
                 )
                 q_lay, kv_lay = _host_layouts(dt, d, bn)
                 hsig = {"q_desc": f"tensordesc<{dt}[1, {WG_M}, {d}],{q_lay!r}>",
@@ -992,7 +1062,7 @@ def aot_specs_gluon() -> list[tuple[str, object, dict, dict, dict]]:
                 for k in ("stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"):
                     del hsig[k]
                 specs.append(
-                    (f"attn_hopper_{dt}_d{d}_c{int(causal)}", _attn_fwd_hopper_hd, hsig, const, opts)
+                    (f"attn_hopper_{dt}_d{d}_c{int(causal)}{tag}", _attn_fwd_hopper_hd, hsig, const, opts)
                 )
                 # the persistent kernel: BH, qk_scale, PAIRS, SEC, PER, NU; no PINGPONG
                 if d in PERSIST_HEAD_DIMS:
@@ -1002,7 +1072,7 @@ def aot_specs_gluon() -> list[tuple[str, object, dict, dict, dict]]:
                     pconst = {k: x for k, x in const.items() if k != "PINGPONG"}
                     specs.append(
                         (
-                            f"attn_hopper_{dt}_d{d}_c{int(causal)}_persist",
+                            f"attn_hopper_{dt}_d{d}_c{int(causal)}_persist{tag}",
                             _attn_fwd_hopper_persist,
                             psig,
                             pconst,

@@ -125,3 +125,91 @@ def exp2_mixed(x, ROWS: tl.constexpr, COLS: tl.constexpr, POLY_LOG2: tl.constexp
         b1 = _cols_join(tl.math.exp2(c0), exp2_poly(c1, DEGREE), ROWS, COLS // 4, False)
         b = _cols_join(tl.math.exp2(b0), b1, ROWS, COLS // 2, True)
         return _cols_join(tl.math.exp2(a), b, ROWS, COLS, True)
+
+
+# --- Gluon (explicit layouts) versions, for _attention_hopper.py's softmax ------------------------------------
+# The same arithmetic as exp2_poly / exp2_mixed above. Gluon infers the layouts of reshape / permute / split /
+# join from their operand's, so on a wgmma accumulator (NVMMADistributedLayout v3: a thread holds column bit 0
+# and the bits from 3 up in registers, bits 1-2 are lanes) the column splits below are register renamings; the
+# rejoined tile comes back in a linear layout equal to the accumulator's, and exp2_mixed_gluon's final
+# convert_layout to the input's layout is a no-op (no shuffles, shared memory or barriers in the sm_90 PTX:
+# Triton 3.6 and 3.9).
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    HAS_GLUON = hasattr(gl, "split") and hasattr(gl, "join") and hasattr(gl, "convert_layout")
+except Exception:  # no Gluon in this Triton: the Triton versions above still work
+    HAS_GLUON = False
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def exp2_poly_gluon(x, DEGREE: gl.constexpr = 3):
+        """exp2_poly for Gluon tensors (any layout): the same operations in the same order."""
+        x = gl.maximum(x, -127.0, propagate_nan=tl.PropagateNan.ALL)
+        t = x + 12582912.0
+        f = x - (t - 12582912.0)
+        if DEGREE == 3:
+            p = (
+                (0.0551716685295105 * f + 0.2426111251115799) * f + 0.6932609677314758
+            ) * f + 0.9999280571937561
+        elif DEGREE == 4:
+            p = (0.009570102207362652 * f + 0.05591785907745361) * f + 0.240247443318367
+            p = (p * f + 0.6931217908859253) * f + 0.9999992847442627
+        else:
+            gl.static_assert(DEGREE == 5, "exp2_poly_gluon: DEGREE must be 3, 4 or 5")
+            p = ((0.0013276472454890609 * f + 0.009675540961325169) * f + 0.05550713092088699) * f
+            p = ((p + 0.24022120237350464) * f + 0.6931469440460205) * f + 1.0000001192092896
+        scale = ((t.to(gl.int32, bitcast=True) << 23) + 0x3F800000).to(gl.float32, bitcast=True)
+        return p * scale
+
+    @gluon.jit
+    def _cols_split_gluon(x, HALVES: gl.constexpr):
+        # as _cols_split: [R, C] -> two [R, C // 2], first / last half of the columns or even / odd ones
+        R: gl.constexpr = x.shape[0]
+        C: gl.constexpr = x.shape[1]
+        if HALVES:
+            a, b = gl.split(gl.permute(gl.reshape(x, [R, 2, C // 2]), [0, 2, 1]))
+        else:
+            a, b = gl.split(gl.reshape(x, [R, C // 2, 2]))
+        return a, b
+
+    @gluon.jit
+    def _cols_join_gluon(a, b, HALVES: gl.constexpr):
+        # the inverse of _cols_split_gluon. join wants both operands in one layout: after a nested split, a (a
+        # slice of one split's parent) and b (rejoined from the next split) hold the same register mapping under
+        # two layout objects, so this convert is a renaming.
+        b = gl.convert_layout(b, a.type.layout)
+        R: gl.constexpr = a.shape[0]
+        C: gl.constexpr = 2 * a.shape[1]
+        if HALVES:
+            y = gl.reshape(gl.permute(gl.join(a, b), [0, 2, 1]), [R, C])
+        else:
+            y = gl.reshape(gl.join(a, b), [R, C])
+        return y
+
+    @gluon.jit
+    def exp2_mixed_gluon(x, POLY_LOG2: gl.constexpr, DEGREE: gl.constexpr = 3):
+        """exp2_mixed for a Gluon [R, C] fp32 tile: the same columns through exp2_poly_gluon (POLY_LOG2 = 1 the
+        odd columns, 2 the odd columns of the last half, 3 the odd columns of the last quarter; 0 all gl.exp2),
+        the result in x's layout. C >= 2^(POLY_LOG2 + 1)."""
+        if POLY_LOG2 == 0:
+            y = gl.exp2(x)
+        elif POLY_LOG2 == 1:
+            a, b = _cols_split_gluon(x, False)
+            y = _cols_join_gluon(gl.exp2(a), exp2_poly_gluon(b, DEGREE), False)
+        elif POLY_LOG2 == 2:
+            a, b = _cols_split_gluon(x, True)
+            b0, b1 = _cols_split_gluon(b, False)
+            b = _cols_join_gluon(gl.exp2(b0), exp2_poly_gluon(b1, DEGREE), False)
+            y = _cols_join_gluon(gl.exp2(a), b, True)
+        else:
+            gl.static_assert(POLY_LOG2 == 3, "exp2_mixed_gluon: POLY_LOG2 must be 0, 1, 2 or 3")
+            a, b = _cols_split_gluon(x, True)
+            b0, b1 = _cols_split_gluon(b, True)
+            c0, c1 = _cols_split_gluon(b1, False)
+            b1 = _cols_join_gluon(gl.exp2(c0), exp2_poly_gluon(c1, DEGREE), False)
+            b = _cols_join_gluon(gl.exp2(b0), b1, True)
+            y = _cols_join_gluon(gl.exp2(a), b, True)
+        return gl.convert_layout(y, x.type.layout)
