@@ -500,7 +500,7 @@ def tc_backward_supported[dtype: DType](B: Int, H: Int, Hkv: Int, D: Int) -> Boo
 
 
 def attention_backward_tc[
-    dtype: DType
+    dtype: DType, HD: Int = 0
 ](
     dq: Pointer[Scalar[dtype], MutAnyOrigin],
     dk: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -553,13 +553,16 @@ def attention_backward_tc[
     comptime if DeviceContext.default_device_info.api == "cuda" and (
         dtype == DType.bfloat16 or dtype == DType.float16
     ):
-        if D == 64:
-            launch[64]()
-            return
-        elif D == 128:
-            launch[128]()
-            return
-        elif D == 256:
-            launch[256]()
-            return
+        comptime if HD == 0 or HD == 64:
+            if D == 64:
+                launch[64]()
+                return
+        comptime if HD == 0 or HD == 128:
+            if D == 128:
+                launch[128]()
+                return
+        comptime if HD == 0 or HD == 256:
+            if D == 256:
+                launch[256]()
+                return
     raise Error("fusekit.attention_backward: the tensor-core backward does not cover this call")

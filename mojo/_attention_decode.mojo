@@ -731,7 +731,7 @@ def decode_part_len(B: Int, H: Int, S: Int, D: Int, splits: Int) -> Int:
 
 
 def attention_decode_gpu[
-    dtype: DType
+    dtype: DType, HD: Int = 0
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     lse: Pointer[Float32, MutAnyOrigin],
@@ -752,7 +752,8 @@ def attention_decode_gpu[
     force_splits: Int = 0,
 ) raises:
     """Enqueue the split-KV decode kernels (the caller checked decode_applies). force_splits > 0 forces the
-    split count (harness), within the workspace given."""
+    split count (harness), within the workspace given. HD != 0: only that head dim's kernels are compiled
+    (attention_gpu_ws); 0: every head dim's."""
     if B * H * S == 0:
         return
     var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
@@ -797,11 +798,16 @@ def attention_decode_gpu[
                 grid_dim=B * H * S, block_dim=DECODE_COMBINE_THREADS,
             )
 
-    if D == 64:
-        launch[64]()
-    elif D == 128:
-        launch[128]()
-    elif D == 256:
-        launch[256]()
-    else:
-        raise Error("fusekit.attention: the decode path takes head dims 64 / 128 / 256")
+    comptime if HD == 0 or HD == 64:
+        if D == 64:
+            launch[64]()
+            return
+    comptime if HD == 0 or HD == 128:
+        if D == 128:
+            launch[128]()
+            return
+    comptime if HD == 0 or HD == 256:
+        if D == 256:
+            launch[256]()
+            return
+    raise Error("fusekit.attention: the decode path takes head dims 64 / 128 / 256")

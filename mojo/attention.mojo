@@ -605,7 +605,7 @@ def attention_gpu[
 
 
 def attention_gpu_ws[
-    dtype: DType
+    dtype: DType, HD: Int = 0
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     lse: Pointer[Float32, MutAnyOrigin],
@@ -631,9 +631,19 @@ def attention_gpu_ws[
     (S <= 16, GQA group rows <= 128, D 64 / 128 / 256) take the split-KV kernels of _attention_decode.mojo,
     whose partials go to the caller's workspace `part` (part_len elements; specs.py attention_decode_part),
     unless decode is False or force_rowwise is set (the harness's references); force_splits > 0 forces their
-    split count."""
+    split count.
+
+    HD: the head dim the op was compiled for (the custom op's `head_dim` parameter, one MAX graph per head
+    dim: issue #14 item 3), or 0 for every head dim. With HD != 0 only that head dim's flash-attention and
+    decode kernels are instantiated (bf16 on NVIDIA: 7 of the 19 kernels; the MAX graph compile is what
+    a first call waits for); every runtime decision is the same code, and a call of another head dim raises."""
+    comptime if HD != 0:
+        if D != HD:
+            raise Error(
+                String("fusekit.attention: compiled for head dim ", HD, ", called with ", D)
+            )
     if decode and not force_rowwise and decode_applies(H, Hkv, S, D):
-        attention_decode_gpu[dtype](
+        attention_decode_gpu[dtype, HD](
             o, lse, part, part_len, q, k, v, kv_len, params, B, H, Hkv, S, Skv, D, ctx, force_splits
         )
         return
@@ -664,15 +674,18 @@ def attention_gpu_ws[
     comptime if DeviceContext.default_device_info.api == "cuda" and (dtype == DType.bfloat16 or dtype == DType.float16):
         # fa2's grid axis 1 is B * H, which CUDA caps at 65535 blocks: larger batches take the row-wise kernel
         if not force_rowwise and B * H <= 65535:
-            if D == 64:
-                launch_fa2[64]()
-                return
-            elif D == 128:
-                launch_fa2[128]()
-                return
-            elif D == 256:
-                launch_fa2[256]()
-                return
+            comptime if HD == 0 or HD == 64:
+                if D == 64:
+                    launch_fa2[64]()
+                    return
+            comptime if HD == 0 or HD == 128:
+                if D == 128:
+                    launch_fa2[128]()
+                    return
+            comptime if HD == 0 or HD == 256:
+                if D == 256:
+                    launch_fa2[256]()
+                    return
     if D > 256:
         raise Error("fusekit.attention: head dim > 256 is not supported on the GPU")
     var rows = B * H * S
@@ -935,7 +948,7 @@ def _attn_bwd_dkdv_kernel[
 
 
 def attention_backward_gpu[
-    dtype: DType
+    dtype: DType, HD: Int = 0
 ](
     dq: Pointer[Scalar[dtype], MutAnyOrigin],
     dk: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -959,7 +972,13 @@ def attention_backward_gpu[
     ctx: DeviceContext,
     tensor_cores: Bool = False,
 ) raises:
-    """tensor_cores: take `attention_backward_tc` where it covers the call (see the header), else SIMT."""
+    """tensor_cores: take `attention_backward_tc` where it covers the call (see the header), else SIMT. HD: as
+    attention_gpu_ws's (the tensor-core kernels of that head dim only; 0: every head dim)."""
+    comptime if HD != 0:
+        if D != HD:
+            raise Error(
+                String("fusekit.attention_backward: compiled for head dim ", HD, ", called with ", D)
+            )
     if D > 256:
         raise Error("fusekit.attention_backward: head dim > 256 is not supported on the GPU")
     var rows = B * H * S
@@ -969,7 +988,7 @@ def attention_backward_gpu[
         delta, do_, o, Int64(rows), Int32(D), grid_dim=ceildiv(rows, 4), block_dim=4 * WARP_SIZE
     )
     if tensor_cores and tc_backward_supported[dtype](B, H, Hkv, D):
-        attention_backward_tc[dtype](
+        attention_backward_tc[dtype, HD](
             dq, dk, dv, delta, do_, q, k, v, lse, kv_len, params, B, H, Hkv, S, Skv, D, ctx
         )
         return
@@ -990,11 +1009,12 @@ def attention_backward_gpu[
 @register("fusekit.attention")
 struct Attention:
     """Outputs (o [B,H,S,D], lse [B,H,S] f32); workspace (part: the decode kernels' split partials, f32);
-    inputs (q, k, v, kv_len? [B] int32, params [causal, scale, has_kv_len])."""
+    inputs (q, k, v, kv_len? [B] int32, params [causal, scale, has_kv_len]). Parameter head_dim: the GPU graph's
+    head dim (its kernels only; runtime.py passes it for GPU devices), 0 (default): every head dim."""
 
     @staticmethod
     def execute[
-        dtype: DType, //, target: StaticString
+        dtype: DType, //, target: StaticString, head_dim: Int = 0
     ](
         res: MutableInputTensor[dtype=dtype, rank=4, ...],
         lse: MutableInputTensor[dtype=DType.float32, rank=3, ...],
@@ -1022,7 +1042,7 @@ struct Attention:
         comptime if target == "gpu":
             var partp = rebind[Pointer[Float32, MutAnyOrigin]](part.unsafe_ptr())
             # params' 4th slot (decode) is there unless switched off (specs.ATTN_DECODE): its presence is read
-            attention_gpu_ws[dtype](
+            attention_gpu_ws[dtype, head_dim](
                 op, lp, partp, part.dim_size(0), qp, kp, vp, ip, pp, B, H, Hkv, S, Skv, D, ctx,
                 decode=params.dim_size(0) > 3,
             )
@@ -1036,11 +1056,12 @@ struct Attention:
 @register("fusekit.attention_backward")
 struct AttentionBackward:
     """Outputs (dq [B,H,S,D], dk [B,Hkv,Skv,D], dv [B,Hkv,Skv,D]); workspace (delta [B*H*S] f32); inputs
-    (do, q, k, v, o, lse [B,H,S] f32, kv_len? [B] int32, params [causal, scale, has_kv_len(, bwd_tc)])."""
+    (do, q, k, v, o, lse [B,H,S] f32, kv_len? [B] int32, params [causal, scale, has_kv_len(, bwd_tc)]). Parameter
+    head_dim: as fusekit.attention's."""
 
     @staticmethod
     def execute[
-        dtype: DType, //, target: StaticString
+        dtype: DType, //, target: StaticString, head_dim: Int = 0
     ](
         dq: MutableInputTensor[dtype=dtype, rank=4, ...],
         dk: MutableInputTensor[dtype=dtype, rank=4, ...],
@@ -1078,7 +1099,7 @@ struct AttentionBackward:
             var deltap = rebind[Pointer[Float32, MutAnyOrigin]](delta.unsafe_ptr())
             # params' 4th slot (bwd_tc) is there unless opted out: its presence is read, not its value
             # (that would need a device -> host read)
-            attention_backward_gpu[dtype](
+            attention_backward_gpu[dtype, head_dim](
                 dqp, dkp, dvp, deltap, delta.dim_size(0), dop, qp, kp, vp, outp, lp, ip, pp, B, H, Hkv, S, Skv, D, ctx,
                 tensor_cores=params.dim_size(0) > 3,
             )
