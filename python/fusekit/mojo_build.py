@@ -7,7 +7,8 @@ The mojo backend compiles one shape-generic MAX graph per op phase x dtypes x de
 it on disk (fusekit/backends/mojo/runtime.py: ~10-20 s each on a GPU host, plus one `mojo precompile` of
 the op's compile unit: its file and the files it imports). This walks every entry a call can need — each op's forward and backward over the
 dtype combinations the backend runs (MojoBackend.supports: no float64 input; fp32 attention is CPU-only),
-for swiglu_ffn's backward its element-wise op and the rms_norm backward it calls — and loads or builds
+for swiglu_ffn's backward its element-wise op and the rms_norm backward it calls, and on a GPU one entry per
+value of each compile-time shape parameter (attention: one per head dim, specs.PARAM_VALUES) — and loads or builds
 each, so that later processes' first calls are cache loads (--jobs N: N processes, each every N-th
 entry; each compile unit is precompiled once, a worker that needs it while another builds it waits on its
 lock; the lazy subpackage mojo/tc/ of fusekit.swiglu_ffn_tc, an NVIDIA bf16 entry, is one such unit). One line per entry
@@ -19,6 +20,7 @@ Cache location: $FUSEKIT_CACHE_DIR, else ~/.cache/fusekit.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from dataclasses import dataclass
@@ -30,15 +32,17 @@ PHASES = ("forward", "backward")
 
 @dataclass(frozen=True)
 class Entry:
-    """One compiled artifact: a MAX op spec (specs.OpSpec) at one dtype key."""
+    """One compiled artifact: a MAX op spec (specs.OpSpec) at one dtype key and compile-time parameters."""
 
     op: str
     phase: str
     spec: object
     dtypes: tuple[torch.dtype, ...]
+    parameters: tuple[tuple[str, int], ...] = ()  # e.g. (("head_dim", 128),): attention on a GPU
 
     def label(self) -> str:
         names = ",".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        names += "".join(f", {k}={v}" for k, v in self.parameters)
         return f"{self.spec.max_op} ({names})"
 
 
@@ -55,6 +59,7 @@ def entries(
     from fusekit.backends.mojo.specs import (
         LINEAR_CROSS_ENTROPY_ROWS,
         NO_KERNEL,
+        PARAM_VALUES,
         SWIGLU_FFN_BACKWARD,
         phase_spec,
         swiglu_ffn_tc_spec,
@@ -62,12 +67,16 @@ def entries(
 
     backend = backends.get("mojo")  # supports() needs no MAX
     out: list[Entry] = []
-    seen: set[tuple[str, tuple]] = set()
+    seen: set[tuple[str, tuple, tuple]] = set()
 
     def add(op: str, phase: str, spec, key: tuple[torch.dtype, ...]) -> None:
-        if (spec.max_op, key) not in seen:
-            seen.add((spec.max_op, key))
-            out.append(Entry(op, phase, spec, key))
+        # the graphs a call can need: on a GPU one per value of each shape parameter (OpSpec.parameters)
+        names = [p for p, _, _ in spec.shape_params] if device.type != "cpu" else []
+        for values in itertools.product(*(PARAM_VALUES[p] for p in names)):
+            params = tuple(zip(names, values))
+            if (spec.max_op, key, params) not in seen:
+                seen.add((spec.max_op, key, params))
+                out.append(Entry(op, phase, spec, key, params))
 
     order = lambda keys: sorted(keys, key=lambda k: [str(d) for d in k])  # a stable listing
     for op in ops or list(fops.OPS):
@@ -129,7 +138,7 @@ def build(device: torch.device, todo: list[Entry], log=print) -> int:
         before = compiler.stats.graph_compiles
         t0 = time.perf_counter()
         try:
-            compiler.get(e.spec, e.dtypes, device)
+            compiler.get(e.spec, e.dtypes, device, e.parameters)
         except Exception as exc:  # reported, the others still build
             failed += 1
             log(f"  FAILED    {e.label()}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")

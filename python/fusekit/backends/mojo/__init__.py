@@ -15,6 +15,7 @@ import torch
 
 from fusekit.backends.base import Backend, BackendUnavailable
 from fusekit.backends.mojo.specs import (
+    HEAD_DIMS,
     LINEAR_CROSS_ENTROPY_ROWS,
     NO_KERNEL,
     RUNS_ON,
@@ -27,7 +28,6 @@ from fusekit.backends.mojo.specs import (
 )
 from fusekit.ops.linear_cross_entropy import fused_backward, fused_forward, fused_refusal
 
-HEAD_DIMS = (64, 128, 256)
 # Calls inside torch's CUDA graph capture record MAX's launches into torch's graph (dispatch.py: the
 # stream fence joins MAX's stream to the capture); "0" refuses them instead.
 CAPTURE_ENV = "FUSEKIT_MOJO_CAPTURE"
@@ -155,7 +155,7 @@ class MojoBackend(Backend):
     def _call(self, ms, device: torch.device, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
         """One MAX custom op call (ms: a specs.OpSpec) on the provider's arguments."""
         outs, ins, params = ms.bind(outputs, inputs, scalars)
-        compiled = self.compiler.get(ms, ms.dtype_key(outs, ins), device)
+        compiled = self.compiler.get(ms, ms.dtype_key(outs, ins), device, ms.parameters(outs, ins, device))
         disp = self.dispatcher
         disp.run(compiled, disp.state(device), outs, ins, params)
 

@@ -48,6 +48,13 @@ NO_KERNEL: frozenset[str] = frozenset()
 X_DTYPE_WEIGHTS = frozenset({"swiglu_ffn"})
 
 Bound = tuple[tuple[torch.Tensor | tuple, ...], tuple[torch.Tensor | tuple, ...], tuple[float, ...]]
+# Compile-time parameters of a MAX custom op, as passed to `ops.inplace_custom(parameters=...)`:
+# ((name, value), ...) in the spec's order; part of the compile key and of the MEF's name.
+Parameters = tuple[tuple[str, int], ...]
+# The head dims the attention kernels take (mojo/attention.mojo, mojo/_attention_decode.mojo).
+HEAD_DIMS = (64, 128, 256)
+# The values each shape parameter (OpSpec.shape_params) can take: what mojo_build builds ahead of time.
+PARAM_VALUES: dict[str, tuple[int, ...]] = {"head_dim": HEAD_DIMS}
 
 
 @dataclass(frozen=True)
@@ -95,12 +102,27 @@ class OpSpec:
     allowed: frozenset[tuple[torch.dtype, ...]]  # allowed dtypes for dtype_vars, in order
     bind: Callable[..., Bound]  # (outputs, inputs, scalars) -> (outputs, inputs, params values)
     workspaces: tuple[Workspace, ...] = ()  # caller-allocated GPU scratch, passed after the outputs
+    # Compile-time parameters of the op's GPU graphs read from a tensor's size: (parameter, tensor name, dim).
+    # attention's ("head_dim", "q", 3): one GPU graph per head dim, instantiating only its kernels (issue #14
+    # item 3: a virtual sm_90 compile of every head dim's 19 kernels took 29 s). CPU graphs get none (their
+    # loops take any size; a parameter would only multiply their compiles).
+    shape_params: tuple[tuple[str, str, int], ...] = ()
 
     def __post_init__(self) -> None:
         # Position (in outputs + inputs) of the tensors typed by each dtype variable.
         specs = self.outputs + self.inputs
         pos = tuple(tuple(i for i, t in enumerate(specs) if t.dtype == v) for v in self.dtype_vars)
         object.__setattr__(self, "_dtype_pos", pos)
+        names = [t.name for t in specs]
+        where = tuple((p, names.index(t), d) for p, t, d in self.shape_params)
+        object.__setattr__(self, "_param_pos", where)
+
+    def parameters(self, outs: tuple, ins: tuple, device: torch.device) -> Parameters:
+        """The compile-time parameters of this call's graph (shape_params; none on the CPU)."""
+        if not self._param_pos or device.type == "cpu":  # type: ignore[attr-defined]
+            return ()
+        args = outs + ins
+        return tuple((p, int(args[i].shape[d])) for p, i, d in self._param_pos)  # type: ignore[attr-defined]
 
     def dtype_key(self, outs: tuple, ins: tuple) -> tuple:
         """The dtypes of this call's dtype variables (part of the compile key); dummies carry theirs."""
@@ -555,6 +577,8 @@ def phase_spec(op: str, phase: str) -> OpSpec:
         ms = with_flag(ms, "bwd_tc")
     if op == "attention" and phase == "forward" and ATTN_DECODE:
         ms = with_flag(ms, "decode")
+    if op == "attention":  # q [B, H, S, D] in both phases
+        ms = dataclasses.replace(ms, shape_params=(("head_dim", "q", 3),))
     return ms
 
 
