@@ -13,6 +13,10 @@ variant (FUSEKIT_HOPPER_ATTN_PERSIST=1, D64/D128) runs the same odd shapes with 
 tiles) and capped at a few CTAs (barrier phases carried across work tiles), against float64 and bit for bit
 against the one-tile-per-CTA kernel; its causal schedules (pairs, sections, global; small sections, ragged last
 ones) cover every work tile once (CPU, the kernel's unit mapping in Python) and give bit-identical results (GPU).
+The opt-in polynomial exp2 (FUSEKIT_HOPPER_ATTN_EXP2_POLY): its env parsing, that it reaches the launch (consts
+and launch key) and the AOT spec names (CPU), that its D64 variants compile with the column split in registers
+(fewer ex2, no extra shuffles, shared-memory stores or barriers in the PTX), and on the GPU that o matches float64
+and lse stays within 1e-4 of the switch-off lse, persistent and one-tile.
 Speed: the benchmarks (and .dev/s/gluon_probe.py, persist_probe.py).
 """
 
@@ -243,6 +247,128 @@ def test_d64_causal_routing(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
     q, k, v = _qkv(D=64)
     assert not A.use_hopper(q, k, v, q, True) and A.use_hopper(q, k, v, q, False)
+
+
+# --- the opt-in polynomial exp2 (FUSEKIT_HOPPER_ATTN_EXP2_POLY) ------------------------------------------------
+def test_exp2_poly_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSEKIT_HOPPER_ATTN_EXP2_POLY takes attention.py's values for the Triton kernel's switch: unset / 0 off,
+    1 and 4 a quarter, 2 a half, 8 an eighth (EXP2_POLY = log2 of 1 / the fraction); _DEGREE 3 (default), 4, 5,
+    ignored when off (the default kernel's constexprs, (0, 3)); anything else raises, naming the values."""
+    m = _mod()
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY", raising=False)
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE", raising=False)
+    assert m.exp2_poly_config() == (0, 3)
+    for raw, poly in (("0", 0), ("", 0), ("1", 2), ("2", 1), ("4", 2), ("8", 3), (" 8 ", 3)):
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY", raw)
+        assert m.exp2_poly_config() == (poly, 3), raw
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY", "1")
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE", "5")
+    assert m.exp2_poly_config() == (2, 5)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY", "0")
+    assert m.exp2_poly_config() == (0, 3)
+    for raw, deg in (("3", "3"), ("16", "3"), ("1", "2"), ("1", "6"), ("x", "3")):
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY", raw)
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE", deg)
+        with pytest.raises(ValueError, match="FUSEKIT_HOPPER_ATTN_EXP2_POLY"):
+            m.exp2_poly_config()
+
+
+@pytest.mark.parametrize("persist", ["1", "0"], ids=["persistent", "one-tile"])
+def test_exp2_poly_reaches_the_launch(monkeypatch: pytest.MonkeyPatch, persist: str) -> None:
+    """run_hopper passes (EXP2_POLY, EXP2_DEGREE) from the env to the kernel's constexprs and into launch_keyed's
+    key (so the switch never relaunches a kernel remembered for the other setting); off gives (0, 3), the
+    kernels' defaults. CPU tensors, with the descriptors, device queries and the launch replaced."""
+    m = _mod()
+    launches = []
+    monkeypatch.setattr(m, "_host_descriptors", lambda *a: (None,) * 4)
+    monkeypatch.setattr(
+        m, "launch_keyed", lambda fn, key, grid, args, consts: launches.append((fn, key, consts))
+    )
+    monkeypatch.setattr(m, "device_index", lambda q: 0)
+    monkeypatch.setattr(m, "num_sms", lambda dev: 132)
+    monkeypatch.setattr(m, "l2_bytes", lambda dev: 50 * 2**20)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST", persist)
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_DESC", raising=False)
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE", raising=False)
+    q, k, v = _qkv(D=64)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    for env in ("0", "4", "2", "8"):
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY", env)
+        m.run_hopper(o, lse, q, k, v, False, 0.18)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE", "4")
+    m.run_hopper(o, lse, q, k, v, False, 0.18)
+    kernel = m._attn_fwd_hopper_persist if persist == "1" else m._attn_fwd_hopper_hd
+    assert len(launches) == 5 and all(fn is kernel for fn, _, _ in launches)
+    got = [(c["EXP2_POLY"], c["EXP2_DEGREE"]) for _, _, c in launches]
+    assert got == [(0, 3), (2, 3), (1, 3), (3, 3), (3, 4)]
+    keys = [key for _, key, _ in launches]
+    assert len(set(keys)) == 5  # each setting its own remembered kernel
+    assert all(any(key[i : i + 2] == pd for i in range(len(key) - 1)) for key, pd in zip(keys, got))
+
+
+def test_aot_spec_names_exp2_poly():
+    """aot_specs_gluon(exp2_poly, degree): the same variants with the polynomial compiled in, named with a
+    _poly{n}d{deg} suffix; the default list passes EXP2_POLY = 0, EXP2_DEGREE = 3 (the kernels as they ship)."""
+    m = _mod()
+    if not m.HAS_GLUON:
+        pytest.skip("the installed triton has no Gluon Hopper module")
+    base, poly = m.aot_specs_gluon(), m.aot_specs_gluon(2, 4)
+    assert [s[0] + "_poly2d4" for s in base] == [s[0] for s in poly]
+    assert all(s[3]["EXP2_POLY"] == 0 and s[3]["EXP2_DEGREE"] == 3 for s in base)
+    assert all(s[3]["EXP2_POLY"] == 2 and s[3]["EXP2_DEGREE"] == 4 for s in poly)
+    assert all(s[2]["EXP2_POLY"] == s[2]["EXP2_DEGREE"] == "constexpr" for s in base + poly)
+
+
+_COMPILE_POLY = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels_triton import _attention_hopper as m
+want = set(sys.argv[1].split(","))
+for poly in (0, 2):
+    for name, fn, sig, const, opts in m.aot_specs_gluon(poly, 3):
+        if re.sub("_poly.*", "", name) not in want:
+            continue
+        ptx = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+        n = {op: len(re.findall(pat, ptx)) for op, pat in (("ex2", r"ex2\.approx"), ("shfl", r"shfl\.sync"),
+             ("sts", r"st\.shared"), ("bar", r"bar\.sync|barrier\.sync"), ("local", r"\.local"))}
+        print("RESULT " + json.dumps({"name": re.sub("_poly.*", "", name), "poly": poly, **n}), flush=True)
+"""
+
+
+def test_exp2_poly_compiles_in_registers():
+    """The D64 kernels (bf16, persistent non-causal as routed, one-tile causal) with a quarter of p through the
+    polynomial compile for sm_90; the column split/join and the convert back to the accumulator's layout stay in
+    registers: the PTX has 16 fewer ex2 per softmax instance (64 scores a thread, 6 instances: tile 0, the
+    unmasked and the masked loop, per consumer warpgroup) and exactly as many shuffles, shared-memory stores and
+    barriers as the kernel without it, and no local memory."""
+    import json
+    import os
+    import subprocess
+
+    m = _mod()
+    if not m.HAS_GLUON:
+        pytest.skip("the installed triton has no Gluon Hopper module")
+    names = ["attn_hopper_bf16_d64_c0_persist", "attn_hopper_bf16_d64_c1"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_POLY, ",".join(names)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    res = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT ") :])
+            res[(r.pop("name"), r.pop("poly"))] = r
+    assert len(res) == 4, proc.stderr[-3000:]
+    for n in names:
+        off, on = res[(n, 0)], res[(n, 2)]
+        assert on["ex2"] == off["ex2"] - 6 * 16, (n, off, on)
+        assert {k: on[k] for k in ("shfl", "sts", "bar", "local")} == {
+            k: off[k] for k in ("shfl", "sts", "bar", "local")
+        }, (n, off, on)
+        assert on["local"] == 0
 
 
 @functools.cache
@@ -569,3 +695,63 @@ def test_gpu_capture_fwd_bwd_replays(device: str, monkeypatch: pytest.MonkeyPatc
     ref = step()
     for name, a, b in zip(("o", "dq", "dk", "dv"), outs, ref, strict=True):
         assert torch.equal(a, b), f"{name}: replay differs from eager"
+
+
+# The opt-in polynomial exp2 on the GPU: D64 (where it is meant to pay) and D128, causal and not (ragged tails, GQA,
+# rows that see no key), persistent and one-tile, each fraction at degree 3 (and 1/2 at degree 4, one case).
+_POLY_CASES = [
+    (1, 4, 4, 128, 128, 64, False),
+    (1, 2, 2, 1000, 1000, 64, False),
+    (2, 4, 2, 77, 300, 64, True),
+    (1, 4, 1, 300, 77, 64, True),
+    (2, 8, 2, 77, 300, 128, True),
+    (1, 4, 2, 200, 333, 128, False),
+]
+
+
+@pytest.mark.parametrize("persist", [True, False], ids=["persistent", "one-tile"])
+@pytest.mark.parametrize("frac", ["4", "8", "2"], ids=["quarter", "eighth", "half"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "case", _POLY_CASES, ids=lambda c: "B{}H{}-{}S{}K{}D{}{}".format(*c[:6], "c" if c[6] else "")
+)
+def test_gpu_exp2_poly_matches_float64(device: str, monkeypatch, persist, frac, dtype, case) -> None:
+    """FUSEKIT_HOPPER_ATTN_EXP2_POLY on: o within the dtype's tolerance of float64 (_assert_matches: lse within
+    1e-3, rows without a key exactly o = 0, lse = -inf), lse within 1e-4 of the switch-off kernel's (the
+    degree-3 polynomial's relative error <= 7.6e-5 bounds the row sum's, so lse moves by <= 7.6e-5) and o within
+    1e-3 (relative norm: P's rounding to 16 bits moves a few elements by an ulp)."""
+    _need_sm90(device)
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE", raising=False)
+    q, k, v = _persist_inputs(case, dtype)
+    causal = case[6]
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY", "0")
+    o_off, lse_off = _persist_run(monkeypatch, q, k, v, causal, persist)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY", frac)
+    o, lse = _persist_run(monkeypatch, q, k, v, causal, persist)
+    _assert_matches(o, lse, q, k, v, causal, dtype)
+    fin = lse_off.isfinite()
+    assert torch.equal(lse.isfinite(), fin)
+    assert (lse[fin] - lse_off[fin]).abs().max().item() < 1e-4
+    assert not torch.equal(lse, lse_off), "the switch changed nothing: did the polynomial run?"
+    assert ((o.double() - o_off.double()).norm() / o_off.double().norm()).item() < 1e-3  # a few output ulps
+
+
+def test_gpu_exp2_poly_degree4_and_persistent_bit_identical(device: str, monkeypatch) -> None:
+    """With the switch on the persistent kernel still runs each work tile through the same code as the one-tile
+    kernel (bit-identical o and lse, grid capped at 5 CTAs), and degree 4 (2.6e-6) keeps lse within 1e-5 of
+    the switch-off lse."""
+    _need_sm90(device)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_PERSIST_CTAS", "5")
+    for case in [(1, 2, 2, 1000, 1000, 64, False), (4, 32, 8, 333, 700, 64, True)]:
+        q, k, v = _persist_inputs(case, torch.bfloat16)
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY", "0")
+        _, lse_off = _persist_run(monkeypatch, q, k, v, case[6], True)
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY", "2")
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE", "4")
+        o, lse = _persist_run(monkeypatch, q, k, v, case[6], True)
+        o2, lse2 = _persist_run(monkeypatch, q, k, v, case[6], False)
+        monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE")
+        assert torch.equal(o, o2) and torch.equal(lse, lse2)
+        _assert_matches(o, lse, q, k, v, case[6], torch.bfloat16)
+        fin = lse_off.isfinite()
+        assert (lse[fin] - lse_off[fin]).abs().max().item() < 1e-5
