@@ -1,7 +1,9 @@
-"""H200 probe of the opt-in polynomial exp2 in the attention forward (issue #13, FUSEKIT_TRITON_ATTN_EXP2_POLY;
-kernels_triton/_exp2_poly.py), ~3 min.
+"""H200 probe of the opt-in polynomial exp2 in the attention forwards (issue #13; kernels_triton/_exp2_poly.py):
+FUSEKIT_TRITON_ATTN_EXP2_POLY (attention.py's _attn_fwd_kernel) and FUSEKIT_HOPPER_ATTN_EXP2_POLY (the Gluon
+FA3-style kernels of _attention_hopper.py, persistent and one-tile), ~5 min.
 
     PYTHONPATH=python:. python benchmarks/gpu_checks/attn_exp2_poly.py [--variants 8,4,2,4d4] [--causal 0,1]
+        [--gluon-causal 0] [--d128 1]
     TRITON_INTERPRET=1 PYTHONPATH=python:. python benchmarks/gpu_checks/attn_exp2_poly.py --device cpu
 
 D64 bf16, H32: B32 S512, B16 S1024, B4 S4096, B1 H32/8 S2048 (S = Skv), causal and not. In one process, per
@@ -17,6 +19,13 @@ SDPA's own err_f64 beside it: flash-attention's rule wants err <= 2 err_sdpa + ~
 abs difference against float64 logsumexp (lse_f64), and the backward (attention.backward, which recomputes p
 with MUFU exp2 from the forward's lse) from that forward's (o, lse): dq/dk/dv relative differences against the
 backward from the MUFU-only forward (grad_vs_off; ~1e-3 is bf16 rounding of o differences).
+- gluon: the Gluon kernels (sm_90; run_hopper, no routing) at the same shapes, non-causal (causal too with
+  --gluon-causal 1: D64 causal is not routed there), persistent ("glp", FUSEKIT_HOPPER_ATTN_PERSIST=1) and
+  one-tile ("gl1", =0), each off ("glp_off") and with each variant ("glp_poly4"; the env switch set per call):
+  TFLOP/s, err_f64, lse_f64, *_vs_off (speed against the same kernel off), *_lse_vs_off and *_o_vs_off
+  (o's relative difference) against it, *_vs_sdpa;
+- --d128 1 (default): D128 reference rows (B16 S1024, B4 S4096, non-causal): SDPA, route and the Gluon
+  variants only (no _attn_fwd_kernel variants: D128 is not softmax-bound).
 One JSON line per (case, causal); with $OUT set, also $OUT/attn_exp2_poly.json. `--device cpu` runs a tiny
 fp16 shape in the interpreter (a smoke test of the script: no timings worth reading).
 """
@@ -34,7 +43,13 @@ import torch
 import torch.nn.functional as F
 
 CASES = [(32, 32, 32, 512), (16, 32, 32, 1024), (4, 32, 32, 4096), (1, 32, 8, 2048)]  # (B, H, Hkv, S), D64
+CASES_D128 = [(16, 32, 32, 1024), (4, 32, 32, 4096)]  # Gluon reference rows, non-causal
 D = 64
+_GLUON_ENV = (
+    "FUSEKIT_HOPPER_ATTN_PERSIST",
+    "FUSEKIT_HOPPER_ATTN_EXP2_POLY",
+    "FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE",
+)
 _LOG2E = 1.4426950408889634
 
 
@@ -78,7 +93,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def run_case(B, H, Hkv, S, causal, variants, device, bench) -> dict:
+def run_case(B, H, Hkv, S, causal, variants, device, bench, D=D, triton_variants=True, gluon=True) -> dict:
     from kernels_triton import attention as A
 
     dt = torch.float16 if device == "cpu" else torch.bfloat16
@@ -123,29 +138,14 @@ def run_case(B, H, Hkv, S, causal, variants, device, bench) -> dict:
         A.EXP2_POLY = (0, 3)
         row["route"] = "gluon" if A.use_hopper(q, k, v, o, causal) else "triton"
         record("route", fwd, o, lse)
-        A.GLUON = False
-        record("off", fwd, o, lse)
-        o_off, lse_off = o.clone(), lse.clone()
-        grads_off = [torch.empty_like(t) for t in (q, k, v)]
-        A.backward(*grads_off, do, q, k, v, o_off, lse_off, None, causal, scale)
-        for tag in variants:
-            A.EXP2_POLY = _variant(tag)
-            name = f"poly{tag}"
-            record(name, fwd, o, lse)
-            row[f"{name}_vs_off"] = round(row["off_us"] / row[f"{name}_us"], 3)
-            if "sdpa_us" in row:
-                row[f"{name}_vs_sdpa"] = round(row["sdpa_us"] / row[f"{name}_us"], 3)
-            row[f"{name}_lse_vs_off"] = float(f"{(lse - lse_off).abs().max().item():.3e}")
-            grads = [torch.empty_like(t) for t in (q, k, v)]
-            A.backward(*grads, do, q, k, v, o.clone(), lse.clone(), None, causal, scale)
-            row[f"{name}_grad_vs_off"] = [float(f"{_rel(a, b):.2e}") for a, b in zip(grads, grads_off)]
-        A.EXP2_POLY = (0, 3)
-        A.GLUON = True
         if "sdpa_us" in row:
-            row["off_vs_sdpa"] = round(row["sdpa_us"] / row["off_us"], 3)
             row["route_vs_sdpa"] = round(row["sdpa_us"] / row["route_us"], 3)
+        if triton_variants:  # not at the D128 reference rows
+            _triton_variants(row, record, fwd, o, lse, q, k, v, do, causal, scale, variants)
     finally:
         A.GLUON, A.EXP2_POLY = saved
+    if gluon:
+        _gluon_variants(row, record, q, k, v, causal, scale, variants, device)
     try:  # the tiles the tuner picked, per key (S, Skv buckets, causal[, EXP2_POLY, EXP2_DEGREE], dtypes)
         row["tuned"] = {
             str(kk): str(c) for t in (A._tuned(D, False), A._tuned(D, True)) for kk, c in t.cache.items()
@@ -155,12 +155,85 @@ def run_case(B, H, Hkv, S, causal, variants, device, bench) -> dict:
     return row
 
 
+def _triton_variants(row, record, fwd, o, lse, q, k, v, do, causal, scale, variants) -> None:
+    """attention.py's _attn_fwd_kernel (GLUON off) MUFU-only, then with each polynomial variant (the module
+    global EXP2_POLY flipped in-process; run_case restores it and GLUON)."""
+    from kernels_triton import attention as A
+
+    A.GLUON = False
+    record("off", fwd, o, lse)
+    o_off, lse_off = o.clone(), lse.clone()
+    grads_off = [torch.empty_like(t) for t in (q, k, v)]
+    A.backward(*grads_off, do, q, k, v, o_off, lse_off, None, causal, scale)
+    for tag in variants:
+        A.EXP2_POLY = _variant(tag)
+        name = f"poly{tag}"
+        record(name, fwd, o, lse)
+        row[f"{name}_vs_off"] = round(row["off_us"] / row[f"{name}_us"], 3)
+        if "sdpa_us" in row:
+            row[f"{name}_vs_sdpa"] = round(row["sdpa_us"] / row[f"{name}_us"], 3)
+        row[f"{name}_lse_vs_off"] = float(f"{(lse - lse_off).abs().max().item():.3e}")
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        A.backward(*grads, do, q, k, v, o.clone(), lse.clone(), None, causal, scale)
+        row[f"{name}_grad_vs_off"] = [float(f"{_rel(a, b):.2e}") for a, b in zip(grads, grads_off)]
+    if "sdpa_us" in row:
+        row["off_vs_sdpa"] = round(row["sdpa_us"] / row["off_us"], 3)
+
+
+def _gluon_variants(row, record, q, k, v, causal, scale, variants, device) -> None:
+    """The Gluon kernels (run_hopper, not routed), persistent ("glp") and one-tile ("gl1"), off and with each
+    polynomial variant through FUSEKIT_HOPPER_ATTN_EXP2_POLY[_DEGREE] (read per call), against the same kernel
+    off: speed, o and lse differences."""
+    from kernels_triton import _attention_hopper as H
+
+    if not H.hopper_supported(q, k, v, None):
+        row["gluon"] = "unsupported here (sm_90 CUDA with Gluon only)"
+        return
+    B, Hq, S, _ = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty(B, Hq, S, device=device, dtype=torch.float32)
+    saved = {n: os.environ.get(n) for n in _GLUON_ENV}
+    try:
+        for kind, persist in (("glp", "1"), ("gl1", "0")):
+            os.environ["FUSEKIT_HOPPER_ATTN_PERSIST"] = persist
+            os.environ["FUSEKIT_HOPPER_ATTN_EXP2_POLY"] = "0"
+            os.environ.pop("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE", None)
+
+            def fwd():
+                H.run_hopper(o, lse, q, k, v, causal, scale * _LOG2E)
+
+            record(f"{kind}_off", fwd, o, lse)
+            o_off, lse_off = o.clone(), lse.clone()
+            if "sdpa_us" in row:
+                row[f"{kind}_off_vs_sdpa"] = round(row["sdpa_us"] / row[f"{kind}_off_us"], 3)
+            for tag in variants:
+                n, _, deg = tag.partition("d")
+                os.environ["FUSEKIT_HOPPER_ATTN_EXP2_POLY"] = n
+                os.environ["FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE"] = deg or "3"
+                name = f"{kind}_poly{tag}"
+                record(name, fwd, o, lse)
+                row[f"{name}_vs_off"] = round(row[f"{kind}_off_us"] / row[f"{name}_us"], 3)
+                if "sdpa_us" in row:
+                    row[f"{name}_vs_sdpa"] = round(row["sdpa_us"] / row[f"{name}_us"], 3)
+                fin = torch.isfinite(lse_off)
+                row[f"{name}_lse_vs_off"] = float(f"{(lse - lse_off)[fin].abs().max().item():.3e}")
+                row[f"{name}_o_vs_off"] = float(f"{_rel(o, o_off):.3e}")
+    finally:
+        for n, val in saved.items():
+            if val is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = val
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--variants", default="8,4,2,4d4", help="fractions 1/n (8, 4, 2), 'd<deg>' for a degree")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--cases", default="", help="indices into CASES (default all)")
+    ap.add_argument("--gluon-causal", default="0", help="1: the Gluon variants at causal rows too")
+    ap.add_argument("--d128", default="1", help="0: no D128 reference rows (Gluon only)")
     args = ap.parse_args(argv)
     for p in ("python", "."):
         if p not in sys.path:
@@ -170,10 +243,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]
     bench = _timer(args.device)
+    os.environ["FUSEKIT_HOPPER_ATTN_EXP2_POLY"] = "0"  # the route runs switch-off; _gluon_variants sets it
     rows = []
     for B, H, Hkv, S in cases:
         for c in args.causal.split(","):
-            row = run_case(B, H, Hkv, S, c == "1", variants, args.device, bench)
+            causal = c == "1"
+            gluon = not causal or args.gluon_causal == "1"
+            row = run_case(B, H, Hkv, S, causal, variants, args.device, bench, gluon=gluon)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.device == "cuda" and args.d128 == "1":
+        for B, H, Hkv, S in CASES_D128:
+            row = run_case(B, H, Hkv, S, False, variants, args.device, bench, D=128, triton_variants=False)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if os.environ.get("OUT"):
