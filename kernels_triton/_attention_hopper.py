@@ -161,6 +161,7 @@ import os
 import torch
 
 from kernels_triton._config import device_index, l2_bytes, num_sms, on_device
+from kernels_triton._exp2_poly import env_config as exp2_env_config
 from kernels_triton._launch import fast_launch, launch_keyed
 
 try:  # Gluon (triton.experimental) is optional: without it this module only says "not supported"
@@ -243,20 +244,10 @@ PERSISTENT_DIMS: tuple[int, ...] = (64, 128)
 # before: EXP2_POLY = 0 compiles to the same PTX); "1" or "4" 1/4 of each score tile's columns, "2" 1/2, "8" 1/8;
 # FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE 3 (default, <= 7.5e-5 relative error), 4 or 5. Read per call (run_hopper,
 # _run_persistent), like the other FUSEKIT_HOPPER_ATTN_* switches, so a probe can A/B it in one process.
-_EXP2_POLY_FRACTIONS = {"": 0, "0": 0, "1": 2, "2": 1, "4": 2, "8": 3}  # env value -> EXP2_POLY (log2 of 1/f)
-
-
 def exp2_poly_config() -> tuple[int, int]:
-    """(EXP2_POLY, EXP2_DEGREE) of the forward kernels from FUSEKIT_HOPPER_ATTN_EXP2_POLY[_DEGREE]: (0, 3) when
-    off; a ValueError naming the accepted values otherwise."""
-    raw = os.environ.get("FUSEKIT_HOPPER_ATTN_EXP2_POLY", "").strip()
-    deg = os.environ.get("FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE", "3").strip() or "3"
-    if raw not in _EXP2_POLY_FRACTIONS or deg not in ("3", "4", "5"):
-        raise ValueError(
-            f"FUSEKIT_HOPPER_ATTN_EXP2_POLY={raw!r} / _DEGREE={deg!r}: expected 0, 1, 2, 4 or 8 / 3, 4 or 5"
-        )
-    poly = _EXP2_POLY_FRACTIONS[raw]
-    return poly, (int(deg) if poly else 3)
+    """(EXP2_POLY, EXP2_DEGREE) of the forward kernels from FUSEKIT_HOPPER_ATTN_EXP2_POLY[_DEGREE]
+    (_exp2_poly.env_config): (0, 3) when off; a ValueError naming the accepted values otherwise."""
+    return exp2_env_config("FUSEKIT_HOPPER_ATTN_EXP2_POLY")
 
 
 def persistent_at(head_dim: int) -> bool:

@@ -50,24 +50,35 @@ MUFU from the saved lse, so its p is off by the same <= 7.6e-5 relative, far ins
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
-# Minimax (relative error) fits of 2^f on [-0.5, 0.5], coefficients rounded to fp32 (c0 first). Fitted with a
-# Remez exchange in 40-digit mpmath; max relative error of the exact-coefficient fit: degree 3 7.48e-5,
-# 4 2.59e-6, 5 7.49e-8.
-POLY_EXP2 = {
-    3: (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716685295105),
-    4: (0.9999992847442627, 0.6931217908859253, 0.240247443318367, 0.05591785907745361, 0.009570102207362652),
-    5: (1.0000001192092896, 0.6931469440460205, 0.24022120237350464, 0.05550713092088699,
-        0.009675540961325169, 0.0013276472454890609),
-}  # fmt: skip
-_ROUND = 12582912.0  # 1.5 * 2^23: x + _ROUND rounds x to an integer kept in the low mantissa bits
+# Environment switch value -> POLY_LOG2 (log2 of 1 / the fraction of a tile's exponentials through the
+# polynomial), shared by attention.py's FUSEKIT_TRITON_ATTN_EXP2_POLY and _attention_hopper.py's
+# FUSEKIT_HOPPER_ATTN_EXP2_POLY.
+_ENV_FRACTIONS = {"": 0, "0": 0, "1": 2, "2": 1, "4": 2, "8": 3}
+
+
+def env_config(var: str) -> tuple[int, int]:
+    """(POLY_LOG2, DEGREE) from the switch `var` (unset / "0": off; "1" or "4": a quarter of each score tile's
+    exponentials through the polynomial, "2" a half, "8" an eighth) and `var`_DEGREE (3, the default: <= 7.5e-5
+    relative error; 4 or 5): (0, 3) when off, the kernels' defaults; a ValueError naming `var` otherwise."""
+    raw = os.environ.get(var, "").strip()
+    deg = os.environ.get(f"{var}_DEGREE", "3").strip() or "3"
+    if raw not in _ENV_FRACTIONS or deg not in ("3", "4", "5"):
+        raise ValueError(f"{var}={raw!r} / _DEGREE={deg!r}: expected 0, 1, 2, 4 or 8 / 3, 4 or 5")
+    poly = _ENV_FRACTIONS[raw]
+    return poly, (int(deg) if poly else 3)
 
 
 @triton.jit
 def exp2_poly(x, DEGREE: tl.constexpr = 3):
     """2^x of an fp32 tensor on the FMA/ALU pipes (no MUFU): see the module docstring for range and error."""
+    # 12582912 = 1.5 * 2^23: x + it rounds x to an integer kept in the low mantissa bits. The polynomials are
+    # minimax (relative error) fits of 2^f on [-0.5, 0.5] (Remez exchange in 40-digit mpmath), coefficients
+    # rounded to fp32; the exact-coefficient fits' max relative error: degree 3 7.48e-5, 4 2.59e-6, 5 7.49e-8.
     x = tl.maximum(x, -127.0, propagate_nan=tl.PropagateNan.ALL)
     t = x + 12582912.0
     f = x - (t - 12582912.0)
@@ -128,7 +139,9 @@ def exp2_mixed(x, ROWS: tl.constexpr, COLS: tl.constexpr, POLY_LOG2: tl.constexp
 
 
 # --- Gluon (explicit layouts) versions, for _attention_hopper.py's softmax ------------------------------------
-# The same arithmetic as exp2_poly / exp2_mixed above. Gluon infers the layouts of reshape / permute / split /
+# exp2_poly above serves Gluon too (a @triton.jit function called from @gluon.jit on a tensor of any layout: the
+# sm_90 PTX of the 48 D64/D128 opt-in variants is identical, debug info aside, to a Gluon copy of it, Triton 3.6
+# and 3.9); the column split / join need Gluon's layout-aware ops. Gluon infers the layouts of reshape / permute / split /
 # join from their operand's, so on a wgmma accumulator (NVMMADistributedLayout v3: a thread holds column bit 0
 # and the bits from 3 up in registers, bits 1-2 are lanes) the column splits below are register renamings; the
 # rejoined tile comes back in a linear layout equal to the accumulator's, and exp2_mixed_gluon's final
@@ -143,26 +156,6 @@ except Exception:  # no Gluon in this Triton: the Triton versions above still wo
     HAS_GLUON = False
 
 if HAS_GLUON:
-
-    @gluon.jit
-    def exp2_poly_gluon(x, DEGREE: gl.constexpr = 3):
-        """exp2_poly for Gluon tensors (any layout): the same operations in the same order."""
-        x = gl.maximum(x, -127.0, propagate_nan=tl.PropagateNan.ALL)
-        t = x + 12582912.0
-        f = x - (t - 12582912.0)
-        if DEGREE == 3:
-            p = (
-                (0.0551716685295105 * f + 0.2426111251115799) * f + 0.6932609677314758
-            ) * f + 0.9999280571937561
-        elif DEGREE == 4:
-            p = (0.009570102207362652 * f + 0.05591785907745361) * f + 0.240247443318367
-            p = (p * f + 0.6931217908859253) * f + 0.9999992847442627
-        else:
-            gl.static_assert(DEGREE == 5, "exp2_poly_gluon: DEGREE must be 3, 4 or 5")
-            p = ((0.0013276472454890609 * f + 0.009675540961325169) * f + 0.05550713092088699) * f
-            p = ((p + 0.24022120237350464) * f + 0.6931469440460205) * f + 1.0000001192092896
-        scale = ((t.to(gl.int32, bitcast=True) << 23) + 0x3F800000).to(gl.float32, bitcast=True)
-        return p * scale
 
     @gluon.jit
     def _cols_split_gluon(x, HALVES: gl.constexpr):
@@ -198,18 +191,18 @@ if HAS_GLUON:
             y = gl.exp2(x)
         elif POLY_LOG2 == 1:
             a, b = _cols_split_gluon(x, False)
-            y = _cols_join_gluon(gl.exp2(a), exp2_poly_gluon(b, DEGREE), False)
+            y = _cols_join_gluon(gl.exp2(a), exp2_poly(b, DEGREE), False)
         elif POLY_LOG2 == 2:
             a, b = _cols_split_gluon(x, True)
             b0, b1 = _cols_split_gluon(b, False)
-            b = _cols_join_gluon(gl.exp2(b0), exp2_poly_gluon(b1, DEGREE), False)
+            b = _cols_join_gluon(gl.exp2(b0), exp2_poly(b1, DEGREE), False)
             y = _cols_join_gluon(gl.exp2(a), b, True)
         else:
             gl.static_assert(POLY_LOG2 == 3, "exp2_mixed_gluon: POLY_LOG2 must be 0, 1, 2 or 3")
             a, b = _cols_split_gluon(x, True)
             b0, b1 = _cols_split_gluon(b, True)
             c0, c1 = _cols_split_gluon(b1, False)
-            b1 = _cols_join_gluon(gl.exp2(c0), exp2_poly_gluon(c1, DEGREE), False)
+            b1 = _cols_join_gluon(gl.exp2(c0), exp2_poly(c1, DEGREE), False)
             b = _cols_join_gluon(gl.exp2(b0), b1, True)
             y = _cols_join_gluon(gl.exp2(a), b, True)
         return gl.convert_layout(y, x.type.layout)

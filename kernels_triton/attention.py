@@ -53,6 +53,7 @@ from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_
 from kernels_triton._attention_hopper import hopper_supported, run_hopper
 from kernels_triton._attention_hopper_bwd import hopper_bwd_supported, run_hopper_bwd
 from kernels_triton._config import is_hip, is_interpreter, on_device
+from kernels_triton._exp2_poly import env_config as exp2_env_config
 from kernels_triton._exp2_poly import exp2_mixed
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
@@ -279,17 +280,10 @@ def use_decode(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def _exp2_poly_env() -> tuple[int, int]:
-    """(EXP2_POLY, EXP2_DEGREE) of _attn_fwd_kernel from FUSEKIT_TRITON_ATTN_EXP2_POLY (unset / "0": (0, 3), the
-    MUFU-only kernel; "1": 1/4 of each score tile's exponentials through the polynomial; "2", "4", "8": 1/2,
-    1/4, 1/8) and FUSEKIT_TRITON_ATTN_EXP2_POLY_DEGREE (3, 4 or 5; default 3: <= 7.5e-5 relative error)."""
-    raw = os.environ.get("FUSEKIT_TRITON_ATTN_EXP2_POLY", "").strip()
-    frac = {"": 0, "0": 0, "1": 2, "2": 1, "4": 2, "8": 3}
-    deg = os.environ.get("FUSEKIT_TRITON_ATTN_EXP2_POLY_DEGREE", "3").strip() or "3"
-    if raw not in frac or deg not in ("3", "4", "5"):
-        raise ValueError(
-            f"FUSEKIT_TRITON_ATTN_EXP2_POLY={raw!r} / _DEGREE={deg!r}: expected 0, 1, 2, 4 or 8 / 3, 4 or 5"
-        )
-    return frac[raw], int(deg)
+    """(EXP2_POLY, EXP2_DEGREE) of _attn_fwd_kernel from FUSEKIT_TRITON_ATTN_EXP2_POLY[_DEGREE] (_exp2_poly.env_config:
+    unset / "0" the MUFU-only kernel; "1" / "4", "2", "8" a quarter, half, eighth of each score tile's
+    exponentials through the polynomial; degree 3, 4 or 5)."""
+    return exp2_env_config("FUSEKIT_TRITON_ATTN_EXP2_POLY")
 
 
 # Opt-in (issue #13, not yet measured on a GPU): a fraction of the forward's exponentials on the FMA pipe
