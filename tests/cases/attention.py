@@ -82,16 +82,26 @@ def oracle(q, k, v, causal=False, scale=None, kv_len=None):
     """Float64 attention, computed in blocks of query rows so that its [B, H, rows, Skv] scores stay near
     ORACLE_BLOCK_BYTES (the whole (4, 32, 2048, 2048) score tensor is 4 GiB in float64, and several such
     temporaries per pytest worker ran an H200 out of memory at -n 8); under autograd each block is
-    checkpointed, so the float64 backward recomputes it instead of holding every block's scores."""
-    B, H, S = q.shape[:3]
-    Skv = k.shape[2]
+    checkpointed, so the float64 backward recomputes it instead of holding every block's scores. The keys and
+    values (kv_len-masked, GQA heads expanded, float64) are formed once for all blocks."""
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    lens = torch.full((B,), Skv, device=q.device) if kv_len is None else kv_len.long()
+    if kv_len is not None:  # sequence b sees keys 0..kv_len[b]-1 only, whatever the others hold
+        in_range = (torch.arange(Skv, device=q.device)[None, :] < lens[:, None])[:, None, :, None]
+        k = torch.where(in_range, k.to(F64), torch.zeros((), dtype=F64, device=q.device))
+        v = torch.where(in_range, v.to(F64), torch.zeros((), dtype=F64, device=q.device))
+    kv_head = torch.arange(H, device=q.device) // (H // Hkv)
+    kd, vd = k.to(F64)[:, kv_head], v.to(F64)[:, kv_head]
+    masked = causal or kv_len is not None
     rows = max(1, ORACLE_BLOCK_BYTES // max(1, B * H * Skv * 8))
     if rows >= S:
-        return (_oracle_rows(q, k, v, causal, scale, kv_len, 0, S, S),)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return (_oracle_rows(q, kd, vd, lens, causal, masked, scale, 0, S),)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kd, vd))
     blocks = []
     for r0 in range(0, S, rows):
-        args = (q, k, v, causal, scale, kv_len, r0, min(S, r0 + rows), S)
+        args = (q[:, :, r0 : r0 + rows], kd, vd, lens, causal, masked, scale, r0, S)
         if grad:
             blocks.append(torch.utils.checkpoint.checkpoint(_oracle_rows, *args, use_reentrant=False))
         else:
@@ -102,24 +112,13 @@ def oracle(q, k, v, causal=False, scale=None, kv_len=None):
 ORACLE_BLOCK_BYTES = 256 * 2**20
 
 
-def _oracle_rows(q, k, v, causal, scale, kv_len, r0, r1, S):
-    """Query rows r0..r1-1 of the float64 attention (S = all query rows, for the bottom-right causal
-    diagonal)."""
-    H, D = q.shape[1], q.shape[3]
-    Hkv, Skv = k.shape[1], k.shape[2]
-    q = q[:, :, r0:r1]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    j = torch.arange(Skv, device=q.device)[None, :]
-    lens = torch.full((q.shape[0],), Skv, device=q.device) if kv_len is None else kv_len.long()
-    if kv_len is not None:  # sequence b sees keys 0..kv_len[b]-1 only, whatever the others hold
-        in_range = (j < lens[:, None])[:, None, :, None]
-        k = torch.where(in_range, k.to(F64), torch.zeros((), dtype=F64, device=q.device))
-        v = torch.where(in_range, v.to(F64), torch.zeros((), dtype=F64, device=q.device))
-    kv_head = torch.arange(H, device=q.device) // (H // Hkv)
-    kd, vd = k.to(F64)[:, kv_head], v.to(F64)[:, kv_head]
+def _oracle_rows(q, kd, vd, lens, causal, masked, scale, r0, S):
+    """The float64 attention of the query rows q = rows r0.. of all S (S: for the bottom-right causal
+    diagonal) over oracle's float64 kd, vd [B, H, Skv, D] (lens: the keys each sequence sees)."""
     s = torch.einsum("bhsd,bhtd->bhst", q.to(F64), kd) * scale
-    if causal or kv_len is not None:
-        i = torch.arange(r0, r1, device=q.device)[:, None]
+    if masked:
+        i = torch.arange(r0, r0 + q.shape[2], device=q.device)[:, None]
+        j = torch.arange(kd.shape[2], device=q.device)[None, :]
         seen = j < lens[:, None, None, None]  # [B, 1, 1, Skv]
         if causal:  # bottom-right against each sequence's own length
             seen = seen & (j <= i + (lens[:, None, None, None] - S))
