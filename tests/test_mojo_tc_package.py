@@ -61,7 +61,7 @@ def test_subpackage_compiles_only_what_it_imports() -> None:
     ops = rt.registered_ops(PKG)
     assert ops[specs.SWIGLU_FFN_TC_OP] == "tc"
     assert ops["fusekit.swiglu_ffn"] == "swiglu_ffn" and ops["fusekit.rms_norm"] == "rms_norm"
-    names = {f.relative_to(PKG).as_posix() for f in rt.subpackage_files(PKG, "tc")}
+    names = {f.relative_to(PKG).as_posix() for f in rt.unit_files(PKG, "tc")}
     assert {"__init__.mojo", "swiglu_ffn.mojo", "_util.mojo", "_swiglu_backward.mojo"} <= names
     assert {"tc/__init__.mojo", "tc/swiglu_ffn_tc.mojo"} <= names
     assert "attention.mojo" not in names  # not imported by the tc op: an edit there keeps its models
