@@ -205,7 +205,6 @@ def unit_files(pkg: Path, unit: str) -> list[Path]:
     return sorted(top) + (own if sub else [])
 
 
-
 def package_hash(pkg: Path, sub: str | None = None) -> str:
     """Content hash of the package's .mojo files (name + bytes) and the toolchain versions; with `sub`,
     of the files the compile unit compiles (unit_files)."""
