@@ -410,3 +410,41 @@ def test_graph_cache_bookkeeping() -> None:
     evicted = [d._keep(compiled, (i,), i) for i in range(GRAPH_CACHE)]
     assert evicted[:-1] == [None] * (GRAPH_CACHE - 1) and evicted[-1] is g  # ("k",) was the oldest
     assert len(compiled.graphs) == GRAPH_CACHE
+
+
+def test_replay_hot_path_needs_no_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call whose key has a captured torch graph replays it without wrapping a single MAX Buffer (the host
+    path per call: no LRU touches, no fence); any other key wraps every argument, in argument order."""
+    import threading
+    from types import SimpleNamespace
+
+    from fusekit.backends.mojo.dispatch import Dispatcher, arg_key
+
+    class _Graph:
+        replays = 0
+
+        def replay(self) -> None:
+            self.replays += 1
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    y, x, p = torch.empty(4), torch.ones(4), torch.zeros(2)
+    wrapped: list[tuple] = []
+    st = SimpleNamespace(
+        cuda=True,
+        lock=threading.Lock(),
+        params_tensor=lambda values: p,
+        buffer=lambda key, t: wrapped.append(key) or key,
+    )
+    g = _Graph()
+    key = (arg_key(y), arg_key(x), arg_key(p))
+    compiled = SimpleNamespace(
+        graphs={key: g}, seen={}, capturable=True, workspaces=(), spec=SimpleNamespace(params=("eps",))
+    )
+    d = Dispatcher()
+    d.run(compiled, st, (y,), (x,), (1e-6,))
+    assert g.replays == 1 and wrapped == [] and d.counts["replay"] == 1
+
+    y2 = torch.empty(4)  # another output pointer: not captured, so it is wrapped (and would execute)
+    d._torch_graph_call = lambda c, s, k, bufs: bufs == list(k)  # stands in for the first-sighting path
+    d.run(compiled, st, (y2,), (x,), (1e-6,))
+    assert wrapped == [arg_key(y2), arg_key(x), arg_key(p)] and g.replays == 1

@@ -16,7 +16,8 @@ with ready Buffers ~20 µs, `Model.replay` of a captured device graph 2.7 µs. S
   from then on: by default a torch CUDA graph of the whole fenced call (the fence's event record/wait
   become the graph's fork and join edges), replayed on the caller's current stream with no fence at all;
   FUSEKIT_MOJO_REPLAY=max keeps MAX's own device graphs (`Model._capture` / `Model._replay`, on MAX's
-  stream, fenced both ways on every call). A captured graph bakes in
+  stream, fenced both ways on every call). The key (`arg_key` of every argument) is built before any
+  wrapping, so a replayed call touches no Buffer at all. A captured graph bakes in
   pointers and shapes, and it is replayed only for a call whose every argument has exactly those
   pointers, shapes and dtypes (so the memory is live and laid out as captured); params live in
   device tensors read at replay time. Captures are kept in an LRU per model and released on
@@ -68,6 +69,11 @@ GRAPH_CACHE = 64  # captured device graphs per compiled model
 REPLAY_ENV = "FUSEKIT_MOJO_REPLAY"  # "0": off; "max": MAX's device graphs; default ("1"): torch CUDA graphs
 
 _KDL_CPU, _KDL_CUDA = 1, 2
+
+
+def arg_key(t: torch.Tensor) -> tuple:
+    """What a wrapped Buffer views, and so what a captured graph baked in: (pointer, shape, dtype)."""
+    return (t.data_ptr(), t.shape, t.dtype)
 
 
 class _Owner:
@@ -208,7 +214,11 @@ class DeviceState:
 
     # --- wrapping -------------------------------------------------------------------------------
     def wrap(self, t: torch.Tensor) -> tuple[tuple, Any]:
-        key = (t.data_ptr(), t.shape, t.dtype)
+        key = arg_key(t)
+        return key, self.buffer(key, t)
+
+    def buffer(self, key: tuple, t: torch.Tensor) -> Any:
+        """The MAX Buffer viewing t (key: arg_key(t)), from the LRU or wrapped now."""
         buf = self.buffers.get(key)
         if buf is None:
             buf = self._new_buffer(t)
@@ -217,7 +227,7 @@ class DeviceState:
                 self.buffers.popitem(last=False)
         else:
             self.buffers.move_to_end(key)
-        return key, buf
+        return buf
 
     def _new_buffer(self, t: torch.Tensor) -> Any:
         if self._capsule is None:
@@ -328,29 +338,30 @@ class Dispatcher:
         ins: tuple[torch.Tensor | tuple, ...],
         params: tuple[float, ...],
     ) -> None:
-        keys = []
-        bufs = []
-        wrap = st.wrap
         capturing = st.cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             st.check_capture_ready(compiled, params)
         args = outs + st.workspaces(compiled, outs, ins) + ins if compiled.workspaces else outs + ins
-        for t in args:  # a tuple is an absent optional tensor's (or an unused workspace's) dummy marker
-            k, b = wrap(st.dummy(t) if isinstance(t, tuple) else t)
-            keys.append(k)
-            bufs.append(b)
+        # a tuple is an absent optional tensor's (or an unused workspace's) dummy marker
+        tensors = [st.dummy(t) if isinstance(t, tuple) else t for t in args]
         if compiled.spec.params:
-            k, b = wrap(st.params_tensor(params))
-            keys.append(k)
-            bufs.append(b)
+            tensors.append(st.params_tensor(params))
+        key = tuple([arg_key(t) for t in tensors])
         if not st.cuda:
-            compiled.model._execute_device_tensors(bufs)
+            compiled.model._execute_device_tensors([st.buffer(k, t) for k, t in zip(key, tensors)])
             self.counts["execute"] += 1
             return
         # One call at a time per device: the fence reuses two events, and ctypes drops the GIL.
         with st.lock:
             torch_graph = not capturing and self.replay and self.torch_graphs and compiled.capturable
-            if torch_graph and self._torch_graph_call(compiled, st, tuple(keys), bufs):
+            if torch_graph and (g := compiled.graphs.get(key)) is not None:
+                # The hot path: a captured call replays from its key alone (no MAX Buffers, no fence).
+                compiled.graphs[key] = compiled.graphs.pop(key)  # most recently used last
+                g.replay()
+                self.counts["replay"] += 1
+                return
+            bufs = [st.buffer(k, t) for k, t in zip(key, tensors)]
+            if torch_graph and self._torch_graph_call(compiled, st, key, bufs):
                 return
             cur = st.fence.enter()
             try:
@@ -362,7 +373,7 @@ class Dispatcher:
                     compiled.model._execute_device_tensors(bufs)
                     self.counts["execute"] += 1
                 else:
-                    self._launch(compiled, tuple(keys), bufs)
+                    self._launch(compiled, key, bufs)
             finally:
                 if cur is not None:
                     st.fence.exit(cur)
