@@ -46,6 +46,15 @@ moves by well under one output ulp. The row sum l is a sum of positive terms, so
 the largest term's, 7.6e-5 (typically f * that, averaged): lse = (m + log2 l) ln 2 moves by <= 7.6e-5 in
 absolute terms (natural-log units). The backward recomputes p = exp2(s * scale * log2e - lse * log2e) with
 MUFU from the saved lse, so its p is off by the same <= 7.6e-5 relative, far inside the gradient tolerances.
+
+Measured: a loss on Hopper, so it stays off by default (opt-in for probes and for Blackwell-class parts, where
+FA4 found MUFU the bottleneck). H100 SXM, Triton 3.6, torch 2.11, 15cdd56, benchmarks/gpu_checks/
+attn_exp2_poly.py --causal 0 (do_bench, L2 flushed, bf16 H32, same process), speed against the same kernel
+with it off: _attn_fwd_kernel D64 1/4 0.88-0.94x, 1/2 0.85-0.89x (B32 S512, B16 S1024, B4 S4096; the one
+gain, B1 H32/8 S2048 1.11x, is a shape that routes to Gluon at 1.7x that speed anyway); Gluon persistent D64
+1/4 0.96-0.99x, 1/2 0.86-0.88x; Gluon D128 1/4 0.95-0.98x. Accuracy as predicted: lse within 2.3e-5 of the
+MUFU kernel's, o within 1.1e-3 (bf16 rounding), gradients from its (o, lse) within 1.1e-3. 59 GPU tests
+passed (tests/test_triton_exp2_poly.py --device cuda).
 """
 
 from __future__ import annotations
