@@ -19,7 +19,8 @@ A backend that refuses a drawn call ("cannot run ...") rejects the example (hypo
 one that has no backward for it ("has no backward here") keeps the forward check. Example counts are
 per op and backend (`fuzz_strategies.PROFILES`; FUSEKIT_FUZZ_EXAMPLES=<factor> scales them for a
 longer local run), with derandomize=True and no database: every run draws the same examples, so CI is
-reproducible. A failure prints the drawn case (shapes, layouts, scalars, seed) as the repro.
+reproducible (FUSEKIT_FUZZ_SEED=<n> picks another such stream for a local hunt). A failure prints the
+drawn case (shapes, layouts, scalars, seed) as the repro.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from fusekit import ops
 from fusekit.tolerances import rtol
 
 SCALE = float(os.environ.get("FUSEKIT_FUZZ_EXAMPLES", "1"))
+# Another derandomized stream for a local hunt (derandomize=True ignores --hypothesis-seed): unset, the
+# streams CI draws; FUSEKIT_FUZZ_SEED=<n> draws other (equally reproducible) examples.
+STREAM = os.environ.get("FUSEKIT_FUZZ_SEED", "")
 
 
 def _settings(n: int) -> settings:
@@ -186,7 +190,8 @@ def test_fuzz(op, backend_name, device):
     def body(case: Case) -> None:
         _check(case, backend_name, device, counts)
 
-    body._hypothesis_internal_add_digest = f"{op}/{backend_name}".encode()  # its own derandomized stream
+    # its own derandomized stream
+    body._hypothesis_internal_add_digest = f"{op}/{backend_name}{STREAM}".encode()
     _settings(PROFILES[backend_name].examples[op])(given(case=strategy)(body))()
     print(f"fuzz {op} on {backend_name}: {dict(counts)}")  # shown with -s (or -rP)
 
@@ -416,7 +421,7 @@ def test_fuzz_invalid(op, backend_name, device):
         counts[label] += 1
         event(f"broken: {label}")
 
-    body._hypothesis_internal_add_digest = f"invalid/{op}/{backend_name}".encode()
+    body._hypothesis_internal_add_digest = f"invalid/{op}/{backend_name}{STREAM}".encode()
     n = max(20, PROFILES[backend_name].examples[op])
     _settings(n)(given(case=strategy, data=st.data())(body))()
     print(f"fuzz invalid {op} on {backend_name}: {sum(counts.values())} calls, {len(counts)} kinds of break")
