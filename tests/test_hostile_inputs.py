@@ -70,6 +70,37 @@ def test_attention_masked_nan_key_does_not_leak_and_empty_rows_are_zero(backend_
     assert out[11].isnan().all()
 
 
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_rope_k_rotated_beside_x_without_heads(backend_name, device, layout):
+    """x with no heads (H = 0) beside a k that has them: k is still rotated, and still gets its gradient.
+    (An empty first input made the whole call empty: k came back as zeros, its gradient too. Found by
+    test_fuzz at FUSEKIT_FUZZ_SEED=1 FUSEKIT_FUZZ_EXAMPLES=10.)"""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 0, 8, generator=g).to(device)
+    k = torch.randn(2, 3, 2, 8, generator=g).to(device)
+    if layout == "bhsd":
+        x, k = x.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    x.requires_grad_()
+    k.requires_grad_()
+    try:
+        y, yk = ops.rope(x, k, start_pos=5, layout=layout, backend=backend_name)
+    except ValueError as exc:
+        if "cannot run" in str(exc) or "has no backward here" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    want = ops.rope(k.detach().double(), start_pos=5, layout=layout, backend="torch")
+    assert y.shape == x.shape and yk.shape == k.shape
+    torch.testing.assert_close(yk.detach().double(), want, rtol=1e-5, atol=1e-5)
+    dy = torch.randn(k.shape, generator=g).to(device)
+    dx, dk = torch.autograd.grad((y.sum(), yk), (x, k), (torch.ones((), device=device), dy))
+    k64 = k.detach().double().requires_grad_()
+    (dk_want,) = torch.autograd.grad(
+        ops.rope(k64, start_pos=5, layout=layout, backend="torch"), k64, dy.double()
+    )
+    assert dx.shape == x.shape
+    torch.testing.assert_close(dk.double(), dk_want, rtol=1e-5, atol=1e-5)
+
+
 # --- 2. scalars: finite and representable in float32, or a ValueError naming them ------------------
 x4 = torch.randn(1, 3, 2, 8)
 

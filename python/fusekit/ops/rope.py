@@ -322,10 +322,17 @@ def rope(
         cos = _half_table("cos", cos, d, interleaved).to(torch.float32).contiguous()
         sin = _half_table("sin", sin, d, interleaved).to(torch.float32).contiguous()
     ins = (x.contiguous(), cos, sin, positions, None if k is None else k.contiguous())
-    if run is not None:
+    scalars = (start_pos, theta, interleaved)
+    if k is not None and x.numel() == 0 and k.numel():
+        # x has no heads (H = 0; B, S and D are k's, and k has Hk >= 1): a call whose first input is
+        # empty launches nothing and zeroes every output (library.plan), which would return k rotated
+        # as zeros. x and k go as two calls instead (never memoized: the key is this call's)
+        y = library.apply_memo(_MEMO, None, SPEC, (*ins[:4], None), scalars, backend)[0]
+        yk = library.apply_memo(_MEMO, None, SPEC, (ins[4], *ins[1:4], None), scalars, backend)[0]
+    elif run is not None:
         y, yk = run(ins)
     else:
-        y, yk = library.apply_memo(_MEMO, key, SPEC, ins, (start_pos, theta, interleaved), backend)
+        y, yk = library.apply_memo(_MEMO, key, SPEC, ins, scalars, backend)
     if bhsd:
         y, yk = y.transpose(1, 2), None if yk is None else yk.transpose(1, 2)
     return y if k is None else (y, yk)
