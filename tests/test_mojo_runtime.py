@@ -448,3 +448,43 @@ def test_replay_hot_path_needs_no_buffers(monkeypatch: pytest.MonkeyPatch) -> No
     d._torch_graph_call = lambda c, s, k, bufs: bufs == list(k)  # stands in for the first-sighting path
     d.run(compiled, st, (y2,), (x,), (1e-6,))
     assert wrapped == [arg_key(y2), arg_key(x), arg_key(p)] and g.replays == 1
+
+
+def test_plan_replay_traces_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PlanReplay (MojoBackend.record): each recorded _call's arguments are traced to the plan's outputs and
+    inputs; a later call with new tensors replays exactly the graphs whose keys run() would build (fixed
+    dummies and params included), touches nothing when any key is missing, and refuses to be built when one
+    tensor sits in two places or an argument is a temporary."""
+    import threading
+    from types import SimpleNamespace
+
+    from fusekit.backends.mojo.dispatch import Dispatcher, PlanReplay, arg_key
+
+    class _Graph:
+        replays = 0
+
+        def replay(self) -> None:
+            self.replays += 1
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    dummy, p = torch.zeros(1), torch.zeros(2)
+    st = SimpleNamespace(lock=threading.Lock(), dummy=lambda marker: dummy, params_tensor=lambda v: p)
+    spec = SimpleNamespace(params=("eps",))
+    model = SimpleNamespace(graphs={}, capturable=True, workspaces=(), spec=spec)
+    y, x, w = torch.empty(4), torch.ones(4), torch.ones(4)
+    marker = ("dummy", torch.float32, 1, 3)
+    d = Dispatcher()
+    calls = [(model, st, (y,), (x, marker, w), (1e-6,))]
+    rp = PlanReplay.build(d, calls, (y, None), (x, None, w))
+    assert rp is not None
+
+    y2, x2 = torch.empty(4), torch.ones(4)  # a later call: new output and input, same weight
+    key = (arg_key(y2), arg_key(x2), arg_key(dummy), arg_key(w), arg_key(p))
+    assert rp((y2, None), (x2, None, w)) is False  # nothing captured under that key yet
+    g = model.graphs[key] = _Graph()
+    assert rp((y2, None), (x2, None, w)) is True and g.replays == 1 and d.counts["replay"] == 1
+    assert rp((y, None), (x2, None, w)) is False and g.replays == 1  # another output pointer
+
+    assert PlanReplay.build(d, calls, (y, None), (x, x, w)) is None  # x in two places
+    assert PlanReplay.build(d, [(model, st, (torch.empty(4),), (x,), ())], (y,), (x,)) is None  # temporary
+    assert PlanReplay.build(d, [], (y,), (x,)) is None

@@ -61,6 +61,7 @@ class MojoBackend(Backend):
         self._dispatcher = None
         self._registered: frozenset[str] | None = None
         self._lock = threading.Lock()
+        self._recording = threading.local()  # .calls: the _calls of the `record` running in this thread
 
     # --- availability ---------------------------------------------------------------------------
     def _load(self) -> None:
@@ -157,7 +158,38 @@ class MojoBackend(Backend):
         outs, ins, params = ms.bind(outputs, inputs, scalars)
         compiled = self.compiler.get(ms, ms.dtype_key(outs, ins), device, ms.parameters(outs, ins, device))
         disp = self.dispatcher
-        disp.run(compiled, disp.state(device), outs, ins, params)
+        st = disp.state(device)
+        calls = getattr(self._recording, "calls", None)
+        if calls is not None:
+            calls.append((compiled, st, outs, ins, params))
+        disp.run(compiled, st, outs, ins, params)
+
+    # Ops whose `run` is nothing but `_call`s on the library's own tensors (no torch op around them), so a
+    # plan may replay their captured graphs directly (`record`); swiglu_ffn and linear_cross_entropy run
+    # torch GEMMs beside theirs.
+    _REPLAYABLE = frozenset({"reduce_sum", "rms_norm", "layer_norm", "rope", "attention"})
+
+    def record(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple):
+        """`run` once; on CUDA with torch-graph replay (the default), a `replay(outputs, inputs)` that
+        replays this plan's captured graphs straight from the argument pointers (dispatch.PlanReplay),
+        skipping the routing, binding and compile-cache lookups of `run` on every later call."""
+        device = next((t.device for t in outputs if t is not None), None)
+        disp = self.dispatcher
+        if (
+            spec.name not in self._REPLAYABLE
+            or device is None
+            or device.type != "cuda"
+            or not (disp.replay and disp.torch_graphs)
+        ):
+            return super().record(spec, phase, outputs, inputs, scalars)
+        from fusekit.backends.mojo.dispatch import PlanReplay
+
+        self._recording.calls = calls = []
+        try:
+            self.run(spec, phase, outputs, inputs, scalars)
+        finally:
+            self._recording.calls = None
+        return PlanReplay.build(disp, calls, outputs, inputs)
 
     def _swiglu_ffn_forward_gemm(
         self, device: torch.device, outputs: tuple, inputs: tuple, scalars: tuple

@@ -473,3 +473,82 @@ class Dispatcher:
         if len(compiled.graphs) > GRAPH_CACHE:
             return compiled.graphs.pop(next(iter(compiled.graphs)))
         return None
+
+
+class PlanReplay:
+    """Replays one plan's mojo calls from their captured torch graphs, given only the plan's arguments
+    (MojoBackend.record; the library keeps one per call signature and tries it before `run`).
+
+    Built from the `_call`s one call of the plan made: every bound argument is traced to one of the plan's
+    outputs or inputs by identity, or is a fixed tensor (an absent input's dummy; the params tensor, held
+    here so its pointer stays valid). A later call rebuilds each `_call`'s key from the new pointers
+    (workspaces allocated as `run` allocates them) and replays only if every key has a captured graph;
+    otherwise (new pointers seen for the first time, a capture in progress) it returns False and the plan
+    runs the op normally, which captures on the key's second sighting. Keys are exactly `run`'s, so a
+    replay is the graph `run` itself would have replayed.
+    """
+
+    __slots__ = ("counts", "lock", "steps")
+
+    def __init__(self, counts: dict, lock: Any, steps: tuple) -> None:
+        self.counts = counts
+        self.lock = lock
+        self.steps = steps
+
+    @classmethod
+    def build(cls, disp: Dispatcher, calls: list, outputs: tuple, inputs: tuple) -> PlanReplay | None:
+        """None when the recorded call cannot be replayed this way: no `_call`, one whose model may not be
+        captured, an argument that is neither the plan's nor fixed, or one tensor passed in two places (its
+        position would be ambiguous on later calls, which may pass two different tensors there)."""
+        where: dict[int, tuple[int, int]] = {}
+        for side, args in enumerate((outputs, inputs)):
+            for i, t in enumerate(args):
+                if t is not None:
+                    if id(t) in where:
+                        return None
+                    where[id(t)] = (side, i)
+        if not calls or len({id(st) for _, st, *_ in calls}) != 1:
+            return None
+        steps = []
+        for compiled, st, outs, ins, params in calls:
+            if not compiled.capturable:
+                return None
+            srcs = []
+            for a in outs + ins:
+                if isinstance(a, tuple):  # an absent optional tensor's dummy marker: a fixed tensor
+                    srcs.append(st.dummy(a))
+                elif id(a) in where:
+                    srcs.append(where[id(a)])
+                else:
+                    return None
+            p = st.params_tensor(params) if compiled.spec.params else None
+            steps.append((compiled, st, len(outs), tuple(srcs), p))
+        return cls(disp.counts, calls[0][1].lock, tuple(steps))
+
+    def __call__(self, outputs: tuple, inputs: tuple) -> bool:
+        if torch.cuda.is_current_stream_capturing():
+            return False  # run() records MAX's launches into the caller's capture
+        sides = (outputs, inputs)
+        found = []
+        args_alive = []  # workspaces stay allocated until their graph is enqueued
+        for compiled, st, n_out, srcs, p in self.steps:
+            args = [s if isinstance(s, torch.Tensor) else sides[s[0]][s[1]] for s in srcs]
+            if compiled.workspaces:
+                ws = st.workspaces(compiled, tuple(args[:n_out]), tuple(args[n_out:]))
+                args[n_out:n_out] = [st.dummy(w) if isinstance(w, tuple) else w for w in ws]
+            if p is not None:
+                args.append(p)
+            key = tuple([arg_key(t) for t in args])
+            if key not in compiled.graphs:
+                return False
+            found.append((compiled, key))
+            args_alive.append(args)
+        with self.lock:
+            for compiled, key in found:
+                g = compiled.graphs.pop(key, None)
+                if g is None:  # evicted by another thread since the lookup: run the whole call normally
+                    return False
+                compiled.graphs[key] = g  # most recently used last
+                g.replay()
+            self.counts["replay"] += len(found)
+        return True
