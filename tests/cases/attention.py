@@ -115,6 +115,11 @@ ORACLE_BLOCK_BYTES = 256 * 2**20
 def _oracle_rows(q, kd, vd, lens, causal, masked, scale, r0, S):
     """The float64 attention of the query rows q = rows r0.. of all S (S: for the bottom-right causal
     diagonal) over oracle's float64 kd, vd [B, H, Skv, D] (lens: the keys each sequence sees)."""
+    return torch.einsum("bhst,bhtd->bhsd", _probs_rows(q, kd, lens, causal, masked, scale, r0, S), vd)
+
+
+def _probs_rows(q, kd, lens, causal, masked, scale, r0, S):
+    """The float64 probabilities p [B, H, rows, Skv] of `_oracle_rows`."""
     s = torch.einsum("bhsd,bhtd->bhst", q.to(F64), kd) * scale
     if masked:
         i = torch.arange(r0, r0 + q.shape[2], device=q.device)[:, None]
@@ -128,8 +133,7 @@ def _oracle_rows(q, kd, vd, lens, causal, masked, scale, r0, S):
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m).detach()
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True)
-    p = torch.where(denom == 0, torch.zeros_like(p), p / torch.where(denom == 0, 1.0, denom))
-    return torch.einsum("bhst,bhtd->bhsd", p, vd)
+    return torch.where(denom == 0, torch.zeros_like(p), p / torch.where(denom == 0, 1.0, denom))
 
 
 def grad_magnitude(args: tuple, kwargs: dict) -> float:
@@ -139,3 +143,41 @@ def grad_magnitude(args: tuple, kwargs: dict) -> float:
     d = args[0].shape[-1]
     scale = kwargs.get("scale")
     return max(1.0, (1.0 / math.sqrt(d) if scale is None else abs(scale)) * math.sqrt(d))
+
+
+def grad_scale(args: tuple, kwargs: dict, grads: tuple) -> tuple:
+    """Per gradient (dq, dk, dv): the size of what the rounding of o reaches in it (dv: None, the floor).
+
+    The FlashAttention backward (every backend, and the reference) forms ds = p (dp - delta) with
+    delta_i = rowsum(do_i o_i) read from o rounded to x's dtype: row i's delta is off by ~u ||do_i o_i||_2,
+    so dq_i = scale sum_j ds_ij k_j is off by ~u scale ||do_i o_i|| |sum_j p_ij k_j| and dk_j = scale
+    sum_i ds_ij q_i by ~u scale (sum_i (p_ij ||do_i o_i|| q_i)^2)^(1/2) (GQA: over the group's heads too),
+    however small dq and dk are: where dp - delta cancels (a peaked p, keys alike, two keys) the driver's
+    floor of 0.1 per element at tol (0.5 u in bf16) is less than that one rounding. Those magnitudes
+    (float64, in row blocks as the oracle) are what the error is measured against where they are larger.
+    """
+    q, k, v = (t.detach() for t in args)
+    do = grads[0].detach().to(F64)
+    causal, scale, kv_len = kwargs.get("causal", False), kwargs.get("scale"), kwargs.get("kv_len")
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    lens = torch.full((B,), Skv, device=q.device) if kv_len is None else kv_len.long()
+    in_range = (torch.arange(Skv, device=q.device)[None, :] < lens[:, None])[:, None, :, None]
+    kv_head = torch.arange(H, device=q.device) // (H // Hkv)
+    kd = torch.where(in_range, k.to(F64), torch.zeros((), dtype=F64, device=q.device))[:, kv_head]
+    vd = torch.where(in_range, v.to(F64), torch.zeros((), dtype=F64, device=q.device))[:, kv_head]
+    masked = causal or kv_len is not None
+    rows = max(1, ORACLE_BLOCK_BYTES // max(1, B * H * Skv * 8))
+    t_dq = torch.empty((B, H, S, D), dtype=F64, device=q.device)
+    t_dk2 = torch.zeros((B, H, Skv, D), dtype=F64, device=q.device)
+    with torch.no_grad():
+        for r0 in range(0, S, rows):
+            qb = q[:, :, r0 : r0 + rows].to(F64)
+            p = _probs_rows(qb, kd, lens, causal, masked, scale, r0, S)
+            o = torch.einsum("bhst,bhtd->bhsd", p, vd)
+            d2 = (do[:, :, r0 : r0 + rows] * o).square().sum(-1, keepdim=True).sqrt()  # ||do_i o_i||
+            t_dq[:, :, r0 : r0 + rows] = scale * d2 * torch.einsum("bhst,bhtd->bhsd", p, kd).abs()
+            t_dk2 += torch.einsum("bhst,bhsd->bhtd", (p * d2).square(), qb.square())
+    t_dk = scale * t_dk2.view(B, Hkv, H // Hkv, Skv, D).sum(2).sqrt()
+    return (t_dq, t_dk, None)
