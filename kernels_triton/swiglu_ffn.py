@@ -48,7 +48,16 @@ Paths (chosen by T; tests force them with `_path=`):
   whose pointer-kernel output is non-finite or all zero cannot judge a candidate: that call runs "ptr"
   (under `_gemm="tma"`: its first config, unchecked) and the choice waits for the next call. On any GPU in
   fp16/bf16 the down GEMM also has the vendor GEMM ("blas": torch.mm, cuBLAS / hipBLASLt) among its
-  candidates, checked and timed the same way (`_blas_auto`). Elsewhere "ptr" runs without timing or checks.
+  candidates, checked and timed the same way (`_blas_auto`), and so does the gate/up step where xn is
+  materialized: g = xn Wg^T and u = xn Wu^T by two torch.mm(out=) (into h and one [T, F] workspace; a
+  training call writes them straight into gu's halves), then `_silu_mul_kernel` h = round(silu(g) * u)
+  in fp32.
+  Its g and u are rounded to x's dtype before h, one rounding more than the fused epilogues (bf16: y's
+  error vs float64 3.35e-3 -> 4.24e-3 of the contract's 1e-2; see _VERIFY_TOL). `_gemm="blas"` forces
+  both vendor steps. Elsewhere (CPU, fp32; gate/up with the fused prologue) "ptr" runs without timing or
+  checks.
+  A decided key (`_CHOICE` holds both GEMMs) only launches; a "blas" step is torch.mm(out=) calls and
+  one lean launch, which kernels_triton/_replay.py records and replays like the Triton GEMMs.
 Measured (H200, bf16, D=4096, F=11008, triton 3.6): T=1 83 us (3.26 TB/s; torch.compile 96 us, cuBLAS
 97.5 us); T=4096 "ptr" 534-559 TFLOP/s end to end (gate/up GEMM alone 562, down 549; torch.compile of
 the native-bf16 MLP 646-667, cuBLAS 634-637, torch.compile of the fp32 reference 50). With the TMA
@@ -61,7 +70,11 @@ forward saving gu + backward 5.14 ms at F=11008 (torch.compile of the bf16 MLP, 
 5.16 ms, 1.005x) and 6.68 ms at F=14336 (6.59 ms, 0.987x). Forward saving gu 1.67 / 2.20 ms (the gate/up
 GEMM picks the warp-specialized TMA config: 0.99 ms at F=11008 against 1.16-1.23 ms for the others);
 backward 3.43 / 4.36 ms, its GEMMs 660-770 TFLOP/s (cuBLAS), the swiglu element-wise kernel 4.0 TB/s.
-The remaining gap at F=14336 is the Triton gate/up GEMM (1.32-1.45 ms against 2 x 0.60 ms for cuBLAS).
+The remaining gap at F=14336 is the Triton gate/up GEMM (1.32-1.45 ms against 2 x 0.60 ms for cuBLAS),
+hence the vendor gate/up candidate ("blas" above; its GPU timing is pending:
+benchmarks/gpu_checks/ffn_gate_up_blas.py). Its element-wise step moves 3*T*F elements (T=4096,
+F=14336 bf16: 352 MB, ~0.1 ms at 3.3 TB/s), so it wins only where cuBLAS's two GEMMs beat the fused
+Triton GEMM by more than that.
 fp32 inputs use input_precision="ieee" so fp32 means fp32 (no tf32).
 Index widths (inputs past 2^31 elements, e.g. h [T, F] at T 150000 x F 14336): every row offset is int64
 (`row.to(tl.int64) * D`, `offs.to(tl.int64) * K`) before it meets a row length; tile, column and K offsets
@@ -90,8 +103,8 @@ from kernels_triton._config import (
     num_sms,
     on_device,
 )
+from kernels_triton._ffn_backward import _ew_grid, _ew_tile, _tile_rows_cols, backward
 from kernels_triton._ffn_backward import aot_specs as _backward_aot_specs
-from kernels_triton._ffn_backward import backward
 from kernels_triton._launch import fast_launch, fast_tuned
 from kernels_triton._tiles import dot
 
@@ -220,6 +233,26 @@ def _matmul_nt_kernel(
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + offs_cm[:, None].to(tl.int64) * N + offs_cn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["T"])  # T only sets the grid and the row mask
+def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, T, F, IN_GU: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_F: tl.constexpr):  # fmt: skip
+    """The "blas" gate/up step's epilogue: h[T, F] = round(silu(g) * u), computed in fp32 from the vendor
+    GEMMs' g and u (already rounded to x's dtype). Inference: g is h itself (overwritten element by element,
+    each read before its write) and u a [T, F] workspace (row stride F); IN_GU (training): g and u are the
+    halves of gu [T, 2F] the GEMMs wrote in place (row stride 2F)."""
+    rows, cols, mask = _tile_rows_cols(T, F, BLOCK_T, BLOCK_F)
+    r64 = rows.to(tl.int64)[:, None]
+    if IN_GU:
+        src = r64 * (2 * F) + cols[None, :]
+    else:
+        src = r64 * F + cols[None, :]
+    g = tl.load(g_ptr + src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    u = tl.load(u_ptr + src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    h = g / (1.0 + tl.exp(-g)) * u  # the GEMM epilogues' formula
+    tl.store(h_ptr + r64 * F + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # TMA + persistent GEMMs (sm_90+). Descriptors are built on the device (tl.make_tensor_descriptor: 128 B of
@@ -592,8 +625,8 @@ def forward(
     [round(g), round(u)] from the gate/up GEMM's epilogue (g, u are its fp32 accumulators; h is still formed
     from them before rounding), and rstd [T] fp32 (given iff norm_weight is) the row statistics. norm_weight
     may be fp32 with fp16/bf16 x. `_path` ("decode" | "prefill"), `_prologue` ("fused": scale A tiles in the
-    GEMM, "xn": write the normalized activation first) and `_gemm` ("ptr" | "tma") are private switches for
-    tests and benchmarks.
+    GEMM, "xn": write the normalized activation first) and `_gemm` ("ptr" | "tma" | "blas": both GEMMs of
+    that kind, checked against "ptr") are private switches for tests and benchmarks.
     """
     T, D, F = _check(y, x, w_gate, w_up, w_down, norm_weight, rstd, gu)
     path = _path or ("decode" if T <= DECODE_MAX_T else "prefill")
@@ -756,9 +789,15 @@ def _tma_save_ok(cfg: tuple) -> bool:
 def _candidates(
     T: int, tensors: tuple[torch.Tensor, ...], gemm: str | None, tma_ok: bool, save: bool = False
 ) -> dict[str, list]:
-    """Per GEMM kind, the configs to choose from ("ptr" = the autotuned pointer kernel)."""
-    if gemm not in (None, "ptr", "tma"):
+    """Per GEMM kind, the configs to choose from ("ptr" = the autotuned pointer kernel, "blas" = the vendor
+    GEMM). `tma_ok`: the gate/up GEMM reads a materialized xn (no fused norm prologue), which TMA and the
+    vendor GEMM both need."""
+    if gemm not in (None, "ptr", "tma", "blas"):
         raise ValueError(f"unknown swiglu_ffn _gemm {gemm!r}")
+    if gemm == "blas":  # forced (tests, benchmarks): both GEMMs vendor, still checked against "ptr"
+        if not tma_ok or tensors[0].dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError("swiglu_ffn _gemm='blas' needs fp16/bf16 and _prologue='xn' (or no norm)")
+        return {"gate_up": ["blas"], "down": ["blas"]}
     if gemm == "tma":
         if not tma_ok or not _tma_aligned(tensors):
             raise ValueError(
@@ -766,20 +805,23 @@ def _candidates(
             )
         return {k: _tma_configs(k, T, save) for k in ("gate_up", "down")}
     blas = ["blas"] if gemm is None and _blas_auto(tensors) else []
+    blas_gu = blas if tma_ok else []  # the fused prologue normalizes A inside the Triton GEMM only
     if gemm is None and tma_ok and _tma_auto(tensors):
         return {
-            "gate_up": ["ptr", *_tma_configs("gate_up", T, save)],
+            "gate_up": ["ptr", *_tma_configs("gate_up", T, save), *blas_gu],
             "down": ["ptr", *_tma_configs("down", T, save), *blas],
         }
-    return {"gate_up": ["ptr"], "down": ["ptr", *blas]}
+    return {"gate_up": ["ptr", *blas_gu], "down": ["ptr", *blas]}
 
 
 def _blas_auto(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """The vendor GEMM (cuBLAS / hipBLASLt through torch.mm) competes for the down GEMM h @ Wd^T on a GPU in
-    fp16/bf16: the same product class as the Triton kernels (fp32 accumulation, one rounding of y), so the
-    first-use timing picks whichever is faster at this shape and the check against the pointer kernel
-    holds it to the same bound. Not for fp32 (torch may run it in TF32; fusekit's fp32 is IEEE) and not for
-    gate/up, whose fused epilogue forms h from the unrounded fp32 g and u. FUSEKIT_FFN_BLAS=0 leaves it out."""
+    """The vendor GEMM (cuBLAS / hipBLASLt through torch.mm) competes on a GPU in fp16/bf16, CUDA and ROCm:
+    - down, y = h @ Wd^T: the same product class as the Triton kernels (fp32 accumulation, one rounding of y);
+    - gate/up (with xn materialized): g = xn @ Wg^T and u = xn @ Wu^T (fp32 accumulation, each rounded to
+      x's dtype), then `_silu_mul_kernel` forms h in fp32 from the rounded g and u (see `_launch_gate_up`).
+    The first-use timing picks whichever is faster at the shape and the check against the pointer kernel
+    holds it to the same bound. Not for fp32 (torch may run it in TF32; fusekit's fp32 is IEEE), nor on the
+    CPU / interpreter. FUSEKIT_FFN_BLAS=0 leaves it out of both."""
     x = tensors[0]
     return (
         os.environ.get("FUSEKIT_FFN_BLAS", "1") != "0"
@@ -807,6 +849,12 @@ class _WrongResult(RuntimeError):
 # the 2752 in a 4096x11008 h is only sqrt(1/2752) = 1.9e-2 in norm, but ~50-100% of max |h| in max.
 # NaN (the poison left in tiles a kernel never wrote) or inf fail outright. fp32 (forced _gemm="tma"
 # only, input_precision="ieee") has no final rounding: 1e-4 allows fp32 sums in another order.
+# The vendor gate/up ("blas") rounds g and u to x's dtype before h (<= 2^-8 relative each in bf16, 2^-11
+# in fp16; RMS ~2^-9.3 / 2^-12.3), which moves h by ~(kappa(g) dg + du) with kappa = g silu'(g) / silu(g)
+# <= 1.28 where h is large. Simulated on the CPU (fp32 sums, round-to-nearest; D x F = 1024 x 2816,
+# 2048 x 5632, 4096 x 11008): h vs the fused epilogue's rel 2-norm 3.5e-3 / max 5.5e-3 in bf16 (bound
+# 2e-2), 4.4e-4 / 6.7e-4 in fp16 (bound 4e-3); y vs float64 3.35e-3 -> 4.24e-3 in bf16 (contract 1e-2),
+# 4.18e-4 -> 5.31e-4 in fp16 (2e-3). The Mojo path and the backward round g and u the same way.
 _VERIFY_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 _VERIFY_CHUNK = 1 << 22  # elements per float64 slice of the check: bounded temporary memory at any T
 
@@ -856,11 +904,11 @@ def _choose(
 
     `launch(cfg)` writes `dst` (h, and gu when saving, for gate/up; out for down) from the caller's real
     inputs. "ptr" runs first and its outputs are kept (one copy per key, first use only); every TMA config
-    (and "blas", the vendor GEMM, for down) then writes dst after it is poisoned with NaN and must match
-    that copy before it is timed, and again
-    after its timed runs (a race that shows up only sometimes). TMA configs that fail to compile or
-    launch, or do not match, are warned about and dropped for good. dst is left with an arbitrary
-    candidate's output: the caller launches the returned config, which rewrites it.
+    (and "blas", the vendor GEMM) then writes dst after it is poisoned with NaN and must match that copy
+    before it is timed, and again after its timed runs (a race that shows up only sometimes). Candidates
+    that fail to compile or launch, or do not match, are warned about and dropped for good (out of memory:
+    for this key only). dst is left with an arbitrary candidate's output: the caller launches the returned
+    config, which rewrites it.
     """
     dsts = dst if isinstance(dst, tuple) else (dst,)
     key = (kind, *key)
@@ -893,8 +941,10 @@ def _choose(
                 _verify(dsts, refs)  # the last timed run's output
             times.append((cfg, ms))
         except Exception as exc:
-            _BROKEN.add((kind, cfg))
-            what = "wrong results" if isinstance(exc, _WrongResult) else "failed"
+            oom = isinstance(exc, torch.OutOfMemoryError)  # e.g. "blas"'s workspaces: this key only
+            if not oom:
+                _BROKEN.add((kind, cfg))
+            what = "wrong results" if isinstance(exc, _WrongResult) else "out of memory" if oom else "failed"
             warnings.warn(
                 f"swiglu_ffn: {'TMA ' if cfg != 'blas' else ''}{kind} config {cfg} excluded on triton "
                 f"{triton.__version__} ({what}): "
@@ -916,6 +966,25 @@ def _launch_gate_up(
     cfg, a, w_gate, w_up, nw, rstd, h, T: int, F: int, D: int, has_norm: bool, ieee: bool, gu=None
 ) -> None:
     save = gu is not None
+    if cfg == "blas":
+        # Vendor GEMMs (fp32 accumulation, outputs rounded to x's dtype), then h in fp32 from the rounded g
+        # and u: one rounding more than the fused epilogues (see _blas_auto, _VERIFY_TOL). Training writes
+        # g and u straight into gu's halves, which is what gu must hold anyway (a row-strided out: torch
+        # passes ldc = 2F to cuBLAS / hipBLASLt, no copy): no workspace, and 2*T*F fewer elements moved than
+        # [T, F] workspaces the element-wise kernel would copy into gu. Inference: g goes into h (the kernel
+        # overwrites it in place) and u into one [T, F] workspace (T=4096, F=14336 bf16: 117 MB).
+        # torch.mm(out=) into views and a lean launch: the call stays replayable (_replay.py).
+        if save:
+            g, u = gu[:, :F], gu[:, F:]
+        else:
+            g, u = h, torch.empty((T, F), device=a.device, dtype=a.dtype)
+        torch.mm(a, w_gate.t(), out=g)
+        torch.mm(a, w_up.t(), out=u)
+        bm, bn, warps = _ew_tile(T, F, a.element_size(), device_index(a))
+        _silu_mul_kernel[_ew_grid(T, F, bm, bn)](
+            g, u, h, T, F, IN_GU=save, BLOCK_T=bm, BLOCK_F=bn, num_warps=warps
+        )
+        return
     gu_t = gu if save else h  # a dummy the kernel never touches without SAVE_GU
     if cfg == "ptr":
         if is_interpreter():
@@ -1005,6 +1074,13 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                      "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}  # fmt: skip
             specs.append((f"ffn_gate_up_{dt}_{bm}x{bn}x{bk}_w{w}s{s}{'_save' if save else ''}", _gate_up_kernel,
                           sig, const, {"num_warps": w, "num_stages": s}))  # fmt: skip
+        # the vendor gate/up step's element-wise kernel (tile of F >= 1024 columns: Llama-style sizes)
+        bm, bn, ew_warps = _ew_tile(1 << 16, 1 << 14, 2, 0)
+        for in_gu in _SAVE_AOT[dt]:
+            sig = {"g_ptr": p, "u_ptr": p, "h_ptr": p, "T": "i32", "F": "i32", "IN_GU": "constexpr",
+                   "BLOCK_T": "constexpr", "BLOCK_F": "constexpr"}  # fmt: skip
+            specs.append((f"ffn_silu_mul_{dt}{'_gu' if in_gu else ''}", _silu_mul_kernel, sig,
+                          {"IN_GU": in_gu, "BLOCK_T": bm, "BLOCK_F": bn}, {"num_warps": ew_warps}))  # fmt: skip
         for bm, bn, bk, g, w, s in _DOWN_CUDA:
             sig = {"a_ptr": p, "b_ptr": p, "c_ptr": p, "M": "i32", "N": "i32", "K": "i32"}
             sig |= dict.fromkeys(mm_const, "constexpr")

@@ -250,13 +250,15 @@ def test_swiglu_ffn_train(T: int, D: int, F: int, norm: str, dtype: torch.dtype)
 
 @pytest.mark.parametrize(
     "T,kw",
-    [(9, {"_path": "prefill"}), (37, {"_prologue": "fused"}), (37, {"_gemm": "tma"}), (9, {"_path": "prefill", "_gemm": "tma"})],
-    ids=["prefill-small-T", "fused-prologue", "tma", "tma-small-T"],
+    [(9, {"_path": "prefill"}), (37, {"_prologue": "fused"}), (37, {"_gemm": "tma"}), (9, {"_path": "prefill", "_gemm": "tma"}),
+     (37, {"_gemm": "blas"}), (9, {"_path": "prefill", "_gemm": "blas"})],
+    ids=["prefill-small-T", "fused-prologue", "tma", "tma-small-T", "blas", "blas-small-T"],
 )  # fmt: skip
 @pytest.mark.parametrize("norm", ["w", "w32", "none"])
 def test_swiglu_ffn_save_paths(T: int, kw: dict, norm: str) -> None:
     """Every gate/up kernel that stores gu: the pointer GEMM with the materialized-xn and the fused-norm
-    prologue, the TMA GEMM (two [T, F] descriptors of row stride 2F) and the decode GEMV (other test)."""
+    prologue, the TMA GEMM (two [T, F] descriptors of row stride 2F), the vendor GEMMs (torch.mm into gu's
+    halves, then the element-wise h) and the decode GEMV (other test)."""
     D, F, eps = 48, 40, 1e-5
     x, wg, wu, wd, nw, _ = _ffn_inputs(T, D, F, F16, norm, seed=7 + T)
     y64, g64, u64, rstd64 = _ffn64(*(None if t is None else t.to(F64) for t in (x, wg, wu, wd, nw)), eps)

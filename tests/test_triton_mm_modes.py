@@ -220,8 +220,8 @@ def test_swiglu_ffn_down_may_pick_the_vendor_gemm(ffn_choice, monkeypatch: pytes
         out = torch.full_like(x, float("nan"))
         ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
         assert rel_error(out, ref) < TOL[torch.float16]
-    assert len(calls) == 5  # gate_up: ptr, TMA; down: ptr, TMA, blas - once
-    assert {k[0]: v for k, v in ffn_mod._CHOICE.items()} == {"gate_up": ffn_mod._TMA_INTERP, "down": "blas"}
+    assert len(calls) == 6  # gate_up: ptr, TMA, blas; down: ptr, TMA, blas - once
+    assert {k[0]: v for k, v in ffn_mod._CHOICE.items()} == {"gate_up": "blas", "down": "blas"}
 
 
 def test_vendor_gemm_only_where_it_means_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,6 +236,243 @@ def test_vendor_gemm_only_where_it_means_the_same(monkeypatch: pytest.MonkeyPatc
     assert not ffn_mod._blas_auto((torch.empty(4, 8),))  # fp32 stays IEEE (torch.mm may use TF32)
     monkeypatch.setenv("FUSEKIT_FFN_BLAS", "0")
     assert not ffn_mod._blas_auto(cpu16)
+
+
+def test_vendor_gate_up_only_where_it_means_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate/up step's "blas" candidate: on a GPU (CUDA or ROCm) in fp16/bf16 with xn materialized, after
+    "ptr" and the TMA configs; never on the CPU/interpreter, in fp32, with the fused prologue (its A tiles
+    are normalized inside the Triton GEMM) or with FUSEKIT_FFN_BLAS=0."""
+    import kernels_triton.swiglu_ffn as ffn_mod
+
+    cpu16 = (torch.empty(4, 8, dtype=torch.float16),)
+    assert ffn_mod._candidates(20, cpu16, None, tma_ok=True) == {"gate_up": ["ptr"], "down": ["ptr"]}
+    monkeypatch.setattr(ffn_mod, "is_interpreter", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    monkeypatch.setattr(ffn_mod, "_tma_auto", lambda tensors: False)  # pre-Hopper / HIP: no TMA
+    for dtype in (torch.float16, torch.bfloat16):
+        t = (torch.empty(4, 8, dtype=dtype),)
+        assert ffn_mod._candidates(20, t, None, tma_ok=True) == {
+            "gate_up": ["ptr", "blas"],
+            "down": ["ptr", "blas"],
+        }
+        # the fused prologue (tma_ok=False): the down GEMM keeps its vendor candidate, gate/up has none
+        assert ffn_mod._candidates(20, t, None, tma_ok=False) == {"gate_up": ["ptr"], "down": ["ptr", "blas"]}
+        assert ffn_mod._candidates(20, t, "ptr", tma_ok=True)["gate_up"] == ["ptr"]  # forced ptr: never
+    monkeypatch.setattr(ffn_mod, "_tma_auto", lambda tensors: True)
+    got = ffn_mod._candidates(20, cpu16, None, tma_ok=True, save=True)["gate_up"]
+    assert got == ["ptr", *ffn_mod._tma_configs("gate_up", 20, True), "blas"]  # training too, timed last
+    monkeypatch.setattr(ffn_mod, "_tma_auto", lambda tensors: False)
+    assert ffn_mod._candidates(20, (torch.empty(4, 8),), None, tma_ok=True)["gate_up"] == ["ptr"]  # fp32
+    monkeypatch.setattr(ffn_mod, "is_hip", lambda: True)  # ROCm tensors are "cuda" too: hipBLASLt competes
+    assert ffn_mod._candidates(20, cpu16, None, tma_ok=True)["gate_up"] == ["ptr", "blas"]
+    monkeypatch.setenv("FUSEKIT_FFN_BLAS", "0")
+    assert ffn_mod._candidates(20, cpu16, None, tma_ok=True) == {"gate_up": ["ptr"], "down": ["ptr"]}
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T,D,F", [(37, 80, 72), (5, 48, 1100)], ids=["37x80x72", "5x48x1100"])
+def test_swiglu_ffn_vendor_gate_up_step(T: int, D: int, F: int, dtype: torch.dtype, save: bool) -> None:
+    """The "blas" gate/up step alone (torch.mm on the CPU, `_silu_mul_kernel` on the interpreter; bf16 runs
+    here because the step has no tl.dot): two mm(out=) into h and a [T, F] workspace, or gu's halves (row
+    stride 2F), holding x Wg^T and x Wu^T; h is silu(g) * u of the rounded g and u the mms wrote, rounded
+    once (the
+    interpreter truncates to bf16: one bf16 ulp); h and gu are within the contract's tolerance of float64.
+    5x48x1100: two column tiles with a tail, two row tiles with a tail."""
+    import kernels_triton.swiglu_ffn as ffn_mod
+
+    g = torch.Generator().manual_seed(T * 7 + F)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    wg, wu = ((torch.randn(F, D, generator=g) / D**0.5).to(dtype) for _ in range(2))
+    h = torch.full((T, F), float("nan"), dtype=dtype)
+    gu = torch.full((T, 2 * F), float("nan"), dtype=dtype) if save else None
+    mm_outs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (out, its values right after the mm)
+    real_mm = torch.mm
+
+    def spy(a, b, *, out):
+        real_mm(a, b, out=out)
+        mm_outs.append((out, out.clone()))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "mm", spy)
+        ffn_mod._launch_gate_up("blas", x, wg, wu, x, x, h, T, F, D, False, False, gu)
+    (g_out, g_r), (u_out, u_r) = mm_outs
+    assert g_out.shape == u_out.shape == (T, F)
+    assert g_out.stride() == u_out.stride() == ((2 * F if save else F), 1)
+    if save:
+        assert g_out.data_ptr() == gu.data_ptr() and u_out.data_ptr() == gu[:, F:].data_ptr()
+    else:
+        assert g_out is h and u_out.data_ptr() != h.data_ptr()  # g in h (overwritten in place), u a workspace
+    ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]  # within an ulp of another mm's order
+    torch.testing.assert_close(g_r, real_mm(x, wg.t()), rtol=ulp, atol=ulp)
+    torch.testing.assert_close(u_r, real_mm(x, wu.t()), rtol=ulp, atol=ulp)
+    g64, u64 = x.double() @ wg.double().T, x.double() @ wu.double().T
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert rel_error(h, torch.nn.functional.silu(g64) * u64) < tol
+    if save:
+        assert rel_error(gu, torch.cat((g64, u64), dim=1)) < tol
+    want = torch.nn.functional.silu(g_r.double()) * u_r.double()  # from the rounded g, u the kernel read
+    ulp = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-7}[dtype]  # fp16 rounds, interpreted bf16 truncates
+    err = (h.double() - want).abs()
+    assert bool((err <= ulp * want.abs() * (1 + 1e-6) + 2.0**-25).all()), float((err / want.abs()).max())
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "nonorm"])
+def test_swiglu_ffn_forced_blas(norm: bool) -> None:
+    """`_gemm="blas"` (both GEMMs vendor, checked against the pointer kernel): inference and training (gu,
+    rstd) calls right against float64 (y and the saved gu)."""
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, norm, seed=21)
+    nw = nw if norm else None
+    y = torch.full_like(x, float("nan"))
+    ffn_forward(y, None, None, x, wg, wu, wd, nw, 1e-6, _gemm="blas")
+    assert rel_error(y, ref) < TOL[torch.float16]
+    y_t, gu = torch.full_like(x, float("nan")), torch.full((40, 144), float("nan"), dtype=torch.float16)
+    rstd = torch.full((40,), float("nan")) if norm else None
+    ffn_forward(y_t, rstd, gu, x, wg, wu, wd, nw, 1e-6, _gemm="blas")
+    assert rel_error(y_t, ref) < TOL[torch.float16]
+    xn = x.double()
+    if norm:
+        xn = xn * (xn.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * nw.double()
+    assert rel_error(gu, torch.cat((xn @ wg.double().T, xn @ wu.double().T), dim=1)) < TOL[torch.float16]
+
+
+def test_swiglu_ffn_forced_blas_rejects() -> None:
+    (x, wg, wu, wd, nw), _ = _ffn_case(20, 80, 72, torch.float32)
+    with pytest.raises(ValueError, match="blas"):  # fp32 stays IEEE
+        ffn_forward(torch.empty_like(x), None, None, x, wg, wu, wd, nw, 1e-6, _gemm="blas")
+    (x, wg, wu, wd, nw), _ = _ffn_case(20, 80, 72, torch.float16)
+    with pytest.raises(ValueError, match="blas"):  # the fused prologue's A exists only inside the Triton GEMM
+        ffn_forward(torch.empty_like(x), None, None, x, wg, wu, wd, nw, 1e-6, _prologue="fused", _gemm="blas")
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["inference", "training"])
+def test_swiglu_ffn_gate_up_may_pick_the_vendor_gemm(
+    ffn_choice, monkeypatch: pytest.MonkeyPatch, save: bool
+) -> None:
+    """With "blas" eligible, the gate/up step has it after ptr and TMA: checked against the pointer kernel's
+    h (and gu), timed, cached, picked when fastest (here: timed last); the call's h, gu and y stay right."""
+    ffn_mod, calls = ffn_choice
+    monkeypatch.setattr(ffn_mod, "_blas_auto", lambda tensors: True)
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=22)
+    xd = x.double()
+    xn = xd * (xd.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * nw.double()
+    for _ in range(2):
+        out = torch.full_like(x, float("nan"))
+        gu = torch.full((40, 144), float("nan"), dtype=torch.float16) if save else None
+        rstd = torch.full((40,), float("nan")) if save else None
+        ffn_forward(out, rstd, gu, x, wg, wu, wd, nw, 1e-6)
+        assert rel_error(out, ref) < TOL[torch.float16]
+        if save:
+            assert (
+                rel_error(gu, torch.cat((xn @ wg.double().T, xn @ wu.double().T), dim=1)) < TOL[torch.float16]
+            )
+    assert len(calls) == 6  # gate_up: ptr, TMA, blas; down: ptr, TMA, blas - once
+    assert {k[0]: v for k, v in ffn_mod._CHOICE.items()} == {"gate_up": "blas", "down": "blas"}
+    gate_up_key = next(k for k in ffn_mod.TIMINGS if k[0] == "gate_up")
+    assert [c for c, _ in ffn_mod.TIMINGS[gate_up_key]] == ["ptr", ffn_mod._TMA_INTERP, "blas"]
+    assert gate_up_key[-1] is save  # training and inference are separate keys
+
+
+def test_swiglu_ffn_decided_vendor_gate_up_only_launches(ffn_choice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key decided on "blas" for both steps: the next call builds no candidate list and probes nothing
+    (no _candidates, _blas_auto, _tma_auto), runs exactly three torch.mm (gate, up, down) and one
+    element-wise launch, and gives the same y."""
+    ffn_mod, _ = ffn_choice
+    monkeypatch.setattr(ffn_mod, "_blas_auto", lambda tensors: True)
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=23)
+    out = torch.full_like(x, float("nan"))
+    ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
+    first = out.clone()
+    assert set(ffn_mod._CHOICE.values()) == {"blas"}
+
+    def probe(*a, **k):
+        raise AssertionError("probed for a decided key")
+
+    for name in ("_candidates", "_blas_auto", "_tma_auto", "_choose"):
+        monkeypatch.setattr(ffn_mod, name, probe)
+    mms: list[tuple] = []
+    real_mm = torch.mm
+
+    def spy(a, b, *, out):
+        mms.append((tuple(a.shape), tuple(b.shape)))
+        return real_mm(a, b, out=out)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    out = torch.full_like(x, float("nan"))
+    ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
+    assert torch.equal(out, first) and rel_error(out, ref) < TOL[torch.float16]
+    assert mms == [((40, 80), (80, 72)), ((40, 80), (80, 72)), ((40, 72), (72, 80))]
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("how", ["unwritten", "raise"])
+def test_swiglu_ffn_wrong_vendor_gate_up_is_excluded(
+    ffn_choice, monkeypatch: pytest.MonkeyPatch, how: str, save: bool
+) -> None:
+    """A "blas" gate/up step whose element-wise kernel writes nothing (inference: h still holds g, wrong
+    values; training: the NaN poison stays) or fails is warned about once, never chosen although timed
+    "fastest", and not retried for another key."""
+    ffn_mod, _ = ffn_choice
+    monkeypatch.setattr(ffn_mod, "_blas_auto", lambda tensors: True)
+
+    class Wrong:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if how == "raise":
+                    raise RuntimeError("fake launch error")
+
+            return launch
+
+    monkeypatch.setattr(ffn_mod, "_silu_mul_kernel", Wrong())
+
+    def call(T: int, seed: int) -> None:
+        (x, wg, wu, wd, nw), ref = _ffn_case(T, 80, 72, torch.float16, seed=seed)
+        out = torch.full_like(x, float("nan"))
+        gu = torch.full((T, 144), float("nan"), dtype=torch.float16) if save else None
+        ffn_forward(out, torch.empty(T) if save else None, gu, x, wg, wu, wd, nw, 1e-6)
+        assert rel_error(out, ref) < TOL[torch.float16]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call(40, 24)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "gate_up config blas excluded" in msgs[0], msgs
+    want = "fake launch error" if how == "raise" else "NaN" if save else "wrong values"
+    assert want in msgs[0], msgs[0]
+    assert {k[0]: v for k, v in ffn_mod._CHOICE.items()} == {"gate_up": ffn_mod._TMA_INTERP, "down": "blas"}
+    assert ("gate_up", "blas") in ffn_mod._BROKEN and ("down", "blas") not in ffn_mod._BROKEN
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(300, 25)  # new T bucket: no retry
+
+
+def test_swiglu_ffn_vendor_gate_up_out_of_memory(ffn_choice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vendor gate/up step allocates a [T, F] workspace (inference): running out of memory drops it
+    for that key only (warned), and a later key still times it."""
+    ffn_mod, _ = ffn_choice
+    monkeypatch.setattr(ffn_mod, "_blas_auto", lambda tensors: True)
+    real = ffn_mod._launch_gate_up
+    oom = [True]
+
+    def launch(cfg, *args):
+        if cfg == "blas" and oom[0]:
+            raise torch.OutOfMemoryError("fake: tried to allocate the workspaces")
+        return real(cfg, *args)
+
+    monkeypatch.setattr(ffn_mod, "_launch_gate_up", launch)
+    (x, wg, wu, wd, nw), ref = _ffn_case(40, 80, 72, torch.float16, seed=26)
+    out = torch.full_like(x, float("nan"))
+    with pytest.warns(RuntimeWarning, match="out of memory"):
+        ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
+    assert rel_error(out, ref) < TOL[torch.float16] and not ffn_mod._BROKEN
+    assert next(v for k, v in ffn_mod._CHOICE.items() if k[0] == "gate_up") == ffn_mod._TMA_INTERP
+    oom[0] = False
+    (x, wg, wu, wd, nw), ref = _ffn_case(300, 80, 72, torch.float16, seed=27)
+    out = torch.full_like(x, float("nan"))
+    ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6)
+    assert rel_error(out, ref) < TOL[torch.float16]
+    assert [v for k, v in ffn_mod._CHOICE.items() if k[0] == "gate_up"] == [ffn_mod._TMA_INTERP, "blas"]
 
 
 def test_swiglu_ffn_choice_excludes_failing_tma(ffn_choice, monkeypatch: pytest.MonkeyPatch) -> None:
