@@ -162,13 +162,11 @@ class NormConfig:
     block_m: int = 1
     progs: int = 0
     split: int = 1
-    grid_cap: int = 0  # "reload": at most this many programs (0: progs x SMs), so rows in flight fit the L2
 
     def label(self) -> str:
         s = f"{self.mode} block={self.block} warps={self.num_warps}"
         s += f" block_m={self.block_m}" if self.mode in ("reg", "rows") else ""
         s += f" progs/SM={self.progs}" if self.progs else ""
-        s += f" grid<={self.grid_cap}" if self.grid_cap else ""
         return s + (f" split={self.split}" if self.mode == "split" else "")
 
 
@@ -261,14 +259,11 @@ def norm_forced(
 # gets half the warps. Each keeps 1-4 vectors of x per thread in flight; the persistent ones keep
 # progs x threads <= NORM_PERSIST_THREADS. AOT on sm_90: none spills, all persistent ones <= 64 registers.
 # "reload" entries: (programs per SM, step bytes, threads); rows in flight stay within ~60 % of the L2.
+# Rows longer than that share per SM (N >= 131072 bf16 on the H100's 50 MB) get only the default, and run at
+# 64-69 % of the copy ceiling. Not from L2 thrash: capping the grid so the rows in flight fit the L2 (tried,
+# 2acb83f, reverted) timed 514.5 vs 514.5 us at 2048 x 131072 (120 programs) and 591 vs 551 at 1024 x 262144
+# (60), H100, same process.
 NORM_RELOAD_SET = ((1, 32768, 1024), (2, 16384, 512), (2, 8192, 256), (4, 8192, 256))
-# Rows so long that one per SM overflows that share of the L2 (H100 50 MB: N >= 131072 bf16) made pass 2 miss
-# the L2 and re-read x from HBM: 1.5x the bytes, 58-69 % of the copy ceiling at 15cdd56 (H100). These
-# entries (step bytes, threads) run one row per program on fewer programs than SMs, as many as fit ~60 % of
-# the L2; one SM streaming 32 KB steps two ahead keeps ~64 KB in flight, so ~60 SMs can still draw most of
-# HBM's bandwidth. Timed against the rest like any candidate (and checked first).
-NORM_RELOAD_CAPPED_SET = ((32768, 1024), (16384, 512))
-NORM_RELOAD_CAP_MIN = 16  # fewer programs than this cannot fill HBM: leave such rows to the full grid
 # "rows" entries: (programs per SM, vectors per thread).
 NORM_ROWS_SET = ((2, 2), (1, 1), (1, 2))  # (1, 2) only where the others do not fit (N = 16384 bf16)
 
@@ -313,10 +308,6 @@ def norm_candidates(
         if row_bytes < step_bytes or progs * num_sms(dev) * row_bytes > 0.6 * l2:
             continue
         add(NormConfig("reload", step_bytes // elsize, max(1, threads // ws), progs=progs))
-    cap = int(0.6 * l2) // row_bytes
-    if cap < min(M, num_sms(dev)) and cap >= NORM_RELOAD_CAP_MIN:
-        for step_bytes, threads in NORM_RELOAD_CAPPED_SET:
-            add(NormConfig("reload", step_bytes // elsize, max(1, threads // ws), progs=1, grid_cap=cap))
     return cands
 
 
@@ -331,9 +322,7 @@ def l2_bytes(device_index: int = 0) -> int:
 def norm_grid(cfg: NormConfig, M: int, dev: int) -> int:
     """Programs to launch: one per row tile ("reg"), or a persistent grid of progs x SMs ("rows"/"reload")."""
     tiles = -(-M // cfg.block_m)
-    if cfg.mode == "reg":
-        return tiles
-    return max(1, min(tiles, cfg.progs * num_sms(dev), cfg.grid_cap or tiles))
+    return tiles if cfg.mode == "reg" else max(1, min(tiles, cfg.progs * num_sms(dev)))
 
 
 def norm_should_tune(x: torch.Tensor) -> bool:

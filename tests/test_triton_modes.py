@@ -426,24 +426,6 @@ def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.undo()
 
 
-def test_norm_reload_grid_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows so long that one per SM overflows ~60 % of the L2 get "reload" candidates on a capped grid (as many
-    rows in flight as fit), and only those; norm_grid honours the cap."""
-    monkeypatch.setattr(_config, "is_interpreter", lambda: False)
-    monkeypatch.setattr(_config, "num_sms", lambda dev=0: 132)
-    monkeypatch.setattr(_config, "l2_bytes", lambda dev=0: 50 << 20)  # H100
-    capped = lambda cs: [c for c in cs if c.grid_cap]
-    assert capped(_config.norm_candidates(4096, 65536, 2, 0)) == []  # 132 x 128 KB = 17 MB fits
-    for M, N in ((2048, 131072), (1024, 262144)):
-        cs = capped(_config.norm_candidates(M, N, 2, 0))
-        cap = int(0.6 * (50 << 20)) // (2 * N)
-        assert len(cs) == len(_config.NORM_RELOAD_CAPPED_SET) and {c.grid_cap for c in cs} == {cap}
-        assert all(c.mode == "reload" and _config.norm_grid(c, M, 0) == cap < 132 for c in cs)
-        assert _config.norm_grid(cs[0], 7, 0) == 7  # never more programs than rows
-    monkeypatch.setattr(_config, "l2_bytes", lambda dev=0: 60 << 20)  # H200: 132 x 256 KB fits 36 MB
-    assert capped(_config.norm_candidates(2048, 131072, 2, 0)) == []
-
-
 def test_norm_plan_thresholds() -> None:
     sms = _config.num_sms(0)
     assert _config.norm_plan(4096, _config.NORM_REG_MAX, 2, 0)[0] == "reg"
