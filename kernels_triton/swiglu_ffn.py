@@ -71,10 +71,15 @@ forward saving gu + backward 5.14 ms at F=11008 (torch.compile of the bf16 MLP, 
 GEMM picks the warp-specialized TMA config: 0.99 ms at F=11008 against 1.16-1.23 ms for the others);
 backward 3.43 / 4.36 ms, its GEMMs 660-770 TFLOP/s (cuBLAS), the swiglu element-wise kernel 4.0 TB/s.
 The remaining gap at F=14336 is the Triton gate/up GEMM (1.32-1.45 ms against 2 x 0.60 ms for cuBLAS),
-hence the vendor gate/up candidate ("blas" above; its GPU timing is pending:
-benchmarks/gpu_checks/ffn_gate_up_blas.py). Its element-wise step moves 3*T*F elements (T=4096,
+hence the vendor gate/up candidate ("blas" above). Its element-wise step moves 3*T*F elements (T=4096,
 F=14336 bf16: 352 MB, ~0.1 ms at 3.3 TB/s), so it wins only where cuBLAS's two GEMMs beat the fused
-Triton GEMM by more than that.
+Triton GEMM by more than that. Measured (H100, bf16, D=4096, 7a1e9e7, benchmarks/gpu_checks/
+ffn_gate_up_blas.py, torch.compile of the bf16 MLP in the same process; gate/up step alone, us): F=11008
+T=256 blas 96 vs ptr 117 / best TMA 124 (ops.swiglu_ffn 1.12x compile), T=1024 271 vs 295 (0.995x),
+T=4096 1093 vs TMA-ws 1034 (TMA kept; 0.986x); F=14336 T=256 468 vs ptr 128 (ptr kept; 0.964x), T=1024
+342 vs 345 (0.988x), T=4096 1370 vs 1348 (0.994x); training F=14336 T=4096 blas 1362 vs TMA-ws 1448,
+forward saving gu + backward 6.44 ms against compile's 5.91 (0.917x; forward 2.17 vs 1.97 ms, backward
+4.27 vs 3.94).
 fp32 inputs use input_precision="ieee" so fp32 means fp32 (no tf32).
 Index widths (inputs past 2^31 elements, e.g. h [T, F] at T 150000 x F 14336): every row offset is int64
 (`row.to(tl.int64) * D`, `offs.to(tl.int64) * K`) before it meets a row length; tile, column and K offsets
