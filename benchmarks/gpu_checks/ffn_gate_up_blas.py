@@ -43,7 +43,7 @@ from kernels_triton import _replay  # noqa: E402
 from kernels_triton._config import next_pow2  # noqa: E402
 
 
-# (benchmarks/gpu_checks/ffn.py has the same inputs but imports fusekit.reference, gone since: not reused)
+# the inputs of benchmarks/gpu_checks/ffn.py, without its optional norm weight
 def inputs(T: int, D: int, F: int, seed: int):
     """bf16 x [T, D] ~ N(0, 1) and weights scaled like a trained layer (std 1/sqrt(fan_in))."""
     g = torch.Generator(device="cuda").manual_seed(seed)
