@@ -85,15 +85,9 @@ def oracle(q, k, v, causal=False, scale=None, kv_len=None):
     checkpointed, so the float64 backward recomputes it instead of holding every block's scores. The keys and
     values (kv_len-masked, GQA heads expanded, float64) are formed once for all blocks."""
     B, H, S, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
+    Skv = k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    lens = torch.full((B,), Skv, device=q.device) if kv_len is None else kv_len.long()
-    if kv_len is not None:  # sequence b sees keys 0..kv_len[b]-1 only, whatever the others hold
-        in_range = (torch.arange(Skv, device=q.device)[None, :] < lens[:, None])[:, None, :, None]
-        k = torch.where(in_range, k.to(F64), torch.zeros((), dtype=F64, device=q.device))
-        v = torch.where(in_range, v.to(F64), torch.zeros((), dtype=F64, device=q.device))
-    kv_head = torch.arange(H, device=q.device) // (H // Hkv)
-    kd, vd = k.to(F64)[:, kv_head], v.to(F64)[:, kv_head]
+    kd, vd, lens = _kv64(q, k, v, kv_len)
     masked = causal or kv_len is not None
     rows = max(1, ORACLE_BLOCK_BYTES // max(1, B * H * Skv * 8))
     if rows >= S:
@@ -110,6 +104,21 @@ def oracle(q, k, v, causal=False, scale=None, kv_len=None):
 
 
 ORACLE_BLOCK_BYTES = 256 * 2**20
+
+
+def _kv64(q, k, v, kv_len):
+    """Float64 keys and values per query head [B, H, Skv, D] (GQA heads expanded; with kv_len, sequence b's
+    keys past kv_len[b] zeroed, whatever they hold) and the keys each sequence sees, lens [B]."""
+    B, H = q.shape[:2]
+    Hkv, Skv = k.shape[1], k.shape[2]
+    lens = torch.full((B,), Skv, device=q.device) if kv_len is None else kv_len.long()
+    kd, vd = k.to(F64), v.to(F64)
+    if kv_len is not None:
+        in_range = (torch.arange(Skv, device=q.device)[None, :] < lens[:, None])[:, None, :, None]
+        kd = torch.where(in_range, kd, torch.zeros((), dtype=F64, device=q.device))
+        vd = torch.where(in_range, vd, torch.zeros((), dtype=F64, device=q.device))
+    kv_head = torch.arange(H, device=q.device) // (H // Hkv)
+    return kd[:, kv_head], vd[:, kv_head], lens
 
 
 def _oracle_rows(q, kd, vd, lens, causal, masked, scale, r0, S):
@@ -162,11 +171,7 @@ def grad_scale(args: tuple, kwargs: dict, grads: tuple) -> tuple:
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    lens = torch.full((B,), Skv, device=q.device) if kv_len is None else kv_len.long()
-    in_range = (torch.arange(Skv, device=q.device)[None, :] < lens[:, None])[:, None, :, None]
-    kv_head = torch.arange(H, device=q.device) // (H // Hkv)
-    kd = torch.where(in_range, k.to(F64), torch.zeros((), dtype=F64, device=q.device))[:, kv_head]
-    vd = torch.where(in_range, v.to(F64), torch.zeros((), dtype=F64, device=q.device))[:, kv_head]
+    kd, vd, lens = _kv64(q, k, v, kv_len)
     masked = causal or kv_len is not None
     rows = max(1, ORACLE_BLOCK_BYTES // max(1, B * H * Skv * 8))
     t_dq = torch.empty((B, H, S, D), dtype=F64, device=q.device)
@@ -181,3 +186,27 @@ def grad_scale(args: tuple, kwargs: dict, grads: tuple) -> tuple:
             t_dk2 += torch.einsum("bhst,bhsd->bhtd", (p * d2).square(), qb.square())
     t_dk = scale * t_dk2.view(B, Hkv, H // Hkv, Skv, D).sum(2).sqrt()
     return (t_dq, t_dk, None)
+
+
+def scale(args: tuple, kwargs: dict) -> tuple:
+    """The forward's error magnitude where o cancels (see checks.rel_error). p_ij = exp(s_ij - lse_i) carries a
+    relative error of ~u |s_ij|, and |s| ~ grad_magnitude (scale sqrt(D) for O(1) inputs), so o_id = sum_j
+    p_ij v_jd moves by ~u magnitude (sum_j (p_ij v_jd)^2)^(1/2) however small o_id is (values that cancel
+    under p). With the default scale the magnitude is 1 and the check is the plain relative one (None)."""
+    mag = grad_magnitude(args, kwargs)
+    if mag <= 1.0:
+        return (None,)
+    q, k, v = (t.detach() for t in args)
+    causal, scale, kv_len = kwargs.get("causal", False), kwargs.get("scale"), kwargs.get("kv_len")
+    B, H, S, D = q.shape
+    Skv = k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    kd, vd, lens = _kv64(q, k, v, kv_len)
+    masked = causal or kv_len is not None
+    rows = max(1, ORACLE_BLOCK_BYTES // max(1, B * H * Skv * 8))
+    terms = torch.empty((B, H, S, D), dtype=F64, device=q.device)
+    with torch.no_grad():
+        for r0 in range(0, S, rows):
+            p = _probs_rows(q[:, :, r0 : r0 + rows], kd, lens, causal, masked, scale, r0, S)
+            terms[:, :, r0 : r0 + rows] = torch.einsum("bhst,bhtd->bhsd", p.square(), vd.square()).sqrt()
+    return (mag * terms,)
