@@ -113,6 +113,10 @@ def test_op(conf_case, op, case, dtype, phase, backend_name, device, seed):
             tol = rtol(op, g.dtype) * (10 if i and g.dtype == torch.float32 != dtype else 1)  # fp32 stats
             if trunc or getattr(mod, "OUT_TOL_FROM_INPUT", False):  # an fp32 result of x-dtype values
                 tol = max(tol, rtol(op, dtype))
+            if trunc and kwargs.get("casting") == "llama":
+                # "llama" rounds twice (the normalized row, then times the weight): two truncations reach
+                # 2 ulps (1.56%; a one-element row drawn by the fuzzer hit 1.18% > 1%), round-to-nearest 1
+                tol *= 2
             assert_close(f"{op}.out{i}", g, w, tol, repro, sc)
         return
 
