@@ -488,3 +488,22 @@ def test_plan_replay_traces_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert PlanReplay.build(d, calls, (y, None), (x, x, w)) is None  # x in two places
     assert PlanReplay.build(d, [(model, st, (torch.empty(4),), (x,), ())], (y,), (x,)) is None  # temporary
     assert PlanReplay.build(d, [], (y,), (x,)) is None
+
+
+def test_plan_replay_only_where_run_is_only_mojo_calls() -> None:
+    """MojoBackend.record hands the plan a PlanReplay only for calls whose `run` is nothing but `_call`s:
+    the norms, reduce_sum, rope, attention, and swiglu_ffn's forward on its decode route; never a swiglu_ffn
+    prefill forward or backward, nor linear_cross_entropy (torch GEMMs run beside the Mojo ops there)."""
+    from fusekit.backends.mojo import MojoBackend
+    from fusekit.backends.mojo.specs import SW_TC_MIN_T
+
+    be, cuda = MojoBackend(), torch.device("cuda")
+    w = torch.empty(64, 32)
+    for op in ("reduce_sum", "rms_norm", "layer_norm", "rope", "attention"):
+        assert be.replayable(op, "forward", cuda, (torch.empty(2, 32),))
+        assert be.replayable(op, "backward", cuda, ())
+    decode, prefill = torch.empty(SW_TC_MIN_T - 1, 32), torch.empty(SW_TC_MIN_T, 32)
+    assert be.replayable("swiglu_ffn", "forward", cuda, (decode, w))
+    assert not be.replayable("swiglu_ffn", "forward", cuda, (prefill, w))
+    assert not be.replayable("swiglu_ffn", "backward", cuda, (decode, w))
+    assert not be.replayable("linear_cross_entropy", "forward", cuda, (decode, w))

@@ -165,9 +165,17 @@ class MojoBackend(Backend):
         disp.run(compiled, st, outs, ins, params)
 
     # Ops whose `run` is nothing but `_call`s on the library's own tensors (no torch op around them), so a
-    # plan may replay their captured graphs directly (`record`); swiglu_ffn and linear_cross_entropy run
-    # torch GEMMs beside theirs.
+    # plan may replay their captured graphs directly (`record`); swiglu_ffn only on its "op" route (the
+    # decode GEMVs: T < SW_TC_MIN_T), since its prefill and backward run torch GEMMs beside the Mojo ops, as
+    # linear_cross_entropy does.
     _REPLAYABLE = frozenset({"reduce_sum", "rms_norm", "layer_norm", "rope", "attention"})
+
+    def replayable(self, op: str, phase: str, device: torch.device, inputs: tuple) -> bool:
+        """Whether `run` of this call is only `_call`s (what PlanReplay can stand in for); the route depends
+        on shapes and dtypes only, so it holds for every call of a plan."""
+        if op in self._REPLAYABLE:
+            return True
+        return op == "swiglu_ffn" and phase == "forward" and ffn_route(device, inputs[0], inputs[1]) == "op"
 
     def record(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple):
         """`run` once; on CUDA with torch-graph replay (the default), a `replay(outputs, inputs)` that
@@ -176,10 +184,10 @@ class MojoBackend(Backend):
         device = next((t.device for t in outputs if t is not None), None)
         disp = self.dispatcher
         if (
-            spec.name not in self._REPLAYABLE
-            or device is None
+            device is None
             or device.type != "cuda"
             or not (disp.replay and disp.torch_graphs)
+            or not self.replayable(spec.name, phase, device, inputs)
         ):
             return super().record(spec, phase, outputs, inputs, scalars)
         from fusekit.backends.mojo.dispatch import PlanReplay
