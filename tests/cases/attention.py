@@ -84,12 +84,8 @@ def oracle(q, k, v, causal=False, scale=None, kv_len=None):
     temporaries per pytest worker ran an H200 out of memory at -n 8); under autograd each block is
     checkpointed, so the float64 backward recomputes it instead of holding every block's scores. The keys and
     values (kv_len-masked, GQA heads expanded, float64) are formed once for all blocks."""
-    B, H, S, D = q.shape
-    Skv = k.shape[2]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    kd, vd, lens = _kv64(q, k, v, kv_len)
-    masked = causal or kv_len is not None
-    rows = max(1, ORACLE_BLOCK_BYTES // max(1, B * H * Skv * 8))
+    S = q.shape[2]
+    kd, vd, lens, scale, masked, rows = _prepared(q, k, v, causal, scale, kv_len)
     if rows >= S:
         return (_oracle_rows(q, kd, vd, lens, causal, masked, scale, 0, S),)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kd, vd))
@@ -119,6 +115,16 @@ def _kv64(q, k, v, kv_len):
         vd = torch.where(in_range, vd, torch.zeros((), dtype=F64, device=q.device))
     kv_head = torch.arange(H, device=q.device) // (H // Hkv)
     return kd[:, kv_head], vd[:, kv_head], lens
+
+
+def _prepared(q, k, v, causal, scale, kv_len):
+    """What the oracle and the error magnitudes share: (kd, vd, lens) of _kv64, the scale (1/sqrt(D) by
+    default), whether scores are masked, and the query rows per block (ORACLE_BLOCK_BYTES of scores)."""
+    B, H, _, D = q.shape
+    kd, vd, lens = _kv64(q, k, v, kv_len)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    rows = max(1, ORACLE_BLOCK_BYTES // max(1, B * H * k.shape[2] * 8))
+    return kd, vd, lens, scale, causal or kv_len is not None, rows
 
 
 def _oracle_rows(q, kd, vd, lens, causal, masked, scale, r0, S):
@@ -167,13 +173,10 @@ def grad_scale(args: tuple, kwargs: dict, grads: tuple) -> tuple:
     """
     q, k, v = (t.detach() for t in args)
     do = grads[0].detach().to(F64)
-    causal, scale, kv_len = kwargs.get("causal", False), kwargs.get("scale"), kwargs.get("kv_len")
+    causal = kwargs.get("causal", False)
+    kd, vd, lens, scale, masked, rows = _prepared(q, k, v, causal, kwargs.get("scale"), kwargs.get("kv_len"))
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    kd, vd, lens = _kv64(q, k, v, kv_len)
-    masked = causal or kv_len is not None
-    rows = max(1, ORACLE_BLOCK_BYTES // max(1, B * H * Skv * 8))
     t_dq = torch.empty((B, H, S, D), dtype=F64, device=q.device)
     t_dk2 = torch.zeros((B, H, Skv, D), dtype=F64, device=q.device)
     with torch.no_grad():
@@ -197,13 +200,9 @@ def scale(args: tuple, kwargs: dict) -> tuple:
     if mag <= 1.0:
         return (None,)
     q, k, v = (t.detach() for t in args)
-    causal, scale, kv_len = kwargs.get("causal", False), kwargs.get("scale"), kwargs.get("kv_len")
+    causal = kwargs.get("causal", False)
+    kd, vd, lens, scale, masked, rows = _prepared(q, k, v, causal, kwargs.get("scale"), kwargs.get("kv_len"))
     B, H, S, D = q.shape
-    Skv = k.shape[2]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    kd, vd, lens = _kv64(q, k, v, kv_len)
-    masked = causal or kv_len is not None
-    rows = max(1, ORACLE_BLOCK_BYTES // max(1, B * H * Skv * 8))
     terms = torch.empty((B, H, S, D), dtype=F64, device=q.device)
     with torch.no_grad():
         for r0 in range(0, S, rows):
