@@ -76,6 +76,19 @@ def arg_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t.shape, t.dtype)
 
 
+def call_tensors(
+    st: Any, compiled: Compiled, outs: tuple, ins: tuple, params_t: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """A call's arguments in the model's order: outputs, this call's workspaces, inputs, then the params
+    tensor (if the op has params); a dummy marker (an absent optional tensor, an unused workspace) becomes
+    its device's fixed dummy. Dispatcher.run and PlanReplay both key calls on exactly these tensors."""
+    args = outs + st.workspaces(compiled, outs, ins) + ins if compiled.workspaces else outs + ins
+    tensors = [st.dummy(t) if isinstance(t, tuple) else t for t in args]
+    if params_t is not None:
+        tensors.append(params_t)
+    return tensors
+
+
 class _Owner:
     """What a non-owning capsule keeps alive: nothing of the tensor."""
 
@@ -341,11 +354,8 @@ class Dispatcher:
         capturing = st.cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             st.check_capture_ready(compiled, params)
-        args = outs + st.workspaces(compiled, outs, ins) + ins if compiled.workspaces else outs + ins
-        # a tuple is an absent optional tensor's (or an unused workspace's) dummy marker
-        tensors = [st.dummy(t) if isinstance(t, tuple) else t for t in args]
-        if compiled.spec.params:
-            tensors.append(st.params_tensor(params))
+        p = st.params_tensor(params) if compiled.spec.params else None
+        tensors = call_tensors(st, compiled, outs, ins, p)
         key = tuple([arg_key(t) for t in tensors])
         if not st.cuda:
             compiled.model._execute_device_tensors([st.buffer(k, t) for k, t in zip(key, tensors)])
@@ -480,9 +490,9 @@ class PlanReplay:
     (MojoBackend.record; the library keeps one per call signature and tries it before `run`).
 
     Built from the `_call`s one call of the plan made: every bound argument is traced to one of the plan's
-    outputs or inputs by identity, or is a fixed tensor (an absent input's dummy; the params tensor, held
-    here so its pointer stays valid). A later call rebuilds each `_call`'s key from the new pointers
-    (workspaces allocated as `run` allocates them) and replays only if every key has a captured graph;
+    outputs or inputs by identity, or is an absent input's dummy marker; the params tensor is held here so
+    its pointer stays valid. A later call rebuilds each `_call`'s tensors and key with `call_tensors`, as
+    `run` does (workspaces allocated, dummies resolved), and replays only if every key has a captured graph;
     otherwise (new pointers seen for the first time, a capture in progress) it returns False and the plan
     runs the op normally, which captures on the key's second sighting. Keys are exactly `run`'s, so a
     replay is the graph `run` itself would have replayed.
@@ -500,23 +510,22 @@ class PlanReplay:
         """None when the recorded call cannot be replayed this way: no `_call`, one whose model may not be
         captured, an argument that is neither the plan's nor fixed, or one tensor passed in two places (its
         position would be ambiguous on later calls, which may pass two different tensors there)."""
-        where: dict[int, tuple[int, int]] = {}
-        for side, args in enumerate((outputs, inputs)):
-            for i, t in enumerate(args):
-                if t is not None:
-                    if id(t) in where:
-                        return None
-                    where[id(t)] = (side, i)
+        where: dict[int, int] = {}  # id of a plan argument -> its index in outputs + inputs
+        for i, t in enumerate(outputs + inputs):
+            if t is not None:
+                if id(t) in where:
+                    return None
+                where[id(t)] = i
         if not calls or len({id(st) for _, st, *_ in calls}) != 1:
             return None
         steps = []
         for compiled, st, outs, ins, params in calls:
             if not compiled.capturable:
                 return None
-            srcs = []
+            srcs = []  # per bound argument: its index in outputs + inputs, or a dummy marker (kept as run gets it)
             for a in outs + ins:
-                if isinstance(a, tuple):  # an absent optional tensor's dummy marker: a fixed tensor
-                    srcs.append(st.dummy(a))
+                if isinstance(a, tuple):
+                    srcs.append(a)
                 elif id(a) in where:
                     srcs.append(where[id(a)])
                 else:
@@ -528,23 +537,17 @@ class PlanReplay:
     def __call__(self, outputs: tuple, inputs: tuple) -> bool:
         if torch.cuda.is_current_stream_capturing():
             return False  # run() records MAX's launches into the caller's capture
-        sides = (outputs, inputs)
-        found = []
-        args_alive = []  # workspaces stay allocated until their graph is enqueued
+        plan_args = outputs + inputs
+        found = []  # (model, key, its tensors: the workspaces stay allocated until the graph is enqueued)
         for compiled, st, n_out, srcs, p in self.steps:
-            args = [s if isinstance(s, torch.Tensor) else sides[s[0]][s[1]] for s in srcs]
-            if compiled.workspaces:
-                ws = st.workspaces(compiled, tuple(args[:n_out]), tuple(args[n_out:]))
-                args[n_out:n_out] = [st.dummy(w) if isinstance(w, tuple) else w for w in ws]
-            if p is not None:
-                args.append(p)
-            key = tuple([arg_key(t) for t in args])
+            bound = [s if isinstance(s, tuple) else plan_args[s] for s in srcs]
+            tensors = call_tensors(st, compiled, tuple(bound[:n_out]), tuple(bound[n_out:]), p)
+            key = tuple([arg_key(t) for t in tensors])
             if key not in compiled.graphs:
                 return False
-            found.append((compiled, key))
-            args_alive.append(args)
+            found.append((compiled, key, tensors))
         with self.lock:
-            for compiled, key in found:
+            for compiled, key, _ in found:
                 g = compiled.graphs.pop(key, None)
                 if g is None:  # evicted by another thread since the lookup: run the whole call normally
                     return False
