@@ -131,7 +131,7 @@ D64 (128 x 3) 131424 bytes. D256 (Q 64 KB + ring 128 KB) has no room for an O bu
 3.9): 168 registers, 0 bytes spilled. FUSEKIT_HOPPER_ATTN_PERSIST_CTAS=n caps the grid (tests: many work
 tiles per CTA at small shapes). Next if it pays: an atomic (dynamic) scheduler for causal, as FA3's.
 
-Opt-in polynomial exp2 (issue #13, FlashAttention-4's MUFU offload; not yet measured on a GPU):
+Opt-in polynomial exp2 (issue #13, FlashAttention-4's MUFU offload; a loss on the H100: _exp2_poly.py):
 FUSEKIT_HOPPER_ATTN_EXP2_POLY=1|4 (1/4), 2 (1/2), 8 (1/8), FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE=3|4|5 (the values of
 attention.py's FUSEKIT_TRITON_ATTN_EXP2_POLY), read per call by run_hopper / _run_persistent and passed as the
 kernels' EXP2_POLY / EXP2_DEGREE constexprs (in launch_keyed's key). _softmax_tile then computes p with
@@ -238,7 +238,7 @@ PERSIST_HEAD_DIMS: tuple[int, ...] = (64, 128)
 PERSISTENT_DIMS: tuple[int, ...] = (64, 128)
 
 
-# Opt-in (issue #13, not yet measured on a GPU): a fraction of p's exponentials on the FMA pipe (the polynomial of
+# Opt-in (issue #13, a loss on the H100: _exp2_poly.py): a fraction of p's exponentials on the FMA pipe (the polynomial of
 # _exp2_poly.py, FlashAttention-4's MUFU offload; attention.py's FUSEKIT_TRITON_ATTN_EXP2_POLY for the Triton
 # kernel) for the softmax-bound D64 tiles. FUSEKIT_HOPPER_ATTN_EXP2_POLY: unset / "0" off (the kernels as
 # before: EXP2_POLY = 0 compiles to the same PTX); "1" or "4" 1/4 of each score tile's columns, "2" 1/2, "8" 1/8;

@@ -286,7 +286,7 @@ def _exp2_poly_env() -> tuple[int, int]:
     return exp2_env_config("FUSEKIT_TRITON_ATTN_EXP2_POLY")
 
 
-# Opt-in (issue #13, not yet measured on a GPU): a fraction of the forward's exponentials on the FMA pipe
+# Opt-in (issue #13, a loss on the H100: _exp2_poly.py): a fraction of the forward's exponentials on the FMA pipe
 # (_exp2_poly.py; FlashAttention-4's MUFU offload) for the softmax-bound D64 tiles. (0, 3) launches the
 # kernel exactly as without it (no extra launch arguments, so the same compiled kernel and tuning key).
 # A module global, so a probe can flip it in-process: EXP2_POLY = (log2 of 1/fraction, degree).
