@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cases import randn
+from cases import randn, round_as
 
 F32 = torch.float32
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -38,7 +38,7 @@ def oracle(x, w, b, eps, residual=None, return_stats=True):
     xd = x.to(torch.float64)
     h = None
     if residual is not None:
-        h = (xd + residual.to(torch.float64)).to(x.dtype).to(torch.float64)
+        h = round_as(xd + residual.to(torch.float64), x)
         xd = h
     n = x.shape[-1]
     mean = xd.sum(-1, keepdim=True) / n

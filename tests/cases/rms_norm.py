@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cases import randn
+from cases import randn, round_as
 
 F32 = torch.float32
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -48,23 +48,18 @@ def make(case: dict, dtype: torch.dtype, device: str) -> tuple[tuple, dict]:
     return (x, w), kwargs
 
 
-def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rounding to `dtype` that float64 autograd passes straight through (as the kernels' backward)."""
-    return t.to(dtype).to(torch.float64)
-
-
 def oracle(x, w, eps, residual=None, casting="fp32", return_rstd=True):
     xd = x.to(torch.float64)
     h = None
     if residual is not None:
-        h = _round(xd + residual.to(torch.float64), x.dtype)
+        h = round_as(xd + residual.to(torch.float64), x)
         xd = h
     ms = (xd * xd).sum(-1, keepdim=True) / x.shape[-1]
     rstd = 1.0 / torch.sqrt(ms + eps)
     xhat = xd * rstd
     wd = w.to(torch.float64)
     if casting == "llama":
-        y = _round(xhat, x.dtype) * wd
+        y = round_as(xhat, x) * wd
     elif casting == "gemma":
         y = xhat * (1.0 + wd)
     else:
