@@ -10,7 +10,8 @@ whose row kernel is mojo/linear_cross_entropy.mojo), per chunk of C tokens (`chu
 x, and at least 2^29 elements: 4096 tokens at Llama-3's vocabulary): logits = x_c @ weight^T (+ bias) by torch's matmul in x's dtype into one reused [C, V] buffer (cuBLAS /
 hipBLASLt, fp32 accumulation, as HF's F.linear), then ONE Triton launch, one program per row, that reads the
 row twice: pass 1 the online logsumexp over V in fp32 (block max, then the rescaled sum of exps) and, with
-label smoothing, the row's sum of logits; the row's loss lse - (1-ε) z_y - ε mean(z). Pass 2 (only when the
+label smoothing, the row's sum of logits; the row's loss lse - (1-ε) z_y - ε mean(z), as (1-ε)(m - z_y) +
+ε(m - mean(z)) + log(s) (the reference's order: see fusekit.ops.linear_cross_entropy). Pass 2 (only when the
 call records a gradient) overwrites the logits in place with d loss / d logits = (softmax - (1-ε) onehot -
 ε/V) · scale in x's dtype (scale = 1 / rows not ignored for "mean", read from the device: no host sync);
 ignored rows get exact zeros, a target outside [0, V) NaN. Then, from that buffer:
@@ -83,11 +84,12 @@ def _ce_rows_kernel(
         m = m_new
         if SMOOTH:
             zsum += tl.sum(tl.where(c < V, z, 0.0), axis=0)
-    lse = m + tl.log(s)
+    # lse = m + ls is never formed (rounded at |m| it would put ~u |m| into every loss and softmax value)
+    ls = tl.log(s)
     zy = tl.load(base + y, mask=inside, other=0.0).to(tl.float32)
-    loss = lse - (1.0 - eps) * zy
+    loss = (1.0 - eps) * (m - zy) + ls
     if SMOOTH:
-        loss -= eps * (zsum / V)
+        loss += eps * (m - zsum / V)
     loss = tl.where(inside, loss, float("nan"))
     loss = tl.where(ignored, 0.0, loss)
     tl.store(loss_ptr + row, loss)
@@ -97,7 +99,7 @@ def _ce_rows_kernel(
         for k in range(0, V, BLOCK):
             c = k + offs
             z = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
-            g = tl.exp(z - lse)
+            g = tl.exp((z - m) - ls)
             if SMOOTH:
                 g -= eps / V
             g = tl.where(c == y, g - (1.0 - eps), g) * sc

@@ -14,7 +14,9 @@ params:  [ignore_hi, ignore_mid, ignore_lo, label_smoothing, grad]: ignore_index
          (24-bit pieces, each exact in f32: any int64), grad 0/1.
 
 Per row (fp32 math, the reference's formulas): lse = logsumexp(z), loss = lse - (1 - eps) z_y - eps mean(z);
-when grad, d logits = (softmax(z) - (1 - eps) onehot(y) - eps / V) * scale, rounded to x's dtype. A row
+when grad, d logits = (softmax(z) - (1 - eps) onehot(y) - eps / V) * scale, rounded to x's dtype. lse = m +
+log(s) (m the row's max, s its sum of exp(z - m)) is never rounded as one number: loss = (1 - eps)(m - z_y)
++ eps (m - mean(z)) + log(s) and softmax(z) = exp((z - m) - log(s)). A row
 whose label is ignore_index gets loss 0 and exact zero gradients (its logits are never read); a label
 outside [0, V) gives NaN (loss and gradients).
 
@@ -78,22 +80,26 @@ def _rescale(m: Float32, m_new: Float32) -> Float32:
 
 
 @always_inline
-def _row_loss(lse: Float32, zy: Float32, zsum: Float32, v: Int, y: Int64, f: LceFlags) -> Float32:
-    """lse - (1 - eps) z_y - eps mean(z); NaN for a label outside [0, V) (ignored rows never get here)."""
+def _row_loss(m: Float32, ls: Float32, zy: Float32, zsum: Float32, v: Int, y: Int64, f: LceFlags) -> Float32:
+    """lse - (1 - eps) z_y - eps mean(z) with lse = m + ls, as (1 - eps)(m - z_y) + eps (m - mean(z)) + ls
+    (lse itself, rounded at |m|, would carry ~u |m|); NaN for a label outside [0, V) (ignored rows never
+    get here)."""
     if y < 0 or y >= Int64(v):
         return nan[F32]()
-    var loss = lse - (1 - f.eps) * zy
+    var loss = (1 - f.eps) * (m - zy) + ls
     if f.eps != 0:
-        loss -= f.eps * (zsum / Float32(v))
+        loss += f.eps * (m - zsum / Float32(v))
     return loss
 
 
 @always_inline
 def _grad_vec[
     dtype: DType, W: Int
-](z: SIMD[F32, W], lse: Float32, col: Int, y: Int64, inside: Bool, sc: Float32, v: Int, f: LceFlags) -> SIMD[dtype, W]:
+](
+    z: SIMD[F32, W], m: Float32, ls: Float32, col: Int, y: Int64, inside: Bool, sc: Float32, v: Int, f: LceFlags
+) -> SIMD[dtype, W]:
     """d loss / d logits for W logits starting at column `col`, in the reference's order of operations."""
-    var g = exp(z - lse)
+    var g = exp((z - m) - ls)
     if f.eps != 0:
         g -= f.eps / Float32(v)
     var k = Int(y) - col
@@ -160,15 +166,15 @@ def _lce_rows_kernel[
         if f.eps != 0:
             zsum = block.sum[block_size=BLK, broadcast=True](zs.reduce_add())
             barrier()
-        var lse = mb + log(sb)
+        var ls = log(sb)
         if tid == 0:
-            rows[unsafe_offset=row] = _row_loss(lse, zy, zsum, v, y, f)
+            rows[unsafe_offset=row] = _row_loss(mb, ls, zy, zsum, v, y, f)
         if f.grad:  # pass 2: d loss / d logits in place, x's dtype
             var sc = scale[unsafe_offset=0]
             j = tid
             while j < nw:
                 var z = zr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]()
-                zr.unsafe_store[alignment=AL](j * W, _grad_vec[dtype, W](z, lse, j * W, y, inside, sc, v, f))
+                zr.unsafe_store[alignment=AL](j * W, _grad_vec[dtype, W](z, mb, ls, j * W, y, inside, sc, v, f))
                 j += BLK
         row += grid_dim.x
 
@@ -236,13 +242,13 @@ def lce_rows_cpu[
         var s = Float32(0)
         for j in range(v):
             s += exp(zr[unsafe_offset=j].cast[F32]() - m)
-        var lse = m + log(s)
+        var ls = log(s)
         var zy = zr[unsafe_offset=Int(y)].cast[F32]() if inside else Float32(0)
-        rows[unsafe_offset=row] = _row_loss(lse, zy, zsum, v, y, f)
+        rows[unsafe_offset=row] = _row_loss(m, ls, zy, zsum, v, y, f)
         if f.grad:
             for j in range(v):
                 var z = SIMD[F32, 1](zr[unsafe_offset=j].cast[F32]())
-                zr[unsafe_offset=j] = _grad_vec[dtype, 1](z, lse, j, y, inside, sc, v, f)[0]
+                zr[unsafe_offset=j] = _grad_vec[dtype, 1](z, m, ls, j, y, inside, sc, v, f)[0]
 
 
 @register("fusekit.linear_cross_entropy")
