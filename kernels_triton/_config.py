@@ -526,7 +526,8 @@ def norm_tuned(
     """The fastest correct one of `candidates` for `key`, chosen once per process. Every candidate is first
     CHECKED: its outputs, NaN-poisoned before its run, must match an fp32 torch reference of the caller's
     own inputs (`make_check`, built once, at this first use; see NORM_CHECK_TOL); then the survivors are
-    TIMED (median of triton.testing.do_bench, L2 flushed between runs, as the benchmarks time). A
+    TIMED (median device time, L2 flushed between runs, host enqueue time kept out, as the benchmarks
+    time: fusekit.device_time.device_ms). A
     candidate that fails to compile/launch or to match is dropped with a RuntimeWarning; if none is left
     this raises (never a wrong result). `run(cfg)` launches the op with `cfg` into the caller's buffers;
     outputs are pure functions of the inputs, so the re-runs are harmless, and the caller launches the
@@ -557,13 +558,15 @@ def norm_tuned(
     if len(passed) == 1:  # e.g. rows so long that only the default fits the L2: nothing to time
         _NORM_TUNED[key] = passed[0]
         return passed[0]
-    from triton.testing import do_bench
+    from fusekit.device_time import device_ms
 
+    # device time (the host's enqueue time kept out: fusekit.device_time) on the tensors' GPU: the key's
+    # last element is its index (norm_select)
+    device = torch.device("cuda", key[-1])
     timed: list[tuple[float, NormConfig]] = []
     for cfg in passed:
         try:
-            t = do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=25, quantiles=[0.5])
-            timed.append((float(t[0] if isinstance(t, (list, tuple)) else t), cfg))
+            timed.append((device_ms(lambda cfg=cfg: run(cfg), device, warmup_ms=5, rep_ms=25), cfg))
         except Exception as exc:
             warnings.warn(
                 f"fusekit norm tuner {key}: dropped {cfg.label()}: timing failed: {type(exc).__name__}: {exc}",

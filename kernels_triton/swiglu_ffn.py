@@ -836,9 +836,13 @@ def _blas_auto(tensors: tuple[torch.Tensor, ...]) -> bool:
     )
 
 
-def _bench_ms(fn) -> float:
-    """A few ms of timing per candidate (median of the runs); the choice is cached per shape bucket."""
-    return triton.testing.do_bench(fn, warmup=2, rep=8, return_mode="median")
+def _bench_ms(fn, device: torch.device) -> float:
+    """A few ms of device time per candidate (median of the runs, L2 flushed, the host's enqueue time kept
+    out: the vendor candidate's torch.mm calls cost more host time than one Triton launch, which must not
+    decide a GPU-time choice; fusekit.device_time says why); the choice is cached per shape bucket."""
+    from fusekit.device_time import device_ms
+
+    return device_ms(fn, device, warmup_ms=2, rep_ms=8)
 
 
 class _WrongResult(RuntimeError):
@@ -931,9 +935,10 @@ def _choose(
     if not _judgeable(refs[0]):  # e.g. a warm-up on torch.empty or zeros: decide on a later call
         return "ptr" if "ptr" in live else live[0]
     timed = len(live) > 1  # a single (forced) candidate is checked but not timed
+    dev = dsts[0].device
     times: list[tuple[object, float]] = []
     if "ptr" in live:
-        times.append(("ptr", _bench_ms(lambda: launch("ptr")) if timed else float("nan")))
+        times.append(("ptr", _bench_ms(lambda: launch("ptr"), dev) if timed else float("nan")))
     for cfg in (c for c in live if c != "ptr"):
         try:
             for d in dsts:
@@ -942,7 +947,7 @@ def _choose(
             _verify(dsts, refs)
             ms = float("nan")
             if timed:
-                ms = _bench_ms(lambda cfg=cfg: launch(cfg))
+                ms = _bench_ms(lambda cfg=cfg: launch(cfg), dev)
                 _verify(dsts, refs)  # the last timed run's output
             times.append((cfg, ms))
         except Exception as exc:

@@ -6,19 +6,12 @@ Cold caches: the caller hands in several input sets (`Rotation`) so the working 
 exceeds the L2 (60 MB on an H200), and the event loop additionally overwrites a 256 MB buffer between
 calls (as `triton.testing.do_bench` does).
 
-Device time without the host: `do_bench` records the start event right after the L2 flush kernel, so when
-the host takes longer to enqueue the call than the GPU takes to flush (a decode-sized call with a long
-launcher path), the GPU idles between the events and the "device" time includes host time: on the H200 a
-triton decode attention call measured 144.8 us one run and 52.7 the next, its kernels 37.7 us by the
-profiler (attention.decode.json at d21b580 and b02a12f). The loop here enqueues a GPU spin
-(`torch.cuda._sleep`) after the flush, longer than the host's enqueue time of the call (measured first),
-so the call's kernels start as soon as the spin ends and the events bracket device time only. Host time
-is reported on its own (wall per call).
+Device time without the host: `fusekit.device_time.device_ms` (a GPU spin holds the device until the
+call is enqueued; why, there). Host time is reported on its own (wall per call).
 """
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -26,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-L2_FLUSH_BYTES = 256 * 1024 * 1024  # > 4x the H200's 60 MB L2
+from fusekit.device_time import device_ms
+from fusekit.device_time import sync as _sync
 
 
 @dataclass
@@ -48,79 +42,6 @@ def n_rotating_sets(bytes_per_set: int, device: torch.device, max_sets: int = 25
         return 2
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 * 2**20) or 60 * 2**20
     return max(1, min(max_sets, -(-4 * l2 // max(1, bytes_per_set))))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-LEAD_MAX_US = 5000.0  # the longest GPU spin before a timed call (a call whose host path exceeds it leaks)
-
-
-@functools.cache
-def _spin_cycles_per_us(index: int) -> float:
-    """torch.cuda._sleep cycles per microsecond on this device (its SM clock), measured with events."""
-    with torch.cuda.device(index):
-        torch.cuda._sleep(1000)  # loads the kernel
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        n = 2_000_000
-        start.record()
-        torch.cuda._sleep(n)
-        end.record()
-        end.synchronize()
-        return n / max(start.elapsed_time(end) * 1e3, 1e-3)
-
-
-def _lead_cycles(fn: Callable[[], object], device: torch.device) -> int:
-    """A GPU spin that outlasts the host's enqueue of one `fn()`: twice its median host time (5 calls, each
-    from an idle GPU) + 20 us, at most LEAD_MAX_US; 0 where torch has no _sleep."""
-    if not hasattr(torch.cuda, "_sleep"):
-        return 0
-    host = []
-    for _ in range(5):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        host.append(time.perf_counter() - t0)
-    _sync(device)
-    us = min(LEAD_MAX_US, 2e6 * statistics.median(host) + 20.0)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(us * _spin_cycles_per_us(index))
-
-
-def _do_bench_events(
-    fn: Callable[[], object], device: torch.device, warmup_ms: float, rep_ms: float
-) -> float:
-    """The do_bench recipe (estimate, warm up, then time each call with events after overwriting an
-    L2-sized buffer, median), plus a GPU spin between the flush and the start event so that the host has
-    enqueued the call before the GPU reaches it: device time only (see the module doc)."""
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
-    fn()
-    _sync(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        flush.zero_()
-        fn()
-    end.record()
-    _sync(device)
-    est = max(start.elapsed_time(end) / 5, 1e-3)
-    n_warm, n_rep = max(1, int(warmup_ms / est)), max(5, min(10000, int(rep_ms / est)))
-    for _ in range(n_warm):
-        fn()
-    lead = _lead_cycles(fn, device)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
-    for s, e in zip(starts, ends):
-        flush.zero_()
-        if lead:
-            torch.cuda._sleep(lead)
-        s.record()
-        fn()
-        e.record()
-    _sync(device)
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 def _wall_loop(fn: Callable[[], object], device: torch.device, warmup_ms: float, rep_ms: float) -> float:
@@ -146,7 +67,7 @@ def bench_ms(
 ) -> tuple[float, str]:
     """Median time of one call in ms, and the method used."""
     if device.type == "cuda":
-        return _do_bench_events(fn, device, warmup_ms, rep_ms), METHOD_CUDA
+        return device_ms(fn, device, warmup_ms, rep_ms), METHOD_CUDA
     return _wall_loop(fn, device, warmup_ms, rep_ms), "host wall-clock median"
 
 
