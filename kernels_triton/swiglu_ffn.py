@@ -159,6 +159,14 @@ def _grouped(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _swiglu(g, u):
+    """h = silu(g) * u in fp32: the one formula of every forward epilogue (the pointer and TMA GEMMs, the
+    decode GEMV, the vendor step's element-wise kernel), so each writes the same h from the same g and u.
+    The backward's _swiglu_bwd_kernel keeps sig(g) for silu'(g) and forms h as g * sig(g) * u."""
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     return _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
@@ -202,7 +210,7 @@ def _gate_up_kernel(
         a_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = _swiglu(acc_g, acc_u)
     offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
@@ -261,7 +269,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, T, F, IN_GU: tl.constexpr, BLOCK_T: tl
         src = r64 * F + cols[None, :]
     g = tl.load(g_ptr + src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     u = tl.load(u_ptr + src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    h = g / (1.0 + tl.exp(-g)) * u  # the GEMM epilogues' formula
+    h = _swiglu(g, u)
     tl.store(h_ptr + r64 * F + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -318,7 +326,7 @@ def _gate_up_tma_kernel(
             acc_u = dot(a, bu.T, acc_u, IEEE)
         tile_c += NUM_SMS
         pid_m, pid_n = _grouped(tile_c, num_pid_m, num_pid_n, GROUP_M)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h = _swiglu(acc_g, acc_u)
         h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h.to(h_ptr.dtype.element_ty))
         if SAVE_GU:
             sg_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc_g.to(gu_ptr.dtype.element_ty))
@@ -433,7 +441,7 @@ def _gate_up_gemv_kernel(
     else:
         g = acc_g
         u = acc_u
-    h = g / (1.0 + tl.exp(-g)) * u
+    h = _swiglu(g, u)
     h_ptrs = h_ptr + offs_t[:, None] * F + offs_f[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=t_mask[:, None] & f_mask[None, :])
     if SAVE:
