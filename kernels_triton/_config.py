@@ -527,11 +527,11 @@ def norm_tuned(
     CHECKED: its outputs, NaN-poisoned before its run, must match an fp32 torch reference of the caller's
     own inputs (`make_check`, built once, at this first use; see NORM_CHECK_TOL); then the survivors are
     TIMED (median device time, L2 flushed between runs, host enqueue time kept out, as the benchmarks
-    time: fusekit.device_time.device_ms). A
-    candidate that fails to compile/launch or to match is dropped with a RuntimeWarning; if none is left
-    this raises (never a wrong result). `run(cfg)` launches the op with `cfg` into the caller's buffers;
-    outputs are pure functions of the inputs, so the re-runs are harmless, and the caller launches the
-    chosen config once more after this returns, so the buffers end holding its result.
+    time: fusekit.device_time.device_ms). A candidate that fails to compile/launch or to match is
+    dropped with a RuntimeWarning; if none is left this raises (never a wrong result). `run(cfg)` launches
+    the op with `cfg` into the caller's buffers; outputs are pure functions of the inputs, so the re-runs
+    are harmless, and the caller launches the chosen config once more after this returns, so the buffers
+    end holding its result.
     TRITON_PRINT_AUTOTUNING=1 prints the times and the choice."""
     hit = _NORM_TUNED.get(key)
     if hit is not None:
