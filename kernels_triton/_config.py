@@ -381,7 +381,7 @@ def norm_select(
         cfg = default
     else:
         cands = norm_candidates(M, N, es, dev, default, res)
-        cfg = norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check)
+        cfg = norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check, x.device)
     # Remembered unless the decision depended on a CUDA graph capture (no tuning inside one: a later call
     # outside may tune) or on the FUSEKIT_NORM_TUNE switch, which tests flip.
     if not (x.is_cuda and torch.cuda.is_current_stream_capturing()) and "FUSEKIT_NORM_TUNE" not in os.environ:
@@ -522,6 +522,7 @@ def norm_tuned(
     candidates: list[NormConfig],
     run: Callable[[NormConfig], None],
     make_check: Callable[[], NormCheck],
+    device: torch.device | None = None,
 ) -> NormConfig:
     """The fastest correct one of `candidates` for `key`, chosen once per process. Every candidate is first
     CHECKED: its outputs, NaN-poisoned before its run, must match an fp32 torch reference of the caller's
@@ -531,8 +532,8 @@ def norm_tuned(
     dropped with a RuntimeWarning; if none is left this raises (never a wrong result). `run(cfg)` launches
     the op with `cfg` into the caller's buffers; outputs are pure functions of the inputs, so the re-runs
     are harmless, and the caller launches the chosen config once more after this returns, so the buffers
-    end holding its result.
-    TRITON_PRINT_AUTOTUNING=1 prints the times and the choice."""
+    end holding its result. `device`: the tensors' GPU, where the candidates are timed (None: the current
+    one). TRITON_PRINT_AUTOTUNING=1 prints the times and the choice."""
     hit = _NORM_TUNED.get(key)
     if hit is not None:
         return hit
@@ -560,9 +561,8 @@ def norm_tuned(
         return passed[0]
     from fusekit.device_time import device_ms
 
-    # device time (the host's enqueue time kept out: fusekit.device_time) on the tensors' GPU: the key's
-    # last element is its index (norm_select)
-    device = torch.device("cuda", key[-1])
+    # device time (the host's enqueue time kept out: fusekit.device_time) on the tensors' GPU (`device`,
+    # the current one when None)
     timed: list[tuple[float, NormConfig]] = []
     for cfg in passed:
         try:

@@ -164,7 +164,8 @@ def ffn_choice(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(ffn_mod, "_BROKEN", set())
     calls: list[int] = []
 
-    def fake_bench(fn) -> float:  # later candidates "faster": the TMA config wins unless it is excluded
+    # later candidates "faster": the TMA config wins unless it is excluded
+    def fake_bench(fn, device) -> float:
         fn()
         calls.append(1)
         return 10.0 - len(calls)

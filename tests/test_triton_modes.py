@@ -243,7 +243,7 @@ def test_norms_persistent(dtype: torch.dtype, mode: str, M: int, N: int, kw: dic
 
 
 def test_norm_tuner_picks_fastest_and_caches(monkeypatch: pytest.MonkeyPatch) -> None:
-    import triton.testing
+    from fusekit import device_time
 
     cfgs = [_config.NormConfig("reg", 1024, 8), _config.NormConfig("rows", 1024, 4, progs=2)]
     cfgs.append(_config.NormConfig("reload", 256, 4, progs=1))
@@ -263,7 +263,7 @@ def test_norm_tuner_picks_fastest_and_caches(monkeypatch: pytest.MonkeyPatch) ->
     def check() -> _config.NormCheck:
         return _config.norm_check(x, (out, rstd), lambda xs: (xs * ref_rstd[:, None], ref_rstd))
 
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), [times[current[0]]])[1])
+    monkeypatch.setattr(device_time, "device_ms", lambda fn, device, **kw: (fn(), times[current[0]])[1])
     key = ("test", 1024, torch.float32)
     monkeypatch.delitem(_config._NORM_TUNED, key, raising=False)
     with pytest.warns(RuntimeWarning, match="reload.*out of resources"):
@@ -288,7 +288,7 @@ def test_norm_tuner_rejects_wrong_candidate(
 ) -> None:
     # The whole tuned path of the op on the CPU: tuning forced on, fake timings in which a candidate that
     # writes wrong values is the fastest. It must be dropped with a warning, and the result be correct.
-    import triton.testing
+    from fusekit import device_time
 
     mod = rms_mod if op == "rms_norm" else ln_mod
     M, N = (300, 64) if sampled else (37, 100)
@@ -324,7 +324,7 @@ def test_norm_tuner_rejects_wrong_candidate(
                 args[1 if op == "rms_norm" else 2].mul_(1.01)  # rstd off by 1 %
 
     monkeypatch.setattr(mod, "_launch", launch)
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), [times[current[0]]])[1])
+    monkeypatch.setattr(device_time, "device_ms", lambda fn, device, **kw: (fn(), times[current[0]])[1])
     monkeypatch.setattr(_config, "_NORM_TUNED", {})
     monkeypatch.setattr(_config, "_NORM_SELECTED", {})  # no config remembered from an earlier call
     # With a residual: fp16 x, fp32 weight (AMP). Not bf16: the interpreter truncates fp32 -> bf16 casts, so

@@ -64,11 +64,13 @@ def _lead_cycles(fn: Callable[[], object], device: torch.device) -> int:
 
 
 def device_ms(
-    fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100
+    fn: Callable[[], object], device: torch.device | None, warmup_ms: float = 25, rep_ms: float = 100
 ) -> float:
-    """Median device time of one `fn()` in ms (CUDA only): the do_bench recipe (estimate, warm up, then time
-    each call with events after overwriting an L2-sized buffer) plus the GPU spin between the flush and
-    the start event (see the module doc)."""
+    """Median device time of one `fn()` in ms (CUDA only; `device` None: the current GPU): the do_bench
+    recipe (estimate, warm up, then time each call with events after overwriting an L2-sized buffer) plus
+    the GPU spin between the flush and the start event (see the module doc)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     fn()
     sync(device)
