@@ -50,15 +50,26 @@ def scale(args: tuple, kwargs: dict) -> tuple[torch.Tensor]:
     then relative to the terms, not to the result. Each sum is replaced by the 2-norm of its terms;
     silu(g)·u by |g|·|u| (|silu(g)| <= |g| + 0.28 and silu' <= 1.1 bound the propagated error)."""
     x, wg, wu, wd = (t.to(F64) for t in args)
-    nw = kwargs.get("norm_weight")
-    if nw is not None:
-        rstd = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + kwargs.get("eps", 1e-6))
-        x = x * rstd * nw.to(F64)
-    x2 = x.square()
-    g = (x2 @ wg.square().T).sqrt()
-    u = (x2 @ wu.square().T).sqrt()
+    x2 = _normed(x, kwargs)[0].square()
+    g, u = _terms(x2, wg), _terms(x2, wu)
     h2 = ((g + 0.28) * u).square()
     return ((h2 @ wd.square().T).sqrt(),)
+
+
+def _normed(x: torch.Tensor, kwargs: dict) -> tuple:
+    """(xn, x̂, rstd) of float64 x [..., D]: xn = x̂ * norm_weight with x̂ = x * rstd, or (x, None, None)
+    without a norm weight (the error scales' prologue; the oracle writes its own)."""
+    nw = kwargs.get("norm_weight")
+    if nw is None:
+        return x, None, None
+    rstd = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + kwargs.get("eps", 1e-6))
+    xhat = x * rstd
+    return xhat * nw.detach().to(F64), xhat, rstd
+
+
+def _terms(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The 2-norms of the terms of x @ w^T, from x2 = x.square()."""
+    return (x2 @ w.square().T).sqrt()
 
 
 def grad_scale(args: tuple, kwargs: dict, grads: tuple) -> tuple:
@@ -82,15 +93,10 @@ def grad_scale(args: tuple, kwargs: dict, grads: tuple) -> tuple:
     nw = kwargs.get("norm_weight")
     d = x.shape[-1]
     dy = grads[0].detach().to(F64).reshape(-1, d)
-    x = x.reshape(-1, d)
-    xn, xhat, rstd = x, None, None
-    if nw is not None:
-        rstd = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + kwargs.get("eps", 1e-6))
-        xhat = x * rstd
-        xn = xhat * nw.detach().to(F64)
+    xn, xhat, rstd = _normed(x.reshape(-1, d), kwargs)
     x2 = xn.square()
     g, u = xn @ wg.T, xn @ wu.T  # [T, F]
-    tg, tu = (x2 @ wg.square().T).sqrt(), (x2 @ wu.square().T).sqrt()  # their terms' 2-norms
+    tg, tu = _terms(x2, wg), _terms(x2, wu)  # their terms' 2-norms
     sig = torch.sigmoid(g)
     silu, dsilu = (g * sig).abs(), (sig * (1.0 + g * (1.0 - sig))).abs()
     dh = (dy @ wd).abs()
