@@ -132,6 +132,8 @@ TL_DTYPE_NAMES: dict[torch.dtype, str] = {
 # "split":  few rows (M < 2 x SMs) longer than NORM_REG_MAX: rows alone cannot fill the GPU, so each row is
 #           cut into SPLIT chunks: kernel 1 writes per-chunk partial statistics, kernel 2 combines them in a
 #           fixed order and normalizes its chunk (cluster-free; costs a second read of x, cheap at small M).
+# "coop":   rows longer than 128 KB (tuned runs on a GPU): each row cut into register-resident chunks, one
+#           program each, the partial statistics meeting at a per-row barrier (kernels_triton/_coop.py).
 # With a fused residual add (the contract's forward(y, h, ..., x, residual, ...)) every mode reads x and the
 # residual once and writes h = x + residual once; "reload"/"split" re-read h (from L2), not x and residual.
 # Which tile, warps, programs per SM and step win is not derivable to the last 5 %, so for large problems
@@ -240,7 +242,12 @@ def norm_forced(
     if all(v is None for v in force.values()):
         return None
     mode = force.get("mode") or norm_plan(M, N, elsize, dev)[0]
-    if mode in ("reg", "rows"):
+    if mode == "coop":
+        if not coop_supported():
+            raise ValueError("norm mode 'coop' needs a compiled GPU kernel with cooperative launches")
+        progs, chunk_bytes, threads = NORM_COOP_SETS["rms_norm"][0]
+        cfg = NormConfig("coop", chunk_bytes // elsize, max(1, threads // warp_size(dev)), progs=progs)
+    elif mode in ("reg", "rows"):
         bm, bn, nw = norm_reg_tile(M, N, elsize, dev)
         cfg = NormConfig(mode, bn, nw, block_m=bm, progs=NORM_ROWS_PROGS if mode == "rows" else 0)
     else:
@@ -264,12 +271,50 @@ def norm_forced(
 # 2acb83f, reverted) timed 514.5 vs 514.5 us at 2048 x 131072 (120 programs) and 591 vs 551 at 1024 x 262144
 # (60), H100, same process.
 NORM_RELOAD_SET = ((1, 32768, 1024), (2, 16384, 512), (2, 8192, 256), (4, 8192, 256))
+# "coop" entries per op (kernels_triton/_coop.py): (programs per SM, chunk bytes, threads), offered for rows
+# longer than NORM_COOP_MIN_ROW_BYTES cut into <= COOP_SPLIT_MAX chunks; `coop_fit` caps programs per SM at
+# what the compiled kernel's registers allow. H100, bf16, % of the copy rate (device time, L2 flushed,
+# .dev/s/coop_probe.py at M x N = 2^28; "reload" and torch.compile in the same process):
+#   rms_norm   N=65536: reload 83.5, coop 64 KB/1024 threads 79.6, 64 KB/512 76.8, 32 KB chunks 68-70
+#              N=131072: reload 70.3, coop 64 KB/1024 80.8, 64 KB/512 78.3 (torch.compile 65.8)
+#              N=262144: reload 65.6, coop 64 KB/1024 79.9, 64 KB/512 76.3 (torch.compile 64.4)
+#   layer_norm N=131072: reload 64.2, coop 32 KB/512 64.5; N=262144: 59.1 vs 62.1; 64 KB chunks 50-55
+#              (its second statistic and the bias leave fewer registers: ptxas spills at 64 KB chunks).
+# Short of the ceiling because a program's next chunk (its only loads in flight while its group waits at
+# the barrier, ~1-2 us of atomics) is at most 64 KB per SM. Rows <= 128 KB keep "reload" (its L2 re-read
+# still hits there).
+NORM_COOP_SETS: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "rms_norm": ((1, 65536, 1024), (1, 65536, 512)),
+    "layer_norm": ((1, 32768, 512),),
+}
+NORM_COOP_MIN_ROW_BYTES = 131072 + 1
+COOP_SPLIT_MAX = 64  # chunks per row; a row's partials are read in one [COOP_SPLIT_MAX] load
+
+
+def coop_supported() -> bool:
+    """Whether "coop" can run: compiled (not the interpreter, whose sequential programs would spin forever)
+    and a Triton with cooperative launches (the driver then refuses a grid that cannot be resident)."""
+    if is_interpreter():
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:  # a Triton without the NVIDIA backend
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 # "rows" entries: (programs per SM, vectors per thread).
 NORM_ROWS_SET = ((2, 2), (1, 1), (1, 2))  # (1, 2) only where the others do not fit (N = 16384 bf16)
 
 
 def norm_candidates(
-    M: int, N: int, elsize: int, dev: int, first: NormConfig | None = None, res: bool = False
+    M: int,
+    N: int,
+    elsize: int,
+    dev: int,
+    first: NormConfig | None = None,
+    res: bool = False,
+    coop_set: tuple[tuple[int, int, int], ...] = (),
 ) -> list[NormConfig]:
     """Configs the tuner times for x[M, N] (modes "reg", "rows", "reload"), deduplicated: `first` (the op's
     heuristic config), then the tables above. At most ~7, since each costs a JIT compile (~0.5 s).
@@ -308,6 +353,12 @@ def norm_candidates(
         if row_bytes < step_bytes or progs * num_sms(dev) * row_bytes > 0.6 * l2:
             continue
         add(NormConfig("reload", step_bytes // elsize, max(1, threads // ws), progs=progs))
+    if row_bytes >= NORM_COOP_MIN_ROW_BYTES and coop_supported():
+        for progs, chunk_bytes, threads in coop_set:
+            if (
+                -(-row_bytes // chunk_bytes) <= COOP_SPLIT_MAX
+            ):  # (a GPU too small for the grid: coop_grid raises)
+                add(NormConfig("coop", chunk_bytes // elsize, max(1, threads // ws), progs=progs))
     return cands
 
 
@@ -380,7 +431,7 @@ def norm_select(
     if default.mode == "split" or not norm_should_tune(x):
         cfg = default
     else:
-        cands = norm_candidates(M, N, es, dev, default, res)
+        cands = norm_candidates(M, N, es, dev, default, res, NORM_COOP_SETS.get(key[0], ()))
         cfg = norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check, x.device)
     # Remembered unless the decision depended on a CUDA graph capture (no tuning inside one: a later call
     # outside may tune) or on the FUSEKIT_NORM_TUNE switch, which tests flip.
@@ -391,11 +442,13 @@ def norm_select(
     return cfg
 
 
-def norm_aot_configs(n: int, es: int, step: tuple[int, int], res: bool = False) -> list[NormConfig]:
+def norm_aot_configs(
+    n: int, es: int, step: tuple[int, int], res: bool = False, coop_set: tuple[tuple[int, int, int], ...] = ()
+) -> list[NormConfig]:
     """Every config a row-norm launcher can pick for rows of n (with a fused residual: `res`): the heuristic
     plans and all tuning candidates."""
     cfgs = [norm_default(1 << 20, n, es, 0, *step)]
-    cfgs += [c for c in norm_candidates(1 << 20, n, es, 0, cfgs[0], res) if c not in cfgs]
+    cfgs += [c for c in norm_candidates(1 << 20, n, es, 0, cfgs[0], res, coop_set) if c not in cfgs]
     if n > NORM_REG_MAX:
         cfgs.append(norm_default(4, n, es, 0, *step))  # "split"
     return cfgs

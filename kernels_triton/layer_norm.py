@@ -7,7 +7,7 @@ biased variance, fp32 math, one cast; mean/rstd[M] fp32.
 Forward byte floor: read x once, write y once (+ 2N weights/bias, 2M statistics), 2 x M x N x elsize:
 32768 x 8192 bf16 = 1.07 GB -> 251 us at the H200's measured 4274 GB/s copy rate; 16384 x 65536 bf16 =
 4.29 GB -> 1004 us; with the fused residual add 4 x M x N x elsize (read x and residual, write h and y).
-The modes ("reg", "rows", "reload", "split") are shaped exactly as in rms_norm.py (the table is in
+The modes ("reg", "rows", "reload", "split", "coop") are shaped exactly as in rms_norm.py (the table is in
 kernels_triton/_config.py); large problems pick among them by timing (`norm_tuned`, every candidate first
 checked against an fp32 reference of the same residual/bias/weight variant).
 
@@ -30,6 +30,7 @@ import triton.language as tl
 
 from kernels_triton import _norm_bwd
 from kernels_triton._config import (
+    NORM_COOP_SETS,
     NORM_NOT_FORCED,
     NormConfig,
     device_index,
@@ -41,6 +42,7 @@ from kernels_triton._config import (
     norm_selected,
     split_chunks,
 )
+from kernels_triton._coop import COOP_SPLIT_MAX, coop_fit, coop_grid, row_barrier, widen_again
 from kernels_triton._launch import fast_launch
 from kernels_triton._tiles import load_row_tile
 
@@ -290,6 +292,66 @@ def _ln_split_norm_kernel(
     _ln_normalize(x_ptr, w_ptr, b_ptr, y_ptr, rbase + start, start, n, shift, md, rstd, HAS_BIAS, BLOCK)
 
 
+@triton.jit
+def _ln_coop_load(x_ptr, r_ptr, base, c, m, HAS_RES: tl.constexpr):
+    """One chunk of x (and residual) of a row and the row's shift K = xin[row, 0] (h[row, 0] with a residual)."""
+    x = tl.load(x_ptr + base + c, mask=m, other=0.0)
+    k0 = tl.load(x_ptr + base)
+    if HAS_RES:
+        r = tl.load(r_ptr + base + c, mask=m, other=0.0)
+        k0 = _add_res(k0, tl.load(r_ptr + base))
+    else:
+        r = x
+    return x, r, k0.to(tl.float32)
+
+
+@fast_launch
+@triton.jit
+def _ln_coop_kernel(
+    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, part_ptr, cnt_ptr, M, N, SPLIT, eps,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    # "coop" (kernels_triton/_coop.py): program k of group g holds chunk k of rows g, g + G, ... in registers;
+    # the row's SPLIT partial shifted sums (as "split": d = xin - K, K = xin[row, 0]) meet at row_barrier and
+    # are combined in a fixed order. The next row's chunk is loaded before the barrier.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0) // SPLIT
+    grp = pid // SPLIT
+    k = pid % SPLIT
+    c = k * BLOCK + tl.arange(0, BLOCK)
+    cm = c < N
+    s = tl.arange(0, BLOCK_S)
+    w = tl.load(w_ptr + c, mask=cm, other=0.0)  # x's dtype or fp32, widened at use
+    if HAS_BIAS:
+        b = tl.load(b_ptr + c, mask=cm, other=0.0)
+    xn, rn, kn = _ln_coop_load(x_ptr, r_ptr, grp.to(tl.int64) * N, c, cm, HAS_RES)
+    for row in range(grp, M, G):
+        base = tl.cast(row, tl.int64) * N
+        x = xn
+        shift = kn
+        if HAS_RES:
+            x = _add_res(x, rn)
+            tl.store(h_ptr + base + c, x, mask=cm)
+        ds = tl.where(cm, widen_again(x) - shift, 0.0)
+        pbase = 2 * (tl.cast(row, tl.int64) * SPLIT)
+        tl.store(part_ptr + pbase + 2 * k, tl.sum(ds, axis=0))
+        tl.store(part_ptr + pbase + 2 * k + 1, tl.sum(ds * ds, axis=0))
+        nxt = tl.minimum(row + G, M - 1)  # past the last row: a masked-off chunk of the last row
+        xn, rn, kn = _ln_coop_load(x_ptr, r_ptr, tl.cast(nxt, tl.int64) * N, c, cm & (row + G < M), HAS_RES)
+        row_barrier(cnt_ptr, row, SPLIT)
+        sm = s < SPLIT
+        s1 = tl.sum(tl.load(part_ptr + pbase + 2 * s, mask=sm, other=0.0, cache_modifier=".cg"), axis=0)
+        s2 = tl.sum(tl.load(part_ptr + pbase + 2 * s + 1, mask=sm, other=0.0, cache_modifier=".cg"), axis=0)
+        md, mean, rstd = _ln_stats(s1, s2, shift, N, eps)
+        if k == 0:
+            tl.store(mean_ptr + row, mean)
+            tl.store(rstd_ptr + row, rstd)
+        y = ((x.to(tl.float32) - shift) - md) * rstd * w.to(tl.float32)
+        if HAS_BIAS:
+            y += b.to(tl.float32)
+        tl.store(y_ptr + base + c, y.to(y_ptr.dtype.element_ty), mask=cm)
+
+
 def _launch(cfg: NormConfig, y, h, mean, rstd, x, residual, weight, bias, eps: float) -> None:
     M, N = x.shape
     dev = device_index(x)
@@ -315,6 +377,17 @@ def _launch(cfg: NormConfig, y, h, mean, rstd, x, residual, weight, bias, eps: f
                 x, weight, b, y, mean, rstd, M, N, eps,
                 HAS_BIAS=has_bias, BLOCK=cfg.block, num_warps=cfg.num_warps,
             )  # fmt: skip
+    elif cfg.mode == "coop":
+        split = -(-N // cfg.block)
+        part = torch.empty((M * split * 2,), dtype=torch.float32, device=x.device)
+        cnt = torch.zeros((M,), dtype=torch.int32, device=x.device)
+        args = [x, r_, weight, b, y, h_, mean, rstd, part, cnt, M, N, split, eps]
+        kw = dict(HAS_RES=has_res, HAS_BIAS=has_bias, BLOCK=cfg.block, BLOCK_S=COOP_SPLIT_MAX,
+                  num_warps=cfg.num_warps, launch_cooperative_grid=True)  # fmt: skip
+        fkey = ("ln", cfg, x.dtype, weight.dtype, has_res, has_bias, split, dev)
+        fit = coop_fit(_ln_coop_kernel, fkey, args, kw, cfg.num_warps, dev)
+        _, groups = coop_grid(M, N, cfg.block, min(cfg.progs, fit), dev)
+        _ln_coop_kernel[(groups * split,)](*args, **kw)
     else:
         split, chunk = split_chunks(N, cfg.split, cfg.block, SPLIT_MAX)
         part = torch.empty((M, split, 2), dtype=torch.float32, device=x.device)
@@ -358,7 +431,7 @@ def forward(
 ) -> None:
     """y[M, N], mean[M], rstd[M] fp32 <- LayerNorm(xin) with weight[N], bias[N] | None (x's dtype or fp32);
     xin = x, or with `residual` given h[M, N] = x + residual (x's dtype), written once, and xin = h.
-    Private `_mode` ("reg", "rows", "reload", "split"), `_split`, `_block`, `_num_warps`, `_block_m`,
+    Private `_mode` ("reg", "rows", "reload", "split", "coop"), `_split`, `_block`, `_num_warps`, `_block_m`,
     `_progs` force a launch config (tests)."""
     if (h is None) != (residual is None):
         raise ValueError("layer_norm forward: h and residual must be given together")
@@ -430,7 +503,7 @@ def layer_norm(
 
 
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
-AOT_NS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # bf16 row lengths whose tuned sets compile
+AOT_NS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144)  # bf16 rows whose tuned sets compile
 AOT_RES_NS = (
     4096,
     8192,
@@ -441,7 +514,7 @@ AOT_RES_NS = (
 
 def aot_configs(n: int, es: int, res: bool = False) -> list[NormConfig]:
     """Every config the launcher can pick for rows of n, with a fused residual or not (`norm_aot_configs`)."""
-    return norm_aot_configs(n, es, (STREAM_BYTES, STREAM_VECS), res)
+    return norm_aot_configs(n, es, (STREAM_BYTES, STREAM_VECS), res, NORM_COOP_SETS["layer_norm"])
 
 
 def _fwd_specs(dt: str, wt: str, has_res: bool, has_bias: bool, c: NormConfig) -> list[tuple]:
@@ -472,6 +545,18 @@ def _fwd_specs(dt: str, wt: str, has_res: bool, has_bias: bool, c: NormConfig) -
         sig |= {"M": "i32", "N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
         ce = {"HAS_BIAS": has_bias, "BLOCK": c.block, "num_warps": nw}
         return [(f"ln_reload_{dt}{var}_b{c.block}_w{nw}", fn, sig, ce)]
+    if c.mode == "coop":
+        sig = {"x_ptr": px, "r_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px, "h_ptr": px} | stat
+        sig |= {"part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "SPLIT": "i32", "eps": "fp32"}
+        sig |= {"HAS_RES": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr", "BLOCK_S": "constexpr"}
+        ce = {
+            "HAS_RES": has_res,
+            "HAS_BIAS": has_bias,
+            "BLOCK": c.block,
+            "BLOCK_S": COOP_SPLIT_MAX,
+            "num_warps": nw,
+        }
+        return [(f"ln_coop_{dt}{var}_b{c.block}_w{nw}", _ln_coop_kernel, sig, ce)]
     sig = {"x_ptr": px, "r_ptr": px, "h_ptr": px, "part_ptr": "*fp32", "N": "i32", "SPLIT": "i32"}
     sig |= {"CHUNK": "i32", "HAS_RES": "constexpr", "BLOCK": "constexpr"}
     ce = {"HAS_RES": has_res, "BLOCK": c.block, "num_warps": nw}

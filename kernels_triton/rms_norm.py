@@ -15,6 +15,9 @@ table in kernels_triton/_config.py):
   second from L2), loads one step ahead and across rows; progs x SMs rows in flight fit the L2. With a
   residual, pass 1 writes h (evict_last) and pass 2 re-reads h from L2 (one stream, not x and residual).
 - "split" (M < 2 x SMs, N > 16384): two kernels, per-chunk partial sums (and h) then normalize.
+- "coop" (rows > 128 KB, tuned runs on a GPU only): a row cut into register-resident chunks, one program
+  each, whose partial sums meet at a per-row barrier in global memory (cooperative launch): one HBM read
+  of x, no L2 re-read (kernels_triton/_coop.py; 1.15-1.22x "reload" at 131072-262144 bf16 on the H100).
 Large problems pick among these by timing (`norm_tuned`, every candidate first checked against an fp32
 reference of the same residual/casting/weight variant); the interpreter and small ones by heuristic.
 
@@ -35,6 +38,7 @@ import triton.language as tl
 
 from kernels_triton import _norm_bwd
 from kernels_triton._config import (
+    NORM_COOP_SETS,
     NORM_NOT_FORCED,
     NormConfig,
     device_index,
@@ -46,6 +50,7 @@ from kernels_triton._config import (
     norm_selected,
     split_chunks,
 )
+from kernels_triton._coop import COOP_SPLIT_MAX, coop_fit, coop_grid, row_barrier, widen_again
 from kernels_triton._launch import fast_launch
 from kernels_triton._tiles import load_row_tile
 
@@ -267,6 +272,52 @@ def _rms_split_norm_kernel(
     _rms_normalize(x_ptr, w_ptr, y_ptr, row.to(tl.int64) * N + start, start, n, rstd, CASTING, BLOCK)
 
 
+@fast_launch
+@triton.jit
+def _rms_coop_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, part_ptr, cnt_ptr, M, N, SPLIT, eps,
+    HAS_RES: tl.constexpr, CASTING: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    # "coop" (kernels_triton/_coop.py): program k of group g holds chunk k of rows g, g + G, ... in registers;
+    # the row's SPLIT partial sums of squares meet at row_barrier. The next row's chunk (and residual) is
+    # loaded before the barrier, so it is in flight while the group waits.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0) // SPLIT
+    grp = pid // SPLIT
+    k = pid % SPLIT
+    c = k * BLOCK + tl.arange(0, BLOCK)
+    cm = c < N
+    s = tl.arange(0, BLOCK_S)
+    w = tl.load(w_ptr + c, mask=cm, other=0.0)  # x's dtype or fp32, widened at use
+    base = grp.to(tl.int64) * N
+    xn = tl.load(x_ptr + base + c, mask=cm, other=0.0)
+    if HAS_RES:
+        rn = tl.load(r_ptr + base + c, mask=cm, other=0.0)
+    for row in range(grp, M, G):
+        base = tl.cast(row, tl.int64) * N
+        x = xn
+        if HAS_RES:
+            x = _add_res(x, rn)
+            tl.store(h_ptr + base + c, x, mask=cm)
+        xs = widen_again(x)
+        pbase = tl.cast(row, tl.int64) * SPLIT
+        tl.store(part_ptr + pbase + k, tl.sum(xs * xs, axis=0))
+        nm = cm & (row + G < M)
+        xn = tl.load(x_ptr + base + G * N + c, mask=nm, other=0.0)
+        if HAS_RES:
+            rn = tl.load(r_ptr + base + G * N + c, mask=nm, other=0.0)
+        row_barrier(cnt_ptr, row, SPLIT)
+        p = tl.load(part_ptr + pbase + s, mask=s < SPLIT, other=0.0, cache_modifier=".cg")
+        rstd = tl.rsqrt(tl.sum(p, axis=0) / N + eps)
+        if k == 0:
+            tl.store(rstd_ptr + row, rstd)
+        tl.store(
+            y_ptr + base + c,
+            _rms_y(x.to(tl.float32), rstd, w.to(tl.float32), CASTING, y_ptr.dtype.element_ty),
+            mask=cm,
+        )
+
+
 def _launch(cfg: NormConfig, y, h, rstd, x, residual, weight, eps: float, casting: int) -> None:
     M, N = x.shape
     dev = device_index(x)
@@ -289,6 +340,17 @@ def _launch(cfg: NormConfig, y, h, rstd, x, residual, weight, eps: float, castin
             _rms_reload_kernel[grid](
                 x, weight, y, rstd, M, N, eps, CASTING=casting, BLOCK=cfg.block, num_warps=cfg.num_warps
             )
+    elif cfg.mode == "coop":
+        split = -(-N // cfg.block)
+        part = torch.empty((M * split,), dtype=torch.float32, device=x.device)
+        cnt = torch.zeros((M,), dtype=torch.int32, device=x.device)
+        args = [x, r_, weight, y, h_, rstd, part, cnt, M, N, split, eps]
+        kw = dict(HAS_RES=has_res, CASTING=casting, BLOCK=cfg.block, BLOCK_S=COOP_SPLIT_MAX,
+                  num_warps=cfg.num_warps, launch_cooperative_grid=True)  # fmt: skip
+        fkey = ("rms", cfg, x.dtype, weight.dtype, has_res, casting, split, dev)
+        fit = coop_fit(_rms_coop_kernel, fkey, args, kw, cfg.num_warps, dev)
+        _, groups = coop_grid(M, N, cfg.block, min(cfg.progs, fit), dev)
+        _rms_coop_kernel[(groups * split,)](*args, **kw)
     else:
         split, chunk = split_chunks(N, cfg.split, cfg.block, SPLIT_MAX)
         part = torch.empty((M, split), dtype=torch.float32, device=x.device)
@@ -342,7 +404,7 @@ def forward(
 ) -> None:
     """y[M, N], rstd[M] fp32 <- RMSNorm(xin) * weight[N] per `casting`; xin = x, or with `residual` given
     h[M, N] = x + residual (x's dtype), written once, and xin = h. weight: x's dtype or fp32.
-    Private `_mode` ("reg", "rows", "reload", "split"), `_split`, `_block`, `_num_warps`, `_block_m`,
+    Private `_mode` ("reg", "rows", "reload", "split", "coop"), `_split`, `_block`, `_num_warps`, `_block_m`,
     `_progs` force a launch config (tests)."""
     if (h is None) != (residual is None):
         raise ValueError("rms_norm forward: h and residual must be given together")
@@ -409,7 +471,7 @@ def rms_norm(
 
 
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
-AOT_NS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # bf16 row lengths whose tuned sets compile
+AOT_NS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144)  # bf16 rows whose tuned sets compile
 # (weight dtype, residual, casting) variants: every config of the plain one (weight in x's dtype, no residual,
 # "fp32") and the heaviest one (fp32 weight under AMP + residual: a second input stream and an h store; its
 # own candidate list, `norm_candidates(res=True)`): every candidate for bf16 at AOT_RES_NS, the heuristic
@@ -420,7 +482,7 @@ AOT_RES_NS = (4096, 8192, 16384, 65536)  # bf16 rows whose residual tuning candi
 
 def aot_configs(n: int, es: int, res: bool = False) -> list[NormConfig]:
     """Every config the launcher can pick for rows of n, with a fused residual or not (`norm_aot_configs`)."""
-    return norm_aot_configs(n, es, (STREAM_BYTES, STREAM_VECS), res)
+    return norm_aot_configs(n, es, (STREAM_BYTES, STREAM_VECS), res, NORM_COOP_SETS["rms_norm"])
 
 
 def _fwd_specs(dt: str, wt: str, has_res: bool, casting: int, c: NormConfig) -> list[tuple]:
@@ -450,6 +512,24 @@ def _fwd_specs(dt: str, wt: str, has_res: bool, casting: int, c: NormConfig) -> 
             fn = _rms_reload_kernel
         ce = {"CASTING": casting, "BLOCK": c.block, "num_warps": nw}
         return [(f"rms_reload_{tag}_b{c.block}_w{nw}", fn, sig, ce)]
+    if c.mode == "coop":
+        sig = io | {
+            "part_ptr": "*fp32",
+            "cnt_ptr": "*i32",
+            "M": "i32",
+            "N": "i32",
+            "SPLIT": "i32",
+            "eps": "fp32",
+        }
+        sig |= {"HAS_RES": "constexpr", "CASTING": "constexpr", "BLOCK": "constexpr", "BLOCK_S": "constexpr"}
+        ce = {
+            "HAS_RES": has_res,
+            "CASTING": casting,
+            "BLOCK": c.block,
+            "BLOCK_S": COOP_SPLIT_MAX,
+            "num_warps": nw,
+        }
+        return [(f"rms_coop_{tag}_b{c.block}_w{nw}", _rms_coop_kernel, sig, ce)]
     sig = {"x_ptr": px, "r_ptr": px, "h_ptr": px, "part_ptr": "*fp32", "N": "i32", "SPLIT": "i32"}
     sig |= {"CHUNK": "i32", "HAS_RES": "constexpr", "BLOCK": "constexpr"}
     ce = {"HAS_RES": has_res, "BLOCK": c.block, "num_warps": nw}

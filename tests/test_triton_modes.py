@@ -419,9 +419,10 @@ def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> N
         for n in mod.AOT_NS:
             for m in (max(264, _config.NORM_TUNE_MIN_ELEMS // n), 32768):  # tuned sizes (no "split")
                 first = _config.norm_default(m, n, 2, 0, mod.STREAM_BYTES, mod.STREAM_VECS)
-                cands = _config.norm_candidates(m, n, 2, 0, first)
+                coop = _config.NORM_COOP_SETS[mod.__name__.rsplit(".", 1)[1]]
+                cands = _config.norm_candidates(m, n, 2, 0, first, coop_set=coop)
                 assert set(cands) <= aot[n], (mod.__name__, n, m, set(cands) - aot[n])
-                cands = _config.norm_candidates(m, n, 2, 0, first, res=True)  # fused residual (own list)
+                cands = _config.norm_candidates(m, n, 2, 0, first, res=True, coop_set=coop)  # fused residual
                 assert set(cands) <= aot_res[n], (mod.__name__, n, m, set(cands) - aot_res[n])
         monkeypatch.undo()
 
