@@ -26,10 +26,11 @@ SM's loads stay in flight while the group waits (the wait is ~1-2 us of atomics)
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import COOP_SPLIT_MAX, is_hip, num_sms
+from kernels_triton._config import COOP_SPLIT_MAX, NormConfig, device_index, is_hip, num_sms
 
 _FIT: dict[tuple, int] = {}  # (kernel, launch key) -> programs of it one SM holds
 
@@ -61,6 +62,35 @@ def coop_grid(M: int, N: int, block: int, progs: int, dev: int) -> tuple[int, in
             f"(at most {min(COOP_SPLIT_MAX, slots)} here: {progs} per SM)"
         )
     return split, max(1, min(M, slots // split))
+
+
+def coop_launch(
+    fn, key: tuple, x: torch.Tensor, cfg: NormConfig, stats: int, head: list, tail: list, kw: dict
+) -> None:
+    """Launches a coop kernel over x[M, N]: fn(*head, part, cnt, M, N, SPLIT, *tail, **kw) with the
+    [M, SPLIT, stats] fp32 partials, the per-call zeroed arrival counters and a cooperative grid of
+    groups x SPLIT programs (programs per SM capped by `coop_fit`). `key` names the kernel variant."""
+    M, N = x.shape
+    dev = device_index(x)
+    split = -(-N // cfg.block)
+    part = torch.empty((M * split * stats,), dtype=torch.float32, device=x.device)
+    cnt = torch.zeros((M,), dtype=torch.int32, device=x.device)
+    args = [*head, part, cnt, M, N, split, *tail]
+    kw = kw | dict(
+        BLOCK=cfg.block, BLOCK_S=COOP_SPLIT_MAX, num_warps=cfg.num_warps, launch_cooperative_grid=True
+    )
+    fit = coop_fit(fn, (*key, cfg, split, dev), args, kw, cfg.num_warps, dev)
+    _, groups = coop_grid(M, N, cfg.block, min(cfg.progs, fit), dev)
+    fn[(groups * split,)](*args, **kw)
+
+
+@triton.jit
+def coop_chunk(N, SPLIT, BLOCK: tl.constexpr):
+    """This program's place: (row groups G, its group, its chunk k of the row, columns c, column mask)."""
+    pid = tl.program_id(0)
+    k = pid % SPLIT
+    c = k * BLOCK + tl.arange(0, BLOCK)
+    return tl.num_programs(0) // SPLIT, pid // SPLIT, k, c, c < N
 
 
 @triton.jit

@@ -42,7 +42,7 @@ from kernels_triton._config import (
     norm_selected,
     split_chunks,
 )
-from kernels_triton._coop import COOP_SPLIT_MAX, coop_fit, coop_grid, row_barrier, widen_again
+from kernels_triton._coop import COOP_SPLIT_MAX, coop_chunk, coop_launch, row_barrier, widen_again
 from kernels_triton._launch import fast_launch
 from kernels_triton._tiles import load_row_tile
 
@@ -314,12 +314,7 @@ def _ln_coop_kernel(
     # "coop" (kernels_triton/_coop.py): program k of group g holds chunk k of rows g, g + G, ... in registers;
     # the row's SPLIT partial shifted sums (as "split": d = xin - K, K = xin[row, 0]) meet at row_barrier and
     # are combined in a fixed order. The next row's chunk is loaded before the barrier.
-    pid = tl.program_id(0)
-    G = tl.num_programs(0) // SPLIT
-    grp = pid // SPLIT
-    k = pid % SPLIT
-    c = k * BLOCK + tl.arange(0, BLOCK)
-    cm = c < N
+    G, grp, k, c, cm = coop_chunk(N, SPLIT, BLOCK)
     s = tl.arange(0, BLOCK_S)
     w = tl.load(w_ptr + c, mask=cm, other=0.0)  # x's dtype or fp32, widened at use
     if HAS_BIAS:
@@ -378,16 +373,9 @@ def _launch(cfg: NormConfig, y, h, mean, rstd, x, residual, weight, bias, eps: f
                 HAS_BIAS=has_bias, BLOCK=cfg.block, num_warps=cfg.num_warps,
             )  # fmt: skip
     elif cfg.mode == "coop":
-        split = -(-N // cfg.block)
-        part = torch.empty((M * split * 2,), dtype=torch.float32, device=x.device)
-        cnt = torch.zeros((M,), dtype=torch.int32, device=x.device)
-        args = [x, r_, weight, b, y, h_, mean, rstd, part, cnt, M, N, split, eps]
-        kw = dict(HAS_RES=has_res, HAS_BIAS=has_bias, BLOCK=cfg.block, BLOCK_S=COOP_SPLIT_MAX,
-                  num_warps=cfg.num_warps, launch_cooperative_grid=True)  # fmt: skip
-        fkey = ("ln", cfg, x.dtype, weight.dtype, has_res, has_bias, split, dev)
-        fit = coop_fit(_ln_coop_kernel, fkey, args, kw, cfg.num_warps, dev)
-        _, groups = coop_grid(M, N, cfg.block, min(cfg.progs, fit), dev)
-        _ln_coop_kernel[(groups * split,)](*args, **kw)
+        key = ("ln", x.dtype, weight.dtype, has_res, has_bias)
+        kw = dict(HAS_RES=has_res, HAS_BIAS=has_bias)
+        coop_launch(_ln_coop_kernel, key, x, cfg, 2, [x, r_, weight, b, y, h_, mean, rstd], [eps], kw)
     else:
         split, chunk = split_chunks(N, cfg.split, cfg.block, SPLIT_MAX)
         part = torch.empty((M, split, 2), dtype=torch.float32, device=x.device)

@@ -50,7 +50,7 @@ from kernels_triton._config import (
     norm_selected,
     split_chunks,
 )
-from kernels_triton._coop import COOP_SPLIT_MAX, coop_fit, coop_grid, row_barrier, widen_again
+from kernels_triton._coop import COOP_SPLIT_MAX, coop_chunk, coop_launch, row_barrier, widen_again
 from kernels_triton._launch import fast_launch
 from kernels_triton._tiles import load_row_tile
 
@@ -281,12 +281,7 @@ def _rms_coop_kernel(
     # "coop" (kernels_triton/_coop.py): program k of group g holds chunk k of rows g, g + G, ... in registers;
     # the row's SPLIT partial sums of squares meet at row_barrier. The next row's chunk (and residual) is
     # loaded before the barrier, so it is in flight while the group waits.
-    pid = tl.program_id(0)
-    G = tl.num_programs(0) // SPLIT
-    grp = pid // SPLIT
-    k = pid % SPLIT
-    c = k * BLOCK + tl.arange(0, BLOCK)
-    cm = c < N
+    G, grp, k, c, cm = coop_chunk(N, SPLIT, BLOCK)
     s = tl.arange(0, BLOCK_S)
     w = tl.load(w_ptr + c, mask=cm, other=0.0)  # x's dtype or fp32, widened at use
     base = grp.to(tl.int64) * N
@@ -341,16 +336,9 @@ def _launch(cfg: NormConfig, y, h, rstd, x, residual, weight, eps: float, castin
                 x, weight, y, rstd, M, N, eps, CASTING=casting, BLOCK=cfg.block, num_warps=cfg.num_warps
             )
     elif cfg.mode == "coop":
-        split = -(-N // cfg.block)
-        part = torch.empty((M * split,), dtype=torch.float32, device=x.device)
-        cnt = torch.zeros((M,), dtype=torch.int32, device=x.device)
-        args = [x, r_, weight, y, h_, rstd, part, cnt, M, N, split, eps]
-        kw = dict(HAS_RES=has_res, CASTING=casting, BLOCK=cfg.block, BLOCK_S=COOP_SPLIT_MAX,
-                  num_warps=cfg.num_warps, launch_cooperative_grid=True)  # fmt: skip
-        fkey = ("rms", cfg, x.dtype, weight.dtype, has_res, casting, split, dev)
-        fit = coop_fit(_rms_coop_kernel, fkey, args, kw, cfg.num_warps, dev)
-        _, groups = coop_grid(M, N, cfg.block, min(cfg.progs, fit), dev)
-        _rms_coop_kernel[(groups * split,)](*args, **kw)
+        key = ("rms", x.dtype, weight.dtype, has_res, casting)
+        kw = dict(HAS_RES=has_res, CASTING=casting)
+        coop_launch(_rms_coop_kernel, key, x, cfg, 1, [x, r_, weight, y, h_, rstd], [eps], kw)
     else:
         split, chunk = split_chunks(N, cfg.split, cfg.block, SPLIT_MAX)
         part = torch.empty((M, split), dtype=torch.float32, device=x.device)

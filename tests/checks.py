@@ -70,3 +70,21 @@ TINY_LLAMA = dict(
     vocab_size=128,
     max_position_embeddings=64,
 )
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 RMSNorm of the rows of x: (y, rstd)."""
+    xd = x.double()
+    rstd = torch.rsqrt(xd.square().mean(-1) + eps)
+    return xd * rstd[:, None] * w.double(), rstd
+
+
+def layer_norm_ref(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 LayerNorm (biased variance) of the rows of x: (y, mean, rstd)."""
+    xd = x.double()
+    mean = xd.mean(-1)
+    rstd = torch.rsqrt((xd - mean[:, None]).square().mean(-1) + eps)
+    y = (xd - mean[:, None]) * rstd[:, None] * w.double()
+    return (y + b.double() if b is not None else y), mean, rstd

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
-from checks import rel_error, sum_scale
+from checks import layer_norm_ref, rel_error, rms_norm_ref, sum_scale
 
 pytest.importorskip("triton")
 _ROOT = Path(__file__).resolve().parents[1]
@@ -146,22 +146,6 @@ PERSISTENT_CASES = [
 ]
 
 
-def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    xd = x.double()
-    ref_rstd = torch.rsqrt(xd.square().mean(-1) + eps)
-    return xd * ref_rstd[:, None] * w.double(), ref_rstd
-
-
-def _ln_ref(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    xd = x.double()
-    ref_mean = xd.mean(-1)
-    ref_rstd = torch.rsqrt((xd - ref_mean[:, None]).square().mean(-1) + eps)
-    ref = (xd - ref_mean[:, None]) * ref_rstd[:, None] * w.double()
-    return (ref + b.double() if b is not None else ref), ref_mean, ref_rstd
-
-
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("mode,M,N", NORM_CASES)
 def test_rms_norm_modes(dtype: torch.dtype, mode: str, M: int, N: int) -> None:
@@ -229,14 +213,14 @@ def test_norms_persistent(dtype: torch.dtype, mode: str, M: int, N: int, kw: dic
     out = torch.full_like(x, float("nan"))
     rstd = torch.full((M,), float("nan"))
     rms_norm(out, rstd, x, w, 1e-6, _mode=mode, **kw)
-    ref, ref_rstd = _rms_ref(x, w, 1e-6)
+    ref, ref_rstd = rms_norm_ref(x, w, 1e-6)
     assert rel_error(out, ref) <= TOL[dtype]
     assert rel_error(rstd, ref_rstd) <= 1e-5
     out = torch.full_like(x, float("nan"))
     mean = torch.full((M,), float("nan"))
     rstd = torch.full((M,), float("nan"))
     layer_norm(out, mean, rstd, x, w, b, 1e-5, _mode=mode, **kw)
-    ref, ref_mean, ref_rstd = _ln_ref(x, w, b, 1e-5)
+    ref, ref_mean, ref_rstd = layer_norm_ref(x, w, b, 1e-5)
     assert rel_error(out, ref) <= TOL[dtype]
     assert rel_error(mean, ref_mean) <= 1e-5
     assert rel_error(rstd, ref_rstd) <= 1e-5
@@ -341,13 +325,13 @@ def test_norm_tuner_rejects_wrong_candidate(
         if op == "rms_norm":
             rms_mod.forward(out, h, stats[0], x, r, w, 1e-6, "llama" if res else "fp32")
             xin = x if not res else (x.float() + r.float()).to(x.dtype)
-            ref, *ref_stats = _rms_ref(xin, w, 1e-6)
+            ref, *ref_stats = rms_norm_ref(xin, w, 1e-6)
             if res:  # llama: the normalized row rounded to bf16 before the weight
                 ref = (xin.double() * ref_stats[0][:, None]).to(x.dtype).double() * w.double()
         else:
             ln_mod.forward(out, h, stats[0], stats[1], x, r, w, b, 1e-5)
             xin = x if not res else (x.float() + r.float()).to(x.dtype)
-            ref, *ref_stats = _ln_ref(xin, w, b, 1e-5)
+            ref, *ref_stats = layer_norm_ref(xin, w, b, 1e-5)
     assert len([r for r in rec if "dropped" in str(r.message)]) == 1
     (chosen,) = _config._NORM_TUNED.values()
     assert chosen == slow  # the fastest correct one

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checks import rel_error
+from checks import layer_norm_ref, rel_error, rms_norm_ref
 
 pytest.importorskip("triton")
 
@@ -59,12 +59,6 @@ CASES = [
 ]
 
 
-def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    xd = x.double()
-    rstd = torch.rsqrt(xd.square().mean(-1) + eps)
-    return xd * rstd[:, None] * w.double(), rstd
-
-
 @pytest.mark.parametrize("M,N,dtype,block,progs", CASES)
 def test_rms_coop(cuda: None, M: int, N: int, dtype: torch.dtype, block: int, progs: int) -> None:
     x = _randn(M, N, dtype=dtype, seed=N, scale=2.0, shift=0.5)
@@ -72,7 +66,7 @@ def test_rms_coop(cuda: None, M: int, N: int, dtype: torch.dtype, block: int, pr
     y = torch.full_like(x, float("nan"))
     rstd = torch.full((M,), float("nan"), device="cuda")
     rms_mod.forward(y, None, rstd, x, None, w, 1e-6, _mode="coop", _block=block, _progs=progs)
-    ref, ref_rstd = _rms_ref(x, w, 1e-6)
+    ref, ref_rstd = rms_norm_ref(x, w, 1e-6)
     assert rel_error(y, ref) <= TOL[dtype]
     assert rel_error(rstd, ref_rstd) <= 1e-5
     y2, rstd2 = torch.full_like(y, float("nan")), torch.full_like(rstd, float("nan"))
@@ -114,12 +108,7 @@ def test_layer_norm_coop(
     mean = torch.full((M,), float("nan"), device="cuda")
     rstd = torch.full((M,), float("nan"), device="cuda")
     ln_mod.forward(y, None, mean, rstd, x, None, w, b, 1e-5, _mode="coop", _block=block, _progs=progs)
-    xd = x.double()
-    ref_mean = xd.mean(-1)
-    ref_rstd = torch.rsqrt((xd - ref_mean[:, None]).square().mean(-1) + 1e-5)
-    ref = (xd - ref_mean[:, None]) * ref_rstd[:, None] * w.double()
-    if b is not None:
-        ref = ref + b.double()
+    ref, ref_mean, ref_rstd = layer_norm_ref(x, w, b, 1e-5)
     assert rel_error(y, ref) <= TOL[dtype]
     assert rel_error(mean, ref_mean) <= 1e-5
     assert rel_error(rstd, ref_rstd) <= 1e-5
@@ -142,10 +131,7 @@ def test_layer_norm_coop_residual_large_mean(cuda: None) -> None:
     rstd = torch.full((M,), float("nan"), device="cuda")
     ln_mod.forward(y, h, mean, rstd, x, r, w, b, 1e-5, _mode="coop", _block=16384, _progs=1)
     assert torch.equal(h, x + r)
-    hd = h.double()
-    ref_mean = hd.mean(-1)
-    ref_rstd = torch.rsqrt((hd - ref_mean[:, None]).square().mean(-1) + 1e-5)
-    ref = (hd - ref_mean[:, None]) * ref_rstd[:, None] * w.double() + b.double()
+    ref, _, ref_rstd = layer_norm_ref(h, w, b, 1e-5)
     assert rel_error(y, ref) <= 1e-5
     assert rel_error(rstd, ref_rstd) <= 1e-5
 
@@ -171,7 +157,7 @@ def test_coop_cuda_graph_replay(cuda: None) -> None:
         y.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        ref, ref_rstd = _rms_ref(x, w, 1e-6)
+        ref, ref_rstd = rms_norm_ref(x, w, 1e-6)
         assert rel_error(y, ref) <= TOL[torch.bfloat16]
         assert rel_error(rstd, ref_rstd) <= 1e-5
 
