@@ -497,7 +497,8 @@ AOT_RES_NS = (
     8192,
     16384,
     65536,
-)  # bf16 rows whose residual tuning candidates all compile (else heuristic)
+    262144,
+)  # bf16 rows whose residual candidates all compile (else heuristic)
 
 
 def aot_configs(n: int, es: int, res: bool = False) -> list[NormConfig]:

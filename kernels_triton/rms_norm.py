@@ -465,7 +465,7 @@ AOT_NS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144)  # bf16
 # own candidate list, `norm_candidates(res=True)`): every candidate for bf16 at AOT_RES_NS, the heuristic
 # configs elsewhere (each config costs ~1-3 s per target in the CI AOT session). The llama/gemma castings change a few epilogue instructions only: heuristic configs at AOT_CAST_NS.
 AOT_CAST_NS = (4096, 65536)
-AOT_RES_NS = (4096, 8192, 16384, 65536)  # bf16 rows whose residual tuning candidates all compile
+AOT_RES_NS = (4096, 8192, 16384, 65536, 262144)  # bf16 rows whose residual tuning candidates all compile
 
 
 def aot_configs(n: int, es: int, res: bool = False) -> list[NormConfig]:
