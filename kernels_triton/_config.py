@@ -355,9 +355,8 @@ def norm_candidates(
         add(NormConfig("reload", step_bytes // elsize, max(1, threads // ws), progs=progs))
     if row_bytes >= NORM_COOP_MIN_ROW_BYTES and coop_supported():
         for progs, chunk_bytes, threads in coop_set:
-            if (
-                -(-row_bytes // chunk_bytes) <= COOP_SPLIT_MAX
-            ):  # (a GPU too small for the grid: coop_grid raises)
+            # (a GPU with too few SMs for the grid: coop_groups raises and the tuner drops the candidate)
+            if -(-row_bytes // chunk_bytes) <= COOP_SPLIT_MAX:
                 add(NormConfig("coop", chunk_bytes // elsize, max(1, threads // ws), progs=progs))
     return cands
 

@@ -52,16 +52,15 @@ def coop_fit(fn, key: tuple, args: tuple, kwargs: dict, num_warps: int, dev: int
     return fit
 
 
-def coop_grid(M: int, N: int, block: int, progs: int, dev: int) -> tuple[int, int]:
-    """(split, groups): chunks per row and row groups; the grid is groups x split <= progs x SMs programs."""
-    split = -(-N // block)
+def coop_groups(M: int, N: int, split: int, progs: int, dev: int) -> int:
+    """Row groups of the grid: groups x split <= progs x SMs programs (split chunks per row of N)."""
     slots = progs * num_sms(dev)
     if progs < 1 or split > COOP_SPLIT_MAX or split > slots:
         raise ValueError(
-            f"coop: a row of {N} in chunks of {block} needs {split} programs resident at once "
+            f"coop: a row of {N} in {split} chunks needs {split} programs resident at once "
             f"(at most {min(COOP_SPLIT_MAX, slots)} here: {progs} per SM)"
         )
-    return split, max(1, min(M, slots // split))
+    return max(1, min(M, slots // split))
 
 
 def coop_launch(
@@ -80,7 +79,7 @@ def coop_launch(
         BLOCK=cfg.block, BLOCK_S=COOP_SPLIT_MAX, num_warps=cfg.num_warps, launch_cooperative_grid=True
     )
     fit = coop_fit(fn, (*key, cfg, split, dev), args, kw, cfg.num_warps, dev)
-    _, groups = coop_grid(M, N, cfg.block, min(cfg.progs, fit), dev)
+    groups = coop_groups(M, N, split, min(cfg.progs, fit), dev)
     fn[(groups * split,)](*args, **kw)
 
 
@@ -105,8 +104,11 @@ def row_barrier(cnt_ptr, row, split):
 @triton.jit
 def widen_again(x):
     """x as fp32, through a different op chain than x.to(fp32) for bf16 (its bits shifted into the high half)
-    so the compiler cannot merge the statistics' widening with the normalize's: the fp32 copy (twice the
-    registers of the bf16 chunk) is then not kept alive across the barrier, only the bf16 chunk."""
+    so the compiler cannot merge the statistics' widening with the normalize's, meant to keep only the bf16
+    chunk alive across the barrier, not its fp32 copy. Not shown to pay: ptxas reports the same registers for
+    the 32-element-per-thread rms variant with and without it (127, sm_90), and the probe's 16 KB-chunk
+    candidate got slower with it (H100 460 -> 516 us at 4096 x 65536); the 64 KB candidates the tuner now
+    offers were only measured with it. An A/B at those is owed (issue #13 note)."""
     if x.dtype == tl.bfloat16:
         return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     return x.to(tl.float32)

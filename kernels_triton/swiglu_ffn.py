@@ -84,7 +84,8 @@ where the host is slower than the GPU: at a49548a on another H100 host the same 
 blas 97 vs ptr 116 again but ops 212 us against compile's 150, while the bench (device time only:
 fusekit.device_time) timed ops.swiglu_ffn at 169 us (0.896x) with the selector keeping "ptr" (114 us vs
 blas 116 in that process, host time included). The selector now times device time only: at c68fd1f (H100)
-it picks blas at T=256 (97 vs ptr 117 us; ops.swiglu_ffn 1.01x compile, bench sweep). The bench's train suite at a49548a: T=4096 F=11008 and F=14336 1.00x torch.compile.
+it picks blas at T=256 (97 vs ptr 117 us; ops.swiglu_ffn 1.01x compile, bench sweep). The bench's train
+suite at a49548a: T=4096 F=11008 and F=14336 1.00x torch.compile.
 fp32 inputs use input_precision="ieee" so fp32 means fp32 (no tf32).
 Index widths (inputs past 2^31 elements, e.g. h [T, F] at T 150000 x F 14336): every row offset is int64
 (`row.to(tl.int64) * D`, `offs.to(tl.int64) * K`) before it meets a row length; tile, column and K offsets
