@@ -105,10 +105,12 @@ def row_barrier(cnt_ptr, row, split):
 def widen_again(x):
     """x as fp32, through a different op chain than x.to(fp32) for bf16 (its bits shifted into the high half)
     so the compiler cannot merge the statistics' widening with the normalize's, meant to keep only the bf16
-    chunk alive across the barrier, not its fp32 copy. Not shown to pay: ptxas reports the same registers for
-    the 32-element-per-thread rms variant with and without it (127, sm_90), and the probe's 16 KB-chunk
-    candidate got slower with it (H100 460 -> 516 us at 4096 x 65536); the 64 KB candidates the tuner now
-    offers were only measured with it. An A/B at those is owed (issue #13 note)."""
+    chunk alive across the barrier, not its fp32 copy. A/B on an H200 (.dev/s/widen_ab.py at 01bd565: the
+    coop kernels patched to widen with x.to(fp32) in a fresh process, two rounds each, device time, bf16):
+    rms_norm's 64 KB chunks are 5-10% faster with it (1024 threads, N=131072 401 -> 371 us, N=262144
+    419 -> 380; 512 threads 394 -> 376, 408 -> 386); layer_norm's 32 KB candidate ~0.5% slower (505 -> 506,
+    523 -> 527). ptxas reports the same 127 registers for the 32-element rms variant either way, and a
+    16 KB-chunk candidate (no longer offered) was slower with it (H100 460 -> 516 us at 4096 x 65536)."""
     if x.dtype == tl.bfloat16:
         return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     return x.to(tl.float32)
