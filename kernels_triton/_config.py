@@ -280,6 +280,8 @@ NORM_RELOAD_SET = ((1, 32768, 1024), (2, 16384, 512), (2, 8192, 256), (4, 8192, 
 #              N=262144: reload 65.6, coop 64 KB/1024 79.9, 64 KB/512 76.3 (torch.compile 64.4)
 #   layer_norm N=131072: reload 64.2, coop 32 KB/512 64.5; N=262144: 59.1 vs 62.1; 64 KB chunks 50-55
 #              (its second statistic and the bias leave fewer registers: ptxas spills at 64 KB chunks).
+# H200 (01bd565, same probe): rms_norm N=131072 reload 67.5 vs coop 68.7, N=262144 62.3 vs 67.9; layer_norm's
+# coop loses there (48.8-52.1 vs reload 52.5-61.5): the tuner keeps reload.
 # Short of the ceiling because a program's next chunk (its only loads in flight while its group waits at
 # the barrier, ~1-2 us of atomics) is at most 64 KB per SM. Rows <= 128 KB keep "reload" (its L2 re-read
 # still hits there).
