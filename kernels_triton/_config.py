@@ -305,6 +305,37 @@ def coop_supported() -> bool:
     return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
+PDL_ENABLED = os.environ.get("FUSEKIT_TRITON_PDL", "1") not in ("", "0")
+
+
+@functools.cache
+def pdl_supported(device_index: int = 0) -> bool:
+    """Whether a dependent kernel may be launched with programmatic dependent launch (PDL: it starts while
+    the kernel before it drains and waits in `gdc_wait` for that kernel's memory): compiled (not the
+    interpreter), CUDA (griddepcontrol is PTX; HIP has none), sm_90 or newer, a Triton with the
+    `launch_pdl` option. FUSEKIT_TRITON_PDL=0 turns it off (A/B, tests)."""
+    if not PDL_ENABLED or is_interpreter() or is_hip() or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except Exception:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+# "reg" tiles the tuner times beside the heuristic's (8 KB of x per program, 2 vectors per thread) and its
+# 1-vector variant: (tile rows x 2 / the heuristic's, vectors per thread). The H200 probe at 54df273
+# (.dev/s/norm_small.py, bf16, M x N = 2^28, % of the copy rate; heuristic first):
+#   layer_norm N=512 88.0 | same tile 4 vectors 99.2 | half tile 2 vectors 92.8 | double tile 4 vectors 96.7
+#              N=1024 87.7 | 97.2 | 99.9 | 88.6;  N=2048 96.3 | 97.0 | 100.4 | 99.4;  N=4096 96.8 | 96.9 | - | 99.4
+#   rms_norm   N=512 98.6 | 97.6 | 99.7 | 97.8;  N=1024 98.7 | 97.9 | 99.9 | 97.9;  N=2048 98.1 | 98.0 | 100.3 | 98.6
+#              N=4096 97.5 | 97.2 | - | 97.9  (double tile at 2 vectors, 16 warps: 66-96%, not offered)
+# layer_norm's heuristic tile needs 48 registers a thread at 8 warps (rms_norm 39): 5 programs per SM, 40 KB
+# of x in flight, where 4 warps of 4 vectors keep 64 KB.
+NORM_REG_VARIANTS = ((2, 4), (1, 2), (4, 4))
 # "rows" entries: (programs per SM, vectors per thread).
 NORM_ROWS_SET = ((2, 2), (1, 1), (1, 2))  # (1, 2) only where the others do not fit (N = 16384 bf16)
 
@@ -341,6 +372,13 @@ def norm_candidates(
         threads = tile // vec  # the heuristic holds 2 vectors per thread; also try 1 (more threads)
         if threads <= 1024:
             add(NormConfig("reg", bn, threads // ws, block_m=bm))
+        # Fewer, fuller threads and other tile heights (NORM_REG_VARIANTS): on the H200 the heuristic's
+        # 8 KB / 8 warps ran layer_norm at 88% of the copy rate for N 512-1024, 4 warps at 97-100%.
+        for rows_mul, vecs in NORM_REG_VARIANTS:
+            vbm = bm * rows_mul // 2
+            threads = vbm * bn // (vecs * vec)
+            if vbm >= 1 and 4 * ws <= threads <= 1024:
+                add(NormConfig("reg", bn, threads // ws, block_m=vbm))
         n_rows = 0
         for progs, vecs in NORM_ROWS_SET:
             threads = tile // (vecs * vec)

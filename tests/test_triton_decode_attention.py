@@ -187,6 +187,76 @@ def test_split_heuristic() -> None:
     assert decode_splits(8, 128, 32768, 128, 2, 64, sms) <= long1  # 128 rows: partials weigh more
 
 
+# --- PDL: the combine kernel launched early (sm_90) ---------------------------------------------------------
+def _pdl(monkeypatch, on: bool) -> bool:
+    """Turns programmatic dependent launch on or off for the next decode calls (fresh plans and launches)."""
+    from kernels_triton import _attention_decode, _config, _launch
+
+    monkeypatch.setattr(_config, "PDL_ENABLED", on)
+    _config.pdl_supported.cache_clear()
+    _attention_decode._PLANS.clear()
+    _launch._KEYED.clear()
+    return _config.pdl_supported(0)
+
+
+def test_pdl_only_where_compiled_for_cuda(monkeypatch) -> None:
+    """PDL is never used under the interpreter (or on HIP: griddepcontrol is PTX); the AOT specs build it
+    for sm_90 only, with `launch_pdl` on the combine kernel, and the gfx942 specs without it."""
+    from kernels_triton._attention_decode import aot_specs_decode
+    from kernels_triton._config import pdl_supported
+
+    if not torch.cuda.is_available():
+        assert not pdl_supported(0)
+    specs = aot_specs_decode()
+    for name, _fn, _sig, const, opts in specs:
+        (target,) = opts["aot_targets"]
+        assert const["PDL"] == (target == "sm_90"), name
+        assert opts.get("launch_pdl", False) == (target == "sm_90" and "combine" in name), name
+    assert {s[4]["aot_targets"][0] for s in specs} == {"sm_90", "gfx942"}
+    try:
+        pdl_supported.cache_clear()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert not pdl_supported(0)
+    finally:
+        pdl_supported.cache_clear()
+
+
+def test_pdl_combine_bit_identical_and_graph_capture(attn, dev, monkeypatch) -> None:
+    """On a GPU with PDL: the split + combine pair with the combine launched early gives bit-identical o and
+    lse to the serialized launches, over several split counts and with kv_len; captured in a CUDA graph it
+    replays on new inputs to the eager result."""
+    if dev != "cuda" or not _pdl(monkeypatch, True):
+        pytest.skip("PDL needs an sm_90+ GPU with compiled Triton kernels")
+    dtype = torch.bfloat16
+    q, k, v, kl = make(2, 32, 8, 1, 3000, 128, dtype, dev, seed=21, kv_len=(2999, 1234), cache_slack=5)
+    runs = {}
+    for on in (True, False):
+        assert _pdl(monkeypatch, on) == on
+        runs[on] = [run_forward(attn, q, k, v, kl, False, 0.09, _splits=s) for s in (None, 4, 16, 47)]
+    for (o1, l1), (o0, l0) in zip(runs[True], runs[False]):
+        assert torch.equal(o1, o0) and torch.equal(l1, l0)
+    ro, rlse = reference(q, k, v, (2999, 1234), False, 0.09)
+    check(*runs[True][0], ro, rlse, TOL[dtype], "pdl auto splits")
+
+    _pdl(monkeypatch, True)
+    sq, sk, sv = q.clone(), k.clone(), v.clone()
+    o = torch.full_like(q, NAN)
+    lse = torch.full(q.shape[:3], NAN, dtype=torch.float32, device=dev)
+    attn.forward(o, lse, sq, sk, sv, kl, False, 0.09, _splits=16)  # warm-up: compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.forward(o, lse, sq, sk, sv, kl, False, 0.09, _splits=16)
+    q2, k2, v2, _ = make(2, 32, 8, 1, 3000, 128, dtype, dev, seed=22, cache_slack=5)
+    for src, dst in ((q2, sq), (k2, sk), (v2, sv)):
+        dst.copy_(src)
+    o.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+    want_o, want_lse = run_forward(attn, sq, sk, sv, kl, False, 0.09, _splits=16)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+
+
 # --- the library path: no copy for a cache view, contiguous copies for others ---------------------------------
 def _spy(monkeypatch, mod, name: str, seen: list):
     real = getattr(mod, name)

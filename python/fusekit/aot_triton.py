@@ -4,7 +4,8 @@
 
 Each `kernels_triton/<op>.py` exports `aot_specs()` -> [(name, jit_fn, signature, constexprs[, options])].
 Launch options (`num_warps`, `num_stages`, ...) may be given in the optional fifth element or as keys of
-`constexprs` that are not kernel arguments; they are passed to `triton.compile(..., options=...)`, which
+`constexprs` that are not kernel arguments; `options["aot_targets"]` (names of TARGETS) limits a spec to
+those targets (a CUDA-only feature such as PDL's griddepcontrol has no HIP lowering); they are passed to `triton.compile(..., options=...)`, which
 has the same shape in Triton 3.6 and 3.9: `triton.compile(ASTSource(fn, signature, constexprs),
 target=GPUTarget(...), options={...})`. Exit status is non-zero if any config fails to produce a cubin
 (CUDA) or hsaco (HIP). Needs no GPU and must not run under TRITON_INTERPRET.
@@ -87,6 +88,9 @@ def _compile_one(job: tuple[str, int, str]) -> tuple[str, str, str, bool, str, f
         spec = importlib.import_module(f"kernels_triton.{mod_name}").aot_specs()[idx]
         name, fn, sig, constexprs = spec[:4]
         ce, opts = _split_options(fn, constexprs, spec[4] if len(spec) > 4 else None)
+        only = opts.pop("aot_targets", None)
+        if only is not None and tgt_name not in only:
+            return name, tgt_name, mod_name, True, f"not built for {tgt_name} (only {', '.join(only)})", 0.0
         target = GPUTarget(*TARGETS[tgt_name])
         attrs = spec[5] if len(spec) > 5 else None  # e.g. tt.divisibility=16 hints that enable pipelining
         k = triton.compile(triton.compiler.ASTSource(fn, sig, ce, attrs), target=target, options=opts)
