@@ -265,12 +265,21 @@ def norm_forced(
 # Candidates the tuner times. Sizes are in threads and 16-byte vectors per thread, so a 64-wide AMD wave
 # gets half the warps. Each keeps 1-4 vectors of x per thread in flight; the persistent ones keep
 # progs x threads <= NORM_PERSIST_THREADS. AOT on sm_90: none spills, all persistent ones <= 64 registers.
-# "reload" entries: (programs per SM, step bytes, threads); rows in flight stay within ~60 % of the L2.
+# "reload" entries: (programs per SM, step bytes, threads); the rows in flight (programs per SM, at most
+# what NORM_SM_THREADS allows resident, x SMs x row bytes) stay within NORM_RELOAD_L2_FRACTION of the L2.
+# 16 programs per SM is in effect a grid of one program per row with the hardware keeping as many resident
+# as fit (torch.compile's layer_norm: one row per program, two passes, the second from L2): H100 probe at
+# 3bd9701 (.dev/s/reload_probe.py, bf16, 2^28 elements, % of the copy rate; the tuned pick's config first):
+# layer_norm 16384x16384 16 KB step/512 threads at 2 per SM 94.7, at 16 per SM 96.4; 8192x32768 88.1 -> 91.8
+# (torch.compile 81.9); rms_norm 8192x32768 32 KB step/512 threads at 1 per SM 97.5, at 16 per SM 100.0.
 # Rows longer than that share per SM (N >= 131072 bf16 on the H100's 50 MB) get only the default, and run at
 # 64-69 % of the copy ceiling. Not from L2 thrash: capping the grid so the rows in flight fit the L2 (tried,
 # 2acb83f, reverted) timed 514.5 vs 514.5 us at 2048 x 131072 (120 programs) and 591 vs 551 at 1024 x 262144
 # (60), H100, same process.
-NORM_RELOAD_SET = ((1, 32768, 1024), (2, 16384, 512), (2, 8192, 256), (4, 8192, 256))
+NORM_RELOAD_SET = ((1, 32768, 1024), (2, 16384, 512), (2, 8192, 256), (4, 8192, 256), (16, 16384, 512),
+                   (16, 32768, 512))  # fmt: skip
+NORM_SM_THREADS = 2048  # resident threads per SM (sm_90; a gfx942 CU also holds 2048: 32 waves of 64)
+NORM_RELOAD_L2_FRACTION = 0.7
 # "coop" entries per op (kernels_triton/_coop.py): (programs per SM, chunk bytes, threads), offered for rows
 # longer than NORM_COOP_MIN_ROW_BYTES cut into <= COOP_SPLIT_MAX chunks; `coop_fit` caps programs per SM at
 # what the compiled kernel's registers allow. H100, bf16, % of the copy rate (device time, L2 flushed,
@@ -390,7 +399,8 @@ def norm_candidates(
     row_bytes = N * elsize
     l2 = l2_bytes(dev)
     for progs, step_bytes, threads in NORM_RELOAD_SET:
-        if row_bytes < step_bytes or progs * num_sms(dev) * row_bytes > 0.6 * l2:
+        resident = min(progs, NORM_SM_THREADS // threads)
+        if row_bytes < step_bytes or resident * num_sms(dev) * row_bytes > NORM_RELOAD_L2_FRACTION * l2:
             continue
         add(NormConfig("reload", step_bytes // elsize, max(1, threads // ws), progs=progs))
     if row_bytes >= NORM_COOP_MIN_ROW_BYTES and coop_supported():
