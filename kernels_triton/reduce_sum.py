@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels_triton._config import device_index, is_interpreter, next_pow2, num_sms, warps_for
+from kernels_triton._config import device_index, is_interpreter, next_pow2, num_sms, pdl_supported, warps_for
 from kernels_triton._launch import fast_launch
 
 
@@ -54,10 +55,13 @@ def _rows_kernel(x_ptr, out_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 @fast_launch
 @triton.jit
 def _split_kernel(
-    x_ptr, dst_ptr, N, SPLIT, CHUNK, BLOCK: tl.constexpr, IS_INT: tl.constexpr, ATOMIC: tl.constexpr
-):
+    x_ptr, dst_ptr, N, SPLIT, CHUNK,
+    BLOCK: tl.constexpr, IS_INT: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     # One program per (row, chunk); CHUNK is a multiple of BLOCK so every program streams whole,
     # 16-byte aligned BLOCKs except the row's last one.
+    if PDL:  # the finalize kernel (launched with PDL) may be scheduled now; it waits for the partials
+        gdc_launch_dependents()
     ACC: tl.constexpr = tl.int64 if IS_INT else tl.float32
     pid = tl.program_id(0)
     row = pid // SPLIT
@@ -79,8 +83,12 @@ def _split_kernel(
 
 @fast_launch
 @triton.jit
-def _finalize_kernel(part_ptr, out_ptr, M, SPLIT, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+def _finalize_kernel(
+    part_ptr, out_ptr, M, SPLIT, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr
+):
     # Fixed-order second stage: the same partials always meet in the same tree -> bitwise reproducible.
+    if PDL:  # launched early (PDL): the split kernel's partials are complete and visible after this
+        gdc_wait()
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -161,13 +169,21 @@ def reduce_sum(
     grid = (M * split,)
     if not deterministic and out.dtype == acc_dtype:
         out.zero_()
-        _split_kernel[grid](x, out, N, split, chunk, BLOCK=block, IS_INT=is_int, ATOMIC=True, num_warps=nw)
+        _split_kernel[grid](
+            x, out, N, split, chunk, BLOCK=block, IS_INT=is_int, ATOMIC=True, PDL=False, num_warps=nw
+        )
         return
     part = torch.empty((M, split), dtype=acc_dtype, device=x.device)
-    _split_kernel[grid](x, part, N, split, chunk, BLOCK=block, IS_INT=is_int, ATOMIC=False, num_warps=nw)
-    _finalize_kernel[(triton.cdiv(M, _FIN_BLOCK_M),)](
-        part, out, M, split, BLOCK_M=_FIN_BLOCK_M, BLOCK_S=_FIN_BLOCK_S, num_warps=4
+    # The finalize kernel is launched with programmatic dependent launch where the GPU has it (see
+    # kernels_triton/_config.pdl_supported): it starts while the split kernel runs, hiding its launch.
+    pdl = pdl_supported(dev)
+    _split_kernel[grid](
+        x, part, N, split, chunk, BLOCK=block, IS_INT=is_int, ATOMIC=False, PDL=pdl, num_warps=nw
     )
+    _finalize_kernel[(triton.cdiv(M, _FIN_BLOCK_M),)](
+        part, out, M, split, BLOCK_M=_FIN_BLOCK_M, BLOCK_S=_FIN_BLOCK_S, PDL=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
 
 
 @fast_launch
@@ -240,15 +256,23 @@ def aot_specs() -> list[tuple[str, object, dict, dict]]:
             sig |= {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "IS_INT": "constexpr"}
             ce = {"BLOCK_M": tile // bn, "BLOCK_N": bn, "IS_INT": is_int, "num_warps": nw}
             specs.append((f"reduce_rows_{xt}_n{bn}", _rows_kernel, sig, ce))
-        for atomic in (True, False):
-            sig = {"x_ptr": f"*{xt}", "dst_ptr": f"*{acc}", "N": "i64", "SPLIT": "i32", "CHUNK": "i64"}
-            sig |= {"BLOCK": "constexpr", "IS_INT": "constexpr", "ATOMIC": "constexpr"}
-            ce = {"BLOCK": tile, "IS_INT": is_int, "ATOMIC": atomic, "num_warps": nw}
-            specs.append((f"reduce_split_{xt}_{'atomic' if atomic else 'part'}", _split_kernel, sig, ce))
-        sig = {"part_ptr": f"*{acc}", "out_ptr": f"*{ot}", "M": "i32", "SPLIT": "i32"}
-        sig |= {"BLOCK_M": "constexpr", "BLOCK_S": "constexpr"}
-        ce = {"BLOCK_M": _FIN_BLOCK_M, "BLOCK_S": _FIN_BLOCK_S, "num_warps": 4}
-        specs.append((f"reduce_finalize_{acc}_{ot}", _finalize_kernel, sig, ce))
+        # the split kernel: atomic (no dependent kernel, no PDL) on both targets; writing partials, with PDL
+        # on sm_90 (the finalize kernel launched with launch_pdl) and without on gfx942 (no griddepcontrol)
+        sig = {"x_ptr": f"*{xt}", "dst_ptr": f"*{acc}", "N": "i64", "SPLIT": "i32", "CHUNK": "i64"}
+        sig |= {"BLOCK": "constexpr", "IS_INT": "constexpr", "ATOMIC": "constexpr", "PDL": "constexpr"}
+        fsig = {"part_ptr": f"*{acc}", "out_ptr": f"*{ot}", "M": "i32", "SPLIT": "i32"}
+        fsig |= {"BLOCK_M": "constexpr", "BLOCK_S": "constexpr", "PDL": "constexpr"}
+        ce = {"BLOCK": tile, "IS_INT": is_int, "ATOMIC": True, "PDL": False, "num_warps": nw}
+        specs.append((f"reduce_split_{xt}_atomic", _split_kernel, sig, ce))
+        for target, pdl in (("sm_90", True), ("gfx942", False)):
+            only = {"aot_targets": (target,)}
+            ce = {"BLOCK": tile, "IS_INT": is_int, "ATOMIC": False, "PDL": pdl}
+            specs.append(
+                (f"reduce_split_{xt}_part_{target}", _split_kernel, sig, ce, {"num_warps": nw, **only})
+            )
+            ce = {"BLOCK_M": _FIN_BLOCK_M, "BLOCK_S": _FIN_BLOCK_S, "PDL": pdl}
+            opts = {"num_warps": 4, **only, **({"launch_pdl": True} if pdl else {})}
+            specs.append((f"reduce_finalize_{acc}_{ot}_{target}", _finalize_kernel, fsig, ce, opts))
     # backward: the x dtypes with their own-dtype dout and (half types) an fp32 dout; the 16 KB tile of long
     # rows and one short-row tile (N = 128). Other (N, dout dtype) pairs are served by the JIT.
     for xt, dt in (("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "fp32"), ("bf16", "fp32")):

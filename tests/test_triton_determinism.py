@@ -40,3 +40,45 @@ def test_repeats_are_bit_identical(device):
         rs.reduce_sum(out, x, deterministic=True, _mode="split", _split=7)
         outs.append(out)
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_pdl_finalize_is_bit_identical_and_captures(monkeypatch, device):
+    """On an sm_90+ GPU the finalize kernel is launched with PDL (it waits in gdc_wait for the partials):
+    the sums equal the serialized launches' bit for bit, and a CUDA graph of the pair replays on new data
+    to the eager result."""
+    from kernels_triton import _config
+
+    if device != "cuda":
+        pytest.skip("PDL needs an sm_90+ GPU with compiled Triton kernels")
+
+    def pdl(on: bool) -> bool:
+        monkeypatch.setattr(_config, "PDL_ENABLED", on)
+        _config.pdl_supported.cache_clear()
+        return _config.pdl_supported(0)
+
+    if not pdl(True):
+        pytest.skip("this GPU or Triton has no programmatic dependent launch")
+    x = torch.randn(5, 300001, generator=torch.Generator().manual_seed(3)).to(device)
+    got = {}
+    for on in (True, False):
+        assert pdl(on) == on
+        out = torch.full((5,), float("nan"), device=device)
+        rs.reduce_sum(out, x, deterministic=True, _mode="split", _split=37)
+        got[on] = out
+    assert torch.equal(got[True], got[False])
+    torch.testing.assert_close(got[True].double(), x.double().sum(-1), rtol=1e-5, atol=1e-2)
+
+    pdl(True)
+    out = torch.full((5,), float("nan"), device=device)
+    rs.reduce_sum(out, x, deterministic=True, _mode="split", _split=37)  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rs.reduce_sum(out, x, deterministic=True, _mode="split", _split=37)
+    x.copy_(torch.randn(5, 300001, generator=torch.Generator().manual_seed(4)).to(device))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch.full((5,), float("nan"), device=device)
+    rs.reduce_sum(want, x, deterministic=True, _mode="split", _split=37)
+    assert torch.equal(out, want)
