@@ -2,7 +2,8 @@
 # compute-sanitizer over every kernel at small odd shapes (issue #15, item 1), on a GPU host:
 #   BACKENDS="triton mojo" TOOLS="memcheck racecheck synccheck" bash tests/sanitize_gpu.sh [pytest args]
 # Each tool runs the fast conformance subset (-m fast: the first two CPU cases of every op, dtype and
-# phase, odd sizes included) and, for triton, the decode-attention tests, with --device cuda,
+# phase, odd sizes included) and, for triton, the decode-attention and reduce_sum determinism tests (the
+# kernel pairs launched with PDL), with --device cuda,
 # under `compute-sanitizer --tool <tool> --error-exitcode 97`. One log per (backend, tool) in $OUT and a
 # summary line each (also appended to its log): the sanitizer's "ERROR SUMMARY" (racecheck: "RACECHECK SUMMARY") and pytest's counts.
 # Each run's JUnit XML and log become $OUT/reliability-sanitize-<backend>.json (tests/reliability.py);
@@ -38,6 +39,8 @@ for b in ${BACKENDS:-triton mojo}; do
     run "$out/sanitize-$b-$tool.log" tests/test_conformance.py -m fast "$@"
     if [ "$b" = triton ]; then
       run "$out/sanitize-$b-$tool-decode.log" tests/test_triton_decode_attention.py "$@"
+      # reduce_sum's split + fixed-order finalize, launched with PDL on sm_90+
+      run "$out/sanitize-$b-$tool-determinism.log" tests/test_triton_determinism.py "$@"
     fi
   done
   records=$(ls "$out"/sanitize-"$b"-*.xml "$out"/sanitize-"$b"-*.log 2>/dev/null)
