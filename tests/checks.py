@@ -88,3 +88,11 @@ def layer_norm_ref(
     rstd = torch.rsqrt((xd - mean[:, None]).square().mean(-1) + eps)
     y = (xd - mean[:, None]) * rstd[:, None] * w.double()
     return (y + b.double() if b is not None else y), mean, rstd
+
+
+def graphs_capturable() -> bool:
+    """Whether CUDA-graph capture can run here: not under PYTORCH_NO_CUDA_MEMORY_CACHING=1 (the sanitizer
+    runs set it so every tensor is its own cudaMalloc, and cudaMalloc is not permitted during capture)."""
+    import os
+
+    return os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0")

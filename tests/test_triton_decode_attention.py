@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checks import rel_error
+from checks import graphs_capturable, rel_error
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (str(ROOT / "python"), str(ROOT)):
@@ -237,6 +237,8 @@ def test_pdl_combine_bit_identical_and_graph_capture(attn, dev, monkeypatch) -> 
         assert torch.equal(o1, o0) and torch.equal(l1, l0)
     ro, rlse = reference(q, k, v, (2999, 1234), False, 0.09)
     check(*runs[True][0], ro, rlse, TOL[dtype], "pdl auto splits")
+    if not graphs_capturable():
+        return  # the sanitizer runs: no caching allocator, so no capture; the launches above were checked
 
     _pdl(monkeypatch, True)
     sq, sk, sv = q.clone(), k.clone(), v.clone()

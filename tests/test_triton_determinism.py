@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checks import graphs_capturable
 
 pytest.importorskip("triton")
 rs = pytest.importorskip("kernels_triton.reduce_sum")
@@ -67,6 +68,8 @@ def test_pdl_finalize_is_bit_identical_and_captures(monkeypatch, device):
         got[on] = out
     assert torch.equal(got[True], got[False])
     torch.testing.assert_close(got[True].double(), x.double().sum(-1), rtol=1e-5, atol=1e-2)
+    if not graphs_capturable():
+        return  # the sanitizer runs: no caching allocator, so no capture; the launches above were checked
 
     pdl(True)
     out = torch.full((5,), float("nan"), device=device)
