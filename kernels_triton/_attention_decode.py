@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms, pdl_supported
+from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms, pdl_options, pdl_supported
 from kernels_triton._launch import fast_launch, launch_keyed
 from kernels_triton._tiles import dot
 
@@ -328,7 +328,7 @@ def decode_forward(
     that length, and no per-argument keying."""
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    plan_key = (q.shape, Hkv, q.dtype, q.device, splits, pdl_supported(device_index(q)))
+    plan_key = (q.shape, Hkv, q.dtype, q.device, splits)
     plan = _PLANS.get(plan_key)
     if plan is None:
         plan = _Plan(B, H, S, D, Hkv, q, splits)
@@ -366,9 +366,7 @@ def decode_forward(
     )  # fmt: skip
     if not direct:
         kw = {"HEAD_DIM": D, "BLOCK_SP": combine_block(D), "PDL": plan.pdl,
-              "num_warps": 1 if is_interpreter() else 4, "num_stages": 1}  # fmt: skip
-        if plan.pdl:
-            kw["launch_pdl"] = True
+              "num_warps": 1 if is_interpreter() else 4, "num_stages": 1, **pdl_options(plan.pdl)}  # fmt: skip
         launch_keyed(
             _decode_combine_kernel, None if key is None else ("combine", *key), (B * H * S,),
             (po, plse, o, lse, n_splits), kw,
@@ -404,7 +402,7 @@ def aot_specs_decode() -> list[tuple[str, object, dict, dict, dict]]:
                     specs.append((name, _decode_split_kernel, sig, const,
                                   {"num_warps": w, "num_stages": st, **only}))  # fmt: skip
                 bsp = 8192 // d
-                copts = {"num_warps": 4, "num_stages": 1, **only, **({"launch_pdl": True} if pdl else {})}
+                copts = {"num_warps": 4, "num_stages": 1, **only, **pdl_options(pdl)}
                 specs.append((f"attn_decode_combine_{dt}_d{d}_sp{bsp}_{target}", _decode_combine_kernel, csig,
                               {"HEAD_DIM": d, "BLOCK_SP": bsp, "PDL": pdl}, copts))  # fmt: skip
     return specs

@@ -335,6 +335,12 @@ def pdl_supported(device_index: int = 0) -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
+def pdl_options(pdl: bool) -> dict[str, bool]:
+    """Launch options of a kernel that depends on the one before it: `launch_pdl` where PDL is on (passed
+    only then: the interpreter and HIP take no such option)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 # "reg" tiles the tuner times beside the heuristic's (8 KB of x per program, 2 vectors per thread) and its
 # 1-vector variant: (tile rows x 2 / the heuristic's, vectors per thread). The H200 probe at 54df273
 # (.dev/s/norm_small.py, bf16, M x N = 2^28, % of the copy rate; heuristic first):

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import COOP_SPLIT_MAX, NormConfig, device_index, is_hip, num_sms
+from kernels_triton._config import COOP_SPLIT_MAX, NORM_SM_THREADS, NormConfig, device_index, is_hip, num_sms
 
 _FIT: dict[tuple, int] = {}  # (kernel, launch key) -> programs of it one SM holds
 
@@ -47,7 +47,7 @@ def coop_fit(fn, key: tuple, args: tuple, kwargs: dict, num_warps: int, dev: int
             k = fn.warmup(*args, grid=(1,), **kwargs)
             k._init_handles()  # loads the cubin: n_regs
             per_warp = -(-k.n_regs * 32 // 256) * 256
-            fit = min((65536 // per_warp) // num_warps, 2048 // (32 * num_warps), 32)
+            fit = min((65536 // per_warp) // num_warps, NORM_SM_THREADS // (32 * num_warps), 32)
         _FIT[key] = fit
     return fit
 

@@ -29,7 +29,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels_triton._config import device_index, is_interpreter, next_pow2, num_sms, pdl_supported, warps_for
+from kernels_triton._config import (
+    device_index,
+    is_interpreter,
+    next_pow2,
+    num_sms,
+    pdl_options,
+    pdl_supported,
+    warps_for,
+)  # fmt: skip
 from kernels_triton._launch import fast_launch
 
 
@@ -182,7 +190,7 @@ def reduce_sum(
     )
     _finalize_kernel[(triton.cdiv(M, _FIN_BLOCK_M),)](
         part, out, M, split, BLOCK_M=_FIN_BLOCK_M, BLOCK_S=_FIN_BLOCK_S, PDL=pdl, num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
+        **pdl_options(pdl),
     )  # fmt: skip
 
 
@@ -271,7 +279,7 @@ def aot_specs() -> list[tuple[str, object, dict, dict]]:
                 (f"reduce_split_{xt}_part_{target}", _split_kernel, sig, ce, {"num_warps": nw, **only})
             )
             ce = {"BLOCK_M": _FIN_BLOCK_M, "BLOCK_S": _FIN_BLOCK_S, "PDL": pdl}
-            opts = {"num_warps": 4, **only, **({"launch_pdl": True} if pdl else {})}
+            opts = {"num_warps": 4, **only, **pdl_options(pdl)}
             specs.append((f"reduce_finalize_{acc}_{ot}_{target}", _finalize_kernel, fsig, ce, opts))
     # backward: the x dtypes with their own-dtype dout and (half types) an fp32 dout; the 16 KB tile of long
     # rows and one short-row tile (N = 128). Other (N, dout dtype) pairs are served by the JIT.
