@@ -212,26 +212,13 @@ _MAX_GRID_Y = 65535
 K_EARLY_DIMS: tuple[int, ...] = (128, 256)
 
 
-# Short causal rows (Skv <= SHORT_CAUSAL_MAX_SKV): 64-key tiles. A work tile there has 1-4 key tiles of 128,
-# so its serialized first S = Q K^T and last P V weigh, and half of each diagonal 128 x 128 tile is masked
-# work; 64-key tiles halve both. H100 (.dev/s/cfg_probe.py at 94d26e7, device time, L2 flushed, bf16 H32, the
-# persistent kernel, SDPA in the same process): D128 causal B32 S512 64x4 (K_EARLY) 269 us, 64x3 267 against
-# 128x2 287 (SDPA 199); B16 S1024 366 / 369 against 369, B8 S2048 563 against 541, B4 S4096 1038 against
-# 928: so only up to 512 keys. Non-causal B32 S512 D128 64x4 295 against 278: not there. D64 causal
-# (64x4 183 against 128x3 203 at B32 S512) is not routed to Gluon (attention.use_hopper).
-SHORT_CAUSAL_CONFIGS: dict[int, tuple[int, int]] = {128: (64, 4)}
-SHORT_CAUSAL_MAX_SKV = 512
-
-
-def _env_config(head_dim: int, causal: bool = False, skv: int = 0) -> tuple[int, int, bool]:
-    """(BLOCK_N, STAGES, K_EARLY): the tables above (SHORT_CAUSAL_CONFIGS for causal calls with at most
-    SHORT_CAUSAL_MAX_SKV keys), or FUSEKIT_HOPPER_ATTN_CFG="BLOCK_N,STAGES[,K_EARLY]" (probes)."""
+def _env_config(head_dim: int) -> tuple[int, int, bool]:
+    """(BLOCK_N, STAGES, K_EARLY): the tables above, or FUSEKIT_HOPPER_ATTN_CFG="BLOCK_N,STAGES[,K_EARLY]"
+    (probes)."""
     env = os.environ.get("FUSEKIT_HOPPER_ATTN_CFG")
     if env:
         bn, st, *ke = (int(x) for x in env.split(","))
         return bn, st, bool(ke and ke[0])
-    if causal and skv <= SHORT_CAUSAL_MAX_SKV and head_dim in SHORT_CAUSAL_CONFIGS:
-        return (*SHORT_CAUSAL_CONFIGS[head_dim], head_dim in K_EARLY_DIMS)
     return (*CONFIGS[head_dim], head_dim in K_EARLY_DIMS)
 
 
@@ -881,7 +868,7 @@ def run_hopper(
     hold the data pointers)."""
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    block_n, stages, k_early = _env_config(D, causal, Skv)
+    block_n, stages, k_early = _env_config(D)
     poly, degree = exp2_poly_config()
     host = os.environ.get("FUSEKIT_HOPPER_ATTN_DESC", "host") != "device"
     if host and persistent_at(D):
@@ -1027,18 +1014,9 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _configs_of(d: int, causal: bool) -> list[tuple[tuple[int, int], str]]:
-    """The (BLOCK_N, STAGES) tile configs run_hopper may pick for (D, causal), each with its AOT name suffix:
-    CONFIGS', and for causal calls SHORT_CAUSAL_CONFIGS' ("_short")."""
-    out = [(CONFIGS[d], "")]
-    if causal and d in SHORT_CAUSAL_CONFIGS:
-        out.append((SHORT_CAUSAL_CONFIGS[d], "_short"))
-    return out
-
-
 def aot_specs_gluon(exp2_poly: int = 0, exp2_degree: int = 3) -> list[tuple[str, object, dict, dict, dict]]:
-    """(name, gluon kernel, signature, constexprs, options) per (dtype, D, causal, tile config) variant, for an
-    ahead-of-time compile for sm_90 with triton.experimental.gluon._runtime.GluonASTSource; [] without Gluon. exp2_poly > 0
+    """(name, gluon kernel, signature, constexprs, options) per (dtype, D, causal) variant, for an ahead-of-time
+    compile for sm_90 with triton.experimental.gluon._runtime.GluonASTSource; [] without Gluon. exp2_poly > 0
     (EXP2_POLY: log2 of 1 / the polynomial's fraction; compile checks of the opt-in, not shipped) gives the same
     variants with the polynomial exp2 of degree exp2_degree, named with a _poly{exp2_poly}d{exp2_degree} suffix;
     the default gives the kernels as they ship (EXP2_POLY = 0 compiles to the PTX it did before the switch)."""
@@ -1046,63 +1024,50 @@ def aot_specs_gluon(exp2_poly: int = 0, exp2_degree: int = 3) -> list[tuple[str,
         return []
     tag = f"_poly{exp2_poly}d{exp2_degree}" if exp2_poly else ""
     specs = []
-    variants = [
-        (d, c, cfg, short) for d in HEAD_DIMS for c in (False, True) for cfg, short in _configs_of(d, c)
-    ]
     for dt in ("fp16", "bf16"):
         p = f"*{dt}"
-        for d, causal, (bn, st), short in variants:
-            sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "lse_ptr": "*fp32", "H": "i32", "HKV": "i32",
-                   "S": "i32", "SKV": "i32", "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32",
-                   "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
-                   "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
-                   "CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
-                   "PINGPONG": "constexpr", "K_EARLY": "constexpr", "EXP2_POLY": "constexpr",
-                   "EXP2_DEGREE": "constexpr"}  # fmt: skip
-            const = {"HEAD_DIM": d, "BLOCK_N": bn, "STAGES": st, "CAUSAL": causal,
-                     "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS, "PINGPONG": False,
-                     "K_EARLY": d in K_EARLY_DIMS, "EXP2_POLY": exp2_poly,
-                     "EXP2_DEGREE": exp2_degree if exp2_poly else 3}  # fmt: skip
-            opts = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
-            specs.append(
-                (
-                    f"attn_hopper_{dt}_d{d}_c{int(causal)}{short}_devdesc{tag}",
-                    _attn_fwd_hopper,
-                    sig,
-                    const,
-                    opts,
-                )
-            )
-            q_lay, kv_lay = _host_layouts(dt, d, bn)
-            hsig = {"q_desc": f"tensordesc<{dt}[1, {WG_M}, {d}],{q_lay!r}>",
-                    "k_desc": f"tensordesc<{dt}[1, 1, {bn}, {d}],{kv_lay!r}>",
-                    "v_desc": f"tensordesc<{dt}[1, 1, {bn}, {d}],{kv_lay!r}>",
-                    "o_desc": f"tensordesc<{dt}[1, {WG_M}, {d}],{q_lay!r}>"}  # fmt: skip
-            hsig.update({k: t for k, t in sig.items() if not k.endswith("_ptr") or k == "lse_ptr"})
-            for k in ("stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"):
-                del hsig[k]
-            specs.append(
-                (
-                    f"attn_hopper_{dt}_d{d}_c{int(causal)}{short}{tag}",
-                    _attn_fwd_hopper_hd,
-                    hsig,
-                    const,
-                    opts,
-                )
-            )
-            # the persistent kernel: BH, qk_scale, PAIRS, SEC, PER, NU; no PINGPONG
-            if d in PERSIST_HEAD_DIMS:
-                psig = {k: t for k, t in hsig.items() if k not in ("qk_scale", "PINGPONG")}
-                psig = {**dict(list(psig.items())[:9]), "BH": "i32", "qk_scale": "fp32", "PAIRS": "i32",
-                        "SEC": "i32", "PER": "i32", "NU": "i32", **dict(list(psig.items())[9:])}  # fmt: skip
-                pconst = {k: x for k, x in const.items() if k != "PINGPONG"}
+        for d in HEAD_DIMS:
+            bn, st = CONFIGS[d]
+            for causal in (False, True):
+                sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "lse_ptr": "*fp32", "H": "i32", "HKV": "i32",
+                       "S": "i32", "SKV": "i32", "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32",
+                       "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+                       "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
+                       "CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
+                       "PINGPONG": "constexpr", "K_EARLY": "constexpr", "EXP2_POLY": "constexpr",
+                       "EXP2_DEGREE": "constexpr"}  # fmt: skip
+                const = {"HEAD_DIM": d, "BLOCK_N": bn, "STAGES": st, "CAUSAL": causal,
+                         "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS, "PINGPONG": False,
+                         "K_EARLY": d in K_EARLY_DIMS, "EXP2_POLY": exp2_poly,
+                         "EXP2_DEGREE": exp2_degree if exp2_poly else 3}  # fmt: skip
+                opts = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
                 specs.append(
-                    (
-                        f"attn_hopper_{dt}_d{d}_c{int(causal)}{short}_persist{tag}",
-                        _attn_fwd_hopper_persist,
-                        psig,
-                        pconst,
-                        opts,
-                    )
+                    (f"attn_hopper_{dt}_d{d}_c{int(causal)}_devdesc{tag}", _attn_fwd_hopper, sig, const, opts)
                 )
+                q_lay, kv_lay = _host_layouts(dt, d, bn)
+                hsig = {"q_desc": f"tensordesc<{dt}[1, {WG_M}, {d}],{q_lay!r}>",
+                        "k_desc": f"tensordesc<{dt}[1, 1, {bn}, {d}],{kv_lay!r}>",
+                        "v_desc": f"tensordesc<{dt}[1, 1, {bn}, {d}],{kv_lay!r}>",
+                        "o_desc": f"tensordesc<{dt}[1, {WG_M}, {d}],{q_lay!r}>"}  # fmt: skip
+                hsig.update({k: t for k, t in sig.items() if not k.endswith("_ptr") or k == "lse_ptr"})
+                for k in ("stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"):
+                    del hsig[k]
+                specs.append(
+                    (f"attn_hopper_{dt}_d{d}_c{int(causal)}{tag}", _attn_fwd_hopper_hd, hsig, const, opts)
+                )
+                # the persistent kernel: BH, qk_scale, PAIRS, SEC, PER, NU; no PINGPONG
+                if d in PERSIST_HEAD_DIMS:
+                    psig = {k: t for k, t in hsig.items() if k not in ("qk_scale", "PINGPONG")}
+                    psig = {**dict(list(psig.items())[:9]), "BH": "i32", "qk_scale": "fp32", "PAIRS": "i32",
+                            "SEC": "i32", "PER": "i32", "NU": "i32", **dict(list(psig.items())[9:])}  # fmt: skip
+                    pconst = {k: x for k, x in const.items() if k != "PINGPONG"}
+                    specs.append(
+                        (
+                            f"attn_hopper_{dt}_d{d}_c{int(causal)}_persist{tag}",
+                            _attn_fwd_hopper_persist,
+                            psig,
+                            pconst,
+                            opts,
+                        )
+                    )
     return specs

@@ -103,31 +103,12 @@ def test_aot_spec_names():
     names = [s[0] for s in _mod().aot_specs_gluon()]
     if not _mod().HAS_GLUON:
         pytest.skip("the installed triton has no Gluon Hopper module")
-    # dtype x head dim x causal x descriptor kind, + the persistent kernel: dtype x (D64, D128) x causal,
-    # + D128 causal's short-row tile (SHORT_CAUSAL_CONFIGS) in all three kinds
-    assert len(names) == len(set(names)) == 2 * 3 * 2 * 2 + 2 * 2 * 2 + 2 * 3
+    # dtype x head dim x causal x descriptor kind, + the persistent kernel: dtype x (D64, D128) x causal
+    assert len(names) == len(set(names)) == 2 * 3 * 2 * 2 + 2 * 2 * 2
     assert sum("_d256_" in n for n in names) == 8
     assert sorted(n for n in names if n.endswith("_persist")) == sorted(
-        [f"attn_hopper_{dt}_d{d}_c{c}_persist" for dt in ("fp16", "bf16") for d in (64, 128) for c in (0, 1)]
-        + [f"attn_hopper_{dt}_d128_c1_short_persist" for dt in ("fp16", "bf16")]
+        f"attn_hopper_{dt}_d{d}_c{c}_persist" for dt in ("fp16", "bf16") for d in (64, 128) for c in (0, 1)
     )
-    short = [s for s in _mod().aot_specs_gluon() if "_short" in s[0]]
-    assert {(s[3]["BLOCK_N"], s[3]["STAGES"], s[3]["CAUSAL"]) for s in short} == {(64, 4, True)}
-
-
-def test_tile_config_selection(monkeypatch: pytest.MonkeyPatch):
-    """run_hopper's (BLOCK_N, STAGES, K_EARLY): 64-key tiles for causal D128 calls with <= 512 keys
-    (SHORT_CAUSAL_CONFIGS), the CONFIGS table otherwise, FUSEKIT_HOPPER_ATTN_CFG over both."""
-    m = _mod()
-    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_CFG", raising=False)
-    assert m._env_config(128, True, 512) == (64, 4, True)
-    assert m._env_config(128, True, 1) == (64, 4, True)
-    assert m._env_config(128, True, 513) == (128, 2, True)
-    assert m._env_config(128, False, 512) == (128, 2, True)
-    assert m._env_config(64, True, 512) == (128, 3, False)
-    assert m._env_config(256, True, 512) == (64, 2, True)
-    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_CFG", "128,2,0")
-    assert m._env_config(128, True, 512) == (128, 2, False)
 
 
 def test_persistent_selection(monkeypatch: pytest.MonkeyPatch):
