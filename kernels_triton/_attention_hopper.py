@@ -130,6 +130,12 @@ D64 (128 x 3) 131424 bytes. D256 (Q 64 KB + ring 128 KB) has no room for an O bu
 (PERSIST_HEAD_DIMS). Host descriptors only; no pingpong. ptxas (fp16/bf16 x D64/D128 x causal, Triton 3.6 and
 3.9): 168 registers, 0 bytes spilled. FUSEKIT_HOPPER_ATTN_PERSIST_CTAS=n caps the grid (tests: many work
 tiles per CTA at small shapes). Next if it pays: an atomic (dynamic) scheduler for causal, as FA3's.
+Short causal rows stay behind SDPA even persistent (device time, SDPA in the same process: B32 S512 D128 causal
+0.70x on an H100, 0.77x on an H200). Per work tile the first S = Q K^T (waited on before its softmax) and the
+last P V run with nothing to overlap, a fixed cost that 1-4 key tiles cannot amortize. Smaller key tiles do
+not fix it (.dev/s/cfg_probe.py, 2026-11-28): 64 x 4 against 128 x 2 at D128 causal is 7% faster at B32 S512
+on the H100 but 3% on the H200, and 4% slower at B64 S256 (H200); tried in c5080f5 and reverted. What would:
+overlapping one work tile's tail with the next one's head (its first S issued before the last P V).
 
 Opt-in polynomial exp2 (issue #13, FlashAttention-4's MUFU offload; a loss on the H100: _exp2_poly.py):
 FUSEKIT_HOPPER_ATTN_EXP2_POLY=1|4 (1/4), 2 (1/2), 8 (1/8), FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE=3|4|5 (the values of

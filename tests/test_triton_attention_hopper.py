@@ -732,8 +732,21 @@ def test_gpu_exp2_poly_matches_float64(device: str, monkeypatch, persist, frac, 
     fin = lse_off.isfinite()
     assert torch.equal(lse.isfinite(), fin)
     assert (lse[fin] - lse_off[fin]).abs().max().item() < 1e-4
-    assert not torch.equal(lse, lse_off), "the switch changed nothing: did the polynomial run?"
+    if _poly_sees_a_key(
+        case[5], case[4], frac
+    ):  # else every polynomial column is a masked key: p = 0 both ways
+        assert not torch.equal(lse, lse_off), "the switch changed nothing: did the polynomial run?"
     assert ((o.double() - o_off.double()).norm() / o_off.double().norm()).item() < 1e-3  # a few output ulps
+
+
+def _poly_sees_a_key(head_dim: int, skv: int, frac: str) -> bool:
+    """Whether some key j < skv falls in a column exp2_mixed_gluon sends through the polynomial: the odd
+    columns of each BLOCK_N-key tile (1/2), of its last half (1/4) or of its last quarter (1/8). The last
+    query row sees every key, causal or not. (At Skv 77 with 128-key tiles no key reaches the 1/8's columns
+    97, 99, ..., 127: the switch cannot change lse there, found on an H200 on 2026-11-28.)"""
+    bn = _mod()._env_config(head_dim)[0]
+    first = bn - bn * 2 // int(frac)  # 1/2: 0, 1/4: bn / 2, 1/8: 3 bn / 4
+    return any(j % bn >= first and j % 2 == 1 for j in range(skv))
 
 
 def test_gpu_exp2_poly_degree4_and_persistent_bit_identical(device: str, monkeypatch) -> None:
