@@ -77,3 +77,22 @@ def test_poisoning_fills_outputs():
 
         assert torch.isnan(outputs.empty((4,), torch.bfloat16, torch.device("cpu"))).all()
         assert (outputs.empty((4,), torch.int64, torch.device("cpu")) == torch.iinfo(torch.int64).min).all()
+
+
+def test_results_beyond_the_dtype_range_must_overflow_with_their_sign():
+    """An exact value past fp16's largest finite (65504) is correctly +-inf in fp16 (the fuzz case: an rms_norm
+    backward with eps 0 and rows of 4e-5, gradients of 7e4); a kernel that returns something small there, or the
+    wrong sign, or inf where the exact value is in range, still fails."""
+    ref = torch.tensor([1.0, -2.0, 70469.9, -1e6], dtype=torch.float64)
+    good = torch.tensor([1.0, -2.0, float("inf"), float("-inf")], dtype=torch.float16)
+    assert_close("overflow", good, ref, 4e-3, "self-test")
+    assert_close(
+        "overflow", torch.tensor([1.0, -2.0, 65504.0, float("-inf")], dtype=torch.float16), ref, 4e-3, "t"
+    )
+    for bad in ([1.0, -2.0, 0.0, float("-inf")], [1.0, -2.0, float("-inf"), float("-inf")]):
+        with pytest.raises(AssertionError, match=r"beyond the torch\.float16 range"):
+            assert_close("overflow", torch.tensor(bad, dtype=torch.float16), ref, 4e-3, "self-test")
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_close(
+            "overflow", torch.tensor([float("inf"), -2.0, float("inf"), float("-inf")]).half(), ref, 4e-3, ""
+        )
