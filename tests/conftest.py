@@ -4,8 +4,8 @@
 
 Installed backends always run; a backend that is not installed is skipped with the reason printed
 (`-ra` is on). On the CPU, Triton runs in its interpreter: TRITON_INTERPRET=1 is set here, before any
-test imports triton, and the interpreter's fp32 -> bf16 conversion is made to round to nearest even as
-compiled kernels do (tests/triton_interp_rne.py).
+test imports triton, and the interpreter's bf16 rounding and bf16 tl.dot are corrected to compute what
+compiled kernels do (kernels_triton/_interpreter.py).
 """
 
 from __future__ import annotations
@@ -35,9 +35,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--device") == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        from tests import triton_interp_rne
-
-        triton_interp_rne.install()  # fp32 -> bf16 rounds to nearest even there, as on the GPU
+        try:
+            from kernels_triton import _interpreter  # importing the package installs it; explicit here
+        except ImportError:  # no triton in this session
+            pass
+        else:
+            _interpreter.install()
 
 
 def selected_backends(config: pytest.Config) -> list[str]:

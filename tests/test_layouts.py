@@ -18,7 +18,7 @@ F32 = torch.float32
 
 
 def _dtype(backend: str, device: str) -> torch.dtype:
-    # fp32 attention is CPU-only; bf16 tl.dot is wrong in the Triton CPU interpreter
+    # fp32 on the CPU (attention has an fp32 kernel only there), fp16 on a GPU
     return F32 if device == "cpu" else torch.float16
 
 

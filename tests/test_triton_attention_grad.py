@@ -5,7 +5,7 @@
 
 The reference is a plain float64 softmax attention over the visible keys (bottom-right causal mask; a row
 with no visible key gives o = 0 and lse = -inf and passes no gradient), differentiated by torch autograd.
-On the CPU, bf16 is skipped: the interpreter's bf16 tl.dot is wrong (TRITON_FACTS.md). Small shapes with
+bf16 runs on the CPU too (the interpreter's bf16 tl.dot corrected by kernels_triton/_interpreter.py). Small shapes with
 odd lengths (S = 9, 37, 53) so every path runs: unmasked tiles, diagonal tiles, ragged tails on both sides,
 S > Skv rows with no visible key, GQA ratios 1/2/4/8, head dims 64/128/256. The interpreter runs 16 x 16
 tiles unless a test forces others. Outputs are poisoned with NaN before each call.
@@ -32,13 +32,9 @@ NAN = float("nan")
 # CONTRACT.md tolerances (relative 2-norm vs float64); gradients get 2x.
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-BF16_REASON = "bf16 tl.dot is wrong in the Triton CPU interpreter; bf16 is checked on the GPU (--device cuda)"
 
 
 def _skip(dtype: torch.dtype, dev: str) -> None:
-    if dtype == torch.bfloat16 and dev == "cpu":
-        print(f"SKIP: {BF16_REASON}")
-        pytest.skip(BF16_REASON)
     if dtype == torch.float32 and dev == "cuda":
         pytest.skip("fp32 attention is an interpreter (CPU) path; the GPU kernels are tuned for fp16/bf16")
 

@@ -1,5 +1,6 @@
-"""fp32 -> bf16 in a Triton kernel rounds to nearest even, as torch does: on the GPU (compiled cvt.rn) and on
-the CPU through tests/triton_interp_rne.py's correction of the interpreter (which truncates on its own).
+"""bf16 in a Triton kernel as on a GPU: fp32 -> bf16 rounds to nearest even, as torch does (compiled cvt.rn;
+on the CPU through kernels_triton/_interpreter.py's correction of the interpreter, which truncates on its own),
+and a bf16 tl.dot accumulates exact products in fp32 (the interpreter's own multiplies the bit patterns).
 
     pytest tests/test_triton_bf16_rounding.py                 # CPU: Triton's interpreter (conftest sets it)
     pytest tests/test_triton_bf16_rounding.py --device cuda   # GPU: the compiled kernel
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.triton_interp_rne import fp32_to_bf16_bits  # noqa: E402
+from kernels_triton._interpreter import fp32_to_bf16_bits  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -43,6 +44,19 @@ if importlib.util.find_spec("triton") is not None:  # after conftest set TRITON_
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=m), mask=m)  # fp32 into a bf16 pointer
+
+    @triton.jit
+    def _dot_kernel(
+        a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, OUT_BF16: tl.constexpr
+    ):
+        rm, rn, rk = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+        a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
+        b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+        c = tl.dot(a, b)  # fp32 accumulator
+        if OUT_BF16:
+            tl.store(c_ptr + rm[:, None] * N + rn[None, :], c.to(tl.bfloat16))
+        else:
+            tl.store(c_ptr + rm[:, None] * N + rn[None, :], c)
 
     @triton.jit
     def _rtne_bf16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -97,3 +111,19 @@ def test_kernel_rounds_to_nearest_even(dev: str, kernel: str) -> None:
     n = x.numel()
     fn[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
     _same_bits(y.cpu(), x.cpu().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("out_bf16", [False, True], ids=["fp32-out", "bf16-out"])
+def test_bf16_dot_accumulates_in_fp32(dev: str, out_bf16: bool) -> None:
+    """bf16 [32, 64] @ [64, 16] against torch's float64 product of the same bf16 values: fp32 accumulation of
+    exact products (relative 1e-5 on the CPU's one-pass numpy sum, 1e-4 on tensor cores), rounded once when
+    stored as bf16 (0.5 ulp: 4e-3)."""
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(64, 16, generator=g).to(torch.bfloat16)
+    want = a.double() @ b.double()
+    c = torch.full((32, 16), float("nan"), dtype=torch.bfloat16 if out_bf16 else torch.float32, device=dev)
+    _dot_kernel[(1,)](a.to(dev), b.to(dev), c, M=32, N=16, K=64, OUT_BF16=out_bf16)
+    got = c.cpu().double()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < (4e-3 if out_bf16 else 1e-4), err

@@ -7,8 +7,8 @@ The split-KV path (kernels_triton/_attention_decode.py) is forced with 1, 3 or 8
 a float64 softmax computed per sequence on the sliced keys 0..kv_len[b]-1 (an independent formulation: no
 masks), for S in {1, 5, 16} against Skv in {515, 1000, 2048}, GQA 1/4/8, head dims 64/128, causal and not,
 with kv_len (odd lengths, a 0) and k/v as strided views of a cache [B, max_len, Hkv, D] whose unused slots
-hold NaN (keys past kv_len are never read). On the CPU only fp32/fp16 run: the interpreter's bf16 tl.dot is
-wrong (TRITON_FACTS.md). Then: bit-identical repeats (fixed-order combine), the no-copy path of a cache view
+hold NaN (keys past kv_len are never read). On the CPU fp32/fp16 run (the interpreter is slow; bf16 runs on
+the GPU, and bf16 attention on the CPU in test_triton_attention_grad). Then: bit-identical repeats (fixed-order combine), the no-copy path of a cache view
 through `ops.attention` to the triton provider (a spy on the kernel entry), the library's contiguous fallback
 for providers that do not read strides, kv_len validation, and the mojo backend's refusal of kv_len.
 """

@@ -8,8 +8,8 @@ exp2_poly against float64 torch.exp2 over a dense sweep of [-130, 0] (plus the s
 feeds it: -inf, NaN, the underflow edge); exp2_mixed's column split (which columns go through the polynomial);
 and _attn_fwd_kernel with the switch on (each fraction) against the float64 attention of
 test_triton_attention_grad, o and lse, and the backward from that lse (which recomputes p with MUFU exp2),
-within that file's tolerances. fp16 and fp32 on the CPU; bf16 only with --device cuda (the interpreter's bf16
-tl.dot is wrong, TRITON_FACTS.md).
+within that file's tolerances. fp16, fp32 and bf16 on the CPU (the interpreter's bf16 tl.dot corrected by
+kernels_triton/_interpreter.py); fp16 and bf16 on the GPU.
 """
 
 from __future__ import annotations

@@ -4,10 +4,9 @@ CPU interpreter at small, odd shapes.
 Self-contained: TRITON_INTERPRET=1 is set before torch/triton are imported, every output is poisoned with
 NaN, and results are compared by relative 2-norm error with float64 computations of the contract's math
 (swiglu_ffn gradients: float64 autograd). Tolerances are the contract's (gradients 2x).
-Interpreter limits that shape these tests: its bf16 tl.dot is wrong (TRITON_FACTS.md), so the FFN's GEMM
-kernels run in fp16/fp32 here (the FFN backward's GEMMs are torch.matmul, so its bf16 case runs, from
-float64-derived saved tensors); and it converts fp32 to bf16 by truncation rather than round-to-nearest
-(the GPU rounds), so bf16 results are compared within tolerance, never bit for bit.
+The FFN's GEMM kernels run in fp16/fp32 here (their bf16 runs in test_triton_mm_modes; the FFN backward's
+GEMMs are torch.matmul, so its bf16 case runs, from float64-derived saved tensors); bf16 results are compared
+within tolerance, never bit for bit.
 """
 
 import math

@@ -19,7 +19,8 @@ import torch
 from fusekit.backends.base import Backend
 from fusekit.ops.linear_cross_entropy import fused_refusal
 
-# The interpreter's bf16 tl.dot is wrong (TRITON_FACTS.md): refuse rather than return garbage.
+# The interpreter's own bf16 tl.dot is wrong (TRITON_FACTS.md): kernels_triton._interpreter corrects it; on a
+# Triton where that cannot be installed these ops refuse bf16 on the CPU rather than return garbage.
 _DOT_OPS = ("swiglu_ffn", "attention")
 HEAD_DIMS = (64, 128, 256)
 _INTERPRETER_LOCK = threading.RLock()
@@ -57,6 +58,11 @@ class TritonBackend(Backend):
         import triton  # noqa: F401 - raises ImportError with the reason when missing
 
         self._interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        self._dot_fixed = False
+        if self._interpret:  # bf16 rounding and tl.dot as on a GPU (kernels_triton/_interpreter.py)
+            from kernels_triton import _interpreter
+
+            self._dot_fixed = _interpreter.install()
         # Every op's kernel module now (~1 s), not on its first call: torch.compile traces supports()
         # on the grad path, and an import there is a graph break baked into the compiled frames.
         from fusekit.ops import OPS
@@ -82,7 +88,7 @@ class TritonBackend(Backend):
                     "triton runs on the CPU only in its interpreter: set TRITON_INTERPRET=1 before "
                     "triton is imported"
                 )
-            if op in _DOT_OPS and dtypes[0] == torch.bfloat16:
+            if op in _DOT_OPS and dtypes[0] == torch.bfloat16 and not self._dot_fixed:
                 return "the Triton CPU interpreter computes bf16 tl.dot wrongly; run bf16 on a GPU"
         elif device.type != "cuda":
             return f"triton does not run on device type {device.type!r}"
