@@ -2,8 +2,8 @@
 
     pytest tests/test_bench_model.py -x -q          # well under 30 s; triton runs in its interpreter
 
-The fusekit layer on each installed backend must match the plain-torch (eager) layer in fp32 (the
-Triton interpreter's bf16 tl.dot is wrong) for decode against a KV cache read in place with kv_len (the
+The fusekit layer on each installed backend must match the plain-torch (eager) layer in fp32 (tight
+tolerances; the interpreter is slow) for decode against a KV cache read in place with kv_len (the
 slots past kv_len hold NaN: never read), a chunk after a prefix and a prefill from 0, and must write the
 same k/v into the cache. Then the floors, the refusal to time a wrong provider, and the CLI end to end.
 """
