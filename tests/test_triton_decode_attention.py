@@ -7,8 +7,7 @@ The split-KV path (kernels_triton/_attention_decode.py) is forced with 1, 3 or 8
 a float64 softmax computed per sequence on the sliced keys 0..kv_len[b]-1 (an independent formulation: no
 masks), for S in {1, 5, 16} against Skv in {515, 1000, 2048}, GQA 1/4/8, head dims 64/128, causal and not,
 with kv_len (odd lengths, a 0) and k/v as strided views of a cache [B, max_len, Hkv, D] whose unused slots
-hold NaN (keys past kv_len are never read). On the CPU fp32/fp16 run (the interpreter is slow; bf16 runs on
-the GPU, and bf16 attention on the CPU in test_triton_attention_grad). Then: bit-identical repeats (fixed-order combine), the no-copy path of a cache view
+hold NaN (keys past kv_len are never read); fp32 (bf16 on the GPU), fp16 and bf16 cases. Then: bit-identical repeats (fixed-order combine), the no-copy path of a cache view
 through `ops.attention` to the triton provider (a spy on the kernel entry), the library's contiguous fallback
 for providers that do not read strides, kv_len validation, and the mojo backend's refusal of kv_len.
 """
@@ -111,18 +110,18 @@ def check(o, lse, ro, rlse, tol, what):
 
 
 # (S, Skv, GQA, D, splits, dtype, kv_len of each sequence or None, cache slack or None). Every (S, Skv) pair
-# of the issue, both causal modes (parametrized), GQA 1/4/8, D 64/128, splits 1/3/8, fp32/fp16, with and
-# without kv_len and strided caches, spread over 9 cases to keep the interpreter under a few minutes.
-F32, F16 = torch.float32, torch.float16
+# of the issue, both causal modes (parametrized), GQA 1/4/8, D 64/128, splits 1/3/8, fp32/fp16/bf16, with
+# and without kv_len and strided caches, spread over 9 cases to keep the interpreter under a few minutes.
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 CASES = [
     (1, 515, 1, 64, 3, F32, None, None),
     (1, 1000, 4, 128, 8, F16, (1000, 0), 13),
     (1, 2048, 8, 64, 1, F32, (777, 2048), 3),
-    (5, 515, 8, 128, 3, F16, (4, 515), None),  # causal: 1 of the 5 queries sees nothing in sequence 0
+    (5, 515, 8, 128, 3, BF16, (4, 515), None),  # causal: 1 of the 5 queries sees nothing in sequence 0
     (5, 1000, 1, 64, 8, F32, None, 7),
     (5, 2048, 4, 64, 3, F32, (1, 1999), 1),
     (16, 515, 4, 64, 8, F32, (515, 9), 17),  # causal: 7 of the 16 queries see no key in sequence 1
-    (16, 1000, 8, 128, 1, F16, None, 5),  # 128 rows per GQA group
+    (16, 1000, 8, 128, 1, BF16, None, 5),  # 128 rows per GQA group
     (16, 2048, 1, 128, 3, F16, (2047, 33), None),
 ]
 
