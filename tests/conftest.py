@@ -37,7 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         try:
             from kernels_triton import _interpreter  # importing the package installs it; explicit here
-        except ImportError:  # no triton in this session
+        except ImportError:  # kernels_triton not importable (install() handles a missing triton)
             pass
         else:
             _interpreter.install()
