@@ -5,9 +5,9 @@ rounding and bf16 tl.dot first (`_interpreter.install`), so the kernels compute 
 a GPU.
 """
 
-import os as _os
+from kernels_triton._config import is_interpreter as _is_interpreter
 
-if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+if _is_interpreter():
     from kernels_triton import _interpreter
 
     _interpreter.install()

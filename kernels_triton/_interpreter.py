@@ -32,12 +32,13 @@ _INSTALLED: bool | None = None
 def fp32_to_bf16_bits(values: np.ndarray, round_to_zero: bool = False) -> np.ndarray:
     """The bf16 bit patterns (uint16) of float32 `values`, rounded to nearest even (or toward zero)."""
     values = np.asarray(values, dtype=np.float32)
-    bits = np.ascontiguousarray(values).view(np.uint32).astype(np.uint64)
+    flat = np.ascontiguousarray(values)  # at least 1-d: a 0-d value is reshaped back at the end
+    bits = flat.view(np.uint32).astype(np.uint64)
     if round_to_zero:
         out = bits >> 16
     else:  # adding 0x7FFF plus the kept lsb rounds half to even; a carry moves into the exponent (to inf)
         out = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    nan = np.isnan(np.ascontiguousarray(values)).reshape(bits.shape)
+    nan = np.isnan(flat)
     if nan.any():  # keep NaN a NaN (the rounding could carry a low-payload NaN into inf): quiet bit set
         out[nan] = (bits[nan] >> 16) | 0x40
     return out.astype(np.uint16).reshape(values.shape)

@@ -10,6 +10,7 @@ compiled kernels do (kernels_triton/_interpreter.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -34,13 +35,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--device") == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        try:
-            from kernels_triton import _interpreter  # importing the package installs it; explicit here
-        except ImportError:  # kernels_triton not importable (install() handles a missing triton)
-            pass
-        else:
-            _interpreter.install()
+    # Under TRITON_INTERPRET importing the package corrects the interpreter, before any test runs (a missing
+    # triton is handled inside; ImportError: kernels_triton is not importable here).
+    with contextlib.suppress(ImportError):
+        import kernels_triton  # noqa: F401
 
 
 def selected_backends(config: pytest.Config) -> list[str]:
