@@ -72,7 +72,7 @@ import os
 import torch
 
 from kernels_triton._attention_hopper import HAS_GLUON, hopper_supported
-from kernels_triton._config import on_device
+from kernels_triton._config import num_sms, on_device
 from kernels_triton._launch import fast_launch, launch_keyed
 
 if HAS_GLUON:  # the forward module's guarded import succeeded: these names exist
@@ -228,16 +228,33 @@ if HAS_GLUON:
             _tma_load(do_desc, [bh, m, 0], db, do_bufs.index(slot).reshape([1, BLOCK_M, HEAD_DIM]))
 
     @gluon.jit
+    def _tile_of(pid, n_programs, n_blocks, head_chunk):
+        # Launch order -> (block, head). The grid is 1-D: heads in chunks of `head_chunk`, block-major within a
+        # chunk, so a chunk's heaviest blocks (causal: block 0 of every head in it) are dispatched before its
+        # light ones and the last blocks to start are light: block-fastest over all heads leaves the last
+        # head's heaviest block starting near the end (a tail of up to one heavy block on most SMs, ~4% of a
+        # causal B4 H32 S4096 backward by the estimate in the module doc). A chunk of a few heads keeps their
+        # q/do/k/v in L2 (all heads at once would stream them from HBM once per block). head_chunk 1: the
+        # plain block-fastest order (non-causal: every block costs the same).
+        per_chunk = head_chunk * n_blocks
+        chunk = pid // per_chunk
+        h0 = chunk * head_chunk
+        nh = gl.minimum(head_chunk, n_programs // n_blocks - h0)
+        r = pid - chunk * per_chunk
+        return r // nh, h0 + r % nh
+
+    @gluon.jit
     def _dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, H, HKV, S, SKV,
-                     qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     qk_scale, sm_scale, head_chunk, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr):  # fmt: skip
         BN: gl.constexpr = 128
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         dtype: gl.constexpr = q_desc.dtype
-        n0 = gl.program_id(0) * BN  # causal: low key blocks are seen by the most queries, so run first as is
-        bhkv = gl.program_id(1)
+        # causal: low key blocks are seen by the most queries, so they come first in launch order (_tile_of)
+        kb, bhkv = _tile_of(gl.program_id(0), gl.num_programs(0), gl.cdiv(SKV, BN), head_chunk)
+        n0 = kb * BN
         b = bhkv // HKV
         hkv = bhkv % HKV
         group = H // HKV
@@ -383,17 +400,17 @@ if HAS_GLUON:
 
     @gluon.jit
     def _dq_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, H, HKV, S, SKV, qk_scale,
-                   sm_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   sm_scale, head_chunk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr):  # fmt: skip
         BM: gl.constexpr = 128
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         dtype: gl.constexpr = q_desc.dtype
-        pid_m = gl.program_id(0)
+        n_qb = gl.cdiv(S, BM)
+        pid_m, bh = _tile_of(gl.program_id(0), gl.num_programs(0), n_qb, head_chunk)
         if CAUSAL:  # heaviest query blocks first
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        bh = gl.program_id(1)
+            pid_m = n_qb - 1 - pid_m
         b = bh // H
         h = bh % H
         hkv = h // (H // HKV)
@@ -509,18 +526,36 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
         # specialization classes and the fp32 pointers' 16-byte alignment (descriptors: aligned by contract)
         ints = tuple((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv))
         aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)
-        grid_kv = (triton_cdiv(Skv, BLOCK_KEYS), nb * Hkv)
+        n_kb, n_qb = triton_cdiv(Skv, BLOCK_KEYS), triton_cdiv(S, BLOCK_QUERIES)
+        hc = head_chunk(causal, n_kb, nb * Hkv, q.device.index)
+        grid_kv = (n_kb * nb * Hkv,)
         key = ("attn_hopper_bwd_dkdv", q.device.index, q.dtype, D, bool(causal), bm, st_kv, grid_kv, *ints,
-               *aligned)  # fmt: skip
+               *aligned, hc == 1)  # fmt: skip
         args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, H, Hkv, S, Skv, qk_scale,
-                sm_scale)  # fmt: skip
+                sm_scale, hc)  # fmt: skip
         launch_keyed(_dkdv_hopper, key, grid_kv, args, kv_consts)
-        grid_q = (triton_cdiv(S, BLOCK_QUERIES), nb * H)
+        hc = head_chunk(causal, n_qb, nb * H, q.device.index)
+        grid_q = (n_qb * nb * H,)
         key = ("attn_hopper_bwd_dq", q.device.index, q.dtype, D, bool(causal), bn, st_q, grid_q, *ints,
-               *aligned)  # fmt: skip
+               *aligned, hc == 1)  # fmt: skip
         args = (ds["q64"], ds["kq"], ds["vq"], ds["do64"], ds["dq"], l2, dl, H, Hkv, S, Skv, qk_scale,
-                sm_scale)  # fmt: skip
+                sm_scale, hc)  # fmt: skip
         launch_keyed(_dq_hopper, key, grid_q, args, q_consts)
+
+
+def head_chunk(causal: bool, n_blocks: int, n_heads: int, device: int) -> int:
+    """Heads per chunk of the launch order (`_tile_of`): 1 without causal (every block costs the same); causal:
+    enough heads that a chunk averages ~2 heaviest blocks of work per SM (h heads of n causal blocks hold
+    ~h * n / 2 heaviest-block equivalents), so its heaviest blocks, which start first, end before its light
+    ones. The chunk's heads stream their two per-head operands (q, do for dk/dv; k, v for dq) through L2:
+    4 * SMs / n heads * 2 tensors * n * 128 rows * D * 2 bytes, ~35 MB at D128 on 132 SMs, whatever S.
+    FUSEKIT_HOPPER_BWD_CHUNK forces it (probes)."""
+    env = os.environ.get("FUSEKIT_HOPPER_BWD_CHUNK")
+    if env:
+        return max(1, min(n_heads, int(env)))
+    if not causal:
+        return 1
+    return max(1, min(n_heads, triton_cdiv(4 * num_sms(device), n_blocks)))
 
 
 _LAYOUTS: dict[tuple, object] = {}
@@ -581,7 +616,7 @@ def aot_specs_gluon_bwd() -> list[tuple[str, object, dict, dict, dict]]:
                 return f"tensordesc<{dt}[{', '.join(map(str, box))}],{_layout(dt, box)!r}>"
 
             tail = {"lse2_ptr": "*fp32", "delta_ptr": "*fp32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
-                    "qk_scale": "fp32", "sm_scale": "fp32", "HEAD_DIM": "constexpr"}  # fmt: skip
+                    "qk_scale": "fp32", "sm_scale": "fp32", "head_chunk": "i32", "HEAD_DIM": "constexpr"}  # fmt: skip
             regs = {"CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}
             opts = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
             for causal in (False, True):
