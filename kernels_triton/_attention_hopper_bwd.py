@@ -231,11 +231,10 @@ if HAS_GLUON:
     def _tile_of(pid, n_programs, n_blocks, head_chunk):
         # Launch order -> (block, head). The grid is 1-D: heads in chunks of `head_chunk`, block-major within a
         # chunk, so a chunk's heaviest blocks (causal: block 0 of every head in it) are dispatched before its
-        # light ones and the last blocks to start are light: block-fastest over all heads leaves the last
-        # head's heaviest block starting near the end (a tail of up to one heavy block on most SMs, ~4% of a
-        # causal B4 H32 S4096 backward by the estimate in the module doc). A chunk of a few heads keeps their
-        # q/do/k/v in L2 (all heads at once would stream them from HBM once per block). head_chunk 1: the
-        # plain block-fastest order (non-causal: every block costs the same).
+        # light ones and the last blocks to start are light. Block-fastest over all heads (head_chunk 1, what
+        # a 2-D grid gives) leaves the last head's heaviest block starting near the end: a tail of up to one
+        # heavy block on most SMs, which matters when a head has few blocks (head_chunk's figures). A chunk of
+        # a few heads keeps their streamed operands in L2.
         per_chunk = head_chunk * n_blocks
         chunk = pid // per_chunk
         h0 = chunk * head_chunk
@@ -527,14 +526,14 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
         ints = tuple((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv))
         aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)
         n_kb, n_qb = triton_cdiv(Skv, BLOCK_KEYS), triton_cdiv(S, BLOCK_QUERIES)
-        hc = head_chunk(causal, n_kb, nb * Hkv, q.device.index)
+        hc = head_chunk(causal, n_kb, nb * Hkv, 2 * S * D * q.element_size(), q.device.index)
         grid_kv = (n_kb * nb * Hkv,)
         key = ("attn_hopper_bwd_dkdv", q.device.index, q.dtype, D, bool(causal), bm, st_kv, grid_kv, *ints,
                *aligned, hc == 1)  # fmt: skip
         args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, H, Hkv, S, Skv, qk_scale,
                 sm_scale, hc)  # fmt: skip
         launch_keyed(_dkdv_hopper, key, grid_kv, args, kv_consts)
-        hc = head_chunk(causal, n_qb, nb * H, q.device.index)
+        hc = head_chunk(causal, n_qb, nb * H, 2 * Skv * D * q.element_size(), q.device.index)
         grid_q = (n_qb * nb * H,)
         key = ("attn_hopper_bwd_dq", q.device.index, q.dtype, D, bool(causal), bn, st_q, grid_q, *ints,
                *aligned, hc == 1)  # fmt: skip
@@ -543,19 +542,23 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
         launch_keyed(_dq_hopper, key, grid_q, args, q_consts)
 
 
-def head_chunk(causal: bool, n_blocks: int, n_heads: int, device: int) -> int:
-    """Heads per chunk of the launch order (`_tile_of`): 1 without causal (every block costs the same); causal:
-    enough heads that a chunk averages ~2 heaviest blocks of work per SM (h heads of n causal blocks hold
-    ~h * n / 2 heaviest-block equivalents), so its heaviest blocks, which start first, end before its light
-    ones. The chunk's heads stream their two per-head operands (q, do for dk/dv; k, v for dq) through L2:
-    4 * SMs / n heads * 2 tensors * n * 128 rows * D * 2 bytes, ~35 MB at D128 on 132 SMs, whatever S.
+def head_chunk(causal: bool, n_blocks: int, n_heads: int, head_bytes: int, device: int) -> int:
+    """Heads per chunk of the launch order (`_tile_of`). 1 (block-fastest, the order a 2-D grid gives) without
+    causal, where every block costs the same, and at n_blocks >= 32. Otherwise enough heads that a chunk
+    averages ~2 heaviest blocks of work per SM (h heads of n causal blocks hold ~h * n / 2 heaviest-block
+    equivalents), so its heaviest blocks, which start first, end before its light ones; at most 8 MiB of the
+    heads' streamed operands (`head_bytes` each: q and do for dk/dv, k and v for dq) so they stay in L2.
+    H200, bf16 D128 causal, device time of the backward (.dev probe, 2026-11-28; SDPA's backward in brackets):
+    B8 H32/8 S1024 636 us with 1, 574 with 16 (579); B1 H32/8 S2048 359 / 344 with 8 (270). At n_blocks >= 32
+    the tail is a small part and larger chunks only cost L2: B4 H32 S4096 D128 3271-3338 us with 1,
+    3290-3295 with 17; D64 2033 with 1, 2051-2068 with 17; B2 S8192 6186-6313 with 1, 6589-7061 with 9.
     FUSEKIT_HOPPER_BWD_CHUNK forces it (probes)."""
     env = os.environ.get("FUSEKIT_HOPPER_BWD_CHUNK")
     if env:
         return max(1, min(n_heads, int(env)))
-    if not causal:
+    if not causal or n_blocks >= 32:
         return 1
-    return max(1, min(n_heads, triton_cdiv(4 * num_sms(device), n_blocks)))
+    return max(1, min(n_heads, triton_cdiv(4 * num_sms(device), n_blocks), (8 << 20) // max(1, head_bytes)))
 
 
 _LAYOUTS: dict[tuple, object] = {}
