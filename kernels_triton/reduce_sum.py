@@ -15,7 +15,7 @@ Modes (chosen by `_plan`, forced in tests with `_mode=`):
            fp32/int64 accumulator is reduced once at the end. Used whenever there are enough row blocks
            to fill the GPU (>= ~2 programs per SM) or rows are short.
 - "split": few long rows (dim=None arrives as M == 1): each row is cut into SPLIT contiguous chunks, one
-           program per chunk (about 4 programs per SM in all). Partial sums are either
+           program per chunk (4 fp32 / 8 bf16 programs per SM in all). Partial sums are either
              * atomically added into `out` (deterministic=False and out.dtype is the accumulator dtype:
                memset + one kernel), or
              * written to a [M, SPLIT] scratch and summed in a fixed order by `_finalize_kernel`
@@ -115,11 +115,18 @@ def _finalize_kernel(
 _TILE_BYTES = 16384
 # Threads hold 4 x 16-byte vectors each: 8 warps (NVIDIA) / 4 waves (AMD) for a 16 KB tile.
 _VEC_PER_THREAD = 4
-# Split rows until the grid has about this many programs per SM (one full wave of 4 x 8-warp programs).
-# H200, 2^30 fp32: 4/SM with 16 KB / 8 warps ran 979 us (torch.sum 1001 us); 2/SM with 32 KB / 16 warps and
-# 8/SM with 16 KB / 4 warps were within 1%; 4 KB or 8 KB steps at 2-4/SM were 10-45% slower. Plain loads:
-# an evict_first hint cost ~5%.
+# Split rows when fewer row blocks than half this many programs per SM would fill the GPU.
 _SPLIT_PROGRAMS_PER_SM = 4
+# A split program streams steps of at most 4096 elements (16 KB fp32, 8 KB bf16), ~64 KB of them in flight per
+# SM (4 fp32 / 8 bf16 programs per SM), in chunks of at least 8 KB. H200, M = 1, device time with L2 flushed
+# (.dev probe, 2026-11-28), before -> after (the plan before: 16 KB steps, 4/SM, chunks >= 32 KB): bf16 2^16
+# 8.7 -> 5.9 us, 2^20 9.2 -> 7.6, 2^24 20.3 -> 18.7, 2^26 51.9 -> 46.7, 2^30 551 -> 489 (torch.sum 505);
+# fp32 2^16 7.3 -> 6.1, 2^18 8.2 -> 6.3, 2^22..2^30 unchanged (953 us at 2^30). 128 KB per SM, or 8 KB bf16
+# steps at 4/SM, were 2-10% slower from 2^22 up. Earlier (fp32 2^30): 16 KB / 8 warps at 4/SM within 1% of
+# 32 KB / 16 warps at 2/SM and of 16 KB / 4 warps at 8/SM; plain loads: an evict_first hint cost ~5%.
+_SPLIT_BLOCK_ELEMS = 4096
+_SPLIT_BYTES_PER_SM = 65536
+_SPLIT_MIN_CHUNK_BYTES = 8192
 _FIN_BLOCK_M, _FIN_BLOCK_S = 16, 128
 
 
@@ -132,11 +139,17 @@ def _plan(M: int, N: int, elsize: int, dev: int) -> tuple[str, int]:
     tile = _tile(elsize)
     block_n = min(max(32, next_pow2(N)), tile)
     row_programs = triton.cdiv(M, tile // block_n)
-    target = _SPLIT_PROGRAMS_PER_SM * num_sms(dev)
-    if row_programs >= target // 2 or 4 * tile > N:
+    sms = num_sms(dev)
+    if row_programs >= _SPLIT_PROGRAMS_PER_SM * sms // 2 or 4 * tile > N:
         return "rows", 1
-    split = min(triton.cdiv(target, M), triton.cdiv(N, 2 * tile))
+    target = max(1, _SPLIT_BYTES_PER_SM // (_split_block(elsize) * elsize)) * sms
+    split = min(triton.cdiv(target, M), triton.cdiv(N * elsize, _SPLIT_MIN_CHUNK_BYTES))
     return ("split", split) if split > 1 else ("rows", 1)
+
+
+def _split_block(elsize: int) -> int:
+    """Elements per loop step of a split program."""
+    return min(_tile(elsize), _SPLIT_BLOCK_ELEMS)
 
 
 def reduce_sum(
@@ -169,7 +182,7 @@ def reduce_sum(
         grid = (triton.cdiv(M, block_m),)
         _rows_kernel[grid](x, out, M, N, BLOCK_M=block_m, BLOCK_N=block_n, IS_INT=is_int, num_warps=nw)
         return
-    block = _block or (512 if is_interpreter() else tile)
+    block = _block or (512 if is_interpreter() else _split_block(elsize))
     nw = _num_warps or warps_for(block, vec * _VEC_PER_THREAD, dev)
     chunk = triton.cdiv(triton.cdiv(N, split), block) * block
     split = triton.cdiv(N, chunk)

@@ -1,5 +1,5 @@
 """attention cases: the S sweep at 16K tokens (D 64/128/256, causal and not), training at B4 H32 S4096
-D128 (fwd+bwd), one decode step (1 query against 2048 keys, H32 / Hkv 8) and the decode suite (split-KV
+D128 (fwd+bwd; on the GPU also causal GQA 32/8 at B8 S1024 and B1 S2048), one decode step (1 query against 2048 keys, H32 / Hkv 8) and the decode suite (split-KV
 against long caches, reported against the KV-read floor); SDPA and MAX baselines.
 
 FLOPs: forward 4·B·H·D·P, P the visible (query, key) pairs: S·Skv, or about half with the causal mask
@@ -179,6 +179,10 @@ def cases(suite: str, *, quick: bool, cpu: bool) -> list[Case]:
         for c in [True] if quick and cpu else [False, True]:
             p = {"B": b, "H": h, "S": s, "D": d, "causal": int(c)}
             out.append(AttentionCase(p, "bf16", f"D={d}{' causal' if c else ''}", s, "S", suite))
+        if not cpu and not quick:  # Llama-3-8B's heads (32 q / 8 kv) at a training step's sequence lengths
+            for b, s in ((8, 1024), (1, 2048)):
+                p = {"B": b, "H": 32, "Hkv": 8, "S": s, "D": 128, "causal": 1}
+                out.append(AttentionCase(p, "bf16", "D=128 causal GQA 4", s, "S", suite))
     elif suite == "small":
         p = {
             "B": 1,
