@@ -13,7 +13,9 @@ Inputs are what tests/run_gpu.sh and tests/sanitize_gpu.sh leave in $OUT (both c
 Backend: the test id's backend parameter ([...-triton]), else the run's (from the XML suite name
 `<backend>-<device>` that the scripts set with `-o junit_suite_name=...`, else the file name, else
 --backend). Device likewise (suite name, else --device; sanitizer runs are CUDA).
-Meta: commit (FUSEKIT_GIT_COMMIT, else `git rev-parse HEAD`), dirty flag, date, GPU, versions.
+Meta: commit (FUSEKIT_GIT_COMMIT, else `git rev-parse HEAD`), dirty flag, date, GPU, versions; or, with
+--meta-from RECORD, those of a record written on the GPU machine (for logs of several device calls collected
+here, where this machine's own GPU and versions would be wrong), its command and inputs replaced.
 """
 
 from __future__ import annotations
@@ -184,8 +186,18 @@ def collect(
     return list(rows.values()), sorted(started)
 
 
-def meta(inputs: list[Path]) -> dict:
-    """Commit, date, GPU and versions of the machine writing the record (fusekit.bench's environment)."""
+def meta(inputs: list[Path], argv: list[str], meta_from: Path | None = None) -> dict:
+    """Commit, date, GPU and versions of the machine writing the record (fusekit.bench's environment), or
+    of the record `meta_from` (its own inputs and command replaced by this call's)."""
+    if meta_from is not None:
+        m = dict(json.loads(meta_from.read_text())["meta"])
+        m.update(
+            meta_from=meta_from.name,
+            command=" ".join(["python tests/reliability.py", *argv]),
+            inputs=[p.name for p in inputs],
+        )
+        m.pop("runs_started", None)
+        return m
     import torch
 
     from fusekit.bench import results
@@ -195,7 +207,7 @@ def meta(inputs: list[Path]) -> dict:
     m.update(
         schema="fusekit-reliability/1",
         gpu_count=torch.cuda.device_count() if dev.type == "cuda" else 0,
-        command=" ".join(["python tests/reliability.py", *sys.argv[1:]]),
+        command=" ".join(["python tests/reliability.py", *argv]),
         inputs=[p.name for p in inputs],
     )
     return m
@@ -210,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--device", choices=DEVICES, help="device of every run (default: from the XML suite name)"
     )
+    ap.add_argument("--meta-from", type=Path, help="take commit, GPU and versions from this record")
     ap.add_argument("inputs", nargs="+", type=Path, help="pytest JUnit XML files and their .log files")
     args = ap.parse_args(argv)
     inputs = [p for p in args.inputs if p.suffix in (".xml", ".log") and p.is_file()]
@@ -218,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     checks, started = collect(inputs, args.backend, args.device)
     totals = {k: sum(r[k] for r in checks) for k in COUNTS}
-    doc = {"meta": meta(inputs), "checks": checks, "totals": totals}
+    argv = sys.argv[1:] if argv is None else argv
+    doc = {"meta": meta(inputs, argv, args.meta_from), "checks": checks, "totals": totals}
     doc["meta"]["runs_started"] = started[0] if started else None  # the first pytest run's start (XML)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -75,6 +75,21 @@ def test_record_counts_per_check_backend_and_device(tmp_path, monkeypatch) -> No
     assert m["runs_started"].startswith("2031-01-02T03:04") and m["date"] and m["torch"]
 
 
+def test_meta_from_a_gpu_record(tmp_path, monkeypatch) -> None:
+    """--meta-from: logs fetched from several device calls get the GPU record's commit, GPU and versions
+    (not this machine's), with this call's command and inputs."""
+    gpu = _record(tmp_path, monkeypatch)  # its meta says NVIDIA H200, commit c0ffee1234567
+    monkeypatch.setenv("FUSEKIT_GIT_COMMIT", "0000000")
+    src = tmp_path / "res" / "nvidia-h200" / "reliability-triton.json"
+    log = tmp_path / "sanitize-triton-racecheck-decode.log"
+    log.write_text(SANITIZER_LOG.replace("memcheck", "racecheck"))
+    out = tmp_path / "merged.json"
+    assert reliability.main(["--out", str(out), "--meta-from", str(src), str(log)]) == 0
+    m = json.loads(out.read_text())["meta"]
+    assert m["gpu_name"] == "NVIDIA H200" and m["git_commit"] == gpu["meta"]["git_commit"]
+    assert m["meta_from"] == src.name and m["inputs"] == [log.name] and "--meta-from" in m["command"]
+
+
 def test_sanitizer_summaries_and_pytest_counts() -> None:
     race = "========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warning)\nx exit=97\n"
     assert reliability._sanitizer(race) == {"sanitizer_errors": 2, "sanitizer_warnings": 1, "exit_code": 97}
