@@ -166,7 +166,7 @@ import os
 
 import torch
 
-from kernels_triton._config import device_index, l2_bytes, num_sms, on_device
+from kernels_triton._config import device_index, is_interpreter, l2_bytes, num_sms, on_device
 from kernels_triton._exp2_poly import env_config as exp2_env_config
 from kernels_triton._launch import fast_launch, launch_keyed
 
@@ -814,7 +814,7 @@ def hopper_supported(
     aligned base and strides (TMA), non-empty, B*H within the grid limit."""
     if not HAS_GLUON or kv_len is not None:
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if is_interpreter():
         return False  # Gluon kernels do not run in the interpreter
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or torch.version.hip is not None:
         return False

@@ -10,10 +10,15 @@ from collections.abc import Callable
 
 import torch
 
+# What Triton's own TRITON_INTERPRET knob (knobs.runtime.interpret, 3.6 and 3.9) reads as on, case-insensitive.
+_TRUTHY = ("1", "true", "on", "yes", "y")
+
 
 def is_interpreter() -> bool:
-    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1): pick one small config, no autotune."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1): pick one small config, no autotune.
+    Read as Triton reads it ("true", "on", ... count; "false", "off" do not), so fusekit and Triton never
+    disagree on whether a launch is interpreted."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUTHY
 
 
 def is_hip() -> bool:

@@ -80,7 +80,9 @@ def backend_name(backend: str) -> str:
 @pytest.fixture(scope="module")
 def dev(device: str) -> str:
     """The device of a Triton kernel test; on the CPU it needs the interpreter (set above)."""
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    from kernels_triton._config import is_interpreter
+
+    if device == "cpu" and not is_interpreter():
         pytest.skip(
             "the CPU run needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)"
         )

@@ -12,7 +12,6 @@ bit either side of a tie, the overflow edge (rounds to inf), subnormals, +-0, +-
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from kernels_triton._config import is_interpreter  # noqa: E402
 from kernels_triton._interpreter import fp32_to_bf16_bits  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -103,7 +103,7 @@ def test_reference_rounding_matches_torch() -> None:
 
 @pytest.mark.parametrize("kernel", ["to", "store", "rtne"])
 def test_kernel_rounds_to_nearest_even(dev: str, kernel: str) -> None:
-    if dev == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if dev == "cpu" and not is_interpreter():
         pytest.skip("CPU needs the interpreter")
     fn = {"to": _to_bf16_kernel, "store": _store_bf16_kernel, "rtne": _rtne_bf16_kernel}[kernel]
     x = _edge_values().to(dev)

@@ -19,7 +19,9 @@ import pytest
 # CPU interpreter only: tests/conftest.py sets TRITON_INTERPRET=1 for --device cpu before triton is
 # imported. Setting it here would switch a whole `--device cuda` process (every xdist worker collects
 # this file) into the interpreter.
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+from kernels_triton._config import is_interpreter
+
+if not is_interpreter():
     pytest.skip("CPU interpreter tests (run with --device cpu)", allow_module_level=True)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import torch

@@ -8,13 +8,13 @@ None; the training path and the backward are in test_triton_grad_misc.py); the f
 local (no dependency on the Python layer).
 """
 
-import os
-
 import pytest
 
 # CPU interpreter only (tests/conftest.py sets TRITON_INTERPRET=1 for --device cpu before triton is
 # imported); setting it here would switch a whole --device cuda process into the interpreter.
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+from kernels_triton._config import is_interpreter
+
+if not is_interpreter():
     pytest.skip("CPU interpreter tests (run with --device cpu)", allow_module_level=True)
 
 import importlib.util

@@ -10,7 +10,9 @@ import pytest
 
 # CPU interpreter only (tests/conftest.py sets TRITON_INTERPRET=1 for --device cpu before triton is
 # imported); setting it here would switch a whole --device cuda process into the interpreter.
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+from kernels_triton._config import is_interpreter
+
+if not is_interpreter():
     pytest.skip("CPU interpreter tests (run with --device cpu)", allow_module_level=True)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
@@ -55,6 +57,19 @@ def _randn(
     *shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0, shift: float = 0.0
 ) -> torch.Tensor:
     return (torch.randn(*shape, generator=_gen(seed)) * scale + shift).to(dtype)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "on", "yes", "y", "0", "false", "off", "", " 1", "2"])
+def test_is_interpreter_reads_the_env_as_triton_does(monkeypatch, value: str) -> None:
+    """fusekit and Triton agree on whether TRITON_INTERPRET switches the interpreter on (fusekit had read any
+    value but "0" as on in its kernels and only "1" in its backend)."""
+    import triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        pytest.skip("this Triton has no knobs module")
+    assert _config.is_interpreter() == bool(knobs.runtime.interpret)
 
 
 # ---------------------------------------------------------------------------------------------- reduce_sum

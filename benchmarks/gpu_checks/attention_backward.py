@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--atomic", action="store_true", help="also time the 5-matmul backward with atomic dq")
     args = ap.parse_args(argv)
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    from kernels_triton._config import is_interpreter
+
+    if args.device == "cpu" and not is_interpreter():
         print("--device cpu needs TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     rows, ok = [], True

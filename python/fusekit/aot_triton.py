@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", default="", help="comma-separated module names")
     args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from kernels_triton._config import is_interpreter
+
+    if is_interpreter():
         print("unset TRITON_INTERPRET: ahead-of-time compilation needs the real compiler", file=sys.stderr)
         return 2
     if str(_ROOT) not in sys.path:

@@ -57,7 +57,9 @@ class TritonBackend(Backend):
     def _load(self) -> None:
         import triton  # noqa: F401 - raises ImportError with the reason when missing
 
-        self._interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        from kernels_triton._config import is_interpreter
+
+        self._interpret = is_interpreter()
         self._dot_fixed = False
         if self._interpret:  # bf16 rounding and tl.dot as on a GPU (kernels_triton/_interpreter.py)
             from kernels_triton import _interpreter

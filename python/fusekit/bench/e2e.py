@@ -349,7 +349,9 @@ class Fusekit(Provider):
         if self.backend not in backends.names():
             return f"unknown fusekit backend {self.backend!r} (known: {', '.join(backends.names())})"
         why = backends.get(self.backend).unavailable_reason()  # loads only this backend
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        from kernels_triton._config import is_interpreter
+
+        interpreted = is_interpreter()
         if why is None and self.backend == "triton" and setup.device == "cpu" and not interpreted:
             why = "triton runs on the CPU only in its interpreter: set TRITON_INTERPRET=1 before the run"
         return why
