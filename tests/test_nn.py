@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusekit import nn as fnn
+from fusekit.tolerances import RTOL
 from tests.checks import assert_close
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # CONTRACT.md
+TOL = RTOL  # fusekit.tolerances: the one table
 GRAD_TOL = {d: 2 * t for d, t in TOL.items()}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -30,7 +30,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 NAN = float("nan")
 # CONTRACT.md tolerances (relative 2-norm vs float64); gradients get 2x.
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+from fusekit.tolerances import RTOL  # noqa: E402
+
+TOL = RTOL  # fusekit.tolerances: the one table
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 

@@ -39,7 +39,9 @@ from kernels_triton import rope as RP  # noqa: E402
 from kernels_triton import swiglu_ffn as FFN  # noqa: E402
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
-TOL = {F32: 2e-5, F16: 2e-3, BF16: 1e-2}
+from fusekit.tolerances import RTOL  # noqa: E402
+
+TOL = RTOL  # fusekit.tolerances: the one table
 ROPE_TOL = {F32: 2e-4, F16: 2e-3, BF16: 1e-2}
 GRAD = 2.0  # gradients stack two roundings (CONTRACT.md)
 

@@ -43,7 +43,9 @@ from kernels_triton import layer_norm as ln  # noqa: E402
 from kernels_triton import rms_norm as rms  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-TOL = {F32: 2e-5, F16: 2e-3, BF16: 1e-2}  # CONTRACT.md; gradients get 2x
+from fusekit.tolerances import RTOL  # noqa: E402
+
+TOL = RTOL  # fusekit.tolerances: the one table  # gradients get 2x (GRAD_FACTOR)
 STAT_TOL = 1e-5  # fp32 statistics
 NAN = float("nan")
 
