@@ -144,9 +144,11 @@ def test_train_and_small_suites_cover_the_issue_shapes() -> None:
     assert {p["F"] for p in params("swiglu_ffn", "train")} == {11008, 14336}
     assert all((p["T"], p["D"]) == (4096, 4096) for p in params("swiglu_ffn", "train"))
     att = params("attention", "train")
-    assert {(p["B"], p["H"], p["S"], p["D"], p["causal"]) for p in att} == {
-        (4, 32, 4096, 128, 0),
-        (4, 32, 4096, 128, 1),
+    assert {(p["B"], p["H"], p.get("Hkv", p["H"]), p["S"], p["D"], p["causal"]) for p in att} == {
+        (4, 32, 32, 4096, 128, 0),
+        (4, 32, 32, 4096, 128, 1),
+        (8, 32, 8, 1024, 128, 1),  # Llama-3-8B's heads at a training step's lengths
+        (1, 32, 8, 2048, 128, 1),
     }
     dec = params("attention", "small")
     assert [(p["S"], p["Skv"], p["H"], p["Hkv"], p["D"]) for p in dec] == [(1, 2048, 32, 8, 128)]
