@@ -259,3 +259,53 @@ def test_gpu_ops_attention_backward_routes_here(device: str, monkeypatch: pytest
     got = torch.autograd.grad(y, (qs, ks, vs), do)
     assert calls, "the Gluon backward did not run"
     _check(got, ref, dt)
+
+
+def test_head_chunk_rule(monkeypatch: pytest.MonkeyPatch):
+    """Launch-order chunks (the H200 probe in head_chunk's docstring): 1 without causal and at >= 32 blocks a
+    head; else ~4 * SMs / blocks heads, at most 8 MiB of streamed operands and at most every head; the env
+    override is clamped to [1, heads]."""
+    m = _mod()
+    monkeypatch.setattr(m, "num_sms", lambda dev: 132)
+    monkeypatch.delenv("FUSEKIT_HOPPER_BWD_CHUNK", raising=False)
+    mib = 1 << 20
+    assert m.head_chunk(False, 8, 256, mib // 2, 0) == 1
+    assert m.head_chunk(True, 32, 128, 2 * mib, 0) == 1  # S 4096: the tail is small, L2 costs
+    assert m.head_chunk(True, 8, 256, mib // 2, 0) == 16  # B8 H32/8 S1024 D128 dq: the 8 MiB cap
+    assert m.head_chunk(True, 16, 8, mib, 0) == 8  # B1 H32/8 S2048 dk/dv: every head
+    assert m.head_chunk(True, 30, 1000, 1, 0) == 18  # cdiv(4 * 132, 30)
+    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_CHUNK", "500")
+    assert m.head_chunk(False, 8, 64, mib, 0) == 64
+    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_CHUNK", "0")
+    assert m.head_chunk(True, 8, 64, mib, 0) == 1
+
+
+def test_launch_keys_hold_head_chunk_class(monkeypatch: pytest.MonkeyPatch):
+    """launch_keyed remembers a compiled kernel per key: the key must hold every specialization Triton makes of
+    head_chunk (== 1, divisible by 16), so a chunk of 17 never reuses the kernel compiled for 16. CPU tensors,
+    with the descriptors, the preprocess and the launch replaced; the grid and the 1-D program count."""
+    from kernels_triton import attention_backward as ab
+
+    m = _mod()
+    if not hasattr(m, "_dkdv_hopper"):
+        pytest.skip("this Triton has no Gluon Hopper module")
+    launches = []
+
+    class _Pre:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(ab, "_bwd_preprocess_kernel", _Pre())
+    monkeypatch.setattr(m, "_descriptors", lambda *a: {n: None for n in m._blocks(128, 64, 128)})
+    monkeypatch.setattr(
+        m, "launch_keyed", lambda fn, key, grid, args, consts: launches.append((fn, key, grid))
+    )
+    q, k, v = (torch.empty(4, 8, 256, 128, dtype=torch.bfloat16) for _ in range(3))
+    lse = torch.empty(4, 8, 256)
+    for chunk in ("16", "17", "1"):  # 32 heads: none is clamped
+        monkeypatch.setenv("FUSEKIT_HOPPER_BWD_CHUNK", chunk)
+        m.run_hopper_bwd(q, k, v, q, q, k, v, q, lse, True, 0.088)
+    assert [fn for fn, _, _ in launches] == [m._dkdv_hopper, m._dq_hopper] * 3
+    assert all(grid == (2 * 4 * 8,) for _, _, grid in launches)  # 2 blocks of 128 rows x B*H (Hkv = H) heads
+    keys = [key for _, key, _ in launches]
+    assert len(set(keys)) == 6
