@@ -168,7 +168,7 @@ import torch
 
 from kernels_triton._config import device_index, is_interpreter, l2_bytes, num_sms, on_device
 from kernels_triton._exp2_poly import env_config as exp2_env_config
-from kernels_triton._launch import fast_launch, launch_keyed
+from kernels_triton._launch import fast_launch, int_class, launch_keyed
 
 try:  # Gluon (triton.experimental) is optional: without it this module only says "not supported"
     from triton.experimental import gluon
@@ -899,7 +899,7 @@ def run_hopper(
             # specialization classes and lse's 16-byte alignment (descriptors are 16-byte aligned by contract)
             key = ("attn_hopper", q.device.index, q.dtype, D, bool(causal), block_n, stages, pingpong, k_early,
                    poly, degree, grid,
-                   *((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv)), ll.data_ptr() & 15 == 0)  # fmt: skip
+                   *(int_class(n) for n in (H, Hkv, S, Skv)), ll.data_ptr() & 15 == 0)  # fmt: skip
             args = (qd, kd, vd, od, ll, H, Hkv, S, Skv, float(qk_scale))
             launch_keyed(_attn_fwd_hopper_hd, key, grid, args, consts)
         else:
@@ -989,7 +989,7 @@ def _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early,
     # (PAIRS, SEC, PER and NU are not specialized: do_not_specialize)
     key = ("attn_hopper_persist", q.device.index, q.dtype, D, bool(causal), block_n, stages, k_early, poly, degree,
            grid,
-           *((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv, bh)), lse.data_ptr() & 15 == 0)  # fmt: skip
+           *(int_class(n) for n in (H, Hkv, S, Skv, bh)), lse.data_ptr() & 15 == 0)  # fmt: skip
     args = (qd, kd, vd, od, lse, H, Hkv, S, Skv, bh, float(qk_scale), pairs, sec, per, units)
     launch_keyed(_attn_fwd_hopper_persist, key, grid, args, consts)
 

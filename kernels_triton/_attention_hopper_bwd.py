@@ -73,7 +73,7 @@ import torch
 
 from kernels_triton._attention_hopper import HAS_GLUON, hopper_supported
 from kernels_triton._config import num_sms, on_device
-from kernels_triton._launch import fast_launch, launch_keyed
+from kernels_triton._launch import fast_launch, int_class, launch_keyed
 
 if HAS_GLUON:  # the forward module's guarded import succeeded: these names exist
     from triton.experimental import gluon
@@ -522,22 +522,22 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
         ds = _descriptors(q[sl], k[sl], v[sl], do[sl], dq[sl], dk[sl], dv[sl], bm, bn)
         l2, dl = lse2[sl], delta[sl]
         # everything the compiled kernels depend on: dtypes, constexprs, grid, device, the int arguments'
-        # specialization classes (head_chunk's too: == 1, divisible by 16) and the fp32 pointers' 16-byte
-        # alignment (descriptors: aligned by contract)
-        ints = tuple((n == 1, n % 16 == 0, n < 2**31) for n in (H, Hkv, S, Skv))
+        # specialization classes (head_chunk's too) and the fp32 pointers' 16-byte alignment (descriptors:
+        # aligned by contract)
+        ints = tuple(int_class(n) for n in (H, Hkv, S, Skv))
         aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)
         n_kb, n_qb = triton_cdiv(Skv, BLOCK_KEYS), triton_cdiv(S, BLOCK_QUERIES)
         hc = head_chunk(causal, n_kb, nb * Hkv, 2 * S * D * q.element_size(), q.device.index)
         grid_kv = (n_kb * nb * Hkv,)
         key = ("attn_hopper_bwd_dkdv", q.device.index, q.dtype, D, bool(causal), bm, st_kv, grid_kv, *ints,
-               *aligned, hc == 1, hc % 16 == 0)  # fmt: skip
+               *aligned, int_class(hc))  # fmt: skip
         args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, H, Hkv, S, Skv, qk_scale,
                 sm_scale, hc)  # fmt: skip
         launch_keyed(_dkdv_hopper, key, grid_kv, args, kv_consts)
         hc = head_chunk(causal, n_qb, nb * H, 2 * Skv * D * q.element_size(), q.device.index)
         grid_q = (n_qb * nb * H,)
         key = ("attn_hopper_bwd_dq", q.device.index, q.dtype, D, bool(causal), bn, st_q, grid_q, *ints,
-               *aligned, hc == 1, hc % 16 == 0)  # fmt: skip
+               *aligned, int_class(hc))  # fmt: skip
         args = (ds["q64"], ds["kq"], ds["vq"], ds["do64"], ds["dq"], l2, dl, H, Hkv, S, Skv, qk_scale,
                 sm_scale, hc)  # fmt: skip
         launch_keyed(_dq_hopper, key, grid_q, args, q_consts)

@@ -68,10 +68,16 @@ def _int_range(v: int) -> int:
     return 0 if -(2**31) <= v < 2**31 else 2 if v >= 2**63 else 1
 
 
+def int_class(v: int) -> tuple[bool, bool, int]:
+    """How Triton specializes a runtime int argument: (== 1, % 16 == 0, range), not its value; what a
+    `launch_keyed` key must hold for each int argument."""
+    return (v == 1, v % 16 == 0, _int_range(v))
+
+
 def _specialized_key(v: Any) -> Any:
-    """A runtime argument Triton specializes: an int by (== 1, % 16 == 0, range), not by its value."""
+    """A runtime argument Triton specializes: an int by its class (`int_class`), not by its value."""
     if type(v) is int:
-        return (v == 1, v % 16 == 0, _int_range(v))
+        return int_class(v)
     return _arg_key(v)
 
 
