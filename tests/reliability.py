@@ -188,28 +188,21 @@ def collect(
 
 def meta(inputs: list[Path], argv: list[str], meta_from: Path | None = None) -> dict:
     """Commit, date, GPU and versions of the machine writing the record (fusekit.bench's environment), or
-    of the record `meta_from` (its own inputs and command replaced by this call's)."""
+    of the record `meta_from`; then this call's command and inputs."""
     if meta_from is not None:
-        m = dict(json.loads(meta_from.read_text())["meta"])
+        m = dict(json.loads(meta_from.read_text())["meta"], meta_from=meta_from.name)
+    else:
+        import torch
+
+        from fusekit.bench import results
+
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        m = results.environment(dev)
         m.update(
-            meta_from=meta_from.name,
-            command=" ".join(["python tests/reliability.py", *argv]),
-            inputs=[p.name for p in inputs],
+            schema="fusekit-reliability/1",
+            gpu_count=torch.cuda.device_count() if dev.type == "cuda" else 0,
         )
-        m.pop("runs_started", None)
-        return m
-    import torch
-
-    from fusekit.bench import results
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    m = results.environment(dev)
-    m.update(
-        schema="fusekit-reliability/1",
-        gpu_count=torch.cuda.device_count() if dev.type == "cuda" else 0,
-        command=" ".join(["python tests/reliability.py", *argv]),
-        inputs=[p.name for p in inputs],
-    )
+    m.update(command=" ".join(["python tests/reliability.py", *argv]), inputs=[p.name for p in inputs])
     return m
 
 

@@ -28,11 +28,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from fusekit.backends.mojo.dispatch import Dispatcher
 from fusekit.backends.mojo.runtime import OpCompiler
 from fusekit.backends.mojo.specs import WORKSPACES, OpSpec, TensorSpec
+from fusekit.tolerances import RTOL
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-from fusekit.tolerances import RTOL  # noqa: E402
 
-TOL = RTOL  # fusekit.tolerances: the one table  # gradients get 2x (GRAD_FACTOR)
+TOL = RTOL  # fusekit.tolerances: the one table; gradients get GRAD_FACTOR (2x) of it
 CASTING = {"fp32": 0, "llama": 1, "gemma": 2}
 EPS = 1e-5
 SHAPES = [(5, 1), (7, 33), (4, 760), (3, 4097)]  # odd N: scalar tails, unaligned rows, > 4096

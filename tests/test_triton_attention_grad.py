@@ -26,13 +26,12 @@ for p in (str(ROOT / "python"), str(ROOT)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from fusekit.tolerances import RTOL  # noqa: E402
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 NAN = float("nan")
-# CONTRACT.md tolerances (relative 2-norm vs float64); gradients get 2x.
-from fusekit.tolerances import RTOL  # noqa: E402
-
-TOL = RTOL  # fusekit.tolerances: the one table
+TOL = RTOL  # fusekit.tolerances (relative 2-norm vs float64); gradients get 2x
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 

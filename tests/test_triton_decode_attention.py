@@ -30,11 +30,11 @@ for p in (str(ROOT / "python"), str(ROOT)):
 
 import fusekit  # noqa: E402
 from fusekit import ops  # noqa: E402
+from fusekit.tolerances import RTOL  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 NAN = float("nan")
-from fusekit.tolerances import RTOL  # noqa: E402
 
 TOL = RTOL  # fusekit.tolerances: the one table
 LSE_TOL = 2e-5  # lse is fp32 math on the inputs as stored, whatever their dtype

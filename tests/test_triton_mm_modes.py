@@ -30,6 +30,8 @@ for p in (str(ROOT / "python"), str(ROOT)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from fusekit.tolerances import RTOL  # noqa: E402
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 if importlib.util.find_spec("triton") is not None:
@@ -59,8 +61,6 @@ def _attention_ref(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> NaN -> 0
     return p @ v
 
-
-from fusekit.tolerances import RTOL  # noqa: E402
 
 TOL = {**RTOL, torch.float32: 1e-5}  # fusekit.tolerances, fp32 tighter: one rounding, short sums
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -38,14 +38,14 @@ for p in (str(_ROOT), str(_ROOT / "python")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from fusekit.tolerances import RTOL  # noqa: E402
 from kernels_triton import _norm_bwd  # noqa: E402
 from kernels_triton import layer_norm as ln  # noqa: E402
 from kernels_triton import rms_norm as rms  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-from fusekit.tolerances import RTOL  # noqa: E402
 
-TOL = RTOL  # fusekit.tolerances: the one table  # gradients get 2x (GRAD_FACTOR)
+TOL = RTOL  # fusekit.tolerances: the one table; gradients get GRAD_FACTOR (2x) of it
 STAT_TOL = 1e-5  # fp32 statistics
 NAN = float("nan")
 
