@@ -179,7 +179,7 @@ def check(D: int, causal: bool, device: str, atomic: bool = False) -> tuple[dict
     delta = (o.float() * do.float()).sum(-1)
     lse2 = lse * _LOG2E
     strides = (*k.stride()[:3], *v.stride()[:3])
-    common = (lse2.view(torch.int32), H, Hkv, S, S, scale * _LOG2E, scale, *strides, 0, 0, 0)
+    common = (lse2.view(torch.int32), H, Hkv, S, S, scale * _LOG2E, scale, *strides, 0, 0, 1, 0, 0)  # chunk 1
     kw = {"HEAD_DIM": D, "CAUSAL": causal, "IEEE": False}
     ok = True
     tables = (
@@ -192,12 +192,12 @@ def check(D: int, causal: bool, device: str, atomic: bool = False) -> tuple[dict
             if kind == "dkdv":
                 outs = [torch.full_like(dk, math.nan), torch.full_like(dv, math.nan)]
                 args = (q, k, v, do, *outs, lse2, delta, *common)
-                grid = (-(-S // bn), B * Hkv)
+                grid = (-(-S // bn) * B * Hkv,)
                 want = (dk, dv)
             else:
                 outs = [torch.full_like(dq, math.nan)]
                 args = (q, k, v, do, *outs, lse2, delta, *common)
-                grid = (-(-S // bm), B * H)
+                grid = (-(-S // bm) * B * H,)
                 want = (dq,)
             launch = AB._launch_kw(tile)
 
