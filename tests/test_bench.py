@@ -23,6 +23,7 @@ from fusekit.bench.cases.rms_norm import RmsNormCase
 from fusekit.bench.cases.rope import RopeCase
 from fusekit.bench.cases.swiglu_ffn import SwigluFfnCase
 from fusekit.bench.run import rel_error, run_case
+from fusekit.report import tables
 from fusekit.report.__main__ import main as report_main
 from fusekit.report.render import render
 
@@ -397,6 +398,33 @@ def test_merged_runs_keep_commit_and_versions_per_row(cpu_run, tmp_path) -> None
     assert (
         "<sup>1</sup>" in md and "<sup>2</sup>" in md and "| 2 | feedbeef00 | 2031-01-01T00:00 | 9.9 |" in md
     )
+
+
+def test_merge_keeps_each_runs_own_baselines() -> None:
+    """A backend re-measured in a later run with its own baselines is compared with those; a row of the
+    earlier run keeps the earlier baselines; a run without baselines is compared with the merged ones."""
+
+    def row(provider: str, kind: str, us: float) -> dict:
+        return {"case": "c", "provider": provider, "kind": kind, "status": "ok", "time_us": us, "bytes": 1,
+                "pct_of_ceiling": 50.0}  # fmt: skip
+
+    def doc(commit: str, *rows: dict) -> dict:
+        return {"op": "rms_norm", "suite": "train", "meta": {"git_commit": commit}, "rows": list(rows)}
+
+    old = doc(
+        "a", row("triton", "backend", 50.0), row("mojo", "backend", 400.0), row("liger", "baseline", 100.0)
+    )
+    new = doc("b", row("mojo", "backend", 80.0), row("liger", "baseline", 120.0))
+    alone = doc("c", row("torch", "backend", 60.0))
+    m = merge.merge([old, new, alone])
+    got = {r["provider"]: (r["source"], r["speedup_vs"]) for r in m["rows"]}
+    assert got["triton"] == (0, {"liger": 2.0})  # its own run's liger (100 us), not the later 120
+    assert got["mojo"] == (1, {"liger": 1.5})  # re-measured beside liger's 120 us
+    assert got["torch"] == (2, {"liger": 2.0})  # no baselines of its own: the merged liger row
+    assert got["liger"][0] == 1
+    # the report's headline takes those same-run ratios, not the later liger row shown beside triton
+    (best,) = tables.headline([("gpu", Path("x.json"), m)], Path("."))
+    assert best["backend"] == "triton" and best["per_baseline"] == {"liger": 2.0}
 
 
 # --- the committed H200 results -------------------------------------------------------------------

@@ -23,7 +23,10 @@ from fusekit.bench.run import speedups
 
 def merge(docs: list[dict]) -> dict:
     """One document per op and suite: the first document's meta and ceilings, every row (later files
-    win). Merging an already merged file keeps its rows' sources.
+    win). Merging an already merged file keeps its rows' sources. A row's speedup over a baseline is
+    against that baseline's timing in the row's own run where that run timed it (a backend re-measured
+    later is compared with the baselines timed beside it, not with another session's), else against the
+    merged baseline row (a backend timed in its own process of the same session, `--baselines none`).
     """
     kinds = {(d["op"], suite_of(d)) for d in docs}
     if len(kinds) != 1:
@@ -31,20 +34,29 @@ def merge(docs: list[dict]) -> dict:
     out = json.loads(json.dumps(docs[0]))
     rows: dict[tuple[str, str], dict] = {}
     sources: list[dict] = []
+    own_base: dict[tuple[str, int], list[dict]] = defaultdict(list)  # (case, source) -> its baseline rows
     for d in docs:
         # each row keeps `source`: its index in meta.merged_from (command, commit, date of its run)
         own = runs(d)
         for r in d["rows"]:
             r = dict(r, source=len(sources) + r.get("source", 0))
             key = (r["case"], r["provider"])
+            if r.get("status") == "ok" and r.get("kind") == "baseline":
+                own_base[(r["case"], r["source"])].append(r)
             if r.get("status") == "ok" or rows.get(key, {}).get("status") != "ok":
                 rows[key] = r  # a later skip never hides an earlier measurement
         sources += own
     by_case: dict[str, list[dict]] = defaultdict(list)
     for r in rows.values():
         by_case[r["case"]].append(r)
-    for case_rows in by_case.values():
+    for case, case_rows in by_case.items():
         speedups(case_rows)
+        for (
+            r
+        ) in case_rows:  # a run that timed baselines itself keeps its own ratios (same run, same GPU state)
+            base = own_base.get((case, r.get("source", 0)))
+            if base and r.get("status") == "ok" and r.get("kind") != "baseline":
+                r["speedup_vs"].update({b["provider"]: b["time_us"] / r["time_us"] for b in base})
     out["rows"] = [r for case_rows in by_case.values() for r in case_rows]
     out["truncated"] = any(d.get("truncated") for d in docs)
     out["meta"]["merged_from"] = sources

@@ -135,10 +135,18 @@ def runs_md(doc: dict) -> str:
 
 
 # --- tables -------------------------------------------------------------------------------------------
+def _ratios(row: dict, base_ts: dict[str, float]) -> dict[str, float]:
+    """Baseline time / this row's time per baseline: the row's `speedup_vs` (against the baselines of its
+    own run, see fusekit.bench.merge), else the times shown beside it (a merged file's baseline rows may
+    come from a later run)."""
+    sv = row.get("speedup_vs") or {}
+    return {p: sv.get(p, bt / row["time_us"]) for p, bt in base_ts.items()}
+
+
 def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
     """Per (device, op, suite): the fusekit backend with the best geometric-mean speedup over the best
-    baseline of each case, with its range, the per-baseline geomeans, how many cases it won, and the
-    source file."""
+    baseline of each case (ratios from its own run, `_ratios`), with its range, the per-baseline geomeans,
+    how many cases it won, and the source file."""
     out = []
     for dev, path, doc in entries:
         cases = by_case(ok_rows(doc))
@@ -155,11 +163,12 @@ def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
                     continue
                 n += 1
                 t = rows[b]["time_us"]
-                sp.append(min(base_ts.values()) / t)
+                ratios = _ratios(rows[b], base_ts)
+                sp.append(min(ratios.values()))
                 if rows[b]["bytes"] > largest[0]:
                     largest = (rows[b]["bytes"], sp[-1])
-                for p, bt in base_ts.items():
-                    per_base[p].append(bt / t)
+                for p, v in ratios.items():
+                    per_base[p].append(v)
                 won += t <= min(r["time_us"] for r in rows.values())
                 pct.append(rows[b]["pct_of_ceiling"])
             if not n:
@@ -242,7 +251,7 @@ def op_table_md(doc: dict) -> str:
             if bb is None or b not in ok:
                 cells.append("–")
             else:
-                cells.append(f"{ok[b]['time_us'] / bb['time_us']:.2f}× ({bb['provider']})")
+                cells.append(f"{_ratios(bb, {b: ok[b]['time_us']})[b]:.2f}× ({bb['provider']})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
