@@ -545,7 +545,8 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
 
 def head_chunk(causal: bool, n_blocks: int, n_heads: int, head_bytes: int, device: int) -> int:
     """Heads per chunk of the launch order (`_tile_of`). 1 (block-fastest, the order a 2-D grid gives) without
-    causal, where every block costs the same, and at n_blocks >= 32. Otherwise enough heads that a chunk
+    causal, where every block costs the same, and at n_blocks >= 32 (CHUNK_MAX_BLOCKS; the constants live in
+    attention_backward.py, whose kernels take the same rule). Otherwise enough heads that a chunk
     averages ~2 heaviest blocks of work per SM (h heads of n causal blocks hold ~h * n / 2 heaviest-block
     equivalents), so its heaviest blocks, which start first, end before its light ones; at most 8 MiB of the
     heads' streamed operands (`head_bytes` each: q and do for dk/dv, k and v for dq) so they stay in L2.
@@ -557,9 +558,12 @@ def head_chunk(causal: bool, n_blocks: int, n_heads: int, head_bytes: int, devic
     env = os.environ.get("FUSEKIT_HOPPER_BWD_CHUNK")
     if env:
         return max(1, min(n_heads, int(env)))
-    if not causal or n_blocks >= 32:
+    from kernels_triton.attention_backward import CHUNK_BLOCKS_PER_SM, CHUNK_L2_BYTES, CHUNK_MAX_BLOCKS
+
+    if not causal or n_blocks >= CHUNK_MAX_BLOCKS.value:
         return 1
-    return max(1, min(n_heads, triton_cdiv(4 * num_sms(device), n_blocks), (8 << 20) // max(1, head_bytes)))
+    work = triton_cdiv(CHUNK_BLOCKS_PER_SM * num_sms(device), n_blocks)
+    return max(1, min(n_heads, work, CHUNK_L2_BYTES // max(1, head_bytes)))
 
 
 _LAYOUTS: dict[tuple, object] = {}

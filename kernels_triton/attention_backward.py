@@ -126,6 +126,13 @@ _HIP_DQ: dict[int, list[Tile]] = {
 }
 _INTERP_TILES: tuple[Tile, Tile] = ((16, 16, 1, 1), (16, 16, 1, 1))  # the interpreter: small is fastest
 
+# Launch order of the backward kernels, here and in _attention_hopper_bwd (figures: its head_chunk): causal
+# heads with fewer than CHUNK_MAX_BLOCKS blocks go in chunks of ~CHUNK_BLOCKS_PER_SM heaviest blocks per SM,
+# with at most CHUNK_L2_BYTES of a chunk's streamed operands so they stay in L2.
+CHUNK_MAX_BLOCKS = tl.constexpr(32)
+CHUNK_BLOCKS_PER_SM = 4
+CHUNK_L2_BYTES = 8 << 20
+
 
 def _preprocess_rows(head_dim: int) -> int:
     """Rows per preprocess program: an 8 K-element tile of o and of do (32 fp32 values of each per thread)."""
@@ -158,17 +165,16 @@ def _bwd_preprocess_kernel(
 def _head_chunk(n_blocks, n_heads, chunk_work, chunk_cap, CAUSAL: tl.constexpr):
     """Heads per chunk of the launch order (`_tile_of`), the rule of _attention_hopper_bwd.head_chunk taken
     per tile (the autotuner's configs differ in block size): 1 without causal, where every block costs the
-    same, and at >= 32 blocks per head; otherwise enough heads that a chunk holds ~chunk_work heaviest-block
-    equivalents (4 per SM), capped at chunk_cap (the host's L2 bound; 1 forces the order of a 2-D grid).
+    same, and at >= CHUNK_MAX_BLOCKS blocks per head; otherwise enough heads that a chunk holds ~chunk_work
+    heaviest-block equivalents, capped at chunk_cap (the host's L2 bound; 1 forces the order of a 2-D grid).
     H200 (bf16, causal, device time of the backward, .dev probe 2026-11-28, against the 2-D grid with dq's
     query blocks lightest first; bit-identical gradients): D128 kv_len B8 H32/8 S1024 652 -> 604 us, B1 H16
     S1024 77.7 -> 75.2, D64 kv_len B2 H32/8 S2048 381 -> 370, D256 B8 H16 S1024 1068 -> 1021, B1 H32/8
     S2048 966 -> 960. At >= 32 blocks the order stays the 2-D grid's: heaviest-first dq there (chunk 1)
     measured 5264 -> 5373 us at D256 B4 H16 S4096."""
     if CAUSAL:
-        hc = tl.where(
-            n_blocks < 32, tl.minimum(tl.minimum(n_heads, tl.cdiv(chunk_work, n_blocks)), chunk_cap), 1
-        )
+        hc = tl.minimum(tl.minimum(n_heads, tl.cdiv(chunk_work, n_blocks)), chunk_cap)
+        hc = tl.where(n_blocks < CHUNK_MAX_BLOCKS, hc, 1)
         return tl.maximum(hc, 1)
     else:
         return 1
@@ -601,16 +607,16 @@ def attention_backward(
 
 
 def _chunk_args(causal: bool, n_heads: int, head_bytes: int, q: torch.Tensor) -> tuple[int, int]:
-    """(chunk_work, chunk_cap) of the kernels' `_head_chunk`: 4 heaviest blocks per SM, and at most 8 MiB of
-    a chunk's streamed operands (`head_bytes` per head) so they stay in L2; chunk_cap 1 (no causal, or
+    """(chunk_work, chunk_cap) of the kernels' `_head_chunk`: CHUNK_BLOCKS_PER_SM heaviest blocks per SM, and
+    at most CHUNK_L2_BYTES of a chunk's streamed operands (`head_bytes` per head); chunk_cap 1 (no causal, or
     FUSEKIT_TRITON_BWD_CHUNK=1 for probes) keeps a 2-D grid's order, heads one by one."""
     if not causal:
         return 0, 1
-    cap = min(n_heads, (8 << 20) // max(1, head_bytes))
+    cap = min(n_heads, CHUNK_L2_BYTES // max(1, head_bytes))
     env = os.environ.get("FUSEKIT_TRITON_BWD_CHUNK")
     if env:
         cap = max(1, min(n_heads, int(env)))
-    return 4 * num_sms(device_index(q)), max(1, cap)
+    return CHUNK_BLOCKS_PER_SM * num_sms(device_index(q)), max(1, cap)
 
 
 # ------------------------------------------------------------------------------------------------ AOT
