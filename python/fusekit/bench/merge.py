@@ -51,9 +51,8 @@ def merge(docs: list[dict]) -> dict:
         by_case[r["case"]].append(r)
     for case, case_rows in by_case.items():
         speedups(case_rows)
-        for (
-            r
-        ) in case_rows:  # a run that timed baselines itself keeps its own ratios (same run, same GPU state)
+        # a run that timed baselines itself keeps its own ratios (same run, same GPU state)
+        for r in case_rows:
             base = own_base.get((case, r.get("source", 0)))
             if base and r.get("status") == "ok" and r.get("kind") != "baseline":
                 r["speedup_vs"].update({b["provider"]: b["time_us"] / r["time_us"] for b in base})
