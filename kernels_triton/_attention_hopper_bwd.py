@@ -74,6 +74,15 @@ import torch
 from kernels_triton._attention_hopper import HAS_GLUON, hopper_supported
 from kernels_triton._config import num_sms, on_device
 from kernels_triton._launch import fast_launch, int_class, launch_keyed
+from kernels_triton.attention_backward import (
+    CHUNK_BLOCKS_PER_SM,
+    CHUNK_L2_BYTES,
+    CHUNK_MAX_BLOCKS,
+    _bwd_preprocess_kernel,
+    _preprocess_rows,
+    _tile_of,
+    forced_chunk,
+)
 
 if HAS_GLUON:  # the forward module's guarded import succeeded: these names exist
     from triton.experimental import gluon
@@ -228,21 +237,6 @@ if HAS_GLUON:
             _tma_load(do_desc, [bh, m, 0], db, do_bufs.index(slot).reshape([1, BLOCK_M, HEAD_DIM]))
 
     @gluon.jit
-    def _tile_of(pid, n_programs, n_blocks, head_chunk):
-        # Launch order -> (block, head). The grid is 1-D: heads in chunks of `head_chunk`, block-major within a
-        # chunk, so a chunk's heaviest blocks (causal: block 0 of every head in it) are dispatched before its
-        # light ones and the last blocks to start are light. Block-fastest over all heads (head_chunk 1, what
-        # a 2-D grid gives) leaves the last head's heaviest block starting near the end: a tail of up to one
-        # heavy block on most SMs, which matters when a head has few blocks (head_chunk's figures). A chunk of
-        # a few heads keeps their streamed operands in L2.
-        per_chunk = head_chunk * n_blocks
-        chunk = pid // per_chunk
-        h0 = chunk * head_chunk
-        nh = gl.minimum(head_chunk, n_programs // n_blocks - h0)
-        r = pid - chunk * per_chunk
-        return r // nh, h0 + r % nh
-
-    @gluon.jit
     def _dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, H, HKV, S, SKV,
                      qk_scale, sm_scale, head_chunk, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -252,7 +246,8 @@ if HAS_GLUON:
         WG1: gl.constexpr = 1
         dtype: gl.constexpr = q_desc.dtype
         # causal: low key blocks are seen by the most queries, so they come first in launch order (_tile_of)
-        kb, bhkv = _tile_of(gl.program_id(0), gl.num_programs(0), gl.cdiv(SKV, BN), head_chunk)
+        n_kb = gl.cdiv(SKV, BN)
+        kb, bhkv = _tile_of(gl.program_id(0), gl.num_programs(0) // n_kb, n_kb, head_chunk)
         n0 = kb * BN
         b = bhkv // HKV
         hkv = bhkv % HKV
@@ -407,7 +402,7 @@ if HAS_GLUON:
         WG1: gl.constexpr = 1
         dtype: gl.constexpr = q_desc.dtype
         n_qb = gl.cdiv(S, BM)
-        pid_m, bh = _tile_of(gl.program_id(0), gl.num_programs(0), n_qb, head_chunk)
+        pid_m, bh = _tile_of(gl.program_id(0), gl.num_programs(0) // n_qb, n_qb, head_chunk)
         if CAUSAL:  # heaviest query blocks first
             pid_m = n_qb - 1 - pid_m
         b = bh // H
@@ -498,7 +493,6 @@ def hopper_backward(
 def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) -> None:
     """hopper_backward minus its checks, on the current device: the preprocess (attention_backward.py's
     kernel), then the dk/dv and dq kernels through the lean launch path (launch_keyed, host descriptors)."""
-    from kernels_triton.attention_backward import _bwd_preprocess_kernel, _preprocess_rows
 
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -554,12 +548,10 @@ def head_chunk(causal: bool, n_blocks: int, n_heads: int, head_bytes: int, devic
     B8 H32/8 S1024 636 us with 1, 574 with 16 (579); B1 H32/8 S2048 359 / 344 with 8 (270). At n_blocks >= 32
     the tail is a small part and larger chunks only cost L2: B4 H32 S4096 D128 3271-3338 us with 1,
     3290-3295 with 17; D64 2033 with 1, 2051-2068 with 17; B2 S8192 6186-6313 with 1, 6589-7061 with 9.
-    FUSEKIT_HOPPER_BWD_CHUNK forces it (probes)."""
-    env = os.environ.get("FUSEKIT_HOPPER_BWD_CHUNK")
-    if env:
-        return max(1, min(n_heads, int(env)))
-    from kernels_triton.attention_backward import CHUNK_BLOCKS_PER_SM, CHUNK_L2_BYTES, CHUNK_MAX_BLOCKS
-
+    FUSEKIT_TRITON_ATTN_CHUNK forces it (probes; attention_backward._chunk_args)."""
+    forced = forced_chunk(n_heads)
+    if forced:
+        return forced
     if not causal or n_blocks >= CHUNK_MAX_BLOCKS.value:
         return 1
     work = triton_cdiv(CHUNK_BLOCKS_PER_SM * num_sms(device), n_blocks)

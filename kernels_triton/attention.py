@@ -21,8 +21,9 @@ Floors (H200: ~790 TFLOP/s dense bf16, ~4.3 TB/s), B=4 H=32 S=Skv=4096 D=128 bf1
   goal is tensor-core rate (wgmma) and fewest wasted tiles, not bandwidth. lse adds B*H*S*4 bytes.
   (Decode is the opposite, a stream over the KV: see _attention_decode.py for its byte floor.)
 
-One program per (BLOCK_M query rows, b*H + h): grid axis 0 = M blocks (limit 2^31 - 1), axis 1 = B*H
-(limit 65535: larger B*H is launched in batch slabs).
+One program per (BLOCK_M query rows, b*H + h) on a 1-D grid in the backward's launch order
+(attention_backward._tile_of / _head_chunk: causal heads with few query blocks in chunks, heaviest block
+first), launched in batch slabs of at most 65535 heads (what a 2-D grid allowed; it keeps pids small).
 Online softmax in fp32 registers with exp2 and scale*log2(e) folded into one multiply (opt-in,
 FUSEKIT_TRITON_ATTN_EXP2_POLY: a fraction of the exponentials on the FMA pipe, _exp2_poly.py). GQA: kv head
 h // (H // Hkv). Causal mask aligned bottom-right: query i sees key j iff j <= i + (L_b - S). The key loop
@@ -52,15 +53,18 @@ import triton.language as tl
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
 from kernels_triton._attention_hopper import hopper_supported, run_hopper
 from kernels_triton._attention_hopper_bwd import hopper_bwd_supported, run_hopper_bwd
-from kernels_triton._config import is_hip, is_interpreter, on_device
+from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms, on_device
 from kernels_triton._exp2_poly import env_config as exp2_env_config
 from kernels_triton._exp2_poly import exp2_mixed
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 from kernels_triton.attention_backward import (
     Tile,
+    _chunk_args,
     _configs,
+    _head_chunk,
     _launch_kw,
+    _tile_of,
     _tma,
     _union,
     aot_specs_backward,
@@ -76,8 +80,8 @@ _MAX_GRID_Y = 65535  # CUDA/HIP limit of grid axis 1
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_len_ptr, H, HKV, S, SKV, qk_scale,
-    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len, S_BUCKET, SKV_BUCKET,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len, chunk_work, chunk_cap,
+    S_BUCKET, SKV_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
     EXP2_POLY: tl.constexpr = 0, EXP2_DEGREE: tl.constexpr = 3,
 ):  # fmt: skip
@@ -88,8 +92,14 @@ def _attn_fwd_kernel(
     # past L), which frees the per-element address registers of pointer loads and makes the loads async.
     # EXP2_POLY > 0 (opt-in, FUSEKIT_TRITON_ATTN_EXP2_POLY): 1 / 2^EXP2_POLY of each score tile's exponentials
     # go through a degree-EXP2_DEGREE polynomial on the FMA pipe instead of MUFU (_exp2_poly.exp2_mixed).
-    start_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    # Launch order (1-D grid, attention_backward._tile_of / _head_chunk): causal heads with few query blocks go
+    # in chunks, heaviest blocks (the most keys) first; otherwise head by head, as a 2-D grid would run.
+    n_qb = tl.cdiv(S, BLOCK_M)
+    n_heads = tl.num_programs(0) // n_qb
+    hc = _head_chunk(n_qb, n_heads, chunk_work, chunk_cap, CAUSAL)
+    start_m, bh = _tile_of(tl.program_id(0), n_heads, n_qb, hc)
+    if hc > 1:
+        start_m = n_qb - 1 - start_m
     b = bh // H
     h = bh % H
     hkv = h // (H // HKV)
@@ -385,7 +395,7 @@ def forward(
     has_kv_len = int(kv_len is not None)
     kl = kv_len if kv_len is not None else lse.view(torch.int32)  # never read without kv_len
     strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
-    # Grid axis 1 (B*H) is limited to 65535: split larger batches into slabs (views).
+    # Batch slabs (views) of at most _MAX_GRID_Y heads per launch.
     bstep = max(1, _MAX_GRID_Y // H)
     # fp32 inputs (the CPU; CUDA refuses fp32 attention) keep P in fp32, so they take the degree-5 polynomial
     # (2.3e-7, ~ex2.approx's error) rather than one sized for P rounded to half precision.
@@ -395,18 +405,37 @@ def forward(
         sl = slice(b0, min(B, b0 + bstep))
         nb = sl.stop - sl.start
         args = (q[sl], k[sl], v[sl], o[sl], lse[sl], kl[sl] if kv_len is not None else kl, H, Hkv, S, Skv,
-                qk_scale, *strides, has_kv_len, _bucket(S), _bucket(Skv))  # fmt: skip
+                qk_scale, *strides, has_kv_len, *_fwd_chunk_args(causal, nb * H, S, Skv, D, q),
+                _bucket(S), _bucket(Skv))  # fmt: skip
         if is_interpreter() or _config is not None:
             tile = _config or _INTERP_TILE
             with on_device(q):
-                _attn_fwd_kernel[(triton.cdiv(S, tile[0]), nb * H)](
+                _attn_fwd_kernel[(triton.cdiv(S, tile[0]) * nb * H,)](
                     *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee, **exp2_kw, **_launch_kw(tile)
                 )  # fmt: skip
             continue
         with on_device(q):
-            _tuned(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]), nb * H)](
+            _tuned(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]) * nb * H,)](
                 *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee, **exp2_kw
             )
+
+
+# The forward chunks heads (_fwd_chunk_args) only while its launch is a few waves: up to this many programs
+# per SM at the largest query tile (128 rows).
+_FWD_CHUNK_MAX_WAVES = 8
+
+
+def _fwd_chunk_args(causal: bool, n_heads: int, S: int, Skv: int, D: int, q: torch.Tensor) -> tuple[int, int]:
+    """(chunk_work, chunk_cap) of the forward's launch order: the backward's rule (_chunk_args; a chunk
+    streams k and v of its heads) while there are at most _FWD_CHUNK_MAX_WAVES programs per SM, else a 2-D
+    grid's order. H200 (bf16 causal, device time, same call, against the 2-D grid; .dev probe 2026-11-28):
+    programs <= 8 per SM: D64 B1 H32/8 S2048 66.4 -> 55.5 us, D128 kv_len B2 H32/8 S2048 204 -> 186,
+    B4 H32/8 S1024 130 -> 124; more: D64 B8 H32/8 S1024 121 -> 126, B16 H32 S1024 229 -> 243 (chunks of
+    32 heads cost L2 reuse there, and the tail is a small part)."""
+    work, cap = _chunk_args(causal, n_heads, 2 * Skv * D * q.element_size(), q)
+    if work >= 0 and n_heads * triton.cdiv(S, 128) > _FWD_CHUNK_MAX_WAVES * num_sms(device_index(q)):
+        return 0, 1
+    return work, cap
 
 
 def attention(
@@ -532,7 +561,7 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                            "kv_len_ptr": "*i32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
                            "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
                            "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
-                           "S_BUCKET": "i32", "SKV_BUCKET": "i32", "HEAD_DIM": "constexpr",
+                           "chunk_work": "i32", "chunk_cap": "i32", "S_BUCKET": "i32", "SKV_BUCKET": "i32", "HEAD_DIM": "constexpr",
                            "CAUSAL": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr",
                            "BLOCK_N": "constexpr", "TMA": "constexpr", "EXP2_POLY": "constexpr",
                            "EXP2_DEGREE": "constexpr"}  # fmt: skip

@@ -172,19 +172,23 @@ def _head_chunk(n_blocks, n_heads, chunk_work, chunk_cap, CAUSAL: tl.constexpr):
     S1024 77.7 -> 75.2, D64 kv_len B2 H32/8 S2048 381 -> 370, D256 B8 H16 S1024 1068 -> 1021, B1 H32/8
     S2048 966 -> 960. At >= 32 blocks the order stays the 2-D grid's: heaviest-first dq there (chunk 1)
     measured 5264 -> 5373 us at D256 B4 H16 S4096."""
+    hc = 1
     if CAUSAL:
         hc = tl.minimum(tl.minimum(n_heads, tl.cdiv(chunk_work, n_blocks)), chunk_cap)
         hc = tl.where(n_blocks < CHUNK_MAX_BLOCKS, hc, 1)
-        return tl.maximum(hc, 1)
-    else:
-        return 1
+    hc = tl.where(chunk_work < 0, chunk_cap, hc)  # forced by FUSEKIT_TRITON_ATTN_CHUNK (_chunk_args)
+    return tl.maximum(hc, 1)
 
 
 @triton.jit
 def _tile_of(pid, n_heads, n_blocks, head_chunk):
-    """Launch order -> (block, head) on a 1-D grid: heads in chunks of `head_chunk`, block-major inside a
-    chunk, so its heaviest blocks (causal, in the caller's block numbering) start before its light ones
-    (_attention_hopper_bwd's `_tile_of`, whose figures show why)."""
+    """Launch order -> (block, head) on a 1-D grid (this file's kernels, the forward's and the Gluon backward's):
+    heads in chunks of `head_chunk`, block-major within a chunk, so a chunk's heaviest blocks (causal, in the
+    caller's block numbering) are dispatched before its light ones and the last blocks to start are light.
+    Block-fastest over all heads (head_chunk 1, what a 2-D grid gives) leaves the last head's heaviest block
+    starting near the end: a tail of up to one heavy block on most SMs, which matters when a head has few
+    blocks (_attention_hopper_bwd.head_chunk's figures). A chunk of a few heads keeps their streamed operands
+    in L2. The last chunk may hold fewer heads."""
     per_chunk = head_chunk * n_blocks
     chunk = pid // per_chunk
     h0 = chunk * head_chunk
@@ -608,15 +612,23 @@ def attention_backward(
 
 def _chunk_args(causal: bool, n_heads: int, head_bytes: int, q: torch.Tensor) -> tuple[int, int]:
     """(chunk_work, chunk_cap) of the kernels' `_head_chunk`: CHUNK_BLOCKS_PER_SM heaviest blocks per SM, and
-    at most CHUNK_L2_BYTES of a chunk's streamed operands (`head_bytes` per head); chunk_cap 1 (no causal, or
-    FUSEKIT_TRITON_BWD_CHUNK=1 for probes) keeps a 2-D grid's order, heads one by one."""
+    at most CHUNK_L2_BYTES of a chunk's streamed operands (`head_bytes` per head); chunk_cap 1 without causal
+    keeps a 2-D grid's order, heads one by one. FUSEKIT_TRITON_ATTN_CHUNK (`forced_chunk`) gives (-1, n)."""
+    forced = forced_chunk(n_heads)
+    if forced:
+        return -1, forced
     if not causal:
         return 0, 1
     cap = min(n_heads, CHUNK_L2_BYTES // max(1, head_bytes))
-    env = os.environ.get("FUSEKIT_TRITON_BWD_CHUNK")
-    if env:
-        cap = max(1, min(n_heads, int(env)))
     return CHUNK_BLOCKS_PER_SM * num_sms(device_index(q)), max(1, cap)
+
+
+def forced_chunk(n_heads: int) -> int:
+    """Heads per chunk forced by FUSEKIT_TRITON_ATTN_CHUNK (probes of the launch order, every attention kernel
+    with a chunked order: this file's, the forward's, the Gluon backward's), clamped to [1, n_heads]; 0 when
+    unset (the rule decides)."""
+    env = os.environ.get("FUSEKIT_TRITON_ATTN_CHUNK")
+    return max(1, min(n_heads, int(env))) if env else 0
 
 
 # ------------------------------------------------------------------------------------------------ AOT

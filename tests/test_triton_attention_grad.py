@@ -14,19 +14,12 @@ tiles unless a test forces others. Outputs are poisoned with NaN before each cal
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from checks import rel_error
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT / "python"), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from fusekit.tolerances import RTOL  # noqa: E402
+from fusekit.tolerances import RTOL
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -251,19 +244,41 @@ def test_backward_is_deterministic_and_slabs(attn, dev, monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward_launch_order(attn, dev, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_order(attn, dev, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch order (heads in chunks, heaviest causal blocks first: _tile_of / _head_chunk) moves work
     between programs, never changes it: chunks of 1 (a 2-D grid's order), 2, 3, 5 and the default rule give
-    bit-identical gradients, GQA and S != Skv, with several heads per chunk left ragged."""
+    bit-identical o / lse and gradients, GQA and S != Skv, with several heads per chunk left ragged."""
     q, k, v, do = _inputs(2, 6, 3, 37, 53, 64, torch.float16, dev, seed=12)
     o, lse = _forward(attn, q, k, v, causal, 0.125)
     base = _backward(attn, do, q, k, v, o, lse, causal, 0.125)
-    assert not any(torch.isnan(t).any() for t in base)
+    assert not any(torch.isnan(t).any() for t in (o, *base))
     for chunk in ("1", "2", "3", "5"):
-        monkeypatch.setenv("FUSEKIT_TRITON_BWD_CHUNK", chunk)
+        monkeypatch.setenv("FUSEKIT_TRITON_ATTN_CHUNK", chunk)
+        o2, lse2 = _forward(attn, q, k, v, causal, 0.125)
+        assert torch.equal(o2, o) and torch.equal(lse2, lse), f"chunk {chunk}: o / lse differ"
         got = _backward(attn, do, q, k, v, o, lse, causal, 0.125)
         for name, a, b in zip(("dq", "dk", "dv"), base, got, strict=True):
             assert torch.equal(a, b), f"chunk {chunk}: {name} differs"
+
+
+def test_forward_chunk_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward takes the backward's chunk rule only while its launch is at most 8 programs per SM at
+    128-row tiles (_fwd_chunk_args' H200 probe), a 2-D grid's order (chunk_cap 1) beyond; not causal: 1;
+    FUSEKIT_TRITON_ATTN_CHUNK forces the chunk everywhere (chunk_work -1)."""
+    from kernels_triton import attention as A
+    from kernels_triton import attention_backward as AB
+
+    monkeypatch.setattr(A, "num_sms", lambda dev: 132)
+    monkeypatch.setattr(AB, "num_sms", lambda dev: 132)
+    monkeypatch.delenv("FUSEKIT_TRITON_ATTN_CHUNK", raising=False)
+    q = torch.empty(1, dtype=torch.bfloat16)
+    assert A._fwd_chunk_args(True, 32, 2048, 2048, 64, q) == (4 * 132, 16)  # 512 programs; 8 MiB cap
+    assert A._fwd_chunk_args(True, 128, 1024, 1024, 128, q) == (4 * 132, 16)  # 1024 programs; 8 MiB cap
+    assert A._fwd_chunk_args(True, 256, 1024, 1024, 64, q) == (0, 1)  # 2048 programs > 8 * 132
+    assert A._fwd_chunk_args(False, 32, 2048, 2048, 64, q) == (0, 1)
+    monkeypatch.setenv("FUSEKIT_TRITON_ATTN_CHUNK", "5")
+    assert A._fwd_chunk_args(True, 256, 1024, 1024, 64, q) == (-1, 5)
+    assert A._fwd_chunk_args(False, 3, 64, 64, 64, q) == (-1, 3)
 
 
 def test_backward_negative_scale(attn, dev) -> None:

@@ -15,18 +15,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT / "python"), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from gluon_support import compile_all, need_sm90, qkv, spec_params  # noqa: E402
+from gluon_support import compile_all, need_sm90, qkv, spec_params
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -267,16 +259,16 @@ def test_head_chunk_rule(monkeypatch: pytest.MonkeyPatch):
     override is clamped to [1, heads]."""
     m = _mod()
     monkeypatch.setattr(m, "num_sms", lambda dev: 132)
-    monkeypatch.delenv("FUSEKIT_HOPPER_BWD_CHUNK", raising=False)
+    monkeypatch.delenv("FUSEKIT_TRITON_ATTN_CHUNK", raising=False)
     mib = 1 << 20
     assert m.head_chunk(False, 8, 256, mib // 2, 0) == 1
     assert m.head_chunk(True, 32, 128, 2 * mib, 0) == 1  # S 4096: the tail is small, L2 costs
     assert m.head_chunk(True, 8, 256, mib // 2, 0) == 16  # B8 H32/8 S1024 D128 dq: the 8 MiB cap
     assert m.head_chunk(True, 16, 8, mib, 0) == 8  # B1 H32/8 S2048 dk/dv: every head
     assert m.head_chunk(True, 30, 1000, 1, 0) == 18  # cdiv(4 * 132, 30)
-    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_CHUNK", "500")
+    monkeypatch.setenv("FUSEKIT_TRITON_ATTN_CHUNK", "500")
     assert m.head_chunk(False, 8, 64, mib, 0) == 64
-    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_CHUNK", "0")
+    monkeypatch.setenv("FUSEKIT_TRITON_ATTN_CHUNK", "0")
     assert m.head_chunk(True, 8, 64, mib, 0) == 1
 
 
@@ -303,7 +295,7 @@ def test_launch_keys_hold_head_chunk_class(monkeypatch: pytest.MonkeyPatch):
     q, k, v = (torch.empty(4, 8, 256, 128, dtype=torch.bfloat16) for _ in range(3))
     lse = torch.empty(4, 8, 256)
     for chunk in ("16", "17", "1"):  # 32 heads: none is clamped
-        monkeypatch.setenv("FUSEKIT_HOPPER_BWD_CHUNK", chunk)
+        monkeypatch.setenv("FUSEKIT_TRITON_ATTN_CHUNK", chunk)
         m.run_hopper_bwd(q, k, v, q, q, k, v, q, lse, True, 0.088)
     assert [fn for fn, _, _ in launches] == [m._dkdv_hopper, m._dq_hopper] * 3
     assert all(grid == (2 * 4 * 8,) for _, _, grid in launches)  # 2 blocks of 128 rows x B*H (Hkv = H) heads
