@@ -12,8 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# The repo root (kernels_triton) and python/ (fusekit) for runs from a checkout; appended, so an installed
+# fusekit (nox's, the only one carrying fusekit._mojo) still comes first.
+_ROOT = Path(__file__).resolve().parents[1]
+for _p in (str(_ROOT), str(_ROOT / "python")):
+    if _p not in sys.path:
+        sys.path.append(_p)
 
 ALL_BACKENDS = ("torch", "triton", "mojo")
 

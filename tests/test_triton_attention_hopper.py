@@ -30,13 +30,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gluon_support import compile_all, need_sm90, qkv, spec_params
 
 ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT / "python"), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from gluon_support import compile_all, need_sm90, qkv, spec_params  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

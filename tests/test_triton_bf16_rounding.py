@@ -12,19 +12,13 @@ bit either side of a tie, the overflow edge (rounds to inf), subnormals, +-0, +-
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from kernels_triton._config import is_interpreter  # noqa: E402
-from kernels_triton._interpreter import fp32_to_bf16_bits  # noqa: E402
+from kernels_triton._config import is_interpreter
+from kernels_triton._interpreter import fp32_to_bf16_bits
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

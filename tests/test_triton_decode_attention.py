@@ -16,21 +16,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from checks import graphs_capturable, rel_error
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT / "python"), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-import fusekit  # noqa: E402
-from fusekit import ops  # noqa: E402
-from fusekit.tolerances import RTOL  # noqa: E402
+import fusekit
+from fusekit import ops
+from fusekit.tolerances import RTOL
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

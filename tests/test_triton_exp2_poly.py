@@ -16,16 +16,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT / "python"), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

@@ -11,8 +11,6 @@ within tolerance, never bit for bit.
 
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -29,15 +27,11 @@ import torch.nn.functional as Fn
 from checks import rel_error
 
 pytest.importorskip("triton")
-_ROOT = Path(__file__).resolve().parents[1]
-for p in (str(_ROOT), str(_ROOT / "python")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-from fusekit.tolerances import GRAD_FACTOR, RTOL, rtol  # noqa: E402
-from kernels_triton import reduce_sum as RS  # noqa: E402
-from kernels_triton import rope as RP  # noqa: E402
-from kernels_triton import swiglu_ffn as FFN  # noqa: E402
+from fusekit.tolerances import GRAD_FACTOR, RTOL, rtol
+from kernels_triton import reduce_sum as RS
+from kernels_triton import rope as RP
+from kernels_triton import swiglu_ffn as FFN
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 

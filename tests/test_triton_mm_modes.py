@@ -18,19 +18,12 @@ if not is_interpreter():
     pytest.skip("CPU interpreter tests (run with --device cpu)", allow_module_level=True)
 
 import importlib.util
-import sys
 import warnings
-from pathlib import Path
 
 import torch
 from checks import rel_error
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT / "python"), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from fusekit.tolerances import RTOL  # noqa: E402
+from fusekit.tolerances import RTOL
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

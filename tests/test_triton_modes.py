@@ -17,25 +17,19 @@ if not is_interpreter():
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import math
-import sys
-from pathlib import Path
 
 import torch
 from checks import layer_norm_ref, rel_error, rms_norm_ref, sum_scale
 
 pytest.importorskip("triton")
-_ROOT = Path(__file__).resolve().parents[1]
-for p in (str(_ROOT), str(_ROOT / "python")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-from fusekit.tolerances import RTOL  # noqa: E402
-from kernels_triton import _config  # noqa: E402
-from kernels_triton import layer_norm as ln_mod  # noqa: E402
-from kernels_triton import rms_norm as rms_mod  # noqa: E402
-from kernels_triton.reduce_sum import _plan as reduce_plan  # noqa: E402
-from kernels_triton.reduce_sum import reduce_sum  # noqa: E402
-from kernels_triton.rope import rope  # noqa: E402
+from fusekit.tolerances import RTOL
+from kernels_triton import _config
+from kernels_triton import layer_norm as ln_mod
+from kernels_triton import rms_norm as rms_mod
+from kernels_triton.reduce_sum import _plan as reduce_plan
+from kernels_triton.reduce_sum import reduce_sum
+from kernels_triton.rope import rope
 
 TOL = {**RTOL, torch.float32: 1e-5}  # fusekit.tolerances, fp32 tighter: one rounding, short sums
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]

@@ -26,22 +26,16 @@ if not is_interpreter():
     pytest.skip("CPU interpreter tests (run with --device cpu)", allow_module_level=True)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-import sys
-from pathlib import Path
 
 import torch
 from checks import rel_error
 
 pytest.importorskip("triton")
-_ROOT = Path(__file__).resolve().parents[1]
-for p in (str(_ROOT), str(_ROOT / "python")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-from fusekit.tolerances import RTOL  # noqa: E402
-from kernels_triton import _norm_bwd  # noqa: E402
-from kernels_triton import layer_norm as ln  # noqa: E402
-from kernels_triton import rms_norm as rms  # noqa: E402
+from fusekit.tolerances import RTOL
+from kernels_triton import _norm_bwd
+from kernels_triton import layer_norm as ln
+from kernels_triton import rms_norm as rms
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
