@@ -25,6 +25,8 @@ GPU plan (deterministic, no atomics):
      one barrier, then every warp reduces the per-warp partials with the same butterfly. Registers:
      <= 64 with no spills at 1024 threads (ptxas sm_90); with 16 columns per thread the 16-bit
      kernels took 114-118 registers and spilled at 1024 threads.
+     rms_norm below 1024 threads takes 2 rows per step: both rows' loads in flight before one
+     all-reduce of their sums (twice the bytes in flight per barrier; same bits as 1 row per step).
    - longer aligned rows: a row-sums kernel (one block per row: mean(g x̂), mean(g) -> [M, 2]), then
      the register kernel column-tiled: block b takes column chunk b % chunks (8192 columns) of the rows
      b // chunks + i * P, P = cdiv(SMs, chunks) (~one 1024-thread block per SM). dy and xin are read
@@ -38,7 +40,8 @@ GPU plan (deterministic, no atomics):
    w's dtype. Two runs are bit-identical.
 Measured on an H200 (GB/s over the byte floor, copy 4283; harness/_normh.mojo): 32768x8192 bf16 rms
 2988 / ln 2931, with dh and fp32 w rms 3511 / ln 3670, fp32 rms 4182 / ln 4063; 32768x1024 bf16 rms
-2181 / ln 2434; 4096x65536 bf16 (column-tiled) rms 1637 / ln 1575.
+2564 (2 rows per step; 2108 with 1) / ln 2406; 32768x4096 bf16 rms 2897 (2122 with 1) / ln 2996;
+4096x65536 bf16 (column-tiled) rms 1637 / ln 1575.
 Row offsets are Int (64-bit). Block reductions use WARP_SIZE (32 on NVIDIA, 64 on AMD).
 """
 
@@ -86,29 +89,30 @@ def bwd_flags[LN: Bool](params: FPtr) -> BwdFlags:
 
 
 @always_inline
-def _block_allsum2[
-    BLK: Int
-](a: Float32, b: Float32, red: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]) -> SIMD[
-    F32, 2
-]:
-    """(Σ a, Σ b) over the block in every thread, one barrier (the caller's loop-end barrier protects
-    `red` before its next use); every thread adds the per-warp partials in the same order."""
+def _block_allsum[
+    BLK: Int, K: Int
+](v: SIMD[F32, K], red: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]) -> SIMD[F32, K]:
+    """The K sums of v over the block, in every thread, one barrier (the caller's loop-end barrier protects
+    `red`, K * MAX_WARPS floats, before its next use); every thread adds the per-warp partials in the same
+    order."""
     comptime NW = BLK // WARP_SIZE
     var lane = thread_idx.x % WARP_SIZE
-    var wa = warp.sum(a)
-    var wb = warp.sum(b)
+    var wv = SIMD[F32, K](0)
+    comptime for i in range(K):
+        wv[i] = warp.sum(v[i])
     if lane == 0:
-        red[unsafe_offset=thread_idx.x // WARP_SIZE] = wa
-        red[unsafe_offset=MAX_WARPS + thread_idx.x // WARP_SIZE] = wb
+        comptime for i in range(K):
+            red[unsafe_offset=i * MAX_WARPS + thread_idx.x // WARP_SIZE] = wv[i]
     barrier()
-    # every warp reduces the NW partials with the same butterfly: 2 shared loads + 2 warp.sums per
-    # thread instead of 2 * NW loads (64 at 1024 threads: half of the kernel's instructions)
-    var ta = Float32(0)
-    var tb = Float32(0)
+    # every warp reduces the NW partials with the same butterfly: K shared loads + K warp.sums per thread
+    # instead of K * NW loads (64 at 1024 threads and K = 2: half of the kernel's instructions)
+    var t = SIMD[F32, K](0)
     if lane < NW:
-        ta = red[unsafe_offset=lane]
-        tb = red[unsafe_offset=MAX_WARPS + lane]
-    return SIMD[F32, 2](warp.sum(ta), warp.sum(tb))
+        comptime for i in range(K):
+            t[i] = red[unsafe_offset=i * MAX_WARPS + lane]
+    comptime for i in range(K):
+        t[i] = warp.sum(t[i])
+    return t
 
 
 @always_inline
@@ -145,7 +149,7 @@ def _load_cols[
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BLK)))
 def _norm_bwd_reg_kernel[
-    dtype: DType, wdtype: DType, LN: Bool, BLK: Int, NV: Int, TILED: Bool
+    dtype: DType, wdtype: DType, LN: Bool, BLK: Int, NV: Int, TILED: Bool, R: Int
 ](
     dx: Pointer[Scalar[dtype], MutAnyOrigin],
     part_w: FPtr,
@@ -161,18 +165,23 @@ def _norm_bwd_reg_kernel[
     n_rows: Int64,
     n_cols: Int64,
 ):
-    """The thread's 8 columns of dy / xin / dh and its dw partials live in registers, its db partials
-    (layer_norm) in shared memory ([element][thread]: conflict-free), which keeps 1024-thread blocks
+    """The thread's 8 columns of dy / xin / dh of R rows and its dw partials live in registers, its db
+    partials (layer_norm) in shared memory ([element][thread]: conflict-free), which keeps 1024-thread blocks
     within 64 registers. Measured and dropped: prefetching the next row's dy / xin into registers
     before this row's reduction (double buffering) spilled at 1024 threads and ran slower everywhere
     (H200, 32768x8192: bf16 rms 2381 vs 2944 GB/s, ln 1559 vs 1948; fp32 rms 3831 vs 4191).
+    R rows per step (rows row, row + step, ..., row + (R - 1) * step of the block's sequence): their loads
+    are all in flight before one block reduction of their 1-2 sums each (R times the bytes in flight per
+    barrier, for short rows where a block holds little of the memory pipe); the rows' dw / db partials
+    are added in the order R = 1 adds them, so the results are bit-identical for every R.
     TILED = False: a block holds whole rows (N <= 8 * BLK) and all-reduces each row's sums itself.
-    TILED = True (long rows): block b takes column chunk b % chunks (8 * BLK columns) of the rows
+    TILED = True (long rows, R = 1): block b takes column chunk b % chunks (8 * BLK columns) of the rows
     b // chunks, b // chunks + grid / chunks, ...; the row sums (mean(g x̂), mean(g)) come from `sums`
     [M, 2], written by _row_sums_kernel; the block's partials go to row b // chunks of part_w / part_b."""
     comptime VW = vec_width[dtype]()
     comptime C = NV * VW
-    var red = unsafe_stack_allocation[2 * MAX_WARPS, Float32, address_space=AddressSpace.SHARED]()
+    comptime K = 2 if LN else 1  # sums per row: mean(g x̂) [, mean(g)]
+    var red = unsafe_stack_allocation[K * R * MAX_WARPS, Float32, address_space=AddressSpace.SHARED]()
     var n = Int(n_cols)
     var m = Int(n_rows)
     var nv = n // VW
@@ -191,59 +200,73 @@ def _norm_bwd_reg_kernel[
     comptime if LN:
         comptime for e in range(C):
             sb[unsafe_offset=e * BLK + thread_idx.x] = 0
+    var wc = SIMD[F32, C](0)  # weff (w, or 1 + w for gemma): an L1 hit per step, cheaper than C registers
     var row = first_row
     while row < m:
-        var off = row * n
-        var xc = _load_cols[dtype, BLK, NV](xin.unsafe_offset(off), tid, nv)
-        var gc = _load_cols[dtype, BLK, NV](dy.unsafe_offset(off), tid, nv)
-        var hc = SIMD[dtype, C](0)
-        if f.has_dh:  # needed only after the reduction: its latency hides behind it
-            hc = _load_cols[dtype, BLK, NV](dh.unsafe_offset(off), tid, nv)
-        var wc = SIMD[F32, C](0)  # weff (w, or 1 + w for gemma): an L1 hit, cheaper than C registers
+        # R rows' columns, row i at offset i * C; a row past M stays 0 (x̂ = g = 0: it adds nothing)
+        var xc = SIMD[dtype, R * C](0)
+        var gc = SIMD[dtype, R * C](0)
+        var hc = SIMD[dtype, R * C](0)
+        var mu = SIMD[F32, R](0)
+        var r = SIMD[F32, R](0)
+        comptime for i in range(R):
+            var ri = row + i * step
+            if ri < m:
+                var off = ri * n
+                xc = xc.insert[offset = i * C](_load_cols[dtype, BLK, NV](xin.unsafe_offset(off), tid, nv))
+                gc = gc.insert[offset = i * C](_load_cols[dtype, BLK, NV](dy.unsafe_offset(off), tid, nv))
+                if f.has_dh:  # needed only after the reduction: its latency hides behind it
+                    hc = hc.insert[offset = i * C](_load_cols[dtype, BLK, NV](dh.unsafe_offset(off), tid, nv))
+                comptime if LN:
+                    mu[i] = mean_in[unsafe_offset=ri]
+                r[i] = rstd_in[unsafe_offset=ri]
+        wc = SIMD[F32, C](0)
         comptime for k in range(NV):
             var j = tid + k * BLK
             if j < nv:
                 wc = wc.insert[offset = k * VW](_weff[wdtype, VW, 16](w, j * VW, f))
-        var mu = Float32(0)
-        comptime if LN:
-            mu = mean_in[unsafe_offset=row]
-        var r = rstd_in[unsafe_offset=row]
         # padding lanes (columns past N) have x = dy = w = 0, so g = 0 and they add nothing below
-        var xh = (xc.cast[F32]() - mu) * r
-        var dyv = gc.cast[F32]()
-        var g = dyv * wc
-        var s2 = Float32(0)
-        comptime if LN:
-            s2 = g.reduce_add()
-            if f.has_bias:
-                comptime for e in range(C):
-                    sb[unsafe_offset=e * BLK + thread_idx.x] += dyv[e]
-        aw += _dw_term[dtype](dyv, xh, f)
-        var c1: Float32
-        var c2: Float32
+        var part = SIMD[F32, K * R](0)
+        comptime for i in range(R):
+            var xh = (xc.slice[C, offset = i * C]().cast[F32]() - mu[i]) * r[i]
+            var dyv = gc.slice[C, offset = i * C]().cast[F32]()
+            var g = dyv * wc
+            part[K * i] = (g * xh).reduce_add()
+            comptime if LN:
+                part[K * i + 1] = g.reduce_add()
+                if f.has_bias:
+                    comptime for e in range(C):
+                        sb[unsafe_offset=e * BLK + thread_idx.x] += dyv[e]
+            aw += _dw_term[dtype](dyv, xh, f)
+        var c: SIMD[F32, K * R]  # the rows' means: mean(g x̂) [, mean(g)]
         comptime if TILED:
-            c1 = sums[unsafe_offset=2 * row]
-            c2 = sums[unsafe_offset=2 * row + 1]
+            c = SIMD[F32, K * R](0)
+            comptime for i in range(K):
+                c[i] = sums[unsafe_offset=2 * row + i]
         else:
-            var tot = _block_allsum2[BLK]((g * xh).reduce_add(), s2, red)
-            c1 = tot[0] / Float32(n)
-            c2 = tot[1] / Float32(n)
-        var d: SIMD[F32, C]
-        comptime if LN:
-            d = r * (g - c2 - xh * c1)
-        else:
-            d = r * (g - xh * c1)
-        if f.has_dh:
-            d += hc.cast[F32]()
-        var dxr = dx.unsafe_offset(off)
-        var dd = d.cast[dtype]()
-        comptime for k in range(NV):
-            var j = tid + k * BLK
-            if j < nv:
-                dxr.unsafe_store[alignment=16](j * VW, dd.slice[VW, offset = k * VW]())
-        row += step
+            c = _block_allsum[BLK, K * R](part, red) / Float32(n)
+        comptime for i in range(R):
+            var ri = row + i * step
+            if ri < m:
+                var off = ri * n
+                var xh = (xc.slice[C, offset = i * C]().cast[F32]() - mu[i]) * r[i]
+                var g = gc.slice[C, offset = i * C]().cast[F32]() * wc
+                var d: SIMD[F32, C]
+                comptime if LN:
+                    d = r[i] * (g - c[K * i + 1] - xh * c[K * i])
+                else:
+                    d = r[i] * (g - xh * c[K * i])
+                if f.has_dh:
+                    d += hc.slice[C, offset = i * C]().cast[F32]()
+                var dxr = dx.unsafe_offset(off)
+                var dd = d.cast[dtype]()
+                comptime for k in range(NV):
+                    var j = tid + k * BLK
+                    if j < nv:
+                        dxr.unsafe_store[alignment=16](j * VW, dd.slice[VW, offset = k * VW]())
+        row += R * step
         comptime if not TILED:
-            barrier()  # `red` is rewritten for the next row
+            barrier()  # `red` is rewritten for the next step
     var pw = part_w.unsafe_offset(first_row * n)
     var pb = part_b.unsafe_offset(first_row * n)
     comptime for k in range(NV):
@@ -305,7 +328,7 @@ def _row_sums_kernel[
             var g0 = gr.unsafe_load[width=W, alignment=16](j * W).cast[F32]() * _weff[wdtype, W, 16](w, j * W, f)
             s1 += g0 * ((xr.unsafe_load[width=W, alignment=16](j * W).cast[F32]() - mu) * r)
             s2 += g0
-        var tot = _block_allsum2[BLK](s1.reduce_add(), s2.reduce_add(), red)
+        var tot = _block_allsum[BLK, 2](SIMD[F32, 2](s1.reduce_add(), s2.reduce_add()), red)
         if tid == 0:
             sums[unsafe_offset=2 * row] = tot[0] / Float32(n)
             sums[unsafe_offset=2 * row + 1] = tot[1] / Float32(n)
@@ -363,7 +386,7 @@ def _norm_bwd_loop_kernel[
             comptime if LN:
                 s2 += g
             j += BLK
-        var tot = _block_allsum2[BLK](s1.reduce_add(), s2.reduce_add(), red)
+        var tot = _block_allsum[BLK, 2](SIMD[F32, 2](s1.reduce_add(), s2.reduce_add()), red)
         var c1 = tot[0] / Float32(n)
         var c2 = tot[1] / Float32(n)
         var dxr = dx.unsafe_offset(off)
@@ -475,6 +498,7 @@ def norm_bwd_gpu[
     var vec_ok = n % VW == 0 and is_aligned16(dx) and is_aligned16(dy) and is_aligned16(xin)
     vec_ok = vec_ok and is_aligned16(w) and is_aligned16(dh)
     comptime NV = max(1, REG_ELEMS // VW)
+    comptime RS = 1 if LN else 2  # rows per step of the whole-row register kernel below 1024 threads
     var nv = n // VW
     var M = Int64(m)
     var N = Int64(n)
@@ -501,35 +525,38 @@ def norm_bwd_gpu[
         var chunks = cdiv(nv, 1024 * NV)
         progs = max(1, min(m, cdiv(sms, chunks)))
         _check_parts[LN](pw_len, pb_len, progs * n)
-        ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 1024, NV, True]](
+        ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 1024, NV, True, 1]](
             dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=chunks * progs, block_dim=1024
         )
     else:
         # whole rows in registers: the smallest block holding the row in NV vectors per thread, and
-        # ~1024 resident threads per SM (enough bytes in flight; P * N <= SMs * 8 K partials)
+        # ~1024 resident threads per SM (P * N <= SMs * 8 K partials). rms_norm below 1024 threads: 2 rows
+        # per step (RS). H200, bf16 backward (harness/_normh.mojo, same call): 32768x4096 380 -> 278 us,
+        # 32768x1024 95.6 -> 78.6; layer_norm lost with it (269 -> 314, 83.8 -> 107: its db partials and
+        # second sum) and keeps 1 row per step
         var blk = 64
         while blk * NV < nv:
             blk *= 2
         progs = min(m, sms * max(1, 1024 // blk))
         _check_parts[LN](pw_len, pb_len, progs * n)
         if blk == 64:
-            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 64, NV, False]](
+            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 64, NV, False, RS]](
                 dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=64
             )
         elif blk == 128:
-            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 128, NV, False]](
+            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 128, NV, False, RS]](
                 dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=128
             )
         elif blk == 256:
-            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 256, NV, False]](
+            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 256, NV, False, RS]](
                 dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=256
             )
         elif blk == 512:
-            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 512, NV, False]](
+            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 512, NV, False, RS]](
                 dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=512
             )
         else:
-            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 1024, NV, False]](
+            ctx.enqueue_function[_norm_bwd_reg_kernel[dtype, wdtype, LN, 1024, NV, False, 1]](
                 dx, pw, pb, dy, dh, xin, w, mean_in, rstd_in, sp, params, M, N, grid_dim=progs, block_dim=1024
             )
     var grid = cdiv(n, RED_COLS)
