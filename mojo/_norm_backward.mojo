@@ -203,7 +203,11 @@ def _norm_bwd_reg_kernel[
     var wc = SIMD[F32, C](0)  # weff (w, or 1 + w for gemma): an L1 hit per step, cheaper than C registers
     var row = first_row
     while row < m:
-        # R rows' columns, row i at offset i * C; a row past M stays 0 (x̂ = g = 0: it adds nothing)
+        # R rows' columns, row i at offset i * C; a row past M stays 0 (x̂ = g = 0: it adds nothing). Load
+        # and compute order per op, as measured (H200 harness, same call): layer_norm reads its row stats
+        # after w, as with one row per step (stats first: 32768x1024 84 -> 114 us; its PTX then issued the
+        # stats load after the shared db update, which waits on dy); rms_norm reads rstd with its columns (32768x4096
+        # 278 us; stats after w: 292).
         var xc = SIMD[dtype, R * C](0)
         var gc = SIMD[dtype, R * C](0)
         var hc = SIMD[dtype, R * C](0)
@@ -211,33 +215,41 @@ def _norm_bwd_reg_kernel[
         var r = SIMD[F32, R](0)
         comptime for i in range(R):
             var ri = row + i * step
-            if ri < m:
+            if (LN and i == 0) or ri < m:  # layer_norm's row 0 is in range (the loop condition): no branch
                 var off = ri * n
                 xc = xc.insert[offset = i * C](_load_cols[dtype, BLK, NV](xin.unsafe_offset(off), tid, nv))
                 gc = gc.insert[offset = i * C](_load_cols[dtype, BLK, NV](dy.unsafe_offset(off), tid, nv))
                 if f.has_dh:  # needed only after the reduction: its latency hides behind it
                     hc = hc.insert[offset = i * C](_load_cols[dtype, BLK, NV](dh.unsafe_offset(off), tid, nv))
-                comptime if LN:
-                    mu[i] = mean_in[unsafe_offset=ri]
-                r[i] = rstd_in[unsafe_offset=ri]
+                comptime if not LN:
+                    r[i] = rstd_in[unsafe_offset=ri]
         wc = SIMD[F32, C](0)
         comptime for k in range(NV):
             var j = tid + k * BLK
             if j < nv:
                 wc = wc.insert[offset = k * VW](_weff[wdtype, VW, 16](w, j * VW, f))
+        comptime if LN:
+            comptime for i in range(R):
+                var ri = row + i * step
+                if i == 0 or ri < m:
+                    mu[i] = mean_in[unsafe_offset=ri]
+                    r[i] = rstd_in[unsafe_offset=ri]
         # padding lanes (columns past N) have x = dy = w = 0, so g = 0 and they add nothing below
         var part = SIMD[F32, K * R](0)
         comptime for i in range(R):
             var xh = (xc.slice[C, offset = i * C]().cast[F32]() - mu[i]) * r[i]
             var dyv = gc.slice[C, offset = i * C]().cast[F32]()
             var g = dyv * wc
-            part[K * i] = (g * xh).reduce_add()
             comptime if LN:
                 part[K * i + 1] = g.reduce_add()
                 if f.has_bias:
                     comptime for e in range(C):
                         sb[unsafe_offset=e * BLK + thread_idx.x] += dyv[e]
-            aw += _dw_term[dtype](dyv, xh, f)
+                aw += _dw_term[dtype](dyv, xh, f)
+                part[K * i] = (g * xh).reduce_add()
+            else:
+                part[K * i] = (g * xh).reduce_add()
+                aw += _dw_term[dtype](dyv, xh, f)
         var c: SIMD[F32, K * R]  # the rows' means: mean(g x̂) [, mean(g)]
         comptime if TILED:
             c = SIMD[F32, K * R](0)
@@ -247,7 +259,7 @@ def _norm_bwd_reg_kernel[
             c = _block_allsum[BLK, K * R](part, red) / Float32(n)
         comptime for i in range(R):
             var ri = row + i * step
-            if ri < m:
+            if (LN and i == 0) or ri < m:
                 var off = ri * n
                 var xh = (xc.slice[C, offset = i * C]().cast[F32]() - mu[i]) * r[i]
                 var g = gc.slice[C, offset = i * C]().cast[F32]() * wc

@@ -276,8 +276,6 @@ def test_launch_keys_hold_head_chunk_class(monkeypatch: pytest.MonkeyPatch):
     """launch_keyed remembers a compiled kernel per key: the key must hold every specialization Triton makes of
     head_chunk (== 1, divisible by 16), so a chunk of 17 never reuses the kernel compiled for 16. CPU tensors,
     with the descriptors, the preprocess and the launch replaced; the grid and the 1-D program count."""
-    from kernels_triton import attention_backward as ab
-
     m = _mod()
     if not hasattr(m, "_dkdv_hopper"):
         pytest.skip("this Triton has no Gluon Hopper module")
@@ -287,7 +285,7 @@ def test_launch_keys_hold_head_chunk_class(monkeypatch: pytest.MonkeyPatch):
         def __getitem__(self, grid):
             return lambda *a, **k: None
 
-    monkeypatch.setattr(ab, "_bwd_preprocess_kernel", _Pre())
+    monkeypatch.setattr(m, "_bwd_preprocess_kernel", _Pre())  # the name this module launches
     monkeypatch.setattr(m, "_descriptors", lambda *a: {n: None for n in m._blocks(128, 64, 128)})
     monkeypatch.setattr(
         m, "launch_keyed", lambda fn, key, grid, args, consts: launches.append((fn, key, grid))
