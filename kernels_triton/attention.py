@@ -23,7 +23,8 @@ Floors (H200: ~790 TFLOP/s dense bf16, ~4.3 TB/s), B=4 H=32 S=Skv=4096 D=128 bf1
 
 One program per (BLOCK_M query rows, b*H + h) on a 1-D grid in the backward's launch order
 (attention_backward._tile_of / _head_chunk: causal heads with few query blocks in chunks, heaviest block
-first), launched in batch slabs of at most 65535 heads (what a 2-D grid allowed; it keeps pids small).
+first) while the launch is a few waves (_fwd_chunk_args), else head by head; launched in batch slabs of at
+most 65535 heads (what a 2-D grid allowed; it keeps pids small).
 Online softmax in fp32 registers with exp2 and scale*log2(e) folded into one multiply (opt-in,
 FUSEKIT_TRITON_ATTN_EXP2_POLY: a fraction of the exponentials on the FMA pipe, _exp2_poly.py). GQA: kv head
 h // (H // Hkv). Causal mask aligned bottom-right: query i sees key j iff j <= i + (L_b - S). The key loop
@@ -561,10 +562,10 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                            "kv_len_ptr": "*i32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
                            "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
                            "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
-                           "chunk_work": "i32", "chunk_cap": "i32", "S_BUCKET": "i32", "SKV_BUCKET": "i32", "HEAD_DIM": "constexpr",
-                           "CAUSAL": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr",
-                           "BLOCK_N": "constexpr", "TMA": "constexpr", "EXP2_POLY": "constexpr",
-                           "EXP2_DEGREE": "constexpr"}  # fmt: skip
+                           "chunk_work": "i32", "chunk_cap": "i32", "S_BUCKET": "i32", "SKV_BUCKET": "i32",
+                           "HEAD_DIM": "constexpr", "CAUSAL": "constexpr", "IEEE": "constexpr",
+                           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "TMA": "constexpr",
+                           "EXP2_POLY": "constexpr", "EXP2_DEGREE": "constexpr"}  # fmt: skip
                     # EXP2_POLY: the default kernel (FUSEKIT_TRITON_ATTN_EXP2_POLY is opt-in, not AOT-compiled)
                     const = {"HEAD_DIM": d, "CAUSAL": causal, "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn,
                              "TMA": _tma(t), "EXP2_POLY": 0, "EXP2_DEGREE": 3}  # fmt: skip
