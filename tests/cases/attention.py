@@ -154,10 +154,27 @@ def _probs_rows(q, kd, lens, causal, masked, scale, r0, S):
 def grad_magnitude(args: tuple, kwargs: dict) -> float:
     """How much larger than O(1) the gradients' rounding may be: an fp32/half backward recomputes
     p = exp(logit - lse), whose relative error is ~u·|logit|, and |logit| ~ scale·√D for O(1) inputs.
-    With the default scale (1/√D) that is 1; a drawn scale of 2.0 at D 64 makes it 16."""
-    d = args[0].shape[-1]
+    With the default scale (1/√D) that is 1; a drawn scale of 2.0 at D 64 makes it 16. Inputs whose
+    rows are alike along D (a broadcast view) have logits up to D·scale instead: the measured RMS logit
+    (`_logit_rms`) raises the estimate there, never lowers it (fuzz: q, k broadcast along D 64 with
+    scale 1 put logits near 280 and fp32 dv 1.5x past its tolerance against the √D estimate of 8)."""
+    q, k, v = (t.detach() for t in args)
+    d = q.shape[-1]
     scale = kwargs.get("scale")
-    return max(1.0, (1.0 / math.sqrt(d) if scale is None else abs(scale)) * math.sqrt(d))
+    est = (1.0 / math.sqrt(d) if scale is None else abs(scale)) * math.sqrt(d)
+    kd, _, _, sc, _, _ = _prepared(q, k, v, kwargs.get("causal", False), scale, kwargs.get("kv_len"))
+    return max(1.0, est, _logit_rms(q, kd, sc))
+
+
+def _logit_rms(q: torch.Tensor, kd: torch.Tensor, scale: float) -> float:
+    """|scale| times the RMS of q_i · k_j over every query and key of every head (kd: _kv64's float64 keys,
+    [B, H, Skv, D]), without forming the scores: sum_ij (q_i · k_j)^2 = <Q^T Q, K^T K> per head."""
+    n = q.shape[0] * q.shape[1] * q.shape[2] * kd.shape[2]
+    if n == 0:
+        return 0.0
+    qd = q.to(F64)
+    gram = torch.einsum("bhsd,bhse->bhde", qd, qd) * torch.einsum("bhtd,bhte->bhde", kd, kd)
+    return abs(scale) * math.sqrt(max(0.0, float(gram.sum())) / n)
 
 
 def grad_scale(args: tuple, kwargs: dict, grads: tuple) -> tuple:
