@@ -200,14 +200,14 @@ def _norm_bwd_reg_kernel[
     comptime if LN:
         comptime for e in range(C):
             sb[unsafe_offset=e * BLK + thread_idx.x] = 0
-    var wc = SIMD[F32, C](0)  # weff (w, or 1 + w for gemma): an L1 hit per step, cheaper than C registers
     var row = first_row
     while row < m:
         # R rows' columns, row i at offset i * C; a row past M stays 0 (x̂ = g = 0: it adds nothing). Load
         # and compute order per op, as measured (H200 harness, same call): layer_norm reads its row stats
         # after w, as with one row per step (stats first: 32768x1024 84 -> 114 us; its PTX then issued the
-        # stats load after the shared db update, which waits on dy); rms_norm reads rstd with its columns (32768x4096
-        # 278 us; stats after w: 292).
+        # stats load after the shared db update, which waits on dy); rms_norm reads rstd with its columns
+        # (32768x4096 278 us; stats after w: 292). Its guard and its sums-then-dw order below keep that
+        # measured PTX (one guard form or one order for both ops changes rms_norm's PTX).
         var xc = SIMD[dtype, R * C](0)
         var gc = SIMD[dtype, R * C](0)
         var hc = SIMD[dtype, R * C](0)
@@ -223,7 +223,7 @@ def _norm_bwd_reg_kernel[
                     hc = hc.insert[offset = i * C](_load_cols[dtype, BLK, NV](dh.unsafe_offset(off), tid, nv))
                 comptime if not LN:
                     r[i] = rstd_in[unsafe_offset=ri]
-        wc = SIMD[F32, C](0)
+        var wc = SIMD[F32, C](0)  # weff (w, or 1 + w for gemma): an L1 hit per step, cheaper than C registers
         comptime for k in range(NV):
             var j = tid + k * BLK
             if j < nv:
@@ -544,8 +544,9 @@ def norm_bwd_gpu[
         # whole rows in registers: the smallest block holding the row in NV vectors per thread, and
         # ~1024 resident threads per SM (P * N <= SMs * 8 K partials). rms_norm below 1024 threads: 2 rows
         # per step (RS). H200, bf16 backward (harness/_normh.mojo, same call): 32768x4096 380 -> 278 us,
-        # 32768x1024 95.6 -> 78.6; layer_norm lost with it (269 -> 314, 83.8 -> 107: its db partials and
-        # second sum) and keeps 1 row per step
+        # 32768x1024 95.6 -> 78.6; layer_norm lost with it in the stats-first load order (269 -> 314,
+        # 83.8 -> 107; that order alone cost it at 1 row too, see the kernel) and keeps 1 row per step:
+        # 2 rows in its current order are not measured yet
         var blk = 64
         while blk * NV < nv:
             blk *= 2

@@ -159,11 +159,10 @@ def grad_magnitude(args: tuple, kwargs: dict) -> float:
     (`_logit_rms`) raises the estimate there, never lowers it (fuzz: q, k broadcast along D 64 with
     scale 1 put logits near 280 and fp32 dv 1.5x past its tolerance against the √D estimate of 8)."""
     q, k, v = (t.detach() for t in args)
-    d = q.shape[-1]
-    scale = kwargs.get("scale")
-    est = (1.0 / math.sqrt(d) if scale is None else abs(scale)) * math.sqrt(d)
-    kd, _, _, sc, _, _ = _prepared(q, k, v, kwargs.get("causal", False), scale, kwargs.get("kv_len"))
-    return max(1.0, est, _logit_rms(q, kd, sc))
+    kd, _, _, scale, _, _ = _prepared(
+        q, k, v, kwargs.get("causal", False), kwargs.get("scale"), kwargs.get("kv_len")
+    )
+    return max(1.0, abs(scale) * math.sqrt(q.shape[-1]), _logit_rms(q, kd, scale))
 
 
 def _logit_rms(q: torch.Tensor, kd: torch.Tensor, scale: float) -> float:
