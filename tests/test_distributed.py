@@ -1,4 +1,7 @@
-"""DTensor inputs, FSDP2 and tensor parallelism on 2 CPU processes (gloo): results equal one process.
+"""DTensor inputs, FSDP2 and tensor parallelism on 2 processes: results equal one process.
+
+    pytest tests/test_distributed.py                                  (CPU, gloo, backend torch: CI)
+    pytest tests/test_distributed.py --device cuda --backends triton  (2 GPUs, NCCL; else skipped)
 
 One spawn runs every scenario (process start-up and imports dominate the cost) and reports each one's
 outcome; the tests below read those reports. Scenarios:
@@ -10,7 +13,11 @@ outcome; the tests below read those reports. Scenarios:
   fusekit ops ran;
 - tp: the patched model under parallelize_module (ColwiseParallel q/k/v/gate/up, RowwiseParallel
   o/down): logits and gradients equal the single-process patched model.
-The same worker runs on GPUs with NCCL by changing BACKEND/DEVICE (not run here).
+On GPUs (`--device cuda`, two of them) each rank runs on cuda:<rank> with NCCL and the ops on the first
+of --backends (triton unless only torch is asked for): float32 for the norms, rope, reduce_sum, swiglu_ffn
+and the models, bfloat16 for attention (fusekit's CUDA attention kernels are fp16/bf16; a float32 model's
+attention goes to transformers' own, as fusekit_attention documents), head dim 64 (the GPU kernels take
+64/128/256).
 """
 
 from __future__ import annotations
@@ -34,17 +41,29 @@ import torch.multiprocessing as mp  # noqa: E402
 from tests.checks import TINY_LLAMA  # noqa: E402
 
 WORLD = 2
-BACKEND, DEVICE = "gloo", "cpu"
+# Where the workers run; _worker replaces it with the test's (spawned workers import this module afresh).
+CFG = {"dist": "gloo", "device": "cpu", "backend": "torch"}
 TIMEOUT_S = 150  # the whole spawn; CI must never hang
 SCENARIOS = ("ops", "errors", "fsdp2", "tp")
 
 
 # --- helpers (run inside the workers) ------------------------------------------------------------
+def _on_gpu() -> bool:
+    return CFG["device"] == "cuda"
+
+
+def _dev(t: torch.Tensor) -> torch.Tensor:
+    """t on this rank's device (inputs are drawn on the CPU from seeded generators: the same everywhere)."""
+    return t.to(f"cuda:{torch.cuda.current_device()}") if _on_gpu() else t
+
+
 def _close(a, b, name: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     from torch.distributed.tensor import DTensor
 
     a = a.full_tensor() if isinstance(a, DTensor) else a
     b = b.full_tensor() if isinstance(b, DTensor) else b
+    if a.dtype in (torch.bfloat16, torch.float16):  # a sharded call may pick other tiles: an ulp or two
+        rtol, atol = max(rtol, 2e-2), max(atol, 2e-2)
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
@@ -67,7 +86,8 @@ def _run_both(fn, full: dict, mesh, placements: dict, grads_of: tuple[str, ...])
     out = out if isinstance(out, tuple) else (out,)
     gen = torch.Generator().manual_seed(7)
     cots = [
-        torch.randn(r.shape, generator=gen, dtype=r.dtype) if r.is_floating_point() else None for r in ref
+        torch.randn(r.shape, generator=gen).to(r.device, r.dtype) if r.is_floating_point() else None
+        for r in ref
     ]
     loss_ref = sum((r * c).sum() for r, c in zip(ref, cots) if c is not None and r.requires_grad)
     loss_dt = 0
@@ -90,13 +110,15 @@ def _scenario_ops(mesh) -> None:
     from fusekit import ops
 
     g = torch.Generator().manual_seed(0)
-    rn = lambda *s: torch.randn(*s, generator=g)
+    rn = lambda *s: _dev(torch.randn(*s, generator=g))
     R, S = Replicate(), Shard
+    bk = CFG["backend"]
+    hd = 64 if _on_gpu() else 8  # head dim (the GPU kernels take 64/128/256)
     x, res, w, b = rn(4, 6, 16), rn(4, 6, 16), 1 + 0.2 * rn(16), rn(16)
     for p in (R, S(0), S(1)):  # replicated, batch-sharded, sequence-sharded
         _run_both(
             lambda x, residual, weight: ops.rms_norm(
-                x, weight, residual=residual, return_rstd=True, backend="torch"
+                x, weight, residual=residual, return_rstd=True, backend=bk
             ),
             {"x": x, "residual": res, "weight": w},
             mesh,
@@ -104,34 +126,36 @@ def _scenario_ops(mesh) -> None:
             ("x", "residual", "weight"),
         )
         _run_both(
-            lambda x, weight, bias: ops.layer_norm(x, weight, bias, backend="torch"),
+            lambda x, weight, bias: ops.layer_norm(x, weight, bias, backend=bk),
             {"x": x, "weight": w, "bias": b},
             mesh,
             {"x": [p], "weight": [R], "bias": [R]},
             ("x", "weight", "bias"),
         )
-    xr = rn(2, 6, 4, 8)  # [B, S, H, D]
-    cos, sin = rn(8, 4), rn(8, 4)
+    xr = rn(2, 6, 4, hd)  # [B, S, H, D]
+    cos, sin = rn(8, hd // 2), rn(8, hd // 2)
     for p in (R, S(0), S(2)):  # replicated, batch, heads
-        _run_both(lambda x: ops.rope(x, start_pos=1, backend="torch"), {"x": xr}, mesh, {"x": [p]}, ("x",))
+        _run_both(lambda x: ops.rope(x, start_pos=1, backend=bk), {"x": xr}, mesh, {"x": [p]}, ("x",))
         _run_both(
-            lambda x, cos, sin: ops.rope(x, cos=cos, sin=sin, backend="torch"),
+            lambda x, cos, sin: ops.rope(x, cos=cos, sin=sin, backend=bk),
             {"x": xr, "cos": cos, "sin": sin},
             mesh,
             {"x": [p]},
             ("x",),
         )
         _run_both(  # q and k in one call, both placed alike
-            lambda x, k: ops.rope(x, k, start_pos=2, backend="torch"),
-            {"x": xr, "k": rn(2, 6, 2, 8)},
+            lambda x, k: ops.rope(x, k, start_pos=2, backend=bk),
+            {"x": xr, "k": rn(2, 6, 2, hd)},
             mesh,
             {"x": [p], "k": [p]},
             ("x", "k"),
         )
-    q, k, v = rn(2, 4, 6, 8), rn(2, 2, 6, 8), rn(2, 2, 6, 8)
+    q, k, v = rn(2, 4, 6, hd), rn(2, 2, 6, hd), rn(2, 2, 6, hd)
+    if _on_gpu():
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     for p in (R, S(0), S(1)):  # replicated, batch, heads (GQA 4:2 -> 2:1 per rank)
         _run_both(
-            lambda q, k, v: ops.attention(q, k, v, causal=True, backend="torch"),
+            lambda q, k, v: ops.attention(q, k, v, causal=True, backend=bk),
             {"q": q, "k": k, "v": v},
             mesh,
             {"q": [p], "k": [p], "v": [p]},
@@ -139,7 +163,7 @@ def _scenario_ops(mesh) -> None:
         )
     xs, wg, wu, wd, nw = rn(3, 5, 16), 0.2 * rn(24, 16), 0.2 * rn(24, 16), 0.2 * rn(16, 24), 1 + 0.1 * rn(16)
     ffn = lambda x, w_gate, w_up, w_down, norm_weight: ops.swiglu_ffn(
-        x, w_gate, w_up, w_down, norm_weight=norm_weight, backend="torch"
+        x, w_gate, w_up, w_down, norm_weight=norm_weight, backend=bk
     )
     full = {"x": xs, "w_gate": wg, "w_up": wu, "w_down": wd, "norm_weight": nw}
     names = tuple(full)
@@ -150,9 +174,7 @@ def _scenario_ops(mesh) -> None:
     xi = rn(6, 5)
     for p in (R, S(0), S(1)):
         for dim in (None, 0, 1):
-            _run_both(
-                lambda x, d=dim: ops.reduce_sum(x, d, backend="torch"), {"x": xi}, mesh, {"x": [p]}, ("x",)
-            )
+            _run_both(lambda x, d=dim: ops.reduce_sum(x, d, backend=bk), {"x": xi}, mesh, {"x": [p]}, ("x",))
 
 
 def _scenario_errors(mesh) -> None:
@@ -168,8 +190,8 @@ def _scenario_errors(mesh) -> None:
             return
         raise AssertionError(f"no ValueError ({match!r})")
 
-    d = lambda t, p: distribute_tensor(t, mesh, [p])
-    x, w = torch.randn(4, 16), torch.ones(16)
+    d = lambda t, p: distribute_tensor(_dev(t), mesh, [p])
+    x, w = torch.randn(4, 16), _dev(torch.ones(16))
     raises(
         lambda: ops.rms_norm(d(x, Shard(1)), d(w, Replicate())), "x: placement Shard(1) shards the normalized"
     )
@@ -198,19 +220,24 @@ def _scenario_errors(mesh) -> None:
 TINY = TINY_LLAMA
 
 
+def _tiny_config() -> dict:
+    return {**TINY, "head_dim": 64} if _on_gpu() else TINY
+
+
 def _tiny_llama() -> torch.nn.Module:
-    """As tests/test_hf.py builds them: a tiny random Llama with non-trivial weights."""
+    """As tests/test_hf.py builds them: a tiny random Llama with non-trivial weights (on this rank's GPU
+    in a GPU run: the same weights, drawn on the CPU first)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**_tiny_config()), attn_implementation="sdpa")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
-    return model
+    return _dev(model)
 
 
 def _counting(counts: dict) -> None:
@@ -231,6 +258,22 @@ def _counting(counts: dict) -> None:
         setattr(ops, name, wrapper)
 
 
+def _keyed_types() -> set[str]:
+    """The names of the tensor types that reach fusekit's call memo (where every op starts its own work)
+    from now on, collected in the returned set."""
+    from fusekit import library
+
+    seen: set[str] = set()
+    real = library.call_key
+
+    def call_key(tensors, *a, **k):
+        seen.update(type(t).__name__ for t in tensors if t is not None)
+        return real(tensors, *a, **k)
+
+    library.call_key = call_key
+    return seen
+
+
 def _scenario_fsdp2(mesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -238,14 +281,16 @@ def _scenario_fsdp2(mesh) -> None:
 
     rank = dist.get_rank()
     base = _tiny_llama()
-    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(10 + rank))
+    ids = _dev(
+        torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(10 + rank))
+    )
     runs = {}
     counts: dict[str, int] = {}
     _counting(counts)
     for patched in (False, True):
         model = copy.deepcopy(base).train()
         if patched:
-            fh.patch(model, backend="torch")
+            fh.patch(model, backend=CFG["backend"])
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -262,6 +307,8 @@ def _scenario_fsdp2(mesh) -> None:
     L = TINY["num_hidden_layers"]
     # FSDP2 all-gathers the parameters into plain tensors for each layer's forward: no DTensor reaches an op
     want = {"rms_norm": 2 * (2 * L + 1), "swiglu_ffn": 2 * L, "rope": 2 * L, "attention": 2 * L}
+    if _on_gpu():  # a float32 model's attention on CUDA is transformers' own (fusekit_attention's fallback)
+        del want["attention"]
     assert counts == want, counts
     _close(runs[True][0], runs[False][0], "losses", rtol=1e-5, atol=1e-5)
     moved = 0.0
@@ -277,7 +324,7 @@ def _scenario_tp(mesh) -> None:
 
     import fusekit.hf as fh
 
-    ref = fh.patch(_tiny_llama().eval(), backend="torch")
+    ref = fh.patch(_tiny_llama().eval(), backend=CFG["backend"])
     model = copy.deepcopy(ref)
     plan = {f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
     plan.update({f"model.layers.*.mlp.{p}_proj": ColwiseParallel() for p in ("gate", "up")})
@@ -285,15 +332,20 @@ def _scenario_tp(mesh) -> None:
     plan["model.layers.*.mlp.down_proj"] = RowwiseParallel()
     parallelize_module(model, mesh, plan)
     assert isinstance(model.model.layers[0].mlp.gate_proj.weight, DTensor)
-    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+    ids = _dev(torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3)))
     counts: dict[str, int] = {}
     _counting(counts)
+    keyed = _keyed_types()
     out, want = model(ids).logits, ref(ids).logits
     L = TINY["num_hidden_layers"]
+    # RowwiseParallel's outputs (o_proj, down_proj) and the TP swiglu_ffn's all-reduce are
+    # AsyncCollectiveTensors: waited for before any op reads them (a kernel must not launch on one)
+    assert keyed and not any("AsyncCollectiveTensor" in t for t in keyed), sorted(keyed)
     # both models run on fusekit; under TP the MLP gets DTensor weights (the projections' hooks give the
     # attention plain local heads)
     assert counts["swiglu_ffn"] == 2 * L and counts["swiglu_ffn on DTensors"] == L, counts
-    assert counts["attention"] == 2 * L and "attention on DTensors" not in counts, counts
+    if not _on_gpu():  # float32 attention on CUDA is transformers' own (see _scenario_fsdp2)
+        assert counts["attention"] == 2 * L and "attention on DTensors" not in counts, counts
     _close(out, want, "logits", rtol=1e-5, atol=1e-5)
     out.square().mean().backward()
     want.square().mean().backward()
@@ -302,13 +354,18 @@ def _scenario_tp(mesh) -> None:
         _close(q.grad, p.grad, f"grad of {n}", rtol=1e-4, atol=1e-5)
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
+def _worker(rank: int, port: int, outdir: str, cfg: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    CFG.update(cfg)
     torch.set_num_threads(1)
-    dist.init_process_group(BACKEND, rank=rank, world_size=WORLD)
+    kw = {}
+    if _on_gpu():
+        torch.cuda.set_device(rank)
+        kw["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(CFG["dist"], rank=rank, world_size=WORLD, **kw)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(DEVICE, (WORLD,))
+    mesh = init_device_mesh(CFG["device"], (WORLD,))
     report = {}
     for name in SCENARIOS:
         try:
@@ -330,12 +387,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cfg(device: str, backends: list[str]) -> dict:
+    """gloo + torch on the CPU; on CUDA NCCL + the first GPU backend asked for (triton, else torch)."""
+    if device != "cuda":
+        return dict(CFG)
+    if torch.cuda.device_count() < WORLD or not dist.is_nccl_available():
+        pytest.skip(f"--device cuda needs {WORLD} GPUs and NCCL (torch.cuda.device_count() >= {WORLD})")
+    return {"dist": "nccl", "device": "cuda", "backend": "triton" if "triton" in backends else "torch"}
+
+
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> list[dict]:
+def reports(tmp_path_factory, device, pytestconfig) -> list[dict]:
+    from conftest import selected_backends
+
     pytest.importorskip("transformers")
+    cfg = _cfg(device, selected_backends(pytestconfig))
     outdir = str(tmp_path_factory.mktemp("dist"))
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), outdir), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(_free_port(), outdir, cfg), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + TIMEOUT_S
     try:

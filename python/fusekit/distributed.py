@@ -20,6 +20,11 @@ mean the same as the global one. Per mesh dim:
   all-reduced output back.
 - reduce_sum: any placement; a sum over a sharded dim is all-reduced (a Partial input stays Partial).
 
+An AsyncCollectiveTensor (what a functional collective hands back: RowwiseParallel's output, or the
+tensor-parallel swiglu_ffn's all-reduced plain output below) is waited for and passed on as a plain
+tensor, its gradient flowing through (`_Wait`): a kernel must not read it before the collective is done,
+and its wrapper has no storage for a launch to point at.
+
 Anything else raises ValueError naming the argument and its placement. Gradients flow through
 to_local / from_local; a Replicate input used by sharded work (a norm weight under a batch-sharded x)
 gets a Partial gradient, which DTensor reduces when it is read, as its own ops do.
@@ -56,6 +61,28 @@ def _mesh(named: dict[str, object]):
         if m != mesh:
             raise ValueError(f"{n}: a DTensor on another device mesh than {first} ({m} vs {mesh})")
     return mesh
+
+
+class _Wait(torch.autograd.Function):
+    """An AsyncCollectiveTensor as the plain tensor it wraps, once its collective is done; the gradient
+    passes through unchanged (its own `.wait()` returns the inner tensor outside the autograd graph)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor) -> Tensor:
+        return t.trigger_wait()
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return g
+
+
+def waited(named: dict[str, object]) -> dict[str, object] | None:
+    """`named` with each AsyncCollectiveTensor waited for (plain tensors), or None when it holds none."""
+    mod = sys.modules.get("torch.distributed._functional_collectives")
+    cls = None if mod is None else getattr(mod, "AsyncCollectiveTensor", None)
+    if cls is None or not any(isinstance(t, cls) for t in named.values()):
+        return None
+    return {n: _Wait.apply(t) if isinstance(t, cls) else t for n, t in named.items()}
 
 
 def _is_dt(t: object) -> bool:
@@ -153,10 +180,15 @@ def rms_norm(
     return_rstd: bool,
     backend: str,
 ) -> Tensor | tuple | None:
-    mesh = _mesh({"x": x, "weight": weight, "residual": residual})
-    if mesh is None:
-        return None
+    named = {"x": x, "weight": weight, "residual": residual}
+    mesh = _mesh(named)
     from fusekit.ops.rms_norm import rms_norm as op
+
+    if mesh is None:
+        if (w := waited(named)) is None:
+            return None
+        return op(w["x"], w["weight"], eps, residual=w["residual"], casting=casting, return_rstd=return_rstd,
+                  backend=backend)  # fmt: skip
 
     _need_dt("x", x, "weight/residual")
     _need_dt("weight", weight, "x")
@@ -186,10 +218,15 @@ def layer_norm(
     return_stats: bool,
     backend: str,
 ) -> Tensor | tuple | None:
-    mesh = _mesh({"x": x, "weight": weight, "bias": bias, "residual": residual})
-    if mesh is None:
-        return None
+    named = {"x": x, "weight": weight, "bias": bias, "residual": residual}
+    mesh = _mesh(named)
     from fusekit.ops.layer_norm import layer_norm as op
+
+    if mesh is None:
+        if (w := waited(named)) is None:
+            return None
+        return op(w["x"], w["weight"], w["bias"], eps, residual=w["residual"], return_stats=return_stats,
+                  backend=backend)  # fmt: skip
 
     _need_dt("x", x, "weight/bias/residual")
     for n, t in (("weight", weight), ("bias", bias), ("residual", residual)):
@@ -243,10 +280,15 @@ def rope(
     layout: str,
     backend: str,
 ) -> Tensor | tuple[Tensor, Tensor] | None:
-    mesh = _mesh({"x": x, "k": k, "cos": cos, "sin": sin, "positions": positions})
-    if mesh is None:
-        return None
+    named = {"x": x, "k": k, "cos": cos, "sin": sin, "positions": positions}
+    mesh = _mesh(named)
     from fusekit.ops.rope import rope as op
+
+    if mesh is None:
+        if (w := waited(named)) is None:
+            return None
+        return op(w["x"], w["k"], start_pos=start_pos, theta=theta, interleaved=interleaved, cos=w["cos"],
+                  sin=w["sin"], positions=w["positions"], layout=layout, backend=backend)  # fmt: skip
 
     _need_dt("x", x, "k/cos/sin/positions")
     _need_dt("k", k, "x")
@@ -285,10 +327,15 @@ def attention(
     layout: str,
     backend: str,
 ) -> Tensor | None:
-    mesh = _mesh({"q": q, "k": k, "v": v, "kv_len": kv_len})
-    if mesh is None:
-        return None
+    named = {"q": q, "k": k, "v": v, "kv_len": kv_len}
+    mesh = _mesh(named)
     from fusekit.ops.attention import attention as op
+
+    if mesh is None:
+        if (w := waited(named)) is None:
+            return None
+        return op(w["q"], w["k"], w["v"], causal=causal, scale=scale, kv_len=w["kv_len"], layout=layout,
+                  backend=backend)  # fmt: skip
 
     for n, t in (("q", q), ("k", k), ("v", v)):
         _need_dt(n, t, "q/k/v")
@@ -329,11 +376,14 @@ def swiglu_ffn(
 ) -> Tensor | None:
     named = {"x": x, "w_gate": w_gate, "w_up": w_up, "w_down": w_down, "norm_weight": norm_weight}
     mesh = _mesh(named)
-    if mesh is None:
-        return None
-    from torch.distributed.tensor import Partial, Replicate
-
     from fusekit.ops.swiglu_ffn import swiglu_ffn as op
+
+    if mesh is None:
+        if (w := waited(named)) is None:
+            return None
+        return op(w["x"], w["w_gate"], w["w_up"], w["w_down"], norm_weight=w["norm_weight"], eps=eps,
+                  backend=backend)  # fmt: skip
+    from torch.distributed.tensor import Partial, Replicate
 
     for n in ("w_gate", "w_up", "w_down", "norm_weight"):
         _need_dt(n, named[n], "x" if _is_dt(x) else "weights")
@@ -395,11 +445,13 @@ def swiglu_ffn(
 
 def reduce_sum(x: Tensor, dim: int | None, dtype: torch.dtype | None, backend: str) -> Tensor | None:
     mesh = _mesh({"x": x})
-    if mesh is None:
-        return None
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
     from fusekit.ops.reduce_sum import reduce_sum as op
+
+    if mesh is None:
+        if (w := waited({"x": x})) is None:
+            return None
+        return op(w["x"], dim, dtype=dtype, backend=backend)
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     n = x.dim()
     d = None if dim is None or n == 0 else dim % n
