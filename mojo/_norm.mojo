@@ -57,17 +57,29 @@ comptime MAX_WARPS = 32  # 1024 threads / 32 lanes (AMD: 16 wavefronts of 64)
 
 
 @always_inline
-def _block_allsum[BLK: Int](v: Float32, red: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]) -> Float32:
-    """Sum over the block, result in every thread, one barrier: warp butterflies, then every thread
-    adds the per-warp partials in the same order (the caller's loop-end barrier protects `red`)."""
+def _block_allsum[
+    BLK: Int, K: Int
+](v: SIMD[F32, K], red: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]) -> SIMD[F32, K]:
+    """The K sums of v over the block, in every thread, one barrier (the caller's loop-end barrier protects
+    `red`, K * MAX_WARPS floats, before its next use); every thread adds the per-warp partials in the same
+    order. The forward reduces K = 1 sum, the backward 1 or 2 per row (_norm_backward)."""
     comptime NW = BLK // WARP_SIZE
-    var w = warp.sum(v)
-    if thread_idx.x % WARP_SIZE == 0:
-        red[unsafe_offset=thread_idx.x // WARP_SIZE] = w
+    var lane = thread_idx.x % WARP_SIZE
+    var wv = SIMD[F32, K](0)
+    comptime for i in range(K):
+        wv[i] = warp.sum(v[i])
+    if lane == 0:
+        comptime for i in range(K):
+            red[unsafe_offset=i * MAX_WARPS + thread_idx.x // WARP_SIZE] = wv[i]
     barrier()
-    var t = Float32(0)
-    comptime for i in range(NW):
-        t += red[unsafe_offset=i]
+    # every warp reduces the NW partials with the same butterfly: K shared loads + K warp.sums per thread
+    # instead of K * NW loads (64 at 1024 threads and K = 2: half of the backward kernel's instructions)
+    var t = SIMD[F32, K](0)
+    if lane < NW:
+        comptime for i in range(K):
+            t[i] = red[unsafe_offset=i * MAX_WARPS + lane]
+    comptime for i in range(K):
+        t[i] = warp.sum(t[i])
     return t
 
 
@@ -206,7 +218,7 @@ def _norm_reg_kernel[
             comptime for k in range(NV):  # padding lanes are 0
                 var v = cache.slice[VW, offset = k * VW]().cast[F32]()
                 ss += v * v
-            r = 1.0 / sqrt(_block_allsum[BLK](ss.reduce_add(), red) / Float32(n) + f.eps)
+            r = 1.0 / sqrt(_block_allsum[BLK, 1](ss.reduce_add(), red)[0] / Float32(n) + f.eps)
         if tid == 0:
             rstd_out[unsafe_offset=row] = r
             comptime if LN:
@@ -309,7 +321,7 @@ def _norm_loop_kernel[
                     var v = vs.slice[W, offset = u * W]().cast[F32]()
                     q += v * v
                 j += U * BLK
-            r = 1.0 / sqrt(_block_allsum[BLK](q.reduce_add(), red) / Float32(n) + f.eps)
+            r = 1.0 / sqrt(_block_allsum[BLK, 1](q.reduce_add(), red)[0] / Float32(n) + f.eps)
         if tid == 0:
             rstd_out[unsafe_offset=row] = r
             comptime if LN:

@@ -53,10 +53,10 @@ from std.utils import StaticTuple
 from std.sys import align_of
 
 from ._util import vec_width, is_aligned16, cdiv, check_workspace
+from ._norm import _block_allsum, MAX_WARPS
 
 comptime F32 = DType.float32
 comptime FPtr = Pointer[Float32, MutAnyOrigin]
-comptime MAX_WARPS = 32  # 1024 threads / 32 lanes (AMD: 16 wavefronts of 64)
 comptime REG_ELEMS = 8  # columns per thread in the register kernel (1 vector of 16-bit x, 2 of fp32)
 comptime LOOP_BLK = 512  # threads of the row-sums kernel and of the unaligned loop kernel for N > 4096
 comptime RED_COLS = 32  # columns per block of the partial reduction
@@ -86,33 +86,6 @@ def bwd_flags[LN: Bool](params: FPtr) -> BwdFlags:
     else:
         var c = params[unsafe_offset=1]
         return BwdFlags(c == 1, c == 2, params[unsafe_offset=2] != 0, False)
-
-
-@always_inline
-def _block_allsum[
-    BLK: Int, K: Int
-](v: SIMD[F32, K], red: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]) -> SIMD[F32, K]:
-    """The K sums of v over the block, in every thread, one barrier (the caller's loop-end barrier protects
-    `red`, K * MAX_WARPS floats, before its next use); every thread adds the per-warp partials in the same
-    order."""
-    comptime NW = BLK // WARP_SIZE
-    var lane = thread_idx.x % WARP_SIZE
-    var wv = SIMD[F32, K](0)
-    comptime for i in range(K):
-        wv[i] = warp.sum(v[i])
-    if lane == 0:
-        comptime for i in range(K):
-            red[unsafe_offset=i * MAX_WARPS + thread_idx.x // WARP_SIZE] = wv[i]
-    barrier()
-    # every warp reduces the NW partials with the same butterfly: K shared loads + K warp.sums per thread
-    # instead of K * NW loads (64 at 1024 threads and K = 2: half of the kernel's instructions)
-    var t = SIMD[F32, K](0)
-    if lane < NW:
-        comptime for i in range(K):
-            t[i] = red[unsafe_offset=i * MAX_WARPS + lane]
-    comptime for i in range(K):
-        t[i] = warp.sum(t[i])
-    return t
 
 
 @always_inline
