@@ -143,6 +143,9 @@ def test_op(conf_case, op, case, dtype, phase, backend_name, device, seed):
     # Ops whose gradient rounding has a known size that does not shrink with the gradient give it per
     # gradient (attention: the rounded o in delta); the error is measured against it where it is larger
     gscales = mod.grad_scale(args, kwargs, grads) if hasattr(mod, "grad_scale") else (None,) * len(names)
+    # Ops whose gradient rounding grows with a scalar (attention's logit scale) say by how much (once per
+    # case: attention's estimate forms float64 keys and Gram matrices)
+    mag = mod.grad_magnitude(args, kwargs) if hasattr(mod, "grad_magnitude") else 1.0
     for name, x, g, r, gs in zip(names, inputs, gin, ref, gscales):
         if r is None:
             r = torch.zeros_like(x, dtype=torch.float64)
@@ -151,9 +154,8 @@ def test_op(conf_case, op, case, dtype, phase, backend_name, device, seed):
             f"{op}: grad of {name} is {g.dtype} {tuple(g.shape)} [{repro}]"
         )
         # Inputs and output grads are O(1), so gradients are O(1) per element; the floor keeps an
-        # (almost) exactly zero gradient (rms_norm of N = 1, one key) from turning rounding into 100% error.
-        # Ops whose gradient rounding grows with a scalar (attention's logit scale) say by how much.
-        mag = mod.grad_magnitude(args, kwargs) if hasattr(mod, "grad_magnitude") else 1.0
+        # (almost) exactly zero gradient (rms_norm of N = 1, one key) from turning rounding into 100% error,
+        # times `mag`.
         floor = torch.full((1,), 0.1 * mag * max(1, r.numel()) ** 0.5, dtype=torch.float64)
         if gs is not None and torch.linalg.vector_norm(gs).item() > floor.item():
             floor = gs
