@@ -13,8 +13,8 @@ outcome; the tests below read those reports. Scenarios:
   fusekit ops ran;
 - tp: the patched model under parallelize_module (ColwiseParallel q/k/v/gate/up, RowwiseParallel
   o/down): logits and gradients equal the single-process patched model.
-On GPUs (`--device cuda`, two of them) each rank runs on cuda:<rank> with NCCL and the ops on the first
-of --backends (triton unless only torch is asked for): float32 for the norms, rope, reduce_sum, swiglu_ffn
+On GPUs (`--device cuda`, two of them) each rank runs on cuda:<rank> with NCCL and the ops on the triton
+backend when --backends names it, else torch: float32 for the norms, rope, reduce_sum, swiglu_ffn
 and the models, bfloat16 for attention (fusekit's CUDA attention kernels are fp16/bf16; a float32 model's
 attention goes to transformers' own, as fusekit_attention documents), head dim 64 (the GPU kernels take
 64/128/256).
