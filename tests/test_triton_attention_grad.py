@@ -259,6 +259,13 @@ def test_launch_order(attn, dev, causal: bool, monkeypatch: pytest.MonkeyPatch) 
         got = _backward(attn, do, q, k, v, o, lse, causal, 0.125)
         for name, a, b in zip(("dq", "dk", "dv"), base, got, strict=True):
             assert torch.equal(a, b), f"chunk {chunk}: {name} differs"
+    # the unchunked forward's 2-D grid (what the rule gives at many programs per SM) computes the same
+    from kernels_triton import attention as A
+
+    monkeypatch.delenv("FUSEKIT_TRITON_ATTN_CHUNK")
+    monkeypatch.setattr(A, "_fwd_chunk_args", lambda *a: (0, 1))
+    o2, lse2 = _forward(attn, q, k, v, causal, 0.125)
+    assert torch.equal(o2, o) and torch.equal(lse2, lse), "2-D grid: o / lse differ"
 
 
 def test_forward_chunk_rule(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -279,6 +286,9 @@ def test_forward_chunk_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FUSEKIT_TRITON_ATTN_CHUNK", "5")
     assert A._fwd_chunk_args(True, 256, 1024, 1024, 64, q) == (-1, 5)
     assert A._fwd_chunk_args(False, 3, 64, 64, 64, q) == (-1, 3)
+    # unchunked (cap 1, not forced): a 2-D grid (query blocks, heads); chunked or forced: 1-D
+    assert A._grid(8, 6, (0, 1)) == (8, 6) and A._grid(8, 6, (4 * 132, 1)) == (8, 6)
+    assert A._grid(8, 6, (4 * 132, 16)) == (48,) and A._grid(8, 6, (-1, 1)) == (48,)
 
 
 def test_backward_negative_scale(attn, dev) -> None:
