@@ -7,8 +7,12 @@ python/fusekit/ops/swiglu_ffn.py, fp32 math, one rounding to x's dtype per outpu
   h = g sig u,  dg = dh u sig (1 + g (1 - sig)),  du = dh g sig   (same operation order as the reference);
 - with a norm (params[0] = has_norm != 0): xn [T, D] = (x * rstd) * norm_weight, recomputed from the
   saved rstd (the forward's rounding point). Without it xn, norm_weight and rstd are [1, 1] / [1]
-  dummies that are never touched (the flag is read on the device: the host never sees params).
-Byte floor: 6 T F elements (read dh, g, u; write h, dg, du) + 3 T D with a norm (x in, xn out, + rstd).
+  dummies that are never touched (the flag is read on the device: the host never sees params);
+- without gradients (params[1] = grads == 0): h only, the forward's h = silu(g) u of the GEMM path
+  (MojoBackend._swiglu_ffn_forward_gemm: cuBLAS writes g and u into gu's halves), by the same expression,
+  so the backward's recomputed h is the forward's bit for bit; dh, dg and du are [1, 1] dummies then.
+Byte floor: 6 T F elements (read dh, g, u; write h, dg, du) + 3 T D with a norm (x in, xn out, + rstd);
+3 T F for h only (read g, u; write h: one pass where torch took five).
 GPU: grid-stride loops over 16-byte vectors when the row length is a multiple of the vector width and
 every pointer is 16-byte aligned, else one element per step; no warp-size assumption.
 """
@@ -35,6 +39,13 @@ def swiglu_grads[
     return (g * sig * u, dh * u * sig * (1.0 + g * (1.0 - sig)), dh * g * sig)
 
 
+@always_inline
+def swiglu_h[W: Int](g: SIMD[F32, W], u: SIMD[F32, W]) -> SIMD[F32, W]:
+    """h = silu(g) u in fp32, swiglu_grads' first expression exactly."""
+    var sig = 1.0 / (1.0 + exp(-g))
+    return g * sig * u
+
+
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(TPB)))
 def _swiglu_bwd_kernel[
     dtype: DType, W: Int
@@ -44,6 +55,7 @@ def _swiglu_bwd_kernel[
     du: Pointer[Scalar[dtype], MutAnyOrigin],
     dh: Pointer[Scalar[dtype], MutAnyOrigin],
     gu: Pointer[Scalar[dtype], MutAnyOrigin],
+    params: FPtr,
     T: Int64,
     F: Int64,
 ):
@@ -51,20 +63,22 @@ def _swiglu_bwd_kernel[
     var f = Int(F)
     var per_row = f // W
     var n = Int(T) * per_row
+    var grads = params[unsafe_offset=1] != 0  # uniform over the grid: no divergence
     var i = global_idx.x
     while i < n:
         var t = i // per_row
         var c = (i - t * per_row) * W
         var o = t * f + c
         var go = 2 * t * f + c
-        var r = swiglu_grads[W](
-            gu.unsafe_load[width=W, alignment=AL](go).cast[F32](),
-            gu.unsafe_load[width=W, alignment=AL](go + f).cast[F32](),
-            dh.unsafe_load[width=W, alignment=AL](o).cast[F32](),
-        )
-        h.unsafe_store[alignment=AL](o, r[0].cast[dtype]())
-        dg.unsafe_store[alignment=AL](o, r[1].cast[dtype]())
-        du.unsafe_store[alignment=AL](o, r[2].cast[dtype]())
+        var g = gu.unsafe_load[width=W, alignment=AL](go).cast[F32]()
+        var u = gu.unsafe_load[width=W, alignment=AL](go + f).cast[F32]()
+        if grads:
+            var r = swiglu_grads[W](g, u, dh.unsafe_load[width=W, alignment=AL](o).cast[F32]())
+            h.unsafe_store[alignment=AL](o, r[0].cast[dtype]())
+            dg.unsafe_store[alignment=AL](o, r[1].cast[dtype]())
+            du.unsafe_store[alignment=AL](o, r[2].cast[dtype]())
+        else:
+            h.unsafe_store[alignment=AL](o, swiglu_h[W](g, u).cast[dtype]())
         i += grid_dim.x * block_dim.x
 
 
@@ -117,19 +131,21 @@ def swiglu_bwd_gpu[
     Tn: Int,
     Dn: Int,
 ) raises:
-    """T x F: the SwiGLU part; Tn x Dn: xn's shape ([1, 1] without a norm: one no-op thread)."""
+    """T x F: the SwiGLU part (h's shape); Tn x Dn: xn's shape ([1, 1] without a norm: one no-op thread).
+    dh, dg, du are [1, 1] dummies without gradients (their alignment is checked all the same: torch's
+    allocations are)."""
     comptime VW = vec_width[dtype]()
     var ok = F % VW == 0 and is_aligned16(h) and is_aligned16(dg) and is_aligned16(du)
     ok = ok and is_aligned16(dh) and is_aligned16(gu)
     if ok:
         var grid = max(1, min(cdiv(T * (F // VW), TPB), 1 << 30))
         ctx.enqueue_function[_swiglu_bwd_kernel[dtype, VW]](
-            h, dg, du, dh, gu, Int64(T), Int64(F), grid_dim=grid, block_dim=TPB
+            h, dg, du, dh, gu, params, Int64(T), Int64(F), grid_dim=grid, block_dim=TPB
         )
     else:
         var grid = max(1, min(cdiv(T * F, TPB), 1 << 30))
         ctx.enqueue_function[_swiglu_bwd_kernel[dtype, 1]](
-            h, dg, du, dh, gu, Int64(T), Int64(F), grid_dim=grid, block_dim=TPB
+            h, dg, du, dh, gu, params, Int64(T), Int64(F), grid_dim=grid, block_dim=TPB
         )
     var xok = Dn % VW == 0 and is_aligned16(xn) and is_aligned16(x) and is_aligned16(nw)
     if xok:
@@ -157,6 +173,7 @@ def swiglu_bwd_cpu[
     nw: Pointer[Scalar[dtype], MutAnyOrigin],
     rstd: FPtr,
     has_norm: Bool,
+    grads: Bool,
     T: Int,
     F: Int,
     D: Int,
@@ -164,11 +181,12 @@ def swiglu_bwd_cpu[
     """Plain loops, the same math as the GPU kernels (W = 1)."""
     for t in range(T):
         for c in range(F):
-            var r = swiglu_grads[1](
-                gu[unsafe_offset=2 * t * F + c].cast[F32](),
-                gu[unsafe_offset=2 * t * F + F + c].cast[F32](),
-                dh[unsafe_offset=t * F + c].cast[F32](),
-            )
+            var g = gu[unsafe_offset=2 * t * F + c].cast[F32]()
+            var u = gu[unsafe_offset=2 * t * F + F + c].cast[F32]()
+            if not grads:
+                h[unsafe_offset=t * F + c] = swiglu_h[1](g, u).cast[dtype]()
+                continue
+            var r = swiglu_grads[1](g, u, dh[unsafe_offset=t * F + c].cast[F32]())
             h[unsafe_offset=t * F + c] = r[0].cast[dtype]()
             dg[unsafe_offset=t * F + c] = r[1].cast[dtype]()
             du[unsafe_offset=t * F + c] = r[2].cast[dtype]()

@@ -575,9 +575,11 @@ struct SwigluFfn:
 
 @register("fusekit.swiglu_ffn_backward")
 struct SwigluFfnBackward:
-    """The backward's element-wise part (_swiglu_backward.mojo): outputs h, dg, du [T, F] (x's dtype),
-    xn [T, D] (written when has_norm, else a [1, 1] dummy); inputs dh [T, F], gu [T, 2F], x [T, D],
-    norm_weight [D] (x's dtype), rstd [T] f32 (dummies [1] without a norm), params [1] = [has_norm]."""
+    """The backward's element-wise part (_swiglu_backward.mojo): outputs h [T, F], dg, du [T, F] (x's dtype;
+    [1, 1] dummies without grads), xn [T, D] (written when has_norm, else a [1, 1] dummy); inputs dh [T, F]
+    (a dummy without grads), gu [T, 2F], x [T, D], norm_weight [D] (x's dtype), rstd [T] f32 (dummies [1]
+    without a norm), params [2] = [has_norm, grads]. Without grads it is the GEMM-path forward's h = silu(g) u
+    from gu (MojoBackend._swiglu_ffn_forward_gemm)."""
 
     @staticmethod
     def execute[
@@ -595,8 +597,8 @@ struct SwigluFfnBackward:
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        var T = dh.dim_size(0)
-        var F = dh.dim_size(1)
+        var T = h.dim_size(0)
+        var F = h.dim_size(1)
         var hp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](h.unsafe_ptr())
         var dgp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](dg.unsafe_ptr())
         var dup = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](du.unsafe_ptr())
@@ -613,4 +615,5 @@ struct SwigluFfnBackward:
             )
         else:
             var has_norm = pp[unsafe_offset=0] != 0
-            swiglu_bwd_cpu[dtype](hp, dgp, dup, xnp, dhp, gup, xp, np, rp, has_norm, T, F, x.dim_size(1))
+            var grads = pp[unsafe_offset=1] != 0
+            swiglu_bwd_cpu[dtype](hp, dgp, dup, xnp, dhp, gup, xp, np, rp, has_norm, grads, T, F, x.dim_size(1))

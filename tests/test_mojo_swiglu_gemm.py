@@ -94,3 +94,34 @@ def test_routes() -> None:
     assert route(cpu, 2048, 4096, 14336) == "gemm"  # FFN_GEMM_DEVICES includes the CPU in this module
     mojo_backend.FFN_GEMM_DEVICES = ("cuda",)
     assert route(cpu, 2048, 4096, 14336) == "op"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_h_is_the_backward_h(dtype, device, _gemm_path_here) -> None:
+    """The GEMM path's h comes from the backward's element-wise op without gradients (grads = 0): the same
+    bits as the h that op recomputes with them, from the same gu; dg and du are left alone (dummies); and an
+    inference call (scratch gu) gives the training call's y."""
+    from fusekit.backends.mojo.specs import SWIGLU_FFN_BACKWARD
+
+    be = backends.get("mojo")
+    g = torch.Generator(device="cpu").manual_seed(5)
+    t, f, d = 19, 40, 24
+    gu = (torch.randn(t, 2 * f, generator=g) * 3).to(device=device, dtype=dtype)
+    dh = torch.randn(t, f, generator=g).to(device=device, dtype=dtype)
+    x = torch.randn(t, d, generator=g).to(device=device, dtype=dtype)
+    h1, h2, dg, du = (torch.full((t, f), float("nan"), device=device, dtype=dtype) for _ in range(4))
+    be._call(SWIGLU_FFN_BACKWARD, torch.device(device), (h1, dg, du, None), (dh, gu, x, None, None), ())
+    be._call(SWIGLU_FFN_BACKWARD, torch.device(device), (h2, None, None, None), (None, gu, x, None, None), ())
+    assert torch.equal(h1, h2) and not h2.isnan().any()
+    gf, uf = gu[:, :f].double(), gu[:, f:].double()
+    assert _rel(h2, gf * torch.sigmoid(gf) * uf) <= rtol("swiglu_ffn", dtype)
+    w = [
+        (torch.randn(*s, generator=g) * 0.1).to(device=device, dtype=dtype) for s in ((f, d), (f, d), (d, f))
+    ]
+    xs = torch.randn(t, d, generator=g).to(device=device, dtype=dtype)
+    leaves = [v.clone().requires_grad_() for v in (xs, *w)]
+    y = ops.swiglu_ffn(*leaves, backend="mojo")
+    with torch.no_grad():
+        y0 = ops.swiglu_ffn(xs, *w, backend="mojo")
+    assert torch.equal(y0, y.detach())
+    assert _gemm_path_here == [1, 1]

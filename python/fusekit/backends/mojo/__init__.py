@@ -205,15 +205,19 @@ class MojoBackend(Backend):
         """swiglu_ffn's forward at T >= SW_TC_MIN_T where the Mojo op has no tensor-core path (every (D, F)
         but _STATIC_DF's in bf16; fp16; fp32), laid out as the backward: the norm is the Mojo op
         fusekit.rms_norm (casting "fp32": the reference's xn and rstd), the three GEMMs torch matmuls (cuBLAS:
-        fp32 accumulation, results in x's dtype), g and u copied into gu's halves with save, h = silu(g) u in
-        fp32 from them, rounded once. Against the reference, g and u are rounded to x's dtype before h (one
-        more rounding, <= 2^-9 relative in bf16; the Mojo wgmma path rounds u the same way). The Mojo op's
-        own GEMV path re-streams the weights every 16 tokens (112 ms at Llama-3-8B's (4096, 14336) and 2048
-        tokens on an H100) and MAX 26.7's multistage matmul with runtime N and K left most of its output
-        unwritten there (mojo/swiglu_ffn.mojo), hence cuBLAS here."""
+        fp32 accumulation, results in x's dtype). g and u go straight into the halves of gu (the saved
+        [T, 2F] with gradients, a scratch one without: torch.mm with a row-strided out, which cuBLAS writes
+        in place), and the backward's element-wise op without gradients (fusekit.swiglu_ffn_backward,
+        grads = 0) forms h = silu(g) u in fp32 from them, rounded once: one pass over g and u where torch's
+        float / silu / mul / cast took five (T=4096, F=14336 bf16: ~2 GB of traffic -> ~0.35 GB), and the
+        same expression as the backward's recomputed h. Against the reference, g and u are rounded to x's
+        dtype before h (one more rounding, <= 2^-9 relative in bf16; the Mojo wgmma path rounds u the same
+        way). The Mojo op's own GEMV path re-streams the weights every 16 tokens (112 ms at Llama-3-8B's
+        (4096, 14336) and 2048 tokens on an H100) and MAX 26.7's multistage matmul with runtime N and K left
+        most of its output unwritten there (mojo/swiglu_ffn.mojo), hence cuBLAS here."""
         y, rstd, gu = outputs
         x, w_gate, w_up, w_down, nw = inputs
-        f = w_gate.shape[0]
+        t, f = x.shape[0], w_gate.shape[0]
         xn = x
         if nw is not None:
             xn = torch.empty_like(x)
@@ -224,18 +228,14 @@ class MojoBackend(Backend):
                 (x, None, nw),
                 (scalars[0], "fp32"),
             )
-        g = torch.matmul(xn, w_gate.t())
-        u = torch.matmul(xn, w_up.t())
+        if gu is None:
+            gu = torch.empty((t, 2 * f), dtype=x.dtype, device=x.device)
+        torch.mm(xn, w_gate.t(), out=gu[:, :f])
+        torch.mm(xn, w_up.t(), out=gu[:, f:])
         del xn
-        if gu is not None:  # copies, not matmuls into gu's strided halves: an `out=` view may be restrided
-            gu[:, :f].copy_(g)
-            gu[:, f:].copy_(u)
-        hf = g.float()
-        del g
-        torch.nn.functional.silu(hf, inplace=True)
-        h = hf.mul_(u).to(x.dtype)
-        del hf, u
-        torch.matmul(h, w_down.t(), out=y)
+        h = torch.empty((t, f), dtype=x.dtype, device=x.device)
+        self._call(SWIGLU_FFN_BACKWARD, device, (h, None, None, None), (None, gu, x, None, None), ())
+        torch.mm(h, w_down.t(), out=y)
 
     def _swiglu_ffn_backward(self, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
         """swiglu_ffn's backward (ops/swiglu_ffn.py reference_backward), laid out as the Triton backend's.

@@ -243,20 +243,31 @@ def max_spec(spec, phase: str, drop: frozenset[str] = frozenset()) -> OpSpec:
 
 
 def _bind_swiglu_backward(outs: tuple, ins: tuple, values: tuple) -> Bound:
-    """(h, dg, du, xn?), (dh, gu, x, norm_weight?, rstd?), () -> the kernel's arguments (has_norm = xn given)."""
+    """(h, dg?, du?, xn?), (dh?, gu, x, norm_weight?, rstd?), () -> the kernel's arguments (has_norm = xn
+    given; grads = dh given: without it, h only, and dg, du, dh are dummies)."""
     h, dg, du, xn = outs
     dh, gu, x, nw, rstd = ins
-    dt = dh.dtype
+    dt = h.dtype
+    grads = dh is not None
+    if grads != (dg is not None) or grads != (du is not None):
+        raise ValueError(
+            "swiglu_ffn_backward: dh, dg and du come together (gradients) or not at all (h only)"
+        )
     return (
-        (h, dg, du, xn if xn is not None else dummy(dt, 2, 3)),
         (
-            dh,
+            h,
+            dg if grads else dummy(dt, 2, 4),
+            du if grads else dummy(dt, 2, 5),
+            xn if xn is not None else dummy(dt, 2, 3),
+        ),
+        (
+            dh if grads else dummy(dt, 2, 6),
             gu,
             x,
             nw if nw is not None else dummy(dt, 1, 7),
             rstd if rstd is not None else dummy(torch.float32, 1, 8),
         ),
-        (float(xn is not None),),
+        (float(xn is not None), float(grads)),
     )
 
 
@@ -269,18 +280,18 @@ SWIGLU_FFN_BACKWARD = OpSpec(
     max_op="fusekit.swiglu_ffn_backward",
     outputs=(
         TensorSpec("h", ("T", "F"), "x"),
-        TensorSpec("dg", ("T", "F"), "x"),
-        TensorSpec("du", ("T", "F"), "x"),
+        TensorSpec("dg", ("T_dg", "F_dg"), "x"),
+        TensorSpec("du", ("T_du", "F_du"), "x"),
         TensorSpec("xn", ("T_xn", "D_xn"), "x"),
     ),
     inputs=(
-        TensorSpec("dh", ("T", "F"), "x"),
+        TensorSpec("dh", ("T_dh", "F_dh"), "x"),
         TensorSpec("gu", ("T", "G"), "x"),
         TensorSpec("x", ("T", "D"), "x"),
         TensorSpec("norm_weight", ("D_norm_weight",), "x"),
         TensorSpec("rstd", ("T_rstd",), "float32"),
     ),
-    params=("has_norm",),
+    params=("has_norm", "grads"),
     dtype_vars=("x",),
     allowed=frozenset((d,) for d in (torch.float32, torch.float16, torch.bfloat16)),
     bind=_bind_swiglu_backward,
