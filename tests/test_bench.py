@@ -422,6 +422,11 @@ def test_merge_keeps_each_runs_own_baselines() -> None:
     assert got["mojo"] == (1, {"liger": 1.5})  # re-measured beside liger's 120 us
     assert got["torch"] == (2, {"liger": 2.0})  # no baselines of its own: the merged liger row
     assert got["liger"][0] == 1
+    # merged again with a later run whose liger replaces the row: earlier rows keep their own runs' ratios
+    later = doc("d", row("mojo", "backend", 90.0), row("liger", "baseline", 90.0))
+    again = {r["provider"]: r["speedup_vs"] for r in merge.merge([m, later])["rows"]}
+    assert again["triton"] == {"liger": 2.0} and again["torch"] == {"liger": 2.0}
+    assert again["mojo"] == {"liger": 1.0}
     # the report's headline takes those same-run ratios, not the later liger row shown beside triton
     (best,) = tables.headline([("gpu", Path("x.json"), m)], Path("."))
     assert best["backend"] == "triton" and best["per_baseline"] == {"liger": 2.0}

@@ -35,11 +35,14 @@ def merge(docs: list[dict]) -> dict:
     rows: dict[tuple[str, str], dict] = {}
     sources: list[dict] = []
     own_base: dict[tuple[str, int], list[dict]] = defaultdict(list)  # (case, source) -> its baseline rows
+    prior: dict[int, dict[str, float]] = {}  # row -> the ratios it came with (a merged file's: its own run's)
     for d in docs:
         # each row keeps `source`: its index in meta.merged_from (command, commit, date of its run)
         own = runs(d)
         for r in d["rows"]:
             r = dict(r, source=len(sources) + r.get("source", 0))
+            if r.get("kind") != "baseline" and r.get("speedup_vs"):
+                prior[id(r)] = dict(r["speedup_vs"])
             key = (r["case"], r["provider"])
             if r.get("status") == "ok" and r.get("kind") == "baseline":
                 own_base[(r["case"], r["source"])].append(r)
@@ -51,10 +54,15 @@ def merge(docs: list[dict]) -> dict:
         by_case[r["case"]].append(r)
     for case, case_rows in by_case.items():
         speedups(case_rows)
-        # a run that timed baselines itself keeps its own ratios (same run, same GPU state)
+        # a run that timed baselines itself keeps its own ratios (same run, same GPU state); a row of an
+        # already merged file keeps the ratios it came with (its run's baselines may since have been
+        # replaced by a later run's rows); the merged baselines only fill what neither gives
         for r in case_rows:
+            if r.get("status") != "ok" or r.get("kind") == "baseline":
+                continue
+            r["speedup_vs"].update(prior.get(id(r), {}))
             base = own_base.get((case, r.get("source", 0)))
-            if base and r.get("status") == "ok" and r.get("kind") != "baseline":
+            if base:
                 r["speedup_vs"].update({b["provider"]: b["time_us"] / r["time_us"] for b in base})
     out["rows"] = [r for case_rows in by_case.values() for r in case_rows]
     out["truncated"] = any(d.get("truncated") for d in docs)
