@@ -81,7 +81,7 @@
 from std.math import ceildiv, exp2, log2
 from std.memory import unsafe_stack_allocation
 from std.sys import llvm_intrinsic, size_of
-from max.gpu import thread_idx, block_idx, lane_id, barrier, WARP_SIZE, AddressSpace
+from max.gpu import thread_idx, block_idx, lane_id, barrier, syncwarp, WARP_SIZE, AddressSpace
 from max.gpu.host import DeviceContext, DeviceAttribute
 from max.gpu.primitives import warp
 
@@ -336,6 +336,10 @@ def _decode_split_kernel[
                 ps[unsafe_offset=r * BN + j] = p
                 lsum += p
             lsum = warp.sum(lsum)
+            # every lane read m_s[r] above; lane 0 rewrites it: order the warp's reads before that write
+            # (the shuffles already do in practice, but only syncwarp does by the memory model; racecheck
+            # flagged the pair on the H200)
+            syncwarp()
             if lane == 0:
                 var alpha = exp2(m_old - mref)
                 m_s[unsafe_offset=r] = m_new

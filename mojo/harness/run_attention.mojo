@@ -3,6 +3,7 @@
 length that must never be read; the rowwise fp32 GPU kernel at realistic shapes) and FLOP-rate timing.
 
 FUSEKIT_HARNESS_ONLY=attn_decode runs only the split-KV decode path's checks and timings (`run_decode`).
+FUSEKIT_HARNESS_BENCH=0 skips every timing (checks only: what a compute-sanitizer run wants).
 FUSEKIT_HARNESS_ONLY=attn_bwd_tc runs only the tensor-core backward's checks and timings (`run_bwd_tc`):
 the opt-in path (params' 4th slot, mojo/_attention_backward.mojo) against the SIMT backward and float64."""
 
@@ -980,7 +981,8 @@ def run_decode(bench: Bool = True) raises:
         raise Error("attention (decode): ", failures, " checks failed")
 
 
-def run(bench: Bool = True) raises:
+def run(bench_default: Bool = True) raises:
+    var bench = bench_default and getenv("FUSEKIT_HARNESS_BENCH") != "0"  # "0": checks only (sanitizers)
     if getenv("FUSEKIT_HARNESS_ONLY") == "attn_bwd_tc":
         run_bwd_tc(bench)
         return
