@@ -8,11 +8,15 @@ traces the custom ops `torch.ops.fusekit.<op>` / `<op>_backward`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from fusekit import dispatch
 from fusekit.library import lean_dispatch
+from fusekit.library.function_apply import applier
 from fusekit.library.plan import _device, may_reuse, run
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec
 
@@ -87,7 +91,7 @@ def _apply(
     if compiling:
         outs = _as_tuple(getattr(torch.ops.fusekit, spec.name)(*inputs, *scalars, backend, bool(who)))
     else:  # eager with grads: the same formula as a plain autograd.Function (no dispatcher round trips)
-        outs = _as_tuple(_EAGER[spec.name].apply(*inputs, *scalars, backend, bool(who)))
+        outs = _as_tuple(eager_apply(spec.name)(*inputs, *scalars, backend, bool(who)))
     return _present(spec, inputs, outs, bool(who)), backend
 
 
@@ -97,6 +101,15 @@ def _apply(
 # aliasing check, dynamo-disable wrappers) costs ~0.5 ms of host time per forward+backward on the H200's
 # host, more than the kernels at most training shapes. torch.compile still traces the custom ops.
 _EAGER: dict[str, type[torch.autograd.Function]] = {}
+_EAGER_APPLY: dict[str, Callable[..., Any]] = {}
+
+
+def eager_apply(name: str) -> Callable[..., Any]:
+    """`_EAGER[name].apply`, bound once (function_apply.applier)."""
+    fn = _EAGER_APPLY.get(name)
+    if fn is None:
+        fn = _EAGER_APPLY[name] = applier(_EAGER[name])
+    return fn
 
 
 def _eager_function(name: str, forward, setup_context, backward) -> type[torch.autograd.Function]:

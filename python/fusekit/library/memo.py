@@ -7,11 +7,15 @@ a gradient runs one lean autograd.Function built from the spec's autograd glue (
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from fusekit import dispatch, outputs
-from fusekit.library.autograd import _EAGER, _apply, _as_tuple, _needs_grad, _present, apply
+from fusekit.library.autograd import _apply, _as_tuple, _needs_grad, _present, apply, eager_apply
+from fusekit.library.function_apply import applier
 from fusekit.library.plan import _PLANS, _RECORD_TRIES, _execute, _Plan, _plan_for, _signature, may_reuse
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec
 
@@ -171,6 +175,7 @@ class GradRunner:
 
     __slots__ = ("backend", "bcond", "bplan", "bsel", "fast", "fplan", "gsel", "like", "save",
                  "scalars", "spec", "stats", "tail")  # fmt: skip
+    # fast: the op's _fast_function, as `function_apply.applier` binds it (cls.apply's steps, once)
 
     def __init__(self, spec: OpSpec, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str) -> None:
         self.spec, self.scalars, self.backend = spec, scalars, backend
@@ -180,12 +185,12 @@ class GradRunner:
         self.bplan = None
         self.fast = None
         if self.fplan is not None and not self.fplan.empty and _glue(self, spec, inputs, cond):
-            self.fast = _fast_function(spec)
+            self.fast = _fast_apply(spec)
 
     def __call__(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
         if self.fast is not None:
-            return self.fast.apply(self, *inputs)
-        outs = _as_tuple(_EAGER[self.spec.name].apply(*inputs, *self.tail))
+            return self.fast(self, *inputs)
+        outs = _as_tuple(eager_apply(self.spec.name)(*inputs, *self.tail))
         return _present(self.spec, inputs, outs, True)
 
 
@@ -251,18 +256,19 @@ def _glue(runner: GradRunner, spec: OpSpec, inputs: tuple, cond: dict[str, bool]
     return True
 
 
-_FAST: dict[str, type[torch.autograd.Function]] = {}
+_FAST: dict[str, Callable[..., Any]] = {}
 
 
-def _fast_function(spec: OpSpec) -> type[torch.autograd.Function]:
-    """The op's autograd.Function for remembered grad calls: forward(ctx, runner, *inputs)."""
+def _fast_apply(spec: OpSpec) -> Callable[..., Any]:
+    """The apply of the op's autograd.Function for remembered grad calls: forward(ctx, runner, *inputs)."""
     fn = _FAST.get(spec.name)
     if fn is None:
-        fn = _FAST[spec.name] = type(
+        cls = type(
             f"{spec.name}_fast",
             (torch.autograd.Function,),
             {"forward": staticmethod(_fast_forward), "backward": staticmethod(_fast_backward)},
         )
+        fn = _FAST[spec.name] = applier(cls)
     return fn
 
 
