@@ -68,6 +68,12 @@ BWD_SMEM = 200 * 1024
 BWD_ROWS_MAX = 8192  # = 256 threads x 32: longer rows would need more threads, i.e. < 128 registers each (the
 # rows kernel takes 150-240 at 32 elements per thread, AOT sm_90): they take "col"
 BWD_BLOCK_M_MAX = 64
+# "rows" with one program ("direct"): a backward of at most BWD_DIRECT_TILES row tiles and BWD_DIRECT_ELEMS
+# elements (decode / a few-token step: 4 x 4096) runs as a single program that stores dw (db) itself, in the
+# weight's dtype: no partials buffer and no _sum_parts_kernel launch, which at such sizes cost more host time
+# (an allocation and a launch, ~7 us on the H200's host) than the few tiles the lone program walks in turn.
+BWD_DIRECT_TILES = 4
+BWD_DIRECT_ELEMS = 65536
 # "col": kernel 2 tiles are BLOCK_M x BLOCK_N (2 x 1024: 2 KB row segments of bf16, 8 elements per thread
 # at 8 warps), ~BWD_COL_PROGS_PER_SM programs per SM in all; kernel 1 steps 8 KB per row chunk.
 BWD_COL_BLOCK_M, BWD_COL_BLOCK_N, BWD_COL_WARPS = 2, 1024, 8
@@ -94,11 +100,12 @@ class BwdConfig:
     groups: int = 1
     block: int = 0
     stat_warps: int = BWD_STAT_WARPS
+    direct: int = 0  # "rows": 1 = one program writes dw (db) directly (BWD_DIRECT_TILES)
 
     def label(self) -> str:
         s = f"{self.mode} {self.block_m}x{self.block_n} warps={self.num_warps}"
         if self.mode == "rows":
-            return s + f" progs/SM={self.progs} stages={self.stages}"
+            return s + (" direct" if self.direct else f" progs/SM={self.progs}") + f" stages={self.stages}"
         return s + f" groups={self.groups} split={self.split} step={self.block}"
 
 
@@ -114,7 +121,8 @@ def bwd_rows_config(M: int, N: int, es: int, dev: int, streams: int = 2) -> BwdC
     progs = max(1, min(8, BWD_THREADS_PER_SM // (nw * ws)))
     stage_bytes = streams * block_m * block_n * es * progs
     stages = max(1, min(BWD_STAGES, BWD_SMEM // stage_bytes))
-    return BwdConfig("rows", block_m, block_n, nw, progs=progs, stages=stages)
+    direct = int(-(-M // block_m) <= BWD_DIRECT_TILES and M * N <= BWD_DIRECT_ELEMS)
+    return BwdConfig("rows", block_m, block_n, nw, progs=progs, stages=stages, direct=direct)
 
 
 def bwd_col_config(M: int, N: int, es: int, dev: int) -> BwdConfig:
@@ -258,10 +266,10 @@ def _bwd_rows_kernel(
             dw += dy * xhat
         if HAS_DB:
             db += dy
-    pbase = pid.to(tl.int64) * N
-    tl.store(dwp_ptr + pbase + cols, tl.sum(dw, axis=0), mask=cmask)
+    pbase = pid.to(tl.int64) * N  # fp32 partial rows, or (one program, "direct") dw / db in their dtype
+    tl.store(dwp_ptr + pbase + cols, tl.sum(dw, axis=0).to(dwp_ptr.dtype.element_ty), mask=cmask)
     if HAS_DB:
-        tl.store(dbp_ptr + pbase + cols, tl.sum(db, axis=0), mask=cmask)
+        tl.store(dbp_ptr + pbase + cols, tl.sum(db, axis=0).to(dbp_ptr.dtype.element_ty), mask=cmask)
 
 
 @fast_launch
@@ -410,13 +418,20 @@ def launch(
     mean_ = mean if mean is not None else rstd
     flags = dict(IS_RMS=is_rms, CASTING=casting, HAS_DH=has_dh, HAS_DB=has_db)
     if cfg.mode == "rows":
-        P = max(1, min(cfg.progs * num_sms(dev), -(-M // cfg.block_m)))
-        part = torch.empty((2 if has_db else 1, P, N), dtype=torch.float32, device=xin.device)
+        # direct: the lone program's partial row is the result; the kernel's store casts it to dw's dtype
+        P = 1 if cfg.direct else max(1, min(cfg.progs * num_sms(dev), -(-M // cfg.block_m)))
+        if cfg.direct:
+            dwp, dbp = dw, (db if has_db else dw)
+        else:
+            part = torch.empty((2 if has_db else 1, P, N), dtype=torch.float32, device=xin.device)
+            dwp, dbp = part[0], part[-1]
         _bwd_rows_kernel[(P,)](
-            dy, dh_, xin, weight, mean_, rstd, dx, part[0], part[-1], M, N,
+            dy, dh_, xin, weight, mean_, rstd, dx, dwp, dbp, M, N,
             **flags, EVEN_N=cfg.block_n == N, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
             num_warps=cfg.num_warps,
         )  # fmt: skip
+        if cfg.direct:
+            return cfg
     else:
         split, chunk = split_chunks(N, cfg.split, cfg.block, BWD_SPLIT_MAX)
         stats = torch.empty((M, split, 2), dtype=torch.float32, device=xin.device)
@@ -489,6 +504,14 @@ def aot_specs(is_rms: bool) -> list[tuple]:
                     ce |= {"num_warps": c.num_warps}
                     name = f"norm_bwd_rows_{tag}_{c.block_m}x{c.block_n}{'' if even else '_masked'}_w{c.num_warps}"
                     specs.append((name, _bwd_rows_kernel, sig, ce))
+            if plain and wt != "fp32":  # "direct" (one program): dw / db stored in the weight's dtype
+                c = bwd_rows_config(4, 4096, es, 0, 2)
+                sig = io | {"dx_ptr": px, "dwp_ptr": f"*{wt}", "dbp_ptr": f"*{wt}", "M": "i32", "N": "i32"}
+                sig |= cexp | {k: "constexpr" for k in ("EVEN_N", "BLOCK_M", "BLOCK_N", "STAGES")}
+                ce = flags | {"EVEN_N": True, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STAGES": c.stages}
+                ce |= {"num_warps": c.num_warps}
+                name = f"norm_bwd_rows_{tag}_direct_{c.block_m}x{c.block_n}_w{c.num_warps}"
+                specs.append((name, _bwd_rows_kernel, sig, ce))
             # "col": kernel 1 (no dh / bias flags) and kernel 2, at the real (non-interpreter) sizes.
             step = BWD_STAT_STEP_BYTES // es
             sig = {"dy_ptr": px, "x_ptr": px, "w_ptr": f"*{wt}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"}

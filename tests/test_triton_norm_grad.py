@@ -216,7 +216,13 @@ def test_forward_h_residual_pairing() -> None:
 # ---------------------------------------------------------------------------------------------- backward
 # (mode, M, N, forcing kwargs): "rows" needs N <= BWD_ROWS_MAX; "col" takes any N.
 BWD_SHAPES = {
-    "rows": [(37, 33, {}), (7, 760, {"_progs": 1}), (9, 1, {}), (2, 4097, {"_block_m": 1, "_num_warps": 4})],
+    # rows: these sizes plan "direct" (one program stores dw itself); _direct=0 forces the partials + sum
+    "rows": [
+        (37, 33, {"_direct": 0}),
+        (7, 760, {"_progs": 1}),
+        (9, 1, {}),
+        (2, 4097, {"_block_m": 1, "_num_warps": 4, "_direct": 0}),
+    ],
     "col": [(37, 33, {}), (7, 760, {"_groups": 3}), (9, 1, {}), (3, 4097, {"_split": 5, "_groups": 2})],
 }
 BWD_RMS_CASES = [
@@ -284,7 +290,7 @@ def test_backward_deterministic(mode: str) -> None:
     w = _randn(N, dtype=F32, seed=6)
     rstd = torch.rsqrt(xin.square().mean(-1) + 1e-6)
     mean = xin.mean(-1)
-    kw = {"_progs": 2, "_block_m": 2} if mode == "rows" else {"_groups": 5, "_split": 3}
+    kw = {"_progs": 2, "_block_m": 2, "_direct": 0} if mode == "rows" else {"_groups": 5, "_split": 3}
     outs = []
     for _ in range(2):
         dx, dw = torch.full_like(xin, NAN), torch.full_like(w, NAN)
@@ -297,9 +303,13 @@ def test_backward_deterministic(mode: str) -> None:
 
 
 def test_backward_default_plans() -> None:
-    # The planner's own choice: "rows" up to BWD_ROWS_MAX, "col" beyond (here N = 8193, M = 2).
+    # The planner's own choice: "rows" up to BWD_ROWS_MAX, "col" beyond (here N = 8193, M = 2); "rows" in
+    # one program that stores dw itself up to BWD_DIRECT_TILES tiles and BWD_DIRECT_ELEMS elements.
     assert _norm_bwd.bwd_plan(64, 8192, 2, 0).mode == "rows"
     assert _norm_bwd.bwd_plan(64, 8193, 2, 0).mode == "col"
+    assert _norm_bwd.bwd_plan(4, 4096, 2, 0).direct and _norm_bwd.bwd_plan(4, 8192, 2, 0).direct
+    assert not _norm_bwd.bwd_plan(8, 4096, 2, 0).direct and not _norm_bwd.bwd_plan(64, 1024, 2, 0).direct
+    assert not _norm_bwd.bwd_plan(64, 8192, 2, 0).direct
     for M, N in [(3, 8193), (6, 50)]:
         xin, dy, _ = _bwd_inputs(M, N, F32, False, seed=N)
         w = _randn(N, dtype=F32, seed=N + 1)
