@@ -104,17 +104,19 @@ ORACLE_BLOCK_BYTES = 256 * 2**20
 
 def _kv64(q, k, v, kv_len):
     """Float64 keys and values per query head [B, H, Skv, D] (GQA heads expanded; with kv_len, sequence b's
-    keys past kv_len[b] zeroed, whatever they hold) and the keys each sequence sees, lens [B]."""
+    keys past kv_len[b] zeroed, whatever they hold) and the keys each sequence sees, lens [B]. v None: the
+    keys only (vd None)."""
     B, H = q.shape[:2]
     Hkv, Skv = k.shape[1], k.shape[2]
     lens = torch.full((B,), Skv, device=q.device) if kv_len is None else kv_len.long()
-    kd, vd = k.to(F64), v.to(F64)
+    kd, vd = k.to(F64), None if v is None else v.to(F64)
     if kv_len is not None:
         in_range = (torch.arange(Skv, device=q.device)[None, :] < lens[:, None])[:, None, :, None]
         kd = torch.where(in_range, kd, torch.zeros((), dtype=F64, device=q.device))
-        vd = torch.where(in_range, vd, torch.zeros((), dtype=F64, device=q.device))
+        if vd is not None:
+            vd = torch.where(in_range, vd, torch.zeros((), dtype=F64, device=q.device))
     kv_head = torch.arange(H, device=q.device) // (H // Hkv)
-    return kd[:, kv_head], vd[:, kv_head], lens
+    return kd[:, kv_head], None if vd is None else vd[:, kv_head], lens
 
 
 def _prepared(q, k, v, causal, scale, kv_len):
@@ -158,9 +160,9 @@ def grad_magnitude(args: tuple, kwargs: dict) -> float:
     rows are alike along D (a broadcast view) have logits up to D·scale instead: the measured RMS logit
     (`_logit_rms`) raises the estimate there, never lowers it (fuzz: q, k broadcast along D 64 with
     scale 1 put logits near 280 and fp32 dv 1.5x past its tolerance against the √D estimate of 8)."""
-    q, k, v = (t.detach() for t in args)
-    kd, _, _, scale, _, _ = _prepared(
-        q, k, v, kwargs.get("causal", False), kwargs.get("scale"), kwargs.get("kv_len")
+    q, k = args[0].detach(), args[1].detach()
+    kd, _, _, scale, _, _ = _prepared(  # keys only: v is not read here
+        q, k, None, kwargs.get("causal", False), kwargs.get("scale"), kwargs.get("kv_len")
     )
     return max(1.0, abs(scale) * math.sqrt(q.shape[-1]), _logit_rms(q, kd, scale))
 
