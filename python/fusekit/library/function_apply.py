@@ -17,16 +17,19 @@ from typing import Any
 import torch
 from torch.autograd.function import _is_setup_context_defined
 
-_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]  # the C++ classmethod Function.apply ends in
+_BASE_APPLY = torch._C._FunctionBase.__dict__.get("apply")  # the C++ classmethod Function.apply ends in
 
 
 def applier(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
     """A callable equivalent to `cls.apply` for a Function without setup_context."""
     if _is_setup_context_defined(cls.setup_context):
         return cls.apply  # one with setup_context binds its arguments per call: keep torch's path
-    base = _BASE_APPLY.__get__(None, cls)
-    active = torch._C._are_functorch_transforms_active
-    unwrap = torch._C._functorch.unwrap_if_dead
+    try:
+        base = _BASE_APPLY.__get__(None, cls)
+        active = torch._C._are_functorch_transforms_active
+        unwrap = torch._C._functorch.unwrap_if_dead
+    except AttributeError:  # pragma: no cover - a torch without these internals: its own apply
+        return cls.apply
     tensor = torch.Tensor
 
     def apply(*args: Any) -> Any:
