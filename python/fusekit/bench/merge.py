@@ -35,14 +35,15 @@ def merge(docs: list[dict]) -> dict:
     rows: dict[tuple[str, str], dict] = {}
     sources: list[dict] = []
     own_base: dict[tuple[str, int], list[dict]] = defaultdict(list)  # (case, source) -> its baseline rows
-    prior: dict[int, dict[str, float]] = {}  # row -> the ratios it came with (a merged file's: its own run's)
+    # (case, provider, source) -> the ratios a row came with (a merged file's: its own run's)
+    prior: dict[tuple[str, str, int], dict[str, float]] = {}
     for d in docs:
         # each row keeps `source`: its index in meta.merged_from (command, commit, date of its run)
         own = runs(d)
         for r in d["rows"]:
             r = dict(r, source=len(sources) + r.get("source", 0))
             if r.get("kind") != "baseline" and r.get("speedup_vs"):
-                prior[id(r)] = dict(r["speedup_vs"])
+                prior[(r["case"], r["provider"], r["source"])] = dict(r["speedup_vs"])
             key = (r["case"], r["provider"])
             if r.get("status") == "ok" and r.get("kind") == "baseline":
                 own_base[(r["case"], r["source"])].append(r)
@@ -60,7 +61,7 @@ def merge(docs: list[dict]) -> dict:
         for r in case_rows:
             if r.get("status") != "ok" or r.get("kind") == "baseline":
                 continue
-            r["speedup_vs"].update(prior.get(id(r), {}))
+            r["speedup_vs"].update(prior.get((case, r["provider"], r.get("source", 0)), {}))
             base = own_base.get((case, r.get("source", 0)))
             if base:
                 r["speedup_vs"].update({b["provider"]: b["time_us"] / r["time_us"] for b in base})
