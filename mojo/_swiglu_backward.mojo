@@ -31,19 +31,23 @@ comptime TPB = 256
 
 
 @always_inline
+def swiglu_h[W: Int](g: SIMD[F32, W], u: SIMD[F32, W], sig: SIMD[F32, W]) -> SIMD[F32, W]:
+    """h = silu(g) u in fp32 from sig = sigmoid(g) (_sigmoid): the forward's and the backward's h."""
+    return g * sig * u
+
+
+@always_inline
+def _sigmoid[W: Int](g: SIMD[F32, W]) -> SIMD[F32, W]:
+    return 1.0 / (1.0 + exp(-g))
+
+
+@always_inline
 def swiglu_grads[
     W: Int
 ](g: SIMD[F32, W], u: SIMD[F32, W], dh: SIMD[F32, W]) -> Tuple[SIMD[F32, W], SIMD[F32, W], SIMD[F32, W]]:
     """(h, dg, du) in fp32 from g, u, dh (reference_backward's expressions, evaluated left to right)."""
-    var sig = 1.0 / (1.0 + exp(-g))
-    return (g * sig * u, dh * u * sig * (1.0 + g * (1.0 - sig)), dh * g * sig)
-
-
-@always_inline
-def swiglu_h[W: Int](g: SIMD[F32, W], u: SIMD[F32, W]) -> SIMD[F32, W]:
-    """h = silu(g) u in fp32, swiglu_grads' first expression exactly."""
-    var sig = 1.0 / (1.0 + exp(-g))
-    return g * sig * u
+    var sig = _sigmoid(g)
+    return (swiglu_h(g, u, sig), dh * u * sig * (1.0 + g * (1.0 - sig)), dh * g * sig)
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(TPB)))
@@ -78,7 +82,7 @@ def _swiglu_bwd_kernel[
             dg.unsafe_store[alignment=AL](o, r[1].cast[dtype]())
             du.unsafe_store[alignment=AL](o, r[2].cast[dtype]())
         else:
-            h.unsafe_store[alignment=AL](o, swiglu_h[W](g, u).cast[dtype]())
+            h.unsafe_store[alignment=AL](o, swiglu_h(g, u, _sigmoid(g)).cast[dtype]())
         i += grid_dim.x * block_dim.x
 
 
@@ -184,7 +188,7 @@ def swiglu_bwd_cpu[
             var g = gu[unsafe_offset=2 * t * F + c].cast[F32]()
             var u = gu[unsafe_offset=2 * t * F + F + c].cast[F32]()
             if not grads:
-                h[unsafe_offset=t * F + c] = swiglu_h[1](g, u).cast[dtype]()
+                h[unsafe_offset=t * F + c] = swiglu_h[1](g, u, _sigmoid[1](g)).cast[dtype]()
                 continue
             var r = swiglu_grads[1](g, u, dh[unsafe_offset=t * F + c].cast[F32]())
             h[unsafe_offset=t * F + c] = r[0].cast[dtype]()
