@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 1200  # s
 
 
-def test_entries_cover_every_op_phase_and_kernel_dtype() -> None:
+def test_entries_cover_every_op_phase_and_kernel_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = mojo_build.entries(torch.device("cpu"))
     cuda = mojo_build.entries(torch.device("cuda", 0))
     ops_phases = {(e.op, e.phase) for e in cpu}
@@ -47,17 +47,18 @@ def test_entries_cover_every_op_phase_and_kernel_dtype() -> None:
     }
     assert swiglu_bwd == {"fusekit.swiglu_ffn_backward", "fusekit.rms_norm_backward"}
     # its forward: the op, the rms_norm op of the GEMM path, on a GPU the element-wise op forming h there,
-    # and on NVIDIA the bf16 wgmma twin
-    for dev, tc in (("cpu", set()), ("cuda", {("fusekit.swiglu_ffn_tc", (torch.bfloat16, torch.bfloat16))})):
+    # and on NVIDIA the bf16 wgmma twin only where FUSEKIT_MOJO_FFN_TC=1 routes prefill to it
+    tc_key = ("fusekit.swiglu_ffn_tc", (torch.bfloat16, torch.bfloat16))
+    for dev, tc_env, tc in (("cpu", "1", set()), ("cuda", "", set()), ("cuda", "1", {tc_key})):
+        monkeypatch.setenv("FUSEKIT_MOJO_FFN_TC", tc_env)
         fwd = {
             (e.spec.max_op, e.dtypes)
             for e in mojo_build.entries(torch.device(dev), ["swiglu_ffn"], ("forward",))
         }
         assert {k for k in fwd if k[0] == "fusekit.swiglu_ffn_tc"} == tc, dev
         gemm = {"fusekit.swiglu_ffn_backward"} if dev == "cuda" else set()
-        assert {k[0] for k in fwd} == {"fusekit.swiglu_ffn", "fusekit.rms_norm"} | gemm | {
-            k[0] for k in tc
-        }, dev
+        want = {"fusekit.swiglu_ffn", "fusekit.rms_norm"} | gemm | {k[0] for k in tc}
+        assert {k[0] for k in fwd} == want, (dev, tc_env)
     # linear_cross_entropy: its per-chunk row kernel, for every x dtype (fp16 gradients are refused, not
     # its fp16 forward)
     lce = {

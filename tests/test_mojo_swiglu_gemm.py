@@ -78,16 +78,22 @@ def test_short_inputs_keep_the_mojo_op(device, _gemm_path_here) -> None:
     assert _gemm_path_here == []
 
 
-def test_routes() -> None:
-    """Which path a forward takes: the wgmma op for bf16 prefill at a static pair on a GPU, the GEMM path for
-    other prefill on a GPU, the Mojo op (GEMV kernels; the CPU's loops) for decode and on the CPU."""
+def test_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which path a forward takes: the GEMM path for prefill on a GPU (the wgmma op for bf16 prefill at a
+    static pair only when FUSEKIT_MOJO_FFN_TC=1), the Mojo op (GEMV kernels; the CPU's loops) for decode and
+    on the CPU."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
     def route(device, t, d, f, dtype=torch.bfloat16) -> str:
         x = torch.empty(t, d, dtype=dtype, device="meta")
         return mojo_backend.ffn_route(device, x, torch.empty(f, d, dtype=dtype, device="meta"))
 
+    monkeypatch.delenv(mojo_backend.FFN_TC_ENV, raising=False)
+    assert route(cuda, 32, 4096, 11008) == "gemm"
+    monkeypatch.setenv(mojo_backend.FFN_TC_ENV, "1")
     assert route(cuda, 32, 4096, 11008) == "tc"
+    assert route(cuda, 32, 4096, 14336) == "gemm"  # not a static pair
+    monkeypatch.delenv(mojo_backend.FFN_TC_ENV)
     assert route(cuda, 15, 4096, 11008) == "op"
     assert route(cuda, 32, 4096, 11008, torch.float16) == "gemm"
     assert route(cuda, 2048, 4096, 14336) == "gemm"

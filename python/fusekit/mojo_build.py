@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ def entries(
     dtype keys of each phase that the mojo backend says it runs (MojoBackend.supports)."""
     from fusekit import backends
     from fusekit import ops as fops
-    from fusekit.backends.mojo import FFN_GEMM_DEVICES
+    from fusekit.backends.mojo import FFN_GEMM_DEVICES, FFN_TC_ENV
     from fusekit.backends.mojo.specs import (
         LINEAR_CROSS_ENTROPY_ROWS,
         NO_KERNEL,
@@ -100,13 +101,19 @@ def entries(
                     if phase == "forward":
                         add(op, phase, LINEAR_CROSS_ENTROPY_ROWS, key[:1])
                 elif op == "swiglu_ffn" and phase == "forward":
-                    # the Mojo op (decode), its wgmma twin for bf16 prefill at a static pair (GPU; built from
-                    # the lazy subpackage mojo/tc/), and the rms_norm op and the element-wise op (forming h)
-                    # that prefill elsewhere runs between vendor matmuls on a GEMM-route device
+                    # the Mojo op (decode); on a GEMM-route device the rms_norm op and the element-wise op
+                    # (forming h) that prefill runs between vendor matmuls; the wgmma twin for bf16 prefill
+                    # at a static pair where it is switched on (FFN_TC_ENV; built from mojo/tc/)
                     add(op, phase, spec, key)
                     if device.type in FFN_GEMM_DEVICES:
                         add(op, phase, SWIGLU_FFN_BACKWARD, key[:1])
-                    if device.type == "cuda" and key[0] == torch.bfloat16 and torch.version.hip is None:
+                    tc_on = os.environ.get(FFN_TC_ENV) == "1"
+                    if (
+                        tc_on
+                        and device.type == "cuda"
+                        and key[0] == torch.bfloat16
+                        and torch.version.hip is None
+                    ):
                         add(op, phase, swiglu_ffn_tc_spec(), key)
                     norm = phase_spec("rms_norm", "forward")
                     add(op, phase, norm, key[:1] * len(norm.dtype_vars))

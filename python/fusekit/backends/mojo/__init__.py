@@ -32,18 +32,24 @@ from fusekit.ops.linear_cross_entropy import fused_backward, fused_forward, fuse
 # stream fence joins MAX's stream to the capture); "0" refuses them instead.
 CAPTURE_ENV = "FUSEKIT_MOJO_CAPTURE"
 CAPTURE = os.environ.get(CAPTURE_ENV, "1") != "0"
-# Devices where swiglu_ffn's forward from SW_TC_MIN_T tokens on runs as torch GEMMs around the Mojo norm,
-# unless the Mojo op has its own tensor cores for the shape (MojoBackend._swiglu_ffn_forward_gemm).
+# Devices where swiglu_ffn's forward from SW_TC_MIN_T tokens on runs as vendor GEMMs around the Mojo norm and
+# the Mojo element-wise h (MojoBackend._swiglu_ffn_forward_gemm).
 FFN_GEMM_DEVICES: tuple[str, ...] = ("cuda",)
+# "1": bf16 prefill at a static (D, F) pair takes the Mojo op's own wgmma path (fusekit.swiglu_ffn_tc: MAX's
+# sm90 matmuls at a compile-time shape) instead of the GEMM route. Off by default: on the H200 that path ran
+# T=16..8192 at F=11008 in 0.52-0.74x torch.compile (T=4096: 2036 us, 544 TFLOP/s, against cuBLAS's three
+# GEMMs at 707; swiglu_ffn.json, 83463ee), and its first call compiles MAX's matmuls (~70 s).
+FFN_TC_ENV = "FUSEKIT_MOJO_FFN_TC"
 
 
 def ffn_route(device: torch.device, x: torch.Tensor, w_gate: torch.Tensor) -> str:
-    """A swiglu_ffn forward's path: "tc" the Mojo op with the wgmma path (fusekit.swiglu_ffn_tc), "gemm"
-    MojoBackend._swiglu_ffn_forward_gemm, "op" the Mojo op's GEMV kernels (decode; the CPU's loops)."""
+    """A swiglu_ffn forward's path: "gemm" MojoBackend._swiglu_ffn_forward_gemm, "op" the Mojo op's GEMV
+    kernels (decode; the CPU's loops), "tc" the Mojo op with the wgmma path (fusekit.swiglu_ffn_tc; opt-in,
+    FFN_TC_ENV)."""
     t, d = x.shape
     if t < SW_TC_MIN_T:
         return "op"
-    if device.type == "cuda" and ffn_static_tc(x, d, w_gate.shape[0]):
+    if device.type == "cuda" and os.environ.get(FFN_TC_ENV) == "1" and ffn_static_tc(x, d, w_gate.shape[0]):
         return "tc"
     return "gemm" if device.type in FFN_GEMM_DEVICES else "op"
 
@@ -202,8 +208,8 @@ class MojoBackend(Backend):
     def _swiglu_ffn_forward_gemm(
         self, device: torch.device, outputs: tuple, inputs: tuple, scalars: tuple
     ) -> None:
-        """swiglu_ffn's forward at T >= SW_TC_MIN_T where the Mojo op has no tensor-core path (every (D, F)
-        but _STATIC_DF's in bf16; fp16; fp32), laid out as the backward: the norm is the Mojo op
+        """swiglu_ffn's forward at T >= SW_TC_MIN_T on a GEMM-route device (every (D, F) and dtype; bf16 at
+        _STATIC_DF's pair only unless FFN_TC_ENV sends it to the Mojo op's wgmma path), laid out as the backward: the norm is the Mojo op
         fusekit.rms_norm (casting "fp32": the reference's xn and rstd), the three GEMMs torch matmuls (cuBLAS:
         fp32 accumulation, results in x's dtype). g and u go straight into the halves of gu (the saved
         [T, 2F] with gradients, a scratch one without: torch.mm with a row-strided out, which cuBLAS writes
