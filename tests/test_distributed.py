@@ -11,23 +11,30 @@ outcome; the tests below read those reports. Scenarios:
 - fsdp2: a tiny HF Llama patched with fusekit.hf.patch(backend="torch") trains 2 SGD steps under
   fully_shard; losses and updated parameters equal the unpatched model's under the same run, and the
   fusekit ops ran;
+- fsdp2_bf16: the same in bfloat16 (model.to(torch.bfloat16)), patched, against the patched bf16 model
+  trained in one process on every rank's batch: losses and updated parameters equal within bf16
+  tolerances (relative error of whole tensors), and fusekit's attention ran (a bf16 model's attention
+  is fusekit's on the CPU and on CUDA). Verified on the CPU only so far; GPU run pending;
 - tp: the patched model under parallelize_module (ColwiseParallel q/k/v/gate/up, RowwiseParallel
   o/down): logits and gradients equal the single-process patched model.
 On GPUs (`--device cuda`, two of them) each rank runs on cuda:<rank> with NCCL and the ops on the triton
 backend when --backends names it, else torch: float32 for the norms, rope, reduce_sum, swiglu_ffn
-and the models, bfloat16 for attention (fusekit's CUDA attention kernels are fp16/bf16; a float32 model's
-attention goes to transformers' own, as fusekit_attention documents), head dim 64 (the GPU kernels take
+and the models but fsdp2_bf16, bfloat16 for attention (fusekit's CUDA attention kernels are fp16/bf16; a
+float32 model's attention goes to transformers' own, as fusekit_attention documents: fsdp2_bf16 is
+where a model's attention runs fusekit's kernels under FSDP2), head dim 64 (the GPU kernels take
 64/128/256).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import socket
 import time
 import traceback
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -44,7 +51,7 @@ WORLD = 2
 # Where the workers run; _worker replaces it with the test's (spawned workers import this module afresh).
 CFG = {"dist": "gloo", "device": "cpu", "backend": "torch"}
 TIMEOUT_S = 150  # the whole spawn; CI must never hang
-SCENARIOS = ("ops", "errors", "fsdp2", "tp")
+SCENARIOS = ("ops", "errors", "fsdp2", "fsdp2_bf16", "tp")
 
 
 # --- helpers (run inside the workers) ------------------------------------------------------------
@@ -240,14 +247,18 @@ def _tiny_llama() -> torch.nn.Module:
     return _dev(model)
 
 
-def _counting(counts: dict) -> None:
-    """Counts calls of the fusekit ops (and those with a DTensor argument) in `counts`."""
+@contextlib.contextmanager
+def _counting() -> Iterator[dict[str, int]]:
+    """Counts the calls of the fusekit ops (and those with a DTensor argument) made inside the block in
+    the yielded dict; the ops are put back on exit."""
     from torch.distributed.tensor import DTensor
 
     from fusekit import ops
 
-    for name in ("rms_norm", "swiglu_ffn", "rope", "attention"):
-        real = getattr(ops, name)
+    counts: dict[str, int] = {}
+    names = ("rms_norm", "swiglu_ffn", "rope", "attention")
+    reals = {name: getattr(ops, name) for name in names}
+    for name, real in reals.items():
 
         def wrapper(*a, _real=real, _name=name, **k):
             counts[_name] = counts.get(_name, 0) + 1
@@ -256,6 +267,11 @@ def _counting(counts: dict) -> None:
             return _real(*a, **k)
 
         setattr(ops, name, wrapper)
+    try:
+        yield counts
+    finally:
+        for name, real in reals.items():
+            setattr(ops, name, real)
 
 
 def _keyed_types() -> set[str]:
@@ -274,48 +290,118 @@ def _keyed_types() -> set[str]:
     return seen
 
 
-def _scenario_fsdp2(mesh) -> None:
+STEPS, LR = 2, 0.5  # the training scenarios' SGD steps
+
+
+def _batches() -> list[torch.Tensor]:
+    """Each rank's input ids (rank r's from seed 10 + r), drawn alike on every rank."""
+    return [
+        _dev(torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(10 + r)))
+        for r in range(WORLD)
+    ]
+
+
+def _trainable(base: torch.nn.Module, patched: bool, mesh=None) -> torch.nn.Module:
+    """A copy of `base` in train mode, patched by fusekit.hf if asked, and with a mesh under FSDP2:
+    fully_shard on each decoder layer, then on the model."""
     from torch.distributed.fsdp import fully_shard
 
     import fusekit.hf as fh
 
-    rank = dist.get_rank()
-    base = _tiny_llama()
-    ids = _dev(
-        torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(10 + rank))
-    )
-    runs = {}
-    counts: dict[str, int] = {}
-    _counting(counts)
-    for patched in (False, True):
-        model = copy.deepcopy(base).train()
-        if patched:
-            fh.patch(model, backend=CFG["backend"])
+    model = copy.deepcopy(base).train()
+    if patched:
+        fh.patch(model, backend=CFG["backend"])
+    if mesh is not None:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        losses = []
-        for _ in range(2):
+    return model
+
+
+def _sgd(model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """STEPS SGD steps of `model` on the mean of the causal-LM losses of `batches` (one backward each,
+    the gradients accumulated: as FSDP2 averages the ranks' gradients, one batch per rank). Returns the
+    losses [STEPS, len(batches)] and the updated parameters (full tensors)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        for ids in batches:
             loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
-        runs[patched] = (torch.stack(losses), params)
+            (loss / len(batches)).backward()
+            losses.append(loss.detach().float())
+        opt.step()
+        opt.zero_grad()
+    params = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()
+    }
+    return torch.stack(losses).view(STEPS, len(batches)), params
+
+
+def _train_counts(attention: bool) -> dict[str, int]:
+    """The fusekit op calls of one patched model's STEPS training steps (the backward calls none).
+    FSDP2 all-gathers the parameters into plain tensors for each layer's forward: no DTensor reaches an
+    op."""
     L = TINY["num_hidden_layers"]
-    # FSDP2 all-gathers the parameters into plain tensors for each layer's forward: no DTensor reaches an op
-    want = {"rms_norm": 2 * (2 * L + 1), "swiglu_ffn": 2 * L, "rope": 2 * L, "attention": 2 * L}
-    if _on_gpu():  # a float32 model's attention on CUDA is transformers' own (fusekit_attention's fallback)
-        del want["attention"]
-    assert counts == want, counts
+    want = {"rms_norm": STEPS * (2 * L + 1), "swiglu_ffn": STEPS * L, "rope": STEPS * L}
+    return {**want, "attention": STEPS * L} if attention else want
+
+
+def _scenario_fsdp2(mesh) -> None:
+    base = _tiny_llama()
+    ids = _batches()[dist.get_rank()]
+    with _counting() as counts:
+        runs = {patched: _sgd(_trainable(base, patched, mesh), [ids]) for patched in (False, True)}
+    # a float32 model's attention on CUDA is transformers' own (fusekit_attention's fallback)
+    assert counts == _train_counts(attention=not _on_gpu()), counts
     _close(runs[True][0], runs[False][0], "losses", rtol=1e-5, atol=1e-5)
     moved = 0.0
     for n, p in runs[False][1].items():
         _close(runs[True][1][n], p, n, rtol=1e-4, atol=2e-5)
         moved = max(moved, float((p - dict(base.named_parameters())[n].detach()).abs().max()))
     assert moved > 1e-3, "the parameters did not train"
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| over the whole tensor, in float32."""
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _scenario_fsdp2_bf16(mesh) -> None:
+    rank = dist.get_rank()
+    base = _tiny_llama().to(torch.bfloat16)
+    batches = _batches()
+    # the reference: the same patched bf16 model in this one process, on every rank's batch
+    want_losses, want_params = _sgd(_trainable(base, True), batches)
+    with _counting() as counts:
+        losses, params = _sgd(_trainable(base, True, mesh), [batches[rank]])
+    # bf16 attention is fusekit's on both devices (on the CPU through the torch backend, on CUDA through
+    # the backend under test)
+    assert counts == _train_counts(attention=True), counts
+    # Tolerances (relative error of the whole tensor, _rel_err). Each rank runs the reference's ops on the
+    # same shapes and inputs, and FSDP2's gradient average of 2 ranks (power-of-2 scalings, one bf16
+    # rounding of a sum of two) matches the reference's accumulation of loss / 2: on the CPU the two
+    # runs are bitwise equal. What may differ on a GPU is rounding (atomics, the collective's order): an
+    # ulp here and there of a bf16 parameter, whose ulp is at most 2^-7 of its value. So
+    # - every updated parameter within 2e-2: 2.5x the 7.8e-3 of every element one ulp off;
+    # - the losses within 2e-2 (float32 losses of bf16 forwards over such parameters; the first step's
+    #   see the same weights);
+    # - the update of all parameters together (p - p0, concatenated) within 0.25: every element one ulp
+    #   off would give 0.08 here (the updates are ~7% of the weights), a gradient not averaged over
+    #   the ranks (each rank's own, or their sum) gives ~1. A parameter's own update is not checked:
+    #   a norm weight near 1 moves one or two bf16 ulps in these 2 steps.
+    err = _rel_err(losses[:, 0], want_losses[:, rank])
+    assert err <= 2e-2, (
+        f"losses: rel err {err:.1e}: {losses[:, 0].tolist()} vs {want_losses[:, rank].tolist()}"
+    )
+    init = {n: p.detach() for n, p in base.named_parameters()}
+    for n, want in want_params.items():
+        assert (err := _rel_err(params[n], want)) <= 2e-2, f"{n}: rel err {err:.1e}"
+    flat = lambda ps: torch.cat([ps[n].float().flatten() for n in init])
+    p0 = flat(init)
+    moved, want_moved = flat(params) - p0, flat(want_params) - p0
+    assert (err := _rel_err(moved, want_moved)) <= 0.25, f"parameter updates: rel err {err:.2f}"
+    assert float(want_moved.norm() / p0.norm()) > 1e-2, "the parameters did not train"
 
 
 def _scenario_tp(mesh) -> None:
@@ -333,10 +419,9 @@ def _scenario_tp(mesh) -> None:
     parallelize_module(model, mesh, plan)
     assert isinstance(model.model.layers[0].mlp.gate_proj.weight, DTensor)
     ids = _dev(torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3)))
-    counts: dict[str, int] = {}
-    _counting(counts)
     keyed = _keyed_types()
-    out, want = model(ids).logits, ref(ids).logits
+    with _counting() as counts:
+        out, want = model(ids).logits, ref(ids).logits
     L = TINY["num_hidden_layers"]
     # RowwiseParallel's outputs (o_proj, down_proj) and the TP swiglu_ffn's all-reduce are
     # AsyncCollectiveTensors: waited for before any op reads them (a kernel must not launch on one)
