@@ -247,6 +247,27 @@ def test_deterministic(backend_name, device):
         assert torch.equal(a, e)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_reduced_loss_is_0d_and_not_a_view(reduction, backend_name, device):
+    """The reduced loss is its own 0-d tensor: FSDP2 warns that an in-place op on a view output (say
+    `loss.div_(accum_steps)`) drops its pre-backward hook; in-place scaling still back-propagates."""
+    x, w, t, b = _inputs(device, seed=4)
+    leaves = [v.clone().requires_grad_() for v in (x, w, b)]
+    try:
+        loss = ops.linear_cross_entropy(*leaves[:2], t, leaves[2], reduction=reduction, backend=backend_name)
+    except ValueError as exc:
+        _refused(exc)
+    assert loss.shape == () and not loss._is_view()
+    want = _hf(*(v.detach() for v in (x, w)), t, b, reduction=reduction)
+    tol = rtol("linear_cross_entropy", torch.float32)
+    assert_close("loss", loss.detach(), want, tol, reduction)
+    loss.div_(4.0)
+    (gx,) = torch.autograd.grad(loss, leaves[0])
+    xr = x.clone().requires_grad_()
+    (want_gx,) = torch.autograd.grad(_hf(xr, w, t, b, reduction=reduction) / 4.0, xr)
+    assert_close("grad x", gx, want_gx, rtol("linear_cross_entropy", torch.float32, "backward"), reduction)
+
+
 def test_triton_refuses_fp16_gradients_and_auto_takes_torch(device):
     """triton's fp16 d weight misses the tolerance (see fused_refusal): a call that records a gradient
     raises before running, naming fp16; without a gradient it runs; auto gives the torch backend's

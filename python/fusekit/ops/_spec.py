@@ -198,7 +198,7 @@ class OpSpec:
             if arg.when is not None and not cond.get(arg.when, False):
                 layout.append(None)
                 continue
-            shape = extra.get(arg.name) or tuple(sizes[d] for d in arg.dims)
+            shape = extra[arg.name] if arg.name in extra else tuple(sizes[d] for d in arg.dims)
             if arg.dtype in self.dtype_vars:
                 dtype = self.dtype_of(arg.dtype, p.inputs, inputs, scalars)
             elif arg.dtype == ACC:

@@ -132,7 +132,7 @@ def reference_forward(
     if dbias is not None:
         dbias.copy_(db)
     if reduction != "none":
-        loss.copy_((rows.sum() * scale).reshape(1))
+        loss.copy_((rows.sum() * scale).reshape(()))
 
 
 def reference_backward(
@@ -147,7 +147,7 @@ def reference_backward(
     reduction: str,
     label_smoothing: float,
 ) -> None:
-    """The saved gradients of the loss times the loss's output gradient dloss [1] (fp32, fp64 for fp64
+    """The saved gradients of the loss times the loss's output gradient dloss (0-d) (fp32, fp64 for fp64
     x; "mean" and "sum" only: reduction="none" records no gradient), each rounded once to x's dtype."""
     for out, saved in ((gx, dx), (gweight, dweight), (gbias, dbias)):
         if out is not None:
@@ -240,9 +240,9 @@ def fused_forward(
     if db is not None:
         dbias.copy_(db)
     if reduction == "sum":
-        torch.sum(rows, dim=0, keepdim=True, out=loss)
+        torch.sum(rows, dim=0, out=loss)
     elif reduction == "mean":
-        torch.div(rows.sum(dim=0, keepdim=True), n, out=loss)
+        torch.div(rows.sum(dim=0), n, out=loss)
 
 
 def fused_backward(
@@ -256,7 +256,7 @@ def fused_backward(
     *_scalars: object,
 ) -> None:
     """The fused backends' backward: the forward's gradients of the loss times the loss's gradient dloss
-    [1], fp32 math, one rounding (bandwidth only: 2 x 1 GiB for d weight at Llama-3-8B bf16). gx / gweight /
+    (0-d), fp32 math, one rounding (bandwidth only: 2 x 1 GiB for d weight at Llama-3-8B bf16). gx / gweight /
     gbias may be dx / dweight / dbias themselves (Phase.reuse: scaled in place). One `_foreach_mul_` by
     dloss as a 0-d device tensor (clip_grad_norm_'s pattern: vectorized, fp32 opmath, no host sync), where
     `torch.mul` of a bf16 tensor by an fp32 [1] one ran torch's unvectorized mixed-dtype kernel (2.25 ms
@@ -282,8 +282,9 @@ def scale_saved(pairs: list[tuple[Tensor, Tensor]], dloss: Tensor) -> None:
 
 
 def _loss_shape(ins: dict[str, Tensor | None], sc: dict[str, object]) -> dict[str, tuple[int, ...]]:
-    """loss is [T] for reduction="none", else [1] (the public function returns it 0-d)."""
-    return {"loss": (ins["x"].shape[0],) if sc["reduction"] == "none" else (1,)}
+    """loss is [T] for reduction="none", else 0-d: returned as allocated, not as a view (FSDP2 warns that an
+    in-place op on a view output would drop its pre-backward hook)."""
+    return {"loss": (ins["x"].shape[0],) if sc["reduction"] == "none" else ()}
 
 
 def _label_smoothing(v: object) -> float:
@@ -422,4 +423,4 @@ def linear_cross_entropy(
     b = bias.contiguous() if bias is not None else None
     ins = (C.rows(x), weight.contiguous(), target.contiguous().view(-1), b)
     out = run(ins)[0] if run is not None else library.apply_memo(_MEMO, key, SPEC, ins, scalars, backend)[0]
-    return out.view(target.shape) if reduction == "none" else out.view(())
+    return out.view(target.shape) if reduction == "none" else out
