@@ -255,6 +255,8 @@ def test_report_setup_line_reads_one_or_several_decode_cases() -> None:
 def test_results_file_per_model() -> None:
     assert e2e.file_name("llama3-8b") == e2e.file_name("tiny") == e2e.FILE
     assert e2e.file_name("llama3.2-1b") == "e2e-llama3.2-1b.json"
+    assert e2e.file_name("llama3-8b", 4) == e2e.FILE  # the model's default layer count
+    assert e2e.file_name("llama3-8b", 32) == "e2e-llama3-8b-32l.json"
 
 
 def test_kernel_runs_counts_replayed_calls():

@@ -193,8 +193,11 @@ def _decode_shapes(s: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def file_name(model: str) -> str:
-    """e2e.json for the default GPU model (llama3-8b) and the tiny one, e2e-<model>.json for others."""
+def file_name(model: str, layers: int | None = None) -> str:
+    """e2e.json for the default GPU model (llama3-8b) and the tiny one, e2e-<model>.json for others;
+    a layer count other than the model's default adds -<layers>l (the whole Llama-3-8B: e2e-llama3-8b-32l)."""
+    if layers is not None and layers != MODELS[model]["layers"]:
+        return f"e2e-{model}-{layers}l.json"
     return FILE if model in ("llama3-8b", "tiny") else f"e2e-{model}.json"
 
 
@@ -1094,7 +1097,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     warmup = args.warmup or (1 if args.quick else 2)
     reps = args.reps or (2 if args.quick else 5)
-    path = out_root / results.slug(results.device_name(device)) / file_name(model_name)
+    path = out_root / results.slug(results.device_name(device)) / file_name(model_name, setup.layers)
     setup_doc = json.loads(json.dumps(asdict(setup)))  # tuples -> lists, as a loaded file has them
     old = load_for_merge(path, setup_doc) if args.merge else None
     run_index = len(old["runs"]) if old else 0
