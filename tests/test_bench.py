@@ -118,7 +118,11 @@ def test_gpu_sweeps_cover_the_issue_sizes() -> None:
     rope = cases.cases("rope", "sweep")
     assert any(c.params == {"B": 16, "S": 4096, "H": 32, "D": 128} for c in rope)
     ffn = cases.cases("swiglu_ffn", "sweep")
-    assert ffn[0].params["T"] == 1 and ffn[-1].params == {"T": 8192, "D": 4096, "F": 11008}
+    assert ffn[0].params["T"] == 1 and {"T": 8192, "D": 4096, "F": 11008} in [c.params for c in ffn]
+    # issue 14's model shapes at T 1, 16, 128, 4096, 8192 (Llama-3-8B, Qwen2-7B, Llama-3-70B)
+    for d, f in ((4096, 14336), (3584, 18944), (8192, 28672)):
+        ts = {c.params["T"] for c in ffn if (c.params["D"], c.params["F"]) == (d, f)}
+        assert ts == {1, 16, 128, 4096, 8192}, (d, f, ts)
     att = cases.cases("attention", "sweep")
     assert all(c.params["B"] * c.params["S"] == 16384 and c.params["H"] == 32 for c in att)
     assert {c.params["D"] for c in att} == {64, 128, 256} and {c.params["causal"] for c in att} == {0, 1}

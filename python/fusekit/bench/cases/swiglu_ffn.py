@@ -1,4 +1,5 @@
-"""swiglu_ffn cases (the Llama MLP without the fused norm): the token sweep at D 4096, F 11008, and
+"""swiglu_ffn cases (the Llama MLP without the fused norm): the token sweep at D 4096, F 11008 (and on the
+GPU at Llama-3-8B's, Qwen2-7B's and Llama-3-70B's (D, F) for T 1, 16, 128, 4096, 8192), and
 training at T 4096 for F 11008 (Llama-2-7B) and 14336 (Llama-3-8B); cuBLAS-only and Liger baselines.
 
 FLOPs: forward three T×D×F products, 6·T·D·F; train adds the backward's six (dh, dW_down, the two
@@ -70,6 +71,9 @@ class SwigluFfnCase(Case):
         return (18 if self.train else 6) * p["T"] * p["D"] * p["F"]
 
 
+MODEL_SHAPES = ((4096, 14336), (3584, 18944), (8192, 28672))  # (D, F) swept beside Llama-2-7B's 4096 x 11008
+
+
 def cases(suite: str, *, quick: bool, cpu: bool) -> list[Case]:
     if suite == "sweep":
         if cpu:
@@ -78,7 +82,14 @@ def cases(suite: str, *, quick: bool, cpu: bool) -> list[Case]:
         else:
             d, f = 4096, 11008
             ts = [1, 256, 4096] if quick else [1, 16, 64, 256, 1024, 4096, 8192]
-        return [SwigluFfnCase({"T": t, "D": d, "F": f}, "bf16", f"D={d},F={f}", t, "T (tokens)") for t in ts]
+        sweeps = [(d, f, ts)]
+        if not (cpu or quick):  # issue 14's model shapes: Llama-3-8B / Mistral-7B, Qwen2-7B, Llama-3-70B
+            sweeps += [(dd, ff, [1, 16, 128, 4096, 8192]) for dd, ff in MODEL_SHAPES]
+        return [
+            SwigluFfnCase({"T": t, "D": dd, "F": ff}, "bf16", f"D={dd},F={ff}", t, "T (tokens)")
+            for dd, ff, tts in sweeps
+            for t in tts
+        ]
     if suite == "train":
         if cpu:
             shapes = [(16, 64, 128)] if quick else [(16, 64, 128), (9, 64, 176)]
