@@ -149,8 +149,17 @@ for op in ops.OPS:
 """
 
 
-def test_no_context_on_first_gpu(backend_name: str, two_gpus: None) -> None:
+def test_no_context_on_first_gpu(backend_name: str, two_gpus: None, request: pytest.FixtureRequest) -> None:
     """A fresh process that only uses cuda:1 (every op, forward and backward) never opens device 0."""
+    if backend_name == "mojo":  # strict: passing would report XPASS as a failure, so the mark comes off
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="known defect (issue #15): on two H200s at 3aaa15f the mojo backend loads without "
+                "touching GPU 0, but its first op on cuda:1 leaves GPU 0's primary context active (MAX's "
+                "load / run path or the stream fence; not yet isolated, see .dev ctx0 probe in the note)",
+            )
+        )
     path = os.pathsep.join(str(p) for p in (TESTS.parent / "python", TESTS.parent, TESTS))
     # our paths first, the caller's after them (MAX staged outside site-packages lives there)
     path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
