@@ -157,7 +157,7 @@ def test_no_context_on_first_gpu(backend_name: str, two_gpus: None, request: pyt
                 strict=True,
                 reason="known defect (issue #15): on two H200s at 3aaa15f the mojo backend loads without "
                 "touching GPU 0, but its first op on cuda:1 leaves GPU 0's primary context active (MAX's "
-                "load / run path or the stream fence; not yet isolated, see .dev ctx0 probe in the note)",
+                "load / run path or the stream fence; not yet isolated)",
             )
         )
     path = os.pathsep.join(str(p) for p in (TESTS.parent / "python", TESTS.parent, TESTS))
