@@ -1,0 +1,342 @@
+"""bench.e2e's scenarios: the correctness gate against HF eager, then prefill, decode (and the same-process
+A/B against HF eager) and the training step, per provider."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fusekit.bench.e2e.config import (
+    BUDGET_SKIP,
+    FP32_LOGITS_RTOL,
+    LOW_PRECISION_SLACK,
+    Setup,
+    _decode_shapes,
+    _free,
+    _generate,
+    _ids,
+    _label,
+    _shapes,
+    _sync,
+    fresh_model,
+    rel_error,
+)
+from fusekit.bench.e2e.providers import Fusekit, Provider, _classify, expected_forward_runs, kernel_runs
+from fusekit.bench.e2e.timing import Timing, time_calls
+
+
+# --- the run -----------------------------------------------------------------------------------------
+@dataclass
+class Reference:
+    logits: torch.Tensor  # HF eager on the gate batch, float32
+    tokens: torch.Tensor | None  # HF eager's greedy generate of the decode prompt
+    exact: torch.Tensor | None  # low precision only: the same model in fp32
+    eager_err: float | None  # low precision only: HF eager's error against `exact`
+
+
+def reference(
+    setup: Setup, state: dict, gate_ids: torch.Tensor, prompt: torch.Tensor | None, n_new: int
+) -> Reference:
+    """HF eager's logits (and greedy tokens when `prompt` is given); in low precision also the fp32 model's."""
+    model = fresh_model(setup, state)
+    with torch.no_grad():
+        logits = model(gate_ids, use_cache=False).logits.float()
+    tokens = _generate(model, prompt, n_new) if prompt is not None else None
+    del model
+    exact = err = None
+    if setup.torch_dtype != torch.float32:
+        _free()
+        model = fresh_model(setup, state, dtype=torch.float32)
+        with torch.no_grad():
+            exact = model(gate_ids, use_cache=False).logits.float()
+        del model
+        err = rel_error(logits, exact)
+    _free()
+    return Reference(logits, tokens, exact, err)
+
+
+def gate(
+    prov: Provider,
+    fwd: Callable,
+    model: nn.Module,
+    setup: Setup,
+    ref: Reference,
+    gate_ids: torch.Tensor,
+    prompt: torch.Tensor,
+    n_new: int,
+) -> dict:
+    """Logits against HF eager (fp32: rtol 1e-4; else against the fp32 model, within 2x HF eager's own
+    error), greedy tokens (fp32: identical; else the matching prefix is recorded), kernel evidence."""
+    out: dict = {"passed": False}
+    with kernel_runs(prov.backend) as runs, torch.no_grad():
+        logits = fwd(gate_ids, use_cache=False).logits.float()
+    if prov.backend is not None:
+        out["kernel_runs"] = dict(runs)
+        out["kernel_runs_expected"] = expected_forward_runs(setup.layers)
+    if ref.exact is None:
+        err, tol = rel_error(logits, ref.logits), FP32_LOGITS_RTOL
+        out.update(logits_rel_error=err, logits_tol=tol, logits_vs="HF eager, fp32")
+    else:
+        err = rel_error(logits, ref.exact)
+        tol = 2 * ref.eager_err + LOW_PRECISION_SLACK
+        out.update(
+            logits_rel_error=err,
+            logits_tol=tol,
+            logits_vs=f"the fp32 model; HF eager {setup.dtype}'s own error {ref.eager_err:.3g}",
+            logits_rel_error_vs_eager=rel_error(logits, ref.logits),
+        )
+    problems = []
+    if not err <= tol:  # NaN fails
+        problems.append(f"logits relative error {err:.3g} > {tol:.3g}")
+    if prov.backend is not None and out["kernel_runs"] != out["kernel_runs_expected"]:
+        problems.append(
+            f"fusekit {prov.backend} kernel runs {out['kernel_runs']} != {out['kernel_runs_expected']}"
+        )
+    kw = prov.generate_kwargs(setup)
+    if ref.tokens is not None and isinstance(kw, dict):
+        tokens = _generate(model, prompt, n_new, **kw)
+        p = prompt.shape[1]
+        same = (tokens[:, p:] == ref.tokens[:, p:]).all(dim=0).long()
+        prefix = int(same.cumprod(0).sum()) if tokens.shape == ref.tokens.shape else 0
+        out.update(generate_same_tokens=bool(prefix == n_new), generate_matching_prefix=prefix)
+        if setup.torch_dtype == torch.float32 and prefix != n_new:
+            problems.append(f"greedy tokens differ from HF eager after {prefix} of {n_new}")
+    elif ref.tokens is not None:
+        out["generate"] = f"not checked: {kw}"
+    out["passed"] = not problems
+    if problems:
+        out["problems"] = problems
+    return out
+
+
+def _row(prov: str, scenario: str, case: str, status: str, **kw) -> dict:
+    return {"provider": prov, "scenario": scenario, "case": case, "status": status, **kw}
+
+
+def _cases(setup: Setup, scenario: str) -> list[str]:
+    if scenario == "prefill":
+        return [_label(b, s) for b, s in setup.prefill]
+    if scenario == "decode":
+        return [_label(*d) for d in setup.decode]
+    return [_label(b, s) for b, s in setup.train]
+
+
+def _mem(t: Timing) -> dict:
+    return {"peak_mem_bytes": t.peak_mem_bytes, "mem_before_bytes": t.mem_before_bytes}
+
+
+def run_prefill(fwd, setup: Setup, b: int, s: int, warmup: int, reps: int) -> dict:
+    ids = _ids(setup, b, s, salt=10 + s)
+
+    def call():
+        with torch.no_grad():
+            fwd(ids, use_cache=False)
+
+    t = time_calls(call, setup.torch_device, warmup, reps)
+    return {
+        "tokens": b * s,
+        "tokens_per_s": b * s / t.median_s,
+        "ms_per_step": 1e3 * t.median_s,
+        "median_s": t.median_s,
+        "times_s": t.times_s,
+        "first_call_s": t.first_call_s,
+        **_mem(t),
+    }
+
+
+def run_decode(
+    model, prov: Provider, setup: Setup, b: int, p: int, n: int, warmup: int, reps: int
+) -> dict | str:
+    kw = prov.generate_kwargs(setup)
+    if isinstance(kw, str):
+        return kw
+    prompt = _ids(setup, b, p, salt=2)
+    dev = setup.torch_device
+    one = time_calls(lambda: _generate(model, prompt, 1, **kw), dev, warmup, reps)
+    full = time_calls(lambda: _generate(model, prompt, n, **kw), dev, warmup, reps)
+    decode_s = full.median_s - one.median_s
+    rate = b * (n - 1) / decode_s if n > 1 and decode_s > 0 else None
+    return {
+        "tokens": b * n,
+        "tokens_per_s": rate,
+        "ms_per_step": 1e3 * decode_s / (n - 1) if rate else None,
+        "generate_tokens_per_s": b * n / full.median_s,
+        "generate_s": full.median_s,
+        "prefill_s": one.median_s,
+        "times_s": full.times_s,
+        "prefill_times_s": one.times_s,
+        "first_call_s": full.first_call_s,
+        "generate_kwargs": kw,
+        **_mem(full),
+    }
+
+
+def ab_decode(
+    model, prov: Fusekit, setup: Setup, b: int, p: int, n: int, reps: int, rounds: int
+) -> dict[str, object]:
+    """Same-process A/B of a patched model's decode against HF eager: per round, the model unpatched
+    (fusekit.hf.unpatch gives back HF's exact modules) then patched again, each decode timed as
+    run_decode does. The host's speed drifts between processes by tens of percent (the isolated rows'
+    ratios carry that); alternating in one process cancels most of it. Leaves the model patched."""
+    import fusekit.hf
+
+    ratios, eager_ms, patched_ms = [], [], []
+    for _ in range(rounds):
+        fusekit.hf.unpatch(model)
+        try:
+            e = run_decode(model, Provider(), setup, b, p, n, 1, reps)  # HF as is: no generate kwargs
+        finally:
+            fusekit.hf.patch(model, backend=prov.backend, strict=True)
+        f = run_decode(model, prov, setup, b, p, n, 1, reps)
+        if isinstance(e, dict) and isinstance(f, dict) and e["tokens_per_s"] and f["tokens_per_s"]:
+            ratios.append(f["tokens_per_s"] / e["tokens_per_s"])
+            eager_ms.append(e["ms_per_step"])
+            patched_ms.append(f["ms_per_step"])
+    return {
+        "ab_vs_eager": statistics.median(ratios) if ratios else None,
+        "ab_ratios": ratios,
+        "ab_eager_ms_per_step": eager_ms,
+        "ab_ms_per_step": patched_ms,
+    }
+
+
+def run_train(fwd, model, prov: Provider, setup: Setup, b: int, s: int, warmup: int, reps: int) -> dict:
+    ids = _ids(setup, b, s, salt=20 + s)
+    labels = _ids(setup, b, s, salt=30 + s)  # random targets: HF shifts them by one inside the loss
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=setup.optim == "fused")
+    losses: list[torch.Tensor] = []
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+
+    dev = setup.torch_device
+    _sync(dev)
+    t0 = time.perf_counter()
+    with kernel_runs(prov.backend) as runs:
+        step()  # the first step on its own: compile, optimizer state, kernels counted
+    _sync(dev)
+    first = time.perf_counter() - t0
+    t = time_calls(step, dev, max(1, warmup - 1), reps)
+    losses_f = [float(x) for x in losses]
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    out = {
+        "tokens": b * s,
+        "tokens_per_s": b * s / t.median_s,
+        "ms_per_step": 1e3 * t.median_s,
+        "median_s": t.median_s,
+        "times_s": t.times_s,
+        "first_call_s": first,
+        "loss_first": losses_f[0],
+        "loss_last": losses_f[-1],
+        **_mem(t),
+    }
+    if prov.backend is not None:
+        out["kernel_runs_first_step"] = dict(runs)
+    return out
+
+
+def run_provider(
+    prov: Provider,
+    setup: Setup,
+    scenarios: list[str],
+    state: dict,
+    ref: Reference,
+    warmup: int,
+    reps: int,
+    deadline: float | None,
+    log: Callable[[str], None],
+    ab_rounds: int = 0,
+) -> tuple[dict, list[dict]]:
+    """Gate, then time each scenario; returns (provider record, rows). A patched provider's decode rows
+    also get `ab_rounds` same-process rounds against HF eager (ab_decode), where it can be unpatched."""
+    rec: dict = {"what": prov.what}
+    rows: list[dict] = []
+
+    def all_rows(status: str, reason: str) -> list[dict]:
+        return [_row(prov.name, sc, c, status, reason=reason) for sc in scenarios for c in _cases(setup, sc)]
+
+    why = prov.unavailable(setup)
+    if why is None and deadline is not None and time.perf_counter() > deadline:
+        why = BUDGET_SKIP
+    if why is not None:
+        rec.update(status="skipped", reason=why)
+        return rec, all_rows("skipped", why)
+    b, p, n = setup.decode[0]
+    gate_ids = _ids(setup, *setup.prefill[0], salt=1)
+    prompt = _ids(setup, b, p, salt=2)
+    model = None
+    try:
+        model = fresh_model(setup, state)
+        fwd = prov.prepare(model)
+        t = time.perf_counter()
+        rec["gate"] = g = gate(prov, fwd, model, setup, ref, gate_ids, prompt, n)
+        rec["gate_s"] = time.perf_counter() - t  # compile / tuning of the gate's shapes happens here
+    except Exception as exc:
+        status, msg = _classify(exc)
+        rec.update(status=status, reason=msg)
+        prov.close()
+        del model
+        _free()
+        return rec, all_rows(status, msg)
+    if not g["passed"]:
+        reason = "correctness gate failed: " + "; ".join(g["problems"])
+        rec.update(status="wrong", reason=reason)
+        prov.close()
+        del model, fwd
+        _free()
+        return rec, all_rows("wrong", reason)
+    rec["status"] = "ok"
+    log(f"  {prov.name}: gate passed (logits rel error {g['logits_rel_error']:.2e})")
+    for sc in scenarios:
+        for case in _cases(setup, sc):
+            _free()
+            if deadline is not None and time.perf_counter() > deadline:
+                rows.append(_row(prov.name, sc, case, "skipped", reason=BUDGET_SKIP))
+                continue
+            try:
+                if sc == "prefill":
+                    bb, ss = _shapes(case)[0]
+                    res = run_prefill(fwd, setup, bb, ss, warmup, reps)
+                elif sc == "decode":
+                    shape = _decode_shapes(case)[0]
+                    res = run_decode(model, prov, setup, *shape, warmup, reps)
+                    if ab_rounds and type(prov) is Fusekit and isinstance(res, dict):
+                        res.update(ab_decode(model, prov, setup, *shape, reps, ab_rounds))
+                else:
+                    bb, ss = _shapes(case)[0]
+                    res = run_train(fwd, model, prov, setup, bb, ss, warmup, reps)
+            except Exception as exc:
+                status, msg = _classify(exc)
+                rows.append(_row(prov.name, sc, case, status, reason=msg))
+                log(f"  {prov.name} {sc} {case}: {status}: {msg[:200]}")
+                model.zero_grad(set_to_none=True)
+                model.eval()
+                continue
+            if isinstance(res, str):
+                rows.append(_row(prov.name, sc, case, "skipped", reason=res))
+                continue
+            if sc == "decode" and res["tokens_per_s"] is None:
+                res["note"] = "t(N) <= t(1): the decode steps took less than the timing noise (tiny model?)"
+            finite = sc != "train" or all(math.isfinite(res[k]) for k in ("loss_first", "loss_last"))
+            if not finite:
+                rows.append(_row(prov.name, sc, case, "wrong", reason="non-finite training loss", **res))
+                continue
+            rows.append(_row(prov.name, sc, case, "ok", **res))
+            tps = res["tokens_per_s"]
+            log(f"  {prov.name} {sc} {case}: " + (f"{tps:,.0f} tok/s" if tps else "ok"))
+    prov.close()
+    del model, fwd
+    _free()
+    return rec, rows
