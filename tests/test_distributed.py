@@ -45,7 +45,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from tests.checks import TINY_LLAMA  # noqa: E402
+from tests.checks import TINY_LLAMA, rel_error  # noqa: E402
 
 WORLD = 2
 # Where the workers run; _worker replaces it with the test's (spawned workers import this module afresh).
@@ -361,12 +361,6 @@ def _scenario_fsdp2(mesh) -> None:
     assert moved > 1e-3, "the parameters did not train"
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| over the whole tensor, in float32."""
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _scenario_fsdp2_bf16(mesh) -> None:
     rank = dist.get_rank()
     base = _tiny_llama().to(torch.bfloat16)
@@ -378,9 +372,9 @@ def _scenario_fsdp2_bf16(mesh) -> None:
     # bf16 attention is fusekit's on both devices (on the CPU through the torch backend, on CUDA through
     # the backend under test)
     assert counts == _train_counts(attention=True), counts
-    # Tolerances (relative error of the whole tensor, _rel_err). Each rank runs the reference's ops on the
-    # same shapes and inputs, and FSDP2's gradient average of 2 ranks (power-of-2 scalings, one bf16
-    # rounding of a sum of two) matches the reference's accumulation of loss / 2: on the CPU the two
+    # Tolerances (checks.rel_error: relative error of the whole tensor). Each rank runs the reference's
+    # ops on the same shapes and inputs, and FSDP2's gradient average of 2 ranks (power-of-2 scalings, one
+    # bf16 rounding of a sum of two) matches the reference's accumulation of loss / 2: on the CPU the two
     # runs are bitwise equal. What may differ on a GPU is rounding (atomics, the collective's order): an
     # ulp here and there of a bf16 parameter, whose ulp is at most 2^-7 of its value. So
     # - every updated parameter within 2e-2: 2.5x the 7.8e-3 of every element one ulp off;
@@ -390,17 +384,17 @@ def _scenario_fsdp2_bf16(mesh) -> None:
     #   off would give 0.08 here (the updates are ~7% of the weights), a gradient not averaged over
     #   the ranks (each rank's own, or their sum) gives ~1. A parameter's own update is not checked:
     #   a norm weight near 1 moves one or two bf16 ulps in these 2 steps.
-    err = _rel_err(losses[:, 0], want_losses[:, rank])
+    err = rel_error(losses[:, 0], want_losses[:, rank])
     assert err <= 2e-2, (
         f"losses: rel err {err:.1e}: {losses[:, 0].tolist()} vs {want_losses[:, rank].tolist()}"
     )
     init = {n: p.detach() for n, p in base.named_parameters()}
     for n, want in want_params.items():
-        assert (err := _rel_err(params[n], want)) <= 2e-2, f"{n}: rel err {err:.1e}"
+        assert (err := rel_error(params[n], want)) <= 2e-2, f"{n}: rel err {err:.1e}"
     flat = lambda ps: torch.cat([ps[n].float().flatten() for n in init])
     p0 = flat(init)
     moved, want_moved = flat(params) - p0, flat(want_params) - p0
-    assert (err := _rel_err(moved, want_moved)) <= 0.25, f"parameter updates: rel err {err:.2f}"
+    assert (err := rel_error(moved, want_moved)) <= 0.25, f"parameter updates: rel err {err:.2f}"
     assert float(want_moved.norm() / p0.norm()) > 1e-2, "the parameters did not train"
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -57,7 +56,7 @@ def entries(
     dtype keys of each phase that the mojo backend says it runs (MojoBackend.supports)."""
     from fusekit import backends
     from fusekit import ops as fops
-    from fusekit.backends.mojo import FFN_GEMM_DEVICES, FFN_TC_ENV
+    from fusekit.backends.mojo import FFN_GEMM_DEVICES, ffn_tc_enabled
     from fusekit.backends.mojo.specs import (
         LINEAR_CROSS_ENTROPY_ROWS,
         NO_KERNEL,
@@ -103,13 +102,12 @@ def entries(
                 elif op == "swiglu_ffn" and phase == "forward":
                     # the Mojo op (decode); on a GEMM-route device the rms_norm op and the element-wise op
                     # (forming h) that prefill runs between vendor matmuls; the wgmma twin for bf16 prefill
-                    # at a static pair where it is switched on (FFN_TC_ENV; built from mojo/tc/)
+                    # at a static pair where it is switched on (ffn_tc_enabled; built from mojo/tc/)
                     add(op, phase, spec, key)
                     if device.type in FFN_GEMM_DEVICES:
                         add(op, phase, SWIGLU_FFN_BACKWARD, key[:1])
-                    tc_on = os.environ.get(FFN_TC_ENV) == "1"
                     if (
-                        tc_on
+                        ffn_tc_enabled()
                         and device.type == "cuda"
                         and key[0] == torch.bfloat16
                         and torch.version.hip is None

@@ -42,6 +42,11 @@ FFN_GEMM_DEVICES: tuple[str, ...] = ("cuda",)
 FFN_TC_ENV = "FUSEKIT_MOJO_FFN_TC"
 
 
+def ffn_tc_enabled() -> bool:
+    """FFN_TC_ENV is "1", read per call (ffn_route and mojo_build: the variable may be set after import)."""
+    return os.environ.get(FFN_TC_ENV) == "1"
+
+
 def ffn_route(device: torch.device, x: torch.Tensor, w_gate: torch.Tensor) -> str:
     """A swiglu_ffn forward's path: "gemm" MojoBackend._swiglu_ffn_forward_gemm, "op" the Mojo op's GEMV
     kernels (decode; the CPU's loops), "tc" the Mojo op with the wgmma path (fusekit.swiglu_ffn_tc; opt-in,
@@ -49,7 +54,7 @@ def ffn_route(device: torch.device, x: torch.Tensor, w_gate: torch.Tensor) -> st
     t, d = x.shape
     if t < SW_TC_MIN_T:
         return "op"
-    if device.type == "cuda" and os.environ.get(FFN_TC_ENV) == "1" and ffn_static_tc(x, d, w_gate.shape[0]):
+    if device.type == "cuda" and ffn_tc_enabled() and ffn_static_tc(x, d, w_gate.shape[0]):
         return "tc"
     return "gemm" if device.type in FFN_GEMM_DEVICES else "op"
 
@@ -209,18 +214,18 @@ class MojoBackend(Backend):
         self, device: torch.device, outputs: tuple, inputs: tuple, scalars: tuple
     ) -> None:
         """swiglu_ffn's forward at T >= SW_TC_MIN_T on a GEMM-route device (every (D, F) and dtype; bf16 at
-        _STATIC_DF's pair only unless FFN_TC_ENV sends it to the Mojo op's wgmma path), laid out as the backward: the norm is the Mojo op
-        fusekit.rms_norm (casting "fp32": the reference's xn and rstd), the three GEMMs torch matmuls (cuBLAS:
-        fp32 accumulation, results in x's dtype). g and u go straight into the halves of gu (the saved
-        [T, 2F] with gradients, a scratch one without: torch.mm with a row-strided out, which cuBLAS writes
-        in place), and the backward's element-wise op without gradients (fusekit.swiglu_ffn_backward,
-        grads = 0) forms h = silu(g) u in fp32 from them, rounded once: one pass over g and u where torch's
-        float / silu / mul / cast took five (T=4096, F=14336 bf16: ~2 GB of traffic -> ~0.35 GB), and the
-        same expression as the backward's recomputed h. Against the reference, g and u are rounded to x's
-        dtype before h (one more rounding, <= 2^-9 relative in bf16; the Mojo wgmma path rounds u the same
-        way). The Mojo op's own GEMV path re-streams the weights every 16 tokens (112 ms at Llama-3-8B's
-        (4096, 14336) and 2048 tokens on an H100) and MAX 26.7's multistage matmul with runtime N and K left
-        most of its output unwritten there (mojo/swiglu_ffn.mojo), hence cuBLAS here."""
+        _STATIC_DF's pair only unless ffn_tc_enabled() sends it to the Mojo op's wgmma path), laid out as the
+        backward: the norm is the Mojo op fusekit.rms_norm (casting "fp32": the reference's xn and rstd), the
+        three GEMMs torch matmuls (cuBLAS: fp32 accumulation, results in x's dtype). g and u go straight into
+        the halves of gu (the saved [T, 2F] with gradients, a scratch one without: torch.mm with a row-strided
+        out, which cuBLAS writes in place), and the backward's element-wise op without gradients
+        (fusekit.swiglu_ffn_backward, grads = 0) forms h = silu(g) u in fp32 from them, rounded once: one pass
+        over g and u where torch's float / silu / mul / cast took five (T=4096, F=14336 bf16: ~2 GB of traffic
+        -> ~0.35 GB), and the same expression as the backward's recomputed h. Against the reference, g and u
+        are rounded to x's dtype before h (one more rounding, <= 2^-9 relative in bf16; the Mojo wgmma path
+        rounds u the same way). The Mojo op's own GEMV path re-streams the weights every 16 tokens (112 ms at
+        Llama-3-8B's (4096, 14336) and 2048 tokens on an H100) and MAX 26.7's multistage matmul with runtime N
+        and K left most of its output unwritten there (mojo/swiglu_ffn.mojo), hence cuBLAS here."""
         y, rstd, gu = outputs
         x, w_gate, w_up, w_down, nw = inputs
         t, f = x.shape[0], w_gate.shape[0]
