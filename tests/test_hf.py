@@ -104,6 +104,29 @@ def test_logits_and_greedy_generate_match_fp32(family):
     assert gen.shape[1] == 37 + 12
 
 
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_kv_cache_fills_under_either_keyword(keyword):
+    """transformers 5.24 renamed the forwards' KV-cache keyword past_key_values -> cache. A patched model
+    takes either, passes on the installed transformers' own, and its attention appends to the cache: a
+    decode step against the cache gives the full forward's last logits (an attention reading only the old
+    name would attend to the new token alone)."""
+    from transformers import DynamicCache
+
+    model = build("llama3")
+    x = ids(batch=2, seq=9)
+    fh.patch(model)
+    with torch.no_grad():
+        full = model(x).logits[:, -1]
+        cache = DynamicCache(config=model.config)
+        model(x[:, :-1], use_cache=True, **{keyword: cache})
+        step = model(x[:, -1:], use_cache=True, **{keyword: cache}).logits[:, -1]
+    assert cache.get_seq_length() == x.shape[1]
+    err = rel_error(step, full)
+    assert err <= FP32_TOL, f"decode step against the {keyword}= cache: relative error {err:.2e}"
+    with pytest.raises(ValueError, match="given twice"):
+        model(x, cache=cache, past_key_values=cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_low_precision_logits_and_generate(family, dtype):

@@ -36,6 +36,7 @@ mask then has a window pattern fall back to sdpa or raise, see fusekit.hf._atten
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -52,6 +53,31 @@ from fusekit.ops import _amp
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 _ATTR = "_fusekit_patch"
+# The KV cache's keyword in transformers' forwards: `past_key_values` until 5.23, `cache` from 5.24 (which
+# still accepts the old name with a warning). A patched forward takes either and passes on the installed
+# transformers' own; one that read only the old name would never update a 5.24 cache (decoding wrong).
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+_CACHE_NAME: list[str] = []  # filled by the first cache_name(): patch() calls it, outside any tracing
+
+
+def cache_name() -> str:
+    """`cache` or `past_key_values`: what the installed transformers' LlamaModel.forward calls it."""
+    if not _CACHE_NAME:
+        from transformers.models.llama.modeling_llama import LlamaModel
+
+        params = inspect.signature(LlamaModel.forward).parameters
+        _CACHE_NAME.append("cache" if "cache" in params else "past_key_values")
+    return _CACHE_NAME[0]
+
+
+def pop_cache(kwargs: dict) -> object:
+    """Removes both names from `kwargs` and returns the cache given under either (None if neither)."""
+    found = [c for c in (kwargs.pop(name, None) for name in CACHE_NAMES) if c is not None]
+    if len(found) > 1:
+        raise ValueError("the KV cache was given twice, as `cache` and as `past_key_values`")
+    return found[0] if found else None
 
 
 @dataclass
@@ -97,10 +123,10 @@ class _AttentionMixin:
     _fusekit_passes_sliding_window = False
     _fusekit_qk_norm = False
 
-    def forward(
-        self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs
-    ):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        cache = pop_cache(kwargs)  # `cache` (transformers >= 5.24) or `past_key_values`
 
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -114,8 +140,8 @@ class _AttentionMixin:
         cos, sin = _half_tables(position_embeddings, self.head_dim // 2)
         q, k = apply_rope(q, cos, sin, k=k, backend=backend)  # one launch for both
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, self._fusekit_eager
         )
@@ -147,10 +173,9 @@ class _DecoderLayerMixin:
         hidden_states,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
         use_cache=False,
         position_embeddings=None,
-        **kwargs,
+        **kwargs,  # the KV cache among them, under the name the caller's transformers gave it
     ):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
@@ -158,7 +183,6 @@ class _DecoderLayerMixin:
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -195,7 +219,7 @@ class _ModelMixin:
         if position_ids is None and not args:
             if (
                 attention_mask is not None
-                and kwargs.get("past_key_values") is None
+                and all(kwargs.get(name) is None for name in CACHE_NAMES)
                 and torch.compiler.is_compiling()
                 and _all_ones(attention_mask)
             ):
@@ -301,6 +325,9 @@ class _CausalLMForward:
         **kwargs,
     ):
         model = self.model
+        if past_key_values is not None:
+            kwargs["past_key_values"] = past_key_values
+        kwargs[cache_name()] = pop_cache(kwargs)  # `cache` (transformers >= 5.24) or `past_key_values`
         fused = labels is not None and _fusable(model, logits_to_keep)  # HF: a loss only with labels
         if not fused:
             return type(model).forward(
@@ -308,7 +335,6 @@ class _CausalLMForward:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 inputs_embeds=inputs_embeds,
                 labels=labels,
                 use_cache=use_cache,
@@ -322,7 +348,6 @@ class _CausalLMForward:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -334,7 +359,7 @@ class _CausalLMForward:
         out = CausalLMOutputWithPast(
             loss=loss,
             logits=None if skip_logits else model.lm_head(hidden),
-            past_key_values=outputs.past_key_values,
+            **{cache_name(): getattr(outputs, cache_name())},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
@@ -417,8 +442,9 @@ def _check_transformers() -> None:
     major = int(transformers.__version__.split(".")[0])
     if major < 5:
         raise ImportError(
-            f"fusekit.hf needs transformers >= 5 (verified with 5.23.0); found {transformers.__version__}"
+            f"fusekit.hf needs transformers >= 5 (verified with 5.23 and 5.24); found {transformers.__version__}"
         )
+    cache_name()  # decided here, before any forward can be traced
 
 
 def _sliding_window(config) -> int | None:
