@@ -342,3 +342,30 @@ def test_patched_decode_rows_carry_same_process_ab_rounds(run) -> None:
             assert (r["ab_vs_eager"] is None) == (not r["ab_ratios"])
         else:
             assert "ab_ratios" not in r, r["provider"]
+
+
+def test_rows_are_saved_as_they_are_measured(tmp_path, monkeypatch) -> None:
+    """A process killed mid-provider (a device call's time limit) keeps the rows it measured: the file is
+    rewritten before each case and after the last, the provider marked partial until it has finished."""
+    from fusekit.bench.e2e import cli
+
+    seen: list[tuple[int, bool]] = []
+    real = cli._write
+
+    def spy(path: Path, doc: dict) -> None:
+        mine = [r for r in doc["rows"] if r["provider"] == "eager"]
+        seen.append((len(mine), doc["providers"]["eager"].get("partial", False)))
+        real(path, doc)
+
+    monkeypatch.setattr(cli, "_write", spy)
+    argv = ["--device", "cpu", "--model", "tiny", "--quick", "--reps", "1", "--providers", "eager",
+            "--scenarios", "prefill,train", "--out", str(tmp_path)]  # fmt: skip
+    assert e2e.main(argv) == 0
+    doc = json.loads((tmp_path / "cpu" / e2e.FILE).read_text())
+    n = len(_rows(doc, "eager"))
+    assert n >= 2 and all(r["status"] == "ok" for r in _rows(doc, "eager"))
+    assert "partial" not in doc["providers"]["eager"]
+    counts = [c for c, _ in seen]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == n
+    assert [c for c, partial in seen if partial] == list(range(n + 1))  # one save per case, then the last
+    assert seen[-1] == (n, False)

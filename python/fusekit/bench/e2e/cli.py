@@ -176,9 +176,20 @@ def main(argv: list[str] | None = None) -> int:
     final = doc
     for prov in make_providers(names, setup):
         log(f"{prov.name}:")
+
+        def checkpoint(rec: dict, rows: list[dict], name: str = prov.name) -> None:
+            # the rows so far over the old file; the record says the provider has not finished
+            part = {
+                **doc,
+                "providers": {**doc["providers"], name: {**rec, "run": run_index, "partial": True}},
+                "rows": doc["rows"] + [{**r, "run": run_index} for r in rows],
+            }
+            _write(path, compose(part, old))
+
         rec, rows = run_provider(
-            prov, setup, scenarios, state, ref, warmup, reps, deadline, log, ab_rounds=args.ab_rounds
-        )
+            prov, setup, scenarios, state, ref, warmup, reps, deadline, log,
+            ab_rounds=args.ab_rounds, checkpoint=checkpoint,
+        )  # fmt: skip
         if rec["status"] != "ok":
             log(f"  {prov.name}: {rec['status']}: {rec['reason'][:300]}")
         doc["providers"][prov.name] = {**rec, "run": run_index}

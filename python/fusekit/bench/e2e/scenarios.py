@@ -258,11 +258,15 @@ def run_provider(
     deadline: float | None,
     log: Callable[[str], None],
     ab_rounds: int = 0,
+    checkpoint: Callable[[dict, list[dict]], None] | None = None,
 ) -> tuple[dict, list[dict]]:
     """Gate, then time each scenario; returns (provider record, rows). A patched provider's decode rows
-    also get `ab_rounds` same-process rounds against HF eager (ab_decode), where it can be unpatched."""
+    also get `ab_rounds` same-process rounds against HF eager (ab_decode), where it can be unpatched.
+    `checkpoint(rec, rows)` is called after the gate and after each row, so a caller can save the rows
+    measured so far: a process killed mid-provider (a device call's time limit) keeps them."""
     rec: dict = {"what": prov.what}
     rows: list[dict] = []
+    save = checkpoint or (lambda rec, rows: None)
 
     def all_rows(status: str, reason: str) -> list[dict]:
         return [_row(prov.name, sc, c, status, reason=reason) for sc in scenarios for c in _cases(setup, sc)]
@@ -301,6 +305,7 @@ def run_provider(
     log(f"  {prov.name}: gate passed (logits rel error {g['logits_rel_error']:.2e})")
     for sc in scenarios:
         for case in _cases(setup, sc):
+            save(rec, rows)
             _free()
             if deadline is not None and time.perf_counter() > deadline:
                 rows.append(_row(prov.name, sc, case, "skipped", reason=BUDGET_SKIP))
@@ -336,6 +341,7 @@ def run_provider(
             rows.append(_row(prov.name, sc, case, "ok", **res))
             tps = res["tokens_per_s"]
             log(f"  {prov.name} {sc} {case}: " + (f"{tps:,.0f} tok/s" if tps else "ok"))
+    save(rec, rows)
     prov.close()
     del model, fwd
     _free()
