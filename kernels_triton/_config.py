@@ -169,12 +169,18 @@ class NormConfig:
     block_m: int = 1
     progs: int = 0
     split: int = 1
+    maxnreg: int = 0  # "reg": ptxas's register cap per thread (0: none); see NORM_MAXNREG
 
     def label(self) -> str:
         s = f"{self.mode} block={self.block} warps={self.num_warps}"
         s += f" block_m={self.block_m}" if self.mode in ("reg", "rows") else ""
         s += f" progs/SM={self.progs}" if self.progs else ""
+        s += f" maxnreg={self.maxnreg}" if self.maxnreg else ""
         return s + (f" split={self.split}" if self.mode == "split" else "")
+
+    def launch_options(self) -> dict[str, int]:
+        """Triton launch options beyond num_warps: the register cap where one is set."""
+        return {"maxnreg": self.maxnreg} if self.maxnreg else {}
 
 
 def norm_plan(M: int, N: int, elsize: int, dev: int) -> tuple[str, int]:
@@ -360,6 +366,24 @@ NORM_REG_VARIANTS = ((2, 4), (1, 2), (4, 4))
 NORM_ROWS_SET = ((2, 2), (1, 1), (1, 2))  # (1, 2) only where the others do not fit (N = 16384 bf16)
 
 
+# Register-capped "reg" candidates (off by default until measured on the H200): a "reg" tile of <= 512
+# threads whose kernel needs a few registers over 64 keeps one program fewer resident per SM, and so half
+# (or a quarter) fewer bytes of x in flight. AOT, sm_90, bf16: layer_norm's 1 x 16384 / 16-warp tile takes
+# 93 registers on Triton 3.6 (the H200's) and 70 on 3.9: one program of 512 threads per SM, where rms_norm's
+# takes 58 (two); capped at 64 it takes 64 with 8 bytes of stack on both. Its 1 x 8192 / 8-warp tile: 80 -> 64
+# registers on 3.9 (3 -> 4 programs per SM), 64 already on 3.6. On the H200 at
+# bec05f2 layer_norm ran 16384 x 16384 at 89.7 % of the copy rate (rms_norm 95.6 %). FUSEKIT_NORM_MAXNREG=64
+# adds the capped twin of every such candidate to the tuner's list (never on ROCm, which has no such option).
+NORM_MAXNREG_ENV = "FUSEKIT_NORM_MAXNREG"
+NORM_MAXNREG_AOT = 64  # the cap AOT compiles the twins at (sm_90 only)
+
+
+def norm_maxnreg() -> int:
+    """The register cap of the capped candidates (FUSEKIT_NORM_MAXNREG), 0: none."""
+    cap = os.environ.get(NORM_MAXNREG_ENV, "")
+    return int(cap) if cap.isdigit() and not is_hip() and not is_interpreter() else 0
+
+
 def norm_candidates(
     M: int,
     N: int,
@@ -368,6 +392,7 @@ def norm_candidates(
     first: NormConfig | None = None,
     res: bool = False,
     coop_set: tuple[tuple[int, int, int], ...] = (),
+    maxnreg: int = 0,
 ) -> list[NormConfig]:
     """Configs the tuner times for x[M, N] (modes "reg", "rows", "reload"), deduplicated: `first` (the op's
     heuristic config), then the tables above. At most 10 (N 8192-32768), each a JIT compile (~0.5 s) at the first tuned call.
@@ -419,6 +444,10 @@ def norm_candidates(
             # (a GPU with too few SMs for the grid: coop_groups raises and the tuner drops the candidate)
             if -(-row_bytes // chunk_bytes) <= COOP_SPLIT_MAX:
                 add(NormConfig("coop", chunk_bytes // elsize, max(1, threads // ws), progs=progs))
+    if maxnreg:  # the capped twins (NORM_MAXNREG): at 1024 threads a program holds <= 64 registers anyway
+        for c in list(cands):
+            if c.mode == "reg" and c.num_warps * ws <= 512:
+                add(dataclasses.replace(c, maxnreg=maxnreg))
     return cands
 
 
@@ -491,7 +520,8 @@ def norm_select(
     if default.mode == "split" or not norm_should_tune(x):
         cfg = default
     else:
-        cands = norm_candidates(M, N, es, dev, default, res, NORM_COOP_SETS.get(key[0], ()))
+        coop = NORM_COOP_SETS.get(key[0], ())
+        cands = norm_candidates(M, N, es, dev, default, res, coop, norm_maxnreg())
         cfg = norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check, x.device)
     # Remembered unless the decision depended on a CUDA graph capture (no tuning inside one: a later call
     # outside may tune) or on the FUSEKIT_NORM_TUNE switch, which tests flip.
@@ -508,7 +538,8 @@ def norm_aot_configs(
     """Every config a row-norm launcher can pick for rows of n (with a fused residual: `res`): the heuristic
     plans and all tuning candidates."""
     cfgs = [norm_default(1 << 20, n, es, 0, *step)]
-    cfgs += [c for c in norm_candidates(1 << 20, n, es, 0, cfgs[0], res, coop_set) if c not in cfgs]
+    cands = norm_candidates(1 << 20, n, es, 0, cfgs[0], res, coop_set, NORM_MAXNREG_AOT)
+    cfgs += [c for c in cands if c not in cfgs]
     if n > NORM_REG_MAX:
         cfgs.append(norm_default(4, n, es, 0, *step))  # "split"
     return cfgs

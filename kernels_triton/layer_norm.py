@@ -360,6 +360,7 @@ def _launch(cfg: NormConfig, y, h, mean, rstd, x, residual, weight, bias, eps: f
         fn[grid](
             x, r_, weight, b, y, h_, mean, rstd, M, N, eps,
             HAS_RES=has_res, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block, num_warps=cfg.num_warps,
+            **cfg.launch_options(),
         )  # fmt: skip
     elif cfg.mode == "reload":
         if has_res:
@@ -523,7 +524,10 @@ def _fwd_specs(dt: str, wt: str, has_res: bool, has_bias: bool, c: NormConfig) -
             "BLOCK_N": c.block,
             "num_warps": nw,
         }
-        return [(f"ln_{c.mode}_{dt}{var}_{c.block_m}x{c.block}_w{nw}", fn, sig, ce)]
+        name = f"ln_{c.mode}_{dt}{var}_{c.block_m}x{c.block}_w{nw}"
+        if c.maxnreg:  # a register-capped twin (NORM_MAXNREG): a CUDA-only option
+            return [(f"{name}_r{c.maxnreg}", fn, sig, ce, {"maxnreg": c.maxnreg, "aot_targets": ("sm_90",)})]
+        return [(name, fn, sig, ce)]
     if c.mode == "reload":
         if has_res:
             sig = {"x_ptr": px, "r_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px, "h_ptr": px} | stat
@@ -579,4 +583,5 @@ def aot_specs() -> list[tuple]:
                 specs += _fwd_specs(dt, "fp32" if dt != "fp32" else dt, True, True, c)
     specs += _norm_bwd.aot_specs(is_rms=False)
     specs = list({s[0]: s for s in specs}.values())
-    return [(name, fn, sig, ce, {}, div16_attrs(sig)) for name, fn, sig, ce in specs]
+    # (a 5th element: launch options of that spec, e.g. a capped twin's maxnreg and its one target)
+    return [(*sp[:4], sp[4] if len(sp) > 4 else {}, div16_attrs(sp[2])) for sp in specs]

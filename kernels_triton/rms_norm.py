@@ -324,6 +324,7 @@ def _launch(cfg: NormConfig, y, h, rstd, x, residual, weight, eps: float, castin
         fn[grid](
             x, r_, weight, y, h_, rstd, M, N, eps,
             HAS_RES=has_res, CASTING=casting, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block, num_warps=cfg.num_warps,
+            **cfg.launch_options(),
         )  # fmt: skip
     elif cfg.mode == "reload":
         if has_res:
@@ -489,7 +490,10 @@ def _fwd_specs(dt: str, wt: str, has_res: bool, casting: int, c: NormConfig) -> 
             "BLOCK_N": c.block,
             "num_warps": nw,
         }
-        return [(f"rms_{c.mode}_{tag}_{c.block_m}x{c.block}_w{nw}", fn, sig, ce)]
+        name = f"rms_{c.mode}_{tag}_{c.block_m}x{c.block}_w{nw}"
+        if c.maxnreg:  # a register-capped twin (NORM_MAXNREG): a CUDA-only option
+            return [(f"{name}_r{c.maxnreg}", fn, sig, ce, {"maxnreg": c.maxnreg, "aot_targets": ("sm_90",)})]
+        return [(name, fn, sig, ce)]
     if c.mode == "reload":
         if has_res:
             sig = io | {"M": "i32", "N": "i32", "eps": "fp32", "CASTING": "constexpr", "BLOCK": "constexpr"}
@@ -550,4 +554,5 @@ def aot_specs() -> list[tuple]:
                     specs += _fwd_specs(dt, "fp32", True, 1, c) + _fwd_specs(dt, dt, False, 2, c)
     specs += _norm_bwd.aot_specs(is_rms=True)
     specs = list({s[0]: s for s in specs}.values())
-    return [(name, fn, sig, ce, {}, div16_attrs(sig)) for name, fn, sig, ce in specs]
+    # (a 5th element: launch options of that spec, e.g. a capped twin's maxnreg and its one target)
+    return [(*sp[:4], sp[4] if len(sp) > 4 else {}, div16_attrs(sp[2])) for sp in specs]

@@ -16,6 +16,7 @@ if not is_interpreter():
     pytest.skip("CPU interpreter tests (run with --device cpu)", allow_module_level=True)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+import dataclasses
 import math
 
 import torch
@@ -414,11 +415,38 @@ def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> N
             for m in (max(264, _config.NORM_TUNE_MIN_ELEMS // n), 32768):  # tuned sizes (no "split")
                 first = _config.norm_default(m, n, 2, 0, mod.STREAM_BYTES, mod.STREAM_VECS)
                 coop = _config.NORM_COOP_SETS[mod.__name__.rsplit(".", 1)[1]]
-                cands = _config.norm_candidates(m, n, 2, 0, first, coop_set=coop)
+                cap = _config.NORM_MAXNREG_AOT  # with the register-capped twins (FUSEKIT_NORM_MAXNREG)
+                cands = _config.norm_candidates(m, n, 2, 0, first, coop_set=coop, maxnreg=cap)
                 assert set(cands) <= aot[n], (mod.__name__, n, m, set(cands) - aot[n])
-                cands = _config.norm_candidates(m, n, 2, 0, first, res=True, coop_set=coop)  # fused residual
+                cands = _config.norm_candidates(m, n, 2, 0, first, res=True, coop_set=coop, maxnreg=cap)
                 assert set(cands) <= aot_res[n], (mod.__name__, n, m, set(cands) - aot_res[n])
         monkeypatch.undo()
+
+
+def test_norm_register_capped_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSEKIT_NORM_MAXNREG=64 adds a capped twin of each "reg" candidate of <= 512 threads (only those:
+    at 1024 threads a program holds <= 64 registers anyway), launched with Triton's maxnreg option; unset,
+    on ROCm and in the interpreter there are none."""
+    monkeypatch.setattr(_config, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_config, "num_sms", lambda dev=0: 132)
+    monkeypatch.setattr(_config, "l2_bytes", lambda dev=0: 60 << 20)
+    monkeypatch.setattr(_config, "warp_size", lambda dev=0: 32)
+    first = _config.norm_default(16384, 16384, 2, 0, ln_mod.STREAM_BYTES, ln_mod.STREAM_VECS)
+    plain = _config.norm_candidates(16384, 16384, 2, 0, first)
+    capped = _config.norm_candidates(16384, 16384, 2, 0, first, maxnreg=64)
+    twins = [c for c in capped if c.maxnreg]
+    assert capped[: len(plain)] == plain and len(capped) == len(plain) + len(twins)
+    assert twins == [
+        dataclasses.replace(c, maxnreg=64) for c in plain if c.mode == "reg" and c.num_warps * 32 <= 512
+    ]
+    assert twins and all(c.launch_options() == {"maxnreg": 64} and "maxnreg=64" in c.label() for c in twins)
+    assert all(c.launch_options() == {} for c in plain)
+    monkeypatch.delenv(_config.NORM_MAXNREG_ENV, raising=False)
+    assert _config.norm_maxnreg() == 0
+    monkeypatch.setenv(_config.NORM_MAXNREG_ENV, "64")
+    assert _config.norm_maxnreg() == 64
+    monkeypatch.setattr(_config, "is_hip", lambda: True)
+    assert _config.norm_maxnreg() == 0
 
 
 def test_norm_plan_thresholds() -> None:

@@ -9,6 +9,9 @@ Per shape (default 32768x8192, 16384x65536, 8192x32768, 4096x65536) and op:
 2. Device time (triton.testing.do_bench median, L2 flushed) of fusekit's Triton op (tuned choice) and of
    torch.compile(reference, dynamic=False), as the benchmarks time them; ratio = torch.compile / ours,
    and % of the byte floor at --copy-gbps.
+--shapes MxN,... picks other shapes (16384x16384: layer_norm's 89.7 % on the H200 at bec05f2); --maxnreg 64
+times every case a second time with the register-capped "reg" candidates (FUSEKIT_NORM_MAXNREG, see
+kernels_triton/_config.py), tuned afresh, beside the plain tuner's pick and torch.compile.
 Once past --budget-s no new shape starts (the skipped ones are listed). With $OUT set it also writes
 $OUT/norms_check.json. Exit status 1 if a correctness check fails.
 """
@@ -100,24 +103,35 @@ def main() -> int:
     ap.add_argument("--rep-ms", type=int, default=40)
     ap.add_argument("--copy-gbps", type=float, default=4274.0, help="measured H200 copy rate (floor)")
     ap.add_argument("--ops", default="rms_norm,layer_norm")
+    ap.add_argument("--shapes", default=None, help="MxN[,MxN...] (default: the four above)")
+    ap.add_argument(
+        "--maxnreg", type=int, default=0,
+        help="also time each case with the register-capped candidates (FUSEKIT_NORM_MAXNREG=CAP), re-tuned",
+    )  # fmt: skip
     args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     start = time.time()
     print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__, flush=True)
     rows: list[dict] = []
     skipped: list[str] = []
-    for M, N in SHAPES:
-        for op in args.ops.split(","):
-            if time.time() - start > args.budget_s:
-                skipped.append(f"{op} {M}x{N}")
-                continue
-            r = run_case(op, M, N, args.rep_ms, args.copy_gbps)
-            rows.append(r)
-            print(
-                f"{op:10s} {M:6d}x{N:<6d} ours {r['ours_us']:8.1f} us  torch.compile {r['torch_compile_us']:8.1f} us"
-                f"  ratio {r['ratio']:.3f}  floor {r['pct_floor']:5.1f}%  err {r['rel_err']:.2e}"
-                f"{'' if r['ok'] else '  FAIL'}  [{r['choice']}] tune {r['tune_s']:.1f}s tc {r['tc_compile_s']:.1f}s",
-                flush=True,
-            )
+    caps = (0, args.maxnreg) if args.maxnreg else (0,)
+    for (M, N), op, cap in ((mn, op, cap) for mn in shapes for op in args.ops.split(",") for cap in caps):
+        if time.time() - start > args.budget_s:
+            skipped.append(f"{op} {M}x{N}" + (f" maxnreg {cap}" if cap else ""))
+            continue
+        os.environ.pop(_config.NORM_MAXNREG_ENV, None)
+        if cap:
+            os.environ[_config.NORM_MAXNREG_ENV] = str(cap)
+        _config._NORM_TUNED.clear()  # tune again, with or without the capped candidates
+        _config._NORM_SELECTED.clear()
+        r = run_case(op, M, N, args.rep_ms, args.copy_gbps) | {"maxnreg": cap}
+        rows.append(r)
+        print(
+            f"{op:10s} {M:6d}x{N:<6d} ours {r['ours_us']:8.1f} us  torch.compile {r['torch_compile_us']:8.1f} us"
+            f"  ratio {r['ratio']:.3f}  floor {r['pct_floor']:5.1f}%  err {r['rel_err']:.2e}"
+            f"{'' if r['ok'] else '  FAIL'}  [{r['choice']}] tune {r['tune_s']:.1f}s tc {r['tc_compile_s']:.1f}s",
+            flush=True,
+        )
     if skipped:
         print("skipped (budget):", ", ".join(skipped))
     print(f"total {time.time() - start:.0f} s")
