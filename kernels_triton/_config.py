@@ -475,6 +475,17 @@ def norm_should_tune(x: torch.Tensor) -> bool:
 
 
 _NORM_TUNED: dict[tuple, NormConfig] = {}
+# Every first-use measured choice of this process, in order ("<what> <key>: <choice>"): the benchmarks
+# record the entries a case's first call added, so a committed row says which config it timed.
+TUNING_LOG: list[str] = []
+
+
+def note_tuned(what: str, key: object, choice: str) -> None:
+    if len(TUNING_LOG) >= 4096:
+        del TUNING_LOG[:2048]
+    TUNING_LOG.append(f"{what} {key}: {choice}")
+
+
 _NORM_SELECTED: dict[tuple, NormConfig] = {}  # (op key, M, device, step, res) -> the config norm_select chose
 
 
@@ -702,6 +713,7 @@ def norm_tuned(
         )
     if len(passed) == 1:  # e.g. rows so long that only the default fits the L2: nothing to time
         _NORM_TUNED[key] = passed[0]
+        note_tuned("norm", key, passed[0].label() + " (the only correct candidate)")
         return passed[0]
     from fusekit.device_time import device_ms
 
@@ -726,6 +738,7 @@ def norm_tuned(
         table = "; ".join(f"{c.label()}: {t * 1e3:.1f} us" for t, c in timed)
         print(f"[fusekit norm tune] {key}: best {best.label()} {best_t * 1e3:.1f} us | {table}", flush=True)
     _NORM_TUNED[key] = best
+    note_tuned("norm", key, f"{best.label()} ({best_t * 1e3:.1f} us of {len(timed)} timed)")
     return best
 
 

@@ -111,6 +111,7 @@ from kernels_triton._config import (
     is_hip,
     is_interpreter,
     next_pow2,
+    note_tuned,
     num_sms,
     on_device,
 )
@@ -630,6 +631,7 @@ def _choose(
     best = min(times, key=lambda t: t[1] if t[1] == t[1] else 0.0)[0]
     _CHOICE[key] = best
     TIMINGS[key] = times
+    note_tuned("ffn gemm", key, str(best))
     if os.environ.get("TRITON_PRINT_AUTOTUNING") == "1":  # the same switch as Triton's autotuner log
         print(f"[fusekit ffn gemm] {key}: picked {best}; " + ", ".join(f"{c}: {t:.3f} ms" for c, t in times))
     return best

@@ -279,6 +279,55 @@ def test_inputs_are_renewed_after_a_provider_that_writes_into_them() -> None:
     assert [r["status"] for r in rows] == ["ok", "ok"], rows
 
 
+class _Tuning(TorchEager):
+    """Logs one measured choice on its first call, as the triton backend's tuners do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name, self.log, self.calls = "tuning", [], 0
+
+    def tuning_mark(self) -> int:
+        return len(self.log)
+
+    def tuned_since(self, mark: int) -> list[str]:
+        return self.log[mark:]
+
+    def prepare(self, case, device):
+        fn = case.eager()
+
+        def run(x, weight):
+            self.calls += 1
+            if self.calls == 1:
+                self.log.append("norm (rms_norm, 8): reg block=64 warps=2")
+            return fn(x, weight)
+
+        return run
+
+
+def test_rows_record_what_the_first_call_tuned() -> None:
+    """The configs a provider's first call measured and picked go into its row (which one was timed);
+    providers that tune nothing, and later cases that reuse a choice, get no entry."""
+    case = RmsNormCase({"M": 8, "N": 64}, "fp32", "g", 64, "N")
+    tuning = _Tuning()
+    rows = run_case(case, [tuning, TorchEager()], CPU, CEIL, rep_ms=2, kernel_time=False)
+    assert rows[0]["tuned"] == ["norm (rms_norm, 8): reg block=64 warps=2"] and "tuned" not in rows[1]
+    again = run_case(case, [tuning], CPU, CEIL, rep_ms=2, kernel_time=False)
+    assert again[0]["status"] == "ok" and "tuned" not in again[0]
+
+
+def test_triton_provider_reads_the_kernels_tuning_log(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from fusekit import backends
+    from kernels_triton import _config
+
+    monkeypatch.setattr(_config, "TUNING_LOG", [])
+    prov = BackendProvider("triton", backends.get("triton"))
+    mark = prov.tuning_mark()
+    _config.note_tuned("norm", ("layer_norm", 32768), "reload block=8192 warps=16")
+    assert prov.tuned_since(mark) == ["norm ('layer_norm', 32768): reload block=8192 warps=16"]
+    assert _torch_backend().tuned_since(0) == []
+
+
 @pytest.mark.parametrize(
     "op", [op for op in fusekit.ops.OPS if cases.cases(op, "train", quick=True, cpu=True)]
 )

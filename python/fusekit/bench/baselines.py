@@ -13,6 +13,7 @@ graph building and layout conversions happen there or on the first call, outside
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -45,6 +46,14 @@ class Provider:
         """True when the provider writes into its input tensors (the harness then makes fresh ones)."""
         return False
 
+    def tuning_mark(self) -> int:
+        """A position in the provider's log of first-use measured choices (see `tuned_since`)."""
+        return 0
+
+    def tuned_since(self, mark: int) -> list[str]:
+        """The choices measured since `mark` (a row records those of its case's first call)."""
+        return []
+
 
 # --- fusekit backends ---------------------------------------------------------------------------------
 class BackendProvider(Provider):
@@ -68,6 +77,17 @@ class BackendProvider(Provider):
 
     def prepare(self, case: Case, device: torch.device) -> Callable[..., torch.Tensor | tuple]:
         return case.fusekit(self.name)
+
+    def _log(self) -> list[str]:
+        # the triton backend's (kernels_triton._config.TUNING_LOG), once its kernels are imported
+        mod = sys.modules.get("kernels_triton._config") if self.name == "triton" else None
+        return getattr(mod, "TUNING_LOG", [])
+
+    def tuning_mark(self) -> int:
+        return len(self._log())
+
+    def tuned_since(self, mark: int) -> list[str]:
+        return list(self._log()[mark:])
 
 
 def backend_providers(wanted: list[str] | None = None) -> tuple[list[Provider], dict[str, str]]:

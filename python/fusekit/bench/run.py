@@ -157,10 +157,14 @@ def run_case(
     for prov, row in runnable:
         try:
             fn = case.step(prov.prepare(case, device))
+            mark = prov.tuning_mark()
             t0 = time.perf_counter()
             out = fn(**sets[0])
             _sync(device)
             row["first_call_s"] = time.perf_counter() - t0  # includes compilation / graph build
+            tuned = prov.tuned_since(mark)
+            if tuned:  # the configs its first call measured and picked (norm tiles, FFN GEMMs)
+                row["tuned"] = tuned
             info, bad = _check(case, out, ref, sets[0])
             row.update(info)
             del out
