@@ -170,12 +170,14 @@ class NormConfig:
     progs: int = 0
     split: int = 1
     maxnreg: int = 0  # "reg": ptxas's register cap per thread (0: none); see NORM_MAXNREG
+    one_pass: bool = False  # layer_norm "reg": both statistics from one block reduction; see NORM_ONE_PASS
 
     def label(self) -> str:
         s = f"{self.mode} block={self.block} warps={self.num_warps}"
         s += f" block_m={self.block_m}" if self.mode in ("reg", "rows") else ""
         s += f" progs/SM={self.progs}" if self.progs else ""
         s += f" maxnreg={self.maxnreg}" if self.maxnreg else ""
+        s += " one-pass" if self.one_pass else ""
         return s + (f" split={self.split}" if self.mode == "split" else "")
 
     def launch_options(self) -> dict[str, int]:
@@ -384,6 +386,19 @@ def norm_maxnreg() -> int:
     return int(cap) if cap.isdigit() and not is_hip() and not is_interpreter() else 0
 
 
+# One-pass layer_norm "reg" candidates (off by default until measured on the H200): the two-pass statistics
+# (mean, then the centred sum of squares) wait on two block reductions per row tile, and with N 16384-32768
+# one program of 512-1024 threads per SM has nothing else in flight meanwhile. The twin reduces the shifted
+# sums Σd, Σd² (d = x - the row's first value, as "reload" does) together, in one. On the H200 at bec05f2
+# layer_norm 8192 x 32768 ran at 79.0 % of the copy rate, rms_norm's (one reduction) at 96.7 %.
+# FUSEKIT_NORM_ONE_PASS=1 adds the twin of every layer_norm "reg" candidate to the tuner's list.
+NORM_ONE_PASS_ENV = "FUSEKIT_NORM_ONE_PASS"
+
+
+def norm_one_pass() -> bool:
+    return os.environ.get(NORM_ONE_PASS_ENV, "") not in ("", "0")
+
+
 def norm_candidates(
     M: int,
     N: int,
@@ -393,6 +408,7 @@ def norm_candidates(
     res: bool = False,
     coop_set: tuple[tuple[int, int, int], ...] = (),
     maxnreg: int = 0,
+    one_pass: bool = False,
 ) -> list[NormConfig]:
     """Configs the tuner times for x[M, N] (modes "reg", "rows", "reload"), deduplicated: `first` (the op's
     heuristic config), then the tables above. At most 10 (N 8192-32768), each a JIT compile (~0.5 s) at the first tuned call.
@@ -444,6 +460,10 @@ def norm_candidates(
             # (a GPU with too few SMs for the grid: coop_groups raises and the tuner drops the candidate)
             if -(-row_bytes // chunk_bytes) <= COOP_SPLIT_MAX:
                 add(NormConfig("coop", chunk_bytes // elsize, max(1, threads // ws), progs=progs))
+    if one_pass:  # layer_norm's one-reduction twins (NORM_ONE_PASS)
+        for c in list(cands):
+            if c.mode == "reg":
+                add(dataclasses.replace(c, one_pass=True))
     if maxnreg:  # the capped twins (NORM_MAXNREG): at 1024 threads a program holds <= 64 registers anyway
         for c in list(cands):
             if c.mode == "reg" and c.num_warps * ws <= 512:
@@ -532,7 +552,8 @@ def norm_select(
         cfg = default
     else:
         coop = NORM_COOP_SETS.get(key[0], ())
-        cands = norm_candidates(M, N, es, dev, default, res, coop, norm_maxnreg())
+        one_pass = key[0] == "layer_norm" and norm_one_pass()
+        cands = norm_candidates(M, N, es, dev, default, res, coop, norm_maxnreg(), one_pass)
         cfg = norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check, x.device)
     # Remembered unless the decision depended on a CUDA graph capture (no tuning inside one: a later call
     # outside may tune) or on the FUSEKIT_NORM_TUNE switch, which tests flip.
@@ -544,12 +565,17 @@ def norm_select(
 
 
 def norm_aot_configs(
-    n: int, es: int, step: tuple[int, int], res: bool = False, coop_set: tuple[tuple[int, int, int], ...] = ()
+    n: int,
+    es: int,
+    step: tuple[int, int],
+    res: bool = False,
+    coop_set: tuple[tuple[int, int, int], ...] = (),
+    one_pass: bool = False,
 ) -> list[NormConfig]:
     """Every config a row-norm launcher can pick for rows of n (with a fused residual: `res`): the heuristic
-    plans and all tuning candidates."""
+    plans and all tuning candidates, the opt-in twins included."""
     cfgs = [norm_default(1 << 20, n, es, 0, *step)]
-    cands = norm_candidates(1 << 20, n, es, 0, cfgs[0], res, coop_set, NORM_MAXNREG_AOT)
+    cands = norm_candidates(1 << 20, n, es, 0, cfgs[0], res, coop_set, NORM_MAXNREG_AOT, one_pass)
     cfgs += [c for c in cands if c not in cfgs]
     if n > NORM_REG_MAX:
         cfgs.append(norm_default(4, n, es, 0, *step))  # "split"

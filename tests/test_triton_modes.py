@@ -215,6 +215,51 @@ def test_layer_norm_large_mean_is_stable(mode: str) -> None:
     assert rel_error(out, ref) <= 2 * torch_err + 1e-5
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("M,N,block_m", [(7, 100, 4), (5, 3000, 1), (33, 64, 8), (1, 4097, 1)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_layer_norm_one_pass_reg(dtype: torch.dtype, M: int, N: int, block_m: int, residual: bool) -> None:
+    """The one-reduction "reg" twin (FUSEKIT_NORM_ONE_PASS): shifted sums by each row's first value of
+    xin (h = x + residual when fused), ragged row tiles, against float64, h written once."""
+    x = _randn(M, N, dtype=dtype, seed=N, scale=2.0, shift=3.0)
+    r = _randn(M, N, dtype=dtype, seed=N + 3) if residual else None
+    w = _randn(N, dtype=dtype, seed=N + 1)
+    b = _randn(N, dtype=dtype, seed=N + 2)
+    out = torch.full_like(x, float("nan"))
+    h = torch.full_like(x, float("nan")) if residual else None
+    mean = torch.full((M,), float("nan"))
+    rstd = torch.full((M,), float("nan"))
+    ln_mod.forward(out, h, mean, rstd, x, r, w, b, 1e-5, _mode="reg", _block_m=block_m, _one_pass=True)
+    xin = (x.float() + r.float()).to(dtype) if residual else x
+    if residual:
+        assert torch.equal(h, xin)
+    ref, ref_mean, ref_rstd = layer_norm_ref(xin, w, b, 1e-5)
+    assert rel_error(out, ref) <= TOL[dtype]
+    # fp32 statistics: Σd²/N - (Σd/N)² gives up about a digit to cancellation (the two-pass ones are
+    # within 1e-5; the tuner's check allows NORM_CHECK_STAT_TOL = 2e-3)
+    assert rel_error(mean, ref_mean) <= 5e-5
+    assert rel_error(rstd, ref_rstd) <= 5e-5
+
+
+def test_layer_norm_one_pass_large_mean_is_stable() -> None:
+    """Mean 1e4, std 1 (test_layer_norm_large_mean_is_stable's rows): the shift by the row's first value
+    keeps Σd² - (Σd)²/N from cancelling, as in "reload"."""
+    M, N = 3, 3000
+    x = _randn(M, N, dtype=torch.float32, seed=9, shift=1e4)
+    w = torch.ones(N)
+    out = torch.full_like(x, float("nan"))
+    mean = torch.full((M,), float("nan"))
+    rstd = torch.full((M,), float("nan"))
+    layer_norm(out, mean, rstd, x, w, None, 1e-5, _mode="reg", _block_m=1, _one_pass=True)
+    xd = x.double()
+    ref_rstd = torch.rsqrt((xd - xd.mean(-1, keepdim=True)).square().mean(-1) + 1e-5)
+    ref = (xd - xd.mean(-1, keepdim=True)) * ref_rstd[:, None]
+    xc = x - x.mean(-1, keepdim=True)
+    torch_err = rel_error(xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + 1e-5), ref)
+    assert rel_error(rstd, ref_rstd) <= 1e-4
+    assert rel_error(out, ref) <= 2 * torch_err + 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode,M,N,kw", PERSISTENT_CASES)
 def test_norms_persistent(dtype: torch.dtype, mode: str, M: int, N: int, kw: dict) -> None:
@@ -423,10 +468,11 @@ def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.undo()
 
 
-def test_norm_register_capped_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_norm_opt_in_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     """FUSEKIT_NORM_MAXNREG=64 adds a capped twin of each "reg" candidate of <= 512 threads (only those:
     at 1024 threads a program holds <= 64 registers anyway), launched with Triton's maxnreg option; unset,
-    on ROCm and in the interpreter there are none."""
+    on ROCm and in the interpreter there are none. FUSEKIT_NORM_ONE_PASS=1: a one-pass twin of each
+    layer_norm "reg" candidate."""
     monkeypatch.setattr(_config, "is_interpreter", lambda: False)
     monkeypatch.setattr(_config, "num_sms", lambda dev=0: 132)
     monkeypatch.setattr(_config, "l2_bytes", lambda dev=0: 60 << 20)
@@ -441,6 +487,14 @@ def test_norm_register_capped_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     ]
     assert twins and all(c.launch_options() == {"maxnreg": 64} and "maxnreg=64" in c.label() for c in twins)
     assert all(c.launch_options() == {} for c in plain)
+    one = _config.norm_candidates(16384, 16384, 2, 0, first, one_pass=True)
+    assert [c for c in one if c.one_pass] == [
+        dataclasses.replace(c, one_pass=True) for c in plain if c.mode == "reg"
+    ]
+    monkeypatch.delenv(_config.NORM_ONE_PASS_ENV, raising=False)
+    assert not _config.norm_one_pass()
+    monkeypatch.setenv(_config.NORM_ONE_PASS_ENV, "1")
+    assert _config.norm_one_pass()
     monkeypatch.delenv(_config.NORM_MAXNREG_ENV, raising=False)
     assert _config.norm_maxnreg() == 0
     monkeypatch.setenv(_config.NORM_MAXNREG_ENV, "64")

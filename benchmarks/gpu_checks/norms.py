@@ -10,8 +10,9 @@ Per shape (default 32768x8192, 16384x65536, 8192x32768, 4096x65536) and op:
    torch.compile(reference, dynamic=False), as the benchmarks time them; ratio = torch.compile / ours,
    and % of the byte floor at --copy-gbps.
 --shapes MxN,... picks other shapes (16384x16384: layer_norm's 89.7 % on the H200 at bec05f2); --maxnreg 64
-times every case a second time with the register-capped "reg" candidates (FUSEKIT_NORM_MAXNREG, see
-kernels_triton/_config.py), tuned afresh, beside the plain tuner's pick and torch.compile.
+times every case again with the register-capped "reg" candidates (FUSEKIT_NORM_MAXNREG), --one-pass
+layer_norm with its one-reduction "reg" candidates (FUSEKIT_NORM_ONE_PASS; both flags: every combination),
+each tuned afresh, beside the plain tuner's pick and torch.compile (see kernels_triton/_config.py).
 Once past --budget-s no new shape starts (the skipped ones are listed). With $OUT set it also writes
 $OUT/norms_check.json. Exit status 1 if a correctness check fails.
 """
@@ -108,6 +109,10 @@ def main() -> int:
         "--maxnreg", type=int, default=0,
         help="also time each case with the register-capped candidates (FUSEKIT_NORM_MAXNREG=CAP), re-tuned",
     )  # fmt: skip
+    ap.add_argument(
+        "--one-pass", action="store_true",
+        help="also time layer_norm with its one-pass candidates (FUSEKIT_NORM_ONE_PASS=1; with --maxnreg, both)",
+    )  # fmt: skip
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     start = time.time()
@@ -115,16 +120,24 @@ def main() -> int:
     rows: list[dict] = []
     skipped: list[str] = []
     caps = (0, args.maxnreg) if args.maxnreg else (0,)
-    for (M, N), op, cap in ((mn, op, cap) for mn in shapes for op in args.ops.split(",") for cap in caps):
+    variants = [(cap, False) for cap in caps] + [(cap, True) for cap in caps if args.one_pass]
+    todo = [(mn, op, v) for mn in shapes for op in args.ops.split(",") for v in variants]
+    for (M, N), op, (cap, one_pass) in todo:
+        if one_pass and op != "layer_norm":
+            continue
+        tag = (f" maxnreg {cap}" if cap else "") + (" one-pass" if one_pass else "")
         if time.time() - start > args.budget_s:
-            skipped.append(f"{op} {M}x{N}" + (f" maxnreg {cap}" if cap else ""))
+            skipped.append(f"{op} {M}x{N}{tag}")
             continue
         os.environ.pop(_config.NORM_MAXNREG_ENV, None)
+        os.environ.pop(_config.NORM_ONE_PASS_ENV, None)
         if cap:
             os.environ[_config.NORM_MAXNREG_ENV] = str(cap)
-        _config._NORM_TUNED.clear()  # tune again, with or without the capped candidates
+        if one_pass:
+            os.environ[_config.NORM_ONE_PASS_ENV] = "1"
+        _config._NORM_TUNED.clear()  # tune again, with or without the opt-in candidates
         _config._NORM_SELECTED.clear()
-        r = run_case(op, M, N, args.rep_ms, args.copy_gbps) | {"maxnreg": cap}
+        r = run_case(op, M, N, args.rep_ms, args.copy_gbps) | {"maxnreg": cap, "one_pass": one_pass}
         rows.append(r)
         print(
             f"{op:10s} {M:6d}x{N:<6d} ours {r['ours_us']:8.1f} us  torch.compile {r['torch_compile_us']:8.1f} us"
