@@ -564,6 +564,21 @@ def norm_select(
     return cfg
 
 
+def norm_reg_spec(name: str, fn: object, sig: dict, ce: dict, cfg: NormConfig) -> tuple:
+    """The AOT spec of a "reg"/"rows" launch: a register-capped twin (NORM_MAXNREG) is named `<name>_r<cap>`
+    and built for sm_90 only (maxnreg is a CUDA option)."""
+    if cfg.maxnreg:
+        return (f"{name}_r{cfg.maxnreg}", fn, sig, ce, {"maxnreg": cfg.maxnreg, "aot_targets": ("sm_90",)})
+    return (name, fn, sig, ce)
+
+
+def norm_aot_specs(specs: list[tuple]) -> list[tuple]:
+    """A norm module's specs, deduplicated by name, as aot_triton takes them: (name, fn, sig, constexprs,
+    options (a spec's own 5th element, else none), the 16-divisibility attrs)."""
+    specs = list({s[0]: s for s in specs}.values())
+    return [(*sp[:4], sp[4] if len(sp) > 4 else {}, div16_attrs(sp[2])) for sp in specs]
+
+
 def norm_aot_configs(
     n: int,
     es: int,

@@ -34,16 +34,18 @@ from kernels_triton._config import (
     NORM_NOT_FORCED,
     NormConfig,
     device_index,
-    div16_attrs,
     norm_aot_configs,
+    norm_aot_specs,
     norm_check,
     norm_grid,
+    norm_reg_spec,
     norm_select,
     norm_selected,
     split_chunks,
 )
 from kernels_triton._coop import COOP_SPLIT_MAX, coop_chunk, coop_launch, row_barrier, widen_again
 from kernels_triton._launch import fast_launch
+from kernels_triton._norm_bwd import _add2
 from kernels_triton._tiles import load_row_tile
 
 # Heuristic (untuned) step of "reload"/"split": 16 KB of x, 2 x 16-byte vectors per thread (16 warps on
@@ -70,11 +72,6 @@ def _ln_tile(x, w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     return y, mean, rstd
-
-
-@triton.jit
-def _add2(a1, b1, a2, b2):
-    return a1 + a2, b1 + b2
 
 
 @triton.jit
@@ -566,9 +563,7 @@ def _fwd_specs(dt: str, wt: str, has_res: bool, has_bias: bool, c: NormConfig) -
             sig["ONE_PASS"] = "constexpr"
             ce["ONE_PASS"] = c.one_pass
         name = f"ln_{c.mode}_{dt}{var}_{c.block_m}x{c.block}_w{nw}{'_1p' if c.one_pass else ''}"
-        if c.maxnreg:  # a register-capped twin (NORM_MAXNREG): a CUDA-only option
-            return [(f"{name}_r{c.maxnreg}", fn, sig, ce, {"maxnreg": c.maxnreg, "aot_targets": ("sm_90",)})]
-        return [(name, fn, sig, ce)]
+        return [norm_reg_spec(name, fn, sig, ce, c)]
     if c.mode == "reload":
         if has_res:
             sig = {"x_ptr": px, "r_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px, "h_ptr": px} | stat
@@ -623,6 +618,4 @@ def aot_specs() -> list[tuple]:
             for c in res_cfgs:
                 specs += _fwd_specs(dt, "fp32" if dt != "fp32" else dt, True, True, c)
     specs += _norm_bwd.aot_specs(is_rms=False)
-    specs = list({s[0]: s for s in specs}.values())
-    # (a 5th element: launch options of that spec, e.g. a capped twin's maxnreg and its one target)
-    return [(*sp[:4], sp[4] if len(sp) > 4 else {}, div16_attrs(sp[2])) for sp in specs]
+    return norm_aot_specs(specs)

@@ -42,10 +42,11 @@ from kernels_triton._config import (
     NORM_NOT_FORCED,
     NormConfig,
     device_index,
-    div16_attrs,
     norm_aot_configs,
+    norm_aot_specs,
     norm_check,
     norm_grid,
+    norm_reg_spec,
     norm_select,
     norm_selected,
     split_chunks,
@@ -491,9 +492,7 @@ def _fwd_specs(dt: str, wt: str, has_res: bool, casting: int, c: NormConfig) -> 
             "num_warps": nw,
         }
         name = f"rms_{c.mode}_{tag}_{c.block_m}x{c.block}_w{nw}"
-        if c.maxnreg:  # a register-capped twin (NORM_MAXNREG): a CUDA-only option
-            return [(f"{name}_r{c.maxnreg}", fn, sig, ce, {"maxnreg": c.maxnreg, "aot_targets": ("sm_90",)})]
-        return [(name, fn, sig, ce)]
+        return [norm_reg_spec(name, fn, sig, ce, c)]
     if c.mode == "reload":
         if has_res:
             sig = io | {"M": "i32", "N": "i32", "eps": "fp32", "CASTING": "constexpr", "BLOCK": "constexpr"}
@@ -553,6 +552,4 @@ def aot_specs() -> list[tuple]:
                 for c in heuristic:
                     specs += _fwd_specs(dt, "fp32", True, 1, c) + _fwd_specs(dt, dt, False, 2, c)
     specs += _norm_bwd.aot_specs(is_rms=True)
-    specs = list({s[0]: s for s in specs}.values())
-    # (a 5th element: launch options of that spec, e.g. a capped twin's maxnreg and its one target)
-    return [(*sp[:4], sp[4] if len(sp) > 4 else {}, div16_attrs(sp[2])) for sp in specs]
+    return norm_aot_specs(specs)
