@@ -291,6 +291,13 @@ def norm_forced(
 # (60), H100, same process.
 NORM_RELOAD_SET = ((1, 32768, 1024), (2, 16384, 512), (2, 8192, 256), (4, 8192, 256), (16, 16384, 512),
                    (16, 32768, 512))  # fmt: skip
+# "loop3" (layer_norm without a fused residual, rows of 16-64 KB): one program per row, three passes of one
+# fp32 accumulator each (sum, centred squares, y), the last two from L2 - torch.compile's layer_norm, whose
+# picks on the H200 (torch 2.11) were a 4 KB step / 512 threads at 16384 x 16384 bf16 and 32 KB / 1024 at
+# 8192 x 32768, 31-32 registers, 260 and 278 us; "reload" (two accumulators, shifted sums) and "rows" took
+# 278 and 317 us there (187ab72). Entries: (step bytes, threads).
+NORM_LOOP3_SET = ((4096, 512), (8192, 512), (16384, 1024), (32768, 1024))
+NORM_LOOP3_ROW_BYTES = (16384, 65536)
 NORM_SM_THREADS = 2048  # resident threads per SM (sm_90; a gfx942 CU also holds 2048: 32 waves of 64)
 NORM_RELOAD_L2_FRACTION = 0.7
 # "coop" entries per op (kernels_triton/_coop.py): (programs per SM, chunk bytes, threads), offered for rows
@@ -409,8 +416,10 @@ def norm_candidates(
     coop_set: tuple[tuple[int, int, int], ...] = (),
     maxnreg: int = 0,
     one_pass: bool = False,
+    loop3: bool = False,
 ) -> list[NormConfig]:
-    """Configs the tuner times for x[M, N] (modes "reg", "rows", "reload"), deduplicated: `first` (the op's
+    """Configs the tuner times for x[M, N] (modes "reg", "rows", "reload", "coop", layer_norm's "loop3" when
+    `loop3`), deduplicated: `first` (the op's
     heuristic config), then the tables above. At most 10 (N 8192-32768), each a JIT compile (~0.5 s) at the first tuned call.
     With a fused residual (`res`: a second input stream and the h store) register tiles of >= 16 elements
     per thread at 1024 threads are left out: they spilled at the 64 registers that leaves (AOT, sm_90)."""
@@ -455,6 +464,11 @@ def norm_candidates(
         if row_bytes < step_bytes or resident * num_sms(dev) * row_bytes > NORM_RELOAD_L2_FRACTION * l2:
             continue
         add(NormConfig("reload", step_bytes // elsize, max(1, threads // ws), progs=progs))
+    lo, hi = NORM_LOOP3_ROW_BYTES
+    if loop3 and not res and lo <= row_bytes <= hi:
+        for step_bytes, threads in NORM_LOOP3_SET:
+            if step_bytes <= row_bytes:
+                add(NormConfig("loop3", step_bytes // elsize, max(1, threads // ws)))
     if row_bytes >= NORM_COOP_MIN_ROW_BYTES and coop_supported():
         for progs, chunk_bytes, threads in coop_set:
             # (a GPU with too few SMs for the grid: coop_groups raises and the tuner drops the candidate)
@@ -480,9 +494,9 @@ def l2_bytes(device_index: int = 0) -> int:
 
 
 def norm_grid(cfg: NormConfig, M: int, dev: int) -> int:
-    """Programs to launch: one per row tile ("reg"), or a persistent grid of progs x SMs ("rows"/"reload")."""
+    """Programs to launch: one per row tile ("reg", "loop3"), or a persistent grid of progs x SMs ("rows"/"reload")."""
     tiles = -(-M // cfg.block_m)
-    return tiles if cfg.mode == "reg" else max(1, min(tiles, cfg.progs * num_sms(dev)))
+    return tiles if cfg.mode in ("reg", "loop3") else max(1, min(tiles, cfg.progs * num_sms(dev)))
 
 
 def norm_should_tune(x: torch.Tensor) -> bool:
@@ -552,8 +566,8 @@ def norm_select(
         cfg = default
     else:
         coop = NORM_COOP_SETS.get(key[0], ())
-        one_pass = key[0] == "layer_norm" and norm_one_pass()
-        cands = norm_candidates(M, N, es, dev, default, res, coop, norm_maxnreg(), one_pass)
+        ln = key[0] == "layer_norm"
+        cands = norm_candidates(M, N, es, dev, default, res, coop, norm_maxnreg(), ln and norm_one_pass(), ln)
         cfg = norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check, x.device)
     # Remembered unless the decision depended on a CUDA graph capture (no tuning inside one: a later call
     # outside may tune) or on the FUSEKIT_NORM_TUNE switch, which tests flip.
@@ -585,12 +599,14 @@ def norm_aot_configs(
     step: tuple[int, int],
     res: bool = False,
     coop_set: tuple[tuple[int, int, int], ...] = (),
-    one_pass: bool = False,
+    layer_norm: bool = False,
 ) -> list[NormConfig]:
     """Every config a row-norm launcher can pick for rows of n (with a fused residual: `res`): the heuristic
-    plans and all tuning candidates, the opt-in twins included."""
+    plans and all tuning candidates, the opt-in twins and layer_norm's own ("loop3", one-pass) included."""
     cfgs = [norm_default(1 << 20, n, es, 0, *step)]
-    cands = norm_candidates(1 << 20, n, es, 0, cfgs[0], res, coop_set, NORM_MAXNREG_AOT, one_pass)
+    cands = norm_candidates(
+        1 << 20, n, es, 0, cfgs[0], res, coop_set, NORM_MAXNREG_AOT, layer_norm, layer_norm
+    )
     cfgs += [c for c in cands if c not in cfgs]
     if n > NORM_REG_MAX:
         cfgs.append(norm_default(4, n, es, 0, *step))  # "split"

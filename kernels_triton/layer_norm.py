@@ -227,6 +227,35 @@ def _ln_reload_kernel(
 
 @fast_launch
 @triton.jit
+def _ln_loop3_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    # One program per row, three passes over it, each with ONE fp32 accumulator vector (torch.compile's
+    # layer_norm, ~32 registers: the SM keeps 2048 threads of rows in flight): Σx, Σ(x - mean)^2 (the exact
+    # two-pass statistics of the reference) and y. Passes 2 and 3 re-read the row from L2 (evict_last).
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * N
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, N, BLOCK):
+        c = k + cols
+        acc += tl.load(x_ptr + base + c, mask=c < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    mean = tl.sum(acc, axis=0) / N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, N, BLOCK):
+        c = k + cols
+        cm = c < N
+        x = tl.load(x_ptr + base + c, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        d = tl.where(cm, x - mean, 0.0)
+        acc += d * d
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    _ln_normalize(x_ptr, w_ptr, b_ptr, y_ptr, base, 0, N, mean, 0.0, rstd, HAS_BIAS, BLOCK)
+
+
+@fast_launch
+@triton.jit
 def _ln_reload_res_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, M, N, eps,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
@@ -405,6 +434,12 @@ def _launch(cfg: NormConfig, y, h, mean, rstd, x, residual, weight, bias, eps: f
                 x, weight, b, y, mean, rstd, M, N, eps,
                 HAS_BIAS=has_bias, BLOCK=cfg.block, num_warps=cfg.num_warps,
             )  # fmt: skip
+    elif cfg.mode == "loop3":
+        if has_res:
+            raise ValueError("layer_norm: mode 'loop3' has no fused residual variant")
+        _ln_loop3_kernel[grid](
+            x, weight, b, y, mean, rstd, N, eps, HAS_BIAS=has_bias, BLOCK=cfg.block, num_warps=cfg.num_warps
+        )
     elif cfg.mode == "coop":
         key = ("ln", x.dtype, weight.dtype, has_res, has_bias)
         kw = dict(HAS_RES=has_res, HAS_BIAS=has_bias)
@@ -453,7 +488,7 @@ def forward(
 ) -> None:
     """y[M, N], mean[M], rstd[M] fp32 <- LayerNorm(xin) with weight[N], bias[N] | None (x's dtype or fp32);
     xin = x, or with `residual` given h[M, N] = x + residual (x's dtype), written once, and xin = h.
-    Private `_mode` ("reg", "rows", "reload", "split", "coop"), `_split`, `_block`, `_num_warps`, `_block_m`,
+    Private `_mode` ("reg", "rows", "reload", "loop3", "split", "coop"), `_split`, `_block`, `_num_warps`, `_block_m`,
     `_progs`, `_one_pass` ("reg": the one-reduction statistics) force a launch config (tests)."""
     if (h is None) != (residual is None):
         raise ValueError("layer_norm forward: h and residual must be given together")
@@ -538,7 +573,7 @@ AOT_RES_NS = (
 
 def aot_configs(n: int, es: int, res: bool = False) -> list[NormConfig]:
     """Every config the launcher can pick for rows of n, with a fused residual or not (`norm_aot_configs`),
-    the one-pass "reg" twins included."""
+    the one-pass "reg" twins and "loop3" included."""
     return norm_aot_configs(n, es, (STREAM_BYTES, STREAM_VECS), res, NORM_COOP_SETS["layer_norm"], True)
 
 
@@ -574,6 +609,11 @@ def _fwd_specs(dt: str, wt: str, has_res: bool, has_bias: bool, c: NormConfig) -
         sig |= {"M": "i32", "N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
         ce = {"HAS_BIAS": has_bias, "BLOCK": c.block, "num_warps": nw}
         return [(f"ln_reload_{dt}{var}_b{c.block}_w{nw}", fn, sig, ce)]
+    if c.mode == "loop3":
+        sig = {"x_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px} | stat
+        sig |= {"N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
+        ce = {"HAS_BIAS": has_bias, "BLOCK": c.block, "num_warps": nw}
+        return [(f"ln_loop3_{dt}{var}_b{c.block}_w{nw}", _ln_loop3_kernel, sig, ce)]
     if c.mode == "coop":
         sig = {"x_ptr": px, "r_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px, "h_ptr": px} | stat
         sig |= {"part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "SPLIT": "i32", "eps": "fp32"}

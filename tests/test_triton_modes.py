@@ -172,8 +172,12 @@ def test_rms_norm_modes(dtype: torch.dtype, mode: str, M: int, N: int) -> None:
     assert rel_error(rstd, ref_rstd) <= 1e-5
 
 
+# layer_norm's own: "loop3" (one program per row, three passes), ragged last step.
+LN_CASES = [*NORM_CASES, ("loop3", 6, 3000), ("loop3", 1, 100)]
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("mode,M,N", NORM_CASES)
+@pytest.mark.parametrize("mode,M,N", LN_CASES)
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_layer_norm_modes(dtype: torch.dtype, mode: str, M: int, N: int, with_bias: bool) -> None:
     x = _randn(M, N, dtype=dtype, seed=N, scale=2.0, shift=3.0)
@@ -195,7 +199,8 @@ def test_layer_norm_modes(dtype: torch.dtype, mode: str, M: int, N: int, with_bi
 
 
 @pytest.mark.parametrize(
-    "mode,kw", [("reg", {}), ("rows", {}), ("reload", {}), ("split", {}), ("reg", {"_one_pass": True})]
+    "mode,kw",
+    [("reg", {}), ("rows", {}), ("reload", {}), ("loop3", {}), ("split", {}), ("reg", {"_one_pass": True})],
 )
 def test_layer_norm_large_mean_is_stable(mode: str, kw: dict) -> None:
     # mean 1e4, std 1: raw E[x^2] - E[x]^2 in fp32 would lose every digit of the variance ("reload" and the
@@ -445,9 +450,10 @@ def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> N
                 first = _config.norm_default(m, n, 2, 0, mod.STREAM_BYTES, mod.STREAM_VECS)
                 coop = _config.NORM_COOP_SETS[mod.__name__.rsplit(".", 1)[1]]
                 cap = _config.NORM_MAXNREG_AOT  # with the register-capped twins (FUSEKIT_NORM_MAXNREG)
-                cands = _config.norm_candidates(m, n, 2, 0, first, coop_set=coop, maxnreg=cap)
+                ln = mod is ln_mod  # with layer_norm's own candidates ("loop3", the one-pass twins)
+                cands = _config.norm_candidates(m, n, 2, 0, first, False, coop, cap, ln, ln)
                 assert set(cands) <= aot[n], (mod.__name__, n, m, set(cands) - aot[n])
-                cands = _config.norm_candidates(m, n, 2, 0, first, res=True, coop_set=coop, maxnreg=cap)
+                cands = _config.norm_candidates(m, n, 2, 0, first, True, coop, cap, ln, ln)
                 assert set(cands) <= aot_res[n], (mod.__name__, n, m, set(cands) - aot_res[n])
         monkeypatch.undo()
 
@@ -485,6 +491,29 @@ def test_norm_opt_in_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _config.norm_maxnreg() == 64
     monkeypatch.setattr(_config, "is_hip", lambda: True)
     assert _config.norm_maxnreg() == 0
+
+
+def test_layer_norm_loop3_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """layer_norm (not rms_norm) times "loop3" for rows of 16-64 KB without a fused residual, steps no longer
+    than the row; the candidates of every other case are unchanged by the flag."""
+    monkeypatch.setattr(_config, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_config, "num_sms", lambda dev=0: 132)
+    monkeypatch.setattr(_config, "l2_bytes", lambda dev=0: 60 << 20)
+    monkeypatch.setattr(_config, "warp_size", lambda dev=0: 32)
+
+    def cands(n: int, es: int = 2, res: bool = False, loop3: bool = True) -> list[_config.NormConfig]:
+        first = _config.norm_default(8192, n, es, 0, ln_mod.STREAM_BYTES, ln_mod.STREAM_VECS)
+        return _config.norm_candidates(8192, n, es, 0, first, res, loop3=loop3)
+
+    loop3 = [c for c in cands(32768) if c.mode == "loop3"]
+    assert [(c.block, c.num_warps) for c in loop3] == [(2048, 16), (4096, 16), (8192, 32), (16384, 32)]
+    # 16 KB rows: steps <= 16 KB
+    assert [c.block for c in cands(8192) if c.mode == "loop3"] == [2048, 4096, 8192]
+    assert [c.block for c in cands(8192, es=4) if c.mode == "loop3"] == [1024, 2048, 4096, 8192]
+    for n, es, res in ((4096, 2, False), (65536, 2, False), (16384, 2, True)):
+        assert all(c.mode != "loop3" for c in cands(n, es, res)), (n, es, res)
+    for n in (4096, 16384, 32768, 65536):
+        assert [c for c in cands(n) if c.mode != "loop3"] == cands(n, loop3=False)
 
 
 def test_norm_plan_thresholds() -> None:

@@ -20,6 +20,7 @@ $OUT/norms_check.json. Exit status 1 if a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -35,7 +36,8 @@ for p in (str(ROOT / "python"), str(ROOT)):
 
 import triton  # noqa: E402
 
-from fusekit import reference as R  # noqa: E402
+_ln_spec = importlib.import_module("fusekit.ops.layer_norm")  # the module (fusekit.ops.layer_norm is the op)
+_rms_spec = importlib.import_module("fusekit.ops.rms_norm")
 from kernels_triton import _config  # noqa: E402
 from kernels_triton.layer_norm import layer_norm  # noqa: E402
 from kernels_triton.rms_norm import rms_norm  # noqa: E402
@@ -67,13 +69,13 @@ def run_case(op: str, M: int, N: int, rep_ms: int, copy_gbps: float) -> dict:
     t0 = time.time()
     if op == "rms_norm":
         ours = lambda: rms_norm(out, rstd, x, w, 1e-6)
-        ref_fn = lambda xd: R.rms_norm(xd, w.double(), 1e-6)[0]
-        native = lambda x, weight: R.rms_norm(x, weight, 1e-6)[0]
+        ref_fn = lambda xd: _rms_spec.reference_forward(xd, None, w.double(), 1e-6, "fp32")[0]
+        native = lambda x, weight: _rms_spec.reference_forward(x, None, weight, 1e-6, "fp32")[0]
         args = (x, w)
     else:
         ours = lambda: layer_norm(out, mean, rstd, x, w, b, 1e-5)
-        ref_fn = lambda xd: R.layer_norm(xd, w.double(), b.double(), 1e-5)[0]
-        native = lambda x, weight, bias: R.layer_norm(x, weight, bias, 1e-5)[0]
+        ref_fn = lambda xd: _ln_spec.reference_forward(xd, None, w.double(), b.double(), 1e-5)[0]
+        native = lambda x, weight, bias: _ln_spec.reference_forward(x, None, weight, bias, 1e-5)[0]
         args = (x, w, b)
     ours()  # tunes on the first call
     torch.cuda.synchronize()
