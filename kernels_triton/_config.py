@@ -291,13 +291,23 @@ def norm_forced(
 # (60), H100, same process.
 NORM_RELOAD_SET = ((1, 32768, 1024), (2, 16384, 512), (2, 8192, 256), (4, 8192, 256), (16, 16384, 512),
                    (16, 32768, 512))  # fmt: skip
-# "loop3" (layer_norm without a fused residual, rows of 16-64 KB): one program per row, three passes of one
-# fp32 accumulator each (sum, centred squares, y), the last two from L2 - torch.compile's layer_norm, whose
-# picks on the H200 (torch 2.11) were a 4 KB step / 512 threads at 16384 x 16384 bf16 and 32 KB / 1024 at
-# 8192 x 32768, 31-32 registers, 260 and 278 us; "reload" (two accumulators, shifted sums) and "rows" took
-# 278 and 317 us there (187ab72). Entries: (step bytes, threads).
-NORM_LOOP3_SET = ((4096, 512), (8192, 512), (16384, 1024), (32768, 1024))
+# "loop3" (layer_norm without a fused residual, rows of 16-64 KB; opt-in, FUSEKIT_NORM_LOOP3=1, until
+# measured): one program per row, three passes of one fp32 accumulator each (sum, centred squares, y), the
+# last two from L2 - torch.compile's layer_norm, which ran 16384 x 16384 / 8192 x 32768 bf16 on the H200 in
+# 260 / 278 us (4 KB step / 512 threads and 32 KB / 1024; 31-32 registers) where the tuner's best took
+# 278 / 317 ("rows" / "reload", 187ab72). N is a constexpr: with a constant trip count ptxas unrolls the
+# passes (sm_90 PTX: 19 global loads per thread, one branch, as Inductor's kernel, whose N is a constant
+# too); with a runtime N (2e48b9a: 5 loads, 6 branches, one step in flight per thread) it ran 311-360 us.
+# Entries: (step bytes, threads); 32 KB / 1024 threads compiled to 48 registers here (1 program per SM).
+NORM_LOOP3_SET = ((4096, 512), (8192, 512), (16384, 1024))
 NORM_LOOP3_ROW_BYTES = (16384, 65536)
+NORM_LOOP3_ENV = "FUSEKIT_NORM_LOOP3"
+
+
+def norm_loop3() -> bool:
+    return os.environ.get(NORM_LOOP3_ENV, "") not in ("", "0")
+
+
 NORM_SM_THREADS = 2048  # resident threads per SM (sm_90; a gfx942 CU also holds 2048: 32 waves of 64)
 NORM_RELOAD_L2_FRACTION = 0.7
 # "coop" entries per op (kernels_triton/_coop.py): (programs per SM, chunk bytes, threads), offered for rows
@@ -567,7 +577,8 @@ def norm_select(
     else:
         coop = NORM_COOP_SETS.get(key[0], ())
         ln = key[0] == "layer_norm"
-        cands = norm_candidates(M, N, es, dev, default, res, coop, norm_maxnreg(), ln and norm_one_pass(), ln)
+        one_pass, loop3 = ln and norm_one_pass(), ln and norm_loop3()
+        cands = norm_candidates(M, N, es, dev, default, res, coop, norm_maxnreg(), one_pass, loop3)
         cfg = norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check, x.device)
     # Remembered unless the decision depended on a CUDA graph capture (no tuning inside one: a later call
     # outside may tune) or on the FUSEKIT_NORM_TUNE switch, which tests flip.

@@ -15,7 +15,9 @@ Statistics: "reg"/"rows" hold the row and do the exact two-pass (mean, then mean
 the reference. "reload"/"split" stream the row once for the statistics, using sums of d = xin - K with the
 shift K = xin[row, 0]: var = E[d^2] - E[d]^2 loses almost nothing because K lies within a few standard
 deviations of the mean, so rows with a large mean (1e4 +- 1) stay accurate, unlike raw E[x^2] - E[x]^2.
-With a residual, "reload" pass 1 writes h (evict_last) and pass 2 re-reads h from L2.
+With a residual, "reload" pass 1 writes h (evict_last) and pass 2 re-reads h from L2. "loop3" (opt-in,
+FUSEKIT_NORM_LOOP3=1, no residual, rows of 16-64 KB) does torch.compile's exact two-pass from L2 instead:
+one program per row, three passes of one accumulator each, N a constexpr so each pass unrolls.
 
 Backward byte floor: read dy and xin, write dx (+ read dh with a residual): 3 (4) x M x N x elsize, e.g.
 32768 x 4096 bf16: 805 MB -> 188 us; the dw/db partials [P, N] fp32 add ~4 x P x N x 4 bytes.
@@ -228,11 +230,22 @@ def _ln_reload_kernel(
 @fast_launch
 @triton.jit
 def _ln_loop3_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    N: tl.constexpr,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # One program per row, three passes over it, each with ONE fp32 accumulator vector (torch.compile's
     # layer_norm, ~32 registers: the SM keeps 2048 threads of rows in flight): Σx, Σ(x - mean)^2 (the exact
     # two-pass statistics of the reference) and y. Passes 2 and 3 re-read the row from L2 (evict_last).
+    # N constexpr: the constant trip counts let ptxas unroll each pass, so a thread has several steps'
+    # loads in flight (see NORM_LOOP3_SET in _config.py).
     row = tl.program_id(0)
     base = row.to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
@@ -439,7 +452,7 @@ def _launch(cfg: NormConfig, y, h, mean, rstd, x, residual, weight, bias, eps: f
             raise ValueError("layer_norm: mode 'loop3' has no fused residual variant")
         _ln_loop3_kernel[grid](
             x, weight, b, y, mean, rstd, N, eps, HAS_BIAS=has_bias, BLOCK=cfg.block, num_warps=cfg.num_warps
-        )
+        )  # N: a constexpr of this kernel
     elif cfg.mode == "coop":
         key = ("ln", x.dtype, weight.dtype, has_res, has_bias)
         kw = dict(HAS_RES=has_res, HAS_BIAS=has_bias)
@@ -577,7 +590,7 @@ def aot_configs(n: int, es: int, res: bool = False) -> list[NormConfig]:
     return norm_aot_configs(n, es, (STREAM_BYTES, STREAM_VECS), res, NORM_COOP_SETS["layer_norm"], True)
 
 
-def _fwd_specs(dt: str, wt: str, has_res: bool, has_bias: bool, c: NormConfig) -> list[tuple]:
+def _fwd_specs(dt: str, wt: str, has_res: bool, has_bias: bool, c: NormConfig, n: int) -> list[tuple]:
     px, pw = f"*{dt}", f"*{wt}"
     var = f"_w{wt}{'_res' if has_res else ''}{'_bias' if has_bias else ''}"
     nw = c.num_warps
@@ -609,11 +622,11 @@ def _fwd_specs(dt: str, wt: str, has_res: bool, has_bias: bool, c: NormConfig) -
         sig |= {"M": "i32", "N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
         ce = {"HAS_BIAS": has_bias, "BLOCK": c.block, "num_warps": nw}
         return [(f"ln_reload_{dt}{var}_b{c.block}_w{nw}", fn, sig, ce)]
-    if c.mode == "loop3":
+    if c.mode == "loop3":  # N is a constexpr of this kernel: one build per row length
         sig = {"x_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px} | stat
-        sig |= {"N": "i32", "eps": "fp32", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
-        ce = {"HAS_BIAS": has_bias, "BLOCK": c.block, "num_warps": nw}
-        return [(f"ln_loop3_{dt}{var}_b{c.block}_w{nw}", _ln_loop3_kernel, sig, ce)]
+        sig |= {"N": "constexpr", "eps": "fp32", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
+        ce = {"N": n, "HAS_BIAS": has_bias, "BLOCK": c.block, "num_warps": nw}
+        return [(f"ln_loop3_{dt}{var}_n{n}_b{c.block}_w{nw}", _ln_loop3_kernel, sig, ce)]
     if c.mode == "coop":
         sig = {"x_ptr": px, "r_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px, "h_ptr": px} | stat
         sig |= {"part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "SPLIT": "i32", "eps": "fp32"}
@@ -649,13 +662,13 @@ def aot_specs() -> list[tuple]:
         es = 4 if dt == "fp32" else 2
         for n in AOT_NS if dt == "bf16" else (4096, 65536):
             for c in aot_configs(n, es):
-                specs += _fwd_specs(dt, dt, False, True, c)
+                specs += _fwd_specs(dt, dt, False, True, c, n)
                 if dt == "bf16" and n in (4096, 65536):
-                    specs += _fwd_specs(dt, dt, False, False, c)
+                    specs += _fwd_specs(dt, dt, False, False, c, n)
             res_cfgs = aot_configs(n, es, res=True)
             if not (dt == "bf16" and n in AOT_RES_NS):  # elsewhere the heuristic plans only
                 res_cfgs = [c for i, c in enumerate(res_cfgs) if i == 0 or c.mode == "split"]
             for c in res_cfgs:
-                specs += _fwd_specs(dt, "fp32" if dt != "fp32" else dt, True, True, c)
+                specs += _fwd_specs(dt, "fp32" if dt != "fp32" else dt, True, True, c, n)
     specs += _norm_bwd.aot_specs(is_rms=False)
     return norm_aot_specs(specs)

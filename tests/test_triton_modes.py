@@ -494,8 +494,8 @@ def test_norm_opt_in_twins(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_layer_norm_loop3_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
-    """layer_norm (not rms_norm) times "loop3" for rows of 16-64 KB without a fused residual, steps no longer
-    than the row; the candidates of every other case are unchanged by the flag."""
+    """With FUSEKIT_NORM_LOOP3=1 layer_norm (not rms_norm) also times "loop3" for rows of 16-64 KB without a
+    fused residual, steps no longer than the row; the candidates of every other case are unchanged."""
     monkeypatch.setattr(_config, "is_interpreter", lambda: False)
     monkeypatch.setattr(_config, "num_sms", lambda dev=0: 132)
     monkeypatch.setattr(_config, "l2_bytes", lambda dev=0: 60 << 20)
@@ -506,14 +506,18 @@ def test_layer_norm_loop3_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
         return _config.norm_candidates(8192, n, es, 0, first, res, loop3=loop3)
 
     loop3 = [c for c in cands(32768) if c.mode == "loop3"]
-    assert [(c.block, c.num_warps) for c in loop3] == [(2048, 16), (4096, 16), (8192, 32), (16384, 32)]
+    assert [(c.block, c.num_warps) for c in loop3] == [(2048, 16), (4096, 16), (8192, 32)]
     # 16 KB rows: steps <= 16 KB
     assert [c.block for c in cands(8192) if c.mode == "loop3"] == [2048, 4096, 8192]
-    assert [c.block for c in cands(8192, es=4) if c.mode == "loop3"] == [1024, 2048, 4096, 8192]
+    assert [c.block for c in cands(8192, es=4) if c.mode == "loop3"] == [1024, 2048, 4096]
     for n, es, res in ((4096, 2, False), (65536, 2, False), (16384, 2, True)):
         assert all(c.mode != "loop3" for c in cands(n, es, res)), (n, es, res)
     for n in (4096, 16384, 32768, 65536):
         assert [c for c in cands(n) if c.mode != "loop3"] == cands(n, loop3=False)
+    monkeypatch.delenv(_config.NORM_LOOP3_ENV, raising=False)
+    assert not _config.norm_loop3()
+    monkeypatch.setenv(_config.NORM_LOOP3_ENV, "1")
+    assert _config.norm_loop3()
 
 
 def test_norm_plan_thresholds() -> None:
