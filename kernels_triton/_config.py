@@ -169,20 +169,12 @@ class NormConfig:
     block_m: int = 1
     progs: int = 0
     split: int = 1
-    maxnreg: int = 0  # "reg": ptxas's register cap per thread (0: none); see NORM_MAXNREG
-    one_pass: bool = False  # layer_norm "reg": both statistics from one block reduction; see NORM_ONE_PASS
 
     def label(self) -> str:
         s = f"{self.mode} block={self.block} warps={self.num_warps}"
         s += f" block_m={self.block_m}" if self.mode in ("reg", "rows") else ""
         s += f" progs/SM={self.progs}" if self.progs else ""
-        s += f" maxnreg={self.maxnreg}" if self.maxnreg else ""
-        s += " one-pass" if self.one_pass else ""
         return s + (f" split={self.split}" if self.mode == "split" else "")
-
-    def launch_options(self) -> dict[str, int]:
-        """Triton launch options beyond num_warps: the register cap where one is set."""
-        return {"maxnreg": self.maxnreg} if self.maxnreg else {}
 
 
 def norm_plan(M: int, N: int, elsize: int, dev: int) -> tuple[str, int]:
@@ -385,35 +377,10 @@ NORM_REG_VARIANTS = ((2, 4), (1, 2), (4, 4))
 NORM_ROWS_SET = ((2, 2), (1, 1), (1, 2))  # (1, 2) only where the others do not fit (N = 16384 bf16)
 
 
-# Register-capped "reg" candidates (off by default until measured on the H200): a "reg" tile of <= 512
-# threads whose kernel needs a few registers over 64 keeps one program fewer resident per SM, and so half
-# (or a quarter) fewer bytes of x in flight. AOT, sm_90, bf16: layer_norm's 1 x 16384 / 16-warp tile takes
-# 93 registers on Triton 3.6 (the H200's) and 70 on 3.9: one program of 512 threads per SM, where rms_norm's
-# takes 58 (two); capped at 64 it takes 64 with 8 bytes of stack on both. Its 1 x 8192 / 8-warp tile: 80 -> 64
-# registers on 3.9 (3 -> 4 programs per SM), 64 already on 3.6. On the H200 at
-# bec05f2 layer_norm ran 16384 x 16384 at 89.7 % of the copy rate (rms_norm 95.6 %). FUSEKIT_NORM_MAXNREG=64
-# adds the capped twin of every such candidate to the tuner's list (never on ROCm, which has no such option).
-NORM_MAXNREG_ENV = "FUSEKIT_NORM_MAXNREG"
-NORM_MAXNREG_AOT = 64  # the cap AOT compiles the twins at (sm_90 only)
-
-
-def norm_maxnreg() -> int:
-    """The register cap of the capped candidates (FUSEKIT_NORM_MAXNREG), 0: none."""
-    cap = os.environ.get(NORM_MAXNREG_ENV, "")
-    return int(cap) if cap.isdigit() and not is_hip() and not is_interpreter() else 0
-
-
-# One-pass layer_norm "reg" candidates (off by default until measured on the H200): the two-pass statistics
-# (mean, then the centred sum of squares) wait on two block reductions per row tile, and with N 16384-32768
-# one program of 512-1024 threads per SM has nothing else in flight meanwhile. The twin reduces the shifted
-# sums Σd, Σd² (d = x - the row's first value, as "reload" does) together, in one. On the H200 at bec05f2
-# layer_norm 8192 x 32768 ran at 79.0 % of the copy rate, rms_norm's (one reduction) at 96.7 %.
-# FUSEKIT_NORM_ONE_PASS=1 adds the twin of every layer_norm "reg" candidate to the tuner's list.
-NORM_ONE_PASS_ENV = "FUSEKIT_NORM_ONE_PASS"
-
-
-def norm_one_pass() -> bool:
-    return os.environ.get(NORM_ONE_PASS_ENV, "") not in ("", "0")
+# Tried on the H200 (187ab72, tuned afresh beside the default candidates) and removed: register-capped
+# "reg" twins (Triton's maxnreg=64; layer_norm's 1 x 16384 / 16-warp tile took 93 registers on Triton 3.6,
+# one 512-thread program per SM): 16384 x 16384 429 -> 281 us, but "rows" took 278; one-pass layer_norm
+# "reg" twins (Σd, Σd² in one block reduction): 298-308 us there, 319 at 8192 x 32768 against "reload"'s 317.
 
 
 def norm_candidates(
@@ -424,8 +391,6 @@ def norm_candidates(
     first: NormConfig | None = None,
     res: bool = False,
     coop_set: tuple[tuple[int, int, int], ...] = (),
-    maxnreg: int = 0,
-    one_pass: bool = False,
     loop3: bool = False,
 ) -> list[NormConfig]:
     """Configs the tuner times for x[M, N] (modes "reg", "rows", "reload", "coop", layer_norm's "loop3" when
@@ -484,14 +449,6 @@ def norm_candidates(
             # (a GPU with too few SMs for the grid: coop_groups raises and the tuner drops the candidate)
             if -(-row_bytes // chunk_bytes) <= COOP_SPLIT_MAX:
                 add(NormConfig("coop", chunk_bytes // elsize, max(1, threads // ws), progs=progs))
-    if one_pass:  # layer_norm's one-reduction twins (NORM_ONE_PASS)
-        for c in list(cands):
-            if c.mode == "reg":
-                add(dataclasses.replace(c, one_pass=True))
-    if maxnreg:  # the capped twins (NORM_MAXNREG): at 1024 threads a program holds <= 64 registers anyway
-        for c in list(cands):
-            if c.mode == "reg" and c.num_warps * ws <= 512:
-                add(dataclasses.replace(c, maxnreg=maxnreg))
     return cands
 
 
@@ -577,8 +534,7 @@ def norm_select(
     else:
         coop = NORM_COOP_SETS.get(key[0], ())
         ln = key[0] == "layer_norm"
-        one_pass, loop3 = ln and norm_one_pass(), ln and norm_loop3()
-        cands = norm_candidates(M, N, es, dev, default, res, coop, norm_maxnreg(), one_pass, loop3)
+        cands = norm_candidates(M, N, es, dev, default, res, coop, loop3=ln and norm_loop3())
         cfg = norm_tuned((*key, norm_m_bucket(M, dev), dev), cands, launch, make_check, x.device)
     # Remembered unless the decision depended on a CUDA graph capture (no tuning inside one: a later call
     # outside may tune) or on the FUSEKIT_NORM_TUNE switch, which tests flip.
@@ -587,14 +543,6 @@ def norm_select(
             _NORM_SELECTED.clear()
         _NORM_SELECTED[memo_key] = cfg
     return cfg
-
-
-def norm_reg_spec(name: str, fn: object, sig: dict, ce: dict, cfg: NormConfig) -> tuple:
-    """The AOT spec of a "reg"/"rows" launch: a register-capped twin (NORM_MAXNREG) is named `<name>_r<cap>`
-    and built for sm_90 only (maxnreg is a CUDA option)."""
-    if cfg.maxnreg:
-        return (f"{name}_r{cfg.maxnreg}", fn, sig, ce, {"maxnreg": cfg.maxnreg, "aot_targets": ("sm_90",)})
-    return (name, fn, sig, ce)
 
 
 def norm_aot_specs(specs: list[tuple]) -> list[tuple]:
@@ -613,11 +561,9 @@ def norm_aot_configs(
     layer_norm: bool = False,
 ) -> list[NormConfig]:
     """Every config a row-norm launcher can pick for rows of n (with a fused residual: `res`): the heuristic
-    plans and all tuning candidates, the opt-in twins and layer_norm's own ("loop3", one-pass) included."""
+    plans and all tuning candidates, layer_norm's opt-in "loop3" included."""
     cfgs = [norm_default(1 << 20, n, es, 0, *step)]
-    cands = norm_candidates(
-        1 << 20, n, es, 0, cfgs[0], res, coop_set, NORM_MAXNREG_AOT, layer_norm, layer_norm
-    )
+    cands = norm_candidates(1 << 20, n, es, 0, cfgs[0], res, coop_set, loop3=layer_norm)
     cfgs += [c for c in cands if c not in cfgs]
     if n > NORM_REG_MAX:
         cfgs.append(norm_default(4, n, es, 0, *step))  # "split"

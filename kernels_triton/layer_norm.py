@@ -40,14 +40,12 @@ from kernels_triton._config import (
     norm_aot_specs,
     norm_check,
     norm_grid,
-    norm_reg_spec,
     norm_select,
     norm_selected,
     split_chunks,
 )
 from kernels_triton._coop import COOP_SPLIT_MAX, coop_chunk, coop_launch, row_barrier, widen_again
 from kernels_triton._launch import fast_launch
-from kernels_triton._norm_bwd import _add2
 from kernels_triton._tiles import load_row_tile
 
 # Heuristic (untuned) step of "reload"/"split": 16 KB of x, 2 x 16-byte vectors per thread (16 warps on
@@ -76,27 +74,11 @@ def _ln_tile(x, w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS: tl.constexpr):
     return y, mean, rstd
 
 
-@triton.jit
-def _ln_tile_one_pass(x, k, w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS: tl.constexpr):
-    """_ln_tile's (y, mean, rstd) from ONE block reduction: the shifted sums Σd, Σd² (d = x - k, k a value
-    of each row, as "reload" does) reduced together, where the two-pass statistics wait on two. With one
-    512- or 1024-thread program per SM (N 16384-32768) nothing else is in flight during those waits."""
-    d = tl.where(m, x - k[:, None], 0.0)
-    s1, s2 = tl.reduce((d, d * d), 1, _add2)
-    md, mean, rstd = _ln_stats(s1, s2, k, N, eps)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = (d - md[:, None]) * rstd[:, None] * w[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    return y, mean, rstd
-
-
 @fast_launch
 @triton.jit
 def _ln_reg_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, M, N, eps,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ONE_PASS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,16 +93,7 @@ def _ln_reg_kernel(
     if HAS_RES:
         x = _add_res(x, tl.load(r_ptr + offs, mask=m, other=0.0))
         tl.store(h_ptr + offs, x, mask=m)
-    if ONE_PASS:
-        first = rows.to(tl.int64) * N  # each row's first element: the shift (an L1 hit, its line is loaded)
-        k = tl.load(x_ptr + first, mask=rmask, other=0.0)
-        if HAS_RES:
-            k = _add_res(k, tl.load(r_ptr + first, mask=rmask, other=0.0))
-        y, mean, rstd = _ln_tile_one_pass(
-            x.to(tl.float32), k.to(tl.float32), w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS
-        )
-    else:
-        y, mean, rstd = _ln_tile(x.to(tl.float32), w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS)
+    y, mean, rstd = _ln_tile(x.to(tl.float32), w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS)
     tl.store(mean_ptr + rows, mean, mask=rmask)
     tl.store(rstd_ptr + rows, rstd, mask=rmask)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
@@ -424,17 +397,11 @@ def _launch(cfg: NormConfig, y, h, mean, rstd, x, residual, weight, bias, eps: f
     b = bias if has_bias else weight  # never read when HAS_BIAS is False
     r_, h_ = (residual, h) if has_res else (x, y)  # dummies, never touched when HAS_RES is False
     grid = (norm_grid(cfg, M, dev),)
-    if cfg.mode == "reg":
-        _ln_reg_kernel[grid](
-            x, r_, weight, b, y, h_, mean, rstd, M, N, eps,
-            HAS_RES=has_res, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block, ONE_PASS=cfg.one_pass,
-            num_warps=cfg.num_warps, **cfg.launch_options(),
-        )  # fmt: skip
-    elif cfg.mode == "rows":
-        _ln_rows_kernel[grid](
+    if cfg.mode in ("reg", "rows"):
+        fn = _ln_reg_kernel if cfg.mode == "reg" else _ln_rows_kernel
+        fn[grid](
             x, r_, weight, b, y, h_, mean, rstd, M, N, eps,
             HAS_RES=has_res, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block, num_warps=cfg.num_warps,
-            **cfg.launch_options(),
         )  # fmt: skip
     elif cfg.mode == "reload":
         if has_res:
@@ -497,23 +464,21 @@ def forward(
     _num_warps: int | None = None,
     _block_m: int | None = None,
     _progs: int | None = None,
-    _one_pass: bool | None = None,
 ) -> None:
     """y[M, N], mean[M], rstd[M] fp32 <- LayerNorm(xin) with weight[N], bias[N] | None (x's dtype or fp32);
     xin = x, or with `residual` given h[M, N] = x + residual (x's dtype), written once, and xin = h.
-    Private `_mode` ("reg", "rows", "reload", "loop3", "split", "coop"), `_split`, `_block`, `_num_warps`, `_block_m`,
-    `_progs`, `_one_pass` ("reg": the one-reduction statistics) force a launch config (tests)."""
+    Private `_mode` ("reg", "rows", "reload", "loop3", "split", "coop"), `_split`, `_block`, `_num_warps`,
+    `_block_m`, `_progs` force a launch config (tests)."""
     if (h is None) != (residual is None):
         raise ValueError("layer_norm forward: h and residual must be given together")
     key = ("layer_norm", x.shape[1], x.dtype, weight.dtype, residual is not None, bias is not None)
-    forced = (_mode, _split, _block, _num_warps, _block_m, _progs) != NORM_NOT_FORCED or _one_pass is not None
+    forced = (_mode, _split, _block, _num_warps, _block_m, _progs) != NORM_NOT_FORCED
     step = (STREAM_BYTES, STREAM_VECS)
     cfg = None if forced else norm_selected(key, x, step, res=residual is not None)
     if cfg is not None:  # the hot path: decided before for this problem
         _launch(cfg, y, h, mean, rstd, x, residual, weight, bias, eps)
         return
     force = dict(mode=_mode, split=_split, block=_block, num_warps=_num_warps, block_m=_block_m, progs=_progs)
-    force["one_pass"] = _one_pass
     cfg = norm_select(
         key,
         x,
@@ -586,7 +551,7 @@ AOT_RES_NS = (
 
 def aot_configs(n: int, es: int, res: bool = False) -> list[NormConfig]:
     """Every config the launcher can pick for rows of n, with a fused residual or not (`norm_aot_configs`),
-    the one-pass "reg" twins and "loop3" included."""
+    "loop3" included."""
     return norm_aot_configs(n, es, (STREAM_BYTES, STREAM_VECS), res, NORM_COOP_SETS["layer_norm"], True)
 
 
@@ -607,11 +572,7 @@ def _fwd_specs(dt: str, wt: str, has_res: bool, has_bias: bool, c: NormConfig, n
             "BLOCK_N": c.block,
             "num_warps": nw,
         }
-        if c.mode == "reg":
-            sig["ONE_PASS"] = "constexpr"
-            ce["ONE_PASS"] = c.one_pass
-        name = f"ln_{c.mode}_{dt}{var}_{c.block_m}x{c.block}_w{nw}{'_1p' if c.one_pass else ''}"
-        return [norm_reg_spec(name, fn, sig, ce, c)]
+        return [(f"ln_{c.mode}_{dt}{var}_{c.block_m}x{c.block}_w{nw}", fn, sig, ce)]
     if c.mode == "reload":
         if has_res:
             sig = {"x_ptr": px, "r_ptr": px, "w_ptr": pw, "b_ptr": pw, "y_ptr": px, "h_ptr": px} | stat

@@ -46,7 +46,6 @@ from kernels_triton._config import (
     norm_aot_specs,
     norm_check,
     norm_grid,
-    norm_reg_spec,
     norm_select,
     norm_selected,
     split_chunks,
@@ -325,7 +324,6 @@ def _launch(cfg: NormConfig, y, h, rstd, x, residual, weight, eps: float, castin
         fn[grid](
             x, r_, weight, y, h_, rstd, M, N, eps,
             HAS_RES=has_res, CASTING=casting, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block, num_warps=cfg.num_warps,
-            **cfg.launch_options(),
         )  # fmt: skip
     elif cfg.mode == "reload":
         if has_res:
@@ -491,8 +489,7 @@ def _fwd_specs(dt: str, wt: str, has_res: bool, casting: int, c: NormConfig) -> 
             "BLOCK_N": c.block,
             "num_warps": nw,
         }
-        name = f"rms_{c.mode}_{tag}_{c.block_m}x{c.block}_w{nw}"
-        return [norm_reg_spec(name, fn, sig, ce, c)]
+        return [(f"rms_{c.mode}_{tag}_{c.block_m}x{c.block}_w{nw}", fn, sig, ce)]
     if c.mode == "reload":
         if has_res:
             sig = io | {"M": "i32", "N": "i32", "eps": "fp32", "CASTING": "constexpr", "BLOCK": "constexpr"}

@@ -16,7 +16,6 @@ if not is_interpreter():
     pytest.skip("CPU interpreter tests (run with --device cpu)", allow_module_level=True)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-import dataclasses
 import math
 
 import torch
@@ -200,11 +199,11 @@ def test_layer_norm_modes(dtype: torch.dtype, mode: str, M: int, N: int, with_bi
 
 @pytest.mark.parametrize(
     "mode,kw",
-    [("reg", {}), ("rows", {}), ("reload", {}), ("loop3", {}), ("split", {}), ("reg", {"_one_pass": True})],
+    [("reg", {}), ("rows", {}), ("reload", {}), ("loop3", {}), ("split", {})],
 )
 def test_layer_norm_large_mean_is_stable(mode: str, kw: dict) -> None:
-    # mean 1e4, std 1: raw E[x^2] - E[x]^2 in fp32 would lose every digit of the variance ("reload" and the
-    # one-pass "reg" twin shift by each row's first value first).
+    # mean 1e4, std 1: raw E[x^2] - E[x]^2 in fp32 would lose every digit of the variance ("reload" shifts
+    # by each row's first value first).
     M, N = 3, 3000
     x = _randn(M, N, dtype=torch.float32, seed=9, shift=1e4)
     w = torch.ones(N)
@@ -221,32 +220,6 @@ def test_layer_norm_large_mean_is_stable(mode: str, kw: dict) -> None:
     torch_err = rel_error(xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + 1e-5), ref)
     assert rel_error(rstd, ref_rstd) <= 1e-4
     assert rel_error(out, ref) <= 2 * torch_err + 1e-5
-
-
-@pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("M,N,block_m", [(7, 100, 4), (5, 3000, 1), (33, 64, 8), (1, 4097, 1)])
-@pytest.mark.parametrize("residual", [False, True])
-def test_layer_norm_one_pass_reg(dtype: torch.dtype, M: int, N: int, block_m: int, residual: bool) -> None:
-    """The one-reduction "reg" twin (FUSEKIT_NORM_ONE_PASS): shifted sums by each row's first value of
-    xin (h = x + residual when fused), ragged row tiles, against float64, h written once."""
-    x = _randn(M, N, dtype=dtype, seed=N, scale=2.0, shift=3.0)
-    r = _randn(M, N, dtype=dtype, seed=N + 3) if residual else None
-    w = _randn(N, dtype=dtype, seed=N + 1)
-    b = _randn(N, dtype=dtype, seed=N + 2)
-    out = torch.full_like(x, float("nan"))
-    h = torch.full_like(x, float("nan")) if residual else None
-    mean = torch.full((M,), float("nan"))
-    rstd = torch.full((M,), float("nan"))
-    ln_mod.forward(out, h, mean, rstd, x, r, w, b, 1e-5, _mode="reg", _block_m=block_m, _one_pass=True)
-    xin = (x.float() + r.float()).to(dtype) if residual else x
-    if residual:
-        assert torch.equal(h, xin)
-    ref, ref_mean, ref_rstd = layer_norm_ref(xin, w, b, 1e-5)
-    assert rel_error(out, ref) <= TOL[dtype]
-    # fp32 statistics: Σd²/N - (Σd/N)² gives up about a digit to cancellation (the two-pass ones are
-    # within 1e-5; the tuner's check allows NORM_CHECK_STAT_TOL = 2e-3)
-    assert rel_error(mean, ref_mean) <= 5e-5
-    assert rel_error(rstd, ref_rstd) <= 5e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -449,48 +422,12 @@ def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> N
             for m in (max(264, _config.NORM_TUNE_MIN_ELEMS // n), 32768):  # tuned sizes (no "split")
                 first = _config.norm_default(m, n, 2, 0, mod.STREAM_BYTES, mod.STREAM_VECS)
                 coop = _config.NORM_COOP_SETS[mod.__name__.rsplit(".", 1)[1]]
-                cap = _config.NORM_MAXNREG_AOT  # with the register-capped twins (FUSEKIT_NORM_MAXNREG)
-                ln = mod is ln_mod  # with layer_norm's own candidates ("loop3", the one-pass twins)
-                cands = _config.norm_candidates(m, n, 2, 0, first, False, coop, cap, ln, ln)
+                ln = mod is ln_mod  # with layer_norm's opt-in "loop3" (FUSEKIT_NORM_LOOP3)
+                cands = _config.norm_candidates(m, n, 2, 0, first, False, coop, loop3=ln)
                 assert set(cands) <= aot[n], (mod.__name__, n, m, set(cands) - aot[n])
-                cands = _config.norm_candidates(m, n, 2, 0, first, True, coop, cap, ln, ln)
+                cands = _config.norm_candidates(m, n, 2, 0, first, True, coop, loop3=ln)
                 assert set(cands) <= aot_res[n], (mod.__name__, n, m, set(cands) - aot_res[n])
         monkeypatch.undo()
-
-
-def test_norm_opt_in_twins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSEKIT_NORM_MAXNREG=64 adds a capped twin of each "reg" candidate of <= 512 threads (only those:
-    at 1024 threads a program holds <= 64 registers anyway), launched with Triton's maxnreg option; unset,
-    on ROCm and in the interpreter there are none. FUSEKIT_NORM_ONE_PASS=1: a one-pass twin of each
-    layer_norm "reg" candidate."""
-    monkeypatch.setattr(_config, "is_interpreter", lambda: False)
-    monkeypatch.setattr(_config, "num_sms", lambda dev=0: 132)
-    monkeypatch.setattr(_config, "l2_bytes", lambda dev=0: 60 << 20)
-    monkeypatch.setattr(_config, "warp_size", lambda dev=0: 32)
-    first = _config.norm_default(16384, 16384, 2, 0, ln_mod.STREAM_BYTES, ln_mod.STREAM_VECS)
-    plain = _config.norm_candidates(16384, 16384, 2, 0, first)
-    capped = _config.norm_candidates(16384, 16384, 2, 0, first, maxnreg=64)
-    twins = [c for c in capped if c.maxnreg]
-    assert capped[: len(plain)] == plain and len(capped) == len(plain) + len(twins)
-    assert twins == [
-        dataclasses.replace(c, maxnreg=64) for c in plain if c.mode == "reg" and c.num_warps * 32 <= 512
-    ]
-    assert twins and all(c.launch_options() == {"maxnreg": 64} and "maxnreg=64" in c.label() for c in twins)
-    assert all(c.launch_options() == {} for c in plain)
-    one = _config.norm_candidates(16384, 16384, 2, 0, first, one_pass=True)
-    assert [c for c in one if c.one_pass] == [
-        dataclasses.replace(c, one_pass=True) for c in plain if c.mode == "reg"
-    ]
-    monkeypatch.delenv(_config.NORM_ONE_PASS_ENV, raising=False)
-    assert not _config.norm_one_pass()
-    monkeypatch.setenv(_config.NORM_ONE_PASS_ENV, "1")
-    assert _config.norm_one_pass()
-    monkeypatch.delenv(_config.NORM_MAXNREG_ENV, raising=False)
-    assert _config.norm_maxnreg() == 0
-    monkeypatch.setenv(_config.NORM_MAXNREG_ENV, "64")
-    assert _config.norm_maxnreg() == 64
-    monkeypatch.setattr(_config, "is_hip", lambda: True)
-    assert _config.norm_maxnreg() == 0
 
 
 def test_layer_norm_loop3_candidates(monkeypatch: pytest.MonkeyPatch) -> None:

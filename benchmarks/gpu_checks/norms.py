@@ -9,11 +9,9 @@ Per shape (default 32768x8192, 16384x65536, 8192x32768, 4096x65536) and op:
 2. Device time (triton.testing.do_bench median, L2 flushed) of fusekit's Triton op (tuned choice) and of
    torch.compile(reference, dynamic=False), as the benchmarks time them; ratio = torch.compile / ours,
    and % of the byte floor at --copy-gbps.
---shapes MxN,... picks other shapes (16384x16384: layer_norm's 89.7 % on the H200 at bec05f2); --maxnreg 64
-times every case again with the register-capped "reg" candidates (FUSEKIT_NORM_MAXNREG), --one-pass
-layer_norm with its one-reduction "reg" candidates (FUSEKIT_NORM_ONE_PASS; both flags: every combination),
-each tuned afresh, beside the plain tuner's pick and torch.compile (see kernels_triton/_config.py); --loop3
-layer_norm with its "loop3" candidates (FUSEKIT_NORM_LOOP3: one program per row, three passes, N constexpr).
+--shapes MxN,... picks other shapes (16384x16384: layer_norm's 89.9 % on the H200 at 187ab72); --loop3 times
+layer_norm again with its "loop3" candidates (FUSEKIT_NORM_LOOP3: one program per row, three passes, N
+constexpr), tuned afresh, beside the plain tuner's pick and torch.compile (see kernels_triton/_config.py).
 Once past --budget-s no new shape starts (the skipped ones are listed). With $OUT set it also writes
 $OUT/norms_check.json. Exit status 1 if a correctness check fails.
 """
@@ -109,14 +107,6 @@ def main() -> int:
     ap.add_argument("--ops", default="rms_norm,layer_norm")
     ap.add_argument("--shapes", default=None, help="MxN[,MxN...] (default: the four above)")
     ap.add_argument(
-        "--maxnreg", type=int, default=0,
-        help="also time each case with the register-capped candidates (FUSEKIT_NORM_MAXNREG=CAP), re-tuned",
-    )  # fmt: skip
-    ap.add_argument(
-        "--one-pass", action="store_true",
-        help="also time layer_norm with its one-pass candidates (FUSEKIT_NORM_ONE_PASS=1; with --maxnreg, both)",
-    )  # fmt: skip
-    ap.add_argument(
         "--loop3", action="store_true",
         help='also time layer_norm with its "loop3" candidates (FUSEKIT_NORM_LOOP3=1), re-tuned',
     )  # fmt: skip
@@ -126,37 +116,20 @@ def main() -> int:
     print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__, flush=True)
     rows: list[dict] = []
     skipped: list[str] = []
-    caps = (0, args.maxnreg) if args.maxnreg else (0,)
-    variants = [(cap, False, False) for cap in caps] + [(cap, True, False) for cap in caps if args.one_pass]
-    variants += [(0, False, True)] if args.loop3 else []
+    variants = [False, True] if args.loop3 else [False]  # without / with the loop3 candidates
     todo = [(mn, op, v) for mn in shapes for op in args.ops.split(",") for v in variants]
-    for (M, N), op, (cap, one_pass, loop3) in todo:
-        if (one_pass or loop3) and op != "layer_norm":
+    for (M, N), op, loop3 in todo:
+        if loop3 and op != "layer_norm":
             continue
-        tag = (
-            (f" maxnreg {cap}" if cap else "")
-            + (" one-pass" if one_pass else "")
-            + (" loop3" if loop3 else "")
-        )
         if time.time() - start > args.budget_s:
-            skipped.append(f"{op} {M}x{N}{tag}")
+            skipped.append(f"{op} {M}x{N}{' loop3' if loop3 else ''}")
             continue
-        os.environ.pop(_config.NORM_MAXNREG_ENV, None)
-        os.environ.pop(_config.NORM_ONE_PASS_ENV, None)
         os.environ.pop(_config.NORM_LOOP3_ENV, None)
         if loop3:
             os.environ[_config.NORM_LOOP3_ENV] = "1"
-        if cap:
-            os.environ[_config.NORM_MAXNREG_ENV] = str(cap)
-        if one_pass:
-            os.environ[_config.NORM_ONE_PASS_ENV] = "1"
         _config._NORM_TUNED.clear()  # tune again, with or without the opt-in candidates
         _config._NORM_SELECTED.clear()
-        r = run_case(op, M, N, args.rep_ms, args.copy_gbps) | {
-            "maxnreg": cap,
-            "one_pass": one_pass,
-            "loop3": loop3,
-        }
+        r = run_case(op, M, N, args.rep_ms, args.copy_gbps) | {"loop3": loop3}
         rows.append(r)
         print(
             f"{op:10s} {M:6d}x{N:<6d} ours {r['ours_us']:8.1f} us  torch.compile {r['torch_compile_us']:8.1f} us"
