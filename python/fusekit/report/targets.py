@@ -156,13 +156,18 @@ class E2ETarget:
     what: str
     scenario: str
     baseline: str  # a provider of e2e.json: "eager", "compile", "liger"
-    at_least: float
+    at_least: (
+        float  # "speed": the least baseline step time / ours; "peak": the most MiB of peak over baseline's
+    )
+    metric: str = "speed"
 
 
 E2E_TARGETS: tuple[E2ETarget, ...] = (
     E2ETarget(12, "decode ≥ 1.3× HF eager", "decode", "eager", 1.3),
     E2ETarget(12, "decode ≥ 1.0× HF + torch.compile", "decode", "compile", 1.0),
     E2ETarget(12, "training step ≥ 1.15× HF eager", "train", "eager", 1.15),
+    # "with no more peak memory" (#12): the training step's peak against HF eager's, same case
+    E2ETarget(12, "training peak memory ≤ HF eager's", "train", "eager", 0.0, "peak"),
     E2ETarget(12, "decode ≥ 1.0× HF + Liger", "decode", "liger", 1.0),
     E2ETarget(12, "training ≥ 1.0× HF + Liger", "train", "liger", 1.0),
 )
@@ -183,7 +188,7 @@ def _cell(vals: list[float], at_least: float, unit: str, commits: set[str], at_m
     met = sum((v <= at_least) if at_most else (v >= at_least) for v in vals)
     worst, med = (max(vals) if at_most else min(vals)), statistics.median(vals)
     verdict = "**met**" if met == len(vals) else "not met"
-    fmts = {"%": lambda v: f"{v:.0f}%", "µs": lambda v: f"{v:.1f} µs"}
+    fmts = {"%": lambda v: f"{v:.0f}%", "µs": lambda v: f"{v:.1f} µs", "MiB": lambda v: f"{v:+.0f} MiB"}
     fmt = fmts.get(unit, lambda v: f"{v:.2f}×")
     return f"{verdict}: {met}/{len(vals)} cases, worst {fmt(worst)}, median {fmt(med)} ({', '.join(sorted(commits))})"
 
@@ -239,11 +244,21 @@ def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2E
                     if r["provider"] != p or r["scenario"] != t.scenario:
                         continue
                     b = base.get((t.baseline, r["scenario"], r["case"]))
-                    if b:
-                        vals.append(b["ms_per_step"] / r["ms_per_step"])
+                    if t.metric == "peak":  # a row without a peak figure (e.g. CPU runs) has no verdict
+                        v = (
+                            (r["peak_mem_bytes"] - b["peak_mem_bytes"]) / 2**20
+                            if b and b.get("peak_mem_bytes") and r.get("peak_mem_bytes")
+                            else None
+                        )
+                    else:
+                        v = b["ms_per_step"] / r["ms_per_step"] if b else None
+                    if v is not None:
+                        vals.append(v)
                         cs.add(commits.get(r.get("run"), "?"))
                         other |= commits.get(b.get("run")) != commits.get(r.get("run"))
-                cells[p] = _cell(vals, t.at_least, "×", cs) + (" †" if other else "")
+                peak = t.metric == "peak"
+                cell = _cell(vals, t.at_least, "MiB" if peak else "×", cs, at_most=peak)
+                cells[p] = cell + (" †" if other else "")
             if any(not c.startswith("no data") for c in cells.values()):
                 items.append((t, cells))
         if items:
