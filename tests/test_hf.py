@@ -9,11 +9,13 @@ CPU). Tiny configs: hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 128.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -750,6 +752,13 @@ def test_rotary_tables_converted_once_per_forward_and_guarded():
     assert c3 is not c1 and torch.equal(c3, cos[..., :4].float())
     c4, _ = _patch._half_tables((cos.clone(), sin), 4)  # another forward's tuple
     assert c4 is not c3 and torch.equal(c4, c3)
+    c5, _ = _patch._half_tables((cos, sin.clone()), 4)  # the same cos with another sin
+    assert c5 is not c3
+    # Nothing outlives HF's tables: once they are gone, so are the converted halves (kept on cos).
+    ref = weakref.ref(c5)
+    del pe, cos, sin, c1, s1, c2, s2, c3, c4, c5, _
+    gc.collect()
+    assert ref() is None
 
 
 def test_post_mlp_add_fused_into_the_next_norm_under_no_grad(monkeypatch):
