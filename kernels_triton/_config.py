@@ -393,9 +393,9 @@ def norm_candidates(
     coop_set: tuple[tuple[int, int, int], ...] = (),
     loop3: bool = False,
 ) -> list[NormConfig]:
-    """Configs the tuner times for x[M, N] (modes "reg", "rows", "reload", "coop", layer_norm's "loop3" when
-    `loop3`), deduplicated: `first` (the op's
-    heuristic config), then the tables above. At most 10 (N 8192-32768), each a JIT compile (~0.5 s) at the first tuned call.
+    """Configs the tuner times for x[M, N] (modes "reg", "rows", "reload", "coop"; with `loop3` layer_norm's
+    "loop3"), deduplicated: `first` (the op's heuristic config), then the tables above. At most 10 (N
+    8192-32768; 13 with loop3), each a JIT compile (~0.5 s) at the first tuned call.
     With a fused residual (`res`: a second input stream and the h store) register tiles of >= 16 elements
     per thread at 1024 threads are left out: they spilled at the 64 registers that leaves (AOT, sm_90)."""
     vec = 16 // elsize
