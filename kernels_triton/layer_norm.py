@@ -203,17 +203,9 @@ def _ln_reload_kernel(
 @fast_launch
 @triton.jit
 def _ln_loop3_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    mean_ptr,
-    rstd_ptr,
-    N: tl.constexpr,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N: tl.constexpr, eps,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     # One program per row, three passes over it, each with ONE fp32 accumulator vector (torch.compile's
     # layer_norm, ~32 registers: the SM keeps 2048 threads of rows in flight): Σx, Σ(x - mean)^2 (the exact
     # two-pass statistics of the reference) and y. Passes 2 and 3 re-read the row from L2 (evict_last).
