@@ -546,10 +546,10 @@ def norm_select(
 
 
 def norm_aot_specs(specs: list[tuple]) -> list[tuple]:
-    """A norm module's specs, deduplicated by name, as aot_triton takes them: (name, fn, sig, constexprs,
-    options (a spec's own 5th element, else none), the 16-divisibility attrs)."""
+    """A norm module's (name, fn, sig, constexprs) specs, deduplicated by name, as aot_triton takes them:
+    (name, fn, sig, constexprs, no options, the 16-divisibility attrs)."""
     specs = list({s[0]: s for s in specs}.values())
-    return [(*sp[:4], sp[4] if len(sp) > 4 else {}, div16_attrs(sp[2])) for sp in specs]
+    return [(name, fn, sig, ce, {}, div16_attrs(sig)) for name, fn, sig, ce in specs]
 
 
 def norm_aot_configs(

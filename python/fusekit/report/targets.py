@@ -156,9 +156,9 @@ class E2ETarget:
     what: str
     scenario: str
     baseline: str  # a provider of e2e.json: "eager", "compile", "liger"
-    at_least: (
-        float  # "speed": the least baseline step time / ours; "peak": the most MiB of peak over baseline's
-    )
+    # metric "speed": at_least is the least baseline step time / ours; "peak": the most MiB of peak memory
+    # over the baseline's (an upper bound)
+    at_least: float
     metric: str = "speed"
 
 
