@@ -283,21 +283,25 @@ def norm_forced(
 # (60), H100, same process.
 NORM_RELOAD_SET = ((1, 32768, 1024), (2, 16384, 512), (2, 8192, 256), (4, 8192, 256), (16, 16384, 512),
                    (16, 32768, 512))  # fmt: skip
-# "loop3" (layer_norm without a fused residual, rows of 16-64 KB; opt-in, FUSEKIT_NORM_LOOP3=1, until
-# measured): one program per row, three passes of one fp32 accumulator each (sum, centred squares, y), the
+# "loop3" (layer_norm without a fused residual, rows of 16-64 KB; FUSEKIT_NORM_LOOP3=0 leaves it out):
+# one program per row, three passes of one fp32 accumulator each (sum, centred squares, y), the
 # last two from L2 - torch.compile's layer_norm, which ran 16384 x 16384 / 8192 x 32768 bf16 on the H200 in
 # 260 / 278 us (4 KB step / 512 threads and 32 KB / 1024; 31-32 registers) where the tuner's best took
 # 278 / 317 ("rows" / "reload", 187ab72). N is a constexpr: with a constant trip count ptxas unrolls the
 # passes (sm_90 PTX: 19 global loads per thread, one branch, as Inductor's kernel, whose N is a constant
 # too); with a runtime N (2e48b9a: 5 loads, 6 branches, one step in flight per thread) it ran 311-360 us.
 # Entries: (step bytes, threads); 32 KB / 1024 threads compiled to 48 registers here (1 program per SM).
+# Tuned beside the other modes on the H200 at 3013609 (gpu_checks/norms.py --loop3, same process as
+# torch.compile): 16384 x 16384 257.2 us (8 KB step / 512 threads) vs 278.9 without it and 261.5 for torch.compile;
+# 8192 x 32768 262.8 (16 KB / 1024) vs 316.4 and 277.2; 32768 x 8192 still picks "reg" (260.7 vs 260.6).
 NORM_LOOP3_SET = ((4096, 512), (8192, 512), (16384, 1024))
 NORM_LOOP3_ROW_BYTES = (16384, 65536)
 NORM_LOOP3_ENV = "FUSEKIT_NORM_LOOP3"
 
 
 def norm_loop3() -> bool:
-    return os.environ.get(NORM_LOOP3_ENV, "") not in ("", "0")
+    """Whether layer_norm's tuner times "loop3" (on unless FUSEKIT_NORM_LOOP3=0)."""
+    return os.environ.get(NORM_LOOP3_ENV, "1") != "0"
 
 
 NORM_SM_THREADS = 2048  # resident threads per SM (sm_90; a gfx942 CU also holds 2048: 32 waves of 64)

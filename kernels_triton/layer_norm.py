@@ -15,9 +15,9 @@ Statistics: "reg"/"rows" hold the row and do the exact two-pass (mean, then mean
 the reference. "reload"/"split" stream the row once for the statistics, using sums of d = xin - K with the
 shift K = xin[row, 0]: var = E[d^2] - E[d]^2 loses almost nothing because K lies within a few standard
 deviations of the mean, so rows with a large mean (1e4 +- 1) stay accurate, unlike raw E[x^2] - E[x]^2.
-With a residual, "reload" pass 1 writes h (evict_last) and pass 2 re-reads h from L2. "loop3" (opt-in,
-FUSEKIT_NORM_LOOP3=1, no residual, rows of 16-64 KB) does torch.compile's exact two-pass from L2 instead:
-one program per row, three passes of one accumulator each, N a constexpr so each pass unrolls.
+With a residual, "reload" pass 1 writes h (evict_last) and pass 2 re-reads h from L2. "loop3" (no
+residual, rows of 16-64 KB; FUSEKIT_NORM_LOOP3=0 leaves it out) does torch.compile's exact two-pass from L2
+instead: one program per row, three passes of one accumulator each, N a constexpr so each pass unrolls.
 
 Backward byte floor: read dy and xin, write dx (+ read dh with a residual): 3 (4) x M x N x elsize, e.g.
 32768 x 4096 bf16: 805 MB -> 188 us; the dw/db partials [P, N] fp32 add ~4 x P x N x 4 bytes.

@@ -422,7 +422,7 @@ def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> N
             for m in (max(264, _config.NORM_TUNE_MIN_ELEMS // n), 32768):  # tuned sizes (no "split")
                 first = _config.norm_default(m, n, 2, 0, mod.STREAM_BYTES, mod.STREAM_VECS)
                 coop = _config.NORM_COOP_SETS[mod.__name__.rsplit(".", 1)[1]]
-                ln = mod is ln_mod  # with layer_norm's opt-in "loop3" (FUSEKIT_NORM_LOOP3)
+                ln = mod is ln_mod  # with layer_norm's "loop3" (FUSEKIT_NORM_LOOP3=0 leaves it out)
                 cands = _config.norm_candidates(m, n, 2, 0, first, False, coop, loop3=ln)
                 assert set(cands) <= aot[n], (mod.__name__, n, m, set(cands) - aot[n])
                 cands = _config.norm_candidates(m, n, 2, 0, first, True, coop, loop3=ln)
@@ -431,7 +431,7 @@ def test_norm_aot_covers_tuning_candidates(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_layer_norm_loop3_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With FUSEKIT_NORM_LOOP3=1 layer_norm (not rms_norm) also times "loop3" for rows of 16-64 KB without a
+    """Unless FUSEKIT_NORM_LOOP3=0, layer_norm (not rms_norm) also times "loop3" for rows of 16-64 KB without a
     fused residual, steps no longer than the row; the candidates of every other case are unchanged."""
     monkeypatch.setattr(_config, "is_interpreter", lambda: False)
     monkeypatch.setattr(_config, "num_sms", lambda dev=0: 132)
@@ -452,6 +452,8 @@ def test_layer_norm_loop3_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     for n in (4096, 16384, 32768, 65536):
         assert [c for c in cands(n) if c.mode != "loop3"] == cands(n, loop3=False)
     monkeypatch.delenv(_config.NORM_LOOP3_ENV, raising=False)
+    assert _config.norm_loop3()
+    monkeypatch.setenv(_config.NORM_LOOP3_ENV, "0")
     assert not _config.norm_loop3()
     monkeypatch.setenv(_config.NORM_LOOP3_ENV, "1")
     assert _config.norm_loop3()

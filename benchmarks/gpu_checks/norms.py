@@ -10,8 +10,8 @@ Per shape (default 32768x8192, 16384x65536, 8192x32768, 4096x65536) and op:
    torch.compile(reference, dynamic=False), as the benchmarks time them; ratio = torch.compile / ours,
    and % of the byte floor at --copy-gbps.
 --shapes MxN,... picks other shapes (16384x16384: layer_norm's 89.9 % on the H200 at 187ab72); --loop3 times
-layer_norm again with its "loop3" candidates (FUSEKIT_NORM_LOOP3: one program per row, three passes, N
-constexpr), tuned afresh, beside the plain tuner's pick and torch.compile (see kernels_triton/_config.py).
+layer_norm twice, tuned afresh each time: without its "loop3" candidates (FUSEKIT_NORM_LOOP3=0: one program
+per row, three passes, N constexpr), then with them, beside torch.compile (see kernels_triton/_config.py).
 Once past --budget-s no new shape starts (the skipped ones are listed). With $OUT set it also writes
 $OUT/norms_check.json. Exit status 1 if a correctness check fails.
 """
@@ -108,7 +108,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help="MxN[,MxN...] (default: the four above)")
     ap.add_argument(
         "--loop3", action="store_true",
-        help='also time layer_norm with its "loop3" candidates (FUSEKIT_NORM_LOOP3=1), re-tuned',
+        help='time layer_norm twice, re-tuned: without its "loop3" candidates (FUSEKIT_NORM_LOOP3=0), then with them',
     )  # fmt: skip
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
@@ -124,9 +124,7 @@ def main() -> int:
         if time.time() - start > args.budget_s:
             skipped.append(f"{op} {M}x{N}{' loop3' if loop3 else ''}")
             continue
-        os.environ.pop(_config.NORM_LOOP3_ENV, None)
-        if loop3:
-            os.environ[_config.NORM_LOOP3_ENV] = "1"
+        os.environ[_config.NORM_LOOP3_ENV] = "1" if loop3 or not args.loop3 else "0"
         _config._NORM_TUNED.clear()  # tune again, with or without the opt-in candidates
         _config._NORM_SELECTED.clear()
         r = run_case(op, M, N, args.rep_ms, args.copy_gbps) | {"loop3": loop3}
