@@ -174,6 +174,26 @@ def test_scratch_views_do_not_overlap_and_large_ones_are_allocated() -> None:
     assert library.outputs.scratch([((big,), f32)], torch.device("cpu")) is None
 
 
+def test_scratch_arena_grows_to_what_calls_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The arena starts at SCRATCH_MIN bytes and doubles past a larger request; views handed out before
+    keep their (outgrown) arena alive and never overlap the new one."""
+    monkeypatch.setattr(library.outputs, "_ARENAS", {})
+    cpu, f32 = torch.device("cpu"), torch.float32
+    (small,) = library.outputs.scratch([((8,), f32)], cpu)
+    assert library.outputs._ARENAS[cpu].numel() == library.outputs.SCRATCH_MIN
+    small.fill_(1.0)
+    n = 3 * library.outputs.SCRATCH_MIN // 4  # 3x the first arena
+    (large,) = library.outputs.scratch([((n,), f32)], cpu)
+    assert library.outputs._ARENAS[cpu].numel() == 4 * library.outputs.SCRATCH_MIN
+    large.fill_(2.0)
+    assert torch.equal(small, torch.ones(8))  # the old view's memory is still its own
+    (again,) = library.outputs.scratch([((8,), f32)], cpu)  # fits: no new arena
+    assert again.data_ptr() == large.data_ptr()
+    big = library.outputs.SCRATCH_MAX // 4
+    (top,) = library.outputs.scratch([((big,), f32)], cpu)
+    assert library.outputs._ARENAS[cpu].numel() == library.outputs.SCRATCH_MAX == top.numel() * 4
+
+
 def test_large_dropped_statistics_are_allocated_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     dispatch.clear_cache()
     monkeypatch.setattr(library.outputs, "SCRATCH_MAX", 256)  # rstd of 65 rows (260 bytes) does not fit

@@ -41,10 +41,13 @@ def poisoned() -> Iterator[None]:
 # from the kernels, which write them unconditionally; when the caller does not return them they are dead
 # on arrival. At decode shapes each such torch.empty costs 2-3.5 us of host time (H100 host, .dev probe at
 # dc925c5) beside a 5 us launch, so a remembered forward call (library.Runner) writes them into a scratch
-# arena instead. The arena (SCRATCH_MAX bytes per device) is never freed (a CUDA graph that captured a
-# call keeps writing there on every replay) and never read; calls racing on it from several streams only
-# overwrite garbage with garbage.
-SCRATCH_MAX = 1 << 20  # bytes: one arena per device; larger statistics are allocated per call as usual
+# arena instead. The arena grows by doubling to what the calls so far needed (a 1 MiB arena held from the
+# first call was the +1 MiB of fusekit-triton's 32-layer training peak over HF eager's on the H200 at
+# 3013609); an outgrown arena lives on while views of it do (a CUDA graph that captured a call keeps
+# writing there on every replay). It is never read; calls racing on it from several streams only overwrite
+# garbage with garbage.
+SCRATCH_MIN = 4096  # bytes: the first arena of a device
+SCRATCH_MAX = 1 << 20  # bytes: larger statistics are allocated per call as usual
 _ARENAS: dict[torch.device, torch.Tensor] = {}
 _ARENA_LOCK = threading.Lock()
 
@@ -62,8 +65,11 @@ def scratch(
         return None
     with _ARENA_LOCK:
         arena = _ARENAS.get(device)
-        if arena is None:
-            arena = _ARENAS[device] = torch.empty(SCRATCH_MAX, dtype=torch.uint8, device=device)
+        if arena is None or arena.numel() < end:
+            size = max(SCRATCH_MIN, 2 * arena.numel() if arena is not None else 0)
+            while size < end:
+                size *= 2
+            arena = _ARENAS[device] = torch.empty(min(size, SCRATCH_MAX), dtype=torch.uint8, device=device)
     return [
         arena[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
         for o, (shape, dtype) in zip(offsets, layouts)
