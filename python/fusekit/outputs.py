@@ -43,11 +43,15 @@ def poisoned() -> Iterator[None]:
 # dc925c5) beside a 5 us launch, so a remembered forward call (library.Runner) writes them into a scratch
 # arena instead. The arena grows by doubling to what the calls so far needed (a 1 MiB arena held from the
 # first call was the +1 MiB of fusekit-triton's 32-layer training peak over HF eager's on the H200 at
-# 3013609); an outgrown arena lives on while views of it do (a CUDA graph that captured a call keeps
-# writing there on every replay). It is never read; calls racing on it from several streams only overwrite
-# garbage with garbage.
+# 3013609, a 256 KiB one the +264 KiB at 4c62de0: both from the benchmark's inference gate before it); an
+# outgrown arena lives on while views of it do (a CUDA graph that captured a call keeps writing there on
+# every replay). It is never read; calls racing on it from several streams only overwrite garbage with
+# garbage.
 SCRATCH_MIN = 4096  # bytes: the first arena of a device
-SCRATCH_MAX = 1 << 20  # bytes: larger statistics are allocated per call as usual
+# Larger statistics (prefill's: attention's lse at 32 heads x 2048 tokens is 256 KiB) are allocated per call
+# as usual, their 2-3 us beside a kernel of 50 us or more; 64 KiB holds a decode step's (lse of 256
+# sequences x 64 heads).
+SCRATCH_MAX = 64 << 10  # bytes
 _ARENAS: dict[torch.device, torch.Tensor] = {}
 _ARENA_LOCK = threading.Lock()
 
