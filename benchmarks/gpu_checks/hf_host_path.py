@@ -29,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fusekit.hf
-from fusekit.bench import e2e
+from fusekit.bench.e2e import config as e2e
 
 _LAUNCHES = (
     "cudaLaunchKernel",

@@ -1,0 +1,136 @@
+"""Where a training step's GPU time goes (issue #12): HF eager, torch.compile, fusekit-triton and
+fusekit-triton-compile on the same random-weight model, one JSON line per provider.
+
+    PYTHONPATH=python:. python benchmarks/gpu_checks/train_profile.py [--model llama3-8b] [--layers 8]
+        [--providers eager,compile,fusekit-triton,fusekit-triton-compile] [--train 1x2048] [--top 12]
+
+Per provider (the e2e benchmark's train scenario: forward with labels, HF's loss, backward, AdamW): the
+step's wall time (median of 5 after 3 warm-up steps), then one profiled step: the sum of its CUDA kernel
+times per category (gemm, attention, norm, rope, ffn_act, loss, optimizer, copy/cast, elementwise, other,
+by kernel name) and the largest kernels. wall - kernels is time the GPU sat idle (host-bound or syncs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fusekit.bench.e2e import config as e2e
+from fusekit.bench.e2e import providers as e2e_providers
+
+# First match wins: kernel name regex -> category.
+_CATEGORIES = (
+    ("optimizer", r"adam|multi_tensor|foreach|_fused_adam"),
+    ("attention", r"flash|fmha|attn|attention|sdpa|efficient_attention|_attn_"),
+    ("loss", r"cross_entropy|nll_loss|log_softmax|lce|_ce_"),
+    ("norm", r"rms|norm"),
+    ("rope", r"rope|rotary"),
+    ("ffn_act", r"swiglu|silu|ffn|gate_up|_mlp"),
+    ("gemm", r"gemm|sm90_xmma|cutlass|cublas|nvjet|matmul|_mm_|wgmma"),
+    ("copy/cast", r"copy|cast|to_copy|convert|fill|memset|memcpy"),
+    ("elementwise", r"elementwise|vectorized|reduce|triton_poi|triton_red|triton_per"),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pat in _CATEGORIES:
+        if re.search(pat, low):
+            return cat
+    return "other"
+
+
+def _step_fn(fwd, model, setup: e2e.Setup, b: int, s: int):
+    ids = e2e._ids(setup, b, s, salt=20 + s)
+    labels = e2e._ids(setup, b, s, salt=30 + s)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def profile_provider(name: str, setup: e2e.Setup, state: dict, b: int, s: int, top: int) -> dict:
+    [prov] = e2e_providers.make_providers([name], setup)
+    why = prov.unavailable(setup)
+    if why:
+        return {"provider": name, "status": "skipped", "reason": why}
+    model = e2e.fresh_model(setup, state)
+    try:
+        step = _step_fn(prov.prepare(model), model, setup, b, s)
+        for _ in range(3):
+            step()
+        dev = setup.torch_device
+        e2e._sync(dev)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            step()
+            e2e._sync(dev)
+            times.append(time.perf_counter() - t0)
+        acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]  # CPU: a smoke test
+        with profile(activities=acts) as prof:
+            step()
+            e2e._sync(dev)
+        per_cat: Counter = Counter()
+        per_kernel: Counter = Counter()
+        launches: Counter = Counter()
+        for e in prof.key_averages():
+            us = e.self_device_time_total if dev.type == "cuda" else e.self_cpu_time_total
+            if us <= 0:
+                continue
+            per_cat[category(e.key)] += us
+            per_kernel[e.key[:90]] += us
+            launches[category(e.key)] += e.count
+        total = sum(per_cat.values())
+        wall_ms = statistics.median(times) * 1e3
+        return {
+            "provider": name,
+            "status": "ok",
+            "wall_ms": round(wall_ms, 2),
+            "kernels_ms": round(total / 1e3, 2),
+            "idle_ms": round(wall_ms - total / 1e3, 2),
+            "by_category_ms": {k: round(v / 1e3, 2) for k, v in per_cat.most_common()},
+            "launches": dict(launches.most_common()),
+            "top_kernels_ms": {k: round(v / 1e3, 2) for k, v in per_kernel.most_common(top)},
+        }
+    finally:
+        prov.close()
+        del model
+        e2e._free()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(e2e.MODELS))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--providers", default="eager,compile,fusekit-triton,fusekit-triton-compile")
+    ap.add_argument("--train", default="1x2048")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    [(b, s)] = e2e._shapes(args.train)[:1]
+    setup = e2e.Setup(device=args.device, model=args.model, layers=args.layers, dtype="bf16", attn_implementation="sdpa",
+                      prefill=[(b, s)], decode=[(1, 16, 2)], train=[(b, s)], seed=0)  # fmt: skip
+    state = e2e.base_weights(setup)
+    gpu = torch.cuda.get_device_name() if setup.torch_device.type == "cuda" else "cpu"
+    print(gpu, "torch", torch.__version__, f"{args.model} x{args.layers}", flush=True)
+    for name in args.providers.split(","):
+        row = profile_provider(name, setup, state, b, s, args.top)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
