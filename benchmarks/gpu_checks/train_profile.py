@@ -5,9 +5,11 @@ fusekit-triton-compile on the same random-weight model, one JSON line per provid
         [--providers eager,compile,fusekit-triton,fusekit-triton-compile] [--train 1x2048] [--top 12]
 
 Per provider (the e2e benchmark's train scenario: forward with labels, HF's loss, backward, AdamW): the
-step's wall time (median of 5 after 3 warm-up steps), then one profiled step: the sum of its CUDA kernel
-times per category (gemm, attention, norm, rope, ffn_act, loss, optimizer, copy/cast, elementwise, other,
-by kernel name) and the largest kernels. wall - kernels is time the GPU sat idle (host-bound or syncs).
+step's wall time (median of 5 after 3 warm-up steps), its host issue time (until step() returns) and the
+host syncs it makes (where, by innermost caller outside torch), then one profiled step: the sum of its CUDA
+kernel times per category (gemm, attention, norm, rope, ffn_act, loss, optimizer, copy/cast, elementwise,
+other, by kernel name) and the largest kernels. wall - kernels is time the GPU sat idle (host-bound or
+syncs).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import json
 import re
 import statistics
 import time
+import traceback
+import warnings
 from collections import Counter
 
 import torch
@@ -28,7 +32,7 @@ from fusekit.bench.e2e import providers as e2e_providers
 # First match wins: kernel name regex -> category.
 _CATEGORIES = (
     ("optimizer", r"adam|multi_tensor|foreach|_fused_adam"),
-    ("attention", r"flash|fmha|attn|attention|sdpa|efficient_attention|_attn_"),
+    ("attention", r"flash|fmha|attn|attention|sdpa|_dkdv|_dq_|_bwd_preprocess"),
     ("loss", r"cross_entropy|nll_loss|log_softmax|lce|_ce_"),
     ("norm", r"rms|norm"),
     ("rope", r"rope|rotary"),
@@ -95,6 +99,12 @@ def profile_provider(name: str, setup: e2e.Setup, state: dict, b: int, s: int, t
             per_kernel[e.key[:90]] += us
             launches[category(e.key)] += e.count
         total = sum(per_cat.values())
+        e2e._sync(dev)
+        t0 = time.perf_counter()
+        step()
+        host_ms = (time.perf_counter() - t0) * 1e3  # until step() returns: the host's issue time
+        e2e._sync(dev)
+        syncs = _syncs(step) if dev.type == "cuda" else {}
         wall_ms = statistics.median(times) * 1e3
         return {
             "provider": name,
@@ -102,6 +112,8 @@ def profile_provider(name: str, setup: e2e.Setup, state: dict, b: int, s: int, t
             "wall_ms": round(wall_ms, 2),
             "kernels_ms": round(total / 1e3, 2),
             "idle_ms": round(wall_ms - total / 1e3, 2),
+            "host_ms": round(host_ms, 2),
+            "syncs": syncs,
             "by_category_ms": {k: round(v / 1e3, 2) for k, v in per_cat.most_common()},
             "launches": dict(launches.most_common()),
             "top_kernels_ms": {k: round(v / 1e3, 2) for k, v in per_kernel.most_common(top)},
@@ -110,6 +122,29 @@ def profile_provider(name: str, setup: e2e.Setup, state: dict, b: int, s: int, t
         prov.close()
         del model
         e2e._free()
+
+
+def _syncs(step) -> dict[str, int]:
+    """Host syncs one step makes (torch's sync-debug mode), counted by their innermost caller outside
+    torch (file:line)."""
+    where: Counter = Counter()
+
+    def note(*args, **kwargs) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+        f = frames[-1] if frames else None
+        where[f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" if f else "?"] += 1
+
+    shown, warnings.showwarning = warnings.showwarning, note
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = shown
+    torch.cuda.synchronize()
+    return dict(where.most_common(12))
 
 
 def main() -> None:
