@@ -10,6 +10,15 @@ host syncs it makes (where, by innermost caller outside torch), then one profile
 kernel times per category (gemm, attention, norm, rope, ffn_act, loss, optimizer, copy/cast, elementwise,
 other, by kernel name) and the largest kernels. wall - kernels is time the GPU sat idle (host-bound or
 syncs).
+
+Measured on the H200 (llama3-8b, 8 layers, 1 x 2048, foreach AdamW; b10c7dd, one process per script run):
+wall / kernel sum in ms - eager 97.1 / 90.4 (AdamW's multi_tensor_apply 36.4, GEMMs 35.1, copies and casts
+8.6, elementwise 4.7, SDPA (cuDNN) fwd+bwd 2.6), torch.compile 89.3 / 83.7 (GEMMs 35.3, its cuDNN backward
+4.9 ms against eager's 1.8), fusekit-triton 88.5 / 79.5 and, at a24ac27, 86.9 / 80.6 with no host sync in
+the step and 55.8 ms of host issue time (attention fwd+bwd 3.45: _dkdv_hopper 2.05, _dq_hopper 0.72, forward
+0.60 - against cuDNN's 2.6, the one fused op slower than what it replaces). The optimizer is 42 % of every
+provider's step: the 32-layer e2e with AdamW(fused=True), HF Trainer's default, is
+benchmarks/results/nvidia-h200/e2e-llama3-8b-32l-fused-adamw.json.
 """
 
 from __future__ import annotations
