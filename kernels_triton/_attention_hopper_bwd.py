@@ -70,6 +70,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels_triton._attention_hopper import HAS_GLUON, hopper_supported
 from kernels_triton._config import num_sms, on_device
@@ -118,6 +120,13 @@ MAXNREG = 168  # 12 warps * 32 * 168 <= 65536, then setmaxnreg: consumers 240, p
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 _MAX_GRID_Y = 65535
+# Causal dk/dv with few CTAs (B1 H32/8 S2048: 16 key blocks x 8 kv heads = 128 on 132 SMs) is bound by its
+# heaviest CTA - the first key block walks all 4 query heads x 32 query blocks, ~2x the mean. Splitting each
+# GQA group over SPLIT CTAs (fp32 partial dk/dv into a workspace, summed in split order by _split_sum_kernel:
+# deterministic) shortens that path SPLIT-fold for 2 * SPLIT * B*Hkv*Skv*D*4 bytes written and read back.
+# Off by default until timed (dkdv_split: FUSEKIT_HOPPER_BWD_SPLIT=auto or a number turns it on).
+SPLIT_MAX_CTAS_PER_SM = 2
+SPLIT_BLOCK = 2048  # _split_sum_kernel elements per program
 
 
 def _env_config(head_dim: int) -> tuple[int, int, int, int]:
@@ -173,9 +182,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready, qdo_empty,
-                       lse2_ptr, delta_ptr, head0, bhkv, n0, S, SKV, qk_scale, sm_scale, m_lo, n_diag, n_m, group,
-                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr):  # fmt: skip
+                       lse2_ptr, delta_ptr, wsk_ptr, wsv_ptr, head0, bhkv, ws_row0, n0, S, SKV, qk_scale, sm_scale,
+                       m_lo, n_diag, n_m, group, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # fmt: skip
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -204,13 +213,24 @@ if HAS_GLUON:
                                     qdo_empty, lse2_ptr, delta_ptr, row_base, keys, cols, S, diag, qk_scale,
                                     BLOCK_M, STAGES, False)  # fmt: skip
                 t += 1
-        # epilogue: this warpgroup's own K/V buffers are free (its last wgmma is done); the store clips at Skv
-        k_s.store((dk * sm_scale).to(dtype))
-        v_s.store(dv.to(dtype))
-        fence_async_shared()
-        _tma_store(dk_desc, [bhkv, r0, 0], k_s.reshape([1, 64, HEAD_DIM]))
-        _tma_store(dv_desc, [bhkv, r0, 0], v_s.reshape([1, 64, HEAD_DIM]))
-        tma.store_wait(0)
+        if SPLIT == 1:
+            # epilogue: this warpgroup's own K/V buffers are free (its last wgmma is done); the store clips at
+            # Skv
+            k_s.store((dk * sm_scale).to(dtype))
+            v_s.store(dv.to(dtype))
+            fence_async_shared()
+            _tma_store(dk_desc, [bhkv, r0, 0], k_s.reshape([1, 64, HEAD_DIM]))
+            _tma_store(dv_desc, [bhkv, r0, 0], v_s.reshape([1, 64, HEAD_DIM]))
+            tma.store_wait(0)
+        else:
+            # this CTA's share of the GQA group: fp32 partial sums into the workspace's rows ws_row0 + key,
+            # which _split_sum_kernel adds up in split order (deterministic); keys past Skv are not stored
+            rows = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+            dcol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+            rows2 = gl.expand_dims(rows, 1) + gl.expand_dims(dcol, 0) * 0
+            off = (ws_row0 + rows2.to(gl.int64)) * HEAD_DIM + gl.expand_dims(dcol, 0)
+            gl.store(wsk_ptr + off, dk * sm_scale, mask=rows2 < SKV)
+            gl.store(wsv_ptr + off, dv, mask=rows2 < SKV)
 
     @gluon.jit
     def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready,
@@ -237,22 +257,26 @@ if HAS_GLUON:
             _tma_load(do_desc, [bh, m, 0], db, do_bufs.index(slot).reshape([1, BLOCK_M, HEAD_DIM]))
 
     @gluon.jit
-    def _dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, H, HKV, S, SKV,
-                     qk_scale, sm_scale, head_chunk, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, wsk_ptr, wsv_ptr, H,
+                     HKV, S, SKV, qk_scale, sm_scale, head_chunk, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):  # fmt: skip
+                     PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
         BN: gl.constexpr = 128
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         dtype: gl.constexpr = q_desc.dtype
         # causal: low key blocks are seen by the most queries, so they come first in launch order (_tile_of)
         n_kb = gl.cdiv(SKV, BN)
-        kb, bhkv = _tile_of(gl.program_id(0), gl.num_programs(0) // n_kb, n_kb, head_chunk)
+        n_units = gl.num_programs(0) // n_kb  # (kv head, split) pairs of this launch's batch slab
+        kb, unit = _tile_of(gl.program_id(0), n_units, n_kb, head_chunk)
+        bhkv = unit // SPLIT
+        sp = unit % SPLIT  # this CTA's share of the GQA group (SPLIT > 1: a partial sum into the workspace)
         n0 = kb * BN
         b = bhkv // HKV
         hkv = bhkv % HKV
-        group = H // HKV
-        head0 = b * H + hkv * group  # first query head of the group (within this launch's batch slab)
+        group = H // HKV // SPLIT
+        head0 = b * H + hkv * group * SPLIT + sp * group  # first query head of the share (in the batch slab)
+        ws_row0 = (sp * (n_units // SPLIT) + bhkv).to(gl.int64) * SKV  # workspace [SPLIT, B*Hkv, Skv, D]
         diag = SKV - S
         m_end = gl.cdiv(S, BLOCK_M) * BLOCK_M
         if CAUSAL:
@@ -278,11 +302,13 @@ if HAS_GLUON:
         gl.warp_specialize(
             [
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                                  qdo_empty, lse2_ptr, delta_ptr, head0, bhkv, n0, S, SKV, qk_scale, sm_scale,
-                                  m_lo, n_diag, n_m, group, WG0, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+                                  qdo_empty, lse2_ptr, delta_ptr, wsk_ptr, wsv_ptr, head0, bhkv, ws_row0, n0, S,
+                                  SKV, qk_scale, sm_scale, m_lo, n_diag, n_m, group, WG0, HEAD_DIM, BLOCK_M,
+                                  STAGES, CAUSAL, SPLIT)),
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                                  qdo_empty, lse2_ptr, delta_ptr, head0, bhkv, n0, S, SKV, qk_scale, sm_scale,
-                                  m_lo, n_diag, n_m, group, WG1, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+                                  qdo_empty, lse2_ptr, delta_ptr, wsk_ptr, wsv_ptr, head0, bhkv, ws_row0, n0, S,
+                                  SKV, qk_scale, sm_scale, m_lo, n_diag, n_m, group, WG1, HEAD_DIM, BLOCK_M,
+                                  STAGES, CAUSAL, SPLIT)),
                 (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
                                   q_ready, do_ready, qdo_empty, b, hkv, head0, n0, m_lo, n_m, group, BLOCK_M,
                                   STAGES)),
@@ -490,6 +516,40 @@ def hopper_backward(
         run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
 
 
+@triton.jit
+def _split_sum_kernel(wsk_ptr, wsv_ptr, dk_ptr, dv_ptr, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """dk[i] = sum over s of wsk[s, i] (dv from wsv on program_id(1) == 1), fp32, s in order, then cast."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    if tl.program_id(1) == 0:
+        src = wsk_ptr
+        dst = dk_ptr
+    else:
+        src = wsv_ptr
+        dst = dv_ptr
+    acc = tl.load(src + offs, mask=m, other=0.0)
+    for sp in tl.static_range(1, SPLIT):
+        acc += tl.load(src + sp * n + offs, mask=m, other=0.0)
+    tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=m)
+
+
+def dkdv_split(causal: bool, n_kb: int, n_bhkv: int, group: int, device: int) -> int:
+    """CTAs per GQA group in the dk/dv kernel. FUSEKIT_HOPPER_BWD_SPLIT: unset or 1, one (the default until
+    the split is timed: correct on the H200 at its commit, tests/test_triton_attention_hopper_bwd.py, but its
+    speed not yet measured); "auto", the rule (causal only; doubling while the group divides evenly and the
+    grid stays within SPLIT_MAX_CTAS_PER_SM CTAs per SM); an integer, that split where it divides the group."""
+    env = os.environ.get("FUSEKIT_HOPPER_BWD_SPLIT", "")
+    if env != "auto":
+        forced = int(env) if env else 1
+        return forced if forced >= 1 and group % forced == 0 else 1
+    if not causal:
+        return 1
+    split, cap = 1, SPLIT_MAX_CTAS_PER_SM * num_sms(device)
+    while group % (2 * split) == 0 and n_kb * n_bhkv * 2 * split <= cap:
+        split *= 2
+    return split
+
+
 def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) -> None:
     """hopper_backward minus its checks, on the current device: the preprocess (attention_backward.py's
     kernel), then the dk/dv and dq kernels through the lean launch path (launch_keyed, host descriptors)."""
@@ -521,13 +581,23 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
         ints = tuple(int_class(n) for n in (H, Hkv, S, Skv))
         aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)
         n_kb, n_qb = triton_cdiv(Skv, BLOCK_KEYS), triton_cdiv(S, BLOCK_QUERIES)
-        hc = head_chunk(causal, n_kb, nb * Hkv, 2 * S * D * q.element_size(), q.device.index)
-        grid_kv = (n_kb * nb * Hkv,)
+        split = dkdv_split(causal, n_kb, nb * Hkv, H // Hkv, q.device.index)
+        n_units = nb * Hkv * split
+        hc = head_chunk(causal, n_kb, n_units, 2 * S * D * q.element_size() // split, q.device.index)
+        grid_kv = (n_kb * n_units,)
+        n_el = nb * Hkv * Skv * D
+        # split > 1: fp32 partials [2 (dk, dv), split, B*Hkv*Skv*D]; else unused (delta stands in)
+        ws = torch.empty((2, split * n_el), dtype=torch.float32, device=q.device) if split > 1 else None
+        wsk, wsv = (ws[0], ws[1]) if ws is not None else (dl, dl)
         key = ("attn_hopper_bwd_dkdv", q.device.index, q.dtype, D, bool(causal), bm, st_kv, grid_kv, *ints,
-               *aligned, int_class(hc))  # fmt: skip
-        args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, H, Hkv, S, Skv, qk_scale,
-                sm_scale, hc)  # fmt: skip
-        launch_keyed(_dkdv_hopper, key, grid_kv, args, kv_consts)
+               *aligned, int_class(hc), split)  # fmt: skip
+        args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, wsk, wsv, H, Hkv, S, Skv,
+                qk_scale, sm_scale, hc)  # fmt: skip
+        launch_keyed(_dkdv_hopper, key, grid_kv, args, {**kv_consts, "SPLIT": split})
+        if ws is not None:
+            _split_sum_kernel[(triton_cdiv(n_el, SPLIT_BLOCK), 2)](
+                wsk, wsv, dk[sl], dv[sl], n_el, SPLIT=split, BLOCK=SPLIT_BLOCK, num_warps=8
+            )
         hc = head_chunk(causal, n_qb, nb * H, 2 * Skv * D * q.element_size(), q.device.index)
         grid_q = (n_qb * nb * H,)
         key = ("attn_hopper_bwd_dq", q.device.index, q.dtype, D, bool(causal), bn, st_q, grid_q, *ints,
@@ -617,16 +687,21 @@ def aot_specs_gluon_bwd() -> list[tuple[str, object, dict, dict, dict]]:
 
             tail = {"lse2_ptr": "*fp32", "delta_ptr": "*fp32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
                     "qk_scale": "fp32", "sm_scale": "fp32", "head_chunk": "i32", "HEAD_DIM": "constexpr"}  # fmt: skip
+            ws = {"wsk_ptr": "*fp32", "wsv_ptr": "*fp32"}
             regs = {"CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}
             opts = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
             for causal in (False, True):
                 kv_sig = {"q_desc": desc("q"), "k_desc": desc("k"), "v_desc": desc("v"), "do_desc": desc("do"),
-                          "dk_desc": desc("dk"), "dv_desc": desc("dv"), **tail, "BLOCK_M": "constexpr",
-                          "STAGES": "constexpr", **regs}  # fmt: skip
-                kv_const = {"HEAD_DIM": d, "BLOCK_M": bm, "STAGES": st_kv, "CAUSAL": causal,
-                            "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}  # fmt: skip
-                specs.append((f"attn_hopper_bwd_dkdv_{dt}_d{d}_c{int(causal)}", _dkdv_hopper, kv_sig, kv_const,
-                              opts))  # fmt: skip
+                          "dk_desc": desc("dk"), "dv_desc": desc("dv"), "lse2_ptr": "*fp32", "delta_ptr": "*fp32",
+                          **ws, **{n: t for n, t in tail.items() if n not in ("lse2_ptr", "delta_ptr")},
+                          "BLOCK_M": "constexpr", "STAGES": "constexpr", **regs, "SPLIT": "constexpr"}  # fmt: skip
+                for split in (1, 2) if causal else (1,):  # split: the causal small-grid variant (dkdv_split)
+                    kv_const = {"HEAD_DIM": d, "BLOCK_M": bm, "STAGES": st_kv, "CAUSAL": causal,
+                                "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS, "SPLIT": split}  # fmt: skip
+                    name = f"attn_hopper_bwd_dkdv_{dt}_d{d}_c{int(causal)}" + (
+                        f"_s{split}" if split > 1 else ""
+                    )
+                    specs.append((name, _dkdv_hopper, kv_sig, kv_const, opts))
                 q_sig = {"q_desc": desc("q64"), "k_desc": desc("kq"), "v_desc": desc("vq"), "do_desc": desc("do64"),
                          "dq_desc": desc("dq"), **tail, "BLOCK_N": "constexpr", "STAGES": "constexpr", **regs}  # fmt: skip
                 q_const = {"HEAD_DIM": d, "BLOCK_N": bn, "STAGES": st_q, "CAUSAL": causal,

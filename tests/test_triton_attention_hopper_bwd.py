@@ -67,7 +67,9 @@ def test_aot_specs_cover_every_variant():
     names = [s[0] for s in _mod().aot_specs_gluon_bwd()]
     if not names:
         pytest.skip("the installed triton has no Gluon Hopper module")
-    assert len(names) == len(set(names)) == 2 * 2 * 2 * 2  # kernel x dtype x head dim x causal
+    # kernel x dtype x head dim x causal, and the causal dk/dv split variant per dtype x head dim
+    assert len(names) == len(set(names)) == 2 * 2 * 2 * 2 + 2 * 2
+    assert sum(n.endswith("_s2") for n in names) == 4
 
 
 @functools.cache
@@ -85,7 +87,8 @@ def test_compiles_ahead_of_time_for_sm90(name):
         pytest.skip(f"no GluonASTSource in this triton: {exc}")
     r = _compiled()[name]
     assert "error" not in r, r.get("error")
-    assert r == {"cubin": True, "wgmma": True, "setmaxnreg": True, "tma": True, "tma_store": True}, r
+    split = name.endswith("_s2")  # fp32 partial dk/dv go out by plain stores into the workspace
+    assert r == {"cubin": True, "wgmma": True, "setmaxnreg": True, "tma": True, "tma_store": not split}, r
 
 
 # --- GPU (sm_90) ----------------------------------------------------------------------------------------
@@ -207,6 +210,52 @@ def test_gpu_deterministic(device: str, causal: bool) -> None:
     b = _run(q, k, v, do, o, lse, causal, D**-0.5)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize(
+    "case",
+    [(1, 8, 2, 300, 300, 128), (2, 8, 2, 77, 300, 64), (1, 16, 4, 129, 1000, 128), (1, 8, 1, 1000, 129, 128)],
+    ids=lambda c: "B{}H{}-{}S{}K{}D{}".format(*c),
+)
+def test_gpu_split_group_matches_float64(
+    device: str, monkeypatch: pytest.MonkeyPatch, split: int, case
+) -> None:
+    """The dk/dv kernel with each GQA group split over `split` CTAs (fp32 partials summed in order by
+    _split_sum_kernel), forced by FUSEKIT_HOPPER_BWD_SPLIT: float64-exact within the tolerance, causal with
+    ragged tails and rows that see no key, and bit-identical on a second run."""
+    _need_sm90(device)
+    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", str(split))
+    B, H, Hkv, S, Skv, D = case
+    assert _mod().dkdv_split(True, 8, B * Hkv, H // Hkv, 0) == split
+    dt = torch.bfloat16
+    q, k, v, do = _inputs(B, H, Hkv, S, Skv, D, dt, sum(case) + split)
+    o, lse, ref = _reference(q, k, v, do, True, D**-0.5)
+    got = _run(q, k, v, do, o, lse, True, D**-0.5)
+    _check(got, ref, dt)
+    again = _run(q, k, v, do, o, lse, True, D**-0.5)
+    for x, y in zip(got, again, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_dkdv_split_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off (1) unless FUSEKIT_HOPPER_BWD_SPLIT says otherwise; "auto": causal only, doubling while the group
+    divides evenly and the grid stays within SPLIT_MAX_CTAS_PER_SM CTAs per SM; a number forces a divisor
+    of the group (else 1)."""
+    m = _mod()
+    monkeypatch.setattr(m, "num_sms", lambda dev=0: 132)
+    monkeypatch.delenv("FUSEKIT_HOPPER_BWD_SPLIT", raising=False)
+    assert m.dkdv_split(True, 16, 8, 4, 0) == 1
+    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", "auto")
+    cap = m.SPLIT_MAX_CTAS_PER_SM * 132
+    assert m.dkdv_split(False, 16, 8, 4, 0) == 1  # not causal: every CTA's work is the same
+    assert m.dkdv_split(True, 16, 8, 4, 0) == (2 if cap < 16 * 8 * 4 else 4)  # B1 H32/8 S2048
+    assert m.dkdv_split(True, 16, 8, 1, 0) == 1  # MHA: nothing to split
+    assert m.dkdv_split(True, 32, 128, 4, 0) == 1  # B4 H32 S4096 GQA: 4096 CTAs already
+    assert m.dkdv_split(True, 1, 1, 8, 0) == 8  # one CTA: split the whole group
+    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", "4")
+    assert m.dkdv_split(False, 32, 128, 4, 0) == 4
+    assert m.dkdv_split(True, 16, 8, 2, 0) == 1  # 4 does not divide a group of 2
 
 
 def test_backward_gate(monkeypatch: pytest.MonkeyPatch) -> None:
