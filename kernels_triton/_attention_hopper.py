@@ -180,6 +180,7 @@ try:  # Gluon (triton.experimental) is optional: without it this module only say
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from kernels_triton._exp2_poly import exp2_mixed_gluon
 
@@ -1004,16 +1005,42 @@ def _host_layouts(dtype_name: str, head_dim: int, block_n: int):
 
 
 def _host_descriptors(q, k, v, o, block_n):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     B, H, S, D = q.shape
     q_lay, kv_lay = _host_layouts("bf16" if q.dtype == torch.bfloat16 else "fp16", D, block_n)
     q3, o3 = q.view(B * H, S, D), o.view(B * H, S, D)
-    qd = TensorDescriptor(q3, list(q3.shape), list(q3.stride()), [1, WG_M, D], q_lay)
-    od = TensorDescriptor(o3, list(o3.shape), list(o3.stride()), [1, WG_M, D], q_lay)
-    kd = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, block_n, D], kv_lay)
-    vd = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, block_n, D], kv_lay)
+    qd = host_descriptor(q3, (1, WG_M, D), q_lay)
+    od = host_descriptor(o3, (1, WG_M, D), q_lay)
+    kd = host_descriptor(k, (1, 1, block_n, D), kv_lay)
+    vd = host_descriptor(v, (1, 1, block_n, D), kv_lay)
     return qd, kd, vd, od
+
+
+# Gluon's TensorDescriptor validates itself on construction (rank, alignment, strides, layout: ~8 us a
+# descriptor on the CPU here, 11 per backward call, 87 us of its ~180 us host path). Everything it checks
+# but the base pointer's alignment is fixed by (dtype, shape, strides, box, layout), so each such signature is
+# validated once and later descriptors copy its fields with the new base. The remembered fields hold no
+# tensor (base None): nothing stays alive.
+_DESC_FIELDS: dict[tuple, tuple[dict, object]] = {}
+
+
+def host_descriptor(t: torch.Tensor, block: tuple[int, ...], layout):
+    """A Gluon TensorDescriptor over `t` (its own shape and strides) with box `block` and shared `layout`
+    (a cached layout object: its identity is part of the key, and the entry keeps it alive)."""
+    strides = t.stride()
+    key = (t.dtype, t.shape, strides, block, id(layout))
+    hit = _DESC_FIELDS.get(key)
+    if hit is None:
+        d = TensorDescriptor(t, list(t.shape), list(strides), list(block), layout)
+        if len(_DESC_FIELDS) >= 4096:
+            _DESC_FIELDS.clear()
+        _DESC_FIELDS[key] = (dict(vars(d), base=None), layout)
+        return d
+    if t.data_ptr() % 16:
+        raise ValueError("host_descriptor: the tensor's base must be 16-byte aligned (TMA)")
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(hit[0])
+    d.base = t
+    return d
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -73,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._attention_hopper import HAS_GLUON, hopper_supported
+from kernels_triton._attention_hopper import HAS_GLUON, hopper_supported, host_descriptor
 from kernels_triton._config import num_sms, on_device
 from kernels_triton._launch import fast_launch, int_class, launch_keyed
 from kernels_triton.attention_backward import (
@@ -650,8 +650,6 @@ def _blocks(head_dim: int, bm: int, bn: int) -> dict[str, tuple[int, ...]]:
 
 
 def _descriptors(q, k, v, do, dq, dk, dv, bm: int, bn: int) -> dict:
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     dt = "bf16" if q.dtype == torch.bfloat16 else "fp16"
@@ -661,7 +659,7 @@ def _descriptors(q, k, v, do, dq, dk, dv, bm: int, bn: int) -> dict:
     out = {}
     for name, box in _blocks(D, bm, bn).items():
         t = src[name]
-        out[name] = TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _layout(dt, box))
+        out[name] = host_descriptor(t, box, _layout(dt, box))
     return out
 
 

@@ -53,6 +53,35 @@ def test_module_imports_without_a_gpu():
     assert set(m.CONFIGS) == set(m.HEAD_DIMS) == {64, 128, 256}
 
 
+def test_host_descriptor_copies_a_validated_one() -> None:
+    """host_descriptor: the first call of a (dtype, shape, strides, box, layout) builds Gluon's validated
+    TensorDescriptor; later ones copy its fields with the new base: equal field by field, no tensor kept
+    alive by the remembered fields, a misaligned base refused."""
+    import gc
+    import weakref
+
+    m = _mod()
+    if not m.HAS_GLUON:
+        pytest.skip("the installed triton has no Gluon Hopper module")
+    lay = m._host_layouts("bf16", 64, 64)[0]
+    a, b = torch.randn(8, 40, 64).to(torch.bfloat16), torch.randn(8, 40, 64).to(torch.bfloat16)
+    first = m.host_descriptor(a, (1, 64, 64), lay)
+    second = m.host_descriptor(b, (1, 64, 64), lay)
+    assert type(second) is type(first) and second.base is b
+    want = m.TensorDescriptor(b, list(b.shape), list(b.stride()), [1, 64, 64], lay)
+    assert vars(second).keys() == vars(want).keys()
+    assert all(getattr(second, f) == getattr(want, f) for f in vars(want) if f != "base")
+    c = torch.randn(8, 40, 64).to(torch.bfloat16)
+    gone = weakref.ref(c)
+    m.host_descriptor(c, (1, 64, 64), lay)
+    del c, first, second, want, a, b
+    gc.collect()
+    assert gone() is None
+    odd = torch.empty(8 * 40 * 64 + 1, dtype=torch.bfloat16)[1:].view(8, 40, 64)
+    with pytest.raises(ValueError, match="16-byte"):
+        m.host_descriptor(odd, (1, 64, 64), lay)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_not_supported_on_the_cpu(dtype):
     assert _mod().hopper_supported(*_qkv(dtype), None) is False
