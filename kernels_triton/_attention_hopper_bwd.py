@@ -516,6 +516,7 @@ def hopper_backward(
         run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
 
 
+@fast_launch
 @triton.jit
 def _split_sum_kernel(wsk_ptr, wsv_ptr, dk_ptr, dv_ptr, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """dk[i] = sum over s of wsk[s, i] (dv from wsv on program_id(1) == 1), fp32, s in order, then cast."""
