@@ -668,6 +668,21 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def aot_specs_split_sum() -> list[tuple[str, object, dict, dict, dict, dict]]:
+    """(name, jit kernel, signature, constexprs, options, attrs) of _split_sum_kernel per dtype and split (a
+    plain Triton kernel: compiled for every target with the rest of attention's specs)."""
+    from kernels_triton._config import div16_attrs
+
+    specs = []
+    for dt in ("fp16", "bf16"):
+        for split in (2, 4, 8):
+            sig = {"wsk_ptr": "*fp32", "wsv_ptr": "*fp32", "dk_ptr": f"*{dt}", "dv_ptr": f"*{dt}", "n": "i32",
+                   "SPLIT": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+            specs.append((f"attn_bwd_split_sum_{dt}_s{split}", _split_sum_kernel, sig,
+                          {"SPLIT": split, "BLOCK": SPLIT_BLOCK}, {"num_warps": 8}, div16_attrs(sig)))  # fmt: skip
+    return specs
+
+
 def aot_specs_gluon_bwd() -> list[tuple[str, object, dict, dict, dict]]:
     """(name, gluon kernel, signature, constexprs, options) per (kernel, dtype, D, causal) variant, for an
     ahead-of-time compile for sm_90 with triton.experimental.gluon._runtime.GluonASTSource; [] without Gluon.

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
 from kernels_triton._attention_hopper import hopper_supported, run_hopper
-from kernels_triton._attention_hopper_bwd import hopper_bwd_supported, run_hopper_bwd
+from kernels_triton._attention_hopper_bwd import aot_specs_split_sum, hopper_bwd_supported, run_hopper_bwd
 from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms, on_device
 from kernels_triton._exp2_poly import env_config as exp2_env_config
 from kernels_triton._exp2_poly import exp2_mixed
@@ -594,4 +594,4 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                     name = f"attn_{dt}_d{d}_c{int(causal)}_{bm}x{bn}_w{w}s{s}{'_tma' if _tma(t) else ''}{'_2d' * g2}"
                     specs.append((name, _attn_fwd_kernel, sig, const, {"num_warps": w, "num_stages": s}))
     specs += aot_specs_decode()
-    return [(*spec, stride_attrs(spec[2])) for spec in specs] + aot_specs_backward()
+    return [(*spec, stride_attrs(spec[2])) for spec in specs] + aot_specs_backward() + aot_specs_split_sum()
