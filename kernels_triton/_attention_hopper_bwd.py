@@ -530,7 +530,7 @@ def _split_sum_kernel(wsk_ptr, wsv_ptr, dk_ptr, dv_ptr, n, SPLIT: tl.constexpr, 
         dst = dv_ptr
     acc = tl.load(src + offs, mask=m, other=0.0)
     for sp in tl.static_range(1, SPLIT):
-        acc += tl.load(src + sp * n + offs, mask=m, other=0.0)
+        acc += tl.load(src + offs + sp * n.to(tl.int64), mask=m, other=0.0)  # int64: split * n may pass 2^31
     tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=m)
 
 

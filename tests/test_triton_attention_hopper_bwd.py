@@ -238,6 +238,31 @@ def test_gpu_split_group_matches_float64(
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_sum_kernel_adds_in_split_order(split: int) -> None:
+    """_split_sum_kernel (a plain Triton kernel: the CPU interpreter runs it): dk, dv = the fp32 sum of the
+    partials in split order, rounded once; bit-identical to that sum done in torch, ragged tail included."""
+    import os
+
+    m = _mod()
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 on the CPU (the triton session) or a GPU")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    n = 2 * m.SPLIT_BLOCK + 37
+    g = torch.Generator(device="cpu").manual_seed(split)
+    ws = torch.randn(2, split * n, generator=g).to(dev)
+    dk = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=dev)
+    dv = torch.full_like(dk, float("nan"))
+    m._split_sum_kernel[(-(-n // m.SPLIT_BLOCK), 2)](
+        ws[0], ws[1], dk, dv, n, SPLIT=split, BLOCK=m.SPLIT_BLOCK
+    )
+    for got, part in ((dk, ws[0].view(split, n)), (dv, ws[1].view(split, n))):
+        want = part[0].clone()
+        for sp in range(1, split):
+            want += part[sp]
+        assert torch.equal(got, want.to(torch.bfloat16))
+
+
 def test_dkdv_split_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off (1) unless FUSEKIT_HOPPER_BWD_SPLIT says otherwise; "auto": causal only, doubling while the group
     divides evenly and the grid stays within SPLIT_MAX_CTAS_PER_SM CTAs per SM; a number forces a divisor
