@@ -2,13 +2,14 @@
 fusekit-triton-compile on the same random-weight model, one JSON line per provider.
 
     PYTHONPATH=python:. python benchmarks/gpu_checks/train_profile.py [--model llama3-8b] [--layers 8]
-        [--providers eager,compile,fusekit-triton,fusekit-triton-compile] [--train 1x2048] [--top 12]
+        [--providers eager,compile,fusekit-triton,fusekit-triton-compile] [--train 1x2048] [--top 12] [--copies]
 
 Per provider (the e2e benchmark's train scenario: forward with labels, HF's loss, backward, AdamW): the
 step's wall time (median of 5 after 3 warm-up steps), its host issue time (until step() returns) and the
 host syncs it makes (where, by innermost caller outside torch), then one profiled step: the sum of its CUDA
 kernel times per category (gemm, attention, norm, rope, ffn_act, loss, optimizer, copy/cast, elementwise,
-other, by kernel name) and the largest kernels. wall - kernels is time the GPU sat idle (host-bound or
+other, by kernel name) and the largest kernels; --copies adds the copy-like aten ops (copies, clones, casts,
+fills, cats) by input shapes and Python caller. wall - kernels is time the GPU sat idle (host-bound or
 syncs).
 
 Measured on the H200 (llama3-8b, 8 layers, 1 x 2048, foreach AdamW; b10c7dd, one process per script run):
@@ -33,6 +34,7 @@ import warnings
 from collections import Counter
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from fusekit.bench.e2e import config as e2e
@@ -75,7 +77,35 @@ def _step_fn(fwd, model, setup: e2e.Setup, b: int, s: int):
     return step
 
 
-def profile_provider(name: str, setup: e2e.Setup, state: dict, b: int, s: int, top: int) -> dict:
+# aten ops that move or fill memory: with --copies each is listed by input shapes and Python caller
+_COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::cat", "aten::fill_",
+             "aten::zero_", "aten::reshape", "aten::index_put_", "aten::embedding_dense_backward")  # fmt: skip
+
+
+def _copies(step, dev: torch.device, top: int) -> list[dict]:
+    """One more profiled step with shapes and stacks: the copy-like aten ops (_COPY_OPS) by device time
+    (CPU time on the CPU), grouped by input shapes and their innermost callers outside torch."""
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    verbose = _ExperimentalConfig(verbose=True)  # Python frames in the stacks (torch 2.11+)
+    with profile(activities=acts, record_shapes=True, with_stack=True, experimental_config=verbose) as prof:
+        step()
+        e2e._sync(dev)
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=12):
+        if e.key not in _COPY_OPS:
+            continue
+        us = e.device_time_total if dev.type == "cuda" else e.cpu_time_total
+        # innermost first; backward ops run on autograd's thread and have none (their shapes say which)
+        frames = [f for f in (e.stack or []) if "/torch/" not in f]
+        rows.append({"op": e.key, "shapes": str(e.input_shapes)[:160], "calls": e.count, "ms": round(us / 1e3, 3),
+                     "where": frames[:3]})  # fmt: skip
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
+
+
+def profile_provider(
+    name: str, setup: e2e.Setup, state: dict, b: int, s: int, top: int, copies: bool = False
+) -> dict:
     [prov] = e2e_providers.make_providers([name], setup)
     why = prov.unavailable(setup)
     if why:
@@ -114,6 +144,7 @@ def profile_provider(name: str, setup: e2e.Setup, state: dict, b: int, s: int, t
         host_ms = (time.perf_counter() - t0) * 1e3  # until step() returns: the host's issue time
         e2e._sync(dev)
         syncs = _syncs(step) if dev.type == "cuda" else {}
+        copy_rows = _copies(step, dev, top) if copies else None
         wall_ms = statistics.median(times) * 1e3
         return {
             "provider": name,
@@ -126,6 +157,7 @@ def profile_provider(name: str, setup: e2e.Setup, state: dict, b: int, s: int, t
             "by_category_ms": {k: round(v / 1e3, 2) for k, v in per_cat.most_common()},
             "launches": dict(launches.most_common()),
             "top_kernels_ms": {k: round(v / 1e3, 2) for k, v in per_kernel.most_common(top)},
+            **({"copies": copy_rows} if copy_rows is not None else {}),
         }
     finally:
         prov.close()
@@ -164,6 +196,7 @@ def main() -> None:
     ap.add_argument("--train", default="1x2048")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--copies", action="store_true", help="also list the copy-like aten ops, shapes, callers")
     args = ap.parse_args()
     [(b, s)] = e2e._shapes(args.train)[:1]
     setup = e2e.Setup(device=args.device, model=args.model, layers=args.layers, dtype="bf16", attn_implementation="sdpa",
@@ -172,7 +205,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if setup.torch_device.type == "cuda" else "cpu"
     print(gpu, "torch", torch.__version__, f"{args.model} x{args.layers}", flush=True)
     for name in args.providers.split(","):
-        row = profile_provider(name, setup, state, b, s, args.top)
+        row = profile_provider(name, setup, state, b, s, args.top, args.copies)
         print(json.dumps(row), flush=True)
 
 
