@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted((ROOT / "benchmarks" / "gpu_checks").glob("*.py"))
+SCRIPTS = sorted(p for p in (ROOT / "benchmarks" / "gpu_checks").glob("*.py") if not p.name.startswith("_"))
 NO_GPU = ("libcuda", "CUDA", "cuda")  # what a GPU-only import may stop on here
 
 

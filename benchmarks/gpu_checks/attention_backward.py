@@ -22,9 +22,7 @@ With $OUT set, writes $OUT/attention_backward_check.json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 
@@ -32,6 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from _out import save_json  # benchmarks/gpu_checks/_out.py (the script's folder is on sys.path)
 
 _LOG2E = 1.4426950408889634
 _ATOMIC_TILES = {
@@ -266,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             row, good = check(d, causal, args.device, args.atomic)
             rows.append(row)
             ok &= good
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "attention_backward_check.json"), "w") as f:
-            json.dump({"device": args.device, "rows": rows}, f, indent=1)
+    save_json("attention_backward_check.json", {"device": args.device, "rows": rows})
     return 0 if ok else 1
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
+from _out import save_json  # benchmarks/gpu_checks/_out.py (the script's folder is on sys.path)
 
 SHAPES = "1x32x8x2048x128,1x32x8x4096x128,2x32x8x2048x128,1x32x8x2048x64,8x32x8x1024x128"
 
@@ -97,9 +97,7 @@ def main() -> int:
             print(f"{r['shape']:22s} split {r['split']:>4s} (={r['picked']})  bwd {r['bwd_us']:8.1f} us  "
                   f"SDPA bwd {r['sdpa_bwd_us']:8.1f}  ratio {r['vs_sdpa']:.3f}  err {r['rel_err_vs_split1']:.1e}"
                   f"{'' if r['ok'] else '  FAIL'}", flush=True)  # fmt: skip
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "attention_split.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    save_json("attention_split.json", out)
     return 0 if ok else 1
 
 

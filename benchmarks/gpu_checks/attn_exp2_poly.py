@@ -41,6 +41,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _out import save_json  # benchmarks/gpu_checks/_out.py (the script's folder is on sys.path)
 
 CASES = [(32, 32, 32, 512), (16, 32, 32, 1024), (4, 32, 32, 4096), (1, 32, 8, 2048)]  # (B, H, Hkv, S), D64
 CASES_D128 = [(16, 32, 32, 1024), (4, 32, 32, 4096)]  # Gluon reference rows, non-causal
@@ -257,9 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             row = run_case(B, H, Hkv, S, False, variants, args.device, bench, D=128, triton_variants=False)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "attn_exp2_poly.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json("attn_exp2_poly.json", rows)
     return 0
 
 

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from _out import save_json  # benchmarks/gpu_checks/_out.py (the script's folder is on sys.path)
 
 SHAPES = [  # (B, H, Hkv, Skv, D)
     (1, 32, 8, 2048, 128),
@@ -181,9 +180,7 @@ def main() -> int:
         out["sweep"], ok = sweep(args.rep_ms, SHAPES[: args.shapes])
     if not args.sweep_only:
         out["host_us_per_call"] = host()
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "decode_check.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    save_json("decode_check.json", out)
     return 0 if ok else 1
 
 

@@ -13,8 +13,6 @@ Prints a summary; with $OUT set it also writes $OUT/ffn_check.json. Exit status 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 import warnings
@@ -29,6 +27,7 @@ for p in (str(ROOT / "python"), str(ROOT)):
         sys.path.insert(0, p)
 
 import triton  # noqa: E402
+from _out import save_json  # noqa: E402 (benchmarks/gpu_checks/_out.py: the script's folder is on sys.path)
 
 import kernels_triton.swiglu_ffn as ffn  # noqa: E402
 from fusekit.ops.swiglu_ffn import reference_forward  # noqa: E402
@@ -139,8 +138,7 @@ def main() -> int:
     if "triton-auto" in tf and "torch-compile" in tf:
         print(f"triton-auto / torch-compile = {tf['triton-auto'] / tf['torch-compile']:.3f}", flush=True)
     print(f"{'PASS' if ok else 'FAIL'} in {time.time() - t0:.0f} s", flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "ffn_check.json").write_text(json.dumps(res, indent=1))
+    save_json("ffn_check.json", res)
     return 0 if ok else 1
 
 

@@ -21,8 +21,6 @@ outputs: bit-identical). Exit status 1 if a check fails. With $OUT set, writes $
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ for p in (str(ROOT / "python"), str(ROOT)):
         sys.path.insert(0, p)
 
 import triton  # noqa: E402
+from _out import save_json  # noqa: E402 (benchmarks/gpu_checks/_out.py: the script's folder is on sys.path)
 
 import fusekit  # noqa: E402
 import kernels_triton.swiglu_ffn as ffn  # noqa: E402
@@ -118,8 +117,7 @@ def main() -> int:
         ok &= train(res, bench, t0)
     ok &= replay_check(res, t0)
     print(f"{'PASS' if ok else 'FAIL'} in {time.time() - t0:.0f} s", flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "ffn_gate_up_blas.json").write_text(json.dumps(res, indent=1))
+    save_json("ffn_gate_up_blas.json", res)
     return 0 if ok else 1
 
 

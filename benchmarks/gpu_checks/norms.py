@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 import time
@@ -37,6 +36,8 @@ import triton  # noqa: E402
 
 _ln_spec = importlib.import_module("fusekit.ops.layer_norm")  # the module (fusekit.ops.layer_norm is the op)
 _rms_spec = importlib.import_module("fusekit.ops.rms_norm")
+from _out import save_json  # noqa: E402 (benchmarks/gpu_checks/_out.py: the script's folder is on sys.path)
+
 from kernels_triton import _config  # noqa: E402
 from kernels_triton.layer_norm import layer_norm  # noqa: E402
 from kernels_triton.rms_norm import rms_norm  # noqa: E402
@@ -138,10 +139,7 @@ def main() -> int:
     if skipped:
         print("skipped (budget):", ", ".join(skipped))
     print(f"total {time.time() - start:.0f} s")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "norms_check.json").write_text(
-            json.dumps({"rows": rows, "skipped": skipped}, indent=1)
-        )
+    save_json("norms_check.json", {"rows": rows, "skipped": skipped})
     return 0 if all(r["ok"] for r in rows) else 1
 
 
