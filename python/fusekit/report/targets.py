@@ -225,10 +225,13 @@ def evaluate(entries: list[tuple[str, Path, dict]]) -> list[tuple[str, Target, d
     return out
 
 
-def _step_peak(r: dict) -> int:
-    """Bytes a training step's peak rose over what its process held when it began (rows without
-    mem_before_bytes: the peak itself)."""
-    return r["peak_mem_bytes"] - (r.get("mem_before_bytes") or 0)
+def _peak_over(r: dict, b: dict) -> float:
+    """MiB by which row r's training step's peak rose beyond baseline row b's: each over what its process
+    held when the step began, where both rows record that (mem_before_bytes), else the peaks themselves."""
+    held = r.get("mem_before_bytes") is not None and b.get("mem_before_bytes") is not None
+    rise_r = r["peak_mem_bytes"] - (r["mem_before_bytes"] if held else 0)
+    rise_b = b["peak_mem_bytes"] - (b["mem_before_bytes"] if held else 0)
+    return (rise_r - rise_b) / 2**20
 
 
 def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2ETarget, dict[str, str]]]]]:
@@ -253,7 +256,7 @@ def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2E
                     b = base.get((t.baseline, r["scenario"], r["case"]))
                     if t.metric == "peak":  # a row without a peak figure (e.g. CPU runs) has no verdict
                         v = (
-                            (_step_peak(r) - _step_peak(b)) / 2**20
+                            _peak_over(r, b)
                             if b and b.get("peak_mem_bytes") and r.get("peak_mem_bytes")
                             else None
                         )
