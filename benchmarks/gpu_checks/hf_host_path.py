@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import warnings
 
 import torch
+from _syncs import host_syncs  # benchmarks/gpu_checks/_syncs.py (the script's folder is on sys.path)
 from torch.profiler import ProfilerActivity, profile
 
 import fusekit.hf
@@ -56,21 +56,7 @@ def _prefill(model, ids: torch.Tensor) -> dict:
         model(ids, use_cache=False)
         torch.cuda.synchronize()
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
-    syncs = 0
-
-    def count(*args, **kwargs) -> None:
-        nonlocal syncs
-        syncs += 1
-
-    shown, warnings.showwarning = warnings.showwarning, count
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            model(ids, use_cache=False)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = shown
+    syncs = sum(host_syncs(lambda: model(ids, use_cache=False)).values())
     host.sort()
     done.sort()
     return {"host_ms": host[2] * 1e3, "done_ms": done[2] * 1e3, "kernel_ms": kernel_us / 1e3, "syncs": syncs}

@@ -29,16 +29,16 @@ import json
 import re
 import statistics
 import time
-import traceback
-import warnings
 from collections import Counter
 
 import torch
+from _syncs import host_syncs  # benchmarks/gpu_checks/_syncs.py (the script's folder is on sys.path)
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from fusekit.bench.e2e import config as e2e
 from fusekit.bench.e2e import providers as e2e_providers
+from fusekit.bench.e2e.scenarios import train_step
 
 # First match wins: kernel name regex -> category.
 _CATEGORIES = (
@@ -60,21 +60,6 @@ def category(name: str) -> str:
         if re.search(pat, low):
             return cat
     return "other"
-
-
-def _step_fn(fwd, model, setup: e2e.Setup, b: int, s: int):
-    ids = e2e._ids(setup, b, s, salt=20 + s)
-    labels = e2e._ids(setup, b, s, salt=30 + s)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss = fwd(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-
-    return step
 
 
 # aten ops that move or fill memory: with --copies each is listed by input shapes and Python caller
@@ -112,7 +97,7 @@ def profile_provider(
         return {"provider": name, "status": "skipped", "reason": why}
     model = e2e.fresh_model(setup, state)
     try:
-        step = _step_fn(prov.prepare(model), model, setup, b, s)
+        step = train_step(prov.prepare(model), model, setup, b, s)
         for _ in range(3):
             step()
         dev = setup.torch_device
@@ -143,7 +128,7 @@ def profile_provider(
         step()
         host_ms = (time.perf_counter() - t0) * 1e3  # until step() returns: the host's issue time
         e2e._sync(dev)
-        syncs = _syncs(step) if dev.type == "cuda" else {}
+        syncs = dict(host_syncs(step).most_common(12)) if dev.type == "cuda" else {}
         copy_rows = _copies(step, dev, top) if copies else None
         wall_ms = statistics.median(times) * 1e3
         return {
@@ -163,29 +148,6 @@ def profile_provider(
         prov.close()
         del model
         e2e._free()
-
-
-def _syncs(step) -> dict[str, int]:
-    """Host syncs one step makes (torch's sync-debug mode), counted by their innermost caller outside
-    torch (file:line)."""
-    where: Counter = Counter()
-
-    def note(*args, **kwargs) -> None:
-        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
-        f = frames[-1] if frames else None
-        where[f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" if f else "?"] += 1
-
-    shown, warnings.showwarning = warnings.showwarning, note
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = shown
-    torch.cuda.synchronize()
-    return dict(where.most_common(12))
 
 
 def main() -> None:

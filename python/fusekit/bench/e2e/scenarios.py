@@ -206,20 +206,28 @@ def ab_decode(
     }
 
 
-def run_train(fwd, model, prov: Provider, setup: Setup, b: int, s: int, warmup: int, reps: int) -> dict:
+def train_step(fwd, model, setup: Setup, b: int, s: int, losses: list | None = None):
+    """The train scenario's step on a B x S batch (model put in train mode): zero_grad, forward with
+    labels (the model's own loss), backward, AdamW (setup.optim); each loss appended to `losses`."""
     ids = _ids(setup, b, s, salt=20 + s)
     labels = _ids(setup, b, s, salt=30 + s)  # random targets: HF shifts them by one inside the loss
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=setup.optim == "fused")
-    losses: list[torch.Tensor] = []
 
-    def step():
+    def step() -> None:
         opt.zero_grad(set_to_none=True)
         loss = fwd(input_ids=ids, labels=labels).loss
         loss.backward()
         opt.step()
-        losses.append(loss.detach())
+        if losses is not None:
+            losses.append(loss.detach())
 
+    return step
+
+
+def run_train(fwd, model, prov: Provider, setup: Setup, b: int, s: int, warmup: int, reps: int) -> dict:
+    losses: list[torch.Tensor] = []
+    step = train_step(fwd, model, setup, b, s, losses)
     dev = setup.torch_device
     _sync(dev)
     t0 = time.perf_counter()
