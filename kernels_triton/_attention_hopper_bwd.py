@@ -124,8 +124,13 @@ _MAX_GRID_Y = 65535
 # heaviest CTA - the first key block walks all 4 query heads x 32 query blocks, ~2x the mean. Splitting each
 # GQA group over SPLIT CTAs (fp32 partial dk/dv into a workspace, summed in split order by _split_sum_kernel:
 # deterministic) shortens that path SPLIT-fold for 2 * SPLIT * B*Hkv*Skv*D*4 bytes written and read back.
-# Off by default until timed (dkdv_split: FUSEKIT_HOPPER_BWD_SPLIT=auto or a number turns it on).
-SPLIT_MAX_CTAS_PER_SM = 2
+# dkdv_split's rule, from benchmarks/results/nvidia-h200/attention-split.json (H200, bf16 causal H32/8, the
+# backward alone, us for split 1 / 2 / 4; SDPA's backward in brackets): B1 S2048 D128 341 / 254 / 275 (274),
+# B1 S4096 D128 1072 / 959 / 945 (793), B2 S2048 D128 475 / 501 / 538 (471), B8 S1024 D128 569 / 622 / 711
+# (583), B1 S2048 D64 264 / 431 / 440 (181). So: D128 only, split 2 where the grid fits the SMs once, or
+# twice with >= SPLIT_LONG_KB key blocks (long causal rows: the partials are a small share of the work).
+SPLIT_LONG_KB = 32
+SPLIT_HEAD_DIMS = (128,)
 SPLIT_BLOCK = 2048  # _split_sum_kernel elements per program
 
 
@@ -534,21 +539,18 @@ def _split_sum_kernel(wsk_ptr, wsv_ptr, dk_ptr, dv_ptr, n, SPLIT: tl.constexpr, 
     tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=m)
 
 
-def dkdv_split(causal: bool, n_kb: int, n_bhkv: int, group: int, device: int) -> int:
-    """CTAs per GQA group in the dk/dv kernel. FUSEKIT_HOPPER_BWD_SPLIT: unset or 1, one (the default until
-    the split is timed: correct on the H200 at its commit, tests/test_triton_attention_hopper_bwd.py, but its
-    speed not yet measured); "auto", the rule (causal only; doubling while the group divides evenly and the
-    grid stays within SPLIT_MAX_CTAS_PER_SM CTAs per SM); an integer, that split where it divides the group."""
-    env = os.environ.get("FUSEKIT_HOPPER_BWD_SPLIT", "")
+def dkdv_split(causal: bool, head_dim: int, n_kb: int, n_bhkv: int, group: int, device: int) -> int:
+    """CTAs per GQA group in the dk/dv kernel (see SPLIT_LONG_KB): 2 where causal, D in SPLIT_HEAD_DIMS, an
+    even group and a grid of n_kb * n_bhkv CTAs <= the SMs (or <= 2x with n_kb >= SPLIT_LONG_KB); else 1.
+    FUSEKIT_HOPPER_BWD_SPLIT=N forces N where it divides the group (probes, tests); "auto" or unset: the rule."""
+    env = os.environ.get("FUSEKIT_HOPPER_BWD_SPLIT", "auto")
     if env != "auto":
-        forced = int(env) if env else 1
+        forced = int(env)
         return forced if forced >= 1 and group % forced == 0 else 1
-    if not causal:
+    if not causal or head_dim not in SPLIT_HEAD_DIMS or group % 2:
         return 1
-    split, cap = 1, SPLIT_MAX_CTAS_PER_SM * num_sms(device)
-    while group % (2 * split) == 0 and n_kb * n_bhkv * 2 * split <= cap:
-        split *= 2
-    return split
+    ctas, sms = n_kb * n_bhkv, num_sms(device)
+    return 2 if ctas <= sms or (n_kb >= SPLIT_LONG_KB and ctas <= 2 * sms) else 1
 
 
 def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) -> None:
@@ -582,7 +584,7 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
         ints = tuple(int_class(n) for n in (H, Hkv, S, Skv))
         aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)
         n_kb, n_qb = triton_cdiv(Skv, BLOCK_KEYS), triton_cdiv(S, BLOCK_QUERIES)
-        split = dkdv_split(causal, n_kb, nb * Hkv, H // Hkv, q.device.index)
+        split = dkdv_split(causal, D, n_kb, nb * Hkv, H // Hkv, q.device.index)
         n_units = nb * Hkv * split
         hc = head_chunk(causal, n_kb, n_units, 2 * S * D * q.element_size() // split, q.device.index)
         grid_kv = (n_kb * n_units,)

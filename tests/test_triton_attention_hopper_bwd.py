@@ -227,7 +227,7 @@ def test_gpu_split_group_matches_float64(
     _need_sm90(device)
     monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", str(split))
     B, H, Hkv, S, Skv, D = case
-    assert _mod().dkdv_split(True, 8, B * Hkv, H // Hkv, 0) == split
+    assert _mod().dkdv_split(True, D, 8, B * Hkv, H // Hkv, 0) == split
     dt = torch.bfloat16
     q, k, v, do = _inputs(B, H, Hkv, S, Skv, D, dt, sum(case) + split)
     o, lse, ref = _reference(q, k, v, do, True, D**-0.5)
@@ -264,23 +264,29 @@ def test_split_sum_kernel_adds_in_split_order(split: int) -> None:
 
 
 def test_dkdv_split_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off (1) unless FUSEKIT_HOPPER_BWD_SPLIT says otherwise; "auto": causal only, doubling while the group
-    divides evenly and the grid stays within SPLIT_MAX_CTAS_PER_SM CTAs per SM; a number forces a divisor
-    of the group (else 1)."""
+    """The measured rule (unset or "auto"): split 2 for causal D128 with an even group where the grid fits the
+    SMs, or twice that with long rows; else 1. A number forces a divisor of the group (else 1)."""
     m = _mod()
     monkeypatch.setattr(m, "num_sms", lambda dev=0: 132)
-    monkeypatch.delenv("FUSEKIT_HOPPER_BWD_SPLIT", raising=False)
-    assert m.dkdv_split(True, 16, 8, 4, 0) == 1
-    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", "auto")
-    cap = m.SPLIT_MAX_CTAS_PER_SM * 132
-    assert m.dkdv_split(False, 16, 8, 4, 0) == 1  # not causal: every CTA's work is the same
-    assert m.dkdv_split(True, 16, 8, 4, 0) == (2 if cap < 16 * 8 * 4 else 4)  # B1 H32/8 S2048
-    assert m.dkdv_split(True, 16, 8, 1, 0) == 1  # MHA: nothing to split
-    assert m.dkdv_split(True, 32, 128, 4, 0) == 1  # B4 H32 S4096 GQA: 4096 CTAs already
-    assert m.dkdv_split(True, 1, 1, 8, 0) == 8  # one CTA: split the whole group
+    for env in (None, "auto"):
+        if env is None:
+            monkeypatch.delenv("FUSEKIT_HOPPER_BWD_SPLIT", raising=False)
+        else:
+            monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", env)
+        assert m.dkdv_split(True, 128, 16, 8, 4, 0) == 2  # B1 H32/8 S2048: 128 CTAs
+        assert m.dkdv_split(True, 128, 32, 8, 4, 0) == 2  # B1 H32/8 S4096: 256 CTAs, long rows
+        assert m.dkdv_split(True, 128, 16, 16, 4, 0) == 1  # B2 H32/8 S2048: 256 CTAs, short rows
+        assert m.dkdv_split(True, 128, 8, 64, 4, 0) == 1  # B8 H32/8 S1024: 512 CTAs
+        assert m.dkdv_split(True, 128, 32, 128, 4, 0) == 1  # B4 H32 S4096 GQA: 4096 CTAs
+        assert m.dkdv_split(True, 64, 16, 8, 4, 0) == 1  # D64: the split was slower there
+        assert m.dkdv_split(False, 128, 16, 8, 4, 0) == 1  # not causal: every CTA's work is the same
+        assert m.dkdv_split(True, 128, 16, 8, 1, 0) == 1  # MHA: nothing to split
+        assert m.dkdv_split(True, 128, 1, 1, 3, 0) == 1  # odd group
     monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", "4")
-    assert m.dkdv_split(False, 32, 128, 4, 0) == 4
-    assert m.dkdv_split(True, 16, 8, 2, 0) == 1  # 4 does not divide a group of 2
+    assert m.dkdv_split(False, 64, 32, 128, 4, 0) == 4
+    assert m.dkdv_split(True, 128, 16, 8, 2, 0) == 1  # 4 does not divide a group of 2
+    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", "1")
+    assert m.dkdv_split(True, 128, 16, 8, 4, 0) == 1
 
 
 def test_backward_gate(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,8 +6,8 @@ Per shape (B x H x Hkv x S x D, bf16, causal): the backward alone - `run_hopper_
 (preprocess, dk/dv, the split sum, dq), no autograd, so the host never paces it - at FUSEKIT_HOPPER_BWD_SPLIT
 1, 2, 4 and what "auto" picks, against SDPA's backward (its forward graph built once, `torch.autograd.grad`
 with retain_graph), each do_bench's median with the L2 flushed. Every split's dq, dk, dv are checked against
-split 1 (relative error <= 1e-2; exit status 1 otherwise). The split is off by default until this has run:
-a split that wins by more than noise at the small-grid shapes is what "auto" should become.
+split 1 (relative error <= 1e-2; exit status 1 otherwise). dkdv_split's default rule was read off this
+script's rows (benchmarks/results/nvidia-h200/attention-split.json).
 With $OUT set, writes $OUT/attention_split.json.
 """
 
@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-from _out import save_json  # benchmarks/gpu_checks/_out.py (the script's folder is on sys.path)
+from _out import run_meta, save_json  # benchmarks/gpu_checks/_out.py (the script's folder is on sys.path)
 
 SHAPES = "1x32x8x2048x128,1x32x8x4096x128,2x32x8x2048x128,1x32x8x2048x64,8x32x8x1024x128"
 
@@ -53,7 +53,7 @@ def run_shape(B: int, H: int, Hkv: int, S: int, D: int, rep_ms: int) -> list[dic
     rows, base = [], None
     for split in ("1", "2", "4", "auto"):
         os.environ["FUSEKIT_HOPPER_BWD_SPLIT"] = split
-        picked = hb.dkdv_split(True, n_kb, B * Hkv, H // Hkv, q.device.index)
+        picked = hb.dkdv_split(True, D, n_kb, B * Hkv, H // Hkv, q.device.index)
         if split != "auto" and picked != int(split):
             continue
         dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
@@ -97,7 +97,7 @@ def main() -> int:
             print(f"{r['shape']:22s} split {r['split']:>4s} (={r['picked']})  bwd {r['bwd_us']:8.1f} us  "
                   f"SDPA bwd {r['sdpa_bwd_us']:8.1f}  ratio {r['vs_sdpa']:.3f}  err {r['rel_err_vs_split1']:.1e}"
                   f"{'' if r['ok'] else '  FAIL'}", flush=True)  # fmt: skip
-    save_json("attention_split.json", out)
+    save_json("attention_split.json", {"meta": run_meta(command=" ".join(sys.argv)), "rows": out})
     return 0 if ok else 1
 
 
