@@ -1,0 +1,125 @@
+"""Where ops.attention's training call spends host time (issues #10, #11), ~1 min on a GPU.
+
+    PYTHONPATH=python:. python benchmarks/gpu_checks/attention_host.py [--shape 1x32x8x2048x128] [--top 30]
+
+At one shape (B x H x Hkv x S x D, bf16, causal), for fusekit's triton backend and SDPA: the host time of the
+forward call and of `backward` (perf_counter around each, no sync: the GPU runs behind), the loop's wall time
+per forward + backward, the GPU time of the pair (CUDA events), then cProfile over fusekit's loop: the
+functions with the most own time and the most cumulative time, and torch.profiler's CPU-side aten ops of one
+pair (which allocations, copies and small kernels the host path issues). host >> GPU means a model of this
+shape waits on fusekit's launcher Python. With $OUT set, writes $OUT/attention_host.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from _out import run_meta, save_json  # benchmarks/gpu_checks/_out.py (the script's folder is on sys.path)
+
+
+def _pair(fn, q, k, v, do):
+    def run() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        o = fn(q, k, v)
+        t1 = time.perf_counter()
+        o.backward(do)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+    return run
+
+
+def measure(name: str, fn, q, k, v, do, reps: int) -> dict:
+    run = _pair(fn, q, k, v, do)
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    fwd, bwd = [], []
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a, b = run()
+        fwd.append(a)
+        bwd.append(b)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / reps
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # GPU time: queue the pairs behind a sleep so the host never paces them
+    torch.cuda._sleep(int(2e8))
+    e0.record()
+    for _ in range(reps):
+        run()
+    e1.record()
+    torch.cuda.synchronize()
+    gpu = e0.elapsed_time(e1) / reps * 1e3
+    row = {"provider": name, "fwd_host_us": 1e6 * statistics.median(fwd), "bwd_host_us": 1e6 * statistics.median(bwd),
+           "wall_us": 1e6 * wall, "gpu_us": gpu}  # fmt: skip
+    print(f"{name:8s} fwd host {row['fwd_host_us']:7.1f} us  bwd host {row['bwd_host_us']:7.1f} us  "
+          f"loop wall {row['wall_us']:7.1f} us  GPU {gpu:7.1f} us", flush=True)  # fmt: skip
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="1x32x8x2048x128", help="BxHxHkvxSxD (bf16, causal)")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("attention_host.py: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from fusekit import ops
+
+    B, H, Hkv, S, D = (int(x) for x in args.shape.split("x"))
+    torch.manual_seed(0)
+    mk = lambda h: torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = mk(H), mk(Hkv), mk(Hkv)
+    do = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+
+    def fk(q, k, v):
+        return ops.attention(q, k, v, causal=True, backend="triton")
+
+    def sd(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, args.shape, flush=True)
+    rows = [measure("triton", fk, q, k, v, do, args.reps), measure("sdpa", sd, q, k, v, do, args.reps)]
+
+    run = _pair(fk, q, k, v, do)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        run()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = {}
+    for order in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(order).print_stats(args.top)
+        stats[order] = buf.getvalue()
+        print(f"--- cProfile, 20 pairs, by {order}")
+        print("\n".join(ln for ln in buf.getvalue().splitlines() if ln.strip())[:6000])
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        run()
+    torch.cuda.synchronize()
+    table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
+    print("--- torch.profiler, one pair, CPU ops")
+    print(table)
+    save_json("attention_host.json", {"meta": run_meta(command=" ".join(sys.argv)), "rows": rows,
+                                      "cprofile": stats, "aten": table})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
