@@ -66,6 +66,75 @@ def measure(name: str, fn, q, k, v, do, reps: int) -> dict:
     return row
 
 
+def _host_us(fn, reps: int) -> float:
+    """Median host time of fn() over reps calls, the queue drained every 8 calls (never backs up)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+        if i % 8 == 7:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(ts)
+
+
+def layers(q, k, v, do, reps: int) -> dict:
+    """Host time of each layer of the triton path, innermost first: the Gluon launch functions, the
+    kernels_triton entry points, ops.attention without and with autograd, the autograd backward."""
+    from fusekit import ops
+    from kernels_triton import attention as A
+    from kernels_triton._attention_hopper import run_hopper
+    from kernels_triton._attention_hopper_bwd import run_hopper_bwd
+
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    B, H, S, D = q.shape
+    scale = D**-0.5
+    o = torch.empty_like(qd)
+    lse = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
+    A.forward(o, lse, qd, kd, vd, None, True, scale)
+    dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
+    with torch.cuda.device(q.device):
+        r = {
+            "layer": "host_us",
+            "torch.empty x4": _host_us(lambda: [torch.empty_like(qd) for _ in range(4)], reps),
+            "run_hopper": _host_us(
+                lambda: run_hopper(o, lse, qd, kd, vd, True, scale * 1.4426950408889634), reps
+            ),
+            "A.forward": _host_us(lambda: A.forward(o, lse, qd, kd, vd, None, True, scale), reps),
+            "ops.attention no grad": _host_us(
+                lambda: ops.attention(qd, kd, vd, causal=True, backend="triton"), reps
+            ),
+            "ops.attention grad (fwd)": _host_us(
+                lambda: ops.attention(q, k, v, causal=True, backend="triton"), reps
+            ),
+            "run_hopper_bwd": _host_us(
+                lambda: run_hopper_bwd(dq, dk, dv, do, qd, kd, vd, o, lse, True, scale), reps
+            ),
+            "A.backward": _host_us(
+                lambda: A.backward(dq, dk, dv, do, qd, kd, vd, o, lse, None, True, scale), reps
+            ),
+        }
+        y = ops.attention(q, k, v, causal=True, backend="triton")
+        r["autograd.grad (bwd)"] = _host_us(
+            lambda: torch.autograd.grad(y, (q, k, v), do, retain_graph=True), reps
+        )
+        ys = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        r["sdpa fwd"] = _host_us(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), reps
+        )
+        r["sdpa autograd.grad (bwd)"] = _host_us(
+            lambda: torch.autograd.grad(ys, (q, k, v), do, retain_graph=True), reps
+        )
+    for name, us in r.items():
+        if name != "layer":
+            print(f"  host {name:28s} {us:8.1f} us", flush=True)
+    return r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1x32x8x2048x128", help="BxHxHkvxSxD (bf16, causal)")
@@ -91,6 +160,8 @@ def main() -> int:
 
     print(torch.cuda.get_device_name(), "torch", torch.__version__, args.shape, flush=True)
     rows = [measure("triton", fk, q, k, v, do, args.reps), measure("sdpa", sd, q, k, v, do, args.reps)]
+
+    rows.append(layers(q, k, v, do, args.reps))
 
     run = _pair(fk, q, k, v, do)
     torch.cuda.synchronize()
