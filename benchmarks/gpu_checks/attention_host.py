@@ -135,11 +135,66 @@ def layers(q, k, v, do, reps: int) -> dict:
     return r
 
 
+def autograd_probe(q, k, v, do, reps: int, top: int) -> dict:
+    """Where the autograd backward's time goes beyond kernels_triton's backward: the same backward called from
+    a bare autograd.Function (the engine and its device thread alone), then cProfile of fusekit's."""
+    from fusekit import ops
+    from kernels_triton import attention as A
+
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    B, H, S, D = q.shape
+    scale = D**-0.5
+    o = torch.empty_like(qd)
+    lse = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
+    A.forward(o, lse, qd, kd, vd, None, True, scale)
+    dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            return o.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            A.backward(dq, dk, dv, g, qd, kd, vd, o, lse, None, True, scale)
+            return dq, dk, dv
+
+    yb = Bare.apply(q, k, v)
+    y = ops.attention(q, k, v, causal=True, backend="triton")
+    r = {
+        "layer": "autograd_host_us",
+        "A.backward": _host_us(
+            lambda: A.backward(dq, dk, dv, do, qd, kd, vd, o, lse, None, True, scale), reps
+        ),
+        "bare Function grad": _host_us(
+            lambda: torch.autograd.grad(yb, (q, k, v), do, retain_graph=True), reps
+        ),
+        "ops.attention grad": _host_us(
+            lambda: torch.autograd.grad(y, (q, k, v), do, retain_graph=True), reps
+        ),
+    }
+    for name, us in r.items():
+        if name != "layer":
+            print(f"  host {name:28s} {us:8.1f} us", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        torch.autograd.grad(y, (q, k, v), do, retain_graph=True)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(top)
+    print("\n".join(ln for ln in buf.getvalue().splitlines() if ln.strip())[:5000])
+    r["cprofile"] = buf.getvalue()
+    return r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1x32x8x2048x128", help="BxHxHkvxSxD (bf16, causal)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--autograd-only", action="store_true", help="only the autograd backward's breakdown")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("attention_host.py: needs a CUDA GPU", file=sys.stderr)
@@ -159,6 +214,10 @@ def main() -> int:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     print(torch.cuda.get_device_name(), "torch", torch.__version__, args.shape, flush=True)
+    if args.autograd_only:
+        r = autograd_probe(q, k, v, do, args.reps, args.top)
+        save_json("attention_host.json", {"meta": run_meta(command=" ".join(sys.argv)), "rows": [r]})
+        return 0
     rows = [measure("triton", fk, q, k, v, do, args.reps), measure("sdpa", sd, q, k, v, do, args.reps)]
 
     rows.append(layers(q, k, v, do, args.reps))
