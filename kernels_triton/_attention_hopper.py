@@ -166,7 +166,7 @@ import os
 
 import torch
 
-from kernels_triton._config import device_index, is_interpreter, l2_bytes, num_sms, on_device
+from kernels_triton._config import EnvSnapshot, device_index, is_interpreter, l2_bytes, num_sms, on_device
 from kernels_triton._exp2_poly import env_config as exp2_env_config
 from kernels_triton._launch import fast_launch, int_class, launch_keyed
 
@@ -860,6 +860,34 @@ def hopper_forward(
         run_hopper(o, lse, q, k, v, causal, qk_scale)
 
 
+# Plan/run split (FlashInfer's): what run_hopper decides from the shapes, k/v strides, dtype, device, causal flag
+# and the FUSEKIT_HOPPER_ATTN_* switches - kernel, tile config, schedule, grid, launch key, the descriptors'
+# validated fields - is made once per such signature (_FwdPlan); a call then rebases the descriptors on its
+# tensors and launches. Before it, run_hopper took 91 us of the H200 host's time per call at B1 H32/8 S2048
+# D128 causal, against 34 us for SDPA's whole forward (benchmarks/gpu_checks/attention_host.py at 9f3122f).
+_FWD_ENV = EnvSnapshot(
+    "FUSEKIT_HOPPER_ATTN_CFG", "FUSEKIT_HOPPER_ATTN_PERSIST", "FUSEKIT_HOPPER_ATTN_DESC", "FUSEKIT_HOPPER_ATTN_PINGPONG",
+    "FUSEKIT_HOPPER_ATTN_PERSIST_SECTION", "FUSEKIT_HOPPER_ATTN_PERSIST_ORDER", "FUSEKIT_HOPPER_ATTN_PERSIST_CTAS",
+    "FUSEKIT_HOPPER_ATTN_EXP2_POLY", "FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE",
+)  # fmt: skip
+_PLAN_CACHE = 1024  # signatures kept per plan table; a model has a few
+_FWD_PLANS: dict[tuple, _FwdPlan] = {}
+
+
+class _FwdPlan:
+    """One forward signature's decisions. persistent: one launch of _attn_fwd_hopper_persist (`args` its int
+    arguments after qk_scale's place, `ints` those before); else one launch of _attn_fwd_hopper_hd per batch
+    slab of at most _MAX_GRID_Y heads (`slabs`: (slice, grid, key) each), or the device-descriptor kernel
+    (host False, probes). `fields`: the q, k, v, o descriptors' validated fields per slab shape."""
+
+    __slots__ = ("args", "consts", "fields", "grid", "host", "ints", "key", "persistent", "slabs")
+
+
+def clear_plans() -> None:
+    """Forget the forward plans (tests that patch what a plan is built from: num_sms, l2_bytes, ...)."""
+    _FWD_PLANS.clear()
+
+
 def run_hopper(
     o: torch.Tensor,
     lse: torch.Tensor,
@@ -869,45 +897,68 @@ def run_hopper(
     causal: bool,
     qk_scale: float,
 ) -> None:
-    """hopper_forward minus its checks, on the current device (attention.forward has made both). Host
-    descriptors launch through the lean path (launch_keyed): Gluon's JIT binder costs 150-290 us per call on
-    descriptor arguments, the remembered compiled kernel a few (the descriptors are rebuilt every call: they
-    hold the data pointers)."""
+    """hopper_forward minus its checks, on the current device (attention.forward has made both): the
+    signature's plan (_FwdPlan, made on its first call), then the launch. Host descriptors launch through the
+    lean path (launch_keyed): Gluon's JIT binder costs 150-290 us per call on descriptor arguments, the
+    remembered compiled kernel a few (the descriptors are rebased every call: they hold the data pointers)."""
+    sig = (q.shape, k.shape, k.stride(), v.stride(), q.dtype, q.device, bool(causal), _FWD_ENV())
+    plan = _FWD_PLANS.get(sig)
+    if plan is None:
+        plan = _fwd_plan(q, k, v, bool(causal))
+        if len(_FWD_PLANS) >= _PLAN_CACHE:
+            _FWD_PLANS.clear()
+        _FWD_PLANS[sig] = plan
+    if plan.persistent:
+        _run_persistent(plan, o, lse, q, k, v, qk_scale)
+    elif plan.host:
+        for (sl, grid, key), fields in zip(plan.slabs, plan.fields, strict=True):
+            qq, kk, vv, oo, ll = (q, k, v, o, lse) if sl is None else (q[sl], k[sl], v[sl], o[sl], lse[sl])
+            qd, kd, vd, od = _host_descriptors(fields, qq, kk, vv, oo)
+            launch_keyed(_attn_fwd_hopper_hd, (*key, ll.data_ptr() & 15 == 0), grid,
+                         (qd, kd, vd, od, ll, *plan.ints, float(qk_scale)), plan.consts)  # fmt: skip
+    else:
+        from kernels_triton._config import ensure_tma_allocator
+
+        ensure_tma_allocator()
+        H, Hkv, S, Skv = plan.ints
+        for sl, grid, _ in plan.slabs:
+            qq, kk, vv, oo, ll = (q, k, v, o, lse) if sl is None else (q[sl], k[sl], v[sl], o[sl], lse[sl])
+            _attn_fwd_hopper[grid](
+                qq, kk, vv, oo, ll, H, Hkv, S, Skv, float(qk_scale),
+                kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2), **plan.consts,
+            )  # fmt: skip
+
+
+def _fwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> _FwdPlan:
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     block_n, stages, k_early = _env_config(D)
     poly, degree = exp2_poly_config()
-    host = os.environ.get("FUSEKIT_HOPPER_ATTN_DESC", "host") != "device"
-    if host and persistent_at(D):
-        _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early, poly, degree)
-        return
-    if not host:
-        from kernels_triton._config import ensure_tma_allocator
-
-        ensure_tma_allocator()
+    plan = _FwdPlan()
+    plan.host = os.environ.get("FUSEKIT_HOPPER_ATTN_DESC", "host") != "device"
+    plan.persistent = plan.host and persistent_at(D)
+    if plan.persistent:
+        _persistent_plan(plan, q, k, v, causal, block_n, stages, k_early, poly, degree)
+        return plan
     pingpong = os.environ.get("FUSEKIT_HOPPER_ATTN_PINGPONG", "0") == "1"
-    consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong, K_EARLY=k_early, EXP2_POLY=poly,
-                  EXP2_DEGREE=degree, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+    plan.consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
+                       PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong, K_EARLY=k_early, EXP2_POLY=poly,
+                       EXP2_DEGREE=degree, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+    plan.ints = (H, Hkv, S, Skv)
+    ints = tuple(int_class(n) for n in plan.ints)
     bstep = max(1, _MAX_GRID_Y // H)
+    plan.slabs, plan.fields = [], []
     for b0 in range(0, B, bstep):
         sl = slice(b0, min(B, b0 + bstep))
-        qq, kk, vv, oo, ll = q[sl], k[sl], v[sl], o[sl], lse[sl]
         grid = (triton_cdiv(S, BLOCK_M), (sl.stop - sl.start) * H)
-        if host:
-            qd, kd, vd, od = _host_descriptors(qq, kk, vv, oo, block_n)
-            # everything the compiled kernel depends on: dtypes, constexprs, grid, device, the int arguments'
-            # specialization classes and lse's 16-byte alignment (descriptors are 16-byte aligned by contract)
-            key = ("attn_hopper", q.device.index, q.dtype, D, bool(causal), block_n, stages, pingpong, k_early,
-                   poly, degree, grid,
-                   *(int_class(n) for n in (H, Hkv, S, Skv)), ll.data_ptr() & 15 == 0)  # fmt: skip
-            args = (qd, kd, vd, od, ll, H, Hkv, S, Skv, float(qk_scale))
-            launch_keyed(_attn_fwd_hopper_hd, key, grid, args, consts)
-        else:
-            _attn_fwd_hopper[grid](
-                qq, kk, vv, oo, ll, H, Hkv, S, Skv, float(qk_scale),
-                kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2), **consts,
-            )  # fmt: skip
+        # everything the compiled kernel depends on: dtypes, constexprs, grid, device, the int arguments'
+        # specialization classes (and, per call, lse's 16-byte alignment; descriptors are aligned by contract)
+        key = ("attn_hopper", q.device.index, q.dtype, D, causal, block_n, stages, pingpong, k_early, poly, degree,
+               grid, *ints)  # fmt: skip
+        plan.slabs.append((None if (sl.start, sl.stop) == (0, B) else sl, grid, key))
+        if plan.host:
+            plan.fields.append(_descriptor_fields(q[sl], k[sl], v[sl], block_n))
+    return plan
 
 
 # Causal schedule of the persistent kernel (see the module docstring): "pairs" (head h's query blocks n_m-1-k
@@ -962,7 +1013,7 @@ def _persist_schedule(
     return (int(pairs), sec, *_persist_units(pairs, sec, bh, n_m))
 
 
-def _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early, poly=0, degree=3) -> None:
+def _persistent_plan(plan: _FwdPlan, q, k, v, causal, block_n, stages, k_early, poly, degree) -> None:
     """The persistent kernel over every (query block, head): grid (min(SMs, schedule units), 1), no batch split
     (work tiles are counted in int32: B * H * ceil(S / 128) < 2**31)."""
     B, H, S, D = q.shape
@@ -981,18 +1032,23 @@ def _run_persistent(o, lse, q, k, v, causal, qk_scale, block_n, stages, k_early,
         )
     cap = os.environ.get("FUSEKIT_HOPPER_ATTN_PERSIST_CTAS")
     ctas = min(sms, units, int(cap) if cap else units)
-    grid = (max(ctas, 1), 1)
-    qd, kd, vd, od = _host_descriptors(q, k, v, o, block_n)
-    consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, K_EARLY=k_early, EXP2_POLY=poly, EXP2_DEGREE=degree,
-                  num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+    plan.grid = (max(ctas, 1), 1)
+    plan.consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
+                       PRODUCER_REGS=PRODUCER_REGS, K_EARLY=k_early, EXP2_POLY=poly, EXP2_DEGREE=degree,
+                       num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
     # everything the compiled kernel depends on (as run_hopper's key), with B*H's specialization class too
-    # (PAIRS, SEC, PER and NU are not specialized: do_not_specialize)
-    key = ("attn_hopper_persist", q.device.index, q.dtype, D, bool(causal), block_n, stages, k_early, poly, degree,
-           grid,
-           *(int_class(n) for n in (H, Hkv, S, Skv, bh)), lse.data_ptr() & 15 == 0)  # fmt: skip
-    args = (qd, kd, vd, od, lse, H, Hkv, S, Skv, bh, float(qk_scale), pairs, sec, per, units)
-    launch_keyed(_attn_fwd_hopper_persist, key, grid, args, consts)
+    # (PAIRS, SEC, PER and NU are not specialized: do_not_specialize); per call, lse's 16-byte alignment
+    plan.key = ("attn_hopper_persist", q.device.index, q.dtype, D, causal, block_n, stages, k_early, poly, degree,
+                plan.grid, *(int_class(n) for n in (H, Hkv, S, Skv, bh)))  # fmt: skip
+    plan.ints = (H, Hkv, S, Skv, bh)
+    plan.args = (pairs, sec, per, units)
+    plan.fields = _descriptor_fields(q, k, v, block_n)
+
+
+def _run_persistent(plan: _FwdPlan, o, lse, q, k, v, qk_scale: float) -> None:
+    qd, kd, vd, od = _host_descriptors(plan.fields, q, k, v, o)
+    launch_keyed(_attn_fwd_hopper_persist, (*plan.key, lse.data_ptr() & 15 == 0), plan.grid,
+                 (qd, kd, vd, od, lse, *plan.ints, float(qk_scale), *plan.args), plan.consts)  # fmt: skip
 
 
 @functools.cache
@@ -1004,28 +1060,43 @@ def _host_layouts(dtype_name: str, head_dim: int, block_n: int):
             gl.NVMMASharedLayout.get_default_for([1, 1, block_n, head_dim], gdt))  # fmt: skip
 
 
-def _host_descriptors(q, k, v, o, block_n):
+def _descriptor_fields(q, k, v, block_n: int) -> tuple:
+    """The validated fields (host_descriptor) of the q/o [1, 64, D] boxes of [B*H, S, D] and the k/v
+    [1, 1, BLOCK_N, D] boxes of [B, Hkv, Skv, D] (o has q's shape and layout)."""
     B, H, S, D = q.shape
     q_lay, kv_lay = _host_layouts("bf16" if q.dtype == torch.bfloat16 else "fp16", D, block_n)
-    q3, o3 = q.view(B * H, S, D), o.view(B * H, S, D)
-    qd = host_descriptor(q3, (1, WG_M, D), q_lay)
-    od = host_descriptor(o3, (1, WG_M, D), q_lay)
-    kd = host_descriptor(k, (1, 1, block_n, D), kv_lay)
-    vd = host_descriptor(v, (1, 1, block_n, D), kv_lay)
-    return qd, kd, vd, od
+    fq = descriptor_fields(q.view(B * H, S, D), (1, WG_M, D), q_lay)
+    return (
+        fq,
+        descriptor_fields(k, (1, 1, block_n, D), kv_lay),
+        descriptor_fields(v, (1, 1, block_n, D), kv_lay),
+    )
+
+
+def _host_descriptors(fields: tuple, q, k, v, o) -> tuple:
+    """q, k, v, o descriptors: the plan's validated fields rebased on this call's tensors."""
+    B, H, S, D = q.shape
+    fq, fk, fv = fields
+    return (
+        rebased(fq, q.view(B * H, S, D)),
+        rebased(fk, k),
+        rebased(fv, v),
+        rebased(fq, o.view(B * H, S, D)),
+    )
 
 
 # Gluon's TensorDescriptor validates itself on construction (rank, alignment, strides, layout: ~8 us a
 # descriptor on the CPU here, 11 per backward call, 87 us of its ~180 us host path). Everything it checks
 # but the base pointer's alignment is fixed by (dtype, shape, strides, box, layout), so each such signature is
-# validated once and later descriptors copy its fields with the new base. The remembered fields hold no
-# tensor (base None): nothing stays alive.
+# validated once (descriptor_fields) and later descriptors copy its fields with the new base (rebased). The
+# remembered fields hold no tensor (base None): nothing stays alive.
 _DESC_FIELDS: dict[tuple, tuple[dict, object]] = {}
 
 
-def host_descriptor(t: torch.Tensor, block: tuple[int, ...], layout):
-    """A Gluon TensorDescriptor over `t` (its own shape and strides) with box `block` and shared `layout`
-    (a cached layout object: its identity is part of the key, and the entry keeps it alive)."""
+def descriptor_fields(t: torch.Tensor, block: tuple[int, ...], layout) -> dict:
+    """The fields of a validated Gluon TensorDescriptor over `t` (its own shape and strides) with box `block`
+    and shared `layout` (a cached layout object: its identity is part of the key, the entry keeps it alive),
+    base None."""
     strides = t.stride()
     key = (t.dtype, t.shape, strides, block, id(layout))
     hit = _DESC_FIELDS.get(key)
@@ -1033,14 +1104,23 @@ def host_descriptor(t: torch.Tensor, block: tuple[int, ...], layout):
         d = TensorDescriptor(t, list(t.shape), list(strides), list(block), layout)
         if len(_DESC_FIELDS) >= 4096:
             _DESC_FIELDS.clear()
-        _DESC_FIELDS[key] = (dict(vars(d), base=None), layout)
-        return d
+        hit = _DESC_FIELDS[key] = (dict(vars(d), base=None), layout)
+    return hit[0]
+
+
+def rebased(fields: dict, t: torch.Tensor):
+    """A TensorDescriptor with `fields` (descriptor_fields of a tensor of t's dtype, shape and strides) over t."""
     if t.data_ptr() % 16:
         raise ValueError("host_descriptor: the tensor's base must be 16-byte aligned (TMA)")
     d = object.__new__(TensorDescriptor)
-    d.__dict__.update(hit[0])
+    d.__dict__.update(fields)
     d.base = t
     return d
+
+
+def host_descriptor(t: torch.Tensor, block: tuple[int, ...], layout):
+    """A Gluon TensorDescriptor over `t` (its own shape and strides) with box `block` and shared `layout`."""
+    return rebased(descriptor_fields(t, block, layout), t)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -73,8 +73,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._attention_hopper import HAS_GLUON, hopper_supported, host_descriptor
-from kernels_triton._config import num_sms, on_device
+from kernels_triton._attention_hopper import HAS_GLUON, descriptor_fields, hopper_supported, rebased
+from kernels_triton._config import EnvSnapshot, num_sms, on_device
 from kernels_triton._launch import fast_launch, int_class, launch_keyed
 from kernels_triton.attention_backward import (
     CHUNK_BLOCKS_PER_SM,
@@ -553,61 +553,118 @@ def dkdv_split(causal: bool, head_dim: int, n_kb: int, n_bhkv: int, group: int, 
     return 2 if ctas <= sms or (n_kb >= SPLIT_LONG_KB and ctas <= 2 * sms) else 1
 
 
+# Plan/run split (FlashInfer's), as run_hopper's: per signature (shapes, k/v strides, dtype, device, causal, the
+# switches below) the tile configs, the split, head chunks, grids, launch keys and the 11 descriptors' validated
+# fields are decided once (_BwdSlab per batch slab); a call allocates delta / lse2 (and the split's workspace),
+# rebases the descriptors and launches. Before it, run_hopper_bwd took 378 us of the H200 host's time per call
+# at B1 H32/8 S2048 D128 causal (benchmarks/gpu_checks/attention_host.py at 9f3122f), its kernels ~250.
+_BWD_ENV = EnvSnapshot("FUSEKIT_HOPPER_BWD_CFG", "FUSEKIT_HOPPER_BWD_SPLIT", "FUSEKIT_TRITON_ATTN_CHUNK")
+_BWD_PLANS: dict[tuple, list] = {}
+_PLAN_CACHE = 1024  # signatures kept; a model has a few
+
+
+class _BwdSlab:
+    """One batch slab's launches (at most _MAX_GRID_Y heads): `sl` (None: the whole batch), the preprocess
+    grid, the dk/dv and dq kernels' grids, keys around the per-call pointer alignments (`*_key`, `*_key_tail`),
+    constexprs and int arguments, the split and its workspace size, and the descriptors' fields by name."""
+
+    __slots__ = ("fields", "grid_kv", "grid_pre", "grid_q", "grid_sum", "kv_consts", "kv_ints", "kv_key",
+                 "kv_key_tail", "n_el", "pre_rows", "q_consts", "q_ints", "q_key", "q_key_tail", "sl", "split")  # fmt: skip
+
+
+def clear_plans() -> None:
+    """Forget the backward plans (tests that patch what a plan is built from: num_sms, ...)."""
+    _BWD_PLANS.clear()
+
+
 def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) -> None:
     """hopper_backward minus its checks, on the current device: the preprocess (attention_backward.py's
-    kernel), then the dk/dv and dq kernels through the lean launch path (launch_keyed, host descriptors)."""
-
+    kernel), then the dk/dv (and split sum) and dq kernels through the lean launch path (launch_keyed, host
+    descriptors), as the signature's plan (_bwd_plan) says."""
+    sig = (q.shape, k.shape, k.stride(), v.stride(), q.dtype, q.device, bool(causal), _BWD_ENV())
+    slabs = _BWD_PLANS.get(sig)
+    if slabs is None:
+        slabs = _bwd_plan(q, k, v, do, dq, dk, dv, bool(causal))
+        if len(_BWD_PLANS) >= _PLAN_CACHE:
+            _BWD_PLANS.clear()
+        _BWD_PLANS[sig] = slabs
     B, H, S, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
-    bm, st_kv, bn, st_q = _env_config(D)
     qk_scale = float(scale) * _LOG2E  # no row max in the backward: any sign of scale is fine
     sm_scale = float(scale)
     delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    pre_rows = _preprocess_rows(D)
-    kv_consts = dict(HEAD_DIM=D, BLOCK_M=bm, STAGES=st_kv, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
+    for p in slabs:
+        sl = p.sl
+        if sl is None:
+            qq, kk, vv, dd, oo, ll, dqq, dkk, dvv, l2, dl = q, k, v, do, o, lse, dq, dk, dv, lse2, delta
+        else:
+            qq, kk, vv, dd, oo, ll = q[sl], k[sl], v[sl], do[sl], o[sl], lse[sl]
+            dqq, dkk, dvv, l2, dl = dq[sl], dk[sl], dv[sl], lse2[sl], delta[sl]
+        _bwd_preprocess_kernel[p.grid_pre](oo, dd, ll, dl, l2, S, HEAD_DIM=D, BLOCK=p.pre_rows, num_warps=8)
+        ds = _descriptors(p.fields, qq, kk, vv, dd, dqq, dkk, dvv)
+        aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)  # the fp32 pointers' 16-byte alignment
+        split = p.split
+        # split > 1: fp32 partials [2 (dk, dv), split, B*Hkv*Skv*D]; else unused (delta stands in)
+        ws = torch.empty((2, split * p.n_el), dtype=torch.float32, device=q.device) if split > 1 else None
+        wsk, wsv = (ws[0], ws[1]) if ws is not None else (dl, dl)
+        args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, wsk, wsv, *p.kv_ints[:4], qk_scale,
+                sm_scale, p.kv_ints[4])  # fmt: skip
+        launch_keyed(_dkdv_hopper, (*p.kv_key, *aligned, *p.kv_key_tail), p.grid_kv, args, p.kv_consts)
+        if ws is not None:
+            _split_sum_kernel[p.grid_sum](
+                wsk, wsv, dkk, dvv, p.n_el, SPLIT=split, BLOCK=SPLIT_BLOCK, num_warps=8
+            )
+        args = (ds["q64"], ds["kq"], ds["vq"], ds["do64"], ds["dq"], l2, dl, *p.q_ints[:4], qk_scale, sm_scale,
+                p.q_ints[4])  # fmt: skip
+        launch_keyed(_dq_hopper, (*p.q_key, *aligned, *p.q_key_tail), p.grid_q, args, p.q_consts)
+
+
+def _bwd_plan(q, k, v, do, dq, dk, dv, causal: bool) -> list[_BwdSlab]:
+    B, H, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    bm, st_kv, bn, st_q = _env_config(D)
+    kv_consts = dict(HEAD_DIM=D, BLOCK_M=bm, STAGES=st_kv, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
                      PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
-    q_consts = dict(HEAD_DIM=D, BLOCK_N=bn, STAGES=st_q, CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
+    q_consts = dict(HEAD_DIM=D, BLOCK_N=bn, STAGES=st_q, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
                     PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
+    # everything the compiled kernels depend on: dtypes, constexprs, grid, device, the int arguments'
+    # specialization classes (head_chunk's too); per call, the fp32 pointers' 16-byte alignment (descriptors:
+    # aligned by contract)
+    ints = tuple(int_class(n) for n in (H, Hkv, S, Skv))
+    n_kb, n_qb = triton_cdiv(Skv, BLOCK_KEYS), triton_cdiv(S, BLOCK_QUERIES)
+    dt = "bf16" if q.dtype == torch.bfloat16 else "fp16"
     bstep = max(1, _MAX_GRID_Y // H)
+    slabs = []
     for b0 in range(0, B, bstep):
         sl = slice(b0, min(B, b0 + bstep))
         nb = sl.stop - sl.start
-        _bwd_preprocess_kernel[(triton_cdiv(S, pre_rows), nb * H)](
-            o[sl], do[sl], lse[sl], delta[sl], lse2[sl], S, HEAD_DIM=D, BLOCK=pre_rows, num_warps=8
-        )
-        ds = _descriptors(q[sl], k[sl], v[sl], do[sl], dq[sl], dk[sl], dv[sl], bm, bn)
-        l2, dl = lse2[sl], delta[sl]
-        # everything the compiled kernels depend on: dtypes, constexprs, grid, device, the int arguments'
-        # specialization classes (head_chunk's too) and the fp32 pointers' 16-byte alignment (descriptors:
-        # aligned by contract)
-        ints = tuple(int_class(n) for n in (H, Hkv, S, Skv))
-        aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)
-        n_kb, n_qb = triton_cdiv(Skv, BLOCK_KEYS), triton_cdiv(S, BLOCK_QUERIES)
-        split = dkdv_split(causal, D, n_kb, nb * Hkv, H // Hkv, q.device.index)
+        p = _BwdSlab()
+        p.sl = None if nb == B else sl
+        p.pre_rows = _preprocess_rows(D)
+        p.grid_pre = (triton_cdiv(S, p.pre_rows), nb * H)
+        p.split = split = dkdv_split(causal, D, n_kb, nb * Hkv, H // Hkv, q.device.index)
         n_units = nb * Hkv * split
         hc = head_chunk(causal, n_kb, n_units, 2 * S * D * q.element_size() // split, q.device.index)
-        grid_kv = (n_kb * n_units,)
-        n_el = nb * Hkv * Skv * D
-        # split > 1: fp32 partials [2 (dk, dv), split, B*Hkv*Skv*D]; else unused (delta stands in)
-        ws = torch.empty((2, split * n_el), dtype=torch.float32, device=q.device) if split > 1 else None
-        wsk, wsv = (ws[0], ws[1]) if ws is not None else (dl, dl)
-        key = ("attn_hopper_bwd_dkdv", q.device.index, q.dtype, D, bool(causal), bm, st_kv, grid_kv, *ints,
-               *aligned, int_class(hc), split)  # fmt: skip
-        args = (ds["q"], ds["k"], ds["v"], ds["do"], ds["dk"], ds["dv"], l2, dl, wsk, wsv, H, Hkv, S, Skv,
-                qk_scale, sm_scale, hc)  # fmt: skip
-        launch_keyed(_dkdv_hopper, key, grid_kv, args, {**kv_consts, "SPLIT": split})
-        if ws is not None:
-            _split_sum_kernel[(triton_cdiv(n_el, SPLIT_BLOCK), 2)](
-                wsk, wsv, dk[sl], dv[sl], n_el, SPLIT=split, BLOCK=SPLIT_BLOCK, num_warps=8
-            )
+        p.grid_kv = (n_kb * n_units,)
+        p.n_el = nb * Hkv * Skv * D
+        p.grid_sum = (triton_cdiv(p.n_el, SPLIT_BLOCK), 2)
+        p.kv_key = ("attn_hopper_bwd_dkdv", q.device.index, q.dtype, D, causal, bm, st_kv, p.grid_kv, *ints)
+        p.kv_key_tail = (int_class(hc), split)
+        p.kv_ints = (H, Hkv, S, Skv, hc)
+        p.kv_consts = {**kv_consts, "SPLIT": split}
         hc = head_chunk(causal, n_qb, nb * H, 2 * Skv * D * q.element_size(), q.device.index)
-        grid_q = (n_qb * nb * H,)
-        key = ("attn_hopper_bwd_dq", q.device.index, q.dtype, D, bool(causal), bn, st_q, grid_q, *ints,
-               *aligned, int_class(hc))  # fmt: skip
-        args = (ds["q64"], ds["kq"], ds["vq"], ds["do64"], ds["dq"], l2, dl, H, Hkv, S, Skv, qk_scale,
-                sm_scale, hc)  # fmt: skip
-        launch_keyed(_dq_hopper, key, grid_q, args, q_consts)
+        p.grid_q = (n_qb * nb * H,)
+        p.q_key = ("attn_hopper_bwd_dq", q.device.index, q.dtype, D, causal, bn, st_q, p.grid_q, *ints)
+        p.q_key_tail = (int_class(hc),)
+        p.q_ints = (H, Hkv, S, Skv, hc)
+        p.q_consts = q_consts
+        src = _sources(q[sl], k[sl], v[sl], do[sl], dq[sl], dk[sl], dv[sl])
+        p.fields = {
+            name: descriptor_fields(src[name], box, _layout(dt, box))
+            for name, box in _blocks(D, bm, bn).items()
+        }
+        slabs.append(p)
+    return slabs
 
 
 def head_chunk(causal: bool, n_blocks: int, n_heads: int, head_bytes: int, device: int) -> int:
@@ -652,18 +709,20 @@ def _blocks(head_dim: int, bm: int, bn: int) -> dict[str, tuple[int, ...]]:
             "vq": (1, 1, bn, d)}  # fmt: skip
 
 
-def _descriptors(q, k, v, do, dq, dk, dv, bm: int, bn: int) -> dict:
+def _sources(q, k, v, do, dq, dk, dv) -> dict:
+    """The tensor each descriptor of _blocks reads or writes: q, do, dq as [B*H, S, D], k, v as they are,
+    dk, dv as [B*Hkv, Skv, D]."""
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    dt = "bf16" if q.dtype == torch.bfloat16 else "fp16"
-    src = {"q": q.view(B * H, S, D), "do": do.view(B * H, S, D), "dq": dq.view(B * H, S, D), "k": k, "v": v,
-           "dk": dk.view(B * Hkv, Skv, D), "dv": dv.view(B * Hkv, Skv, D)}  # fmt: skip
-    src.update(q64=src["q"], do64=src["do"], kq=k, vq=v)
-    out = {}
-    for name, box in _blocks(D, bm, bn).items():
-        t = src[name]
-        out[name] = host_descriptor(t, box, _layout(dt, box))
-    return out
+    q3, do3 = q.view(B * H, S, D), do.view(B * H, S, D)
+    return {"q": q3, "do": do3, "k": k, "v": v, "dk": dk.view(B * Hkv, Skv, D), "dv": dv.view(B * Hkv, Skv, D),
+            "q64": q3, "do64": do3, "dq": dq.view(B * H, S, D), "kq": k, "vq": v}  # fmt: skip
+
+
+def _descriptors(fields: dict, q, k, v, do, dq, dk, dv) -> dict:
+    """Every descriptor of _blocks over this call's tensors: the plan's fields rebased."""
+    src = _sources(q, k, v, do, dq, dk, dv)
+    return {name: rebased(f, src[name]) for name, f in fields.items()}
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -21,6 +21,26 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUTHY
 
 
+class EnvSnapshot:
+    """The values of a fixed set of environment variables (None where unset; encoded on POSIX) as one tuple,
+    for a plan cache to key on (the plan's builder reads them as usual): a probe's or a test's change of a FUSEKIT_* switch (monkeypatch.setenv) reaches the next call,
+    and a call whose switches did not change finds its plan. Reads os.environ's own mapping where it is a
+    plain dict of encoded names (POSIX: ~0.7 us for 9 names against ~9 through os.environ.get)."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+        data = getattr(os.environ, "_data", None)
+        enc = getattr(os.environ, "encodekey", None)
+        self._data = data if isinstance(data, dict) and enc is not None else None
+        self._keys = tuple(enc(n) for n in names) if self._data is not None else names
+
+    def __call__(self) -> tuple:
+        data = self._data
+        if data is not None:
+            return tuple([data.get(k) for k in self._keys])
+        return tuple([os.environ.get(n) for n in self.names])
+
+
 def is_hip() -> bool:
     return torch.version.hip is not None
 

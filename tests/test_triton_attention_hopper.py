@@ -37,6 +37,21 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Some tests build plans from patched module attributes (num_sms, l2_bytes, ...): none outlives its test."""
+    if importlib.util.find_spec("triton") is None:
+        yield
+        return
+    from kernels_triton import _attention_hopper, _attention_hopper_bwd
+
+    _attention_hopper.clear_plans()
+    _attention_hopper_bwd.clear_plans()
+    yield
+    _attention_hopper.clear_plans()
+    _attention_hopper_bwd.clear_plans()
+
+
 def _mod():
     from kernels_triton import _attention_hopper
 

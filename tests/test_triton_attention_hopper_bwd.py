@@ -23,6 +23,21 @@ from gluon_support import compile_all, need_sm90, qkv, spec_params
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Some tests build plans from patched module attributes (num_sms, l2_bytes, ...): none outlives its test."""
+    if importlib.util.find_spec("triton") is None:
+        yield
+        return
+    from kernels_triton import _attention_hopper, _attention_hopper_bwd
+
+    _attention_hopper.clear_plans()
+    _attention_hopper_bwd.clear_plans()
+    yield
+    _attention_hopper.clear_plans()
+    _attention_hopper_bwd.clear_plans()
+
+
 def _mod():
     from kernels_triton import _attention_hopper_bwd
 
@@ -379,3 +394,101 @@ def test_launch_keys_hold_head_chunk_class(monkeypatch: pytest.MonkeyPatch):
     assert all(grid == (2 * 4 * 8,) for _, _, grid in launches)  # 2 blocks of 128 rows x B*H (Hkv = H) heads
     keys = [key for _, key, _ in launches]
     assert len(set(keys)) == 6
+
+
+def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Replace every launch of the forward and backward host paths (and the device queries) with a recorder:
+    (kernel, key, grid, arguments with descriptors as (base pointer, shape, strides, box, layout), constexprs)."""
+    fwd, bwd = importlib.import_module("kernels_triton._attention_hopper"), _mod()
+    log: list = []
+
+    def norm(a):
+        if hasattr(a, "block_shape"):
+            return (a.base.data_ptr(), tuple(a.shape), tuple(a.strides), tuple(a.block_shape), repr(a.layout))
+        if isinstance(a, torch.Tensor):
+            return ("tensor", a.data_ptr(), tuple(a.shape), tuple(a.stride()))
+        return a
+
+    def keyed(fn, key, grid, args, consts):
+        log.append((fn.__name__, key, grid, tuple(norm(a) for a in args), tuple(sorted(consts.items()))))
+
+    class Jit:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: log.append(
+                (self.name, grid, tuple(norm(x) for x in a), tuple(sorted(kw.items())))
+            )
+
+    for mod in (fwd, bwd):
+        monkeypatch.setattr(mod, "launch_keyed", keyed)
+        monkeypatch.setattr(mod, "num_sms", lambda *a: 132)
+    monkeypatch.setattr(fwd, "device_index", lambda *a: 0)
+    monkeypatch.setattr(fwd, "l2_bytes", lambda *a: 50 * 2**20)
+    monkeypatch.setattr(bwd, "_bwd_preprocess_kernel", Jit("preprocess"))
+    monkeypatch.setattr(bwd, "_split_sum_kernel", Jit("split_sum"))
+    return log
+
+
+@pytest.mark.parametrize(
+    "case", [(1, 32, 8, 256, 256, 128, True), (2, 8, 2, 77, 300, 64, True), (1, 8, 8, 129, 1000, 128, False)]
+)
+def test_plans_launch_as_fresh_ones(monkeypatch: pytest.MonkeyPatch, case) -> None:
+    """run_hopper / run_hopper_bwd (CPU tensors, launches recorded): with each signature's plan remembered
+    across calls while the FUSEKIT_HOPPER_* switches change between them, every launch equals the launch of a
+    plan made fresh for that call - kernel, key, grid, arguments (descriptors field by field), constexprs."""
+    if not _mod().HAS_GLUON:
+        pytest.skip("the installed triton has no Gluon Hopper module")
+    fwd, bwd = importlib.import_module("kernels_triton._attention_hopper"), _mod()
+    log = _record_launches(monkeypatch)
+    B, H, Hkv, S, Skv, D, causal = case
+    g = torch.Generator().manual_seed(sum(case[:6]))
+    q = torch.randn(B, H, S, D, generator=g).to(torch.bfloat16)
+    kc = torch.randn(B, Skv + 8, Hkv, D, generator=g).to(torch.bfloat16)
+    k = kc.transpose(1, 2)[:, :, :Skv]  # a strided view (a cache), as attention takes it
+    v = torch.randn(B, Hkv, Skv, D, generator=g).to(torch.bfloat16)
+    o, lse, do = torch.empty_like(q), torch.empty(B, H, S), torch.randn_like(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty(k.shape, dtype=k.dtype), torch.empty_like(v)
+    envs = [{}, {"FUSEKIT_HOPPER_BWD_SPLIT": "2"}, {"FUSEKIT_HOPPER_ATTN_PERSIST": "0"}, {},
+            {"FUSEKIT_HOPPER_BWD_CFG": "64,3,128,2", "FUSEKIT_HOPPER_ATTN_PERSIST_ORDER": "global"}, {}]  # fmt: skip
+    names = {n for e in envs for n in e}
+
+    def calls(fresh: bool) -> list:
+        out = []
+        for env in envs:
+            for n in names:
+                monkeypatch.delenv(n, raising=False)
+            for n, val in env.items():
+                monkeypatch.setenv(n, val)
+            for _ in range(2):
+                if fresh:
+                    fwd.clear_plans()
+                    bwd.clear_plans()
+                log.clear()
+                fwd.run_hopper(o, lse, q, k, v, causal, 0.125)
+                bwd.run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, 0.09)
+                # workspace pointers (delta, lse2, the split's partials) are fresh per call: compare them by class
+                out.append([_without_scratch(e, (q, k, v, o, lse, do, dq, dk, dv)) for e in log])
+        return out
+
+    warm = calls(False)
+    fresh = calls(True)
+    assert warm == fresh
+    assert len(bwd._BWD_PLANS) == 1 and any(e[0] == "_dkdv_hopper" for e in log)
+
+
+def _without_scratch(entry, tensors) -> object:
+    """A recorded launch with pointers of anything but the call's own tensors replaced by 'scratch'."""
+    own = {t.data_ptr() for t in tensors}
+
+    def fix(x):
+        if isinstance(x, tuple) and x and x[0] == "tensor":
+            return ("tensor", x[1] if x[1] in own else "scratch", *x[2:])
+        if isinstance(x, tuple) and len(x) == 5 and isinstance(x[0], int) and isinstance(x[1], tuple):
+            return (x[0] if x[0] in own else "scratch", *x[1:])
+        if isinstance(x, tuple):
+            return tuple(fix(y) for y in x)
+        return x
+
+    return fix(entry)
