@@ -529,6 +529,58 @@ def backward(
     )  # fmt: skip
 
 
+# fusekit's provider path (backends/triton.py) calls forward_checked / backward_checked: the library has validated
+# the call (shapes, dtypes, devices, kv_len) and made o, lse, dq, dk, dv fresh contiguous outputs on the tensors'
+# device. Whether a signature (shapes, strides, dtype, device, kv_len present, causal, the Gluon switches) takes
+# the Gluon kernels is decided on its first call (use_hopper / use_hopper_bwd); later calls check only what
+# moves between calls - the pointers' 16-byte alignment and the scale's sign - and launch. forward's and
+# backward's own checks and gates cost 37 and 60 us of the H200 host's time per call around the Gluon launches
+# (benchmarks/results/nvidia-h200/attention-host.json, before this). Anything else takes forward / backward.
+_ROUTES: dict[tuple, bool] = {}
+
+
+def clear_routes() -> None:
+    """Forget the per-signature Gluon decisions (tests that patch GLUON, hopper_supported, ...)."""
+    _ROUTES.clear()
+
+
+def _aligned_ptrs(*ts: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+def forward_checked(o, lse, q, k, v, kv_len, causal: bool, scale: float) -> None:
+    """forward for a call fusekit's library has validated (see above); same results."""
+    if kv_len is None and scale >= 0 and _aligned_ptrs(o, q, k, v):
+        sig = ("f", q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device, causal,
+               GLUON, _GLUON_D256, _GLUON_MIN_FLOP)  # fmt: skip
+        hopper = _ROUTES.get(sig)
+        if hopper is None:
+            hopper = _ROUTES[sig] = (
+                o.is_contiguous()
+                and lse.is_contiguous()
+                and not use_decode(q, k)
+                and use_hopper(q, k, v, o, causal)
+            )
+        if hopper:
+            run_hopper(o, lse, q, k, v, causal, float(scale) * _LOG2E)
+            return
+    forward(o, lse, q, k, v, kv_len, causal, scale)
+
+
+def backward_checked(dq, dk, dv, do, q, k, v, o, lse, kv_len, causal: bool, scale: float) -> None:
+    """backward for a call fusekit's library has validated (see above); same results."""
+    if kv_len is None and _aligned_ptrs(dq, dk, dv, do, o, q, k, v):
+        sig = ("b", q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dq.stride(),
+               dk.stride(), dv.stride(), lse.stride(), q.dtype, q.device, causal, GLUON, _GLUON_MIN_FLOP)  # fmt: skip
+        hopper = _ROUTES.get(sig)
+        if hopper is None:
+            hopper = _ROUTES[sig] = lse.is_contiguous() and use_hopper_bwd(q, k, v, None, dq, dk, dv, do, o)
+        if hopper:
+            run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
+            return
+    backward(dq, dk, dv, do, q, k, v, o, lse, kv_len, causal, scale)
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> tuple[int, int, int, int]:
     B, H, S, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]

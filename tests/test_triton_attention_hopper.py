@@ -39,17 +39,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 @pytest.fixture(autouse=True)
 def _fresh_plans():
-    """Some tests build plans from patched module attributes (num_sms, l2_bytes, ...): none outlives its test."""
+    """Some tests build plans and routes from patched module attributes (num_sms, l2_bytes, GLUON, ...): none
+    outlives its test."""
     if importlib.util.find_spec("triton") is None:
         yield
         return
-    from kernels_triton import _attention_hopper, _attention_hopper_bwd
+    from kernels_triton import _attention_hopper, _attention_hopper_bwd, attention
 
-    _attention_hopper.clear_plans()
-    _attention_hopper_bwd.clear_plans()
+    for clear in (_attention_hopper.clear_plans, _attention_hopper_bwd.clear_plans, attention.clear_routes):
+        clear()
     yield
-    _attention_hopper.clear_plans()
-    _attention_hopper_bwd.clear_plans()
+    for clear in (_attention_hopper.clear_plans, _attention_hopper_bwd.clear_plans, attention.clear_routes):
+        clear()
 
 
 def _mod():
@@ -807,3 +808,53 @@ def test_gpu_exp2_poly_degree4_and_persistent_bit_identical(device: str, monkeyp
         _assert_matches(o, lse, q, k, v, case[6], torch.bfloat16)
         fin = lse_off.isfinite()
         assert (lse[fin] - lse_off[fin]).abs().max().item() < 1e-5
+
+
+def test_checked_entries_route_once_per_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attention.forward_checked / backward_checked (the provider's entries): the Gluon gate (use_hopper /
+    use_hopper_bwd) is asked once per signature; later calls launch run_hopper / run_hopper_bwd with the same
+    arguments forward / backward would pass, and a call with kv_len, a negative scale or a misaligned pointer
+    takes forward / backward (which decide everything themselves). CPU tensors, the launches recorded."""
+    from kernels_triton import attention as A
+
+    log: list = []
+    gates = {"fwd": 0, "bwd": 0}
+
+    def gate(name: str, answer: bool):
+        def f(*a, **k):
+            gates[name] += 1
+            return answer
+
+        return f
+
+    monkeypatch.setattr(A, "use_hopper", gate("fwd", True))
+    monkeypatch.setattr(A, "use_hopper_bwd", gate("bwd", True))
+    monkeypatch.setattr(A, "use_decode", lambda q, k: False)
+    for name in ("run_hopper", "run_hopper_bwd", "forward", "backward"):
+        monkeypatch.setattr(A, name, lambda *a, name=name: log.append((name, a)))
+    q, k, v = _qkv(D=64)
+    o, lse, do = torch.empty_like(q), torch.empty(q.shape[:3]), torch.randn_like(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for _ in range(3):
+        A.forward_checked(o, lse, q, k, v, None, True, 0.125)
+        A.backward_checked(dq, dk, dv, do, q, k, v, o, lse, None, True, 0.125)
+    assert gates == {"fwd": 1, "bwd": 1}
+    assert [n for n, _ in log] == ["run_hopper", "run_hopper_bwd"] * 3
+    assert log[0][1] == (o, lse, q, k, v, True, 0.125 * A._LOG2E)
+    assert log[1][1] == (dq, dk, dv, do, q, k, v, o, lse, True, 0.125)
+    log.clear()
+    kv_len = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32)
+    A.forward_checked(o, lse, q, k, v, kv_len, True, 0.125)
+    A.forward_checked(o, lse, q, k, v, None, True, -0.125)
+    odd = torch.empty(o.numel() + 1, dtype=o.dtype)[1:].view(o.shape)
+    A.forward_checked(odd, lse, q, k, v, None, True, 0.125)
+    A.backward_checked(dq, dk, dv, do, q, k, v, o, lse, kv_len, True, 0.125)
+    A.backward_checked(odd, dk, dv, do, q, k, v, o, lse, None, True, 0.125)
+    assert [n for n, _ in log] == ["forward"] * 3 + ["backward"] * 2
+    assert log[1][1] == (o, lse, q, k, v, None, True, -0.125)
+    log.clear()
+    monkeypatch.setattr(A, "GLUON", False)  # a switch the routes hold: a new signature, the gate asked again
+    monkeypatch.setattr(A, "use_hopper", gate("fwd", False))
+    A.forward_checked(o, lse, q, k, v, None, True, 0.125)
+    A.forward_checked(o, lse, q, k, v, None, True, 0.125)
+    assert gates["fwd"] == 2 and [n for n, _ in log] == ["forward", "forward"]

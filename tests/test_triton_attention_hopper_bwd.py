@@ -25,17 +25,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 @pytest.fixture(autouse=True)
 def _fresh_plans():
-    """Some tests build plans from patched module attributes (num_sms, l2_bytes, ...): none outlives its test."""
+    """Some tests build plans and routes from patched module attributes (num_sms, l2_bytes, GLUON, ...): none
+    outlives its test."""
     if importlib.util.find_spec("triton") is None:
         yield
         return
-    from kernels_triton import _attention_hopper, _attention_hopper_bwd
+    from kernels_triton import _attention_hopper, _attention_hopper_bwd, attention
 
-    _attention_hopper.clear_plans()
-    _attention_hopper_bwd.clear_plans()
+    for clear in (_attention_hopper.clear_plans, _attention_hopper_bwd.clear_plans, attention.clear_routes):
+        clear()
     yield
-    _attention_hopper.clear_plans()
-    _attention_hopper_bwd.clear_plans()
+    for clear in (_attention_hopper.clear_plans, _attention_hopper_bwd.clear_plans, attention.clear_routes):
+        clear()
 
 
 def _mod():

@@ -53,6 +53,7 @@ class TritonBackend(Backend):
     def __init__(self) -> None:
         super().__init__()
         self._modules: dict[str, ModuleType] = {}
+        self._entries: dict[tuple[str, str], object] = {}
 
     def _load(self) -> None:
         import triton  # noqa: F401 - raises ImportError with the reason when missing
@@ -106,8 +107,17 @@ class TritonBackend(Backend):
             return f"kernels_triton/{op}.py has no {phase} kernel"
         return None
 
+    def _entry(self, op: str, phase: str):
+        """The op module's phase function; `<phase>_checked` where the module has one: its entry for calls the
+        library has validated (kernels_triton/attention.py: the Gluon route decided once per signature)."""
+        fn = self._entries.get((op, phase))
+        if fn is None:
+            mod = self._kernels(op)
+            fn = self._entries[(op, phase)] = getattr(mod, f"{phase}_checked", None) or getattr(mod, phase)
+        return fn
+
     def run(self, spec, phase: str, outputs: tuple, inputs: tuple, scalars: tuple) -> None:
-        fn = getattr(self._kernels(spec.name), phase)
+        fn = self._entry(spec.name, phase)
         if self._interpret:
             with _INTERPRETER_LOCK:
                 fn(*outputs, *inputs, *scalars)
@@ -120,5 +130,5 @@ class TritonBackend(Backend):
             return super().record(spec, phase, outputs, inputs, scalars)
         from kernels_triton import _replay
 
-        fn = getattr(self._kernels(spec.name), phase)
+        fn = self._entry(spec.name, phase)
         return _replay.record(lambda: fn(*outputs, *inputs, *scalars), outputs, inputs)
