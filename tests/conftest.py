@@ -104,3 +104,23 @@ def attn():
     import kernels_triton.attention as mod
 
     return mod
+
+
+@pytest.fixture
+def fresh_attention_plans():
+    """The Gluon attention's per-signature plans and routes (kernels_triton/_attention_hopper*.py, attention.py)
+    cleared before and after a test: some tests build them from patched module attributes (num_sms, l2_bytes,
+    GLUON, ...), and none may outlive its test."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        yield
+        return
+    from kernels_triton import _attention_hopper, _attention_hopper_bwd, attention
+
+    clears = (_attention_hopper.clear_plans, _attention_hopper_bwd.clear_plans, attention.clear_routes)
+    for clear in clears:
+        clear()
+    yield
+    for clear in clears:
+        clear()

@@ -34,23 +34,10 @@ from gluon_support import compile_all, need_sm90, qkv, spec_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_plans():
-    """Some tests build plans and routes from patched module attributes (num_sms, l2_bytes, GLUON, ...): none
-    outlives its test."""
-    if importlib.util.find_spec("triton") is None:
-        yield
-        return
-    from kernels_triton import _attention_hopper, _attention_hopper_bwd, attention
-
-    for clear in (_attention_hopper.clear_plans, _attention_hopper_bwd.clear_plans, attention.clear_routes):
-        clear()
-    yield
-    for clear in (_attention_hopper.clear_plans, _attention_hopper_bwd.clear_plans, attention.clear_routes):
-        clear()
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+    pytest.mark.usefixtures("fresh_attention_plans"),
+]
 
 
 def _mod():

@@ -82,6 +82,19 @@ def _host_us(fn, reps: int) -> float:
     return 1e6 * statistics.median(ts)
 
 
+def _prepared(q, k, v) -> tuple:
+    """Detached q, k, v, the scale, o and lse from kernels_triton's forward, and empty dq, dk, dv."""
+    from kernels_triton import attention as A
+
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    B, H, S, D = q.shape
+    scale = D**-0.5
+    o = torch.empty_like(qd)
+    lse = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
+    A.forward(o, lse, qd, kd, vd, None, True, scale)
+    return qd, kd, vd, scale, o, lse, torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
+
+
 def layers(q, k, v, do, reps: int) -> dict:
     """Host time of each layer of the triton path, innermost first: the Gluon launch functions, the
     kernels_triton entry points, ops.attention without and with autograd, the autograd backward."""
@@ -90,13 +103,7 @@ def layers(q, k, v, do, reps: int) -> dict:
     from kernels_triton._attention_hopper import run_hopper
     from kernels_triton._attention_hopper_bwd import run_hopper_bwd
 
-    qd, kd, vd = q.detach(), k.detach(), v.detach()
-    B, H, S, D = q.shape
-    scale = D**-0.5
-    o = torch.empty_like(qd)
-    lse = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
-    A.forward(o, lse, qd, kd, vd, None, True, scale)
-    dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
+    qd, kd, vd, scale, o, lse, dq, dk, dv = _prepared(q, k, v)
     with torch.cuda.device(q.device):
         r = {
             "layer": "host_us",
@@ -141,13 +148,7 @@ def autograd_probe(q, k, v, do, reps: int, top: int) -> dict:
     from fusekit import ops
     from kernels_triton import attention as A
 
-    qd, kd, vd = q.detach(), k.detach(), v.detach()
-    B, H, S, D = q.shape
-    scale = D**-0.5
-    o = torch.empty_like(qd)
-    lse = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
-    A.forward(o, lse, qd, kd, vd, None, True, scale)
-    dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
+    qd, kd, vd, scale, o, lse, dq, dk, dv = _prepared(q, k, v)
 
     class Bare(torch.autograd.Function):
         @staticmethod
