@@ -544,23 +544,26 @@ def clear_routes() -> None:
     _ROUTES.clear()
 
 
+def _route(sig: tuple, hopper: bool) -> bool:
+    if len(_ROUTES) >= 4096:  # a sweep of shapes; a model has a few
+        _ROUTES.clear()
+    _ROUTES[sig] = hopper
+    return hopper
+
+
 def _aligned_ptrs(*ts: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in ts)
 
 
 def forward_checked(o, lse, q, k, v, kv_len, causal: bool, scale: float) -> None:
     """forward for a call fusekit's library has validated (see above); same results."""
-    if kv_len is None and scale >= 0 and _aligned_ptrs(o, q, k, v):
-        sig = ("f", q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device, causal,
-               GLUON, _GLUON_D256, _GLUON_MIN_FLOP)  # fmt: skip
+    # decode shapes (S <= DECODE_MAX_S: a new Skv every token) go straight to forward: no route per length
+    if kv_len is None and q.shape[2] > DECODE_MAX_S and scale >= 0 and _aligned_ptrs(o, q, k, v):
+        sig = ("f", q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), lse.stride(), q.dtype,
+               q.device, causal, GLUON, _GLUON_D256, _GLUON_MIN_FLOP)  # fmt: skip
         hopper = _ROUTES.get(sig)
         if hopper is None:
-            hopper = _ROUTES[sig] = (
-                o.is_contiguous()
-                and lse.is_contiguous()
-                and not use_decode(q, k)
-                and use_hopper(q, k, v, o, causal)
-            )
+            hopper = _route(sig, o.is_contiguous() and lse.is_contiguous() and use_hopper(q, k, v, o, causal))
         if hopper:
             run_hopper(o, lse, q, k, v, causal, float(scale) * _LOG2E)
             return
@@ -574,7 +577,7 @@ def backward_checked(dq, dk, dv, do, q, k, v, o, lse, kv_len, causal: bool, scal
                dk.stride(), dv.stride(), lse.stride(), q.dtype, q.device, causal, GLUON, _GLUON_MIN_FLOP)  # fmt: skip
         hopper = _ROUTES.get(sig)
         if hopper is None:
-            hopper = _ROUTES[sig] = lse.is_contiguous() and use_hopper_bwd(q, k, v, None, dq, dk, dv, do, o)
+            hopper = _route(sig, lse.is_contiguous() and use_hopper_bwd(q, k, v, None, dq, dk, dv, do, o))
         if hopper:
             run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
             return

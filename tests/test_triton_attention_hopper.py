@@ -801,7 +801,8 @@ def test_checked_entries_route_once_per_signature(monkeypatch: pytest.MonkeyPatc
     """attention.forward_checked / backward_checked (the provider's entries): the Gluon gate (use_hopper /
     use_hopper_bwd) is asked once per signature; later calls launch run_hopper / run_hopper_bwd with the same
     arguments forward / backward would pass, and a call with kv_len, a negative scale or a misaligned pointer
-    takes forward / backward (which decide everything themselves). CPU tensors, the launches recorded."""
+    takes forward / backward (which decide everything themselves), as does a decode shape (S <= 16: a new
+    Skv every token, never a route of its own). CPU tensors, the launches recorded."""
     from kernels_triton import attention as A
 
     log: list = []
@@ -816,7 +817,6 @@ def test_checked_entries_route_once_per_signature(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(A, "use_hopper", gate("fwd", True))
     monkeypatch.setattr(A, "use_hopper_bwd", gate("bwd", True))
-    monkeypatch.setattr(A, "use_decode", lambda q, k: False)
     for name in ("run_hopper", "run_hopper_bwd", "forward", "backward"):
         monkeypatch.setattr(A, name, lambda *a, name=name: log.append((name, a)))
     q, k, v = _qkv(D=64)
@@ -839,6 +839,11 @@ def test_checked_entries_route_once_per_signature(monkeypatch: pytest.MonkeyPatc
     A.backward_checked(odd, dk, dv, do, q, k, v, o, lse, None, True, 0.125)
     assert [n for n, _ in log] == ["forward"] * 3 + ["backward"] * 2
     assert log[1][1] == (o, lse, q, k, v, None, True, -0.125)
+    log.clear()
+    qs, os_ = q[:, :, :16], torch.empty_like(q[:, :, :16])
+    for skv in (40, 41, 42):  # a decode step per token
+        A.forward_checked(os_, lse[:, :, :16], qs, k[:, :, :skv], v[:, :, :skv], None, True, 0.125)
+    assert [n for n, _ in log] == ["forward"] * 3 and gates["fwd"] == 1
     log.clear()
     monkeypatch.setattr(A, "GLUON", False)  # a switch the routes hold: a new signature, the gate asked again
     monkeypatch.setattr(A, "use_hopper", gate("fwd", False))
