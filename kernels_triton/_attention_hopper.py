@@ -166,7 +166,15 @@ import os
 
 import torch
 
-from kernels_triton._config import EnvSnapshot, device_index, is_interpreter, l2_bytes, num_sms, on_device
+from kernels_triton._config import (
+    EnvSnapshot,
+    device_index,
+    is_interpreter,
+    l2_bytes,
+    num_sms,
+    on_device,
+    remember,
+)
 from kernels_triton._exp2_poly import env_config as exp2_env_config
 from kernels_triton._launch import fast_launch, int_class, launch_keyed
 
@@ -870,7 +878,6 @@ _FWD_ENV = EnvSnapshot(
     "FUSEKIT_HOPPER_ATTN_PERSIST_SECTION", "FUSEKIT_HOPPER_ATTN_PERSIST_ORDER", "FUSEKIT_HOPPER_ATTN_PERSIST_CTAS",
     "FUSEKIT_HOPPER_ATTN_EXP2_POLY", "FUSEKIT_HOPPER_ATTN_EXP2_POLY_DEGREE",
 )  # fmt: skip
-_PLAN_CACHE = 1024  # signatures kept per plan table; a model has a few
 _FWD_PLANS: dict[tuple, _FwdPlan] = {}
 
 
@@ -904,10 +911,7 @@ def run_hopper(
     sig = (q.shape, k.shape, k.stride(), v.stride(), q.dtype, q.device, bool(causal), _FWD_ENV())
     plan = _FWD_PLANS.get(sig)
     if plan is None:
-        plan = _fwd_plan(q, k, v, bool(causal))
-        if len(_FWD_PLANS) >= _PLAN_CACHE:
-            _FWD_PLANS.clear()
-        _FWD_PLANS[sig] = plan
+        plan = remember(_FWD_PLANS, sig, _fwd_plan(q, k, v, bool(causal)))
     if plan.persistent:
         _run_persistent(plan, o, lse, q, k, v, qk_scale)
     elif plan.host:
@@ -1102,9 +1106,7 @@ def descriptor_fields(t: torch.Tensor, block: tuple[int, ...], layout) -> dict:
     hit = _DESC_FIELDS.get(key)
     if hit is None:
         d = TensorDescriptor(t, list(t.shape), list(strides), list(block), layout)
-        if len(_DESC_FIELDS) >= 4096:
-            _DESC_FIELDS.clear()
-        hit = _DESC_FIELDS[key] = (dict(vars(d), base=None), layout)
+        hit = remember(_DESC_FIELDS, key, (dict(vars(d), base=None), layout), 4096)
     return hit[0]
 
 

@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._attention_hopper import HAS_GLUON, descriptor_fields, hopper_supported, rebased
-from kernels_triton._config import EnvSnapshot, num_sms, on_device
+from kernels_triton._config import EnvSnapshot, num_sms, on_device, remember
 from kernels_triton._launch import fast_launch, int_class, launch_keyed
 from kernels_triton.attention_backward import (
     CHUNK_BLOCKS_PER_SM,
@@ -560,7 +560,6 @@ def dkdv_split(causal: bool, head_dim: int, n_kb: int, n_bhkv: int, group: int, 
 # at B1 H32/8 S2048 D128 causal (benchmarks/gpu_checks/attention_host.py at 9f3122f), its kernels ~250.
 _BWD_ENV = EnvSnapshot("FUSEKIT_HOPPER_BWD_CFG", "FUSEKIT_HOPPER_BWD_SPLIT", "FUSEKIT_TRITON_ATTN_CHUNK")
 _BWD_PLANS: dict[tuple, list] = {}
-_PLAN_CACHE = 1024  # signatures kept; a model has a few
 
 
 class _BwdSlab:
@@ -584,10 +583,7 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
     sig = (q.shape, k.shape, k.stride(), v.stride(), q.dtype, q.device, bool(causal), _BWD_ENV())
     slabs = _BWD_PLANS.get(sig)
     if slabs is None:
-        slabs = _bwd_plan(q, k, v, do, dq, dk, dv, bool(causal))
-        if len(_BWD_PLANS) >= _PLAN_CACHE:
-            _BWD_PLANS.clear()
-        _BWD_PLANS[sig] = slabs
+        slabs = remember(_BWD_PLANS, sig, _bwd_plan(q, k, v, do, dq, dk, dv, bool(causal)))
     B, H, S, D = q.shape
     qk_scale = float(scale) * _LOG2E  # no row max in the backward: any sign of scale is fine
     sm_scale = float(scale)

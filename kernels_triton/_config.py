@@ -23,9 +23,10 @@ def is_interpreter() -> bool:
 
 class EnvSnapshot:
     """The values of a fixed set of environment variables (None where unset; encoded on POSIX) as one tuple,
-    for a plan cache to key on (the plan's builder reads them as usual): a probe's or a test's change of a FUSEKIT_* switch (monkeypatch.setenv) reaches the next call,
-    and a call whose switches did not change finds its plan. Reads os.environ's own mapping where it is a
-    plain dict of encoded names (POSIX: ~0.7 us for 9 names against ~9 through os.environ.get)."""
+    for a plan cache to key on (the plan's builder reads them as usual): a probe's or a test's change of a
+    FUSEKIT_* switch (monkeypatch.setenv) reaches the next call, and a call whose switches did not change finds
+    its plan. Reads os.environ's own mapping where it is a plain dict of encoded names (POSIX: ~0.7 us for 9
+    names against ~9 through os.environ.get)."""
 
     def __init__(self, *names: str) -> None:
         self.names = names
@@ -39,6 +40,18 @@ class EnvSnapshot:
         if data is not None:
             return tuple([data.get(k) for k in self._keys])
         return tuple([os.environ.get(n) for n in self.names])
+
+
+PLAN_CACHE = 1024  # signatures a per-signature table keeps (remember); a model has a few, a shape sweep more
+
+
+def remember(table: dict, key: object, value: object, cap: int = PLAN_CACHE) -> object:
+    """table[key] = value, the table emptied first when it holds `cap` entries (per-signature caches: plans,
+    routes, descriptor fields); returns value."""
+    if len(table) >= cap:
+        table.clear()
+    table[key] = value
+    return value
 
 
 def is_hip() -> bool:

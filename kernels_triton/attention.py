@@ -55,7 +55,7 @@ import triton.language as tl
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
 from kernels_triton._attention_hopper import hopper_supported, run_hopper
 from kernels_triton._attention_hopper_bwd import aot_specs_split_sum, hopper_bwd_supported, run_hopper_bwd
-from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms, on_device
+from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms, on_device, remember
 from kernels_triton._exp2_poly import env_config as exp2_env_config
 from kernels_triton._exp2_poly import exp2_mixed
 from kernels_triton._launch import fast_tuned
@@ -537,18 +537,12 @@ def backward(
 # backward's own checks and gates cost 37 and 60 us of the H200 host's time per call around the Gluon launches
 # (benchmarks/results/nvidia-h200/attention-host.json, before this). Anything else takes forward / backward.
 _ROUTES: dict[tuple, bool] = {}
+_ROUTES_CAP = 4096  # a sweep of shapes; a model has a few
 
 
 def clear_routes() -> None:
     """Forget the per-signature Gluon decisions (tests that patch GLUON, hopper_supported, ...)."""
     _ROUTES.clear()
-
-
-def _route(sig: tuple, hopper: bool) -> bool:
-    if len(_ROUTES) >= 4096:  # a sweep of shapes; a model has a few
-        _ROUTES.clear()
-    _ROUTES[sig] = hopper
-    return hopper
 
 
 def _aligned_ptrs(*ts: torch.Tensor) -> bool:
@@ -563,7 +557,8 @@ def forward_checked(o, lse, q, k, v, kv_len, causal: bool, scale: float) -> None
                q.device, causal, GLUON, _GLUON_D256, _GLUON_MIN_FLOP)  # fmt: skip
         hopper = _ROUTES.get(sig)
         if hopper is None:
-            hopper = _route(sig, o.is_contiguous() and lse.is_contiguous() and use_hopper(q, k, v, o, causal))
+            hopper = o.is_contiguous() and lse.is_contiguous() and use_hopper(q, k, v, o, causal)
+            remember(_ROUTES, sig, hopper, _ROUTES_CAP)
         if hopper:
             run_hopper(o, lse, q, k, v, causal, float(scale) * _LOG2E)
             return
@@ -577,7 +572,8 @@ def backward_checked(dq, dk, dv, do, q, k, v, o, lse, kv_len, causal: bool, scal
                dk.stride(), dv.stride(), lse.stride(), q.dtype, q.device, causal, GLUON, _GLUON_MIN_FLOP)  # fmt: skip
         hopper = _ROUTES.get(sig)
         if hopper is None:
-            hopper = _route(sig, lse.is_contiguous() and use_hopper_bwd(q, k, v, None, dq, dk, dv, do, o))
+            hopper = lse.is_contiguous() and use_hopper_bwd(q, k, v, None, dq, dk, dv, do, o)
+            remember(_ROUTES, sig, hopper, _ROUTES_CAP)
         if hopper:
             run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
             return
