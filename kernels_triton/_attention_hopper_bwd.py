@@ -542,9 +542,12 @@ def _split_sum_kernel(wsk_ptr, wsv_ptr, dk_ptr, dv_ptr, n, SPLIT: tl.constexpr, 
 def dkdv_split(causal: bool, head_dim: int, n_kb: int, n_bhkv: int, group: int, device: int) -> int:
     """CTAs per GQA group in the dk/dv kernel (see SPLIT_LONG_KB): 2 where causal, D in SPLIT_HEAD_DIMS, an
     even group and a grid of n_kb * n_bhkv CTAs <= the SMs (or <= 2x with n_kb >= SPLIT_LONG_KB); else 1.
-    FUSEKIT_HOPPER_BWD_SPLIT=N forces N where it divides the group (probes, tests); "auto" or unset: the rule."""
-    env = os.environ.get("FUSEKIT_HOPPER_BWD_SPLIT", "auto")
+    FUSEKIT_HOPPER_BWD_SPLIT=N forces N where it divides the group (probes, tests); "auto", empty or unset: the
+    rule; anything else a ValueError naming the variable."""
+    env = os.environ.get("FUSEKIT_HOPPER_BWD_SPLIT", "").strip() or "auto"  # set but empty: unset
     if env != "auto":
+        if not env.isdigit():
+            raise ValueError(f"FUSEKIT_HOPPER_BWD_SPLIT={env!r}: expected 'auto' or a positive integer")
         forced = int(env)
         return forced if forced >= 1 and group % forced == 0 else 1
     if not causal or head_dim not in SPLIT_HEAD_DIMS or group % 2:

@@ -290,6 +290,12 @@ def test_dkdv_split_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert m.dkdv_split(True, 128, 16, 8, 2, 0) == 1  # 4 does not divide a group of 2
     monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", "1")
     assert m.dkdv_split(True, 128, 16, 8, 4, 0) == 1
+    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", "")  # set but empty: the rule, as unset
+    assert m.dkdv_split(True, 128, 16, 8, 4, 0) == 2
+    for bad in ("two", "-2", "1.5"):
+        monkeypatch.setenv("FUSEKIT_HOPPER_BWD_SPLIT", bad)
+        with pytest.raises(ValueError, match="FUSEKIT_HOPPER_BWD_SPLIT"):
+            m.dkdv_split(True, 128, 16, 8, 4, 0)
 
 
 def test_backward_gate(monkeypatch: pytest.MonkeyPatch) -> None:
