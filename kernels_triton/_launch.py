@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 
+from kernels_triton._raw_launch import clear as raw_clear
+from kernels_triton._raw_launch import raw_launcher
+
 ENABLED = os.environ.get("FUSEKIT_TRITON_FAST_LAUNCH", "1") not in ("", "0")
 _MAX_ENTRIES = 4096  # (kernel, grid, args key) entries; a model needs a few dozen
 _CACHE: dict[tuple, tuple[Callable[..., None], tuple]] = {}
@@ -184,11 +187,38 @@ def _direct(kernel: Any, g3: tuple, device: int) -> Callable[..., None]:
     gx, gy, gz = g3
     rt = knobs.runtime
 
-    def launch_direct(*args: Any) -> None:
+    def unhooked() -> bool:
         e, x = rt.launch_enter_hook, rt.launch_exit_hook
-        if (e is None or (type(e) is chain and not e.calls)) and (
+        return (e is None or (type(e) is chain and not e.calls)) and (
             x is None or (type(x) is chain and not x.calls)
-        ):
+        )
+
+    raw = raw_launcher(run)
+    if raw is not None:  # Triton 3.6, no scratch: its C launch directly (_raw_launch), descriptors memoized
+        c_launch, expand = raw
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+        if expand is None:
+
+            def launch_raw(*args: Any) -> None:
+                if unhooked():
+                    c_launch(gx, gy, gz, _stream(device), function, coop, pdl, None, None, metadata, None, None,
+                             None, *args)  # fmt: skip
+                else:
+                    runner(*args)
+
+            return launch_raw
+
+        def launch_tma(*args: Any) -> None:
+            if unhooked():
+                c_launch(gx, gy, gz, _stream(device), function, coop, pdl, None, None, metadata, None, None, None,
+                         *expand(args))  # fmt: skip
+            else:
+                runner(*args)
+
+        return launch_tma
+
+    def launch_direct(*args: Any) -> None:
+        if unhooked():
             run(gx, gy, gz, _stream(device), function, metadata, None, None, None, *args)
         else:
             runner(*args)
@@ -359,3 +389,4 @@ def clear() -> None:
     _KW_KEYERS.clear()
     _TUNED.clear()
     _TUNER_KEYERS.clear()
+    raw_clear()

@@ -14,7 +14,7 @@ import torch
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from kernels_triton import _launch  # noqa: E402
+from kernels_triton import _launch, _raw_launch  # noqa: E402
 
 
 def _toy(x_ptr, y_ptr, n, start, BLOCK: tl.constexpr = 64, FLAG: tl.constexpr = False):  # noqa: F821
@@ -251,6 +251,14 @@ def _ops_cases(dev: str):
     q4 = r(2, 32, 4, 128)
     flat = r(2 * 8 * 1000 * 128 + 1)  # k/v views one element off 16-byte alignment
     km, vm = flat[1:].view(2, 8, 1000, 128), flat[:-1].view(2, 8, 1000, 128)
+    # large enough for the Hopper Gluon kernels (4*B*H*S*Skv*D >= 2**34): host descriptors, _raw_launch' maps
+    qg, kg, vg = (r(1, h, 2048, 128).requires_grad_() for h in (8, 2, 2))
+    dog = r(1, 8, 2048, 128)
+
+    def gluon_pair() -> list[torch.Tensor]:
+        o = ops.attention(qg, kg, vg, causal=True, backend="triton")
+        return [o.detach(), *torch.autograd.grad(o, (qg, kg, vg), dog)]
+
     return [
         ("rms_norm", lambda: ops.rms_norm(x, w, backend="triton")),
         ("rms_norm misaligned", lambda: ops.rms_norm(x_mis, w, backend="triton")),
@@ -283,6 +291,7 @@ def _ops_cases(dev: str):
                 + [ops.attention(q, km[:, :, :n], vm[:, :, :n], backend="triton") for n in (500, 512)]
             ),
         ),
+        ("attention Gluon forward + backward (sm_90)", gluon_pair),
     ]
 
 
@@ -309,6 +318,8 @@ def test_cuda_results_equal_tritons_launch(device: str, monkeypatch: pytest.Monk
     torch.cuda.synchronize()
     assert _launch._CACHE, "the lean path was never taken"
     assert _launch._KEYED, "decode attention's keyed launches were never taken"
+    if torch.cuda.get_device_capability()[0] == 9 and triton.__version__.startswith("3.6"):
+        assert _raw_launch._MAPS, "the Gluon launches never reused encoded maps (kernels_triton._raw_launch)"
 
 
 def test_host_descriptor_key_holds_its_whole_type() -> None:
@@ -323,3 +334,153 @@ def test_host_descriptor_key_holds_its_whole_type() -> None:
     assert key(d) == key(TensorDescriptor(a16.clone(), [32, 64], [64, 1], [16, 16]))  # shape: a runtime value
     assert key(d) != key(TensorDescriptor(abf, [64, 64], [64, 1], [16, 16]))
     assert key(d) != key(TensorDescriptor(a16, [64, 64], [64, 1], [32, 16]))
+
+
+# Triton 3.6's wrap_handle_tensordesc and CudaLauncher.__call__ (triton/backends/nvidia/driver.py), the
+# shapes _raw_launch.raw_launcher recognises
+_DRIVER_36 = """
+_BASE_ARGS_FORMAT_LEN = 13
+
+
+def wrap_handle_tensordesc(launcher, signature, tensordesc_meta):
+    has_tensor_desc_arg = any(isinstance(sig, str) and sig.startswith("tensordesc") for sig in signature.values())
+    if not has_tensor_desc_arg:
+        return launcher
+
+    tensordesc_indices = set(
+        [i for i, sig in enumerate(signature.values()) if isinstance(sig, str) and sig.startswith("tensordesc")])
+    if not tensordesc_meta:
+        tensordesc_meta = [None] * len(tensordesc_indices)
+
+    def inner(*args):
+        final_args = list(args[:_BASE_ARGS_FORMAT_LEN])
+        tensordesc_idx = 0
+        for i, arg in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            if i in tensordesc_indices:
+                final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                tensordesc_idx += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+
+    return inner
+
+
+class CudaLauncher(object):
+    def __init__(self, launch, signature, tensordesc_meta, scratch):
+        self.launch = wrap_handle_tensordesc(launch, signature, tensordesc_meta)
+        self.global_scratch_size = self.profile_scratch_size = scratch
+        self.launch_cooperative_grid = self.launch_pdl = False
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, None,
+                    None, *args)
+"""
+
+
+class _Desc:
+    """Stands in for a host TensorDescriptor: what make_tensordesc_arg reads."""
+
+    def __init__(self, t: torch.Tensor, block: list[int]) -> None:
+        self.base, self.shape, self.strides, self.padding = t, list(t.shape), list(t.stride()), "zero"
+        self.block_shape = block
+
+
+@pytest.fixture
+def driver36(monkeypatch: pytest.MonkeyPatch):
+    """A module laid out as Triton 3.6's CUDA driver; make_launcher(metas, scratch, descriptors) gives a
+    CudaLauncher over a recording C launch, plus the lists of encoded pointers and launches."""
+    import sys
+    import types
+
+    mod = types.ModuleType("fake_triton36_driver")
+    encoded: list = []
+
+    def make_tensordesc_arg(arg, metadata):
+        if metadata is None:
+            return [arg.base, *arg.shape, *arg.strides]
+        encoded.append(arg.base.data_ptr())
+        return [("map", arg.base.data_ptr(), metadata["swizzle"]), *arg.shape, *arg.strides]
+
+    mod.make_tensordesc_arg = make_tensordesc_arg
+    exec(_DRIVER_36, mod.__dict__)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+
+    class CLaunch(list):
+        """The compiled C launch (a builtin: no __code__), recording its arguments."""
+
+        def __call__(self, *args) -> None:
+            self.append(args)
+
+    def make_launcher(metas, scratch: int = 0, descriptors: bool = True):
+        launched = CLaunch()
+        d = "tensordesc<bf16[64, 64]>" if descriptors else "*bf16"
+        sig = {"a": d, "n": "i32", "b": d, "X": "constexpr"}
+        launcher = mod.CudaLauncher(launched, sig, metas, scratch)
+        return launcher, launched
+
+    return make_launcher, encoded
+
+
+def test_raw_launch_expands_as_tritons_wrapper_and_reuses_maps(driver36) -> None:
+    make_launcher, encoded = driver36
+    _raw_launch.clear()
+    launcher, launched = make_launcher([{"swizzle": 128}, {"swizzle": 64}])
+    got = _raw_launch.raw_launcher(launcher)
+    assert got is not None and got[1] is not None
+    c_launch, expand = got
+    x, y = torch.zeros(4, 64), torch.zeros(8, 64)
+    args = (_Desc(x, [64, 64]), 7, _Desc(y, [64, 64]), 3)
+    launcher(1, 2, 3, 0, "fn", "meta", None, None, None, *args)  # Triton's own path: what the C launch gets
+    want = launched[-1]
+    encoded.clear()
+    c_launch(1, 2, 3, 0, "fn", False, False, None, None, "meta", None, None, None, *expand(args))
+    assert launched[-1] == want and len(encoded) == 2
+    assert expand((_Desc(x, [64, 64]), 9, _Desc(y, [64, 64]), 3))[5] == 9  # map, 2 dims, 2 strides, then n
+    assert len(encoded) == 2, "same pointers, shapes, strides: the maps are reused"
+    z = torch.zeros(8, 64)  # another address: encoded again
+    expand((_Desc(x, [64, 64]), 7, _Desc(z, [64, 64]), 3))
+    assert encoded[-1] == z.data_ptr() and len(encoded) == 3
+    expand((_Desc(x[:2], [64, 64]), 7, _Desc(z, [64, 64]), 3))  # same pointer, another shape
+    assert len(encoded) == 4
+    _raw_launch.clear()
+
+
+def test_raw_launch_without_descriptors_is_the_c_function(driver36) -> None:
+    make_launcher, _ = driver36
+    launcher, launched = make_launcher(None, descriptors=False)
+    c_launch, expand = _raw_launch.raw_launcher(launcher)
+    assert expand is None
+    x = torch.zeros(4)
+    launcher(1, 2, 3, 0, "fn", "meta", None, None, None, x, 7, x, 3)
+    want = launched[-1]
+    c_launch(1, 2, 3, 0, "fn", False, False, None, None, "meta", None, None, None, x, 7, x, 3)
+    assert len(launched[-1]) == len(want) and all(a is b or a == b for a, b in zip(launched[-1], want))
+
+
+def test_raw_launch_leaves_other_launchers_to_triton(driver36) -> None:
+    make_launcher, encoded = driver36
+    assert (
+        _raw_launch.raw_launcher(make_launcher([{"swizzle": 128}, {"swizzle": 64}], scratch=256)[0]) is None
+    )
+    assert _raw_launch.raw_launcher(lambda *a: None) is None
+
+    class CudaLauncher:  # a newer Triton's: __call__ takes the metadata and hooks by name
+        launch = staticmethod(lambda *a: None)
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid = launch_pdl = False
+
+        def __call__(
+            self, gx, gy, gz, stream, function, kernel_metadata, launch_metadata, enter, exit_, *args
+        ):
+            pass
+
+    assert _raw_launch.raw_launcher(CudaLauncher()) is None
+    launcher, launched = make_launcher(None)  # no metadata: nothing encoded, nothing remembered
+    _, expand = _raw_launch.raw_launcher(launcher)
+    x = torch.zeros(4, 64)
+    args = (_Desc(x, [64, 64]), 7, _Desc(x, [64, 64]), 3)
+    launcher(1, 2, 3, 0, "fn", "meta", None, None, None, *args)
+    got = expand(args)
+    assert len(got) == len(launched[-1]) - 13 and all(a is b for a, b in zip(got, launched[-1][13:]))
+    assert not _raw_launch._MAPS and not encoded

@@ -7,7 +7,8 @@ forward call and of `backward` (perf_counter around each, no sync: the GPU runs 
 per forward + backward, the GPU time of the pair (CUDA events), then cProfile over fusekit's loop: the
 functions with the most own time and the most cumulative time, and torch.profiler's CPU-side aten ops of one
 pair (which allocations, copies and small kernels the host path issues). host >> GPU means a model of this
-shape waits on fusekit's launcher Python. With $OUT set, writes $OUT/attention_host.json.
+shape waits on fusekit's launcher Python. With $OUT set, writes $OUT/attention_host.json
+(--autograd-only: $OUT/attention_host_autograd.json).
 """
 
 from __future__ import annotations
@@ -143,40 +144,95 @@ def layers(q, k, v, do, reps: int) -> dict:
 
 
 def autograd_probe(q, k, v, do, reps: int, top: int) -> dict:
-    """Where the autograd backward's time goes beyond kernels_triton's backward: the same backward called from
-    a bare autograd.Function (the engine and its device thread alone), then cProfile of fusekit's."""
+    """Where the autograd backward's time goes beyond kernels_triton's backward. Bare autograd.Functions whose
+    backward returns ready grads ("empty"), allocates them, or runs A.backward; each one's host time through
+    torch.autograd.grad, the time its body took inside the engine (perf_counter in backward) and the thread it
+    ran on; the same with the engine's device threads off (set_multithreading_enabled(False)); one grad queued
+    behind a 50 ms GPU sleep (a host sync inside would make it ~50 ms); A.backward handed to a Python thread;
+    then cProfile of fusekit's backward."""
+    import queue
+    import threading
+
     from fusekit import ops
     from kernels_triton import attention as A
 
     qd, kd, vd, scale, o, lse, dq, dk, dv = _prepared(q, k, v)
+    body: list[float] = []
+    threads: set[int] = set()
 
-    class Bare(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v):
-            return o.clone()
+    def fn_of(run):
+        class Bare(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v):
+                return o.clone()
 
-        @staticmethod
-        def backward(ctx, g):
-            A.backward(dq, dk, dv, g, qd, kd, vd, o, lse, None, True, scale)
-            return dq, dk, dv
+            @staticmethod
+            def backward(ctx, g):
+                t0 = time.perf_counter()
+                threads.add(threading.get_ident())
+                r = run(g)
+                body.append(time.perf_counter() - t0)
+                return r
 
-    yb = Bare.apply(q, k, v)
-    y = ops.attention(q, k, v, causal=True, backend="triton")
-    r = {
-        "layer": "autograd_host_us",
-        "A.backward": _host_us(
-            lambda: A.backward(dq, dk, dv, do, qd, kd, vd, o, lse, None, True, scale), reps
-        ),
-        "bare Function grad": _host_us(
-            lambda: torch.autograd.grad(yb, (q, k, v), do, retain_graph=True), reps
-        ),
-        "ops.attention grad": _host_us(
-            lambda: torch.autograd.grad(y, (q, k, v), do, retain_graph=True), reps
-        ),
+        return Bare
+
+    def full(g):
+        A.backward(dq, dk, dv, g, qd, kd, vd, o, lse, None, True, scale)
+        return dq, dk, dv
+
+    variants = {
+        "empty": lambda g: (dq, dk, dv),
+        "alloc x3": lambda g: (torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)),
+        "A.backward": full,
     }
+    r: dict = {"layer": "autograd_host_us", "main_thread": threading.get_ident()}
+    r["A.backward direct"] = _host_us(lambda: full(do), reps)
+    for name, run in variants.items():
+        y = fn_of(run).apply(q, k, v)
+        for mt in (True, False):
+            body.clear()
+            threads.clear()
+            with torch.autograd.set_multithreading_enabled(mt):
+                us = _host_us(lambda y=y: torch.autograd.grad(y, (q, k, v), do, retain_graph=True), reps)
+            key = f"bare {name}" + ("" if mt else " (engine threads off)")
+            r[key] = us
+            r[key + " body"] = 1e6 * statistics.median(body)
+            r[key + " ran on main thread"] = threads == {r["main_thread"]}
+    y = ops.attention(q, k, v, causal=True, backend="triton")
+    r["ops.attention grad"] = _host_us(lambda: torch.autograd.grad(y, (q, k, v), do, retain_graph=True), reps)
+    with torch.autograd.set_multithreading_enabled(False):
+        r["ops.attention grad (engine threads off)"] = _host_us(
+            lambda: torch.autograd.grad(y, (q, k, v), do, retain_graph=True), reps
+        )
+    ys = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    r["sdpa grad"] = _host_us(lambda: torch.autograd.grad(ys, (q, k, v), do, retain_graph=True), reps)
+    for name, yy in (("ops.attention", y), ("sdpa", ys)):  # a host sync would wait out the sleep
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1e8))  # ~50 ms of GPU clock cycles
+        t0 = time.perf_counter()
+        torch.autograd.grad(yy, (q, k, v), do, retain_graph=True)
+        r[f"{name} grad behind a GPU sleep"] = 1e6 * (time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    jobs: queue.Queue = queue.Queue()
+    done: queue.Queue = queue.Queue()
+
+    def worker() -> None:
+        while (job := jobs.get()) is not None:
+            done.put(job())
+
+    th = threading.Thread(target=worker, daemon=True)
+    th.start()
+
+    def handed():
+        jobs.put(lambda: full(do))
+        done.get()
+
+    r["A.backward on a Python thread"] = _host_us(handed, reps)
+    r["empty job on a Python thread"] = _host_us(lambda: (jobs.put(lambda: None), done.get()), reps)
+    jobs.put(None)
     for name, us in r.items():
-        if name != "layer":
-            print(f"  host {name:28s} {us:8.1f} us", flush=True)
+        if name not in ("layer", "main_thread"):
+            print(f"  {name:52s} {us:9.1f}" if isinstance(us, float) else f"  {name:52s} {us}", flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(20):
@@ -217,7 +273,7 @@ def main() -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, args.shape, flush=True)
     if args.autograd_only:
         r = autograd_probe(q, k, v, do, args.reps, args.top)
-        save_json("attention_host.json", {"meta": run_meta(command=" ".join(sys.argv)), "rows": [r]})
+        save_json("attention_host_autograd.json", {"meta": run_meta(command=" ".join(sys.argv)), "rows": [r]})
         return 0
     rows = [measure("triton", fk, q, k, v, do, args.reps), measure("sdpa", sd, q, k, v, do, args.reps)]
 
