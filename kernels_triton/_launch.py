@@ -33,6 +33,8 @@ from kernels_triton._raw_launch import clear as raw_clear
 from kernels_triton._raw_launch import raw_launcher
 
 ENABLED = os.environ.get("FUSEKIT_TRITON_FAST_LAUNCH", "1") not in ("", "0")
+# Triton 3.6's C launch called directly, descriptors' maps remembered (_raw_launch); "0": CudaLauncher's path
+RAW = os.environ.get("FUSEKIT_TRITON_RAW_LAUNCH", "1") not in ("", "0")
 _MAX_ENTRIES = 4096  # (kernel, grid, args key) entries; a model needs a few dozen
 _CACHE: dict[tuple, tuple[Callable[..., None], tuple]] = {}
 _ORDERS: dict[tuple, tuple] = {}  # (kernel, positional count, kwarg names) -> binding order
@@ -193,7 +195,7 @@ def _direct(kernel: Any, g3: tuple, device: int) -> Callable[..., None]:
             x is None or (type(x) is chain and not x.calls)
         )
 
-    raw = raw_launcher(run)
+    raw = raw_launcher(run) if RAW else None
     if raw is not None:  # Triton 3.6, no scratch: its C launch directly (_raw_launch), descriptors memoized
         c_launch, expand = raw
         coop, pdl = run.launch_cooperative_grid, run.launch_pdl

@@ -246,12 +246,80 @@ def autograd_probe(q, k, v, do, reps: int, top: int) -> dict:
     return r
 
 
+def loop_probe(q, k, v, do, reps: int) -> dict:
+    """The training pattern (forward, then backward, every step a new graph) against the isolated calls: the
+    median host time of each half in loops that differ in one thing (Python's GC off; autograd.grad instead of
+    .backward; the engine's device threads off), each half issued behind a 50 ms GPU sleep (a host sync inside
+    it would make it ~50 ms), and the syncs torch's sync-debug mode reports in one pair."""
+    import gc
+    import warnings
+
+    from fusekit import ops
+
+    def fk(q, k, v):
+        return ops.attention(q, k, v, causal=True, backend="triton")
+
+    def sd(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def loop(f, back) -> tuple[float, float]:
+        fw, bw = [], []
+        for i in range(reps + 5):
+            t0 = time.perf_counter()
+            y = f(q, k, v)
+            t1 = time.perf_counter()
+            back(y)
+            t2 = time.perf_counter()
+            if i >= 5:
+                fw.append(t1 - t0)
+                bw.append(t2 - t1)
+        torch.cuda.synchronize()
+        return 1e6 * statistics.median(fw), 1e6 * statistics.median(bw)
+
+    r: dict = {"layer": "loop_host_us"}
+    for name, f in (("triton", fk), ("sdpa", sd)):
+        r[f"{name} .backward"] = loop(f, lambda y: y.backward(do))
+        gc.disable()
+        r[f"{name} .backward, gc off"] = loop(f, lambda y: y.backward(do))
+        gc.enable()
+        r[f"{name} autograd.grad"] = loop(f, lambda y: torch.autograd.grad(y, (q, k, v), do))
+        with torch.autograd.set_multithreading_enabled(False):
+            r[f"{name} .backward, engine threads off"] = loop(f, lambda y: y.backward(do))
+        for _ in range(3):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(1e8))
+            t0 = time.perf_counter()
+            y = f(q, k, v)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(1e8))
+            t2 = time.perf_counter()
+            y.backward(do)
+            t3 = time.perf_counter()
+            torch.cuda.synchronize()
+        r[f"{name} behind a GPU sleep"] = (1e6 * (t1 - t0), 1e6 * (t3 - t2))
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                f(q, k, v).backward(do)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        r[f"{name} syncs (sync-debug mode)"] = [str(w.message)[:200] for w in caught]
+    for name, v_ in r.items():
+        if name != "layer":
+            print(f"  {name:44s} {v_}", flush=True)
+    return r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1x32x8x2048x128", help="BxHxHkvxSxD (bf16, causal)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--autograd-only", action="store_true", help="only the autograd backward's breakdown")
+    ap.add_argument("--loop-only", action="store_true", help="only the training-loop pattern's probes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("attention_host.py: needs a CUDA GPU", file=sys.stderr)
@@ -271,6 +339,10 @@ def main() -> int:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     print(torch.cuda.get_device_name(), "torch", torch.__version__, args.shape, flush=True)
+    if args.loop_only:
+        r = loop_probe(q, k, v, do, args.reps)
+        save_json("attention_host_loop.json", {"meta": run_meta(command=" ".join(sys.argv)), "rows": [r]})
+        return 0
     if args.autograd_only:
         r = autograd_probe(q, k, v, do, args.reps, args.top)
         save_json("attention_host_autograd.json", {"meta": run_meta(command=" ".join(sys.argv)), "rows": [r]})
