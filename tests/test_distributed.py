@@ -51,7 +51,7 @@ WORLD = 2
 # Where the workers run; _worker replaces it with the test's (spawned workers import this module afresh).
 CFG = {"dist": "gloo", "device": "cpu", "backend": "torch"}
 TIMEOUT_S = 150  # the whole spawn; CI must never hang
-SCENARIOS = ("ops", "errors", "fsdp2", "fsdp2_bf16", "tp")
+SCENARIOS = ("ops", "errors", "fsdp2", "fsdp2_eval", "fsdp2_bf16", "tp")
 
 
 # --- helpers (run inside the workers) ------------------------------------------------------------
@@ -359,6 +359,20 @@ def _scenario_fsdp2(mesh) -> None:
         _close(runs[True][1][n], p, n, rtol=1e-4, atol=2e-5)
         moved = max(moved, float((p - dict(base.named_parameters())[n].detach()).abs().max()))
     assert moved > 1e-3, "the parameters did not train"
+
+
+def _scenario_fsdp2_eval(mesh) -> None:
+    """An evaluation forward (no_grad) of a patched model under FSDP2, as a training loop's eval step runs it:
+    the inference-only fusions (each layer's post-MLP add done by the next norm) must not touch a layer
+    whose parameters FSDP2 still holds sharded. Logits as the unpatched FSDP2 model's."""
+    base = _tiny_llama()
+    ids = _batches()[dist.get_rank()]
+    out = {}
+    for patched in (False, True):
+        model = _trainable(base, patched, mesh).eval()
+        with torch.no_grad():
+            out[patched] = model(ids).logits.float()
+    _close(out[True], out[False], "no_grad logits under FSDP2", rtol=1e-5, atol=1e-5)
 
 
 def _scenario_fsdp2_bf16(mesh) -> None:

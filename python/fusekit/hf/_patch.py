@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from fusekit import backends, ops
+from fusekit.distributed import PLAIN
 from fusekit.hf import _attention
 from fusekit.nn import RMSNorm, SwiGLUMLP
 from fusekit.nn.rotary import apply_rope, rope_parameters
@@ -196,10 +197,17 @@ class _DecoderLayerMixin:
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
         hidden_states = self.mlp(hidden_states)
         nxt = self.__dict__.get("_fusekit_next_norm")
-        if nxt is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if (
+            nxt is not None
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and type(nxt.weight) in PLAIN
+        ):
             # Inference: the add after the MLP fused into the next norm (the next layer's input norm, or
             # the model's final norm), which finds its output waiting (_PrecomputedNormMixin). Not with
             # gradients: a checkpointed layer would hand the next one a norm computed outside its graph.
+            # Not while the next norm's weight is a DTensor: under FSDP2 the next layer's parameters stay
+            # sharded until its own forward (an eval step of FSDP2 training raised here before).
             y, h = nxt(hidden_states, residual=residual)
             nxt.__dict__["_fusekit_pre"] = (h, h._version, y)
             return h
