@@ -171,6 +171,28 @@ def test_training_step_gradients_match_every_parameter(family):
     assert not torch.equal(model.lm_head.weight, before)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_keeps_every_gradient(reentrant):
+    """HF's gradient checkpointing, reentrant (the layers' forward runs under no_grad, where the patched
+    layers fuse the post-MLP add into the next norm) or not: every parameter gets its gradient, as unpatched.
+    With use_reentrant=True the final norm once took the last layer's no_grad result: only lm_head trained."""
+    model = build("llama3").train()
+    kw = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 (the older name deprecated)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+    x = ids(seq=21)
+    ref = _grads(model, x)
+    assert len(ref) == len(list(model.parameters()))
+    fh.patch(model)
+    got = _grads(model, x)
+    assert got.keys() == ref.keys(), f"parameters without a gradient: {sorted(ref.keys() - got.keys())}"
+    worst = max((rel_error(got[n], ref[n]), n) for n in ref)
+    assert worst[0] <= GRAD_TOL, f"gradient of {worst[1]} relative error {worst[0]:.2e}"
+    fh.unpatch(model)
+
+
 def test_bf16_training_step_runs_and_tracks_fp32():
     model = build("llama2").train()
     x = ids(seq=17)

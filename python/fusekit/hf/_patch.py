@@ -249,14 +249,26 @@ def _all_ones(mask: object) -> bool:
 
 class _PrecomputedNormMixin:
     """A fusekit RMSNorm that the previous decoder layer may have computed already (fused with its residual
-    add): called with exactly that layer's output tensor, unchanged since, it returns the waiting result
-    (taken once); any other call normalizes as usual."""
+    add): called with exactly that layer's output tensor, unchanged since, and still without gradients, it
+    returns the waiting result (taken once); any other call normalizes as usual.
+
+    "Still without gradients": a layer leaves a result only under no_grad, which is also how a reentrant
+    checkpoint (use_reentrant=True) runs the layers' forward inside a training step. The model's final norm
+    runs outside the checkpoints with gradients on and receives the last layer's very output tensor, so taking
+    the waiting result there would hand the loss a norm without a graph: no gradient for any layer (it did, with
+    HF's gradient_checkpointing_enable({"use_reentrant": True}), before this check)."""
 
     def forward(self, x, residual=None):
         if torch.compiler.is_compiling():  # traced layers never leave a result waiting
             return super().forward(x, residual=residual)
-        pre = self.__dict__.pop("_fusekit_pre", None)
-        if pre is not None and residual is None and pre[0] is x and pre[1] == x._version:
+        pre = self.__dict__.pop("_fusekit_pre", None)  # taken (or dropped) by every call
+        if (
+            pre is not None
+            and residual is None
+            and pre[0] is x
+            and pre[1] == x._version
+            and not torch.is_grad_enabled()
+        ):
             return pre[2]
         return super().forward(x, residual=residual)
 
