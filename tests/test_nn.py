@@ -187,6 +187,42 @@ def test_swiglu_mlp_matches_hf_llama_mlp(dtype):
     assert wrapped.gate_proj is hf.gate_proj and wrapped.down_proj is hf.down_proj
 
 
+class _LoRA(nn.Module):
+    """As peft's lora.Linear: the base Linear wrapped, B(A(x)) added; `weight` is the base layer's."""
+
+    def __init__(self, base: nn.Linear, r: int = 4) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+@pytest.mark.parametrize("proj", ["gate_proj", "up_proj", "down_proj"])
+def test_swiglu_mlp_runs_an_adapter_put_on_a_projection(proj):
+    """peft's get_peft_model after fusekit.hf.patch replaces the MLP's Linear modules with LoRA layers: the
+    adapter's output and gradients must count (the fused op saw only the base weight and dropped them)."""
+    L = _hf_llama()
+    torch.manual_seed(7)
+    hf = L.LlamaMLP(_llama_config(hidden_size=48, intermediate_size=80))
+    ours = fnn.SwiGLUMLP.from_module(hf)
+    x, dy = torch.randn(2, 5, 48), torch.randn(2, 5, 48)
+    fused = ours(x)
+    setattr(hf, proj, _LoRA(getattr(hf, proj)))
+    setattr(ours, proj, getattr(hf, proj))  # the same adapter module in both
+    got, want = _grads(ours, x, dy), _grads(hf, x, dy)
+    assert not torch.allclose(got["y"], fused), "the adapter changed nothing: the test cannot tell"
+    _compare("SwiGLUMLP with a LoRA projection vs LlamaMLP", got, want, torch.float32, proj)
+    assert any(k.endswith("lora_A.weight.grad") for k in got), sorted(got)
+
+
 def test_swiglu_mlp_errors_name_the_feature():
     L = _hf_llama()
     with pytest.raises(ValueError, match="bias"):

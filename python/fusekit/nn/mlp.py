@@ -15,6 +15,14 @@ def _is_silu(act: object) -> bool:
     return type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
+_LINEAR_FORWARD = nn.Linear.forward
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """An nn.Linear (or a subclass keeping its forward) without bias: computes exactly x @ weight.T."""
+    return type(m).forward is _LINEAR_FORWARD and getattr(m, "bias", None) is None
+
+
 class SwiGLUMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) in one op, with HF LlamaMLP's submodule names.
 
@@ -25,7 +33,9 @@ class SwiGLUMLP(nn.Module):
 
     Biases are not supported (the op has none): bias=True raises. forward(x [..., hidden]) -> [...,
     hidden] in x's dtype; x and the weights share one dtype (fp32, bf16, fp16). Gradients flow to x and
-    the three weights.
+    the three weights. A projection replaced by a module that computes more than its weight (peft's LoRA
+    layers, wrapped or quantized linears) makes forward call the three modules as LlamaMLP does (unfused,
+    exact) instead of dropping what the fused op cannot see.
     """
 
     def __init__(
@@ -52,9 +62,13 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.swiglu_ffn(
-            x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, backend=self.backend
-        )
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if _plain_linear(g) and _plain_linear(u) and _plain_linear(d):
+            return ops.swiglu_ffn(x, g.weight, u.weight, d.weight, backend=self.backend)
+        # A projection that computes more than x @ weight.T (a LoRA adapter put in its place by peft after
+        # patching, a quantized or otherwise wrapped layer): the fused op would read only the base weight and
+        # silently drop the rest, so the modules run as HF's LlamaMLP runs them.
+        return d(nn.functional.silu(g(x)) * u(x))
 
     @classmethod
     def from_module(cls, module: nn.Module, *, backend: str = "auto") -> SwiGLUMLP:
