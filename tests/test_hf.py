@@ -816,6 +816,24 @@ def test_post_mlp_add_fused_into_the_next_norm_under_no_grad(monkeypatch):
     assert rel_error(logits(model, x), ref) == 0.0
 
 
+def test_inference_mode_forward_and_generate():
+    """Under torch.inference_mode (serving, evaluation) tensors have no version counter, which the patched
+    model's per-forward caches (rotary tables, mask verdicts, the fused next norm) are guarded by: a patched
+    model raised 'Inference tensors do not track version counter' there. Logits and greedy tokens as HF's."""
+    model = build("llama3").eval()
+    x = ids(seq=11)
+    with torch.inference_mode():
+        ref = model(x).logits
+        ref_tokens = model.generate(x, max_new_tokens=6, do_sample=False)
+    fh.patch(model)
+    with torch.inference_mode():
+        got = model(x).logits
+        tokens = model.generate(x, max_new_tokens=6, do_sample=False)
+    assert rel_error(got, ref) <= FP32_TOL
+    assert torch.equal(tokens, ref_tokens)
+    fh.unpatch(model)
+
+
 def test_a_changed_layer_output_is_normalized_again():
     """The waiting norm result is used only for the very tensor the layer returned, unchanged: a forward
     hook that edits it in place (version bump) or replaces it makes the next norm compute again."""

@@ -48,20 +48,31 @@ CAUSAL, FULL = "causal", "full"
 _warned: set[str] = set()
 
 
+def version(t: Tensor) -> int | None:
+    """t's version counter, which moves on every in-place change; None for an inference tensor (made under
+    torch.inference_mode), which has none: nothing derived from one is remembered across calls."""
+    return None if t.is_inference() else t._version
+
+
 class _LastMask:
     """One value remembered for the last mask tensor seen (by weakref) and a key, until the mask is
     changed in place (its _version moves): every layer of a forward gets the same mask tensor, so what
-    is derived from it is computed once per forward, not once per layer."""
+    is derived from it is computed once per forward, not once per layer. An inference tensor's (no version
+    counter) is never remembered."""
 
     def __init__(self) -> None:
         self._entry: tuple[weakref.ref, int, object, object] | None = None
 
     def get(self, mask: Tensor, key: object) -> object | None:
         e = self._entry
-        return e[3] if e is not None and e[0]() is mask and e[1] == mask._version and e[2] == key else None
+        if e is None or e[0]() is not mask or e[2] != key:
+            return None
+        v = version(mask)
+        return e[3] if v is not None and e[1] == v else None
 
     def put(self, mask: Tensor, key: object, value: object) -> None:
-        self._entry = (weakref.ref(mask), mask._version, key, value)
+        v = version(mask)
+        self._entry = None if v is None else (weakref.ref(mask), v, key, value)
 
 
 _verdicts = _LastMask()  # mask_kind's verdict, key (S, Skv)

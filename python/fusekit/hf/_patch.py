@@ -109,17 +109,13 @@ def _half_tables(position_embeddings: tuple, half: int) -> tuple[torch.Tensor, t
     cos, sin = position_embeddings
     if torch.compiler.is_compiling():  # traced: the conversions fuse into the graph
         return cos[..., :half].float().contiguous(), sin[..., :half].float().contiguous()
+    vc, vs = _attention.version(cos), _attention.version(sin)
     got = cos.__dict__.get("_fusekit_half")
-    if (
-        got is not None
-        and got[0] is sin
-        and got[1] == half
-        and got[2] == cos._version
-        and got[3] == sin._version
-    ):
+    if got is not None and got[0] is sin and got[1] == half and vc is not None and (vc, vs) == got[2:4]:
         return got[4]
     tabs = (cos[..., :half].float().contiguous(), sin[..., :half].float().contiguous())
-    cos._fusekit_half = (sin, half, cos._version, sin._version, tabs)
+    if vc is not None and vs is not None:  # inference tensors (no version counter): converted per layer
+        cos._fusekit_half = (sin, half, vc, vs, tabs)
     return tabs
 
 
@@ -202,6 +198,7 @@ class _DecoderLayerMixin:
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
             and type(nxt.weight) in PLAIN
+            and not torch.is_inference_mode_enabled()  # its tensors have no version to guard the result
         ):
             # Inference: the add after the MLP fused into the next norm (the next layer's input norm, or
             # the model's final norm), which finds its output waiting (_PrecomputedNormMixin). Not with
@@ -209,7 +206,9 @@ class _DecoderLayerMixin:
             # Not while the next norm's weight is a DTensor: under FSDP2 the next layer's parameters stay
             # sharded until its own forward (an eval step of FSDP2 training raised here before).
             y, h = nxt(hidden_states, residual=residual)
-            nxt.__dict__["_fusekit_pre"] = (h, h._version, y)
+            v = _attention.version(h)
+            if v is not None:  # an inference tensor (no version counter): the next norm computes again
+                nxt.__dict__["_fusekit_pre"] = (h, v, y)
             return h
         return residual + hidden_states
 
@@ -266,7 +265,7 @@ class _PrecomputedNormMixin:
             pre is not None
             and residual is None
             and pre[0] is x
-            and pre[1] == x._version
+            and pre[1] == _attention.version(x)
             and not torch.is_grad_enabled()
         ):
             return pre[2]
