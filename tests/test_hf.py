@@ -19,6 +19,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
@@ -832,6 +833,39 @@ def test_inference_mode_forward_and_generate():
     assert rel_error(got, ref) <= FP32_TOL
     assert torch.equal(tokens, ref_tokens)
     fh.unpatch(model)
+
+
+def test_next_layer_loaded_by_its_own_hook_is_not_fused_into(monkeypatch):
+    """accelerate's device_map / offload: a layer's weights arrive on its device only in its own pre-forward
+    hook (emulated: layer 1's input norm weight lives on "meta" outside layer 1's forward). Layer 0 must not
+    call that norm early; logits as HF's under the same hooks."""
+    model = build("llama3", num_hidden_layers=2)
+    x = ids(seq=9)
+
+    def offloaded(m):
+        layer1 = m.model.layers[1]
+        norm = layer1.input_layernorm
+        real = norm.weight.detach().clone()
+        norm.weight = nn.Parameter(torch.empty_like(real, device="meta"), requires_grad=False)
+
+        def load(mod, args, kwargs):
+            norm.weight = nn.Parameter(real.clone(), requires_grad=False)
+
+        def unload(mod, args, kwargs, out):
+            norm.weight = nn.Parameter(torch.empty_like(real, device="meta"), requires_grad=False)
+
+        return [layer1.register_forward_pre_hook(load, with_kwargs=True),
+                layer1.register_forward_hook(unload, with_kwargs=True)]  # fmt: skip
+
+    hooks = offloaded(model)
+    ref = logits(model, x)
+    for h in hooks:
+        h.remove()
+    model = build("llama3", num_hidden_layers=2)
+    fh.patch(model)
+    hooks = offloaded(model)
+    got = logits(model, x)  # no_grad: where the fusion would run
+    assert rel_error(got, ref) <= FP32_TOL
 
 
 def test_a_changed_layer_output_is_normalized_again():

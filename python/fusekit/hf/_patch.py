@@ -198,13 +198,16 @@ class _DecoderLayerMixin:
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
             and type(nxt.weight) in PLAIN
+            and nxt.weight.device == hidden_states.device
             and not torch.is_inference_mode_enabled()  # its tensors have no version to guard the result
         ):
             # Inference: the add after the MLP fused into the next norm (the next layer's input norm, or
             # the model's final norm), which finds its output waiting (_PrecomputedNormMixin). Not with
             # gradients: a checkpointed layer would hand the next one a norm computed outside its graph.
-            # Not while the next norm's weight is a DTensor: under FSDP2 the next layer's parameters stay
-            # sharded until its own forward (an eval step of FSDP2 training raised here before).
+            # Not while the next norm's weight is a DTensor (FSDP2 keeps the next layer's parameters sharded
+            # until its own forward: an eval step of FSDP2 training raised here) or elsewhere (accelerate's
+            # device_map puts the next layer on another GPU, or offloads its weights to "meta" until its
+            # own pre-forward hook loads them).
             y, h = nxt(hidden_states, residual=residual)
             v = _attention.version(h)
             if v is not None:  # an inference tensor (no version counter): the next norm computes again
