@@ -868,6 +868,30 @@ def test_next_layer_loaded_by_its_own_hook_is_not_fused_into(monkeypatch):
     assert rel_error(got, ref) <= FP32_TOL
 
 
+def test_a_norm_weight_edited_between_layers_is_used():
+    """Layer-by-layer tools (AWQ folds scales into the next norm's weight) run layer 0, edit layer 1's input
+    norm weight in place or replace it, then run layer 1 on layer 0's output: layer 1 must normalize with the
+    edited weight, not return what layer 0 computed with the old one."""
+    model = build("llama3", num_hidden_layers=2)
+    fh.patch(model)
+    x = ids(seq=7)
+    layers, norm = model.model.layers, model.model.layers[1].input_layernorm
+    with torch.no_grad():
+        h0 = model.model.embed_tokens(x)
+        pos = torch.arange(x.shape[1]).unsqueeze(0)
+        emb = model.model.rotary_emb(h0, pos)
+        for edit in ("in place", "replaced"):
+            h1 = layers[0](h0, position_embeddings=emb, position_ids=pos)
+            h1 = h1[0] if isinstance(h1, tuple) else h1
+            if edit == "in place":
+                norm.weight.mul_(1.5)
+            else:
+                norm.weight = nn.Parameter(norm.weight * 0.5)
+            got = norm(h1)
+            want = fnn.RMSNorm.forward(norm, h1)  # computed afresh, past the waiting-result check
+            assert rel_error(got, want) <= FP32_TOL, edit
+
+
 def test_a_changed_layer_output_is_normalized_again():
     """The waiting norm result is used only for the very tensor the layer returned, unchanged: a forward
     hook that edits it in place (version bump) or replaces it makes the next norm compute again."""

@@ -209,9 +209,10 @@ class _DecoderLayerMixin:
             # device_map puts the next layer on another GPU, or offloads its weights to "meta" until its
             # own pre-forward hook loads them).
             y, h = nxt(hidden_states, residual=residual)
-            v = _attention.version(h)
-            if v is not None:  # an inference tensor (no version counter): the next norm computes again
-                nxt.__dict__["_fusekit_pre"] = (h, v, y)
+            w = nxt.weight
+            v, vw = _attention.version(h), _attention.version(w)
+            if v is not None and vw is not None:  # inference tensors (no version): the norm computes again
+                nxt.__dict__["_fusekit_pre"] = (h, v, y, w, vw)
             return h
         return residual + hidden_states
 
@@ -251,8 +252,10 @@ def _all_ones(mask: object) -> bool:
 
 class _PrecomputedNormMixin:
     """A fusekit RMSNorm that the previous decoder layer may have computed already (fused with its residual
-    add): called with exactly that layer's output tensor, unchanged since, and still without gradients, it
-    returns the waiting result (taken once); any other call normalizes as usual.
+    add): called with exactly that layer's output tensor, unchanged since, with its own weight unchanged since
+    and still without gradients, it returns the waiting result (taken once); any other call normalizes as
+    usual. (Layer-by-layer tools call one layer, edit the next one's norm weight - AWQ folds its scales into
+    it - and only then call the next layer on that output.)
 
     "Still without gradients": a layer leaves a result only under no_grad, which is also how a reentrant
     checkpoint (use_reentrant=True) runs the layers' forward inside a training step. The model's final norm
@@ -269,6 +272,8 @@ class _PrecomputedNormMixin:
             and residual is None
             and pre[0] is x
             and pre[1] == _attention.version(x)
+            and pre[3] is self.weight  # the norm's weight unchanged since (AWQ-style scale folding edits it)
+            and pre[4] == _attention.version(pre[3])
             and not torch.is_grad_enabled()
         ):
             return pre[2]
