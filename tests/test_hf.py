@@ -868,6 +868,29 @@ def test_next_layer_loaded_by_its_own_hook_is_not_fused_into(monkeypatch):
     assert rel_error(got, ref) <= FP32_TOL
 
 
+def test_hooks_on_a_norm_run_once_with_its_own_input_and_output():
+    """A forward hook on a layer's input norm (activation capture, steering) sees that norm's input and output
+    once per forward, as without the fusion, and what it returns is what the layer uses."""
+    seen: dict[bool, list] = {}
+
+    def run(patched: bool) -> torch.Tensor:
+        model = build("llama3", num_hidden_layers=2)
+        if patched:
+            fh.patch(model)
+        calls = seen[patched] = []
+
+        def hook(mod, args, out):
+            calls.append((type(out).__name__, tuple(args[0].shape)))
+            return out * 2.0
+
+        model.model.layers[1].input_layernorm.register_forward_hook(hook)
+        return logits(model, ids(seq=7))
+
+    ref, got = run(False), run(True)
+    assert seen[True] == seen[False] == [("Tensor", (2, 7, 64))], seen
+    assert rel_error(got, ref) <= FP32_TOL
+
+
 def test_a_norm_weight_edited_between_layers_is_used():
     """Layer-by-layer tools (AWQ folds scales into the next norm's weight) run layer 0, edit layer 1's input
     norm weight in place or replace it, then run layer 1 on layer 0's output: layer 1 must normalize with the

@@ -208,7 +208,9 @@ class _DecoderLayerMixin:
             # until its own forward: an eval step of FSDP2 training raised here) or elsewhere (accelerate's
             # device_map puts the next layer on another GPU, or offloads its weights to "meta" until its
             # own pre-forward hook loads them).
-            y, h = nxt(hidden_states, residual=residual)
+            # the norm's own forward, not its __call__: hooks on that norm run once, when the next layer
+            # calls it and gets the waiting result (a hook sees x and y, as without the fusion)
+            y, h = super(_PrecomputedNormMixin, nxt).forward(hidden_states, residual=residual)
             w = nxt.weight
             v, vw = _attention.version(h), _attention.version(w)
             if v is not None and vw is not None:  # inference tensors (no version): the norm computes again
