@@ -891,6 +891,40 @@ def test_hooks_on_a_norm_run_once_with_its_own_input_and_output():
     assert rel_error(got, ref) <= FP32_TOL
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_hooks_on_the_post_attention_norm_see_hfs_call(grad):
+    """The post-attention norm runs fused with the residual add (norm(hidden, residual=...) -> (y, h)); a hook
+    on it must still see HF's call, norm(h) -> y, and what it returns is what the MLP gets; gradients too."""
+    seen: dict[bool, list] = {}
+
+    def run(patched: bool):
+        model = build("llama3", num_hidden_layers=2)
+        if patched:
+            fh.patch(model)
+        calls = seen[patched] = []
+
+        def hook(mod, args, out):
+            calls.append((len(args), type(out).__name__))
+            return out * 2.0
+
+        model.model.layers[0].post_attention_layernorm.register_forward_hook(hook)
+        x = ids(seq=7)
+        if not grad:
+            return logits(model, x), None
+        model.zero_grad(set_to_none=True)
+        model(x, labels=x).loss.backward()
+        return None, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (ref, ref_g), (got, got_g) = run(False), run(True)
+    assert seen[True] == seen[False] == [(1, "Tensor")], seen
+    if grad:
+        assert got_g.keys() == ref_g.keys()
+        worst = max((rel_error(got_g[n], ref_g[n]), n) for n in ref_g)
+        assert worst[0] <= GRAD_TOL, worst
+    else:
+        assert rel_error(got, ref) <= FP32_TOL
+
+
 def test_a_norm_weight_edited_between_layers_is_used():
     """Layer-by-layer tools (AWQ folds scales into the next norm's weight) run layer 0, edit layer 1's input
     norm weight in place or replace it, then run layer 1 on layer 0's output: layer 1 must normalize with the
