@@ -223,6 +223,28 @@ def test_swiglu_mlp_runs_an_adapter_put_on_a_projection(proj):
     assert any(k.endswith("lora_A.weight.grad") for k in got), sorted(got)
 
 
+def test_swiglu_mlp_runs_hooks_on_its_projections():
+    """A forward hook on a projection (activation capture, AWQ/GPTQ calibration) fires with the projection's
+    input and output, and what it returns is used, as in LlamaMLP (the fused op never called the modules)."""
+    L = _hf_llama()
+    torch.manual_seed(8)
+    hf = L.LlamaMLP(_llama_config(hidden_size=48, intermediate_size=80))
+    ours = fnn.SwiGLUMLP.from_module(hf)
+    x, dy = torch.randn(2, 5, 48), torch.randn(2, 5, 48)
+    seen = []
+
+    def hook(mod, args, out):
+        seen.append((tuple(args[0].shape), tuple(out.shape)))
+        return out * 0.5
+
+    handle = hf.up_proj.register_forward_hook(hook)  # the same Linear module in both
+    want = _grads(hf, x, dy)
+    got = _grads(ours, x, dy)
+    handle.remove()
+    assert seen == [((2, 5, 48), (2, 5, 80))] * 2, seen
+    _compare("SwiGLUMLP with a hooked projection vs LlamaMLP", got, want, torch.float32, "hook")
+
+
 def test_swiglu_mlp_errors_name_the_feature():
     L = _hf_llama()
     with pytest.raises(ValueError, match="bias"):

@@ -48,6 +48,7 @@ from fusekit import backends, ops
 from fusekit.distributed import PLAIN
 from fusekit.hf import _attention
 from fusekit.nn import RMSNorm, SwiGLUMLP
+from fusekit.nn._hooks import hooked
 from fusekit.nn.rotary import apply_rope, rope_parameters
 from fusekit.ops import _amp
 
@@ -190,7 +191,7 @@ class _DecoderLayerMixin:
             **kwargs,
         )
         norm = self.post_attention_layernorm
-        if _hooked(norm):  # hooks must see HF's call: norm(attn + residual) -> y
+        if hooked(norm):  # hooks must see HF's call: norm(attn + residual) -> y
             residual = residual + hidden_states
             hidden_states = norm(residual)
         else:  # (y, h) = (norm(attn + residual), attn + residual): one pass instead of an add and a norm
@@ -221,23 +222,6 @@ class _DecoderLayerMixin:
                 nxt.__dict__["_fusekit_pre"] = (h, v, y, w, vw)
             return h
         return residual + hidden_states
-
-
-def _hooked(m: nn.Module) -> bool:
-    """Whether calling module m runs hooks (its own or global ones): a fused call with another signature
-    (residual=..., returning (y, h)) would hand them arguments and outputs HF's call never gives."""
-    from torch.nn.modules import module as mm
-
-    return bool(
-        m._forward_hooks
-        or m._forward_pre_hooks
-        or m._backward_hooks
-        or m._backward_pre_hooks
-        or mm._global_forward_hooks
-        or mm._global_forward_pre_hooks
-        or mm._global_backward_hooks
-        or mm._global_backward_pre_hooks
-    )
 
 
 class _ModelMixin:

@@ -6,6 +6,8 @@ import torch
 from torch import Tensor, nn
 
 from fusekit import backends, ops
+from fusekit.distributed import PLAIN
+from fusekit.nn._hooks import hooked
 
 
 def _is_silu(act: object) -> bool:
@@ -23,6 +25,17 @@ def _plain_linear(m: nn.Module) -> bool:
     return type(m).forward is _LINEAR_FORWARD and getattr(m, "bias", None) is None
 
 
+def _fusable(*projs: nn.Module) -> bool:
+    """The three projections can run as one swiglu_ffn: plain Linears, and no hooks - except torch's tensor
+    parallelism (parallelize_module), which hooks the Linears whose weights it made DTensors: the op's DTensor
+    path does what those hooks do (fusekit.distributed)."""
+    if not all(_plain_linear(m) for m in projs):
+        return False
+    if not any(hooked(m) for m in projs):
+        return True
+    return all(type(m.weight) not in PLAIN for m in projs)
+
+
 class SwiGLUMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) in one op, with HF LlamaMLP's submodule names.
 
@@ -34,8 +47,8 @@ class SwiGLUMLP(nn.Module):
     Biases are not supported (the op has none): bias=True raises. forward(x [..., hidden]) -> [...,
     hidden] in x's dtype; x and the weights share one dtype (fp32, bf16, fp16). Gradients flow to x and
     the three weights. A projection replaced by a module that computes more than its weight (peft's LoRA
-    layers, wrapped or quantized linears) makes forward call the three modules as LlamaMLP does (unfused,
-    exact) instead of dropping what the fused op cannot see.
+    layers, wrapped or quantized linears) or carrying hooks makes forward call the three modules as LlamaMLP
+    does (unfused, exact) instead of dropping what the fused op cannot see.
     """
 
     def __init__(
@@ -63,11 +76,12 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        if _plain_linear(g) and _plain_linear(u) and _plain_linear(d):
+        if _fusable(g, u, d):
             return ops.swiglu_ffn(x, g.weight, u.weight, d.weight, backend=self.backend)
         # A projection that computes more than x @ weight.T (a LoRA adapter put in its place by peft after
-        # patching, a quantized or otherwise wrapped layer): the fused op would read only the base weight and
-        # silently drop the rest, so the modules run as HF's LlamaMLP runs them.
+        # patching, a quantized or otherwise wrapped layer), or one with hooks (activation capture, AWQ/GPTQ
+        # calibration): the fused op would read only the weights, dropping the rest and skipping the hooks,
+        # so the modules run as HF's LlamaMLP runs them.
         return d(nn.functional.silu(g(x)) * u(x))
 
     @classmethod
