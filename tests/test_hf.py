@@ -434,6 +434,32 @@ def test_fused_loss_matches_hf_loss_and_every_gradient(family, items, monkeypatc
     assert worst[0] <= GRAD_TOL, f"{family}: gradient of {worst[1]} relative error {worst[0]:.2e}"
 
 
+def test_a_hook_on_the_lm_head_keeps_hfs_loss_path():
+    """A hook on lm_head (logit capture or editing) must run and count: with one, the loss is HF's own over
+    the head's (hooked) logits, not the fused op that never calls the head."""
+
+    def run(patched: bool):
+        model = build("llama3").train()
+        if patched:
+            fh.patch(model)
+        seen = []
+
+        def hook(mod, args, out):
+            seen.append(tuple(out.shape))
+            return out * 0.5
+
+        model.lm_head.register_forward_hook(hook)
+        x = ids(seq=9)
+        return _loss_and_grads(model, x, labels=x), seen
+
+    (ref, ref_g), ref_seen = run(False)
+    (got, got_g), got_seen = run(True)
+    assert got_seen == ref_seen and len(ref_seen) == 1
+    assert rel_error(got.loss, ref.loss) <= FP32_TOL
+    worst = max((rel_error(got_g[n], ref_g[n]), n) for n in ref_g)
+    assert worst[0] <= GRAD_TOL, worst
+
+
 def test_fused_loss_takes_a_backend_with_the_gradient(monkeypatch):
     """A patched model whose backend cannot give the loss's gradient for this call (triton in fp16) runs
     the fused loss on "auto" (torch's fp32 d weight) in training, and on its own backend without grad."""

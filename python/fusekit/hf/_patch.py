@@ -408,7 +408,8 @@ class _CausalLMForward:
 
 
 def _fusable(model: nn.Module, logits_to_keep) -> bool:
-    """The fused loss is HF's: the default ForCausalLMLoss over every position, a plain nn.Linear head."""
+    """The fused loss is HF's: the default ForCausalLMLoss over every position, a plain nn.Linear head
+    without hooks (the fused op reads its weight and never calls it: a hook would not run)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     return (
@@ -416,6 +417,7 @@ def _fusable(model: nn.Module, logits_to_keep) -> bool:
         and logits_to_keep == 0
         and getattr(model, "loss_function", None) is ForCausalLMLoss
         and type(model.lm_head) is nn.Linear
+        and not hooked(model.lm_head)
     )
 
 
