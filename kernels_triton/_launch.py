@@ -17,8 +17,8 @@ value; a bool's value; a float's type only (floats are runtime values, never spe
 
 On by default; FUSEKIT_TRITON_FAST_LAUNCH=0 (or `ENABLED = False`) sends every launch through
 `JITFunction.run`. Under Triton 3.6 the remembered launch calls the compiled C launch itself and keeps host
-descriptors' encoded maps (_raw_launch; FUSEKIT_TRITON_RAW_LAUNCH=0: through CudaLauncher as before). tests/test_triton_fast_launch.py checks on CUDA that both paths give bit-identical
-results. Under the CPU interpreter `triton.jit` returns an InterpretedFunction, which is left as it is.
+descriptors' encoded maps (_raw_launch; FUSEKIT_TRITON_RAW_LAUNCH=0: through CudaLauncher as before).
+tests/test_triton_fast_launch.py checks on CUDA that both paths give bit-identical results. Under the CPU interpreter `triton.jit` returns an InterpretedFunction, which is left as it is.
 """
 
 from __future__ import annotations
@@ -200,25 +200,15 @@ def _direct(kernel: Any, g3: tuple, device: int) -> Callable[..., None]:
     if raw is not None:  # Triton 3.6, no scratch: its C launch directly (_raw_launch), descriptors memoized
         c_launch, expand = raw
         coop, pdl = run.launch_cooperative_grid, run.launch_pdl
-        if expand is None:
 
-            def launch_raw(*args: Any) -> None:
-                if unhooked():
-                    c_launch(gx, gy, gz, _stream(device), function, coop, pdl, None, None, metadata, None, None,
-                             None, *args)  # fmt: skip
-                else:
-                    runner(*args)
-
-            return launch_raw
-
-        def launch_tma(*args: Any) -> None:
+        def launch_raw(*args: Any) -> None:
             if unhooked():
                 c_launch(gx, gy, gz, _stream(device), function, coop, pdl, None, None, metadata, None, None, None,
-                         *expand(args))  # fmt: skip
+                         *(args if expand is None else expand(args)))  # fmt: skip
             else:
                 runner(*args)
 
-        return launch_tma
+        return launch_raw
 
     def launch_direct(*args: Any) -> None:
         if unhooked():

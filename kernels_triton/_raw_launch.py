@@ -27,6 +27,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kernels_triton._config import remember
+
 _BASE_LEN = 13  # Triton 3.6 _BASE_ARGS_FORMAT "iiiKKppOOOOOO": grid x3, stream, function, 2 flags, 6 objects
 _MAPS: dict[tuple, list] = {}
 _MAPS_CAP = 4096  # encoded maps: 15 per attention layer's forward + backward, a 128-layer model's worth
@@ -95,9 +97,7 @@ def _with_descriptors(inner: Any) -> tuple[Callable[..., None], Callable[[tuple]
                 key = (mkey, d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding)
                 enc = _MAPS.get(key)
                 if enc is None:
-                    if len(_MAPS) >= _MAPS_CAP:
-                        _MAPS.clear()
-                    enc = _MAPS[key] = mk(d, m)
+                    enc = remember(_MAPS, key, mk(d, m), _MAPS_CAP)
                 out.extend(enc)
             prev = i + 1
         out.extend(args[prev:])

@@ -8,7 +8,7 @@ per forward + backward, the GPU time of the pair (CUDA events), then cProfile ov
 functions with the most own time and the most cumulative time, and torch.profiler's CPU-side aten ops of one
 pair (which allocations, copies and small kernels the host path issues). host >> GPU means a model of this
 shape waits on fusekit's launcher Python. With $OUT set, writes $OUT/attention_host.json
-(--autograd-only: $OUT/attention_host_autograd.json).
+(--autograd-only: $OUT/attention_host_autograd.json; --loop-only: $OUT/attention_host_loop.json).
 """
 
 from __future__ import annotations
@@ -24,6 +24,18 @@ import time
 import torch
 import torch.nn.functional as F
 from _out import run_meta, save_json  # benchmarks/gpu_checks/_out.py (the script's folder is on sys.path)
+
+from fusekit import ops
+
+
+def fk(q, k, v):
+    """fusekit's triton attention (causal), the call measured."""
+    return ops.attention(q, k, v, causal=True, backend="triton")
+
+
+def sd(q, k, v):
+    """SDPA with GQA (causal), the baseline."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def _pair(fn, q, k, v, do):
@@ -99,7 +111,6 @@ def _prepared(q, k, v) -> tuple:
 def layers(q, k, v, do, reps: int) -> dict:
     """Host time of each layer of the triton path, innermost first: the Gluon launch functions, the
     kernels_triton entry points, ops.attention without and with autograd, the autograd backward."""
-    from fusekit import ops
     from kernels_triton import attention as A
     from kernels_triton._attention_hopper import run_hopper
     from kernels_triton._attention_hopper_bwd import run_hopper_bwd
@@ -153,7 +164,6 @@ def autograd_probe(q, k, v, do, reps: int, top: int) -> dict:
     import queue
     import threading
 
-    from fusekit import ops
     from kernels_triton import attention as A
 
     qd, kd, vd, scale, o, lse, dq, dk, dv = _prepared(q, k, v)
@@ -254,14 +264,6 @@ def loop_probe(q, k, v, do, reps: int) -> dict:
     import gc
     import warnings
 
-    from fusekit import ops
-
-    def fk(q, k, v):
-        return ops.attention(q, k, v, causal=True, backend="triton")
-
-    def sd(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
     def loop(f, back) -> tuple[float, float]:
         fw, bw = [], []
         for i in range(reps + 5):
@@ -324,19 +326,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("attention_host.py: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from fusekit import ops
 
     B, H, Hkv, S, D = (int(x) for x in args.shape.split("x"))
     torch.manual_seed(0)
     mk = lambda h: torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     q, k, v = mk(H), mk(Hkv), mk(Hkv)
     do = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-
-    def fk(q, k, v):
-        return ops.attention(q, k, v, causal=True, backend="triton")
-
-    def sd(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     print(torch.cuda.get_device_name(), "torch", torch.__version__, args.shape, flush=True)
     if args.loop_only:

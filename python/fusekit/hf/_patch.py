@@ -198,12 +198,13 @@ class _DecoderLayerMixin:
             hidden_states, residual = norm(hidden_states, residual=residual)
         hidden_states = self.mlp(hidden_states)
         nxt = self.__dict__.get("_fusekit_next_norm")
+        w = None if nxt is None else nxt.weight
         if (
-            nxt is not None
+            w is not None
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
-            and type(nxt.weight) in PLAIN
-            and nxt.weight.device == hidden_states.device
+            and type(w) in PLAIN
+            and w.device == hidden_states.device
             and not torch.is_inference_mode_enabled()  # its tensors have no version to guard the result
         ):
             # Inference: the add after the MLP fused into the next norm (the next layer's input norm, or
@@ -212,11 +213,10 @@ class _DecoderLayerMixin:
             # Not while the next norm's weight is a DTensor (FSDP2 keeps the next layer's parameters sharded
             # until its own forward: an eval step of FSDP2 training raised here) or elsewhere (accelerate's
             # device_map puts the next layer on another GPU, or offloads its weights to "meta" until its
-            # own pre-forward hook loads them).
-            # the norm's own forward, not its __call__: hooks on that norm run once, when the next layer
-            # calls it and gets the waiting result (a hook sees x and y, as without the fusion)
+            # own pre-forward hook loads them). The norm's own forward, not its __call__: hooks on that norm
+            # run once, when the next layer calls it and gets the waiting result (they see x and y, as
+            # without the fusion).
             y, h = super(_PrecomputedNormMixin, nxt).forward(hidden_states, residual=residual)
-            w = nxt.weight
             v, vw = _attention.version(h), _attention.version(w)
             if v is not None and vw is not None:  # inference tensors (no version): the norm computes again
                 nxt.__dict__["_fusekit_pre"] = (h, v, y, w, vw)
