@@ -328,20 +328,26 @@ def test_fused_adamw_option_is_recorded_and_old_files_still_merge(tmp_path) -> N
     assert e2e._setup_key(old) != e2e._setup_key(doc["setup"])
 
 
-def test_patched_decode_rows_carry_same_process_ab_rounds(run) -> None:
-    """fusekit-<backend> decode rows give their ratio to HF eager from alternating unpatched/patched rounds
-    in one process (bench.e2e.ab_decode); the compiled and baseline providers do not."""
+def test_patched_rows_carry_same_process_ab_rounds(run) -> None:
+    """fusekit-<backend> decode and train rows give their ratio to HF eager from alternating unpatched /
+    patched rounds in one process (bench.e2e.ab_decode, ab_train); the compiled and baseline providers do
+    not."""
     doc, _ = run
+    seen = set()
     for r in doc["rows"]:
-        if r["scenario"] != "decode" or r["status"] != "ok":
+        if r["scenario"] not in ("decode", "train") or r["status"] != "ok":
             continue
+        seen.add((r["provider"], r["scenario"]))
         if r["provider"].startswith("fusekit-") and not r["provider"].endswith("-compile"):
             # a round whose decode steps fell below the tiny model's timing noise has no rate: dropped
             assert len(r["ab_eager_ms_per_step"]) == len(r["ab_ms_per_step"]) == len(r["ab_ratios"]) <= 3, r
             assert all(ms > 0 for ms in r["ab_eager_ms_per_step"] + r["ab_ms_per_step"])
             assert (r["ab_vs_eager"] is None) == (not r["ab_ratios"])
+            if r["scenario"] == "train":  # every round has a step time
+                assert len(r["ab_ratios"]) == 3 and r["ab_vs_eager"] > 0, r
         else:
             assert "ab_ratios" not in r, r["provider"]
+    assert {("fusekit-torch", "decode"), ("fusekit-torch", "train")} <= seen, seen
 
 
 def test_rows_are_saved_as_they_are_measured(tmp_path, monkeypatch) -> None:

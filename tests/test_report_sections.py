@@ -330,6 +330,19 @@ def test_e2e_targets_from_step_times_and_commit_mark(tmp_path) -> None:
     assert targets.TITLE in md and md.index(targets.TITLE) < md.index("## Sources and ceilings")
 
 
+def test_e2e_eager_targets_take_the_same_process_ab_ratio(tmp_path) -> None:
+    """A row with same-process A/B rounds (bench.e2e ab_decode / ab_train) is judged against HF eager by
+    their median ratio, not by the isolated rows' (which carry the host's drift between runs): not marked
+    as another run's baseline either. Other baselines keep the isolated ratio."""
+    doc = _e2e_doc(merged=True)
+    for r in doc["rows"]:
+        if r["provider"] == "fusekit-triton" and r["scenario"] == "train":
+            r["ab_vs_eager"], r["ab_ratios"] = 1.2, [1.1, 1.2, 1.3]
+    [(_, _, items)] = targets.evaluate_e2e(_results(tmp_path, doc))
+    cell = {t.what: c["fusekit-triton"] for t, c in items}["training step ≥ 1.15× HF eager"]
+    assert cell.startswith("**met**: 1/1 cases, worst 1.20×") and not cell.endswith("†"), cell
+
+
 def test_e2e_peak_memory_target_is_an_upper_bound(tmp_path) -> None:
     doc = _e2e_doc()
     for r in doc["rows"]:

@@ -236,7 +236,8 @@ def _peak_over(r: dict, b: dict) -> float:
 
 def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2ETarget, dict[str, str]]]]]:
     """Per e2e.json: (label, fusekit providers, [(target, provider -> cell)]), from the ratios of median
-    step times in that file. Every provider runs in its own process (a run); a ratio whose baseline row was measured at another commit
+    step times in that file; against HF eager, a row's same-process A/B ratio where it has one (unpatched
+    and patched alternately in one process: the host's drift cancels). Every provider runs in its own process (a run); a ratio whose baseline row was measured at another commit
     (a file merged over sessions) is marked †."""
     out = []
     for path, doc in e2e_section.load(results_dir):
@@ -260,12 +261,14 @@ def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2E
                             if b and b.get("peak_mem_bytes") and r.get("peak_mem_bytes")
                             else None
                         )
+                    elif t.baseline == "eager" and r.get("ab_vs_eager"):
+                        v, b = r["ab_vs_eager"], None  # same-process A/B rounds (bench.e2e ab_decode/ab_train)
                     else:
                         v = b["ms_per_step"] / r["ms_per_step"] if b else None
                     if v is not None:
                         vals.append(v)
                         cs.add(commits.get(r.get("run"), "?"))
-                        other |= commits.get(b.get("run")) != commits.get(r.get("run"))
+                        other |= b is not None and commits.get(b.get("run")) != commits.get(r.get("run"))
                 peak = t.metric == "peak"
                 cell = _cell(vals, t.at_least, "MiB" if peak else "×", cs, at_most=peak)
                 cells[p] = cell + (" †" if other else "")

@@ -80,6 +80,7 @@ from fusekit.bench.e2e.providers import (
 from fusekit.bench.e2e.scenarios import (
     Reference,
     ab_decode,
+    ab_train,
     gate,
     reference,
     run_decode,
@@ -115,6 +116,7 @@ __all__ = [
     "_label",
     "_setup_key",
     "ab_decode",
+    "ab_train",
     "add_ratios",
     "base_weights",
     "compose",

@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ap.add_argument(
         "--ab-rounds", type=int, default=3,
-        help="same-process decode rounds of each patched (not compiled) provider against HF eager (0: off)",
+        help="same-process decode and train rounds of each patched (not compiled) provider against HF eager (0: off)",
     )  # fmt: skip
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls, the first included (2; quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed calls, median reported (5; quick 2)")

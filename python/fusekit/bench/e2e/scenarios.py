@@ -206,6 +206,33 @@ def ab_decode(
     }
 
 
+def ab_train(model, prov: Fusekit, setup: Setup, b: int, s: int, warmup: int, reps: int, rounds: int) -> dict:
+    """Same-process A/B of a patched model's training step against HF eager, as ab_decode does for decode:
+    per round the model unpatched (HF's own modules, called as HF eager) then patched again, each timed as
+    run_train does (a fresh AdamW, first step untimed). A training step at batch 1 leaves the GPU waiting
+    on the host part of the time, and the host's speed drifts between and within processes by tens of
+    percent (the isolated rows carry that); alternating cancels most of it. Leaves the model patched."""
+    import fusekit.hf
+
+    ratios, eager_ms, patched_ms = [], [], []
+    for _ in range(rounds):
+        fusekit.hf.unpatch(model)
+        try:
+            e = run_train(model, model, Provider(), setup, b, s, warmup, reps)
+        finally:
+            fusekit.hf.patch(model, backend=prov.backend, strict=True)
+        f = run_train(model, model, prov, setup, b, s, warmup, reps)
+        ratios.append(e["ms_per_step"] / f["ms_per_step"])
+        eager_ms.append(e["ms_per_step"])
+        patched_ms.append(f["ms_per_step"])
+    return {
+        "ab_vs_eager": statistics.median(ratios) if ratios else None,
+        "ab_ratios": ratios,
+        "ab_eager_ms_per_step": eager_ms,
+        "ab_ms_per_step": patched_ms,
+    }
+
+
 def train_step(fwd, model, setup: Setup, b: int, s: int, losses: list | None = None):
     """The train scenario's step on a B x S batch (model put in train mode): zero_grad, forward with
     labels (the model's own loss), backward, AdamW (setup.optim); each loss appended to `losses`."""
@@ -268,8 +295,9 @@ def run_provider(
     ab_rounds: int = 0,
     checkpoint: Callable[[dict, list[dict]], None] | None = None,
 ) -> tuple[dict, list[dict]]:
-    """Gate, then time each scenario; returns (provider record, rows). A patched provider's decode rows
-    also get `ab_rounds` same-process rounds against HF eager (ab_decode), where it can be unpatched.
+    """Gate, then time each scenario; returns (provider record, rows). A patched provider's decode and
+    train rows also get `ab_rounds` same-process rounds against HF eager (ab_decode, ab_train), where it can
+    be unpatched.
     `checkpoint(rec, rows)` is called after the gate and after each row, so a caller can save the rows
     measured so far: a process killed mid-provider (a device call's time limit) keeps them."""
     rec: dict = {"what": prov.what}
@@ -330,6 +358,8 @@ def run_provider(
                 else:
                     bb, ss = _shapes(case)[0]
                     res = run_train(fwd, model, prov, setup, bb, ss, warmup, reps)
+                    if ab_rounds and type(prov) is Fusekit:
+                        res.update(ab_train(model, prov, setup, bb, ss, warmup, reps, ab_rounds))
             except Exception as exc:
                 status, msg = _classify(exc)
                 rows.append(_row(prov.name, sc, case, status, reason=msg))
