@@ -262,10 +262,8 @@ def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2E
                             else None
                         )
                     elif t.baseline == "eager" and r.get("ab_vs_eager"):
-                        v, b = (
-                            r["ab_vs_eager"],
-                            None,
-                        )  # same-process A/B rounds (bench.e2e ab_decode/ab_train)
+                        # same-process A/B rounds (bench.e2e ab_decode / ab_train)
+                        v, b = r["ab_vs_eager"], None
                     else:
                         v = b["ms_per_step"] / r["ms_per_step"] if b else None
                     if v is not None:
