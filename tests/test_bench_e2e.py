@@ -257,6 +257,10 @@ def test_results_file_per_model() -> None:
     assert e2e.file_name("llama3.2-1b") == "e2e-llama3.2-1b.json"
     assert e2e.file_name("llama3-8b", 4) == e2e.FILE  # the model's default layer count
     assert e2e.file_name("llama3-8b", 32) == "e2e-llama3-8b-32l.json"
+    # training shapes other than the model's default: a file of their own (a file holds one setup)
+    assert e2e.file_name("llama3.2-1b", None, "1x2048") == "e2e-llama3.2-1b.json"
+    assert e2e.file_name("llama3.2-1b", 16, "4x2048") == "e2e-llama3.2-1b-train4x2048.json"
+    assert e2e.file_name("llama3-8b", 32, "1x2048,2x1024") == "e2e-llama3-8b-32l-train1x2048_2x1024.json"
 
 
 def test_kernel_runs_counts_replayed_calls():

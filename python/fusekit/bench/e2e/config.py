@@ -141,12 +141,17 @@ def _decode_shapes(s: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def file_name(model: str, layers: int | None = None) -> str:
+def file_name(model: str, layers: int | None = None, train: str | None = None) -> str:
     """e2e.json for the default GPU model (llama3-8b) and the tiny one, e2e-<model>.json for others;
-    a layer count other than the model's default adds -<layers>l (the whole Llama-3-8B: e2e-llama3-8b-32l)."""
+    a layer count other than the model's default adds -<layers>l (the whole Llama-3-8B: e2e-llama3-8b-32l),
+    training shapes (--train) other than the model's default add -train<shapes> (e2e-llama3.2-1b-train4x2048):
+    a file holds one setup, so such a run cannot merge into the default file."""
+    stem = f"e2e-{model}"
     if layers is not None and layers != MODELS[model]["layers"]:
-        return f"e2e-{model}-{layers}l.json"
-    return FILE if model in ("llama3-8b", "tiny") else f"e2e-{model}.json"
+        stem += f"-{layers}l"
+    if train is not None and _shapes(train) != _shapes(MODELS[model]["train"]):
+        stem += "-train" + "_".join(f"{b}x{s}" for b, s in _shapes(train))
+    return FILE if stem in ("e2e-llama3-8b", "e2e-tiny") else f"{stem}.json"
 
 
 def _label(b: int, s: int, n: int | None = None) -> str:
