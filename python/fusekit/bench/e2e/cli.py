@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     warmup = args.warmup or (1 if args.quick else 2)
     reps = args.reps or (2 if args.quick else 5)
-    path = out_root / results.slug(results.device_name(device)) / file_name(model_name, setup.layers, args.train)
+    path = (
+        out_root / results.slug(results.device_name(device)) / file_name(model_name, setup.layers, args.train)
+    )
     setup_doc = json.loads(json.dumps(asdict(setup)))  # tuples -> lists, as a loaded file has them
     old = load_for_merge(path, setup_doc) if args.merge else None
     run_index = len(old["runs"]) if old else 0
