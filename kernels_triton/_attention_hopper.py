@@ -819,8 +819,9 @@ def hopper_supported(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None = None
 ) -> bool:
     """Whether hopper_forward can run these tensors: Gluon with its Hopper module, an sm_90 CUDA device (wgmma
-    is sm_90a only), no kv_len, fp16/bf16, D 64/128/256, q contiguous, k/v with a contiguous last dim and 16-byte
-    aligned base and strides (TMA), non-empty, B*H within the grid limit."""
+    is sm_90a only), no kv_len, fp16/bf16, D 64/128/256, q, k, v with a contiguous last dim and 16-byte aligned
+    base and strides (TMA; a q that is not contiguous is copied first: run_hopper's callers pass it dense),
+    non-empty, B*H within the grid limit."""
     if not HAS_GLUON or kv_len is not None:
         return False
     if is_interpreter():
@@ -839,7 +840,7 @@ def hopper_supported(
         return False
     if _capability(q.device.index) != (9, 0):
         return False
-    if not q.is_contiguous() or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return False
     return all(_aligned16(t) for t in (q, k, v))
 
@@ -865,7 +866,7 @@ def hopper_forward(
     if qk_scale < 0:
         raise ValueError("hopper_forward: qk_scale must be >= 0 (negate q instead)")
     with on_device(q):
-        run_hopper(o, lse, q, k, v, causal, qk_scale)
+        run_hopper(o, lse, q.contiguous(), k, v, causal, qk_scale)
 
 
 # Plan/run split (FlashInfer's): what run_hopper decides from the shapes, k/v strides, dtype, device, causal flag
@@ -904,7 +905,7 @@ def run_hopper(
     causal: bool,
     qk_scale: float,
 ) -> None:
-    """hopper_forward minus its checks, on the current device (attention.forward has made both): the
+    """hopper_forward minus its checks, on the current device (attention.forward has made both; q dense): the
     signature's plan (_FwdPlan, made on its first call), then the launch. Host descriptors launch through the
     lean path (launch_keyed): Gluon's JIT binder costs 150-290 us per call on descriptor arguments, the
     remembered compiled kernel a few (the descriptors are rebased every call: they hold the data pointers)."""

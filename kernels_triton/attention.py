@@ -81,7 +81,7 @@ _MAX_GRID_Y = 65535  # CUDA/HIP limit of grid axis 1
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_len_ptr, H, HKV, S, SKV, qk_scale,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_len_ptr, H, HKV, S, SKV, qk_scale, stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len, chunk_work, chunk_cap,
     S_BUCKET, SKV_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
@@ -116,7 +116,8 @@ def _attn_fwd_kernel(
     L = SKV  # keys of this sequence: 0..L-1 (kv_len[b] clamped to [0, SKV])
     if has_kv_len:
         L = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), SKV)
-    q_base = q_ptr + bh.to(tl.int64) * S * HEAD_DIM
+    # q through its strides (a [B, S, H, D] source read as [B, H, S, D]: no transposing copy); o contiguous
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     o_base = o_ptr + bh.to(tl.int64) * S * HEAD_DIM
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -127,7 +128,7 @@ def _attn_fwd_kernel(
     if TMA:
         # this head's [S, D] rows (zero-filled past S; the store clips there) and the first L keys (a
         # descriptor needs a dimension >= 1; with L = 0 no tile is loaded)
-        q_desc = tl.make_tensor_descriptor(q_base, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[S, HEAD_DIM], strides=[stride_qm, 1],
                                            block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
         k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(L, 1), HEAD_DIM], strides=[stride_kn, 1],
                                            block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
@@ -135,8 +136,8 @@ def _attn_fwd_kernel(
                                            block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
         q = q_desc.load([m0, 0])
     else:
-        # int64 row offsets within the head too: offs_m * HEAD_DIM passes 2^31 at S * HEAD_DIM >= 2^31.
-        q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+        # int64 row offsets within the head too: offs_m * stride passes 2^31 at S * HEAD_DIM >= 2^31.
+        q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :],
                     mask=offs_m[:, None] < S, other=0.0)  # fmt: skip
     # k/v are read through their strides (a KV cache view; the last dim is contiguous). K as a
     # [HEAD_DIM, BLOCK_N] view (K-major B operand); tile offsets in int64 (start_n * stride can pass 2^31).
@@ -382,7 +383,7 @@ def forward(
     """
     kv_len, causal, scale = _kv_args(kv_len, causal, scale)
     B, H, S, D = _check(q, k, v, o)
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     kv_len = _check_kv_len(kv_len, B, q.device)
     Hkv, Skv = k.shape[1], k.shape[2]
     if lse.shape != (B, H, S) or lse.dtype != torch.float32 or not lse.is_contiguous():
@@ -394,17 +395,17 @@ def forward(
         q, qk_scale = q.neg(), -qk_scale  # exact: (-q).k * (-scale) == q.k * scale; lse is unchanged
     if _splits is not None or (_config is None and use_decode(q, k)):
         with on_device(q):
-            decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale, splits=_splits)
+            decode_forward(o, lse, q.contiguous(), k, v, kv_len, causal, qk_scale, splits=_splits)
         return
     if _config is None and kv_len is None and use_hopper(q, k, v, o, causal):
         with on_device(q):
-            run_hopper(o, lse, q, k, v, causal, qk_scale)
+            run_hopper(o, lse, q.contiguous(), k, v, causal, qk_scale)
         return
     ieee = q.dtype == torch.float32
     tma_ok = tma_setup("attention", None if _config is None else (_config,), q, k, v, o)
     has_kv_len = int(kv_len is not None)
     kl = kv_len if kv_len is not None else lse.view(torch.int32)  # never read without kv_len
-    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    strides = (*q.stride()[:3], k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     # Batch slabs (views) of at most _MAX_GRID_Y heads per launch.
     bstep = max(1, _MAX_GRID_Y // H)
     # fp32 inputs (the CPU; CUDA refuses fp32 attention) keep P in fp32, so they take the degree-5 polynomial
@@ -506,6 +507,7 @@ def backward(
     """
     kv_len, causal, scale = _kv_args(kv_len, causal, scale)
     B, H, S, _ = _check(q, k, v, o)
+    q = q.contiguous()  # the backward kernels index q densely (the forward reads a strided q in place)
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     kv_len = _check_kv_len(kv_len, B, q.device)
     if (dq.shape, do.shape) != (q.shape, q.shape) or dk.shape != k.shape or dv.shape != k.shape:
@@ -560,13 +562,14 @@ def forward_checked(o, lse, q, k, v, kv_len, causal: bool, scale: float) -> None
             hopper = o.is_contiguous() and lse.is_contiguous() and use_hopper(q, k, v, o, causal)
             remember(_ROUTES, sig, hopper, _ROUTES_CAP)
         if hopper:
-            run_hopper(o, lse, q, k, v, causal, float(scale) * _LOG2E)
+            run_hopper(o, lse, q.contiguous(), k, v, causal, float(scale) * _LOG2E)
             return
     forward(o, lse, q, k, v, kv_len, causal, scale)
 
 
 def backward_checked(dq, dk, dv, do, q, k, v, o, lse, kv_len, causal: bool, scale: float) -> None:
     """backward for a call fusekit's library has validated (see above); same results."""
+    q = q.contiguous()  # as backward: its kernels index q densely
     if kv_len is None and _aligned_ptrs(dq, dk, dv, do, o, q, k, v):
         sig = ("b", q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dq.stride(),
                dk.stride(), dv.stride(), lse.stride(), q.dtype, q.device, causal, GLUON, _GLUON_MIN_FLOP)  # fmt: skip
@@ -589,8 +592,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor)
         )
     if D not in (64, 128, 256):
         raise ValueError(f"attention: head_dim must be 64, 128 or 256, got {D}")
-    if not all(t.is_contiguous() for t in (out, q)):
-        raise ValueError("attention: q and o must be contiguous (k and v may be strided)")
+    if not out.is_contiguous():
+        raise ValueError("attention: o must be contiguous (q, k and v may be strided)")
     return B, H, S, D
 
 
@@ -633,7 +636,8 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                     bm, bn, w, s = t[:4]
                     sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "lse_ptr": "*fp32",
                            "kv_len_ptr": "*i32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
-                           "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
+                           "qk_scale": "fp32", "stride_qb": "i32", "stride_qh": "i32", "stride_qm": "i32",
+                           "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
                            "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
                            "chunk_work": "i32", "chunk_cap": "i32", "S_BUCKET": "i32", "SKV_BUCKET": "i32",
                            "HEAD_DIM": "constexpr", "CAUSAL": "constexpr", "IEEE": "constexpr",

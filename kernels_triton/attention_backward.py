@@ -517,7 +517,7 @@ def _has_tma(dev: int) -> bool:
 
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *outs: torch.Tensor) -> bool:
     """Whether the TMA variants may run: sm_90+ CUDA (or the interpreter), fp16/bf16, every base address and
-    k/v stride 16-byte aligned (a descriptor's requirement), and the q rows of a launch addressable by int32
+    q/k/v stride 16-byte aligned (a descriptor's requirement), and the q rows of a launch addressable by int32
     TMA coordinates."""
     if is_hip() or q.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -528,7 +528,7 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *outs: torch.Tens
     per16 = 16 // q.element_size()
     if any(t.data_ptr() % 16 for t in (q, k, v, *outs)):
         return False
-    if any(st % per16 for t in (k, v) for st in t.stride()[:3]):
+    if any(st % per16 for t in (q, k, v) for st in t.stride()[:3]):  # q: a strided view (the forward)
         return False
     return q.shape[1] * q.shape[2] * q.shape[0] < 2**31
 

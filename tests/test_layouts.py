@@ -100,6 +100,35 @@ def test_attention_bshd(causal: bool, backend_name: str, device: str) -> None:
     assert torch.allclose(got.transpose(1, 2).float(), want.float(), rtol=1e-3, atol=1e-3 * math.sqrt(d))
 
 
+@pytest.mark.parametrize("causal", (False, True))
+def test_attention_reads_a_strided_q_in_place(causal: bool, backend_name: str, device: str) -> None:
+    """q as a model's layer makes it: heads of one fused qkv projection [B, S, H + 2 Hkv, D], read as "bshd"
+    (row stride (H + 2 Hkv) D, no copy on the triton backend's FlashAttention kernel; S > 16 so that kernel
+    runs, not the decode kernels). Output and the gradient through the view against the same call on
+    contiguous copies: the forward kernel differs only in its q addressing, the backward copies q."""
+    torch.manual_seed(3)
+    b, h, hkv, s, d = 2, 4, 2, 37, 64
+    dt = _dtype(backend_name, device)
+    qkv = torch.randn(b, s, h + 2 * hkv, d, device=device).to(dt).requires_grad_()
+    q, k, v = qkv[:, :, :h], qkv[:, :, h : h + hkv], qkv[:, :, h + hkv :]
+    try:
+        got = ops.attention(q, k, v, causal=causal, layout="bshd", backend=backend_name)
+    except ValueError as exc:
+        if "cannot run" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    dout = torch.randn_like(got)
+    (got * dout).sum().backward()
+    ref = qkv.detach().clone().requires_grad_()
+    qc, kc, vc = (t.transpose(1, 2).contiguous() for t in ref.split([h, hkv, hkv], dim=2))
+    want = ops.attention(qc, kc, vc, causal=causal, backend=backend_name).transpose(1, 2)
+    (want * dout).sum().backward()
+    assert got.shape == (b, s, h, d)
+    tol = {"rtol": 1e-3, "atol": 1e-3 * math.sqrt(d)}
+    assert torch.allclose(got.float(), want.float(), **tol)
+    assert torch.allclose(qkv.grad.float(), ref.grad.float(), **tol)
+
+
 def test_attention_layout_errors() -> None:
     q = torch.randn(1, 5, 4, 64)
     k = torch.randn(1, 9, 3, 64)  # 4 q heads, 3 kv heads in [B, S, H, D]

@@ -681,6 +681,37 @@ def test_gpu_ops_attention_routes_here(device: str, monkeypatch: pytest.MonkeyPa
     assert q.grad is not None and q.grad.isfinite().all()
 
 
+def test_gpu_strided_q_routes_here_with_a_copy(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A q read from a fused qkv projection ("bshd" heads of [B, S, H + 2 Hkv, D]: strided) still takes the
+    Gluon kernels where they run (a dense copy of q first; the FlashAttention kernel would read it in place),
+    output and q's gradient as the contiguous call's, against float64."""
+    from fusekit import ops
+    from fusekit.tolerances import rtol
+    from kernels_triton import attention as A
+
+    _need_sm90(device)
+    fwd = []
+    real_f = A.run_hopper
+    monkeypatch.setattr(A, "_GLUON_MIN_FLOP", 0)
+    monkeypatch.setattr(A, "run_hopper", lambda *a: (fwd.append(a[2].is_contiguous()), real_f(*a))[1])
+    A.clear_routes()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    B, S, H, Hkv, D = 2, 150, 4, 2, 128
+    qkv = torch.randn(B, S, H + 2 * Hkv, D, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    q, k, v = qkv[:, :, :H], qkv[:, :, H : H + Hkv], qkv[:, :, H + Hkv :]
+    y = ops.attention(q, k, v, causal=True, layout="bshd", backend="triton")
+    assert fwd == [True], f"Gluon forward calls (q dense): {fwd}"
+    qd, kd, vd = (t.detach().transpose(1, 2) for t in (q, k, v))
+    ref, _ = _reference(qd, kd, vd, True, D**-0.5)
+    assert ((y.transpose(1, 2).double() - ref).norm() / ref.norm()).item() < rtol("attention", torch.bfloat16)
+    y.float().sum().backward()
+    want = qkv.detach().clone().requires_grad_()
+    qc, kc, vc = (t.transpose(1, 2).contiguous() for t in want.split([H, Hkv, Hkv], dim=2))
+    ops.attention(qc, kc, vc, causal=True, backend="triton").float().sum().backward()
+    assert torch.equal(qkv.grad, want.grad)  # same kernels on the same values: bit-identical
+    A.clear_routes()
+
+
 def test_gpu_capture_fwd_bwd_replays(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon forward and backward (host TMA descriptors rebuilt per call, launched by the lean path) capture
     in a CUDA graph: after a warm-up, fwd+bwd captured, the inputs overwritten in place and the graph replayed

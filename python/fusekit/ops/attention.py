@@ -140,7 +140,7 @@ SPEC = library.register(
         forward=Phase(
             outputs=(t("o", "B H S D"), t("lse", "B H S", "float32", None, grad=False)),
             inputs=(
-                t("q", "B H S D"),
+                t("q", "B H S D", strided=True),
                 t("k", "B Hkv Skv D", strided=True),
                 t("v", "B Hkv Skv D", strided=True),
                 t("kv_len", "B", "int32", when="kv_len"),
@@ -151,7 +151,7 @@ SPEC = library.register(
             outputs=(t("dq", "B H S D"), t("dk", "B Hkv Skv D"), t("dv", "B Hkv Skv D")),
             inputs=(
                 t("do", "B H S D"),
-                t("q", "B H S D"),
+                t("q", "B H S D", strided=True),
                 t("k", "B Hkv Skv D", strided=True),
                 t("v", "B Hkv Skv D", strided=True),
                 t("o", "B H S D"),
@@ -256,8 +256,9 @@ def attention(
     every flash kernel: loud, never silent; keys past kv_len are never read at all.)
 
     layout: "bhsd" (default: q [B, H, S, D], k/v [B, Hkv, Skv, D], as HF's attention receives them) or
-    "bshd" (q [B, S, H, D], k/v [B, Skv, Hkv, D], as flash-attention and KV caches hold them; k/v are
-    read as views, q costs a transposing copy); the output has q's layout (a view for "bshd"). A
+    "bshd" (q [B, S, H, D], k/v [B, Skv, Hkv, D], as flash-attention and KV caches hold them; the triton
+    backend reads k/v as views, and q too where its FlashAttention kernel runs - its Gluon (large, no
+    kv_len) and decode kernels take a copy, other backends copy); the output has q's layout (a view for "bshd"). A
     [B, S, H, D] tensor passed as "bhsd" cannot be told apart from a valid call when its shapes fit:
     name the layout whenever tensors come from a [B, S, H, D] source.
     backend: "auto" (default), "torch", "triton" or "mojo". Gradients flow to q, k and v
@@ -292,8 +293,8 @@ def attention(
         C.backend_name(backend)
     elif kv_len is not None:  # as _kv_len makes it: contiguous int32
         kv_len = (kv_len if kv_len.dtype == torch.int32 else kv_len.to(torch.int32)).contiguous()
-    # k, v go as they are: the library copies them for providers that do not read strides.
-    ins = (q.contiguous(), k, v, kv_len)
+    # q, k, v go as they are: the library copies them for providers that do not read strides.
+    ins = (q, k, v, kv_len)
     if run is not None:
         o = run(ins)[0]
     else:
