@@ -74,6 +74,17 @@ def test_rope_table_errors() -> None:
         ops.rope(x, layout="sbhd", backend="torch")
 
 
+def _bshd_or_skip(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backend: str
+) -> torch.Tensor:
+    try:
+        return ops.attention(q, k, v, causal=causal, layout="bshd", backend=backend)
+    except ValueError as exc:
+        if "cannot run" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
 @pytest.mark.parametrize("causal", (False, True))
 def test_attention_bshd(causal: bool, backend_name: str, device: str) -> None:
     torch.manual_seed(2)
@@ -83,12 +94,7 @@ def test_attention_bshd(causal: bool, backend_name: str, device: str) -> None:
     k_cache = torch.randn(b, skv + 3, hkv, d, device=device).to(dt)  # a cache [B, max_len, Hkv, D]
     v_cache = torch.randn(b, skv + 3, hkv, d, device=device).to(dt)
     k, v = k_cache[:, :skv], v_cache[:, :skv]
-    try:
-        got = ops.attention(q, k, v, causal=causal, layout="bshd", backend=backend_name)
-    except ValueError as exc:
-        if "cannot run" in str(exc):
-            pytest.skip(str(exc))
-        raise
+    got = _bshd_or_skip(q, k, v, causal, backend_name)
     want = ops.attention(
         q.transpose(1, 2).contiguous(),
         k.transpose(1, 2).contiguous(),
@@ -111,12 +117,7 @@ def test_attention_reads_a_strided_q_in_place(causal: bool, backend_name: str, d
     dt = _dtype(backend_name, device)
     qkv = torch.randn(b, s, h + 2 * hkv, d, device=device).to(dt).requires_grad_()
     q, k, v = qkv[:, :, :h], qkv[:, :, h : h + hkv], qkv[:, :, h + hkv :]
-    try:
-        got = ops.attention(q, k, v, causal=causal, layout="bshd", backend=backend_name)
-    except ValueError as exc:
-        if "cannot run" in str(exc):
-            pytest.skip(str(exc))
-        raise
+    got = _bshd_or_skip(q, k, v, causal, backend_name)
     dout = torch.randn_like(got)
     (got * dout).sum().backward()
     ref = qkv.detach().clone().requires_grad_()

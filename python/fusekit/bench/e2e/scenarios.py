@@ -177,25 +177,23 @@ def run_decode(
     }
 
 
-def ab_decode(
-    model, prov: Fusekit, setup: Setup, b: int, p: int, n: int, reps: int, rounds: int
-) -> dict[str, object]:
-    """Same-process A/B of a patched model's decode against HF eager: per round, the model unpatched
-    (fusekit.hf.unpatch gives back HF's exact modules) then patched again, each decode timed as
-    run_decode does. The host's speed drifts between processes by tens of percent (the isolated rows'
-    ratios carry that); alternating in one process cancels most of it. Leaves the model patched."""
+def _ab(model, prov: Fusekit, rounds: int, measure: Callable[[Provider], dict | str]) -> dict[str, object]:
+    """Same-process A/B against HF eager: per round, the model unpatched (fusekit.hf.unpatch gives back HF's
+    exact modules) and measured as HF eager, then patched again and measured. The host's speed drifts between
+    and within processes by tens of percent (the isolated rows' ratios carry that); alternating in one process
+    cancels most of it. A round either side of which has no step time is dropped. Leaves the model patched."""
     import fusekit.hf
 
     ratios, eager_ms, patched_ms = [], [], []
     for _ in range(rounds):
         fusekit.hf.unpatch(model)
         try:
-            e = run_decode(model, Provider(), setup, b, p, n, 1, reps)  # HF as is: no generate kwargs
+            e = measure(Provider())  # HF as is
         finally:
             fusekit.hf.patch(model, backend=prov.backend, strict=True)
-        f = run_decode(model, prov, setup, b, p, n, 1, reps)
-        if isinstance(e, dict) and isinstance(f, dict) and e["tokens_per_s"] and f["tokens_per_s"]:
-            ratios.append(f["tokens_per_s"] / e["tokens_per_s"])
+        f = measure(prov)
+        if isinstance(e, dict) and isinstance(f, dict) and e["ms_per_step"] and f["ms_per_step"]:
+            ratios.append(e["ms_per_step"] / f["ms_per_step"])
             eager_ms.append(e["ms_per_step"])
             patched_ms.append(f["ms_per_step"])
     return {
@@ -206,31 +204,19 @@ def ab_decode(
     }
 
 
-def ab_train(model, prov: Fusekit, setup: Setup, b: int, s: int, warmup: int, reps: int, rounds: int) -> dict:
-    """Same-process A/B of a patched model's training step against HF eager, as ab_decode does for decode:
-    per round the model unpatched (HF's own modules, called as HF eager) then patched again, each timed as
-    run_train does (a fresh AdamW, first step untimed). A training step at batch 1 leaves the GPU waiting
-    on the host part of the time, and the host's speed drifts between and within processes by tens of
-    percent (the isolated rows carry that); alternating cancels most of it. Leaves the model patched."""
-    import fusekit.hf
+def ab_decode(
+    model, prov: Fusekit, setup: Setup, b: int, p: int, n: int, reps: int, rounds: int
+) -> dict[str, object]:
+    """_ab of the decode (timed as run_decode does; HF eager with no generate kwargs)."""
+    return _ab(model, prov, rounds, lambda pv: run_decode(model, pv, setup, b, p, n, 1, reps))
 
-    ratios, eager_ms, patched_ms = [], [], []
-    for _ in range(rounds):
-        fusekit.hf.unpatch(model)
-        try:
-            e = run_train(model, model, Provider(), setup, b, s, warmup, reps)
-        finally:
-            fusekit.hf.patch(model, backend=prov.backend, strict=True)
-        f = run_train(model, model, prov, setup, b, s, warmup, reps)
-        ratios.append(e["ms_per_step"] / f["ms_per_step"])
-        eager_ms.append(e["ms_per_step"])
-        patched_ms.append(f["ms_per_step"])
-    return {
-        "ab_vs_eager": statistics.median(ratios) if ratios else None,
-        "ab_ratios": ratios,
-        "ab_eager_ms_per_step": eager_ms,
-        "ab_ms_per_step": patched_ms,
-    }
+
+def ab_train(
+    model, prov: Fusekit, setup: Setup, b: int, s: int, warmup: int, reps: int, rounds: int
+) -> dict[str, object]:
+    """_ab of the training step (timed as run_train does: a fresh AdamW, the first step untimed). At batch 1
+    the step leaves the GPU waiting on the host part of the time, so the host's drift weighs on it most."""
+    return _ab(model, prov, rounds, lambda pv: run_train(model, model, pv, setup, b, s, warmup, reps))
 
 
 def train_step(fwd, model, setup: Setup, b: int, s: int, losses: list | None = None):
