@@ -18,7 +18,8 @@ value; a bool's value; a float's type only (floats are runtime values, never spe
 On by default; FUSEKIT_TRITON_FAST_LAUNCH=0 (or `ENABLED = False`) sends every launch through
 `JITFunction.run`. Under Triton 3.6 the remembered launch calls the compiled C launch itself and keeps host
 descriptors' encoded maps (_raw_launch; FUSEKIT_TRITON_RAW_LAUNCH=0: through CudaLauncher as before).
-tests/test_triton_fast_launch.py checks on CUDA that both paths give bit-identical results. Under the CPU interpreter `triton.jit` returns an InterpretedFunction, which is left as it is.
+tests/test_triton_fast_launch.py checks on CUDA that both paths give bit-identical results. Under the CPU
+interpreter `triton.jit` returns an InterpretedFunction, which is left as it is.
 """
 
 from __future__ import annotations

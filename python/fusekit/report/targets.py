@@ -237,8 +237,9 @@ def _peak_over(r: dict, b: dict) -> float:
 def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2ETarget, dict[str, str]]]]]:
     """Per e2e.json: (label, fusekit providers, [(target, provider -> cell)]), from the ratios of median
     step times in that file; against HF eager, a row's same-process A/B ratio where it has one (unpatched
-    and patched alternately in one process: the host's drift cancels). Every provider runs in its own process (a run); a ratio whose baseline row was measured at another commit
-    (a file merged over sessions) is marked †."""
+    and patched alternately in one process: the host's drift cancels). Every provider runs in its own
+    process (a run); a ratio whose baseline row was measured at another commit (a file merged over
+    sessions) is marked †."""
     out = []
     for path, doc in e2e_section.load(results_dir):
         label = f"{path.parent.name} — {doc.get('setup', {}).get('model') or path.stem} — `{path.name}`"
