@@ -4,7 +4,8 @@ Entry points (attention.backward runs it through `use_hopper_bwd`):
     hopper_bwd_supported(q, k, v, kv_len) -> bool    whether hopper_backward can run these tensors
     hopper_backward(dq, dk, dv, do, q, k, v, o, lse, causal, scale) -> None
 
-Contract (that of attention_backward.attention_backward without kv_len): q/o/do/dq [B, H, S, D] contiguous,
+Contract (that of attention_backward.attention_backward without kv_len): q/do/dq [B, H, S, D] contiguous (o
+may be strided with a contiguous last dim: the forward writes it in q's memory order),
 k/v [B, Hkv, Skv, D] with a contiguous last dim (strided views allowed when every stride is 16-byte aligned),
 dk/dv [B, Hkv, Skv, D] contiguous, lse [B, H, S] fp32 natural log (-inf for a row that sees no key), GQA head
 h // (H // Hkv), fp16/bf16, D 64 or 128. Causal bottom-right (query i sees key j iff j <= i + Skv - S). With
@@ -508,7 +509,10 @@ def hopper_backward(
         raise ValueError("hopper_backward: unsupported inputs (see hopper_bwd_supported)")
     _check_out("dq", dq, q)
     _check_out("do", do, q)
-    _check_out("o", o, q)
+    if o.shape != q.shape or o.dtype != q.dtype or o.stride(-1) != 1:
+        raise ValueError(
+            f"hopper_backward: o must be a {tuple(q.shape)} {q.dtype} with a contiguous last dim"
+        )
     for name, t in (("dk", dk), ("dv", dv)):
         if t.shape != k.shape or t.dtype != k.dtype or not t.is_contiguous() or t.data_ptr() % 16:
             raise ValueError(
@@ -599,7 +603,9 @@ def run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal: bool, scale: float) 
         else:
             qq, kk, vv, dd, oo, ll = q[sl], k[sl], v[sl], do[sl], o[sl], lse[sl]
             dqq, dkk, dvv, l2, dl = dq[sl], dk[sl], dv[sl], lse2[sl], delta[sl]
-        _bwd_preprocess_kernel[p.grid_pre](oo, dd, ll, dl, l2, S, HEAD_DIM=D, BLOCK=p.pre_rows, num_warps=8)
+        _bwd_preprocess_kernel[p.grid_pre](
+            oo, dd, ll, dl, l2, S, H, *oo.stride()[:3], HEAD_DIM=D, BLOCK=p.pre_rows, num_warps=8
+        )
         ds = _descriptors(p.fields, qq, kk, vv, dd, dqq, dkk, dvv)
         aligned = (l2.data_ptr() & 15 == 0, dl.data_ptr() & 15 == 0)  # the fp32 pointers' 16-byte alignment
         split = p.split

@@ -43,10 +43,12 @@ are not loaded at all (0 in their place), so whatever a cache holds there never 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -82,8 +84,8 @@ _MAX_GRID_Y = 65535  # CUDA/HIP limit of grid axis 1
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_len_ptr, H, HKV, S, SKV, qk_scale, stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, has_kv_len, chunk_work, chunk_cap,
-    S_BUCKET, SKV_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+    has_kv_len, chunk_work, chunk_cap, S_BUCKET, SKV_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
     EXP2_POLY: tl.constexpr = 0, EXP2_DEGREE: tl.constexpr = 3, GRID_2D: tl.constexpr = False,
 ):  # fmt: skip
@@ -116,9 +118,10 @@ def _attn_fwd_kernel(
     L = SKV  # keys of this sequence: 0..L-1 (kv_len[b] clamped to [0, SKV])
     if has_kv_len:
         L = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), SKV)
-    # q through its strides (a [B, S, H, D] source read as [B, H, S, D]: no transposing copy); o contiguous
+    # q and o through their strides (a [B, S, H, D] source read as [B, H, S, D], and o written in q's
+    # memory order: no transposing copy either way)
     q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    o_base = o_ptr + bh.to(tl.int64) * S * HEAD_DIM
+    o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -218,11 +221,11 @@ def _attn_fwd_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no visible key: acc is 0, so the row stays exactly 0
     out = (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty)
     if TMA:
-        o_desc = tl.make_tensor_descriptor(o_base, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[S, HEAD_DIM], strides=[stride_om, 1],
                                            block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
         o_desc.store([m0, 0], out)
     else:
-        tl.store(o_base + offs_m.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out,
+        tl.store(o_base + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :], out,
                  mask=offs_m[:, None] < S)  # fmt: skip
     # lse in the natural log: (m + log2 l) * ln 2, as m is the exp2-domain row max. No visible key: -inf;
     # a +inf score: +inf (as logsumexp); a NaN score: l is NaN, so lse is NaN.
@@ -344,8 +347,8 @@ def use_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
 
 def use_hopper_bwd(q, k, v, kv_len, *dense: torch.Tensor) -> bool:
     """Whether `backward` runs the Gluon FA3-style kernels of _attention_hopper_bwd.py (sm_90, no kv_len, D64
-    or D128, at the forward's size threshold; `dense` = dq, dk, dv, do, o: contiguous and 16-byte aligned, as
-    its TMA descriptors need). H100 (.dev probe at 332704d, B4 H32 S4096, kernel time against the kernels of
+    or D128, at the forward's size threshold; `dense` = dq, dk, dv, do: contiguous and 16-byte aligned, as
+    its TMA descriptors need; o is read through its strides). H100 (.dev probe at 332704d, B4 H32 S4096, kernel time against the kernels of
     attention_backward.py): D128 1.11x non-causal, 1.09x causal; D64 1.00x / 1.01x; B1 H32/8 S2048 D128
     causal 1.05x; dq, dk, dv bit-identical across runs."""
     B, H, S, D = q.shape
@@ -394,18 +397,18 @@ def forward(
     if qk_scale < 0:  # the kernels fold the scale into the row max, which needs scale >= 0
         q, qk_scale = q.neg(), -qk_scale  # exact: (-q).k * (-scale) == q.k * scale; lse is unchanged
     if _splits is not None or (_config is None and use_decode(q, k)):
-        with on_device(q):
-            decode_forward(o, lse, q.contiguous(), k, v, kv_len, causal, qk_scale, splits=_splits)
+        with on_device(q), _dense(o) as od:
+            decode_forward(od, lse, q.contiguous(), k, v, kv_len, causal, qk_scale, splits=_splits)
         return
     if _config is None and kv_len is None and use_hopper(q, k, v, o, causal):
-        with on_device(q):
-            run_hopper(o, lse, q.contiguous(), k, v, causal, qk_scale)
+        with on_device(q), _dense(o) as od:
+            run_hopper(od, lse, q.contiguous(), k, v, causal, qk_scale)
         return
     ieee = q.dtype == torch.float32
     tma_ok = tma_setup("attention", None if _config is None else (_config,), q, k, v, o)
     has_kv_len = int(kv_len is not None)
     kl = kv_len if kv_len is not None else lse.view(torch.int32)  # never read without kv_len
-    strides = (*q.stride()[:3], k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3])
     # Batch slabs (views) of at most _MAX_GRID_Y heads per launch.
     bstep = max(1, _MAX_GRID_Y // H)
     # fp32 inputs (the CPU; CUDA refuses fp32 attention) keep P in fp32, so they take the degree-5 polynomial
@@ -430,6 +433,18 @@ def forward(
             _tuned(D, tma_ok)[
                 lambda m, nb=nb, chunk=chunk: _grid(triton.cdiv(S, m["BLOCK_M"]), nb * H, chunk)
             ](*args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee, **exp2_kw, **grid_kw)
+
+
+@contextlib.contextmanager
+def _dense(o: torch.Tensor) -> Iterator[torch.Tensor]:
+    """o itself when contiguous, else a contiguous buffer copied into o afterwards: the decode and Gluon
+    kernels write o densely (the kernel above writes it through its strides, in q's memory order)."""
+    if o.is_contiguous():
+        yield o
+        return
+    dense = torch.empty(o.shape, dtype=o.dtype, device=o.device)
+    yield dense
+    o.copy_(dense)
 
 
 def _is_2d(chunk: tuple[int, int]) -> bool:
@@ -521,7 +536,7 @@ def backward(
         )
     if not all(t.is_contiguous() for t in (dq, dk, dv, do, lse)):
         raise ValueError("attention backward: tensors must be contiguous")
-    if _config is None and use_hopper_bwd(q, k, v, kv_len, dq, dk, dv, do, o):
+    if _config is None and use_hopper_bwd(q, k, v, kv_len, dq, dk, dv, do):
         with on_device(q):
             run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
         return
@@ -559,10 +574,11 @@ def forward_checked(o, lse, q, k, v, kv_len, causal: bool, scale: float) -> None
                q.device, causal, GLUON, _GLUON_D256, _GLUON_MIN_FLOP)  # fmt: skip
         hopper = _ROUTES.get(sig)
         if hopper is None:
-            hopper = o.is_contiguous() and lse.is_contiguous() and use_hopper(q, k, v, o, causal)
+            hopper = lse.is_contiguous() and use_hopper(q, k, v, o, causal)
             remember(_ROUTES, sig, hopper, _ROUTES_CAP)
         if hopper:
-            run_hopper(o, lse, q.contiguous(), k, v, causal, float(scale) * _LOG2E)
+            with _dense(o) as od:
+                run_hopper(od, lse, q.contiguous(), k, v, causal, float(scale) * _LOG2E)
             return
     forward(o, lse, q, k, v, kv_len, causal, scale)
 
@@ -575,7 +591,7 @@ def backward_checked(dq, dk, dv, do, q, k, v, o, lse, kv_len, causal: bool, scal
                dk.stride(), dv.stride(), lse.stride(), q.dtype, q.device, causal, GLUON, _GLUON_MIN_FLOP)  # fmt: skip
         hopper = _ROUTES.get(sig)
         if hopper is None:
-            hopper = lse.is_contiguous() and use_hopper_bwd(q, k, v, None, dq, dk, dv, do, o)
+            hopper = lse.is_contiguous() and use_hopper_bwd(q, k, v, None, dq, dk, dv, do)
             remember(_ROUTES, sig, hopper, _ROUTES_CAP)
         if hopper:
             run_hopper_bwd(dq, dk, dv, do, q, k, v, o, lse, causal, scale)
@@ -592,8 +608,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor)
         )
     if D not in (64, 128, 256):
         raise ValueError(f"attention: head_dim must be 64, 128 or 256, got {D}")
-    if not out.is_contiguous():
-        raise ValueError("attention: o must be contiguous (q, k and v may be strided)")
+    if out.stride(-1) != 1:
+        raise ValueError("attention: o needs a contiguous last dim (its other dims may be strided, as q's)")
     return B, H, S, D
 
 
@@ -638,7 +654,8 @@ def aot_specs() -> list[tuple[str, object, dict, dict, dict, dict]]:
                            "kv_len_ptr": "*i32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
                            "qk_scale": "fp32", "stride_qb": "i32", "stride_qh": "i32", "stride_qm": "i32",
                            "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
-                           "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
+                           "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+                           "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "has_kv_len": "i32",
                            "chunk_work": "i32", "chunk_cap": "i32", "S_BUCKET": "i32", "SKV_BUCKET": "i32",
                            "HEAD_DIM": "constexpr", "CAUSAL": "constexpr", "IEEE": "constexpr",
                            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "TMA": "constexpr",

@@ -143,16 +143,20 @@ def _preprocess_rows(head_dim: int) -> int:
 @fast_launch
 @triton.jit
 def _bwd_preprocess_kernel(
-    o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, S,
+    o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, S, H, stride_ob, stride_oh, stride_om,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # o through its strides: the forward writes it in q's memory order ([B, S, H, D] for a transposed q)
     offs_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    rows = tl.program_id(1).to(tl.int64) * S + offs_m
+    bh = tl.program_id(1)
+    rows = bh.to(tl.int64) * S + offs_m
     in_s = offs_m < S
     offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
-    o = tl.load(o_ptr + ptrs, mask=in_s[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + ptrs, mask=in_s[:, None], other=0.0).to(tl.float32)
+    o_base = o_ptr + (bh // H).to(tl.int64) * stride_ob + (bh % H).to(tl.int64) * stride_oh
+    o_ptrs = o_base + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :]
+    o = tl.load(o_ptrs, mask=in_s[:, None], other=0.0).to(tl.float32)
+    do_ptrs = do_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    do = tl.load(do_ptrs, mask=in_s[:, None], other=0.0).to(tl.float32)
     tl.store(delta_ptr + rows, tl.sum(o * do, axis=1), mask=in_s)
     lse = tl.load(lse_ptr + rows, mask=in_s, other=0.0)
     # -inf (no visible key) -> +inf: exp2(s2 - lse2) is then exactly 0 for the whole row, mask or not
@@ -528,7 +532,7 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *outs: torch.Tens
     per16 = 16 // q.element_size()
     if any(t.data_ptr() % 16 for t in (q, k, v, *outs)):
         return False
-    if any(st % per16 for t in (q, k, v) for st in t.stride()[:3]):  # q: a strided view (the forward)
+    if any(st % per16 for t in (q, k, v, *outs) if t.dim() == 4 for st in t.stride()[:3]):  # q, o: views
         return False
     return q.shape[1] * q.shape[2] * q.shape[0] < 2**31
 
@@ -586,7 +590,7 @@ def attention_backward(
         sl = slice(b0, min(B, b0 + bstep))
         nb = sl.stop - sl.start
         _bwd_preprocess_kernel[(triton.cdiv(S, pre_rows), nb * H)](
-            o[sl], do[sl], lse[sl], delta[sl], lse2[sl], S, HEAD_DIM=D, BLOCK=pre_rows,
+            o[sl], do[sl], lse[sl], delta[sl], lse2[sl], S, H, *o.stride()[:3], HEAD_DIM=D, BLOCK=pre_rows,
             num_warps=1 if is_interpreter() else 8,
         )  # fmt: skip
         kl = kv_len[sl] if kv_len is not None else lse2.view(torch.int32)  # never read without kv_len
@@ -651,7 +655,8 @@ def aot_specs_backward() -> list[tuple[str, object, dict, dict, dict, dict]]:
         for d in (64, 128, 256):
             rows = max(16, 8192 // d)
             sig = {"o_ptr": p, "do_ptr": p, "lse_ptr": "*fp32", "delta_ptr": "*fp32", "lse2_ptr": "*fp32",
-                   "S": "i32", "HEAD_DIM": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+                   "S": "i32", "H": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
+                   "HEAD_DIM": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
             specs.append((f"attn_bwd_pre_{dt}_d{d}_r{rows}", _bwd_preprocess_kernel, sig,
                           {"HEAD_DIM": d, "BLOCK": rows}, {"num_warps": 8, "num_stages": 1}))  # fmt: skip
         ints = {"kv_len_ptr": "*i32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32", "qk_scale": "fp32",

@@ -130,6 +130,57 @@ def test_attention_reads_a_strided_q_in_place(causal: bool, backend_name: str, d
     assert torch.allclose(qkv.grad.float(), ref.grad.float(), **tol)
 
 
+@pytest.mark.parametrize("s", (1, 37))
+def test_attention_output_takes_q_memory_order(s: int, backend_name: str, device: str) -> None:
+    """o is laid out as q is (TensorArg.like): a "bshd" call's output is a contiguous [B, S, H, D], so
+    `o.reshape(B, S, H * D)` is a view (as SDPA's output is for transposed inputs), for a q sliced from a
+    fused qkv projection and for a plain [B, S, H, D] q; a contiguous [B, H, S, D] q keeps a contiguous o.
+    S = 1 runs triton's decode kernels (dense, copied into o), S = 37 its FlashAttention kernel (through o's
+    strides). Values against the contiguous call."""
+    torch.manual_seed(4)
+    b, h, hkv, d = 2, 4, 2, 64
+    dt = _dtype(backend_name, device)
+    qkv = torch.randn(b, s, h + 2 * hkv, d, device=device).to(dt)
+    kv = torch.randn(b, 19, 2 * hkv, d, device=device).to(dt)  # a longer KV, as in decode
+    k, v = kv[:, :, :hkv], kv[:, :, hkv:]
+    want = ops.attention(
+        *(t.transpose(1, 2).contiguous() for t in (qkv[:, :, :h], k, v)), causal=True, backend=backend_name
+    )
+    assert want.is_contiguous()
+    for q in (qkv[:, :, :h], qkv[:, :, :h].contiguous()):
+        got = _bshd_or_skip(q, k, v, True, backend_name)
+        assert got.is_contiguous(), got.stride()
+        assert got.reshape(b, s, h * d).data_ptr() == got.data_ptr()
+        tol = {"rtol": 1e-3, "atol": 1e-3 * math.sqrt(d)}
+        assert torch.allclose(got.float(), want.transpose(1, 2).float(), **tol)
+        # the same call in [B, H, S, D] terms: o has q's strides
+        o = ops.attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, backend=backend_name
+        )
+        assert o.transpose(1, 2).is_contiguous()
+        assert torch.equal(o.transpose(1, 2), got)
+
+
+def test_attention_fake_output_has_the_real_strides() -> None:
+    """torch.compile traces the custom op with its fake implementation and trusts the strides it reports,
+    so the fake o must be laid out exactly as the real one (q's memory order), forward and backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(5)
+    qkv = torch.randn(1, 7, 8, 64)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([4, 2, 2], dim=2))
+    for qq in (q, q.contiguous()):
+        args = (qq, k, v, None, True, 0.125, "torch", True)
+        real = torch.ops.fusekit.attention(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = torch.ops.fusekit.attention(
+                *(mode.from_tensor(a) if torch.is_tensor(a) else a for a in args)
+            )
+        for r, f in zip(real, fake):
+            assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+        assert real[0].transpose(1, 2).is_contiguous() == (qq is q)  # q's memory order, both ways
+
+
 def test_attention_layout_errors() -> None:
     q = torch.randn(1, 5, 4, 64)
     k = torch.randn(1, 9, 3, 64)  # 4 q heads, 3 kv heads in [B, S, H, D]

@@ -25,6 +25,16 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch
     return torch.full(shape, fill, dtype=dtype, device=device)
 
 
+def empty_strided(
+    shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`empty` with the given (dense, permuted) strides: an output in an input's memory order."""
+    out = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+    if _poison:
+        out.fill_(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min)
+    return out
+
+
 @contextlib.contextmanager
 def poisoned() -> Iterator[None]:
     """Within this block every fusekit output starts as NaN (or INT_MIN) instead of garbage."""

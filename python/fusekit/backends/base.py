@@ -10,7 +10,9 @@ A provider therefore only ever sees:
 - contiguous tensors on one device, with dtypes and shapes already checked, in the order of
   `spec.phase(phase).outputs` / `.inputs`; an absent optional tensor is None. Exception: an input the
   spec marks `strided` (attention's k/v, read in place from a KV cache) reaches a provider that sets
-  `reads_strides = True` as the caller's view, with its last dim contiguous (stride 1);
+  `reads_strides = True` as the caller's view, with its last dim contiguous (stride 1); and an output
+  the spec lays out like an input (`TensorArg.like`: attention's o in q's memory order) reaches a
+  provider that sets `writes_strides = True` with those strides (last dim contiguous);
 - outputs it must fully overwrite (tests poison them with NaN first);
 - non-empty problems (empty ones are answered by the library without calling a provider).
 """
@@ -32,6 +34,9 @@ class Backend:
     # True: the kernels read `strided` spec inputs through their strides (last dim contiguous), so the
     # library passes such views without copying them; False: the library makes them contiguous first.
     reads_strides: bool = False
+    # True: the kernels write `like` spec outputs through their strides; False: the provider fills
+    # contiguous buffers and the library copies them into the outputs.
+    writes_strides: bool = False
     # True: a signature's first call may compile, tune (time candidates, synchronize) or allocate a
     # workspace, none of which a CUDA graph capture allows; the library refuses such a first call inside
     # a capture with a clear error instead of corrupting the capture (warm up first, as torch requires).

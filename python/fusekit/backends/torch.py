@@ -9,6 +9,7 @@ from fusekit.backends.base import Backend
 
 class TorchBackend(Backend):
     name = "torch"
+    writes_strides = True  # copy_ writes the reference's values into any layout
 
     def supports(
         self, op: str, phase: str, device: torch.device, dtypes: tuple[torch.dtype, ...], **meta: object

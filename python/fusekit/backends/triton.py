@@ -48,6 +48,7 @@ class TritonBackend(Backend):
     name = "triton"
     install_hint = "pip install 'fusekit[triton]'"
     reads_strides = True  # attention reads k/v views (a KV cache in place) through their strides
+    writes_strides = True  # attention writes o in q's memory order (kernels_triton.attention.forward)
     first_call_setup = True  # JIT compile, norm/GEMM config tuning on a new shape (see Backend)
 
     def __init__(self) -> None:

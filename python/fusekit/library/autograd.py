@@ -141,6 +141,18 @@ def _placeholders(device: torch.device, outs: tuple[Tensor | None, ...]) -> tupl
     return res[0] if len(res) == 1 else res
 
 
+def _fake_outputs(lay: list, strides: tuple | None, device: torch.device) -> tuple[Tensor | None, ...]:
+    """A custom op's fake outputs: the real ones' shapes, dtypes and strides (plan._allocate's rule)."""
+    return tuple(
+        None
+        if lo is None
+        else torch.empty(lo[0], dtype=lo[1], device=device)
+        if strides is None or strides[j] is None
+        else torch.empty_strided(lo[0], strides[j], dtype=lo[1], device=device)
+        for j, lo in enumerate(lay)
+    )
+
+
 def _as_tuple(outs: Tensor | tuple | list) -> tuple:
     return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
 
@@ -165,9 +177,8 @@ def _register(spec: OpSpec) -> None:
         ins, sc, _, save = split(args)
         named = dict(zip(spec.scalar_names, sc))
         lay = spec.output_layout(FORWARD, ins, named, spec.conditions(ins, save))
-        dev = _device(ins)
         return _placeholders(
-            dev, tuple(None if lo is None else torch.empty(lo[0], dtype=lo[1], device=dev) for lo in lay)
+            _device(ins), _fake_outputs(lay, spec.output_strides(FORWARD, ins), _device(ins))
         )
 
     op = torch.library.custom_op(
@@ -203,9 +214,8 @@ def _register(spec: OpSpec) -> None:
     def backward_fake(*args):
         ins, sc, _, cond = bsplit(args)
         lay = spec.output_layout(BACKWARD, ins, dict(zip(spec.scalar_names, sc)), cond)
-        dev = _device(ins)
         return _placeholders(
-            dev, tuple(None if lo is None else torch.empty(lo[0], dtype=lo[1], device=dev) for lo in lay)
+            _device(ins), _fake_outputs(lay, spec.output_strides(BACKWARD, ins), _device(ins))
         )
 
     bop = torch.library.custom_op(

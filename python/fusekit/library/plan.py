@@ -40,6 +40,7 @@ class _Plan:
 
     __slots__ = (
         "calls", "contig", "device", "empty", "guard", "kscalars", "layout", "provider", "replay", "reuse",
+        "staged", "strides",
     )  # fmt: skip
 
     def __init__(
@@ -49,6 +50,8 @@ class _Plan:
         device = self.device = _device(inputs)
         p = spec.phase(phase)
         self.layout = tuple(spec.output_layout(phase, inputs, named, cond))
+        # per output: strides where it takes an input's memory order (TensorArg.like), or None for all
+        self.strides = spec.output_strides(phase, inputs)
         # per output: the position of the input an eager call writes it into (Phase.reuse), or None
         in_pos = {a.name: i for i, a in enumerate(p.inputs)}
         pairs = dict(p.reuse)
@@ -77,6 +80,16 @@ class _Plan:
             if inputs[i] is not None
             and not (reads and inputs[i].stride(-1) == 1)
             and not inputs[i].is_contiguous()
+        )
+        # Outputs in an input's memory order that the provider cannot write through strides: it fills
+        # contiguous buffers and the library copies them into the strided outputs (_execute).
+        writes = self.provider is not None and self.provider.writes_strides
+        self.staged = (
+            ()
+            if self.strides is None or writes or self.empty
+            else tuple(
+                j for j, st in enumerate(self.strides) if st is not None and self.layout[j] is not None
+            )
         )
 
 
@@ -121,6 +134,8 @@ def _allocate(
     failure is freed with this frame)."""
     empty, device = outputs.empty, plan.device
     try:  # a list comprehension: cheaper than a generator on this path
+        if plan.strides is not None:  # some outputs take an input's memory order (TensorArg.like)
+            return _allocate_strided(plan, reuse, scratch)
         if scratch is not None:
             return tuple([
                 s if s is not None else None if lay is None else empty(lay[0], lay[1], device)
@@ -140,6 +155,23 @@ def _allocate(
             f"fusekit.{spec.name} ({phase}): out of memory allocating its outputs {wanted} "
             f"({total / 2**30:.2f} GiB in all) on {device}. {exc}"
         ) from exc
+
+
+def _allocate_strided(plan: _Plan, reuse: tuple | None, scratch: tuple | None) -> tuple[Tensor | None, ...]:
+    """_allocate's general form: outputs with strides (plan.strides) allocated in that order."""
+    outs: list[Tensor | None] = []
+    for j, (lay, st) in enumerate(zip(plan.layout, plan.strides)):
+        if lay is None:
+            outs.append(None)
+        elif scratch is not None and scratch[j] is not None:
+            outs.append(scratch[j])
+        elif reuse is not None and plan.reuse is not None and plan.reuse[j] is not None:
+            outs.append(reuse[plan.reuse[j]])
+        elif st is not None:
+            outs.append(outputs.empty_strided(lay[0], st, lay[1], plan.device))
+        else:
+            outs.append(outputs.empty(lay[0], lay[1], plan.device))
+    return tuple(outs)
 
 
 def _refuse_first_call_in_capture(spec: OpSpec, phase: str, plan: _Plan) -> None:
@@ -207,6 +239,22 @@ def _execute(
                 o.zero_()
         return outs
     device = plan.device  # in the signature
+    if plan.staged:  # the provider fills contiguous buffers; the strided outputs get their values after
+        given = outs
+        outs = tuple([
+            outputs.empty(o.shape, o.dtype, device) if j in plan.staged else o for j, o in enumerate(given)
+        ])  # fmt: skip
+        _launch_phase(spec, phase, plan, outs, inputs, device, reuse)
+        for j in plan.staged:
+            given[j].copy_(outs[j])
+        return given
+    _launch_phase(spec, phase, plan, outs, inputs, device, reuse)
+    return outs
+
+
+def _launch_phase(
+    spec: OpSpec, phase: str, plan: _Plan, outs: tuple, inputs: tuple, device: torch.device, reuse: bool
+) -> None:
     # outputs that are inputs (Phase.reuse) change what the kernels see (a kernel may skip work in
     # place): such a call neither records nor replays launches, which bake the aliasing in or out
     aliased = reuse and plan.reuse is not None
@@ -216,7 +264,6 @@ def _execute(
             _launch_on(spec, phase, plan, outs, inputs, device, aliased)
     else:
         _launch_on(spec, phase, plan, outs, inputs, device, aliased)
-    return outs
 
 
 def _launch_on(

@@ -23,6 +23,11 @@ Providers see a phase in destination-passing form, positionally:
   contiguous (a KV cache read in place). The library passes such a view as is to a provider that
   declares `reads_strides` and whose last stride is 1, and a contiguous copy otherwise; the view's
   strides are part of the call's plan signature.
+- `TensorArg.like` (outputs only): the output takes that input's memory order when the input is a
+  permuted view (attention's o follows q: q read from a [B, S, H, D] source gives o laid out [B, S, H, D],
+  so the caller's transpose back to [B, S, H*D] is a free view, as SDPA's output is). The rule
+  (`dense_strides_like`) is the same for the real outputs and the fake ones torch.compile traces with; a
+  provider that does not declare `writes_strides` fills contiguous buffers the library copies from.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class TensorArg:
     when: str | None = None  # None: always present
     grad: bool = True  # outputs: False for statistics and saved values (no gradient flows into them)
     strided: bool = False  # inputs: may be passed as a strided view (see the module docstring)
+    like: str | None = None  # outputs: the input whose memory order this output takes (same dims)
 
     @property
     def optional(self) -> bool:
@@ -56,10 +62,33 @@ class TensorArg:
 
 
 def t(
-    name: str, dims: str, dtype: str = "x", when: str | None = None, grad: bool = True, strided: bool = False
+    name: str,
+    dims: str,
+    dtype: str = "x",
+    when: str | None = None,
+    grad: bool = True,
+    strided: bool = False,
+    like: str | None = None,
 ) -> TensorArg:
     """Shorthand: t("weight", "N", "w") is a tensor [N] of the weight dtype."""
-    return TensorArg(name, tuple(dims.split()), dtype, when, grad, strided)
+    return TensorArg(name, tuple(dims.split()), dtype, when, grad, strided, like)
+
+
+def dense_strides_like(t: Tensor) -> tuple[int, ...] | None:
+    """Dense strides in `t`'s memory order (dims by decreasing stride, ties in dim order), or None where
+    that is the contiguous layout or would not keep the last dim innermost (kernels index it directly)."""
+    if t.is_contiguous():
+        return None
+    shape, stride = t.shape, t.stride()
+    order = sorted(range(t.dim()), key=lambda i: (-stride[i], i))
+    if order[-1] != t.dim() - 1:
+        return None
+    out = [0] * t.dim()
+    step = 1
+    for i in reversed(order):
+        out[i] = step
+        step *= shape[i]
+    return tuple(out)
 
 
 # Schema types of the scalar kinds, for torch.library.
@@ -207,6 +236,21 @@ class OpSpec:
                 dtype = getattr(torch, arg.dtype)
             layout.append((tuple(shape), dtype))
         return layout
+
+    def output_strides(
+        self, phase: str, inputs: tuple[Tensor | None, ...]
+    ) -> tuple[tuple[int, ...] | None, ...] | None:
+        """Per output of `phase`: strides where it takes an input's memory order (TensorArg.like), else
+        None (contiguous); None for the whole phase when every output is contiguous."""
+        p = self.phase(phase)
+        if not any(a.like for a in p.outputs):
+            return None
+        named = {a.name: v for a, v in zip(p.inputs, inputs)}
+        strides = tuple(
+            None if a.like is None or named.get(a.like) is None else dense_strides_like(named[a.like])
+            for a in p.outputs
+        )
+        return strides if any(s is not None for s in strides) else None
 
 
 def acc_dtype(x_dtype: torch.dtype) -> torch.dtype:

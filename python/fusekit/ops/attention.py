@@ -138,7 +138,8 @@ SPEC = library.register(
     OpSpec(
         name="attention",
         forward=Phase(
-            outputs=(t("o", "B H S D"), t("lse", "B H S", "float32", None, grad=False)),
+            # o in q's memory order: a q read from [B, S, H, D] gives o laid out so (a free transpose back)
+            outputs=(t("o", "B H S D", like="q"), t("lse", "B H S", "float32", None, grad=False)),
             inputs=(
                 t("q", "B H S D", strided=True),
                 t("k", "B Hkv Skv D", strided=True),
@@ -154,7 +155,7 @@ SPEC = library.register(
                 t("q", "B H S D", strided=True),
                 t("k", "B Hkv Skv D", strided=True),
                 t("v", "B Hkv Skv D", strided=True),
-                t("o", "B H S D"),
+                t("o", "B H S D", strided=True),  # the forward's o, in q's memory order
                 t("lse", "B H S", "float32"),
                 t("kv_len", "B", "int32", when="kv_len"),
             ),
