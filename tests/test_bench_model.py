@@ -128,6 +128,44 @@ def test_cli_end_to_end(tmp_path) -> None:
     assert "torch-compile-ro" in doc["meta"]["skipped_baselines"]
 
 
+def test_ab_rounds_time_every_provider_again_alternating(monkeypatch) -> None:
+    """--ab-rounds: after the scenario's providers are timed one after another, each is timed again in
+    alternating rounds (order rotated per round) with its compiled graph still alive; each row gets the
+    median of its rounds and, per baseline, the median of the per-round ratios (what the targets read)."""
+    sc = model.Scenario("t", "decode", 1, 16, 1)
+    w = make_weights(MICRO, CPU, torch.float32, torch.Generator().manual_seed(0))
+    ceil = {"copy": {"gbps": 10.0}, "matmul": {"tflops": 0.1}}
+    seen: list[object] = []
+    real = model.bench_ms
+
+    def spy(fn, device, **kw):
+        seen.append(fn)
+        return real(fn, device, **kw)
+
+    monkeypatch.setattr(model, "bench_ms", spy)
+    provs = [model.Eager(), model.FusekitLayer("torch"), model.Compiled(None)]
+    rows = model.run_scenario(MICRO, sc, w, provs, CPU, "fp32", ceil, rep_ms=2, rounds=3)
+    assert [r["status"] for r in rows] == ["ok"] * 3, [r["reason"] for r in rows]
+    calls = seen  # on the CPU the sequential timing is wall-clock only: these are the 3 x 3 A/B calls
+    assert len(calls) == 9 and len(set(calls)) == 3
+    assert calls[0] != calls[3] and calls[3] != calls[6]  # each round starts with another provider
+    for r in rows:
+        assert r["ab_rounds"] == 3 and r["ab_us"] > 0
+    fk = rows[1]
+    assert set(fk["ab_speedup_vs"]) == {"torch-eager", "torch-compile"}
+    assert all(v > 0 and math.isfinite(v) for v in fk["ab_speedup_vs"].values())
+    assert set(rows[2]["ab_speedup_vs"]) == {"torch-eager"}  # baselines against the other baselines
+
+
+def test_targets_read_the_ab_ratio() -> None:
+    from fusekit.report import targets
+
+    t = next(t for t in targets.TARGETS if t.what.startswith("layer prefill"))
+    row = {"speedup_vs": {"torch-compile": 0.9}, "ab_speedup_vs": {"torch-compile": 1.07}}
+    assert targets._value(row, t) == 1.07
+    assert targets._value({"speedup_vs": {"torch-compile": 0.9}}, t) == 0.9
+
+
 def test_cli_rejects_unknown_names(tmp_path, capsys) -> None:
     assert model.main(["--device", "cpu", "--providers", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown providers" in capsys.readouterr().err

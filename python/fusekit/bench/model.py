@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -268,8 +269,8 @@ class Compiled(Eager):
         return None
 
     def build(self, st: Setup) -> Call:
-        # A fresh static-shape compile per scenario (as the op benchmark's torch-compile baseline).
-        torch._dynamo.reset()
+        # A fresh static-shape compile per scenario (as the op benchmark's torch-compile baseline): the
+        # scenario loop resets dynamo before a scenario and, without A/B rounds, after every provider.
         layer = torch.compile(st.layer("eager"), dynamic=False, mode=self.mode)
         x, r, pos = st.x, st.residual, st.sc.context
         if self.mode != "reduce-overhead":
@@ -412,8 +413,9 @@ def wall_speedups(rows: list[dict]) -> None:
 
 def run_provider(
     prov: Provider, st: Setup, ref: tuple[torch.Tensor, ...], row: dict, ceil: dict, rep_ms: float
-) -> None:
-    """Build, check against the eager reference, then time (only a correct provider); fills `row`."""
+) -> Call | None:
+    """Build, check against the eager reference, then time (only a correct provider); fills `row`.
+    Returns the timed call (None where it failed the check)."""
     dev = st.device
     skips0 = _cudagraph_skips()
     t0 = time.perf_counter()
@@ -435,7 +437,7 @@ def run_provider(
     bad = [f"{n} rel error {e:.3g} > {tol:g}" for n, e in zip(("out", "h"), errs) if not e <= tol]
     if bad:
         row["status"], row["reason"] = "failed", "; ".join(bad) + " (not timed)"
-        return
+        return None
     if dev.type == "cuda":
         ms, method = bench_ms(call, dev, rep_ms=rep_ms)
         row["gpu_us"], row["method"], row["timer"] = ms * 1e3, method, "cuda-events"
@@ -451,6 +453,28 @@ def run_provider(
     row["kernels"] = kernel_count(call, dev)
     row["status"], row["ok"] = "ok", True
     _derive(row, ceil)
+    return call
+
+
+def ab_rounds(timed: dict[str, tuple[dict, Call]], device: torch.device, rounds: int, rep_ms: float) -> None:
+    """Same-process A/B: every timed provider of a scenario again in `rounds` alternating rounds (the
+    order rotated each round), so a clock or thermal drift between providers timed one after another
+    (the H200 moved the same kernels' layer time by up to 7% between such runs) reaches all of them
+    alike. Per row: `ab_us` (median of its rounds) and `ab_speedup_vs` (per baseline, the median of the
+    per-round ratios baseline time / this time), which the report's targets read before `speedup_vs`."""
+    names = list(timed)
+    per: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(rounds):
+        k = i % len(names)
+        for n in names[k:] + names[:k]:
+            per[n].append(bench_ms(timed[n][1], device, warmup_ms=5, rep_ms=rep_ms)[0])
+    base = [n for n in names if timed[n][0]["kind"] == "baseline"]
+    for n, (row, _) in timed.items():
+        row["ab_rounds"] = rounds
+        row["ab_us"] = statistics.median(per[n]) * 1e3
+        row["ab_speedup_vs"] = {
+            b: statistics.median(tb / t for tb, t in zip(per[b], per[n])) for b in base if b != n
+        }
 
 
 def run_scenario(
@@ -463,7 +487,10 @@ def run_scenario(
     ceil: dict,
     rep_ms: float,
     seed: int = 0,
+    rounds: int = 0,
 ) -> list[dict]:
+    """Every provider of one scenario, checked and timed; with `rounds`, then all of them again in
+    alternating A/B rounds (ab_rounds), their compiled graphs and CUDA graphs kept alive until then."""
     dtype = DTYPES[dtype_name]
     st = make_setup(cfg, sc, weights, device, dtype, seed)
     nbytes, flops = floors(cfg, sc, dtype)
@@ -474,6 +501,8 @@ def run_scenario(
         ref = tuple(t.clone() for t in st.layer("eager")(st.x, st.residual, sc.context))
     except Exception as exc:  # e.g. out of memory: nothing can be checked, so nothing is timed
         ref_error = f"the eager reference failed: {type(exc).__name__}: {str(exc)[:300]}"
+    timed: dict[str, tuple[dict, Call]] = {}
+    torch._dynamo.reset()
     for prov in providers:
         row = _row(st, prov, dtype_name, nbytes, flops)
         rows.append(row)
@@ -487,18 +516,30 @@ def run_scenario(
             continue
         assert ref is not None
         try:
-            run_provider(prov, st, ref, row, ceil, rep_ms)
+            call = run_provider(prov, st, ref, row, ceil, rep_ms)
+            if rounds and call is not None:
+                timed[prov.name] = (row, call)
         except torch.cuda.OutOfMemoryError as exc:
             row["status"], row["reason"] = "failed", f"out of memory: {str(exc)[:200]}"
         except Exception as exc:
             row["status"], row["reason"] = "failed", f"{type(exc).__name__}: {str(exc)[:500]}"
         finally:
-            torch._dynamo.reset()  # drops compiled graphs and reduce-overhead's CUDA graph pools
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            if not rounds:
+                _release(device)
+    if len(timed) > 1:
+        ab_rounds(timed, device, rounds, rep_ms)
+    timed.clear()
+    if rounds:
+        _release(device)
     speedups(rows)
     wall_speedups(rows)
     return rows
+
+
+def _release(device: torch.device) -> None:
+    torch._dynamo.reset()  # drops compiled graphs and reduce-overhead's CUDA graph pools
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # --- CLI ------------------------------------------------------------------------------------------------
@@ -527,6 +568,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rep-ms", type=float, default=None, help="timed milliseconds per measurement")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new scenario after this long")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=0,
+        help="after each scenario, every timed provider again in N alternating rounds (same-process A/B; "
+        "the targets read these ratios)",
+    )
     return ap.parse_args(argv)
 
 
@@ -535,7 +583,7 @@ def _fmt(r: dict) -> str:
     if r["status"] != "ok":
         return f"{head} {r['status']}: {str(r['reason'])[:150]}"
     gpu = f"{r['gpu_us']:10.1f}" if r.get("gpu_us") is not None else f"{'–':>10}"
-    vs = r.get("speedup_vs", {}).get("torch-compile")
+    vs = (r.get("ab_speedup_vs") or r.get("speedup_vs", {})).get("torch-compile")
     wvs = r.get("wall_speedup_vs", {}).get("torch-compile")
     ratio = f"{vs:5.2f}x/{wvs:5.2f}x" if vs is not None and wvs is not None else f"{'–':>12}"
     kern = f"{r['kernels']:4d}" if r.get("kernels") else f"{'–':>4}"
@@ -615,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {c: vars(CONFIGS[c]) | {"head_dim": CONFIGS[c].head_dim} for c in cfg_names},
         "scenarios": {c: {n: vars(scenario_for(n, CONFIGS[c])) for n in sc_names} for c in cfg_names},
         "tolerance": {str(k).removeprefix("torch."): v for k, v in TOLERANCE.items()},
+        "ab_rounds": args.ab_rounds,
     }
     rows: list[dict] = []
     truncated, path = False, None
@@ -628,7 +677,9 @@ def main(argv: list[str] | None = None) -> int:
                     truncated = True
                     break
                 sc = scenario_for(sname, cfg)
-                new = run_scenario(cfg, sc, weights, provs, device, dtype_name, ceil, rep_ms, args.seed)
+                new = run_scenario(
+                    cfg, sc, weights, provs, device, dtype_name, ceil, rep_ms, args.seed, args.ab_rounds
+                )
                 rows += new
                 path = results.write(out_root, device, OP, meta, ceil, rows, truncated=truncated, **extra)
                 print(TABLE_HEAD, flush=True)

@@ -2,7 +2,8 @@
 results of each device and backend — met or not, worst case, how many cases, at which commits.
 
 A target is a ratio against a baseline measured in the same run (`speedup_vs`, baseline time / fusekit
-time) or a share of the roofline bound (`pct_of_ceiling`), over the cases of one op and suite that the
+time; a row's same-process A/B ratio `ab_speedup_vs` where it has one: the model bench's --ab-rounds) or a
+share of the roofline bound (`pct_of_ceiling`), over the cases of one op and suite that the
 target names (`where`). It is met on a device when every such case of the backend meets it; "no data"
 says the committed results do not cover it (a target is never assumed). The end-to-end targets read
 e2e.json (HF eager / torch.compile / Liger step times of the same file).
@@ -177,8 +178,10 @@ E2E_TARGETS: tuple[E2ETarget, ...] = (
 def _value(r: dict, t: Target) -> float | None:
     if t.baseline is None:
         v = r.get("pct_of_ceiling")
-    else:
-        v = (r.get("speedup_vs") or {}).get(t.baseline)
+    else:  # a same-process A/B ratio (the model bench's --ab-rounds) where the row has one
+        v = (r.get("ab_speedup_vs") or {}).get(t.baseline)
+        if v is None:
+            v = (r.get("speedup_vs") or {}).get(t.baseline)
     return None if v is None else float(v)
 
 
