@@ -66,19 +66,21 @@ def _cos_sin(
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, pid_bs, hb, NH, c, s,
+    x_ptr, out_ptr, hb, NH, stride_xh, c, s,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, HALVES_AS_PAIRS: tl.constexpr,
 ):  # fmt: skip
-    """Heads hb*BLOCK_H.. of token pid_bs of a [B*S, NH, D] tensor: pair (a, b) -> (a c - b s, b c + a s)."""
+    """Heads hb*BLOCK_H.. of one token: x_ptr at the token's first head (heads stride_xh apart), out_ptr at
+    its dense [NH, D] output row: pair (a, b) -> (a c - b s, b c + a s)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = (h < NH)[:, None]
-    base = pid_bs.to(tl.int64) * NH * HEAD_DIM
     if INTERLEAVED or HALVES_AS_PAIRS:
-        # One contiguous [BLOCK_H, D] tile (16-byte vector loads); pairs are separated in registers.
+        # One [BLOCK_H, D] tile, each head's D contiguous (16-byte vector loads); pairs are separated in
+        # registers.
         d = tl.arange(0, HEAD_DIM)
-        offs = base + h[:, None] * HEAD_DIM + d[None, :]
-        x = tl.load(x_ptr + offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        offs = h[:, None] * HEAD_DIM + d[None, :]
+        x_offs = h.to(tl.int64)[:, None] * stride_xh + d[None, :]
+        x = tl.load(x_ptr + x_offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if INTERLEAVED:
             a, b = tl.split(tl.reshape(x, (BLOCK_H, HALF, 2)))
         else:
@@ -90,9 +92,12 @@ def _rotate_heads(
     else:
         # HF halves as two [BLOCK_H, D/2] half-row tiles.
         i = tl.arange(0, HALF)
-        offs = base + h[:, None] * HEAD_DIM + i[None, :]
-        a = tl.load(x_ptr + offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        b = tl.load(x_ptr + offs + HALF, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        offs = h[:, None] * HEAD_DIM + i[None, :]
+        x_offs = h.to(tl.int64)[:, None] * stride_xh + i[None, :]
+        a = tl.load(x_ptr + x_offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        b = tl.load(x_ptr + x_offs + HALF, mask=hmask, other=0.0, eviction_policy="evict_first").to(
+            tl.float32
+        )
         tl.store(out_ptr + offs, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=hmask)
         tl.store(out_ptr + offs + HALF, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=hmask)
 
@@ -105,47 +110,54 @@ def _rotate_heads(
 @triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position", "HK", "q_blocks"])
 def _rope_kernel(
     x_ptr, out_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, HK, q_blocks, start_pos, has_positions,
-    max_position, inv_freq_log2_step, sign,
+    max_position, inv_freq_log2_step, sign, stride_xb, stride_xs, stride_xh, stride_kb, stride_ks, stride_kh,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr, INTERLEAVED: tl.constexpr,
     HALVES_AS_PAIRS: tl.constexpr,
 ):  # fmt: skip
+    # x and k through their (batch, token, head) strides: the heads of a fused qkv projection or a
+    # [B, H, S, D] tensor are read in place; the outputs are dense [B, S, H|Hk, D].
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_bs = tl.program_id(0)
     pid_h = tl.program_id(1)
     pos = _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position)
     i = tl.arange(0, HALF)
     c, s = _cos_sin(cos_ptr, sin_ptr, pos, i, i < HALF, inv_freq_log2_step, sign, HALF, HAS_TABLE)
+    b = (pid_bs // S).to(tl.int64)
+    t = (pid_bs % S).to(tl.int64)
     if pid_h < q_blocks:
-        _rotate_heads(x_ptr, out_ptr, pid_bs, pid_h, H, c, s, HEAD_DIM, BLOCK_H, INTERLEAVED, HALVES_AS_PAIRS)
+        _rotate_heads(x_ptr + b * stride_xb + t * stride_xs, out_ptr + pid_bs.to(tl.int64) * H * HEAD_DIM,
+                      pid_h, H, stride_xh, c, s, HEAD_DIM, BLOCK_H, INTERLEAVED, HALVES_AS_PAIRS)  # fmt: skip
     else:
-        _rotate_heads(k_ptr, ko_ptr, pid_bs, pid_h - q_blocks, HK, c, s, HEAD_DIM, BLOCK_H, INTERLEAVED,
+        _rotate_heads(k_ptr + b * stride_kb + t * stride_ks, ko_ptr + pid_bs.to(tl.int64) * HK * HEAD_DIM,
+                      pid_h - q_blocks, HK, stride_kh, c, s, HEAD_DIM, BLOCK_H, INTERLEAVED,
                       HALVES_AS_PAIRS)  # fmt: skip
 
 
 @triton.jit
 def _rotate_any_d(
-    x_ptr, out_ptr, pid_bs, hb, NH, c, s, i, imask,
+    x_ptr, out_ptr, hb, NH, stride_xh, c, s, i, imask,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
+    """_rotate_heads for any even D (pointers at the token's x heads and dense output row, as there)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (h < NH)[:, None] & imask[None, :]
-    row = pid_bs.to(tl.int64) * NH * HEAD_DIM + h[:, None] * HEAD_DIM
     if INTERLEAVED:
-        ia, ib = row + 2 * i[None, :], row + 2 * i[None, :] + 1
+        ja, jb = 2 * i[None, :], 2 * i[None, :] + 1
     else:
-        ia, ib = row + i[None, :], row + i[None, :] + HALF
-    a = tl.load(x_ptr + ia, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + ib, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + ia, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + ib, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=mask)
+        ja, jb = i[None, :], i[None, :] + HALF
+    xr, orow = h.to(tl.int64)[:, None] * stride_xh, h[:, None] * HEAD_DIM
+    a = tl.load(x_ptr + xr + ja, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + xr + jb, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + orow + ja, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + orow + jb, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position", "HK", "q_blocks"])
 def _rope_any_d_kernel(
     x_ptr, out_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, HK, q_blocks, start_pos, has_positions,
-    max_position, inv_freq_log2_step, sign,
+    max_position, inv_freq_log2_step, sign, stride_xb, stride_xs, stride_xh, stride_kb, stride_ks, stride_kh,
     HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
@@ -157,12 +169,14 @@ def _rope_any_d_kernel(
     i = tl.arange(0, BLOCK_HALF)
     imask = i < HALF
     c, s = _cos_sin(cos_ptr, sin_ptr, pos, i, imask, inv_freq_log2_step, sign, HALF, HAS_TABLE)
+    b = (pid_bs // S).to(tl.int64)
+    t = (pid_bs % S).to(tl.int64)
     if pid_h < q_blocks:
-        _rotate_any_d(x_ptr, out_ptr, pid_bs, pid_h, H, c, s, i, imask, HEAD_DIM, BLOCK_H, INTERLEAVED)
+        _rotate_any_d(x_ptr + b * stride_xb + t * stride_xs, out_ptr + pid_bs.to(tl.int64) * H * HEAD_DIM,
+                      pid_h, H, stride_xh, c, s, i, imask, HEAD_DIM, BLOCK_H, INTERLEAVED)  # fmt: skip
     else:
-        _rotate_any_d(
-            k_ptr, ko_ptr, pid_bs, pid_h - q_blocks, HK, c, s, i, imask, HEAD_DIM, BLOCK_H, INTERLEAVED
-        )
+        _rotate_any_d(k_ptr + b * stride_kb + t * stride_ks, ko_ptr + pid_bs.to(tl.int64) * HK * HEAD_DIM,
+                      pid_h - q_blocks, HK, stride_kh, c, s, i, imask, HEAD_DIM, BLOCK_H, INTERLEAVED)  # fmt: skip
 
 
 # A program moves BLOCK_H x D elements: 4 KB of x (16 heads of bf16 at D = 128) on 2 warps, 64 bytes a
@@ -201,6 +215,11 @@ def _launch(
 ) -> None:
     B, S, H, D = x.shape
     has_k = k is not None and k_out is not None
+    # x and k are read through their strides (each head's D contiguous); the outputs are written densely
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    k = k if k is None or k.stride(-1) == 1 else k.contiguous()
+    if not out.is_contiguous() or (has_k and not k_out.is_contiguous()):
+        raise ValueError("rope: the outputs must be contiguous (x and k may be strided views)")
     if has_k and (k.shape[:2] != x.shape[:2] or k.shape[3] != D or k_out.shape != k.shape):
         raise ValueError(f"rope: k {tuple(k.shape)} must be [B, S, Hk, D] beside x {tuple(x.shape)}")
     HK = k.shape[2] if has_k else H
@@ -212,14 +231,14 @@ def _launch(
     grid = (B * S, q_blocks + (triton.cdiv(HK, block_h) if has_k else 0))
     cos_t, sin_t = (cos, sin) if has_table else (x, x)  # dummies the kernel never reads
     positions = _check_positions(positions, B, S, x.device, cos, sin)
-    # Without positions an int32 view of x stands in (never read): the pointer type stays *i32, so the
+    # Without positions an int32 view of out (dense) stands in (never read): the pointer type stays *i32, so the
     # flag is all that differs and no second binary is compiled. Without k, x and out stand in for k (the
     # kernel never reaches k's head blocks).
-    pos_t = positions if positions is not None else x.view(-1).view(torch.int32)
+    pos_t = positions if positions is not None else out.view(-1).view(torch.int32)
     max_position = min(cos.shape[0], sin.shape[0]) - 1 if has_table else _MAX_POSITION
     k_t, ko_t = (k, k_out) if has_k else (x, out)
     args = (x, out, k_t, ko_t, cos_t, sin_t, pos_t, S, H, HK, q_blocks, int(start_pos),
-            int(positions is not None), max_position, step, sign)  # fmt: skip
+            int(positions is not None), max_position, step, sign, *x.stride()[:3], *k_t.stride()[:3])  # fmt: skip
     if D & (D - 1):  # the register-pairing tiles need a power-of-two D; gather the pairs instead
         _rope_any_d_kernel[grid](
             *args, HEAD_DIM=D, BLOCK_HALF=next_pow2(D // 2), BLOCK_H=block_h, HAS_TABLE=has_table,
@@ -311,6 +330,7 @@ rope = forward  # the name the mode tests (tests/test_triton_modes.py) import
 _SCALAR_SIG = {"pos_ptr": "*i32", "S": "i32", "H": "i32", "HK": "i32", "q_blocks": "i32", "start_pos": "i32"}
 _SCALAR_SIG |= {"has_positions": "i32"}
 _SCALAR_SIG |= {"max_position": "i32", "inv_freq_log2_step": "fp32", "sign": "fp32"}
+_SCALAR_SIG |= {f"stride_{t}{d}": "i32" for t in "xk" for d in "bsh"}
 
 
 def aot_specs() -> list[tuple[str, object, dict, dict]]:

@@ -63,6 +63,47 @@ def test_rope_bhsd_gradient(backend_name: str, device: str) -> None:
     assert torch.equal(dx, dx2.transpose(1, 2))
 
 
+@pytest.mark.parametrize("d", (64, 96))  # 96: the gather kernel for a non-power-of-two head dim
+def test_rope_reads_strided_views_in_place(d: int, backend_name: str, device: str, monkeypatch) -> None:
+    """q and k as a model's layer makes them: heads of one fused qkv projection [B, S, H + 2 Hk, D]
+    (token rows (H + 2 Hk) D apart), and a "bhsd" tensor (heads S D apart), rotated as views. Results
+    equal the call on contiguous copies bit for bit (same kernel math), gradients too; on the triton
+    backend the kernel receives the views themselves (no copy)."""
+    torch.manual_seed(6)
+    b, s, h, hk = 2, 9, 4, 2
+    dt = _dtype(backend_name, device)
+    qkv = torch.randn(b, s, h + 2 * hk, d, device=device).to(dt)
+    q, k = qkv[:, :, :h], qkv[:, :, h : h + hk]
+    seen: list[torch.Tensor] = []
+    if backend_name == "triton":
+        import kernels_triton.rope as kr
+
+        real = kr._launch
+        monkeypatch.setattr(
+            kr, "_launch", lambda out, ko, x, kk, *a: (seen.extend((x, kk)), real(out, ko, x, kk, *a))
+        )
+    kw = {"start_pos": 3, "backend": backend_name}
+    got_q, got_k = ops.rope(q, k, **kw)
+    want_q, want_k = ops.rope(q.contiguous(), k.contiguous(), **kw)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    if backend_name == "triton":
+        assert seen[0].data_ptr() == qkv.data_ptr() and seen[0].stride(1) == (h + 2 * hk) * d
+        assert seen[1].data_ptr() == k.data_ptr() and not seen[1].is_contiguous()
+    xb = torch.randn(b, h, s, d, device=device).to(dt)  # [B, H, S, D]: read as [B, S, H, D] with stride S D
+    assert torch.equal(
+        ops.rope(xb, layout="bhsd", **kw).transpose(1, 2), ops.rope(xb.transpose(1, 2).contiguous(), **kw)
+    )
+    # the gradient through the views: the rotation back of the grads, into qkv's slices
+    leaf = qkv.detach().clone().requires_grad_()
+    gq, gk = torch.randn_like(want_q), torch.randn_like(want_k)
+    yq, yk = ops.rope(leaf[:, :, :h], leaf[:, :, h : h + hk], **kw)
+    ((yq * gq).sum() + (yk * gk).sum()).backward()
+    ref = qkv.detach().clone().requires_grad_()
+    rq, rk = ops.rope(ref[:, :, :h].contiguous(), ref[:, :, h : h + hk].contiguous(), **kw)
+    ((rq * gq).sum() + (rk * gk).sum()).backward()
+    assert torch.equal(leaf.grad, ref.grad)
+
+
 def test_rope_table_errors() -> None:
     x = torch.randn(1, 4, 2, 8)
     cos, sin = _hf_tables(4, 8, 10000.0, interleaved=False)

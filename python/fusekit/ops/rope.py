@@ -98,12 +98,12 @@ SPEC = library.register(
         name="rope",
         forward=Phase(
             outputs=(t("y", "B S H D"), t("yk", "B S Hk D", when="k")),
-            inputs=(
-                t("x", "B S H D"),
+            inputs=(  # x and k may be views (a fused qkv projection's heads, a [B, H, S, D] tensor)
+                t("x", "B S H D", strided=True),
                 t("cos", "St Dh", "float32", "tables"),
                 t("sin", "St Dh", "float32", "tables"),
                 t("positions", "B S", "int32", "positions"),
-                t("k", "B S Hk D", when="k"),
+                t("k", "B S Hk D", when="k", strided=True),
             ),
             conditions=("tables", "positions"),
         ),
@@ -271,8 +271,9 @@ def rope(
     gradient; int32 [B, S] is passed as is, other forms cost one small conversion kernel.
 
     layout: "bshd" (default, x is [B, S, H, D]) or "bhsd" (x is [B, H, S, D], as HF's attention holds q
-    and k); the result has x's layout (a view; "bhsd" costs a transposing copy of x). positions are
-    [B, S] in both layouts.
+    and k); the result has x's layout (a view of a dense [B, S, H, D]). x and k may be strided views
+    (each head's D contiguous: the heads of a fused qkv projection, a "bhsd" tensor): the triton kernel
+    reads them in place, other backends get contiguous copies. positions are [B, S] in both layouts.
 
     start_pos: int, numpy integer or 0-d integer tensor, with start_pos + S <= 2^24 (float32 angles
     are not exact beyond). theta: positive, representable in float32. interleaved: a bool.
@@ -321,7 +322,7 @@ def rope(
         d = x.shape[-1]
         cos = _half_table("cos", cos, d, interleaved).to(torch.float32).contiguous()
         sin = _half_table("sin", sin, d, interleaved).to(torch.float32).contiguous()
-    ins = (x.contiguous(), cos, sin, positions, None if k is None else k.contiguous())
+    ins = (x, cos, sin, positions, k)  # views as they are: the library copies them where a provider needs
     scalars = (start_pos, theta, interleaved)
     if k is not None and x.numel() == 0 and k.numel():
         # x has no heads (H = 0; B, S and D are k's, and k has Hk >= 1): a call whose first input is
