@@ -17,6 +17,10 @@ per program behind a runtime flag (`has_positions`, not specialized, like start_
 variant. The values are untrusted (CUDA callers skip a host-synced check): they are clamped to
 [0, max_position] = [0, St - 1] with tables, [0, 2^24] without, so no value reads outside the tables.
 
+Layouts: x and k are read through their (batch, token, head) strides with each head's D contiguous (the
+heads of a fused qkv projection, a [B, H, S, D] tensor read as [B, S, H, D]: no copy before the kernel);
+y and yk are dense [B, S, H|Hk, D]. Offsets of a token's first head and of each head are int64.
+
 Tile: one program per (b, s) and BLOCK_H heads x all D, so cos/sin of position s are computed (or read)
 once as a [D/2] vector and reused by every head of the tile; each element of x is read and written once.
 Interleaved pairs are loaded as one contiguous [BLOCK_H, D] tile and split in registers (reshape + split)
