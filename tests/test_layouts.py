@@ -171,13 +171,14 @@ def test_attention_reads_a_strided_q_in_place(causal: bool, backend_name: str, d
     assert torch.allclose(qkv.grad.float(), ref.grad.float(), **tol)
 
 
-@pytest.mark.parametrize("s", (1, 37))
+@pytest.mark.parametrize("s", (1, 5, 37))
 def test_attention_output_takes_q_memory_order(s: int, backend_name: str, device: str) -> None:
     """o is laid out as q is (TensorArg.like): a "bshd" call's output is a contiguous [B, S, H, D], so
     `o.reshape(B, S, H * D)` is a view (as SDPA's output is for transposed inputs), for a q sliced from a
     fused qkv projection and for a plain [B, S, H, D] q; a contiguous [B, H, S, D] q keeps a contiguous o.
-    S = 1 runs triton's decode kernels (dense, copied into o), S = 37 its FlashAttention kernel (through o's
-    strides). Values against the contiguous call."""
+    On triton, S = 1 and 5 run the decode kernels (S = 1: q and o are contiguous whatever the layout; S = 5:
+    a dense buffer copied into the strided o), S = 37 the FlashAttention kernel (through o's strides).
+    Values against the contiguous call."""
     torch.manual_seed(4)
     b, h, hkv, d = 2, 4, 2, 64
     dt = _dtype(backend_name, device)
