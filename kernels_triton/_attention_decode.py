@@ -2,7 +2,8 @@
 
     decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale)   (called by attention.forward for small S)
 
-q/o [B, H, S, D] contiguous, lse [B, H, S] fp32; k/v [B, Hkv, Skv, D] read through their strides (last dim
+q/o [B, H, S, D] read and written through their strides (last dim contiguous: a [B, S, H, D] source, o in
+q's memory order), lse [B, H, S] fp32 contiguous; k/v [B, Hkv, Skv, D] read through their strides (last dim
 contiguous), e.g. `k_cache.transpose(1, 2)[:, :, :L]` of a cache [B, max_len, Hkv, D] read in place;
 kv_len: int32 [B] or None (sequence b sees keys 0..kv_len[b] - 1, clamped to [0, Skv]; with `causal` its S
 queries are its last S positions: query i sees key j iff j <= i + kv_len[b] - S).
@@ -15,8 +16,8 @@ except at that corner.
 
 Two kernels:
 1. `_decode_split_kernel`, one program per (b, kv head, row block, split): the G = H/Hkv query heads of the
-   kv head and the S queries of each, G·S rows (row r = g·S + s, which is also row r of the group's q/o
-   block since q/o are [B, H, S, D]), attend to one chunk of the sequence's keys, so each K/V tile is read
+   kv head and the S queries of each, G·S rows (row r = g·S + s: head g of the group, query s, found in
+   q and o through their strides), attend to one chunk of the sequence's keys, so each K/V tile is read
    once per GQA group (the FlashAttention kernel reads it once per query head, H/Hkv times). Rows beyond
    BLOCK_M (G·S > 128, or > 64 at D 256) go to further row blocks. Sequence b's L_b keys are split into
    `n_splits` chunks of whole BLOCK_N tiles (per sequence: with kv_len every program of a sequence gets an
@@ -124,6 +125,7 @@ def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr, kv_len_ptr,
     H, HKV, S, SKV, qk_scale,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
     has_kv_len, causal, n_splits, row_blocks, direct,
     HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
@@ -151,10 +153,13 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_in = offs_r < GS
-    q_row0 = (b.to(tl.int64) * H + hkv * (H // HKV)) * S  # the group's first row in q / o / lse
-    q = tl.load(
-        q_ptr + (q_row0 + offs_r)[:, None] * HEAD_DIM + offs_d[None, :], mask=row_in[:, None], other=0.0
-    )
+    q_row0 = (b.to(tl.int64) * H + hkv * (H // HKV)) * S  # the group's first row in lse and the partials
+    # q and o through their strides (a [B, S, H, D] source read as [B, H, S, D] in place): group row r is
+    # head hkv * G + r // S, query r % S
+    head = (hkv * (H // HKV) + offs_r // S).to(tl.int64)
+    qo_s = (offs_r % S).to(tl.int64)
+    q_rows = b.to(tl.int64) * stride_qb + head * stride_qh + qo_s * stride_qm
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_in[:, None], other=0.0)
     skn = stride_kn.to(tl.int64)
     svn = stride_vn.to(tl.int64)
     # K as a [HEAD_DIM, BLOCK_N] view (K-major B operand), V as [BLOCK_N, HEAD_DIM]; int64 tile offsets
@@ -212,7 +217,8 @@ def _decode_split_kernel(
     lse2 = tl.where(m_i == float("inf"), float("inf"), lse2)
     if direct:  # one split: this is the answer
         rows = q_row0 + offs_r
-        tl.store(o_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+        o_rows = b.to(tl.int64) * stride_ob + head * stride_oh + qo_s * stride_om
+        tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=row_in[:, None])  # fmt: skip
         tl.store(lse_ptr + rows, lse2 * 0.6931471805599453, mask=row_in)  # natural log
     else:  # partials [B·H·S rows, n_splits, D] fp32 and [B·H·S, n_splits]: a row's splits are contiguous
@@ -224,9 +230,10 @@ def _decode_split_kernel(
 @fast_launch
 @triton.jit
 def _decode_combine_kernel(
-    po_ptr, plse_ptr, o_ptr, lse_ptr, n_splits,
+    po_ptr, plse_ptr, o_ptr, lse_ptr, n_splits, H, S, stride_ob, stride_oh, stride_om,
     HEAD_DIM: tl.constexpr, BLOCK_SP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    # row = (b * H + h) * S + s of lse and the partials; o through its strides (q's memory order)
     if PDL:  # launched early (PDL): the split kernel's partials are complete and visible after this
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
@@ -254,7 +261,8 @@ def _decode_combine_kernel(
         wsum += w
     l_sum = tl.sum(wsum, axis=0)
     l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
-    tl.store(o_ptr + row * HEAD_DIM + offs_d, (acc / l_safe).to(o_ptr.dtype.element_ty))
+    o_row = (row // (H * S)) * stride_ob + ((row // S) % H) * stride_oh + (row % S) * stride_om
+    tl.store(o_ptr + o_row + offs_d, (acc / l_safe).to(o_ptr.dtype.element_ty))
     lse = (m_safe + tl.math.log2(l_safe)) * 0.6931471805599453
     lse = tl.where(l_sum == 0.0, float("-inf"), lse)
     lse = tl.where(m_max == float("inf"), float("inf"), lse)
@@ -347,10 +355,10 @@ def decode_forward(
     has_kv_len = kv_len is not None
     kl = kv_len if has_kv_len else lse.view(torch.int32)  # never read without kv_len
     ieee = q.dtype == torch.float32
-    ks, vs = k.stride(), v.stride()
+    ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), o.stride()
     # The launches' key: every pointer 16-byte aligned and every stride a multiple of 16 within int32 (the
     # usual case: anything else takes the per-argument key), the KV length's class; the rest is the plan's.
-    bits = ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]
+    bits = ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2] | qs[0] | qs[1] | qs[2] | os_[0] | os_[1] | os_[2]
     ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | lse.data_ptr() | po.data_ptr()
     ptrs |= plse.data_ptr() | kl.data_ptr()
     key = None
@@ -360,7 +368,8 @@ def decode_forward(
     launch_keyed(
         _decode_split_kernel, None if key is None else ("split", *key), grid,
         (q, k, v, o, lse, po, plse, kl, H, Hkv, S, Skv, qk_scale, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-         int(has_kv_len), int(bool(causal)), n_splits, plan.row_blocks, int(direct)),
+         qs[0], qs[1], qs[2], os_[0], os_[1], os_[2], int(has_kv_len), int(bool(causal)), n_splits,
+         plan.row_blocks, int(direct)),
         {"HEAD_DIM": D, "IEEE": ieee, "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "PDL": plan.pdl,
          "num_warps": plan.warps, "num_stages": plan.stages},
     )  # fmt: skip
@@ -369,7 +378,7 @@ def decode_forward(
               "num_warps": 1 if is_interpreter() else 4, "num_stages": 1, **pdl_options(plan.pdl)}  # fmt: skip
         launch_keyed(
             _decode_combine_kernel, None if key is None else ("combine", *key), (B * H * S,),
-            (po, plse, o, lse, n_splits), kw,
+            (po, plse, o, lse, n_splits, H, S, os_[0], os_[1], os_[2]), kw,
         )  # fmt: skip
 
 
@@ -385,11 +394,14 @@ def aot_specs_decode() -> list[tuple[str, object, dict, dict, dict]]:
         sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "lse_ptr": "*fp32", "po_ptr": "*fp32",
                "plse_ptr": "*fp32", "kv_len_ptr": "*i32", "H": "i32", "HKV": "i32", "S": "i32", "SKV": "i32",
                "qk_scale": "fp32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
-               "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "has_kv_len": "i32",
+               "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+               "stride_qb": "i32", "stride_qh": "i32", "stride_qm": "i32",
+               "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "has_kv_len": "i32",
                "causal": "i32", "n_splits": "i32", "row_blocks": "i32", "direct": "i32",
                "HEAD_DIM": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr",
                "BLOCK_N": "constexpr", "PDL": "constexpr"}  # fmt: skip
         csig = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "o_ptr": p, "lse_ptr": "*fp32", "n_splits": "i32",
+                "H": "i32", "S": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
                 "HEAD_DIM": "constexpr", "BLOCK_SP": "constexpr", "PDL": "constexpr"}  # fmt: skip
         for target, table, pdl in (("sm_90", _CUDA_DECODE, True), ("gfx942", _HIP_DECODE, False)):
             only = {"aot_targets": (target,)}

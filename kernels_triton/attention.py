@@ -397,8 +397,8 @@ def forward(
     if qk_scale < 0:  # the kernels fold the scale into the row max, which needs scale >= 0
         q, qk_scale = q.neg(), -qk_scale  # exact: (-q).k * (-scale) == q.k * scale; lse is unchanged
     if _splits is not None or (_config is None and use_decode(q, k)):
-        with on_device(q), _dense(o) as od:
-            decode_forward(od, lse, q.contiguous(), k, v, kv_len, causal, qk_scale, splits=_splits)
+        with on_device(q):  # q read and o written through their strides
+            decode_forward(o, lse, q, k, v, kv_len, causal, qk_scale, splits=_splits)
         return
     if _config is None and kv_len is None and use_hopper(q, k, v, o, causal):
         with on_device(q), _dense(o) as od:
@@ -437,8 +437,8 @@ def forward(
 
 @contextlib.contextmanager
 def _dense(o: torch.Tensor) -> Iterator[torch.Tensor]:
-    """o itself when contiguous, else a contiguous buffer copied into o afterwards: the decode and Gluon
-    kernels write o densely (the kernel above writes it through its strides, in q's memory order)."""
+    """o itself when contiguous, else a contiguous buffer copied into o afterwards: the Gluon kernel writes o
+    densely (the kernel above and the decode kernels write it through its strides, in q's memory order)."""
     if o.is_contiguous():
         yield o
         return

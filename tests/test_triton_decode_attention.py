@@ -150,6 +150,25 @@ def test_split_kv_is_deterministic_and_matches_one_split(attn, dev) -> None:
     assert attn.use_decode(q, k)
 
 
+@pytest.mark.parametrize("splits", [1, 3])  # 1: the split kernel writes o itself; 3: the combine kernel does
+def test_split_kv_strided_q_and_o(attn, dev, splits) -> None:
+    """q read and o written through their strides: q a [B, S, H, D] source's view as [B, H, S, D] (the heads of
+    a fused qkv projection, row stride (H + 2 Hkv) D), o laid out [B, S, H, D] as the library allocates it for
+    such a q. Bit-identical to the contiguous call (same math, other addresses), lse too."""
+    dtype = _dtype(torch.float16, dev)
+    B, H, Hkv, S, D = 2, 8, 2, 5, 64
+    q0, k, v, kl = make(B, H, Hkv, S, 700, D, dtype, dev, seed=21, kv_len=(700, 333), cache_slack=4)
+    qkv = torch.randn(B, S, H + 2 * Hkv, D, device=dev).to(dtype)
+    qkv[:, :, :H] = q0.transpose(1, 2)
+    q = qkv[:, :, :H].transpose(1, 2)  # [B, H, S, D], strides of a [B, S, H + 2 Hkv, D] buffer
+    assert not q.is_contiguous() and torch.equal(q, q0)
+    o = torch.full((B, S, H, D), NAN, dtype=dtype, device=dev).transpose(1, 2)  # q's memory order
+    lse = torch.full((B, H, S), NAN, dtype=torch.float32, device=dev)
+    attn.forward(o, lse, q, k, v, kl, True, 0.125, _splits=splits)
+    want_o, want_lse = run_forward(attn, q0, k, v, kl, True, 0.125, _splits=splits)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+
+
 def test_split_kv_nonfinite(attn, dev) -> None:
     """A NaN in a visible key reaches exactly the rows that see it, across splits; a NaN query row stays in
     its row; keys past kv_len (NaN in the cache) never matter."""
