@@ -482,11 +482,13 @@ def hopper_bwd_supported(
     return q.shape[-1] in HEAD_DIMS and hopper_supported(q, k, v, kv_len)
 
 
-def _check_out(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
-    if t.shape != like.shape or t.dtype != like.dtype or not t.is_contiguous() or t.data_ptr() % 16:
-        raise ValueError(
-            f"hopper_backward: {name} must be a contiguous 16-byte aligned {tuple(like.shape)} {like.dtype}"
-        )
+def _check_out(name: str, t: torch.Tensor, like: torch.Tensor, dense: bool = True) -> None:
+    """`dense`: contiguous and 16-byte aligned (a TMA descriptor's tensor); else a contiguous last dim only."""
+    layout_ok = (t.is_contiguous() and t.data_ptr() % 16 == 0) if dense else t.stride(-1) == 1
+    if t.shape != like.shape or t.dtype != like.dtype or not layout_ok:
+        want = f"{tuple(like.shape)} {like.dtype}"
+        want = f"contiguous 16-byte aligned {want}" if dense else f"{want} with a contiguous last dim"
+        raise ValueError(f"hopper_backward: {name} must be a {want}")
 
 
 def hopper_backward(
@@ -509,15 +511,9 @@ def hopper_backward(
         raise ValueError("hopper_backward: unsupported inputs (see hopper_bwd_supported)")
     _check_out("dq", dq, q)
     _check_out("do", do, q)
-    if o.shape != q.shape or o.dtype != q.dtype or o.stride(-1) != 1:
-        raise ValueError(
-            f"hopper_backward: o must be a {tuple(q.shape)} {q.dtype} with a contiguous last dim"
-        )
-    for name, t in (("dk", dk), ("dv", dv)):
-        if t.shape != k.shape or t.dtype != k.dtype or not t.is_contiguous() or t.data_ptr() % 16:
-            raise ValueError(
-                f"hopper_backward: {name} must be a contiguous 16-byte aligned {tuple(k.shape)} {k.dtype}"
-            )
+    _check_out("o", o, q, dense=False)  # read through its strides (the preprocess only)
+    _check_out("dk", dk, k)
+    _check_out("dv", dv, k)
     B, H, S = q.shape[:3]
     if lse.shape != (B, H, S) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"hopper_backward: lse must be contiguous fp32 {(B, H, S)}")

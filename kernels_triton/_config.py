@@ -802,3 +802,9 @@ def div16_attrs(sig: dict[str, str]) -> dict[tuple[int], list[list]]:
     A runtime using these binaries must check pointer % 16 == 0 and those ints % 16 == 0 first."""
     return {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
             if v.startswith("*") or k in ALIGNED_INTS}  # fmt: skip
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t as it is when its last dim is contiguous (kernels read the other dims through strides), else a
+    contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()

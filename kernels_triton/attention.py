@@ -57,7 +57,15 @@ import triton.language as tl
 from kernels_triton._attention_decode import DECODE_MAX_ROWS, DECODE_MAX_S, aot_specs_decode, decode_forward
 from kernels_triton._attention_hopper import hopper_supported, run_hopper
 from kernels_triton._attention_hopper_bwd import aot_specs_split_sum, hopper_bwd_supported, run_hopper_bwd
-from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms, on_device, remember
+from kernels_triton._config import (
+    device_index,
+    is_hip,
+    is_interpreter,
+    last_dim_contiguous,
+    num_sms,
+    on_device,
+    remember,
+)
 from kernels_triton._exp2_poly import env_config as exp2_env_config
 from kernels_triton._exp2_poly import exp2_mixed
 from kernels_triton._launch import fast_tuned
@@ -85,7 +93,8 @@ _MAX_GRID_Y = 65535  # CUDA/HIP limit of grid axis 1
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_len_ptr, H, HKV, S, SKV, qk_scale, stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-    has_kv_len, chunk_work, chunk_cap, S_BUCKET, SKV_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    has_kv_len, chunk_work, chunk_cap, S_BUCKET, SKV_BUCKET,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
     EXP2_POLY: tl.constexpr = 0, EXP2_DEGREE: tl.constexpr = 3, GRID_2D: tl.constexpr = False,
 ):  # fmt: skip
@@ -348,8 +357,8 @@ def use_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
 def use_hopper_bwd(q, k, v, kv_len, *dense: torch.Tensor) -> bool:
     """Whether `backward` runs the Gluon FA3-style kernels of _attention_hopper_bwd.py (sm_90, no kv_len, D64
     or D128, at the forward's size threshold; `dense` = dq, dk, dv, do: contiguous and 16-byte aligned, as
-    its TMA descriptors need; o is read through its strides). H100 (.dev probe at 332704d, B4 H32 S4096, kernel time against the kernels of
-    attention_backward.py): D128 1.11x non-causal, 1.09x causal; D64 1.00x / 1.01x; B1 H32/8 S2048 D128
+    its TMA descriptors need; o is read through its strides). H100 (.dev probe at 332704d, B4 H32 S4096,
+    kernel time against the kernels of attention_backward.py): D128 1.11x non-causal, 1.09x causal; D64 1.00x / 1.01x; B1 H32/8 S2048 D128
     causal 1.05x; dq, dk, dv bit-identical across runs."""
     B, H, S, D = q.shape
     return (
@@ -386,7 +395,7 @@ def forward(
     """
     kv_len, causal, scale = _kv_args(kv_len, causal, scale)
     B, H, S, D = _check(q, k, v, o)
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     kv_len = _check_kv_len(kv_len, B, q.device)
     Hkv, Skv = k.shape[1], k.shape[2]
     if lse.shape != (B, H, S) or lse.dtype != torch.float32 or not lse.is_contiguous():
@@ -523,7 +532,7 @@ def backward(
     kv_len, causal, scale = _kv_args(kv_len, causal, scale)
     B, H, S, _ = _check(q, k, v, o)
     q = q.contiguous()  # the backward kernels index q densely (the forward reads a strided q in place)
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     kv_len = _check_kv_len(kv_len, B, q.device)
     if (dq.shape, do.shape) != (q.shape, q.shape) or dk.shape != k.shape or dv.shape != k.shape:
         raise ValueError(
@@ -611,11 +620,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor)
     if out.stride(-1) != 1:
         raise ValueError("attention: o needs a contiguous last dim (its other dims may be strided, as q's)")
     return B, H, S, D
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """k/v as they are when their last dim is contiguous (the kernels read the others through strides)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _check_kv_len(kv_len: torch.Tensor | None, B: int, device: torch.device) -> torch.Tensor | None:

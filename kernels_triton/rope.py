@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import device_index, next_pow2, warps_for
+from kernels_triton._config import device_index, last_dim_contiguous, next_pow2, warps_for
 from kernels_triton._launch import fast_launch
 
 
@@ -220,8 +220,8 @@ def _launch(
     B, S, H, D = x.shape
     has_k = k is not None and k_out is not None
     # x and k are read through their strides (each head's D contiguous); the outputs are written densely
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    k = k if k is None or k.stride(-1) == 1 else k.contiguous()
+    x = last_dim_contiguous(x)
+    k = None if k is None else last_dim_contiguous(k)
     if not out.is_contiguous() or (has_k and not k_out.is_contiguous()):
         raise ValueError("rope: the outputs must be contiguous (x and k may be strided views)")
     if has_k and (k.shape[:2] != x.shape[:2] or k.shape[3] != D or k_out.shape != k.shape):

@@ -21,8 +21,11 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch
             if shape
             else torch.empty((), dtype=dtype, device=device)
         )
-    fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
-    return torch.full(shape, fill, dtype=dtype, device=device)
+    return torch.full(shape, _poison_value(dtype), dtype=dtype, device=device)
+
+
+def _poison_value(dtype: torch.dtype) -> float | int:
+    return float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
 def empty_strided(
@@ -31,7 +34,7 @@ def empty_strided(
     """`empty` with the given (dense, permuted) strides: an output in an input's memory order."""
     out = torch.empty_strided(shape, strides, dtype=dtype, device=device)
     if _poison:
-        out.fill_(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min)
+        out.fill_(_poison_value(dtype))
     return out
 
 

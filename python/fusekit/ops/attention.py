@@ -260,9 +260,10 @@ def attention(
     "bshd" (q [B, S, H, D], k/v [B, Skv, Hkv, D], as flash-attention and KV caches hold them; the triton
     backend reads k/v as views, and q too in its FlashAttention and decode kernels - its Gluon kernel
     (large, no kv_len) takes a copy, other backends copy); the output has q's layout (a view for
-    "bshd") and q's memory order (as SDPA's output): for a q read from a [B, S, H, D] source it is laid out
-    [B, S, H, D], so `o.reshape(B, S, H * D)` after a "bshd" call (or HF's transpose back) copies nothing. A [B, S, H, D] tensor passed as "bhsd" cannot be told apart from a valid call when its shapes fit:
-    name the layout whenever tensors come from a [B, S, H, D] source.
+    "bshd") and q's memory order (as SDPA's output): for a q read from a [B, S, H, D] source it is laid
+    out [B, S, H, D], so `o.reshape(B, S, H * D)` after a "bshd" call (or HF's transpose back) copies
+    nothing. A [B, S, H, D] tensor passed as "bhsd" cannot be told apart from a valid call when its
+    shapes fit: name the layout whenever tensors come from a [B, S, H, D] source.
     backend: "auto" (default), "torch", "triton" or "mojo". Gradients flow to q, k and v
     (FlashAttention-2 backward from the saved log-sum-exp; keys past kv_len get zero gradients).
     Errors: TypeError/ValueError naming `q`, `k`, `v`, `kv_len`, `causal`, `scale` or `layout`.
