@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fusekit.bench import model
-from fusekit.bench.layer import CONFIGS, DecoderLayer, KVCache, LayerConfig, make_weights
+from fusekit.bench.layer import CONFIGS, DecoderLayer, KVCache, LayerConfig, copy_wide, make_weights
 from fusekit.bench.run import rel_error
 
 # head_dim 64 (the smallest the triton and mojo attention kernels take), GQA group 2, small FFN: the
@@ -64,6 +64,26 @@ def test_layer_matches_eager(shape: str, backend_name: str) -> None:
         assert rel_error(got[:, ctx:n], want[:, ctx:n]) < TOL  # the new tokens' k/v, written in place
         assert torch.equal(got[:, :ctx], before[:, :ctx])  # the context is left alone
         assert torch.isnan(got[:, n:]).all()  # nothing written past kv_len
+
+
+@pytest.mark.parametrize(
+    ("dtype", "d", "lo", "hi"),
+    [
+        (torch.bfloat16, 64, 4, 8),
+        (torch.float16, 6, 2, 4),
+        (torch.float32, 3, 2, 4),
+        (torch.bfloat16, 8, 3, 4),
+    ],
+)
+def test_copy_wide_writes_exactly_the_slice(dtype: torch.dtype, d: int, lo: int, hi: int) -> None:
+    # heads [lo, hi) of a [B, S, 12, D] projection into a cache slice: 8-byte words (D 64), 4-byte words
+    # (fp16 D 6), the plain copy (fp32 D 3: 12-byte rows); bf16 D 8 from head 3 (offset 48 bytes) too.
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, 7, 12, d, generator=gen).to(dtype)
+    cache = torch.full((2, 20, hi - lo, d), math.nan, dtype=dtype)
+    copy_wide(cache[:, 3:10], qkv[:, :, lo:hi])
+    assert torch.equal(cache[:, 3:10], qkv[:, :, lo:hi])
+    assert torch.isnan(cache[:, :3].float()).all() and torch.isnan(cache[:, 10:].float()).all()
 
 
 def test_configs_and_floors() -> None:
