@@ -108,12 +108,13 @@ def _rotate_heads(
 
 # One binary for every start_pos / positions / table length (no ==1 / %16 variants of these ints), and for
 # calls with and without k (its head count and the number of x's head blocks are not specialized either).
-# Grid: (B*S tokens, x's head blocks then k's): a program rotates one token's heads of x or of k with the
-# cos/sin vector it computed; each branch has its own pointers, so loads keep their 16-byte alignment.
+# Grid: B*S tokens x `blocks` (x's head blocks then k's) on one axis, blocks fastest: a program rotates one
+# token's heads of x or of k with the cos/sin vector it computed; each branch has its own pointers, so loads
+# keep their 16-byte alignment.
 @fast_launch
-@triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position", "HK", "q_blocks"])
+@triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position", "HK", "q_blocks", "blocks"])
 def _rope_kernel(
-    x_ptr, out_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, HK, q_blocks, start_pos, has_positions,
+    x_ptr, out_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, HK, q_blocks, blocks, start_pos, has_positions,
     max_position, inv_freq_log2_step, sign, stride_xb, stride_xs, stride_xh, stride_kb, stride_ks, stride_kh,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr, INTERLEAVED: tl.constexpr,
     HALVES_AS_PAIRS: tl.constexpr,
@@ -121,8 +122,9 @@ def _rope_kernel(
     # x and k through their (batch, token, head) strides: the heads of a fused qkv projection or a
     # [B, H, S, D] tensor are read in place; the outputs are dense [B, S, H|Hk, D].
     HALF: tl.constexpr = HEAD_DIM // 2
-    pid_bs = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    pid = tl.program_id(0)  # one axis, head blocks fastest: a token's heads are neighbours in time
+    pid_bs = pid // blocks
+    pid_h = pid % blocks
     pos = _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position)
     i = tl.arange(0, HALF)
     c, s = _cos_sin(cos_ptr, sin_ptr, pos, i, i < HALF, inv_freq_log2_step, sign, HALF, HAS_TABLE)
@@ -158,17 +160,18 @@ def _rotate_any_d(
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position", "HK", "q_blocks"])
+@triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position", "HK", "q_blocks", "blocks"])
 def _rope_any_d_kernel(
-    x_ptr, out_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, HK, q_blocks, start_pos, has_positions,
+    x_ptr, out_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, HK, q_blocks, blocks, start_pos, has_positions,
     max_position, inv_freq_log2_step, sign, stride_xb, stride_xs, stride_xh, stride_kb, stride_ks, stride_kh,
     HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """Head dims that are not a power of two (e.g. 96): pairs are gathered with masked index vectors."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    pid_bs = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    pid = tl.program_id(0)  # one axis, head blocks fastest: a token's heads are neighbours in time
+    pid_bs = pid // blocks
+    pid_h = pid % blocks
     pos = _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position)
     i = tl.arange(0, BLOCK_HALF)
     imask = i < HALF
@@ -232,7 +235,15 @@ def _launch(
     has_table = cos is not None and sin is not None
     step = -2.0 * math.log2(theta) / D
     q_blocks = triton.cdiv(H, block_h)
-    grid = (B * S, q_blocks + (triton.cdiv(HK, block_h) if has_k else 0))
+    blocks = q_blocks + (triton.cdiv(HK, block_h) if has_k else 0)
+    # One grid axis, a token's head blocks consecutive: the programs running at once read and write one
+    # contiguous stretch of x and y (with the blocks on a second, slower axis the first wave of programs
+    # covered every token's first heads, then came back for the rest).
+    grid = (B * S * blocks,)
+    if grid[0] >= 2**31:
+        raise ValueError(
+            f"rope: {B * S} tokens x {blocks} head blocks exceed the 2^31 - 1 programs of one grid"
+        )
     cos_t, sin_t = (cos, sin) if has_table else (x, x)  # dummies the kernel never reads
     positions = _check_positions(positions, B, S, x.device, cos, sin)
     # Without positions an int32 view of out (dense) stands in (never read): the pointer type stays *i32, so the
@@ -241,7 +252,7 @@ def _launch(
     pos_t = positions if positions is not None else out.view(-1).view(torch.int32)
     max_position = min(cos.shape[0], sin.shape[0]) - 1 if has_table else _MAX_POSITION
     k_t, ko_t = (k, k_out) if has_k else (x, out)
-    args = (x, out, k_t, ko_t, cos_t, sin_t, pos_t, S, H, HK, q_blocks, int(start_pos),
+    args = (x, out, k_t, ko_t, cos_t, sin_t, pos_t, S, H, HK, q_blocks, blocks, int(start_pos),
             int(positions is not None), max_position, step, sign, *x.stride()[:3], *k_t.stride()[:3])  # fmt: skip
     if D & (D - 1):  # the register-pairing tiles need a power-of-two D; gather the pairs instead
         _rope_any_d_kernel[grid](
@@ -331,7 +342,8 @@ rope = forward  # the name the mode tests (tests/test_triton_modes.py) import
 # ---- ahead-of-time coverage -------------------------------------------------------------------------------
 # start_pos is i32 here (validation keeps it <= 2^24); the JIT types a Python int past 2^31 as i64.
 # positions adds no variant: pos_ptr is *i32 with or without it (has_positions is a runtime flag).
-_SCALAR_SIG = {"pos_ptr": "*i32", "S": "i32", "H": "i32", "HK": "i32", "q_blocks": "i32", "start_pos": "i32"}
+_SCALAR_SIG = {"pos_ptr": "*i32", "S": "i32", "H": "i32", "HK": "i32", "q_blocks": "i32", "blocks": "i32"}
+_SCALAR_SIG |= {"start_pos": "i32"}
 _SCALAR_SIG |= {"has_positions": "i32"}
 _SCALAR_SIG |= {"max_position": "i32", "inv_freq_log2_step": "fp32", "sign": "fp32"}
 _SCALAR_SIG |= {f"stride_{t}{d}": "i32" for t in "xk" for d in "bsh"}

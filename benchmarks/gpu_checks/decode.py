@@ -1,6 +1,6 @@
 """H200 check of Triton split-KV decode attention: the split count and the host path (~2.5 min).
 
-    PYTHONPATH=python:. python benchmarks/gpu_checks/decode.py [--sweep-only | --host-only] [--shapes N]
+    PYTHONPATH=python:. python benchmarks/gpu_checks/decode.py [--sweep-only | --host-only] [--shapes N | --select 2,9]
 
 1. Split sweep: per decode shape (B, H/Hkv, Skv, D; one query per sequence), kernel time (do_bench median,
    L2 flushed) of every BLOCK_N x stages x warps tile and forced split count, beside SDPA's flash-decoding
@@ -39,9 +39,10 @@ SHAPES = [  # (B, H, Hkv, Skv, D)
     (1, 32, 32, 32768, 128),
     (1, 32, 8, 32768, 64),
     (1, 32, 8, 32768, 256),
+    (1, 32, 8, 131072, 128),
 ]
 BLOCK_N = {64: (64, 128, 256), 128: (32, 64, 128), 256: (16, 32, 64)}
-SPLITS = (None, 1, 2, 4, 8, 16, 32, 64, 128)  # None: decode_splits' pick
+SPLITS = (None, 1, 2, 4, 8, 16, 24, 33, 48, 64, 128)  # None: decode_splits' pick (33 x 8 kv heads: 2 waves)
 SMEM = 200 * 1024  # K and V tiles of all stages must fit the shared memory (227 KB on sm_90, some margin)
 
 
@@ -170,6 +171,7 @@ def main() -> int:
     ap.add_argument("--host-only", action="store_true")
     ap.add_argument("--rep-ms", type=int, default=25)
     ap.add_argument("--shapes", type=int, default=len(SHAPES), help="sweep only the first N shapes")
+    ap.add_argument("--select", default="", help="sweep only these SHAPES indices (comma-separated)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode check: needs a CUDA GPU", file=sys.stderr)
@@ -177,7 +179,8 @@ def main() -> int:
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     ok = True
     if not args.host_only:
-        out["sweep"], ok = sweep(args.rep_ms, SHAPES[: args.shapes])
+        picked = [SHAPES[int(i)] for i in args.select.split(",")] if args.select else SHAPES[: args.shapes]
+        out["sweep"], ok = sweep(args.rep_ms, picked)
     if not args.sweep_only:
         out["host_us_per_call"] = host()
     save_json("decode_check.json", out)
