@@ -343,8 +343,7 @@ rope = forward  # the name the mode tests (tests/test_triton_modes.py) import
 # start_pos is i32 here (validation keeps it <= 2^24); the JIT types a Python int past 2^31 as i64.
 # positions adds no variant: pos_ptr is *i32 with or without it (has_positions is a runtime flag).
 _SCALAR_SIG = {"pos_ptr": "*i32", "S": "i32", "H": "i32", "HK": "i32", "q_blocks": "i32", "blocks": "i32"}
-_SCALAR_SIG |= {"start_pos": "i32"}
-_SCALAR_SIG |= {"has_positions": "i32"}
+_SCALAR_SIG |= {"start_pos": "i32", "has_positions": "i32"}
 _SCALAR_SIG |= {"max_position": "i32", "inv_freq_log2_step": "fp32", "sign": "fp32"}
 _SCALAR_SIG |= {f"stride_{t}{d}": "i32" for t in "xk" for d in "bsh"}
 

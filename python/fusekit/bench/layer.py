@@ -167,20 +167,15 @@ def copy_wide(dst: Tensor, src: Tensor) -> None:
     projection into a cache slice), moved as 8-byte words where the bytes allow: torch's copy of
     non-contiguous tensors moves one element per load, so 2-byte elements run it at ~0.9 TB/s on an H200
     (Llama-2-7B prefill: 2 x 16 MiB in ~78 us); the same bytes as int64 move 4x fewer elements."""
-    row = src.shape[-1] * src.element_size()
-    for wide in (torch.int64, torch.int32):
-        w = wide.itemsize
-        if (
-            src.dtype == dst.dtype
-            and src.stride(-1) == 1
-            and dst.stride(-1) == 1
-            and row % w == 0
-            and all(st * src.element_size() % w == 0 for st in (*src.stride()[:-1], *dst.stride()[:-1]))
-            and src.data_ptr() % w == 0
-            and dst.data_ptr() % w == 0
-        ):
-            dst.view(wide).copy_(src.view(wide))
-            return
+    if src.dtype == dst.dtype and src.stride(-1) == 1 and dst.stride(-1) == 1:
+        es = src.element_size()
+        # every byte offset the copy steps by (a row, the outer strides) and both pointers
+        spans = (src.shape[-1] * es, *(st * es for st in (*src.stride()[:-1], *dst.stride()[:-1])))
+        spans += (src.data_ptr(), dst.data_ptr())
+        for wide in (torch.int64, torch.int32):
+            if all(b % wide.itemsize == 0 for b in spans):
+                dst.view(wide).copy_(src.view(wide))
+                return
     dst.copy_(src)
 
 
@@ -228,12 +223,10 @@ class DecoderLayer(nn.Module):
 
     def _write_cache(self, k: Tensor, v: Tensor, start_pos: int) -> None:
         s = k.shape[1]
-        if torch.compiler.is_compiling():  # inductor fuses these stores into its rope kernel: plain copies
-            self.k_cache[:, start_pos : start_pos + s].copy_(k)
-            self.v_cache[:, start_pos : start_pos + s].copy_(v)
-            return
-        copy_wide(self.k_cache[:, start_pos : start_pos + s], k)
-        copy_wide(self.v_cache[:, start_pos : start_pos + s], v)
+        # under torch.compile plain copies: inductor fuses these stores into its rope kernel
+        copy = Tensor.copy_ if torch.compiler.is_compiling() else copy_wide
+        copy(self.k_cache[:, start_pos : start_pos + s], k)
+        copy(self.v_cache[:, start_pos : start_pos + s], v)
 
     def _fusekit(self, x: Tensor, residual: Tensor, start_pos: int) -> tuple[Tensor, Tensor]:
         from fusekit import ops
