@@ -186,12 +186,15 @@ def _rope_any_d_kernel(
                       pid_h - q_blocks, HK, stride_kh, c, s, i, imask, HEAD_DIM, BLOCK_H, INTERLEAVED)  # fmt: skip
 
 
-# A program moves BLOCK_H x D elements: 4 KB of x (16 heads of bf16 at D = 128) on 2 warps, 64 bytes a
-# thread. Measured on the H200 (bf16 D128, kernel time, L2 flushed): q+k B4 S2048 H32/8 forward 48.7 us at
-# 16 heads x 2 warps against 56.4 us at the former 32 heads x 8 warps (Liger's kernel 46.8, floor 39.3);
-# x only B16 S4096 H32 273 us either way (floor 251, copy_ 259). Smaller programs keep more of them in
-# flight per SM, and a program's cos/sin vector (D/2 values) is cheap to recompute.
+# A program moves BLOCK_H x D elements: 4 KB of x (16 heads of bf16 at D = 128) on 4 warps, 32 bytes a
+# thread (_THREAD_BYTES). Measured on the H200 (bf16 D128, kernel time, L2 flushed): q+k B4 S2048 H32/8
+# forward 48.7 us at 16 heads x 2 warps against 56.4 us at the former 32 heads x 8 warps (Liger's kernel
+# 46.8, floor 39.3); smaller programs keep more of them in flight per SM, and a program's cos/sin vector
+# (D/2 values) is cheap to recompute. With the one-axis grid (.whl/rope_ab.py at 56d5118, same process, two
+# rounds): x only B16 S4096 H32 277.8 us (two-axis grid, 2 warps) -> 264.0 (one axis, 2 warps) -> 259.1-259.6
+# (one axis, 4 warps; copy_ 257.7, floor 251.5: 97%); q+k B4 S2048 46.3-49.7 at 4 warps vs 48.9-50.5 at 2.
 _MAX_TILE_BYTES = 4096
+_THREAD_BYTES = 32
 # HF halves: load the whole [BLOCK_H, D] row tile and pair the halves in registers (True), or load two
 # half-row tiles (False). H200, 16 x 4096 x 32 x 128 bf16 with in-kernel angles: 274 us vs 357 us (the
 # two-tile form computes each cos/sin in more threads); with tables both ran 277 us.
@@ -201,7 +204,7 @@ HALVES_AS_PAIRS = True
 @functools.cache  # pure: decided once per (H, D, dtype size, device), not per call
 def _tile(H: int, D: int, elsize: int, dev: int) -> tuple[int, int]:
     block_h = max(1, min(next_pow2(H), _MAX_TILE_BYTES // (D * elsize)))
-    return block_h, warps_for(block_h * D, 64 // elsize, dev, lo=1, hi=8)
+    return block_h, warps_for(block_h * D, _THREAD_BYTES // elsize, dev, lo=1, hi=8)
 
 
 def _launch(
