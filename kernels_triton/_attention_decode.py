@@ -74,8 +74,9 @@ DECODE_MAX_SPLITS = 256
 
 # (BLOCK_N, num_stages) per head dim. sm_90: a K and a V tile per stage (D·BLOCK_N·2 bytes each, 16 KB at
 # D 128 / BLOCK_N 64), three stages in flight = 96 KB of shared memory: two programs per SM; D 128 takes four
-# (128 KB, one program per SM, as the split model counts): H200 B1 D128 Skv 32768 H32/32 and Skv 131072 H32/8
-# 138.5 us against 142.4 at three stages (SDPA 138.6; gpu_checks/decode.py at c49b53a).
+# (128 KB, one program per SM, as the split model counts): H200 decode suite at 3de9595, B1 D128 Skv 32768
+# H32/32 138.3 us (was 143.0 at three stages) and Skv 131072 H32/8 138.0 (was 142.3), SDPA 139.4 / 139.8 in
+# the same run; the other D128 shapes moved by at most 1.3% (noise).
 _CUDA_DECODE: dict[int, tuple[int, int]] = {64: (128, 3), 128: (64, 4), 256: (32, 3)}
 # gfx942: 64 KB of LDS, single-buffered (stream pipeliner), 64-wide waves. Not measured on an MI300 yet.
 _HIP_DECODE: dict[int, tuple[int, int]] = {64: (64, 1), 128: (64, 1), 256: (32, 1)}
