@@ -85,6 +85,7 @@ def test_reduce_plan_thresholds() -> None:
         (1, 5003, {"_mode": "split", "_split": 7}),  # dim=None shape, ragged last chunk
         (3, 2000, {"_mode": "split", "_split": 4, "deterministic": True}),
         (3, 2000, {"_mode": "split", "_split": 4, "deterministic": False}),
+        (2, 2560, {"_mode": "split", "_split": 3, "deterministic": True}),  # whole tiles only (no tail)
     ],
 )
 def test_reduce_sum_float(dtype: torch.dtype, M: int, N: int, kw: dict) -> None:
