@@ -192,9 +192,14 @@ _TMA_INTERP = (16, 16, 32, 2, 1, 1, False, False)
 # Measured (T=1, bf16): gate/up 56 us = 3.2 TB/s, down 30 us = 3.0 TB/s (cuBLAS: 62 us, 37 us).
 # The (16, 128, 4) entries at BLOCK_T 16 exist for fp32: its 16 x 512 tiles need 233 KB of shared memory
 # (over the 227 KB limit); the autotuner drops a config that runs out of resources and keeps the other.
+# (32, 256, 4) at BLOCK_T 16: twice the weight rows per activation tile (the [16, BLOCK_K] x tile is re-read
+# from L2 by every program). H200, bf16, T 16, each GEMV alone (.dev probe at 84aa6e3): gate/up D8192 F28672
+# 229.4 us = 96% of its byte floor where 16 x 512 did not reach the best four (>= 240.8), D4096 F11008 55.2-
+# 55.5 (76%); down D8192 119.6 us = 92% against 16 x 512 at >= 133.4; at D 4096 down stays 16 x 512 (35.7 us,
+# 59%: 256 programs, the next thing to fix).
 _GEMV_CUDA = {
-    "gate_up": {1: [(16, 512, 4), (32, 256, 4)], 16: [(16, 512, 4), (16, 128, 4)]},
-    "down": {1: [(8, 512, 4)], 16: [(16, 512, 4), (16, 128, 4)]},
+    "gate_up": {1: [(16, 512, 4), (32, 256, 4)], 16: [(16, 512, 4), (32, 256, 4), (16, 128, 4)]},
+    "down": {1: [(8, 512, 4)], 16: [(16, 512, 4), (32, 256, 4), (16, 128, 4)]},
 }
 _GEMV_HIP = {
     "gate_up": {1: [(16, 512, 4)], 16: [(16, 512, 4)]},
