@@ -15,7 +15,8 @@ Modes (chosen by `_plan`, forced in tests with `_mode=`):
            fp32/int64 accumulator is reduced once at the end. Used whenever there are enough row blocks
            to fill the GPU (>= ~2 programs per SM) or rows are short.
 - "split": few long rows (dim=None arrives as M == 1): SPLIT programs per row, each summing every SPLIT-th
-           tile of the row (grid-stride; 4 fp32 / 8 bf16 programs per SM in all). Partial sums are either
+           tile of the row (grid-stride; 4 programs per SM in all for rows that give each a wide step, else
+           4 fp32 / 8 bf16 programs per SM). Partial sums are either
              * atomically added into `out` (deterministic=False and out.dtype is the accumulator dtype:
                memset + one kernel), or
              * written to a [M, SPLIT] scratch and summed in a fixed order by `_finalize_kernel`
@@ -137,6 +138,8 @@ _SPLIT_BYTES_PER_SM = 65536
 # same process as CUB (.dev probe at 84aa6e3), today's steps -> wide: fp32 2^30 950.4 -> 937.3 us (CUB 935.8),
 # 2^26 75.9 -> 74.1 (CUB 75.0), 8 x 2^25 250.3 -> 247.0; bf16 2^30 481.1 -> 477.9, 2^26 49.7 -> 46.2,
 # 8 x 2^25 132.3 -> 132.1. 16 warps or 8 programs per SM were within 0.5%; 2048-element steps lost 14-20%.
+# Integer inputs of 4 bytes or fewer follow the same rule (not measured: their int64 accumulator doubles the
+# registers, 128 a thread on sm_90 for int32).
 _WIDE_BLOCK_ELEMS = 8192
 _WIDE_ELEMS_PER_THREAD = 32  # 8 warps (NVIDIA) / 4 waves (AMD) for a wide step
 _SPLIT_MIN_CHUNK_BYTES = 8192
