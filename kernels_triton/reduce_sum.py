@@ -160,14 +160,17 @@ def _plan(M: int, N: int, elsize: int, dev: int) -> tuple[str, int]:
         return "rows", 1
     if _wide(M, N, elsize, sms):
         return "split", max(2, triton.cdiv(_SPLIT_PROGRAMS_PER_SM * sms, M))
-    target = max(1, _SPLIT_BYTES_PER_SM // (_split_block(elsize) * elsize)) * sms
+    target = max(1, _SPLIT_BYTES_PER_SM // (_split_step(elsize, False)[0] * elsize)) * sms
     split = min(triton.cdiv(target, M), triton.cdiv(N * elsize, _SPLIT_MIN_CHUNK_BYTES))
     return ("split", split) if split > 1 else ("rows", 1)
 
 
-def _split_block(elsize: int) -> int:
-    """Elements per loop step of a split program (rows too short for wide steps)."""
-    return min(_tile(elsize), _SPLIT_BLOCK_ELEMS)
+def _split_step(elsize: int, wide: bool) -> tuple[int, int]:
+    """(elements per loop step, elements per thread) of a split program: a wide step, or (rows too short for
+    one) at most 4096 elements in 4 x 16-byte vectors a thread. The launcher and the AOT specs both ask here."""
+    if wide:
+        return _WIDE_BLOCK_ELEMS, _WIDE_ELEMS_PER_THREAD
+    return min(_tile(elsize), _SPLIT_BLOCK_ELEMS), 16 // elsize * _VEC_PER_THREAD
 
 
 def _wide(M: int, N: int, elsize: int, sms: int) -> bool:
@@ -205,9 +208,9 @@ def reduce_sum(
         grid = (triton.cdiv(M, block_m),)
         _rows_kernel[grid](x, out, M, N, BLOCK_M=block_m, BLOCK_N=block_n, IS_INT=is_int, num_warps=nw)
         return
-    wide = _wide(M, N, elsize, num_sms(dev))
-    block = _block or (512 if is_interpreter() else _WIDE_BLOCK_ELEMS if wide else _split_block(elsize))
-    nw = _num_warps or warps_for(block, _WIDE_ELEMS_PER_THREAD if wide else vec * _VEC_PER_THREAD, dev)
+    step, per_thread = _split_step(elsize, _wide(M, N, elsize, num_sms(dev)))
+    block = _block or (512 if is_interpreter() else step)
+    nw = _num_warps or warps_for(block, per_thread, dev)
     split = max(1, min(split, N // block))  # every part owns at least one whole tile
     acc_dtype = torch.int64 if is_int else torch.float32
     grid = (M * split,)
@@ -304,10 +307,8 @@ def aot_specs() -> list[tuple[str, object, dict, dict]]:
         sig |= {"BLOCK": "constexpr", "IS_INT": "constexpr", "ATOMIC": "constexpr", "PDL": "constexpr"}
         fsig = {"part_ptr": f"*{acc}", "out_ptr": f"*{ot}", "M": "i32", "SPLIT": "i32"}
         fsig |= {"BLOCK_M": "constexpr", "BLOCK_S": "constexpr", "PDL": "constexpr"}
-        steps = [(_split_block(es), max(1, min(16, _split_block(es) // (vec * _VEC_PER_THREAD) // 32)))]
-        if es <= 4:
-            steps.append((_WIDE_BLOCK_ELEMS, _WIDE_BLOCK_ELEMS // _WIDE_ELEMS_PER_THREAD // 32))
-        for blk, snw in steps:
+        for blk, per_thread in [_split_step(es, wide) for wide in (False, True) if es <= 4 or not wide]:
+            snw = max(1, min(16, blk // per_thread // 32))
             ce = {"BLOCK": blk, "IS_INT": is_int, "ATOMIC": True, "PDL": False, "num_warps": snw}
             specs.append((f"reduce_split_{xt}_b{blk}_atomic", _split_kernel, sig, ce))
             for target, pdl in (("sm_90", True), ("gfx942", False)):
