@@ -309,7 +309,9 @@ def test_a_length_that_stops_growing_gets_its_own_runner(attention_checks: list[
         runs = library.SizedRunner.PROMOTE_RUN + 5
         outs = [ops.attention(q, k, k, backend="torch") for _ in range(runs)]
     assert len(attention_checks) == 2  # the promotion: one checked call, then the exact entry
-    exact = [r for key, r in ATT._MEMO.items() if key[0] != "grown" and key[0][1][1][2] == 150]
+    exact = [
+        r for key, r in ATT._MEMO.items() if key[0] != "grown" and library.key_tensor(key, 1)[1][2] == 150
+    ]
     assert len(exact) == 1 and type(exact[0]) is library.Runner
     assert all(torch.equal(o, want) for o in outs)
 

@@ -20,7 +20,17 @@ None. Empty problems are answered here (outputs zero-filled), so providers never
 
 from fusekit import outputs  # noqa: F401 - tests patch library.outputs.empty
 from fusekit.library.autograd import _apply, apply, register, specs
-from fusekit.library.memo import GradRunner, Runner, SizedRunner, apply_memo, call_key, clear_plans, memo
+from fusekit.library.memo import (
+    GradRunner,
+    Runner,
+    SizedRunner,
+    apply_memo,
+    call_key,
+    clear_plans,
+    key_slot,
+    key_tensor,
+    memo,
+)
 from fusekit.library.plan import _PLANS, _RECORD_TRIES, _launch, _refuse_first_call_in_capture, run
 from fusekit.ops._spec import SAVE
 
@@ -38,6 +48,8 @@ __all__ = [
     "apply_memo",
     "call_key",
     "clear_plans",
+    "key_slot",
+    "key_tensor",
     "memo",
     "register",
     "run",

@@ -322,15 +322,14 @@ def _grown_key(key: tuple, q: Tensor, k: Tensor, v: Tensor, layout: str) -> tupl
     Not inside a CUDA graph capture: a new Skv may be a kernel's first specialization (a compile).
     A length that stops changing (a fixed-size workload after a call of another size) is handed back to
     its exact key after a while (library.SizedRunner.repeats), so it replays as any fixed signature."""
-    if layout != "bhsd" or q.dim() != 4 or q.shape[2] > dispatch.DECODE_TOKENS or dispatch.capturing():
+    if q is None or k is None or v is None or layout != "bhsd" or dispatch.capturing():
         return None
-    tk = key[0]
-    if len(tk) != 4 or tk[1] is None or tk[2] is None or k.dim() != 4 or v.dim() != 4:
+    if q.dim() != 4 or q.shape[2] > dispatch.DECODE_TOKENS or k.dim() != 4 or v.dim() != 4:
         return None
-    kv = []
-    for entry, kv_t in ((tk[1], k), (tk[2], v)):
-        typ, shape, stride, dtype, device, rg = entry
-        layout_key = "C" if kv_t.is_contiguous() else stride
-        kv.append((typ, (shape[0], shape[1], shape[3]), layout_key, dtype, device, rg))
+    grown = list(key)  # q, k, v present: their entries are the key's first tensor slots
+    for pos, kv_t in ((library.key_slot(1), k), (library.key_slot(2), v)):
+        shape = kv_t.shape
+        grown[pos + 1] = (shape[0], shape[1], shape[3])  # the shape without Skv
+        grown[pos + 2] = "C" if kv_t.is_contiguous() else kv_t.stride()
     same = k.shape[2] == v.shape[2] and k.shape[2] > 0
-    return ("grown", (tk[0], *kv, tk[3], same), *key[1:])
+    return ("grown", *grown, same)
