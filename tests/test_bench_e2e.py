@@ -379,3 +379,49 @@ def test_rows_are_saved_as_they_are_measured(tmp_path, monkeypatch) -> None:
     assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == n
     assert [c for c, partial in seen if partial] == list(range(n + 1))  # one save per case, then the last
     assert seen[-1] == (n, False)
+
+
+def test_liger_provider_suspends_and_resumes_its_patch(monkeypatch) -> None:
+    """Liger's A/B rounds: suspend gives back HF as is (the instance methods Liger bound removed, the
+    module-level names it rebound restored: HF's logits exactly), resume puts Liger back, close leaves
+    transformers unpatched. liger_kernel is not installed on the CPU, so a stand-in patches the way
+    apply_liger_kernel_to_llama(model=...) does (module-level names, methods bound on instances)."""
+    import types
+
+    from transformers.models.llama import modeling_llama as ml
+
+    def liger_like_forward(self, x):  # a norm/MLP "kernel" whose results differ from HF's
+        return x * 2.0
+
+    def apply(model=None, **kw) -> None:
+        ml.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: (q, k)  # no rotation at all
+        ml.LlamaRMSNorm, ml.LlamaMLP = torch.nn.Identity, torch.nn.Identity
+        for m in model.modules():
+            if type(m).__name__ in ("LlamaRMSNorm", "LlamaMLP"):
+                m.__dict__["forward"] = liger_like_forward.__get__(m, type(m))
+                m.__dict__["_get_name"] = lambda: "Liger"
+
+    pkg, sub = types.ModuleType("liger_kernel"), types.ModuleType("liger_kernel.transformers")
+    sub.apply_liger_kernel_to_llama = apply
+    monkeypatch.setitem(sys.modules, "liger_kernel", pkg)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", sub)
+    spec = e2e.MODELS["tiny"]
+    setup = e2e.Setup("cpu", "tiny", 2, "fp32", "sdpa", [(1, 16)], [(1, 8, 8)], [(1, 16)], 0, spec["config"])
+    model = e2e.fresh_model(setup, e2e.base_weights(setup))
+    ids = e2e._ids(setup, 1, 8, salt=5)
+    hf_names = (ml.apply_rotary_pos_emb, ml.LlamaRMSNorm, ml.LlamaMLP)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        prov = e2e.Liger()
+        prov.prepare(model)
+        patched = model(input_ids=ids).logits
+        assert not torch.equal(patched, want)
+        for _ in range(2):
+            prov.suspend(model)
+            assert (ml.apply_rotary_pos_emb, ml.LlamaRMSNorm, ml.LlamaMLP) == hf_names
+            assert torch.equal(model(input_ids=ids).logits, want)
+            prov.resume(model)
+            assert torch.equal(model(input_ids=ids).logits, patched)
+        prov.close()
+    assert (ml.apply_rotary_pos_emb, ml.LlamaRMSNorm, ml.LlamaMLP) == hf_names
+    assert prov.ab and e2e.Fusekit("torch").ab and not e2e.FusekitCompile("torch").ab

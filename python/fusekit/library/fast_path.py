@@ -7,11 +7,13 @@ written into inputs) through six frames: `_execute`, `_allocate`, `outputs.empty
 function that allocates the outputs with their sizes and dtypes as constants (scratch views where the
 caller throws a statistic away) and calls `plan._launch` (the recorded launches' replay, or the provider).
 Poisoned outputs (tests), an open autocast region and a tensor on a GPU other than the current one take
-the general path, as before.
+the general path, as before; out of memory raises the same named error as `_allocate`.
+FUSEKIT_FAST_PATH=0 (or `ENABLED = False` before a plan is remembered) keeps every call on `_execute`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,7 @@ from fusekit.library import plan as P
 from fusekit.ops import _amp
 from fusekit.ops._spec import OpSpec
 
+ENABLED = os.environ.get("FUSEKIT_FAST_PATH", "1") not in ("", "0")  # "0": every call through _execute
 _CODE: dict[str, Any] = {}  # source -> compiled code: one compile per call structure, not per signature
 
 
@@ -31,11 +34,12 @@ def compile_run(
     """`run(inputs) -> outputs` for `plan` (same results as `plan._execute(spec, phase, plan, inputs,
     False, scratch)`), or None where the plan needs the general path on every call: contiguous copies,
     outputs in an input's memory order, staged outputs, an empty problem."""
-    if plan.contig or plan.strides is not None or plan.staged or plan.empty:
+    if not ENABLED or plan.contig or plan.strides is not None or plan.staged or plan.empty:
         return None
     ns: dict[str, Any] = {
         "_out": outputs,
         "_empty": torch.empty,
+        "_OOM": torch.OutOfMemoryError,
         "_amp_any": _amp.any_enabled,
         "_current": P._current_device,
         "_P": P,  # its functions looked up per call, as _execute does (bench.e2e.kernel_runs wraps _launch)
@@ -63,7 +67,10 @@ def compile_run(
             "def run(inputs):",
             "    if _out._poison:",
             "        return _P._execute(_spec, _phase, _plan, inputs, False, _scratch)",
-            f"    outs = ({', '.join(items)},)",
+            "    try:",
+            f"        outs = ({', '.join(items)},)",
+            "    except _OOM as exc:  # named as _allocate names it; what was allocated is freed with the frame",
+            "        raise _P.out_of_memory(_spec, _phase, _plan, exc) from exc",
             f"    if _amp_any(){guard}:",
             "        _P._launch_phase(_spec, _phase, _plan, outs, inputs, _dev, False)",
             "    else:",

@@ -148,13 +148,18 @@ def _allocate(
             ])  # fmt: skip
         return tuple([None if lay is None else empty(lay[0], lay[1], device) for lay in plan.layout])
     except torch.OutOfMemoryError as exc:
-        lays = [lay for lay in plan.layout if lay is not None]
-        wanted = [(tuple(shape), str(dt).removeprefix("torch.")) for shape, dt in lays]
-        total = sum(math.prod(shape) * dt.itemsize for shape, dt in lays)
-        raise torch.OutOfMemoryError(
-            f"fusekit.{spec.name} ({phase}): out of memory allocating its outputs {wanted} "
-            f"({total / 2**30:.2f} GiB in all) on {device}. {exc}"
-        ) from exc
+        raise out_of_memory(spec, phase, plan, exc) from exc
+
+
+def out_of_memory(spec: OpSpec, phase: str, plan: _Plan, exc: BaseException) -> torch.OutOfMemoryError:
+    """torch's OutOfMemoryError again, naming the op, the phase and the outputs it asked for."""
+    lays = [lay for lay in plan.layout if lay is not None]
+    wanted = [(tuple(shape), str(dt).removeprefix("torch.")) for shape, dt in lays]
+    total = sum(math.prod(shape) * dt.itemsize for shape, dt in lays)
+    return torch.OutOfMemoryError(
+        f"fusekit.{spec.name} ({phase}): out of memory allocating its outputs {wanted} "
+        f"({total / 2**30:.2f} GiB in all) on {plan.device}. {exc}"
+    )
 
 
 def _allocate_strided(plan: _Plan, reuse: tuple | None, scratch: tuple | None) -> tuple[Tensor | None, ...]:

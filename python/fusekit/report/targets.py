@@ -240,7 +240,8 @@ def _peak_over(r: dict, b: dict) -> float:
 def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2ETarget, dict[str, str]]]]]:
     """Per e2e.json: (label, fusekit providers, [(target, provider -> cell)]), from the ratios of median
     step times in that file; against HF eager, a row's same-process A/B ratio where it has one (unpatched
-    and patched alternately in one process: the host's drift cancels). Every provider runs in its own
+    and patched alternately in one process: the host's drift cancels); against another provider whose row
+    has one too (Liger), the ratio of the two A/B ratios. Every provider runs in its own
     process (a run); a ratio whose baseline row was measured at another commit (a file merged over
     sessions) is marked †."""
     out = []
@@ -268,6 +269,10 @@ def evaluate_e2e(results_dir: Path) -> list[tuple[str, list[str], list[tuple[E2E
                     elif t.baseline == "eager" and r.get("ab_vs_eager"):
                         # same-process A/B rounds (bench.e2e ab_decode / ab_train)
                         v, b = r["ab_vs_eager"], None
+                    elif r.get("ab_vs_eager") and b and b.get("ab_vs_eager"):
+                        # both rows A/B'd against HF eager in their own process: the ratio of the two
+                        # drift-free ratios (the isolated rows' own ratio carries the host's drift)
+                        v, b = r["ab_vs_eager"] / b["ab_vs_eager"], None
                     else:
                         v = b["ms_per_step"] / r["ms_per_step"] if b else None
                     if v is not None:

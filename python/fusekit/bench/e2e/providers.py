@@ -23,6 +23,7 @@ class Provider:
     name = ""
     what = ""
     backend: str | None = None  # the fusekit backend whose kernel runs are counted
+    ab = False  # suspend/resume can take the change off a prepared model and put it back (A/B rounds)
 
     def unavailable(self, setup: Setup) -> str | None:
         return None
@@ -34,6 +35,14 @@ class Provider:
     def generate_kwargs(self, setup: Setup) -> dict | str:
         """generate()'s extra arguments, or why this provider's decode is not timed here."""
         return {}
+
+    def suspend(self, model: nn.Module) -> None:
+        """Take this provider's change off `model` (and anything global): HF as is, for an A/B round."""
+        raise NotImplementedError(f"{self.name} has no A/B rounds")
+
+    def resume(self, model: nn.Module) -> None:
+        """Put the change `suspend` took off back on."""
+        raise NotImplementedError(f"{self.name} has no A/B rounds")
 
     def close(self) -> None:
         """Undo anything global (called after the provider's last row)."""
@@ -101,9 +110,23 @@ class Fusekit(Provider):
         fusekit.hf.patch(model, backend=self.backend, strict=True)
         return model
 
+    ab = True
+
+    def suspend(self, model: nn.Module) -> None:
+        import fusekit.hf
+
+        fusekit.hf.unpatch(model)  # gives back HF's exact modules
+
+    def resume(self, model: nn.Module) -> None:
+        import fusekit.hf
+
+        fusekit.hf.patch(model, backend=self.backend, strict=True)
+
 
 class FusekitCompile(Fusekit):
     """fusekit.hf.patch, then compiled as the "compile" provider compiles HF."""
+
+    ab = False  # a compiled model is not re-patched between rounds
 
     def __init__(self, backend: str) -> None:
         super().__init__(backend)
@@ -130,8 +153,14 @@ class Liger(Provider):
         "swiglu, fused linear cross entropy)"
     )
 
+    ab = True
+    # what apply_liger_kernel_to_llama(model=...) binds on module instances (its _bind_method_to_module)
+    _BOUND = ("forward", "extra_repr", "_get_name")
+
     def __init__(self) -> None:
-        self._saved: list[tuple[object, str, object]] = []
+        self._saved: list[tuple[object, str, object]] = []  # (object, attribute, HF's value)
+        self._liger: list[tuple[object, str, object]] = []  # (object, attribute, Liger's value)
+        self._bound: list[tuple[nn.Module, dict]] = []  # per patched module: Liger's bound methods
 
     def unavailable(self, setup: Setup) -> str | None:
         if importlib.util.find_spec("liger_kernel") is None:
@@ -156,12 +185,35 @@ class Liger(Provider):
         ):
             self._saved.append((obj, attr, getattr(obj, attr)))
         apply_liger_kernel_to_llama(model=model)
+        self._liger = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in self._saved]
+        self._bound = [
+            (m, {k: m.__dict__[k] for k in self._BOUND if k in m.__dict__}) for m in model.modules()
+        ]
+        self._bound = [(m, d) for m, d in self._bound if d]
         return model
+
+    def suspend(self, model: nn.Module) -> None:
+        """HF as is: the instance methods Liger bound removed (the classes' own apply again), the
+        module-level names it rebound restored. The attributes it added (casting_mode, offset, ...) stay:
+        HF's forwards never read them."""
+        for m, d in self._bound:
+            for k in d:
+                m.__dict__.pop(k, None)
+        for obj, attr, value in self._saved:
+            setattr(obj, attr, value)
+
+    def resume(self, model: nn.Module) -> None:
+        for m, d in self._bound:
+            m.__dict__.update(d)
+        for obj, attr, value in self._liger:
+            setattr(obj, attr, value)
 
     def close(self) -> None:
         for obj, attr, value in reversed(self._saved):
             setattr(obj, attr, value)
         self._saved.clear()
+        self._liger.clear()
+        self._bound.clear()
 
 
 def make_providers(names: list[str], setup: Setup) -> list[Provider]:

@@ -27,7 +27,7 @@ from fusekit.bench.e2e.config import (
     fresh_model,
     rel_error,
 )
-from fusekit.bench.e2e.providers import Fusekit, Provider, _classify, expected_forward_runs, kernel_runs
+from fusekit.bench.e2e.providers import Provider, _classify, expected_forward_runs, kernel_runs
 from fusekit.bench.e2e.timing import Timing, time_calls
 
 
@@ -177,20 +177,20 @@ def run_decode(
     }
 
 
-def _ab(model, prov: Fusekit, rounds: int, measure: Callable[[Provider], dict | str]) -> dict[str, object]:
-    """Same-process A/B against HF eager: per round, the model unpatched (fusekit.hf.unpatch gives back HF's
-    exact modules) and measured as HF eager, then patched again and measured. The host's speed drifts between
-    and within processes by tens of percent (the isolated rows' ratios carry that); alternating in one process
-    cancels most of it. A round either side of which has no step time is dropped. Leaves the model patched."""
-    import fusekit.hf
-
+def _ab(model, prov: Provider, rounds: int, measure: Callable[[Provider], dict | str]) -> dict[str, object]:
+    """Same-process A/B against HF eager: per round, the provider's change taken off the model
+    (prov.suspend: fusekit.hf.unpatch gives back HF's exact modules; Liger's bound methods and module-level
+    names are put back) and measured as HF eager, then put back on (prov.resume) and measured. The host's
+    speed drifts between and within processes by tens of percent (the isolated rows' ratios carry that);
+    alternating in one process cancels most of it. A round either side of which has no step time is
+    dropped. Leaves the model as the provider prepared it."""
     ratios, eager_ms, patched_ms = [], [], []
     for _ in range(rounds):
-        fusekit.hf.unpatch(model)
+        prov.suspend(model)
         try:
             e = measure(Provider())  # HF as is
         finally:
-            fusekit.hf.patch(model, backend=prov.backend, strict=True)
+            prov.resume(model)
         f = measure(prov)
         if isinstance(e, dict) and isinstance(f, dict) and e["ms_per_step"] and f["ms_per_step"]:
             ratios.append(e["ms_per_step"] / f["ms_per_step"])
@@ -205,14 +205,14 @@ def _ab(model, prov: Fusekit, rounds: int, measure: Callable[[Provider], dict | 
 
 
 def ab_decode(
-    model, prov: Fusekit, setup: Setup, b: int, p: int, n: int, reps: int, rounds: int
+    model, prov: Provider, setup: Setup, b: int, p: int, n: int, reps: int, rounds: int
 ) -> dict[str, object]:
     """_ab of the decode (timed as run_decode does; HF eager with no generate kwargs)."""
     return _ab(model, prov, rounds, lambda pv: run_decode(model, pv, setup, b, p, n, 1, reps))
 
 
 def ab_train(
-    model, prov: Fusekit, setup: Setup, b: int, s: int, warmup: int, reps: int, rounds: int
+    model, prov: Provider, setup: Setup, b: int, s: int, warmup: int, reps: int, rounds: int
 ) -> dict[str, object]:
     """_ab of the training step (timed as run_train does: a fresh AdamW, the first step untimed). At batch 1
     the step leaves the GPU waiting on the host part of the time, so the host's drift weighs on it most."""
@@ -339,12 +339,12 @@ def run_provider(
                 elif sc == "decode":
                     shape = _decode_shapes(case)[0]
                     res = run_decode(model, prov, setup, *shape, warmup, reps)
-                    if ab_rounds and type(prov) is Fusekit and isinstance(res, dict):
+                    if ab_rounds and prov.ab and isinstance(res, dict):
                         res.update(ab_decode(model, prov, setup, *shape, reps, ab_rounds))
                 else:
                     bb, ss = _shapes(case)[0]
                     res = run_train(fwd, model, prov, setup, bb, ss, warmup, reps)
-                    if ab_rounds and type(prov) is Fusekit:
+                    if ab_rounds and prov.ab:
                         res.update(ab_train(model, prov, setup, bb, ss, warmup, reps, ab_rounds))
             except Exception as exc:
                 status, msg = _classify(exc)
