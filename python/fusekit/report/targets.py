@@ -6,7 +6,8 @@ time; a row's same-process A/B ratio `ab_speedup_vs` where it has one: the model
 share of the roofline bound (`pct_of_ceiling`), over the cases of one op and suite that the
 target names (`where`). It is met on a device when every such case of the backend meets it; "no data"
 says the committed results do not cover it (a target is never assumed). The end-to-end targets read
-e2e.json (HF eager / torch.compile / Liger step times of the same file).
+e2e.json (HF eager / torch.compile / Liger step times of the same file; against HF eager a row's
+same-process A/B ratio, against Liger, where both rows have one, the ratio of the two A/B ratios).
 """
 
 from __future__ import annotations
@@ -358,7 +359,10 @@ def section_md(entries: list[tuple[str, Path, dict]], results_dir: Path) -> list
             md.append(f"| #{t.issue} | {t.what} | " + " | ".join(cells[p] for p in provs) + " |")
         md += [
             "",
-            "† the baseline's row was measured at another commit (the file merges several sessions).",
+            "† the baseline's row was measured at another commit (the file merges several sessions). "
+            "Against HF eager a row's same-process A/B ratio counts where it has one; against a baseline "
+            "whose row has one too (Liger), the ratio of the two A/B ratios (each provider alternated with "
+            "HF eager in its own process, so the hosts' drift between processes cancels).",
             "",
         ]
     return md
