@@ -409,6 +409,7 @@ def test_liger_provider_suspends_and_resumes_its_patch(monkeypatch) -> None:
     setup = e2e.Setup("cpu", "tiny", 2, "fp32", "sdpa", [(1, 16)], [(1, 8, 8)], [(1, 16)], 0, spec["config"])
     model = e2e.fresh_model(setup, e2e.base_weights(setup))
     ids = e2e._ids(setup, 1, 8, salt=5)
+    own = model.model.norm.__dict__["_get_name"] = lambda: "HF's own"  # an instance attribute before Liger
     hf_names = (ml.apply_rotary_pos_emb, ml.LlamaRMSNorm, ml.LlamaMLP)
     with torch.no_grad():
         want = model(input_ids=ids).logits
@@ -420,6 +421,8 @@ def test_liger_provider_suspends_and_resumes_its_patch(monkeypatch) -> None:
             prov.suspend(model)
             assert (ml.apply_rotary_pos_emb, ml.LlamaRMSNorm, ml.LlamaMLP) == hf_names
             assert torch.equal(model(input_ids=ids).logits, want)
+            assert model.model.norm.__dict__["_get_name"] is own  # put back, not dropped
+            assert "forward" not in model.model.norm.__dict__
             prov.resume(model)
             assert torch.equal(model(input_ids=ids).logits, patched)
         prov.close()

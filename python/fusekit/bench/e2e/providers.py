@@ -160,7 +160,8 @@ class Liger(Provider):
     def __init__(self) -> None:
         self._saved: list[tuple[object, str, object]] = []  # (object, attribute, HF's value)
         self._liger: list[tuple[object, str, object]] = []  # (object, attribute, Liger's value)
-        self._bound: list[tuple[nn.Module, dict]] = []  # per patched module: Liger's bound methods
+        self._bound: list[tuple[nn.Module, list]] = []  # per patched module: what Liger bound (prepare)
+        self._missing: object = None
 
     def unavailable(self, setup: Setup) -> str | None:
         if importlib.util.find_spec("liger_kernel") is None:
@@ -184,27 +185,37 @@ class Liger(Provider):
             (loss_utils.nn.functional, "cross_entropy"),
         ):
             self._saved.append((obj, attr, getattr(obj, attr)))
+        missing = object()
+        before = [(m, {k: m.__dict__.get(k, missing) for k in self._BOUND}) for m in model.modules()]
         apply_liger_kernel_to_llama(model=model)
         self._liger = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in self._saved]
-        self._bound = [
-            (m, {k: m.__dict__[k] for k in self._BOUND if k in m.__dict__}) for m in model.modules()
-        ]
-        self._bound = [(m, d) for m, d in self._bound if d]
+        # per module, each instance attribute Liger bound or replaced: (name, HF's value or `missing`,
+        # Liger's value); only what apply changed, so nothing of HF's own is ever touched
+        self._missing = missing
+        self._bound = []
+        for m, old in before:
+            changed = [(k, v, m.__dict__[k]) for k, v in old.items() if m.__dict__.get(k, missing) is not v]
+            if changed:
+                self._bound.append((m, changed))
         return model
 
     def suspend(self, model: nn.Module) -> None:
-        """HF as is: the instance methods Liger bound removed (the classes' own apply again), the
-        module-level names it rebound restored. The attributes it added (casting_mode, offset, ...) stay:
-        HF's forwards never read them."""
-        for m, d in self._bound:
-            for k in d:
-                m.__dict__.pop(k, None)
+        """HF as is: the instance methods Liger bound put back as they were (the classes' own apply
+        again), the module-level names it rebound restored. The attributes it added (casting_mode, offset,
+        ...) stay: HF's forwards never read them."""
+        for m, changed in self._bound:
+            for k, hf, _ in changed:
+                if hf is self._missing:
+                    m.__dict__.pop(k, None)
+                else:
+                    m.__dict__[k] = hf
         for obj, attr, value in self._saved:
             setattr(obj, attr, value)
 
     def resume(self, model: nn.Module) -> None:
-        for m, d in self._bound:
-            m.__dict__.update(d)
+        for m, changed in self._bound:
+            for k, _, liger in changed:
+                m.__dict__[k] = liger
         for obj, attr, value in self._liger:
             setattr(obj, attr, value)
 
