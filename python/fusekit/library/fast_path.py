@@ -3,9 +3,10 @@
 `plan._execute` serves every plan (contiguous copies, strided or staged outputs, empty problems, outputs
 written into inputs) through six frames: `_execute`, `_allocate`, `outputs.empty`, `_launch_phase`,
 `_launch_on`, `_launch`, each asking its own questions per call. A remembered call of a plain signature
-(the decode step's norms, rope, attention) needs none of them: `compile_run` writes, once per plan, a
+(the decode step's norms, rope, attention) needs only the last: `compile_run` writes, once per plan, a
 function that allocates the outputs with their sizes and dtypes as constants (scratch views where the
-caller throws a statistic away) and calls `plan._launch` (the recorded launches' replay, or the provider).
+caller throws a statistic away) and calls `plan._launch` (the recorded launches' replay, or the provider;
+looked up per call, so a wrapper such as bench.e2e's kernel_runs sees every call).
 Poisoned outputs (tests), an open autocast region and a tensor on a GPU other than the current one take
 the general path, as before; out of memory raises the same named error as `_allocate`.
 FUSEKIT_FAST_PATH=0 (or `ENABLED = False` before a plan is remembered) keeps every call on `_execute`.
