@@ -1,8 +1,10 @@
-"""Shared numeric checks for the test suites: one relative-error measure, one assertion with repro."""
+"""Shared checks for the test suites: one relative-error measure, one assertion with repro, an allocation
+watcher."""
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
@@ -122,3 +124,21 @@ def graphs_capturable() -> bool:
     import os
 
     return os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0")
+
+
+class Allocations(TorchDispatchMode):
+    """Records the shape of every torch.empty made inside the block (a call's outputs: the torch backend's
+    own math makes no empty tensors), whichever fusekit path allocates; with `fail_at` the fail_at-th one
+    raises torch's OutOfMemoryError instead (a stand-in for a full GPU)."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+        self.fail_at = fail_at
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.empty.memory_format:
+            self.calls.append(tuple(args[0]))
+            if len(self.calls) == self.fail_at:
+                raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return func(*args, **(kwargs or {}))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from checks import Allocations
 
 import fusekit
 from fusekit import backends, dispatch, library, ops
@@ -119,20 +119,6 @@ def test_memo_path_outputs_are_poisoned_like_the_checked_path(monkeypatch: pytes
     assert torch.isnan(y).all()
 
 
-class _Allocations(TorchDispatchMode):
-    """Records the shape of every torch.empty made inside the block (the outputs a call allocates; the
-    torch backend's own math makes no empty tensors), whichever fusekit path makes them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.empty.memory_format:
-            self.calls.append(tuple(args[0]))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize(
     "op, stats",
     [
@@ -151,12 +137,12 @@ def test_remembered_call_writes_dropped_statistics_to_scratch(
     x, w, b = torch.randn(6, 64), torch.randn(64), torch.randn(64)
     want = op(x, w, b, True)
     op(x, w, b, False)  # remembered now
-    with _Allocations() as seen:
+    with Allocations() as seen:
         y = op(x, w, b, False)
     assert seen.calls == [(6, 64)]  # y only
     assert torch.equal(y, want[0])
     for _ in range(2):  # the first call of this key is checked, the second remembered: both allocate all
-        with _Allocations() as seen:
+        with Allocations() as seen:
             got = op(x, w, b, True)
         assert len(seen.calls) == 1 + stats
         for g_, w_ in zip(got, want):
@@ -206,7 +192,7 @@ def test_large_dropped_statistics_are_allocated_per_call(monkeypatch: pytest.Mon
     monkeypatch.setattr(library.outputs, "SCRATCH_MAX", 256)  # rstd of 65 rows (260 bytes) does not fit
     x, w = torch.randn(65, 8), torch.randn(8)
     ops.rms_norm(x, w, backend="torch")
-    with _Allocations() as seen:
+    with Allocations() as seen:
         ops.rms_norm(x, w, backend="torch")
     assert seen.calls == [(65, 8), (65,)]
 

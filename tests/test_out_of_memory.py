@@ -11,25 +11,9 @@ import gc
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from checks import Allocations
 
 from fusekit import dispatch, ops
-
-
-class _FailingSecondAlloc(TorchDispatchMode):
-    """The second torch.empty inside the block raises torch's OutOfMemoryError (the first output was
-    allocated: it must not leak), whichever fusekit path allocates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.empty.memory_format:
-            self.calls += 1
-            if self.calls == 2:
-                raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("remembered", (False, True))
@@ -39,7 +23,7 @@ def test_oom_names_op_and_size_and_next_call_works(monkeypatch: pytest.MonkeyPat
     # return_rstd: both outputs are allocated (a remembered call that drops rstd writes it to scratch)
     if remembered:  # the second path: a validated signature's plan (library.Runner)
         ops.rms_norm(x, w, backend="torch", return_rstd=True)
-    with _FailingSecondAlloc(), pytest.raises(torch.OutOfMemoryError) as info:
+    with Allocations(fail_at=2), pytest.raises(torch.OutOfMemoryError) as info:
         ops.rms_norm(x, w, backend="torch", return_rstd=True)
     msg = str(info.value)
     assert msg.startswith("fusekit.rms_norm (forward): out of memory allocating its outputs"), msg
@@ -53,7 +37,7 @@ def test_oom_in_backward_names_the_phase(monkeypatch: pytest.MonkeyPatch) -> Non
     w = torch.randn(64, requires_grad=True)
     y = ops.rms_norm(x, w, backend="torch")
     with (
-        _FailingSecondAlloc(),
+        Allocations(fail_at=2),
         pytest.raises(torch.OutOfMemoryError, match=r"^fusekit\.rms_norm \(backward\)"),
     ):
         y.sum().backward()

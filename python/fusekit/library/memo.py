@@ -336,11 +336,8 @@ def _fast_backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         if same:
             r.bplan = plan
             r.brun = None if plan.reuse is not None else compile_run(r.spec, BACKWARD, plan)
-        bouts = _execute(r.spec, BACKWARD, plan, bins, may_reuse())
-    elif r.brun is not None:  # a plan that writes no output into an input: the compiled run
-        bouts = r.brun(bins)
-    else:
-        bouts = _execute(r.spec, BACKWARD, plan, bins, may_reuse())  # Phase.reuse: in place
+    run = r.brun if plan is r.bplan else None  # the compiled run of a plan that writes no input
+    bouts = run(bins) if run is not None else _execute(r.spec, BACKWARD, plan, bins, may_reuse())
     need = ctx.needs_input_grad  # [0] is the runner
     return (None, *[None if i is None or not need[k + 1] else bouts[i] for k, i in enumerate(r.gsel)])
 

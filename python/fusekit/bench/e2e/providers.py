@@ -146,6 +146,9 @@ class FusekitCompile(Fusekit):
         Compile().close()
 
 
+_MISSING = object()  # an instance attribute a module did not have
+
+
 class Liger(Provider):
     name = "liger"
     what = (
@@ -161,7 +164,6 @@ class Liger(Provider):
         self._saved: list[tuple[object, str, object]] = []  # (object, attribute, HF's value)
         self._liger: list[tuple[object, str, object]] = []  # (object, attribute, Liger's value)
         self._bound: list[tuple[nn.Module, list]] = []  # per patched module: what Liger bound (prepare)
-        self._missing: object = None
 
     def unavailable(self, setup: Setup) -> str | None:
         if importlib.util.find_spec("liger_kernel") is None:
@@ -185,16 +187,14 @@ class Liger(Provider):
             (loss_utils.nn.functional, "cross_entropy"),
         ):
             self._saved.append((obj, attr, getattr(obj, attr)))
-        missing = object()
-        before = [(m, {k: m.__dict__.get(k, missing) for k in self._BOUND}) for m in model.modules()]
+        before = [(m, {k: m.__dict__.get(k, _MISSING) for k in self._BOUND}) for m in model.modules()]
         apply_liger_kernel_to_llama(model=model)
         self._liger = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in self._saved]
-        # per module, each instance attribute Liger bound or replaced: (name, HF's value or `missing`,
+        # per module, each instance attribute Liger bound or replaced: (name, HF's value or _MISSING,
         # Liger's value); only what apply changed, so nothing of HF's own is ever touched
-        self._missing = missing
         self._bound = []
         for m, old in before:
-            changed = [(k, v, m.__dict__[k]) for k, v in old.items() if m.__dict__.get(k, missing) is not v]
+            changed = [(k, v, m.__dict__[k]) for k, v in old.items() if m.__dict__.get(k, _MISSING) is not v]
             if changed:
                 self._bound.append((m, changed))
         return model
@@ -205,7 +205,7 @@ class Liger(Provider):
         ...) stay: HF's forwards never read them."""
         for m, changed in self._bound:
             for k, hf, _ in changed:
-                if hf is self._missing:
+                if hf is _MISSING:
                     m.__dict__.pop(k, None)
                 else:
                     m.__dict__[k] = hf
