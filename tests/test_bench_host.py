@@ -57,3 +57,51 @@ def test_a_backend_failing_in_the_timed_rounds_is_an_error_row(monkeypatch: pyte
     monkeypatch.setattr(host, "_cases", lambda dev, dtype: [("flaky", {}, flaky, None, None)])
     (row,) = host.run(["torch"], "cpu", torch.float32, rep_ms=2.0, rounds=2)
     assert row["status"] == "error" and "lost the device" in row["reason"] and "fusekit_wall_us" not in row
+
+
+def test_bare_autograd_runs_forward_launches_forward_and_backward_launches_backward() -> None:
+    """The training floor: launches recorded with grad mode on run in the Function's forward, the others in
+    its backward (the engine runs backward with grad mode off); the leaves get the engine's gradients."""
+    order: list[str] = []
+
+    class Launch:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def run(self, *args, **kwargs) -> None:
+            order.append(self.name)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, generator=g).requires_grad_()
+    w = torch.randn(8, generator=g).requires_grad_()
+    dy = torch.randn(2, 8, generator=g)
+    launches = [(Launch("fwd"), (), {}, True), (Launch("bwd1"), (), {}, False), (Launch("bwd2"), (), {}, False)]
+    call = host._bare_autograd(launches, x, w, dy)
+    call()
+    assert order == ["fwd", "bwd1", "bwd2"]
+    torch.testing.assert_close(x.grad, dy)
+    assert w.grad is not None and w.grad.shape == w.shape
+    call()
+    assert order == ["fwd", "bwd1", "bwd2"] * 2
+    torch.testing.assert_close(x.grad, 2 * dy)  # accumulated, as the op's own training calls are
+
+
+def test_recorded_launches_say_whether_grad_mode_was_on() -> None:
+    """_record_launches tags each launch with grad mode, which _bare_autograd splits on."""
+    pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    class Stub(JITFunction):
+        def __init__(self) -> None:  # no kernel behind it: only JITFunction.run is exercised
+            pass
+
+    orig = JITFunction.run
+    try:
+        JITFunction.run = lambda self, *a, **k: None
+        with host._record_launches() as seen:
+            Stub().run(1, k=2)
+            with torch.no_grad():
+                Stub().run(3)
+    finally:
+        JITFunction.run = orig
+    assert [(a, k, grad) for _, a, k, grad in seen] == [((1,), {"k": 2}, True), ((3,), {}, False)]

@@ -7,6 +7,10 @@ loops: `timing.wall_per_call_ms`), taken in `--rounds` rounds interleaved over t
   - `bare`: the very Triton kernel(s) that call launched, re-launched directly through
     `JITFunction.run` with the arguments recorded from one fusekit call (the output buffers reused,
     nothing allocated, no fusekit Python): the floor of what a Python-launched Triton kernel costs;
+  - `bare_autograd` (training cases, forward + backward per call): the same recorded launches inside a
+    trivial torch.autograd.Function (forward launches in its forward, backward launches in its backward,
+    the same leaves, `.backward(dy)`): the floor of a Python-launched Triton op that trains, with the
+    autograd engine's own cost in it (`_bare_autograd`); such rows' target ratio is wall / this floor;
   - `torch`: the torch eager equivalent (F.rms_norm / F.layer_norm / SDPA / HF-style rope), where
     one exists;
   - `liger`: Liger-Kernel's op where installed and the op exists there.
@@ -36,6 +40,9 @@ from fusekit.bench.timing import bench_ms, wall_per_call_ms
 
 SCHEMA = "fusekit-bench-host/1"
 
+# a training case's (x, w, dy) leaves, for its bare-in-autograd floor (filled by _cases)
+train_leaves: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
 
 @contextlib.contextmanager
 def _record_launches() -> Iterator[list[tuple]]:
@@ -46,7 +53,8 @@ def _record_launches() -> Iterator[list[tuple]]:
     orig = JITFunction.run
 
     def run(self, *args, **kwargs):
-        seen.append((self, args, dict(kwargs)))
+        # grad mode tells a training call's backward launches (the engine runs them with it off) apart
+        seen.append((self, args, dict(kwargs), torch.is_grad_enabled()))
         return orig(self, *args, **kwargs)
 
     JITFunction.run = run
@@ -78,10 +86,37 @@ def _fast_launch(on: bool) -> Iterator[None]:
 
 def _bare(launches: list[tuple]) -> Callable[[], None]:
     def call() -> None:
-        for fn, args, kwargs in launches:
+        for fn, args, kwargs, _ in launches:
             fn.run(*args, **kwargs)
 
     return call
+
+
+def _bare_autograd(launches: list[tuple], x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> Callable:
+    """A training call's floor: the recorded forward launches in an autograd.Function's forward and the
+    backward launches in its backward, applied to the same leaves and run with `.backward(dy)` — so the
+    autograd engine's own cost (graph build, engine thread hop, AccumulateGrad into x.grad and w.grad) is
+    in it as in the op's call, and only fusekit's Python is not. The gradients it hands the engine are
+    preallocated buffers (nothing allocated); the bare launch without autograd is `_bare`."""
+    fwd = [r for r in launches if r[3]]
+    bwd = [r for r in launches if not r[3]]
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    dx.copy_(dy), dw.zero_()  # finite values: AccumulateGrad adds them into the leaves' .grad
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            for fn, args, kwargs, _ in fwd:
+                fn.run(*args, **kwargs)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            for fn, args, kwargs, _ in bwd:
+                fn.run(*args, **kwargs)
+            return dx, dw
+
+    return lambda: Bare.apply(x, w).backward(dy)
 
 
 def _cases(dev: str, dtype: torch.dtype) -> list[tuple[str, dict, Callable, Callable | None, str | None]]:
@@ -96,6 +131,7 @@ def _cases(dev: str, dtype: torch.dtype) -> list[tuple[str, dict, Callable, Call
         return torch.randn(*s, device=dev, dtype=dtype, generator=g)
 
     out = []
+    train_leaves.clear()
     for m in (1, 4, 32):
         x, w, r, b = rnd(m, 4096), rnd(4096), rnd(m, 4096), rnd(4096)
         out.append(
@@ -154,6 +190,7 @@ def _cases(dev: str, dtype: torch.dtype) -> list[tuple[str, dict, Callable, Call
              lambda be, xg=xg, wg=wg, dy=dy: ops.rms_norm(xg, wg, backend=be).backward(dy),
              lambda xg=xg, wg=wg, dy=dy: F.rms_norm(xg, (4096,), wg, 1e-6).backward(dy), "rms_norm")
         )  # fmt: skip
+        train_leaves[f"rms_norm fwd+bwd {m}x4096"] = (xg, wg, dy)
     for b, skv in ((1, 2048), (32, 2048)):
         qd, kc, vc = rnd(b, 32, 1, 128), rnd(b, 8, skv, 128), rnd(b, 8, skv, 128)
         kv_len = torch.full((b,), skv - 5, device=dev, dtype=torch.int32)
@@ -216,9 +253,14 @@ def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float, rounds
                 if op_be == "triton" and "bare" not in timers:
                     with _fast_launch(False), _record_launches() as seen:
                         fn()
-                    row["bare_kernels"] = [f.fn.__name__ if hasattr(f, "fn") else str(f) for f, _, _ in seen]
+                    row["bare_kernels"] = [f.fn.__name__ if hasattr(f, "fn") else str(f) for f, *_ in seen]
                     if seen:
                         timers["bare"] = (contextlib.nullcontext, _bare(seen))
+                        if name in train_leaves:
+                            timers["bare_autograd"] = (
+                                contextlib.nullcontext,
+                                _bare_autograd(seen, *train_leaves[name]),
+                            )
                 row["status"] = "ok"
             except Exception as e:
                 _failed(row, e)
@@ -246,6 +288,9 @@ def run(backends: list[str], dev: str, dtype: torch.dtype, rep_ms: float, rounds
                 if "bare" in med and be in ("triton", "triton-jit"):
                     row["bare_wall_us"] = med["bare"]
                     row["wall_vs_bare"] = med[mine] / med["bare"]
+                if "bare_autograd" in med and be in ("triton", "triton-jit"):
+                    row["bare_autograd_wall_us"] = med["bare_autograd"]
+                    row["wall_vs_bare_autograd"] = med[mine] / med["bare_autograd"]
                 if "eager" in med:
                     row["torch_wall_us"] = med["eager"]
                     row["wall_speedup_vs_torch"] = med["eager"] / med[mine]
@@ -279,6 +324,8 @@ def _line(r: dict) -> str:
         return f"{r['case']:<28} {r['backend']:<7} {r['status']}: {r.get('reason')}"
     f = lambda k: f"{r[k]:7.1f}" if k in r else "      -"
     ratio = f"{r['wall_vs_bare']:.2f}x bare" if "wall_vs_bare" in r else ""
+    if "wall_vs_bare_autograd" in r:
+        ratio += f", {r['wall_vs_bare_autograd']:.2f}x bare in autograd ({r['bare_autograd_wall_us']:.1f} us)"
     return (
         f"{r['case']:<28} {r['backend']:<7} wall {f('fusekit_wall_us')} us  gpu {f('fusekit_gpu_us')}  "
         f"bare {f('bare_wall_us')}  torch {f('torch_wall_us')}  liger {f('liger_wall_us')}  {ratio}"

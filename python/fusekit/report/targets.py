@@ -301,7 +301,7 @@ HOST_TARGETS: tuple[tuple[str, str, Callable[[dict], float | None], float, str, 
     (
         "triton",
         f"wall per call ≤ {host_section.TARGET}× a bare launch of the same kernels",
-        lambda r: r.get("wall_vs_bare"),
+        host_section.floor_ratio,
         host_section.TARGET,
         "×",
         True,
