@@ -75,7 +75,11 @@ def test_bare_autograd_runs_forward_launches_forward_and_backward_launches_backw
     x = torch.randn(2, 8, generator=g).requires_grad_()
     w = torch.randn(8, generator=g).requires_grad_()
     dy = torch.randn(2, 8, generator=g)
-    launches = [(Launch("fwd"), (), {}, True), (Launch("bwd1"), (), {}, False), (Launch("bwd2"), (), {}, False)]
+    launches = [
+        (Launch("fwd"), (), {}, True),
+        (Launch("bwd1"), (), {}, False),
+        (Launch("bwd2"), (), {}, False),
+    ]
     call = host._bare_autograd(launches, x, w, dy)
     call()
     assert order == ["fwd", "bwd1", "bwd2"]

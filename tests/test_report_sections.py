@@ -239,7 +239,9 @@ def test_host_table_marks_the_target(tmp_path) -> None:
     assert "| `rms_norm 1x4096` | torch | 50.0 | 5.0 | – | – | 12.0 | – | – |" in part
     assert "| `rope 1 token` | triton | 80.0 | 5.0 | 20.0 | **4.00× ✗** |" in part
     assert "| `attention decode` | triton | error: ValueError: no/pe |" in part
-    assert "| `rms_norm fwd+bwd` | triton | 120.0 | 5.0 | 40.0; in autograd.Function 100.0 | 1.20× ✓ |" in part
+    assert (
+        "| `rms_norm fwd+bwd` | triton | 120.0 | 5.0 | 40.0; in autograd.Function 100.0 | 1.20× ✓ |" in part
+    )
     assert "triton: 2 of 3 cases within 1.3× of the bare launch (median 1.30×)." in part
     assert "Run: commit abcdef1234+dirty, 2031-01-02 03:04, torch 2.11.0, triton 3.6.0, liger 0.8.5;" in part
     assert "transformers" not in part
