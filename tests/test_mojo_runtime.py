@@ -393,7 +393,7 @@ def test_graph_cache_bookkeeping() -> None:
             self.replays += 1
 
     d = Dispatcher()
-    compiled = SimpleNamespace(graphs={}, seen={}, capturable=True)
+    compiled = SimpleNamespace(graphs={}, seen={}, capturable=True, captures=0, replays=0)
 
     def capture(c, st, key, bufs):  # a capture that succeeds, without CUDA
         g = _Graph()
@@ -410,6 +410,45 @@ def test_graph_cache_bookkeeping() -> None:
     evicted = [d._keep(compiled, (i,), i) for i in range(GRAPH_CACHE)]
     assert evicted[:-1] == [None] * (GRAPH_CACHE - 1) and evicted[-1] is g  # ("k",) was the oldest
     assert len(compiled.graphs) == GRAPH_CACHE
+
+
+def test_captures_stop_when_replays_do_not_pay_for_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys cycled over more than the cache holds (an LRU that never hits) would capture on every call; a
+    model stops capturing once it is CAPTURE_CREDIT captures ahead of replays / REPLAYS_PER_CAPTURE, its
+    calls then execute, and replays of the graphs it kept earn captures back."""
+    from types import SimpleNamespace
+
+    from fusekit.backends.mojo import dispatch
+    from fusekit.backends.mojo.dispatch import Dispatcher
+
+    monkeypatch.setattr(dispatch, "GRAPH_CACHE", 4)
+    monkeypatch.setattr(dispatch, "CAPTURE_CREDIT", 6)
+    monkeypatch.setattr(dispatch, "REPLAYS_PER_CAPTURE", 2)
+
+    class _Graph:
+        def replay(self) -> None:
+            pass
+
+    d = Dispatcher()
+    compiled = SimpleNamespace(graphs={}, seen={}, capturable=True, captures=0, replays=0)
+    d._capture_torch = lambda c, st, key, bufs: d._keep(c, key, _Graph()) or c.graphs[key]
+
+    def call(key) -> bool:  # run()'s CUDA path without CUDA: replay/capture, else execute and note the key
+        if d._torch_graph_call(compiled, None, key, []):
+            return True
+        compiled.seen[key] = None
+        return False
+
+    for i in range(10):  # pointers that never come back after their second call: nothing to replay
+        assert call((i,)) is False  # a first sighting executes
+        assert call((i,)) is (i < 6)  # the second captures (and replays) while the credit lasts
+    assert compiled.captures == 6 and compiled.replays == 0  # the capturing calls' own replays earn nothing
+    assert len(compiled.graphs) == 4  # the cache's size: the oldest were evicted unused
+    hot = (9,)  # seen twice, no credit left: it executes every time
+    assert [call(hot) for _ in range(3)] == [False] * 3 and compiled.captures == 6
+    assert all(call((5,)) for _ in range(4)) and compiled.replays == 4  # a kept graph replays: 2 captures earned
+    assert call(hot) is True and compiled.captures == 7
+    assert all(call(hot) for _ in range(3)) and compiled.captures == 7 and compiled.replays == 7
 
 
 def test_replay_hot_path_needs_no_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -438,7 +477,13 @@ def test_replay_hot_path_needs_no_buffers(monkeypatch: pytest.MonkeyPatch) -> No
     g = _Graph()
     key = (arg_key(y), arg_key(x), arg_key(p))
     compiled = SimpleNamespace(
-        graphs={key: g}, seen={}, capturable=True, workspaces=(), spec=SimpleNamespace(params=("eps",))
+        graphs={key: g},
+        seen={},
+        capturable=True,
+        captures=1,
+        replays=0,
+        workspaces=(),
+        spec=SimpleNamespace(params=("eps",)),
     )
     d = Dispatcher()
     d.run(compiled, st, (y,), (x,), (1e-6,))
@@ -470,7 +515,7 @@ def test_plan_replay_traces_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     dummy, p = torch.zeros(1), torch.zeros(2)
     st = SimpleNamespace(lock=threading.Lock(), dummy=lambda marker: dummy, params_tensor=lambda v: p)
     spec = SimpleNamespace(params=("eps",))
-    model = SimpleNamespace(graphs={}, capturable=True, workspaces=(), spec=spec)
+    model = SimpleNamespace(graphs={}, capturable=True, captures=0, replays=0, workspaces=(), spec=spec)
     y, x, w = torch.empty(4), torch.ones(4), torch.ones(4)
     marker = ("dummy", torch.float32, 1, 3)
     d = Dispatcher()

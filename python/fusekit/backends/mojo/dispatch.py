@@ -54,7 +54,19 @@ from fusekit.backends.mojo.specs import dummy as dummy_marker
 
 BUFFER_CACHE = 256  # wrapped tensors per device (a hit costs one dict lookup)
 PARAMS_CACHE = 64  # params tensors per device, keyed by their values
-GRAPH_CACHE = 64  # captured device graphs per compiled model
+# Captured graphs per compiled model. A model's decode step calls one op model once per call site, each with
+# its own pointers (rms_norm: 2 per layer + the final norm, 65 keys per step for Llama-3-8B), and an LRU
+# cycled over more keys than it holds never hits: at 64 every such call captured anew (H200, bench small
+# suite, whose rotating input sets are the same pattern: mojo rms_norm 1x4096 335 us wall per call against
+# 32 us replayed). A kept graph is a cudaGraphExec of the op's few launches; nothing is allocated inside a
+# capture, so its private pool holds no memory.
+GRAPH_CACHE = 512
+# Capture budget per compiled model: a capture (~0.3-0.9 ms of host time) pays off only when its key comes
+# back, so a model may be CAPTURE_CREDIT captures ahead of its replays / REPLAYS_PER_CAPTURE; past that
+# (pointers that never repeat within the cache: more keys than GRAPH_CACHE in rotation) its calls execute
+# (tens of us) until replays earn the credit back.
+CAPTURE_CREDIT = GRAPH_CACHE
+REPLAYS_PER_CAPTURE = 16
 # "0" turns device-graph capture/replay off (on by default). Once a MAX device graph had been captured in a
 # process, the next kernel that allocated a device buffer inside the op (a norm backward's partials,
 # swiglu_ffn's intermediates) made MAX reserve ~90% of the free GPU memory for a graph pool (H100: 78.7 ->
@@ -327,6 +339,11 @@ def _capture_failed(compiled: Compiled, exc: BaseException) -> None:
     )
 
 
+def may_capture(compiled: Compiled) -> bool:
+    """Whether the model's replays have paid for its captures so far (CAPTURE_CREDIT)."""
+    return compiled.captures < CAPTURE_CREDIT + compiled.replays // REPLAYS_PER_CAPTURE
+
+
 class Dispatcher:
     """Runs a compiled op on torch tensors with the cheapest safe path."""
 
@@ -368,6 +385,7 @@ class Dispatcher:
                 # The hot path: a captured call replays from its key alone (no MAX Buffers, no fence).
                 compiled.graphs[key] = compiled.graphs.pop(key)  # most recently used last
                 g.replay()
+                compiled.replays += 1
                 self.counts["replay"] += 1
                 return
             bufs = [st.buffer(k, t) for k, t in zip(key, tensors)]
@@ -400,13 +418,14 @@ class Dispatcher:
         graphs = compiled.graphs
         g = graphs.get(key)
         if g is None:
-            if key not in compiled.seen:
-                return False  # a first sighting: _launch executes it and notes the key
+            if key not in compiled.seen or not may_capture(compiled):
+                return False  # a first sighting, or captures not paid for: _launch executes it and notes the key
             g = self._capture_torch(compiled, st, key, bufs)
             if g is None:
                 return False
         else:
             graphs[key] = graphs.pop(key)  # most recently used last
+            compiled.replays += 1  # a replay that pays for its capture (the capturing call's own does not)
         g.replay()
         self.counts["replay"] += 1
         return True
@@ -441,12 +460,14 @@ class Dispatcher:
         model = compiled.model
         graphs = compiled.graphs
         gk = graphs.get(key)
-        if (
-            gk is None
-            and self.replay
+        if gk is not None:
+            compiled.replays += 1  # a replay that pays for its capture (the capturing call's own does not)
+        elif (
+            self.replay
             and not self.torch_graphs
             and compiled.capturable
             and key in compiled.seen
+            and may_capture(compiled)
         ):
             gk = self._capture(compiled, key, bufs)
         if gk is not None:
@@ -479,6 +500,7 @@ class Dispatcher:
         used one when the cache overflows (GRAPH_CACHE), for the caller to release."""
         compiled.seen.pop(key, None)
         compiled.graphs[key] = graph
+        compiled.captures += 1
         self.counts["capture"] += 1
         if len(compiled.graphs) > GRAPH_CACHE:
             return compiled.graphs.pop(next(iter(compiled.graphs)))
@@ -553,5 +575,6 @@ class PlanReplay:
                     return False
                 compiled.graphs[key] = g  # most recently used last
                 g.replay()
+                compiled.replays += 1
             self.counts["replay"] += len(found)
         return True

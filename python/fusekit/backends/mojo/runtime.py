@@ -759,6 +759,8 @@ class Compiled:
     graphs: dict = field(default_factory=dict)
     seen: dict = field(default_factory=dict)
     next_graph: int = 1
+    captures: int = 0  # graphs captured (dispatch.may_capture weighs them against the replays)
+    replays: int = 0
     capturable: bool = True  # False once a capture failed: the model then always executes
     capture_error: str | None = None  # why (the first line of the capture's exception)
     # (dtype, size function) of each of the spec's workspaces, resolved for `dtypes` once
