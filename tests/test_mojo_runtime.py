@@ -446,7 +446,9 @@ def test_captures_stop_when_replays_do_not_pay_for_them(monkeypatch: pytest.Monk
     assert len(compiled.graphs) == 4  # the cache's size: the oldest were evicted unused
     hot = (9,)  # seen twice, no credit left: it executes every time
     assert [call(hot) for _ in range(3)] == [False] * 3 and compiled.captures == 6
-    assert all(call((5,)) for _ in range(4)) and compiled.replays == 4  # a kept graph replays: 2 captures earned
+    assert (
+        all(call((5,)) for _ in range(4)) and compiled.replays == 4
+    )  # a kept graph replays: 2 captures earned
     assert call(hot) is True and compiled.captures == 7
     assert all(call(hot) for _ in range(3)) and compiled.captures == 7 and compiled.replays == 7
 

@@ -419,7 +419,9 @@ class Dispatcher:
         g = graphs.get(key)
         if g is None:
             if key not in compiled.seen or not may_capture(compiled):
-                return False  # a first sighting, or captures not paid for: _launch executes it and notes the key
+                return (
+                    False  # a first sighting, or captures not paid for: _launch executes it and notes the key
+                )
             g = self._capture_torch(compiled, st, key, bufs)
             if g is None:
                 return False
