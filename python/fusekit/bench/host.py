@@ -101,7 +101,8 @@ def _bare_autograd(launches: list[tuple], x: torch.Tensor, w: torch.Tensor, dy: 
     fwd = [r for r in launches if r[3]]
     bwd = [r for r in launches if not r[3]]
     dx, dw = torch.empty_like(x), torch.empty_like(w)
-    dx.copy_(dy), dw.zero_()  # finite values: AccumulateGrad adds them into the leaves' .grad
+    dx.copy_(dy)  # finite values: AccumulateGrad adds them into the leaves' .grad
+    dw.zero_()
 
     class Bare(torch.autograd.Function):
         @staticmethod
