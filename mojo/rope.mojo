@@ -190,20 +190,20 @@ def rope_gpu[dtype: DType, NEG: Bool = False](
     # with q 32 and k 8 heads, kernel time: 23.1 -> 14.7 us (Triton's 1.5; the rest is unexplained).
     # Many rows keep a unit per row: its cos/sin (fp64 range reduction) are then computed once per row,
     # not once per chunk. The threshold between the two was not measured.
-    var hc = h if units >= ROWS_PER_UNIT_MIN_UNITS else min(h, HU)
-    var chunks = cdiv(h, max(hc, 1))
+    var hc = max(h if units >= ROWS_PER_UNIT_MIN_UNITS else min(h, HU), 1)
+    var chunks = cdiv(h, hc)
     if units * chunks == 0:
         return  # nothing to rotate (no launch of an empty grid)
     var grid = min(cdiv(units * chunks, TPB), 1 << 30)
     if vec_ok:
         ctx.enqueue_function[_rope_kernel[dtype, VW, NEG]](
             res, x, cos_t, sin_t, pos_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), Int64(table_rows),
-            Int64(max(hc, 1)), grid_dim=grid, block_dim=TPB,
+            Int64(hc), grid_dim=grid, block_dim=TPB,
         )
     else:
         ctx.enqueue_function[_rope_kernel[dtype, 1, NEG]](
             res, x, cos_t, sin_t, pos_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), Int64(table_rows),
-            Int64(max(hc, 1)), grid_dim=grid, block_dim=TPB,
+            Int64(hc), grid_dim=grid, block_dim=TPB,
         )
 
 

@@ -431,7 +431,13 @@ def test_captures_stop_when_replays_do_not_pay_for_them(monkeypatch: pytest.Monk
 
     d = Dispatcher()
     compiled = SimpleNamespace(graphs={}, seen={}, capturable=True, captures=0, replays=0)
-    d._capture_torch = lambda c, st, key, bufs: d._keep(c, key, _Graph()) or c.graphs[key]
+
+    def capture(c, st, key, bufs):  # a capture that succeeds, without CUDA (_keep returns what it evicts)
+        g = _Graph()
+        d._keep(c, key, g)
+        return g
+
+    d._capture_torch = capture
 
     def call(key) -> bool:  # run()'s CUDA path without CUDA: replay/capture, else execute and note the key
         if d._torch_graph_call(compiled, None, key, []):

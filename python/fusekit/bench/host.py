@@ -98,8 +98,8 @@ def _bare_autograd(launches: list[tuple], x: torch.Tensor, w: torch.Tensor, dy: 
     autograd engine's own cost (graph build, engine thread hop, AccumulateGrad into x.grad and w.grad) is
     in it as in the op's call, and only fusekit's Python is not. The gradients it hands the engine are
     preallocated buffers (nothing allocated); the bare launch without autograd is `_bare`."""
-    fwd = [r for r in launches if r[3]]
-    bwd = [r for r in launches if not r[3]]
+    fwd = _bare([r for r in launches if r[3]])
+    bwd = _bare([r for r in launches if not r[3]])
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     dx.copy_(dy)  # finite values: AccumulateGrad adds them into the leaves' .grad
     dw.zero_()
@@ -107,14 +107,12 @@ def _bare_autograd(launches: list[tuple], x: torch.Tensor, w: torch.Tensor, dy: 
     class Bare(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            for fn, args, kwargs, _ in fwd:
-                fn.run(*args, **kwargs)
+            fwd()
             return x.view_as(x)
 
         @staticmethod
         def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            for fn, args, kwargs, _ in bwd:
-                fn.run(*args, **kwargs)
+            bwd()
             return dx, dw
 
     return lambda: Bare.apply(x, w).backward(dy)
