@@ -1,6 +1,26 @@
 # Split-KV (flash-decoding) forward of fusekit.attention for few queries against a long KV: the GPU path
 # `attention_gpu` (attention.mojo) takes for S <= DECODE_MAX_S and a GQA group of at most DECODE_MAX_ROWS rows
-# (H/Hkv * S), D in {64, 128, 256}, every dtype (fp16 / bf16 / fp32), both vendors. Three kernels:
+# (H/Hkv * S), D in {64, 128, 256}, every dtype (fp16 / bf16 / fp32), both vendors. Four kernels:
+#
+# 0. `_decode_mma_kernel[WR, WK]` (NVIDIA, fp16 / bf16, D 64 / 128, groups of 2..128 rows, k and v 16-byte
+#    aligned): tensor cores (mma.sync m16n8k16). The group's rows are the M side, padded to 16 per row warp
+#    (WR = 1 / 2 / 4 / 8 row warps), one block per (b, kv head) x split; K / V tiles of 64 keys go global ->
+#    shared with cp.async (two stages), ldmatrix feeds the MMAs, the online softmax runs on the accumulators
+#    (FlashAttention-2's forward, _fa2_kernel in attention.mojo, on one chunk of the keys). With few rows a
+#    block also has WK key warps (4 warps in all), each taking its own 16+ keys of every tile, their states
+#    merged through shared memory in a fixed order at the end. Partials and the combine as below.
+#    Why: the register kernel spends ~150 instructions per key and thread at 4 rows and falls behind as the
+#    group grows (R = 4 at 60% of SDPA, R = 8 at 41%, the tile kernel at S = 16 4.5x slower than SDPA; H200,
+#    2026-12-03). Measured on the H200 (2026-12-03, harness FUSEKIT_HARNESS_ONLY=attn_decode, wall per call,
+#    L2 warm, bf16 D128, the SIMT kernels -> this one in the same run, same split count): B1 H32/8 S1 Skv 2K
+#    13.6 -> 10.7 us, 8K 26.2 -> 21.4, 32K 64.0 -> 50.2, 128K 193.8 -> 147.4; B32 Skv 2K 116.6 -> 85.7, 8K
+#    377.7 -> 274.4, 32K 1425 -> 1053 (4.08 TB/s); GQA 8 (H32/4) B1 32K 62.1 -> 39.2; H64/8 B32 8K 615.5 ->
+#    283.8; D64 B32 8K 194.9 -> 145.2; S = 16 B1 8K 481.4 -> 81.5. Probes in the same run: half the split count
+#    (DECODE_MMA_CTAS_PER_SM 4 -> 2) is 4-45% faster at B1 (S = 16 45.1 us, B1 32K 46.2), a 3-stage ring no
+#    faster than 2 (2 blocks of 206 registers per SM either way). D256 loses (2x the SIMT kernel's time: its
+#    O accumulator and Q fragments spill), so D256 keeps the SIMT kernels. ptxas sm_90a (D64 / D128, WR 1..8):
+#    138-255 registers, at most 16 bytes spilled (the 128-MMA kernels: D128 with 4 or 8 row warps); one row
+#    warp at D128: 206 registers x 128 threads, 2 blocks per SM.
 #
 # 1. `_decode_reg_kernel[R]` (groups of at most DECODE_REG_ROWS = 8 rows: S = 1 decode with GQA <= 8, MHA, small
 #    S; R = 1 / 4 / 8 rows compiled), one block of 128 threads per (b, kv head) x split, no shared memory in its
@@ -81,9 +101,12 @@
 from std.math import ceildiv, exp2, log2
 from std.memory import unsafe_stack_allocation
 from std.sys import llvm_intrinsic, size_of
-from max.gpu import thread_idx, block_idx, lane_id, barrier, syncwarp, WARP_SIZE, AddressSpace
-from max.gpu.host import DeviceContext, DeviceAttribute
+from std.utils import StaticTuple
+from max.gpu import thread_idx, block_idx, lane_id, barrier, syncwarp, WARP_SIZE, AddressSpace, external_memory
+from max.gpu.host import DeviceContext, DeviceAttribute, FuncAttribute
 from max.gpu.primitives import warp
+from max.gpu.compute.mma import mma, ld_matrix
+from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
 
 from ._util import check_workspace
 
@@ -108,6 +131,11 @@ comptime DECODE_REG_THREADS = 128  # threads per block (a multiple of 32 and of 
 comptime DECODE_REG_CTAS_PER_SM = 8  # blocks per SM its split count aims at (2-4 resident: 2-4 waves)
 comptime DECODE_REG_MIN_KEYS = 64  # keys per split at least
 comptime DECODE_COMBINE_THREADS = 256  # threads per block of the combine (one block per output row)
+# the tensor-core kernel (`_decode_mma_kernel`, NVIDIA fp16 / bf16, D 64 / 128, groups of 2..128 rows)
+comptime DECODE_MMA_MIN_ROWS = 2  # rows from which 2-byte dtypes at D <= 128 take its plan (on NVIDIA the kernel)
+comptime DECODE_MMA_MAX_D = 128  # D256: its 128-register O accumulator and Q fragments spill (2x slower than SIMT)
+comptime DECODE_MMA_CTAS_PER_SM = 2  # blocks per SM its split count aims at (2 resident at D128: 206 registers)
+comptime DECODE_MMA_MIN_TILES = 2  # block tiles (_mma_bn keys) per split at least
 
 
 @always_inline
@@ -130,9 +158,22 @@ def decode_applies(H: Int, Hkv: Int, S: Int, D: Int) -> Bool:
 
 
 def decode_plan(B: Int, H: Int, Hkv: Int, S: Int, Skv: Int, D: Int, es: Int, sms: Int) -> Tuple[Int, Int, Int]:
-    """(row_blocks, rows per block, splits) of a decode call. Up to DECODE_REG_ROWS rows: the register kernel
-    (one row block, DECODE_REG_CTAS_PER_SM blocks per SM, at least DECODE_REG_MIN_KEYS keys per split)."""
+    """(row_blocks, rows per block, splits) of a decode call. fp16 / bf16 at D <= 128 with >= 2 rows: the
+    tensor-core kernel's count (B * Hkv * splits aims at DECODE_MMA_CTAS_PER_SM blocks per SM, each split at
+    least DECODE_MMA_MIN_TILES tiles), rows and row blocks as the SIMT kernels that run there elsewhere want
+    them. Otherwise, up to DECODE_REG_ROWS rows: the register kernel (one row block, DECODE_REG_CTAS_PER_SM
+    blocks per SM, at least DECODE_REG_MIN_KEYS keys per split); more: the tile kernel."""
     var rows = (H // Hkv) * S
+    if es == 2 and rows >= DECODE_MMA_MIN_ROWS and D <= DECODE_MMA_MAX_D:
+        # the tensor-core kernel's split count (one block per (b, kv head) x split). Where that kernel does not
+        # run (AMD, unaligned k / v) the SIMT kernels take the same count, so the host's workspace mirror
+        # (specs.py) needs no vendor.
+        var max_m = max(1, min(DECODE_MAX_SPLITS, ceildiv(Skv, _mma_bn(D)) // DECODE_MMA_MIN_TILES))
+        var splits_m = max(1, min(max_m, ceildiv(sms * DECODE_MMA_CTAS_PER_SM, max(B * Hkv, 1))))
+        if rows <= DECODE_REG_ROWS:
+            return (1, rows, splits_m)
+        var rb_m = max(1, ceildiv(rows, _dec_rb(D)))
+        return (rb_m, max(1, ceildiv(rows, rb_m)), splits_m)
     if rows <= DECODE_REG_ROWS:
         var max_r = max(1, min(DECODE_MAX_SPLITS, Skv // DECODE_REG_MIN_KEYS))
         var groups_r = max(B * Hkv, 1)
@@ -182,6 +223,25 @@ def _warp_nmax(x: Float32) -> Float32:
         comptime off = WARP_SIZE >> (i + 1)
         comptime if off > 0:
             r = _nmax(r, warp.shuffle_xor(r, UInt32(off)))
+    return r
+
+
+@always_inline
+def _quad_max(v: SIMD[DType.float32, 2]) -> SIMD[DType.float32, 2]:
+    """NaN-propagating max over the 4 lanes of a quad (the lanes that share an MMA accumulator row)."""
+    var r = v
+    comptime for e in range(2):
+        r[e] = _nmax(r[e], warp.shuffle_xor(r[e], 1))
+        r[e] = _nmax(r[e], warp.shuffle_xor(r[e], 2))
+    return r
+
+
+@always_inline
+def _quad_sum(v: SIMD[DType.float32, 2]) -> SIMD[DType.float32, 2]:
+    var r = v
+    comptime for e in range(2):
+        r[e] += warp.shuffle_xor(r[e], 1)
+        r[e] += warp.shuffle_xor(r[e], 2)
     return r
 
 
@@ -628,6 +688,301 @@ def _decode_reg_kernel[
         _emit[dtype, D](o, lse, part, row0 + r, d, a, mm, lsum, sees, n_split, sp, Int(plse_off))
 
 
+# ---- the tensor-core kernel (NVIDIA, fp16 / bf16: GQA groups of DECODE_MMA_MIN_ROWS..128 rows) -----------
+
+
+@always_inline
+def _mma_bn(d: Int) -> Int:
+    """Keys per block tile: 64 (D64 / D128), 32 (D256: two 32 x 264 stages of K and V are 66 KB)."""
+    return 32 if d == 256 else 64
+
+
+@always_inline
+def _mma_wr(rows: Int) -> Int:
+    """Row warps of a GQA group of `rows` rows: 16 rows each (mma.sync's M), a power of two up to 8."""
+    if rows <= 16:
+        return 1
+    if rows <= 32:
+        return 2
+    if rows <= 64:
+        return 4
+    return 8
+
+
+@always_inline
+def _mma_wk(d: Int, wr: Int) -> Int:
+    """Key warps: with few row warps a block still runs 4 warps, each taking its own 16+ keys of every tile
+    (merged through shared memory at the end), so an SM has 4x the warps its shared memory would give."""
+    return max(1, min(_mma_bn(d) // 16, 4 // wr))
+
+
+@always_inline
+def _mma_smem(d: Int, es: Int, wr: Int) -> Int:
+    """Dynamic shared memory of a block: two stages of a K and a V tile (rows padded by 8 elements), reused by
+    the final merge of the key warps' fp32 states (it fits: at most 66 KB at D128 with 8 row warps)."""
+    var rt = 16 * wr
+    var wk = _mma_wk(d, wr)
+    return max(2 * 2 * _mma_bn(d) * (d + 8) * es, (wk * rt * d + 2 * wk * rt) * 4)
+
+
+def _decode_mma_kernel[
+    dtype: DType, D: Int, WR: Int, WK: Int
+](
+    o: Pointer[Scalar[dtype], MutAnyOrigin],
+    lse: Pointer[Float32, MutAnyOrigin],
+    part: Pointer[Float32, MutAnyOrigin],
+    q: Pointer[Scalar[dtype], MutAnyOrigin],
+    k: Pointer[Scalar[dtype], MutAnyOrigin],
+    v: Pointer[Scalar[dtype], MutAnyOrigin],
+    kv_len: Pointer[Int32, MutAnyOrigin],
+    params: Pointer[Float32, MutAnyOrigin],
+    H: Int32,
+    Hkv: Int32,
+    S: Int32,
+    Skv: Int32,
+    splits: Int32,
+    plse_off: Int64,
+):
+    """One block per (b, kv head) x split: the GQA group's rows (r = g * S + s, contiguous in q / o / lse) are
+    the M side of mma.sync m16n8k16 (fp32 accumulation), padded to 16 per row warp, so a group of 4 or 8 rows
+    costs the tensor cores 4x / 2x the useful work but the CUDA cores nothing: scores and P.V for a 64-key tile
+    are 8 + 8 MMAs per warp where the register kernel spends ~150 instructions per key and thread. K / V tiles
+    go global -> shared with cp.async, double-buffered (the next tile's copy overlaps this tile's math), and
+    are read with ldmatrix (V transposed), as _fa2_kernel (attention.mojo) does for prefill. WR row warps x WK
+    key warps: key warp w takes keys [w * BN / WK, (w + 1) * BN / WK) of every tile with its own online softmax;
+    the WK states are merged through shared memory in a fixed order (deterministic). Non-finite V in a tile
+    some row does not fully see is zeroed in shared memory (p = 0 times NaN would poison the MMA) and added
+    back, once, to the rows that see its key after the merge (vbad: the rare path). NVIDIA only: the lane
+    layout is mma.sync's 32-lane one."""
+    comptime BN = _mma_bn(D)
+    comptime KW = BN // WK  # keys of each tile a key warp takes (a multiple of 16: P.V's k side)
+    comptime NW = WR * WK
+    comptime NT = NW * 32
+    comptime RT = WR * 16  # rows the block holds (>= the group's rows)
+    comptime LD = D + 8  # padded smem row (halves): ldmatrix rows land in distinct bank groups
+    comptime STAGE = 2 * BN * LD  # K tile then V tile (two stages)
+    comptime NKC = D // 16  # k-chunks of Q K^T
+    comptime NSN = KW // 8  # n-tiles of a warp's S
+    comptime NON = D // 8  # n-tiles of O
+    comptime CHUNKS = BN * D // 8  # 16-byte chunks per K (or V) tile
+
+    var smem = external_memory[Scalar[dtype], address_space=AddressSpace.SHARED, alignment=16]()
+    var vbad = unsafe_stack_allocation[1, DType.int32, address_space=AddressSpace.SHARED]()
+    var tid = thread_idx.x
+    var lane = tid % 32
+    var wid = tid // 32
+    var wr = wid % WR
+    var wk = wid // WR
+    var g = lane // 4
+    var t4 = lane % 4
+
+    var h_n = Int(H)
+    var hkv_n = Int(Hkv)
+    var s_len = Int(S)
+    var skv = Int(Skv)
+    var n_split = Int(splits)
+    var group = h_n // hkv_n
+    var rows = min(group * s_len, RT)  # the caller guarantees group * S <= RT
+    var b = block_idx.x // hkv_n
+    var hk = block_idx.x % hkv_n
+    var sp = block_idx.y
+    var causal = params[unsafe_offset=0] != 0
+    var scale2 = params[unsafe_offset=1] * _LOG2E
+    var L = _seq_len(kv_len, params[unsafe_offset=2] != 0, b, skv)
+    var off = L - s_len  # bottom-right causal: query s sees keys <= s + off
+    # this block's keys: the sequence's L keys in n_split chunks of whole tiles
+    var chunk = ceildiv(ceildiv(L, BN), n_split) * BN
+    var lo = min(sp * chunk, L)
+    var hi = min(lo + chunk, L)
+    var n_tiles = ceildiv(hi - lo, BN)
+    var row0 = (b * h_n + hk * group) * s_len  # the group's first row in q / o / lse
+    var kv_base = ((b * hkv_n + hk) * skv) * D
+    var r0 = wr * 16 + g  # this thread's rows: r0 and r0 + 8 (rows >= `rows` are padding: q = 0)
+
+    # ---- Q fragments in registers (A operand, row-major 16 x 16 per k-chunk)
+    var qf = StaticTuple[SIMD[dtype, 8], NKC](fill=0)
+    comptime for kc in range(NKC):
+        var frag = SIMD[dtype, 8](0)
+        comptime for half in range(2):
+            var r = r0 + 8 * half
+            if r < rows:
+                var base = (row0 + r) * D + kc * 16 + 2 * t4
+                var lo2 = q.unsafe_load[width=2, alignment=4](base)
+                var hi2 = q.unsafe_load[width=2, alignment=4](base + 8)
+                frag[2 * half] = lo2[0]
+                frag[2 * half + 1] = lo2[1]
+                frag[4 + 2 * half] = hi2[0]
+                frag[4 + 2 * half + 1] = hi2[1]
+        qf[kc] = frag
+
+    var oacc = StaticTuple[SIMD[DType.float32, 4], NON](fill=0)
+    var m_i = SIMD[DType.float32, 2](_NEG_INF)  # running max (log2 domain), rows r0 / r0 + 8
+    var l_i = SIMD[DType.float32, 2](0)
+
+    var kg = k.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+    var vg = v.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+
+    @always_inline
+    def load_tile(tile: Int, stage: Int) {var}:
+        var kbase = lo + tile * BN
+        comptime for i in range(ceildiv(CHUNKS, NT)):
+            var c = tid + i * NT
+            if c < CHUNKS:
+                var r = c // (D // 8)
+                var col = (c % (D // 8)) * 8
+                var kr = min(kbase + r, hi - 1)  # clamp: rows past hi are masked to p = 0, never past L
+                var src = kv_base + kr * D + col
+                var dst = stage * STAGE + r * LD + col
+                async_copy[16](kg.unsafe_offset(src), smem.unsafe_offset(dst))
+                async_copy[16](vg.unsafe_offset(src), smem.unsafe_offset(dst + BN * LD))
+        async_copy_commit_group()
+
+    if tid == 0:
+        vbad[] = 0
+    if n_tiles > 0:
+        load_tile(0, 0)
+
+    var mi = lane // 8
+    var rr = lane % 8
+    var kw0 = wk * KW  # this warp's first key of a tile
+    for it in range(n_tiles):
+        var stage = it % 2
+        if it + 1 < n_tiles:  # refills the stage the previous iteration read (its closing barrier: all done)
+            load_tile(it + 1, 1 - stage)
+            async_copy_wait_group(1)
+        else:
+            async_copy_wait_group(0)
+        barrier()
+
+        var ks = smem.unsafe_offset(stage * STAGE)
+        var vs = smem.unsafe_offset(stage * STAGE + BN * LD)
+        var kbase = lo + it * BN
+
+        # ---- a tile that some row must not fully see (the chunk's end, the causal diagonal; query 0 of the
+        # group sees keys <= off): zero its non-finite V values so that p = 0 times V cannot make NaN in the
+        # MMA; the rows that do see them get them back after the merge (vbad stays set)
+        var block_masked = kbase + BN > hi or (causal and kbase + BN - 1 > off)
+        if block_masked:
+            comptime for i in range(ceildiv(CHUNKS, NT)):
+                var c = tid + i * NT
+                if c < CHUNKS:
+                    var r = c // (D // 8)
+                    var col = (c % (D // 8)) * 8
+                    var p8 = vs.unsafe_offset(r * LD + col)
+                    var x8 = p8.unsafe_load[width=8, alignment=16](0)
+                    var f8 = x8.cast[DType.float32]()
+                    var any_bad = False
+                    comptime for e in range(8):
+                        if _nonfinite(f8[e]):
+                            x8[e] = 0
+                            any_bad = True
+                    if any_bad:
+                        p8.unsafe_store[alignment=16](0, x8)
+                        vbad[] = 1
+            barrier()
+
+        # ---- S = Q K^T over this warp's KW keys (16 x KW)
+        var sacc = StaticTuple[SIMD[DType.float32, 4], NSN](fill=0)
+        comptime for kc in range(NKC):
+            comptime for jn in range(0, NSN, 2):
+                var krow = kw0 + 8 * jn + (mi // 2) * 8 + rr
+                var kcol = 16 * kc + (mi % 2) * 8
+                var kb = ld_matrix[8](ks.unsafe_offset(krow * LD + kcol))
+                mma(sacc[jn], qf[kc], kb.slice[4, offset=0](), sacc[jn])
+                mma(sacc[jn + 1], qf[kc], kb.slice[4, offset=4](), sacc[jn + 1])
+
+        # ---- mask (keys past the chunk, past a query's causal limit) and scale to the log2 domain
+        var wbase = kbase + kw0
+        var need_mask = wbase + KW > hi or (causal and wbase + KW - 1 > off)
+        comptime for jn in range(NSN):
+            var sv = sacc[jn] * scale2
+            if need_mask:
+                comptime for e in range(4):
+                    var key = wbase + 8 * jn + 2 * t4 + (e % 2)
+                    var sq = (r0 + 8 * (e // 2)) % s_len
+                    if key >= hi or (causal and key > sq + off):
+                        sv[e] = _NEG_INF
+            sacc[jn] = sv
+
+        # ---- online softmax (rows r0 / r0 + 8; a quad of 4 lanes shares a row); NaN-propagating max
+        var mx = m_i
+        comptime for jn in range(NSN):
+            mx[0] = _nmax(mx[0], _nmax(sacc[jn][0], sacc[jn][1]))
+            mx[1] = _nmax(mx[1], _nmax(sacc[jn][2], sacc[jn][3]))
+        mx = _quad_max(mx)
+        # a row with nothing visible yet keeps -inf: use 0 there so masked scores give exp2(-inf) = 0
+        var mref = SIMD[DType.float32, 2](0)
+        comptime for r in range(2):
+            mref[r] = mx[r] if mx[r] > _NEG_INF else Float32(0)
+        var alpha = SIMD[DType.float32, 2](exp2(m_i[0] - mref[0]), exp2(m_i[1] - mref[1]))
+        m_i = mx
+        var rs = SIMD[DType.float32, 2](0)
+        var pf = StaticTuple[SIMD[dtype, 8], NSN // 2](fill=0)
+        comptime for jn in range(NSN):
+            var p = SIMD[DType.float32, 4](
+                exp2(sacc[jn][0] - mref[0]),
+                exp2(sacc[jn][1] - mref[0]),
+                exp2(sacc[jn][2] - mref[1]),
+                exp2(sacc[jn][3] - mref[1]),
+            )
+            rs[0] += p[0] + p[1]
+            rs[1] += p[2] + p[3]
+            var pc = p.cast[dtype]()
+            comptime for e in range(4):
+                pf[jn // 2][(jn % 2) * 4 + e] = pc[e]
+        l_i = l_i * alpha + rs
+        comptime for jo in range(NON):
+            oacc[jo] = oacc[jo] * SIMD[DType.float32, 4](alpha[0], alpha[0], alpha[1], alpha[1])
+
+        # ---- O += P V over this warp's keys
+        comptime for kc in range(NSN // 2):
+            comptime for jo in range(0, NON, 2):
+                var vrow = kw0 + 16 * kc + (mi % 2) * 8 + rr
+                var vcol = 8 * jo + (mi // 2) * 8
+                var vb = ld_matrix[8, transpose=True](vs.unsafe_offset(vrow * LD + vcol))
+                mma(oacc[jo], pf[kc], vb.slice[4, offset=0](), oacc[jo])
+                mma(oacc[jo + 1], pf[kc], vb.slice[4, offset=4](), oacc[jo + 1])
+
+        barrier()  # this stage is refilled next iteration
+
+    # ---- merge the key warps through shared memory (the stages are free: the loop ended on a barrier), fp32:
+    # o [WK][RT][D], then m [WK][RT] and l [WK][RT]; key warp order fixed, so repeats are bit-identical
+    comptime MB = WK * RT * D
+    comptime LB = MB + WK * RT
+    var fs = smem.unsafe_bitcast[Float32]()
+    l_i = _quad_sum(l_i)
+    comptime for half in range(2):
+        var r = r0 + 8 * half
+        comptime for jo in range(NON):
+            comptime for c in range(2):
+                fs[unsafe_offset=(wk * RT + r) * D + 8 * jo + 2 * t4 + c] = oacc[jo][2 * half + c]
+        if t4 == 0:
+            fs[unsafe_offset=MB + wk * RT + r] = m_i[half]
+            fs[unsafe_offset=LB + wk * RT + r] = l_i[half]
+    barrier()
+    var any_bad = vbad[] != 0
+    for idx in range(tid, rows * D, NT):
+        var r = idx // D
+        var d = idx % D
+        var mm = _NEG_INF
+        comptime for w in range(WK):
+            mm = _nmax(mm, fs[unsafe_offset=MB + w * RT + r])
+        var mref = mm if mm > _NEG_INF else Float32(0)
+        var a: Float32 = 0
+        var lsum: Float32 = 0
+        comptime for w in range(WK):
+            var wt = exp2(fs[unsafe_offset=MB + w * RT + r] - mref)
+            a += fs[unsafe_offset=(w * RT + r) * D + d] * wt
+            lsum += fs[unsafe_offset=LB + w * RT + r] * wt
+        var kend = min(hi, _last_key(r % s_len, s_len, L, causal) + 1)
+        if any_bad:  # rare: every non-finite V value of a key this row sees reaches it (+-inf or NaN)
+            for j in range(lo, kend):
+                var val = v[unsafe_offset=kv_base + j * D + d].cast[_F32]()
+                if _nonfinite(val):
+                    a += val
+        _emit[dtype, D](o, lse, part, row0 + r, d, a, mm, lsum, kend > lo, n_split, sp, Int(plse_off))
+
+
 def _decode_combine_kernel[
     dtype: DType, D: Int
 ](
@@ -754,9 +1109,10 @@ def attention_decode_gpu[
     D: Int,
     ctx: DeviceContext,
     force_splits: Int = 0,
+    use_mma: Bool = True,
 ) raises:
     """Enqueue the split-KV decode kernels (the caller checked decode_applies). force_splits > 0 forces the
-    split count (harness), within the workspace given. HD != 0: only that head dim's kernels are compiled
+    split count (harness), within the workspace given; use_mma False keeps the SIMT kernels (harness A/B). HD != 0: only that head dim's kernels are compiled
     (attention_gpu_ws); 0: every head dim's."""
     if B * H * S == 0:
         return
@@ -783,7 +1139,7 @@ def attention_decode_gpu[
         )
 
     @always_inline
-    def launch[HD: Int]() raises {var}:
+    def launch_simt[HD: Int]() raises {var}:
         if rows <= 1:
             launch_reg[HD, 1]()
         elif rows <= 4:
@@ -796,6 +1152,39 @@ def attention_decode_gpu[
                 Int32(rpp), Int32(splits), plse_off, vec, grid_dim=(B * Hkv * row_blocks, splits),
                 block_dim=DECODE_THREADS,
             )
+
+    @always_inline
+    def launch_mma[HD: Int, WR: Int]() raises {var}:
+        comptime smem_bytes = _mma_smem(HD, size_of[dtype](), WR)
+        ctx.enqueue_function[_decode_mma_kernel[dtype, HD, WR, _mma_wk(HD, WR)]](
+            o, lse, part, q, k, v, kv_len, params, Int32(H), Int32(Hkv), Int32(S), Int32(Skv), Int32(splits),
+            plse_off, grid_dim=(B * Hkv, splits), block_dim=WR * _mma_wk(HD, WR) * 32,
+            shared_mem_bytes=smem_bytes,
+            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem_bytes)),
+        )
+
+    @always_inline
+    def launch_main[HD: Int]() raises {var}:
+        """The tensor-core kernel where it applies (NVIDIA, fp16 / bf16, 16-byte aligned k and v: cp.async),
+        else the SIMT kernels."""
+        comptime if DeviceContext.default_device_info.api == "cuda" and (
+            dtype == DType.bfloat16 or dtype == DType.float16
+        ) and HD <= DECODE_MMA_MAX_D:
+            if use_mma and vec != 0 and rows >= DECODE_MMA_MIN_ROWS:
+                if rows <= 16:
+                    launch_mma[HD, 1]()
+                elif rows <= 32:
+                    launch_mma[HD, 2]()
+                elif rows <= 64:
+                    launch_mma[HD, 4]()
+                else:
+                    launch_mma[HD, 8]()
+                return
+        launch_simt[HD]()
+
+    @always_inline
+    def launch[HD: Int]() raises {var}:
+        launch_main[HD]()
         if splits > 1:
             ctx.enqueue_function[_decode_combine_kernel[dtype, HD]](
                 o, lse, part, kv_len, params, Int64(B * H * S), Int32(H), Int32(S), Int32(Skv), Int32(splits), plse_off,

@@ -626,12 +626,13 @@ def attention_gpu_ws[
     force_rowwise: Bool = False,
     decode: Bool = True,
     force_splits: Int = 0,
+    decode_mma: Bool = True,
 ) raises:
     """Launch the best kernel for this target / dtype / head dim (see the header table). Decode shapes
     (S <= 16, GQA group rows <= 128, D 64 / 128 / 256) take the split-KV kernels of _attention_decode.mojo,
     whose partials go to the caller's workspace `part` (part_len elements; specs.py attention_decode_part),
     unless decode is False or force_rowwise is set (the harness's references); force_splits > 0 forces their
-    split count.
+    split count, and decode_mma False keeps the SIMT decode kernels where the tensor-core one would run.
 
     HD: the head dim the op was compiled for (the custom op's `head_dim` parameter, one MAX graph per head
     dim: issue #14 item 3), or 0 for every head dim. With HD != 0 only that head dim's flash-attention and
@@ -644,7 +645,7 @@ def attention_gpu_ws[
             )
     if decode and not force_rowwise and decode_applies(H, Hkv, S, D):
         attention_decode_gpu[dtype, HD](
-            o, lse, part, part_len, q, k, v, kv_len, params, B, H, Hkv, S, Skv, D, ctx, force_splits
+            o, lse, part, part_len, q, k, v, kv_len, params, B, H, Hkv, S, Skv, D, ctx, force_splits, decode_mma
         )
         return
 

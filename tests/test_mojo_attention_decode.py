@@ -60,6 +60,10 @@ def test_mirrored_constants_match_the_kernel() -> None:
         "DECODE_REG_ROWS": specs.AD_REG_ROWS,
         "DECODE_REG_CTAS_PER_SM": specs.AD_REG_CTAS_PER_SM,
         "DECODE_REG_MIN_KEYS": specs.AD_REG_MIN_KEYS,
+        "DECODE_MMA_MIN_ROWS": specs.AD_MMA_MIN_ROWS,
+        "DECODE_MMA_MAX_D": specs.AD_MMA_MAX_D,
+        "DECODE_MMA_CTAS_PER_SM": specs.AD_MMA_CTAS_PER_SM,
+        "DECODE_MMA_MIN_TILES": specs.AD_MMA_MIN_TILES,
     }
     for name, value in pairs.items():
         assert _comptime(name) == value, name
@@ -76,6 +80,10 @@ def _plan(b: int, h: int, hkv: int, s: int, skv: int, d: int, es: int, sms: int)
     bn = max(1, min(32, 8192 // (d * es)))
     rb = min(64, 4096 // d)
     rows = (h // hkv) * s
+    if (
+        es == 2 and rows >= 2 and d <= 128
+    ):  # the tensor-core kernel: 64-key tiles, 2 blocks per SM, >= 2 tiles
+        return max(1, min(max(1, min(256, _cdiv(skv, 64) // 2)), _cdiv(sms * 2, max(b * hkv, 1))))
     if rows <= 8:  # the register kernel: one row block, 8 blocks per SM, >= 64 keys per split
         return max(1, min(max(1, min(256, skv // 64)), _cdiv(sms * 8, max(b * hkv, 1))))
     row_blocks = max(1, _cdiv(rows, rb))
@@ -107,18 +115,25 @@ def test_part_bound(sms: int, dtype: torch.dtype) -> None:
 
 
 def test_decode_shapes_split_to_fill_the_gpu() -> None:
-    """B1 H32/8 D128 bf16 on an H100 (132 SMs), 4 rows: the register kernel, 8 kv heads, 1056 blocks wanted
-    (8 per SM): Skv 2048 allows 32 splits of 64 keys; Skv 32768 132 splits; B32: 256 groups, 5 splits. 16 rows
-    (S 4): the tile kernel, 528 blocks wanted (4 per SM): Skv 2048 has 64 tiles of 32 keys, so 32 splits."""
+    """132 SMs (H100 / H200), H32/8 D128. bf16 with >= 2 rows: the tensor-core kernel, B * Hkv * splits aiming
+    at 264 blocks (2 per SM), at least 2 tiles of 64 keys per split: B1 (8 kv heads) Skv 2048 has 32 tiles, so
+    16 splits; Skv 32768 33; B32 (256 groups) 2; 8 rows over 300 keys: 5 tiles, 2 splits. fp32, 4 rows: the
+    register kernel, 1056 blocks wanted (8 per SM): Skv 2048 allows 32 splits of 64 keys. fp32, 16 rows (S 4):
+    the tile kernel, 528 blocks wanted (4 per SM): Skv 2048 has 128 tiles of 16 keys, so 64 splits. D256 bf16
+    keeps the register kernel's plan: Skv 32768, 132 splits."""
     bf = torch.bfloat16
-    assert specs.attention_decode_splits(1, 32, 8, 1, 2048, 128, 2, 132) == 32
-    assert specs.attention_decode_splits(1, 32, 8, 1, 32768, 128, 2, 132) == 132
-    assert specs.attention_decode_splits(32, 32, 8, 1, 2048, 128, 2, 132) == 5
-    assert specs.attention_decode_splits(32, 32, 8, 1, 32768, 128, 2, 132) == 5
-    assert specs.attention_decode_splits(1, 64, 8, 1, 300, 128, 2, 132) == 4  # 8 rows, 300 // 64 keys
-    assert specs.attention_decode_splits(1, 32, 8, 4, 2048, 128, 2, 132) == 32  # 16 rows: tile kernel
-    assert specs.attention_decode_splits(32, 32, 8, 4, 2048, 128, 2, 132) == 3
+    assert specs.attention_decode_splits(1, 32, 8, 1, 2048, 128, 2, 132) == 16
+    assert specs.attention_decode_splits(1, 32, 8, 1, 32768, 128, 2, 132) == 33
+    assert specs.attention_decode_splits(32, 32, 8, 1, 2048, 128, 2, 132) == 2
+    assert specs.attention_decode_splits(32, 32, 8, 1, 32768, 128, 2, 132) == 2
+    assert specs.attention_decode_splits(1, 64, 8, 1, 300, 128, 2, 132) == 2  # 8 rows, 5 tiles
+    assert specs.attention_decode_splits(1, 32, 8, 4, 2048, 128, 2, 132) == 16  # 16 rows
+    assert specs.attention_decode_splits(32, 32, 8, 4, 2048, 128, 2, 132) == 2
+    assert specs.attention_decode_splits(1, 32, 32, 1, 2048, 128, 2, 132) == 32  # MHA: 1 row, register kernel
+    assert specs.attention_decode_splits(1, 32, 8, 1, 2048, 128, 4, 132) == 32  # fp32: register kernel
+    assert specs.attention_decode_splits(1, 32, 8, 4, 2048, 128, 4, 132) == 64  # fp32 16 rows: tile kernel
+    assert specs.attention_decode_splits(1, 32, 8, 1, 32768, 256, 2, 132) == 132  # D256: register kernel
     assert specs.attention_decode_splits(1, 32, 8, 17, 2048, 128, 2, 132) == 0  # S > 16: prefill kernel
     q = torch.empty(1, 32, 1, 128, dtype=bf, device="meta")
     k = torch.empty(1, 8, 2048, 128, dtype=bf, device="meta")
-    assert _sizes(q, k, 132) == 32 * 32 * 129
+    assert _sizes(q, k, 132) == 32 * 16 * 129

@@ -862,18 +862,21 @@ def _decode_splits_case[
     var hrl = to_host(ctx, rlb, B * H * S)
     var tol = 1e-2 if dtype == DType.bfloat16 else (2e-3 if dtype == DType.float16 else 2e-5)
     var sp_list: List[Int] = [1, 2, 5, 64]
-    for si in range(len(sp_list)):
-        var sp = sp_list[si]
+    # 16-bit dtypes: the tensor-core kernel (where the group has >= 2 rows) and the SIMT kernels
+    var n_ker = 2 if size_of[dtype]() == 2 else 1
+    for si in range(len(sp_list) * n_ker):
+        var sp = sp_list[si % len(sp_list)]
+        var tc = si < len(sp_list)
         var n_part = decode_part_len(B, H, S, D, sp)
         var partb = workspace[DType.float32](ctx, n_part)
         poison(ctx, ob)
         poison(ctx, lb)
         attention_gpu_ws[dtype](o, l, _mut(partb.unsafe_ptr()), n_part, q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx,
-                                force_splits=sp)
+                                force_splits=sp, decode_mma=tc)
         var ho = to_host(ctx, ob, nq)
         var hl = to_host(ctx, lb, B * H * S)
         var name = String("attn_decode ", dtype, " B", B, " H", H, " Hkv", Hkv, " S", S, " Skv", Skv, " D", D,
-                          " causal=", causal, " kv_len=", kvk, " splits=", sp)
+                          " causal=", causal, " kv_len=", kvk, " splits=", sp, " mma=", tc)
         var e = RelErr()
         for i in range(nq):
             e.add_pattern(ho[i].cast[F64](), hr[i].cast[F64]())
@@ -883,14 +886,15 @@ def _decode_splits_case[
             el.add_pattern(hl[i].cast[F64](), hrl[i].cast[F64]())
         check(name + " lse vs rowwise fp32 GPU", el.value(), 1e-4, failures)
         attention_gpu_ws[dtype](o, l, _mut(partb.unsafe_ptr()), n_part, q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx,
-                                force_splits=sp)
+                                force_splits=sp, decode_mma=tc)
         var diff = _same(to_host(ctx, ob, nq), ho, nq)
         check(name + " deterministic", Float64(diff), 0.0, failures)
 
 
-def _bench_decode[dtype: DType](ctx: DeviceContext, B: Int, H: Int, Hkv: Int, Skv: Int, D: Int, iters: Int) raises:
-    """Decode (S = 1) through the split-KV kernels (the plan's split count) and the prefill path (decode off)."""
-    var S = 1
+def _bench_decode[dtype: DType](ctx: DeviceContext, B: Int, H: Int, Hkv: Int, Skv: Int, D: Int, iters: Int,
+                                S: Int = 1) raises:
+    """Decode (S queries) through the split-KV kernels (the plan's split count: the tensor-core kernel where it
+    runs, then the SIMT kernels) and the prefill path (decode off)."""
     var nq = B * H * S * D
     var nk = B * Hkv * Skv * D
     var qb = ctx.enqueue_create_buffer[dtype](nq)
@@ -903,9 +907,9 @@ def _bench_decode[dtype: DType](ctx: DeviceContext, B: Int, H: Int, Hkv: Int, Sk
     fill_random(ctx, vb, nk, 9, -1.0, 1.0)
     var pb = device_params(ctx, Float32(0.0), Float32(1.0) / Float32(D).__pow__(Float32(0.5)), Float32(0.0))
     var lenb = _device_ints(ctx, List[Int32]())
+    var plan = decode_plan(B, H, Hkv, S, Skv, D, size_of[dtype](), sm_count(ctx))
     var n_part = _decode_part[dtype](ctx, B, H, Hkv, S, Skv, D)
     var partb = workspace[DType.float32](ctx, n_part)
-    var plan = decode_plan(B, H, Hkv, S, Skv, D, size_of[dtype](), sm_count(ctx))
     var o = _mut(ob.unsafe_ptr())
     var l = _mut(lb.unsafe_ptr())
     var q = _mut(qb.unsafe_ptr())
@@ -915,15 +919,19 @@ def _bench_decode[dtype: DType](ctx: DeviceContext, B: Int, H: Int, Hkv: Int, Sk
     var p = _mut(pb.unsafe_ptr())
     var pp = _mut(partb.unsafe_ptr())
     var bytes = Float64(2 * nk * size_of[dtype]())
-    for dec in range(2):
-        attention_gpu_ws[dtype](o, l, pp, n_part, q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx, decode=dec == 1)
+    var n_it = iters * 4  # short calls: enough of them to time
+    for dec in range(3):  # prefill kernels, split-KV SIMT, split-KV tensor cores
+        attention_gpu_ws[dtype](o, l, pp, n_part, q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx, decode=dec > 0,
+                                decode_mma=dec == 2)
         ctx.synchronize()
         var t0 = now_ns()
-        for _ in range(iters):
-            attention_gpu_ws[dtype](o, l, pp, n_part, q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx, decode=dec == 1)
+        for _ in range(n_it):
+            attention_gpu_ws[dtype](o, l, pp, n_part, q, k, v, kl, p, B, H, Hkv, S, Skv, D, ctx, decode=dec > 0,
+                                    decode_mma=dec == 2)
         ctx.synchronize()
-        var ns = Float64(now_ns() - t0) / Float64(iters)
-        print("PERF attention_decode", "split-kv" if dec == 1 else "prefill ", dtype, "B", B, "H", H, "Hkv", Hkv,
+        var ns = Float64(now_ns() - t0) / Float64(n_it)
+        var what = "prefill " if dec == 0 else ("split-kv simt" if dec == 1 else "split-kv mma")
+        print("PERF attention_decode", what, dtype, "B", B, "H", H, "Hkv", Hkv, "S", S,
               "Skv", Skv, "D", D, "splits", plan[2], "us=", ns / 1000.0, "GB/s=", bytes / ns,
               "(wall per call, L2 warm)")
 
@@ -976,6 +984,12 @@ def run_decode(bench: Bool = True) raises:
             _bench_decode[DType.bfloat16](ctx, 32, 32, 8, 8192, 64, 10)
             _bench_decode[DType.bfloat16](ctx, 32, 32, 8, 8192, 256, 10)
             _bench_decode[DType.float32](ctx, 32, 32, 8, 8192, 128, 10)
+            # the committed attention.decode suite's other shapes: B1 128K, GQA 8 (H32 / 4), D64, D256, S 16
+            _bench_decode[DType.bfloat16](ctx, 1, 32, 8, 131072, 128, 10)
+            _bench_decode[DType.bfloat16](ctx, 1, 32, 4, 32768, 128, 10)
+            _bench_decode[DType.bfloat16](ctx, 1, 32, 8, 32768, 64, 10)
+            _bench_decode[DType.bfloat16](ctx, 1, 32, 8, 32768, 256, 10)
+            _bench_decode[DType.bfloat16](ctx, 1, 32, 8, 8192, 128, 10, 16)
     print("attn_decode failures:", failures)
     if failures > 0:
         raise Error("attention (decode): ", failures, " checks failed")

@@ -416,17 +416,29 @@ AD_Q_ELEMS = 4096  # DECODE_Q_ELEMS
 AD_REG_ROWS = 8  # DECODE_REG_ROWS: groups of at most this many rows take the register kernel
 AD_REG_CTAS_PER_SM = 8  # DECODE_REG_CTAS_PER_SM
 AD_REG_MIN_KEYS = 64  # DECODE_REG_MIN_KEYS
+AD_MMA_MIN_ROWS = (
+    2  # DECODE_MMA_MIN_ROWS: 2-byte dtypes from this many rows take the tensor-core kernel's plan
+)
+AD_MMA_MAX_D = 128  # DECODE_MMA_MAX_D
+AD_MMA_CTAS_PER_SM = 2  # DECODE_MMA_CTAS_PER_SM
+AD_MMA_MIN_TILES = 2  # DECODE_MMA_MIN_TILES
 
 
 def attention_decode_splits(b: int, h: int, hkv: int, s: int, skv: int, d: int, es: int, sms: int) -> int:
     """The split count of the decode kernels (decode_plan), 0 where attention_gpu does not take them: S <= 16,
-    a GQA group of H/Hkv * S <= 128 rows, D 64 / 128 / 256. Blocks = B * Hkv * row_blocks * splits aim at
+    a GQA group of H/Hkv * S <= 128 rows, D 64 / 128 / 256. fp16 / bf16 at D <= 128 with >= 2 rows: the
+    tensor-core kernel's count (MMA_* below). Otherwise blocks = B * Hkv * row_blocks * splits aim at
     CTAS_PER_SM per SM, each split at least MIN_TILES tiles of BN keys, at most MAX_SPLITS; groups of at most
     REG_ROWS rows (the register kernel, one row block): B * Hkv * splits aim at REG_CTAS_PER_SM per SM, each
     split at least REG_MIN_KEYS keys, at most MAX_SPLITS."""
     if d not in (64, 128, 256) or s > AD_MAX_S or (h // hkv) * s > AD_MAX_ROWS:
         return 0
     rows = (h // hkv) * s
+    if es == 2 and rows >= AD_MMA_MIN_ROWS and d <= AD_MMA_MAX_D:
+        # the tensor-core kernel (64-key tiles): B * Hkv * splits aim at MMA_CTAS_PER_SM per SM, each split at
+        # least MMA_MIN_TILES tiles (the SIMT kernels take the same count where that kernel does not run)
+        max_m = max(1, min(AD_MAX_SPLITS, _cdiv(skv, 64) // AD_MMA_MIN_TILES))
+        return max(1, min(max_m, _cdiv(sms * AD_MMA_CTAS_PER_SM, max(b * hkv, 1))))
     if rows <= AD_REG_ROWS:
         max_r = max(1, min(AD_MAX_SPLITS, skv // AD_REG_MIN_KEYS))
         return max(1, min(max_r, _cdiv(sms * AD_REG_CTAS_PER_SM, max(b * hkv, 1))))
