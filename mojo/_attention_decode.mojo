@@ -15,9 +15,10 @@
 #    L2 warm, bf16 D128, the SIMT kernels -> this one in the same run, same split count): B1 H32/8 S1 Skv 2K
 #    13.6 -> 10.7 us, 8K 26.2 -> 21.4, 32K 64.0 -> 50.2, 128K 193.8 -> 147.4; B32 Skv 2K 116.6 -> 85.7, 8K
 #    377.7 -> 274.4, 32K 1425 -> 1053 (4.08 TB/s); GQA 8 (H32/4) B1 32K 62.1 -> 39.2; H64/8 B32 8K 615.5 ->
-#    283.8; D64 B32 8K 194.9 -> 145.2; S = 16 B1 8K 481.4 -> 81.5. Probes in the same run: half the split count
-#    (DECODE_MMA_CTAS_PER_SM 4 -> 2) is 4-45% faster at B1 (S = 16 45.1 us, B1 32K 46.2), a 3-stage ring no
-#    faster than 2 (2 blocks of 206 registers per SM either way). D256 loses (2x the SIMT kernel's time: its
+#    283.8; D64 B32 8K 194.9 -> 145.2; S = 16 B1 8K 481.4 -> 81.5 (all at 4 blocks per SM). Split probes in
+#    the same run: one wave of 2 blocks per SM is the fastest count (B1 32K 33 splits 46.2 us against 66:
+#    50.0 and 132: 57.5; S = 16 32 splits 45.1 against 64: 76.6; B32 8K 1 split 264.4 against 3: 273.5);
+#    a 3-stage ring is no faster than 2 (2 blocks of 206 registers per SM either way). D256 loses (2x the SIMT kernel's time: its
 #    O accumulator and Q fragments spill), so D256 keeps the SIMT kernels. ptxas sm_90a (D64 / D128, WR 1..8):
 #    138-255 registers, at most 16 bytes spilled (the 128-MMA kernels: D128 with 4 or 8 row warps); one row
 #    warp at D128: 206 registers x 128 threads, 2 blocks per SM.
@@ -134,7 +135,7 @@ comptime DECODE_COMBINE_THREADS = 256  # threads per block of the combine (one b
 # the tensor-core kernel (`_decode_mma_kernel`, NVIDIA fp16 / bf16, D 64 / 128, groups of 2..128 rows)
 comptime DECODE_MMA_MIN_ROWS = 2  # rows from which 2-byte dtypes at D <= 128 take its plan (on NVIDIA the kernel)
 comptime DECODE_MMA_MAX_D = 128  # D256: its 128-register O accumulator and Q fragments spill (2x slower than SIMT)
-comptime DECODE_MMA_CTAS_PER_SM = 2  # blocks per SM its split count aims at (2 resident at D128: 206 registers)
+comptime DECODE_MMA_CTAS_PER_SM = 2  # resident blocks per SM (D128: 206 registers): splits fill one wave of them
 comptime DECODE_MMA_MIN_TILES = 2  # block tiles (_mma_bn keys) per split at least
 
 
@@ -159,8 +160,9 @@ def decode_applies(H: Int, Hkv: Int, S: Int, D: Int) -> Bool:
 
 def decode_plan(B: Int, H: Int, Hkv: Int, S: Int, Skv: Int, D: Int, es: Int, sms: Int) -> Tuple[Int, Int, Int]:
     """(row_blocks, rows per block, splits) of a decode call. fp16 / bf16 at D <= 128 with >= 2 rows: the
-    tensor-core kernel's count (B * Hkv * splits aims at DECODE_MMA_CTAS_PER_SM blocks per SM, each split at
-    least DECODE_MMA_MIN_TILES tiles), rows and row blocks as the SIMT kernels that run there elsewhere want
+    tensor-core kernel's count: B * Hkv * splits fills one wave of DECODE_MMA_CTAS_PER_SM blocks per SM without
+    passing it (a second wave for a few blocks costs a whole tile walk: as the Triton backend's split model),
+    each split at least DECODE_MMA_MIN_TILES tiles; rows and row blocks as the SIMT kernels that run there elsewhere want
     them. Otherwise, up to DECODE_REG_ROWS rows: the register kernel (one row block, DECODE_REG_CTAS_PER_SM
     blocks per SM, at least DECODE_REG_MIN_KEYS keys per split); more: the tile kernel."""
     var rows = (H // Hkv) * S
@@ -169,7 +171,7 @@ def decode_plan(B: Int, H: Int, Hkv: Int, S: Int, Skv: Int, D: Int, es: Int, sms
         # run (AMD, unaligned k / v) the SIMT kernels take the same count, so the host's workspace mirror
         # (specs.py) needs no vendor.
         var max_m = max(1, min(DECODE_MAX_SPLITS, ceildiv(Skv, _mma_bn(D)) // DECODE_MMA_MIN_TILES))
-        var splits_m = max(1, min(max_m, ceildiv(sms * DECODE_MMA_CTAS_PER_SM, max(B * Hkv, 1))))
+        var splits_m = max(1, min(max_m, sms * DECODE_MMA_CTAS_PER_SM // max(B * Hkv, 1)))
         if rows <= DECODE_REG_ROWS:
             return (1, rows, splits_m)
         var rb_m = max(1, ceildiv(rows, _dec_rb(D)))

@@ -80,10 +80,8 @@ def _plan(b: int, h: int, hkv: int, s: int, skv: int, d: int, es: int, sms: int)
     bn = max(1, min(32, 8192 // (d * es)))
     rb = min(64, 4096 // d)
     rows = (h // hkv) * s
-    if (
-        es == 2 and rows >= 2 and d <= 128
-    ):  # the tensor-core kernel: 64-key tiles, 2 blocks per SM, >= 2 tiles
-        return max(1, min(max(1, min(256, _cdiv(skv, 64) // 2)), _cdiv(sms * 2, max(b * hkv, 1))))
+    if es == 2 and rows >= 2 and d <= 128:  # tensor cores: 64-key tiles, one wave of 2 per SM, >= 2 tiles
+        return max(1, min(max(1, min(256, _cdiv(skv, 64) // 2)), sms * 2 // max(b * hkv, 1)))
     if rows <= 8:  # the register kernel: one row block, 8 blocks per SM, >= 64 keys per split
         return max(1, min(max(1, min(256, skv // 64)), _cdiv(sms * 8, max(b * hkv, 1))))
     row_blocks = max(1, _cdiv(rows, rb))
@@ -115,20 +113,21 @@ def test_part_bound(sms: int, dtype: torch.dtype) -> None:
 
 
 def test_decode_shapes_split_to_fill_the_gpu() -> None:
-    """132 SMs (H100 / H200), H32/8 D128. bf16 with >= 2 rows: the tensor-core kernel, B * Hkv * splits aiming
-    at 264 blocks (2 per SM), at least 2 tiles of 64 keys per split: B1 (8 kv heads) Skv 2048 has 32 tiles, so
-    16 splits; Skv 32768 33; B32 (256 groups) 2; 8 rows over 300 keys: 5 tiles, 2 splits. fp32, 4 rows: the
+    """132 SMs (H100 / H200), H32/8 D128. bf16 with >= 2 rows: the tensor-core kernel, B * Hkv * splits filling
+    at most one wave of 264 blocks (2 per SM), at least 2 tiles of 64 keys per split: B1 (8 kv heads) Skv 2048
+    has 32 tiles, so 16 splits; Skv 32768 33; B32 (256 groups) 1; 8 rows over 300 keys: 5 tiles, 2 splits. fp32, 4 rows: the
     register kernel, 1056 blocks wanted (8 per SM): Skv 2048 allows 32 splits of 64 keys. fp32, 16 rows (S 4):
     the tile kernel, 528 blocks wanted (4 per SM): Skv 2048 has 128 tiles of 16 keys, so 64 splits. D256 bf16
     keeps the register kernel's plan: Skv 32768, 132 splits."""
     bf = torch.bfloat16
     assert specs.attention_decode_splits(1, 32, 8, 1, 2048, 128, 2, 132) == 16
     assert specs.attention_decode_splits(1, 32, 8, 1, 32768, 128, 2, 132) == 33
-    assert specs.attention_decode_splits(32, 32, 8, 1, 2048, 128, 2, 132) == 2
-    assert specs.attention_decode_splits(32, 32, 8, 1, 32768, 128, 2, 132) == 2
+    assert specs.attention_decode_splits(32, 32, 8, 1, 2048, 128, 2, 132) == 1
+    assert specs.attention_decode_splits(32, 32, 8, 1, 32768, 128, 2, 132) == 1
+    assert specs.attention_decode_splits(8, 32, 8, 1, 32768, 128, 2, 132) == 4  # 64 groups: 264 // 64
     assert specs.attention_decode_splits(1, 64, 8, 1, 300, 128, 2, 132) == 2  # 8 rows, 5 tiles
     assert specs.attention_decode_splits(1, 32, 8, 4, 2048, 128, 2, 132) == 16  # 16 rows
-    assert specs.attention_decode_splits(32, 32, 8, 4, 2048, 128, 2, 132) == 2
+    assert specs.attention_decode_splits(32, 32, 8, 4, 2048, 128, 2, 132) == 1
     assert specs.attention_decode_splits(1, 32, 32, 1, 2048, 128, 2, 132) == 32  # MHA: 1 row, register kernel
     assert specs.attention_decode_splits(1, 32, 8, 1, 2048, 128, 4, 132) == 32  # fp32: register kernel
     assert specs.attention_decode_splits(1, 32, 8, 4, 2048, 128, 4, 132) == 64  # fp32 16 rows: tile kernel

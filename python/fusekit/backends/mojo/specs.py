@@ -435,10 +435,10 @@ def attention_decode_splits(b: int, h: int, hkv: int, s: int, skv: int, d: int, 
         return 0
     rows = (h // hkv) * s
     if es == 2 and rows >= AD_MMA_MIN_ROWS and d <= AD_MMA_MAX_D:
-        # the tensor-core kernel (64-key tiles): B * Hkv * splits aim at MMA_CTAS_PER_SM per SM, each split at
-        # least MMA_MIN_TILES tiles (the SIMT kernels take the same count where that kernel does not run)
+        # the tensor-core kernel (64-key tiles): B * Hkv * splits fill one wave of MMA_CTAS_PER_SM blocks per SM,
+        # each split at least MMA_MIN_TILES tiles (the SIMT kernels take the same count where it does not run)
         max_m = max(1, min(AD_MAX_SPLITS, _cdiv(skv, 64) // AD_MMA_MIN_TILES))
-        return max(1, min(max_m, _cdiv(sms * AD_MMA_CTAS_PER_SM, max(b * hkv, 1))))
+        return max(1, min(max_m, sms * AD_MMA_CTAS_PER_SM // max(b * hkv, 1)))
     if rows <= AD_REG_ROWS:
         max_r = max(1, min(AD_MAX_SPLITS, skv // AD_REG_MIN_KEYS))
         return max(1, min(max_r, _cdiv(sms * AD_REG_CTAS_PER_SM, max(b * hkv, 1))))
