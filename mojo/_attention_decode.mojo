@@ -18,10 +18,12 @@
 #    283.8; D64 B32 8K 194.9 -> 145.2; S = 16 B1 8K 481.4 -> 81.5 (all at 4 blocks per SM). Split probes in
 #    the same run: one wave of 2 blocks per SM is the fastest count (B1 32K 33 splits 46.2 us against 66:
 #    50.0 and 132: 57.5; S = 16 32 splits 45.1 against 64: 76.6; B32 8K 1 split 264.4 against 3: 273.5);
-#    a 3-stage ring is no faster than 2 (2 blocks of 206 registers per SM either way). D256 loses (2x the SIMT kernel's time: its
-#    O accumulator and Q fragments spill), so D256 keeps the SIMT kernels. ptxas sm_90a (D64 / D128, WR 1..8):
-#    138-255 registers, at most 16 bytes spilled (the 128-MMA kernels: D128 with 4 or 8 row warps); one row
-#    warp at D128: 206 registers x 128 threads, 2 blocks per SM.
+#    a 3-stage ring is no faster than 2 (2 blocks of 206 registers per SM either way). D256 loses (2x the SIMT
+#    kernel's time: its O accumulator and Q fragments spill), so D256 keeps the SIMT kernels. ptxas sm_90a
+#    (D64 / D128, WR 1..8): 138-255 registers, at most 16 bytes spilled (the 128-MMA kernels: D128 with 4 or 8
+#    row warps); one row warp at D128: 206 registers x 128 threads, 2 blocks per SM. At 5bd4a34 (one wave):
+#    B1 8K 15.9 us, 32K 45.3, B32 2K 74.0, 8K 264.1; through ops.attention (bench, CUDA events) each call
+#    shows ~9 us more (README, "session 43"): the replayed graph of a mojo call, not this kernel.
 #
 # 1. `_decode_reg_kernel[R]` (groups of at most DECODE_REG_ROWS = 8 rows: S = 1 decode with GQA <= 8, MHA, small
 #    S; R = 1 / 4 / 8 rows compiled), one block of 128 threads per (b, kv head) x split, no shared memory in its
@@ -162,9 +164,9 @@ def decode_plan(B: Int, H: Int, Hkv: Int, S: Int, Skv: Int, D: Int, es: Int, sms
     """(row_blocks, rows per block, splits) of a decode call. fp16 / bf16 at D <= 128 with >= 2 rows: the
     tensor-core kernel's count: B * Hkv * splits fills one wave of DECODE_MMA_CTAS_PER_SM blocks per SM without
     passing it (a second wave for a few blocks costs a whole tile walk: as the Triton backend's split model),
-    each split at least DECODE_MMA_MIN_TILES tiles; rows and row blocks as the SIMT kernels that run there elsewhere want
-    them. Otherwise, up to DECODE_REG_ROWS rows: the register kernel (one row block, DECODE_REG_CTAS_PER_SM
-    blocks per SM, at least DECODE_REG_MIN_KEYS keys per split); more: the tile kernel."""
+    each split at least DECODE_MMA_MIN_TILES tiles; rows and row blocks as the SIMT kernels that run there
+    elsewhere want them. Otherwise, up to DECODE_REG_ROWS rows: the register kernel (one row block,
+    DECODE_REG_CTAS_PER_SM blocks per SM, at least DECODE_REG_MIN_KEYS keys per split); more: the tile kernel."""
     var rows = (H // Hkv) * S
     if es == 2 and rows >= DECODE_MMA_MIN_ROWS and D <= DECODE_MMA_MAX_D:
         # the tensor-core kernel's split count (one block per (b, kv head) x split). Where that kernel does not
@@ -1114,8 +1116,8 @@ def attention_decode_gpu[
     use_mma: Bool = True,
 ) raises:
     """Enqueue the split-KV decode kernels (the caller checked decode_applies). force_splits > 0 forces the
-    split count (harness), within the workspace given; use_mma False keeps the SIMT kernels (harness A/B). HD != 0: only that head dim's kernels are compiled
-    (attention_gpu_ws); 0: every head dim's."""
+    split count (harness), within the workspace given; use_mma False keeps the SIMT kernels (harness A/B).
+    HD != 0: only that head dim's kernels are compiled (attention_gpu_ws); 0: every head dim's."""
     if B * H * S == 0:
         return
     var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
