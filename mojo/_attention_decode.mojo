@@ -22,8 +22,11 @@
 #    kernel's time: its O accumulator and Q fragments spill), so D256 keeps the SIMT kernels. ptxas sm_90a
 #    (D64 / D128, WR 1..8): 138-255 registers, at most 16 bytes spilled (the 128-MMA kernels: D128 with 4 or 8
 #    row warps); one row warp at D128: 206 registers x 128 threads, 2 blocks per SM. At 5bd4a34 (one wave):
-#    B1 8K 15.9 us, 32K 45.3, B32 2K 74.0, 8K 264.1; through ops.attention (bench, CUDA events) each call
-#    shows ~9 us more (README, "session 43"): the replayed graph of a mojo call, not this kernel.
+#    B1 8K 15.9 us, 32K 45.3, B32 2K 74.0, 8K 264.1 (L2 warm: B1 8K's 34 MB of KV stay in the 60 MB L2).
+#    The benchmark (ops.attention, CUDA events, L2 flushed) gives 25.2 / 54.0 / 82.6 / 272.9 us. The
+#    replayed torch graph of a mojo call holds exactly this kernel and the combine (node dump on the H200,
+#    .dev probe: 2 kernel nodes, 1 edge; no host, copy or event node), so the gap is the cold L2 and the
+#    graph launch, not extra work.
 #
 # 1. `_decode_reg_kernel[R]` (groups of at most DECODE_REG_ROWS = 8 rows: S = 1 decode with GQA <= 8, MHA, small
 #    S; R = 1 / 4 / 8 rows compiled), one block of 128 threads per (b, kv head) x split, no shared memory in its
