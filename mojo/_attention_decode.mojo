@@ -1172,12 +1172,14 @@ def attention_decode_gpu[
 
     @always_inline
     def launch_main[HD: Int]() raises {var}:
-        """The tensor-core kernel where it applies (NVIDIA, fp16 / bf16, 16-byte aligned k and v: cp.async),
-        else the SIMT kernels."""
+        """The tensor-core kernel where it applies (NVIDIA, fp16 / bf16, D <= 128, 16-byte aligned k and v,
+        4-byte aligned q), else the SIMT kernels."""
         comptime if DeviceContext.default_device_info.api == "cuda" and (
             dtype == DType.bfloat16 or dtype == DType.float16
         ) and HD <= DECODE_MMA_MAX_D:
-            if use_mma and vec != 0 and rows >= DECODE_MMA_MIN_ROWS:
+            # cp.async needs 16-byte aligned k / v (vec), q's paired loads 4-byte alignment: a contiguous view
+            # one element into its storage takes the SIMT kernels
+            if use_mma and vec != 0 and Int(q) % 4 == 0 and rows >= DECODE_MMA_MIN_ROWS:
                 if rows <= 16:
                     launch_mma[HD, 1]()
                 elif rows <= 32:

@@ -673,8 +673,11 @@ def attention_gpu_ws[
         )
 
     comptime if DeviceContext.default_device_info.api == "cuda" and (dtype == DType.bfloat16 or dtype == DType.float16):
-        # fa2's grid axis 1 is B * H, which CUDA caps at 65535 blocks: larger batches take the row-wise kernel
-        if not force_rowwise and B * H <= 65535:
+        # fa2's grid axis 1 is B * H, which CUDA caps at 65535 blocks: larger batches take the row-wise kernel;
+        # so do misaligned views (cp.async reads k / v in 16-byte chunks, q and o move in 4-byte pairs): a
+        # contiguous view one element into its storage would otherwise fault (misaligned address)
+        var fa2_aligned = Int(k) % 16 == 0 and Int(v) % 16 == 0 and Int(q) % 4 == 0 and Int(o) % 4 == 0
+        if not force_rowwise and B * H <= 65535 and fa2_aligned:
             comptime if HD == 0 or HD == 64:
                 if D == 64:
                     launch_fa2[64]()
@@ -988,7 +991,13 @@ def attention_backward_gpu[
     ctx.enqueue_function[_attn_bwd_delta_kernel[dtype]](
         delta, do_, o, Int64(rows), Int32(D), grid_dim=ceildiv(rows, 4), block_dim=4 * WARP_SIZE
     )
-    if tensor_cores and tc_backward_supported[dtype](B, H, Hkv, D):
+    # the tensor-core kernels read q, do, k and v with 16-byte cp.async and store dq / dk / dv in 4-byte pairs:
+    # misaligned views (a contiguous view one element into its storage) take the SIMT kernels
+    var tc_aligned = (
+        Int(q) % 16 == 0 and Int(do_) % 16 == 0 and Int(k) % 16 == 0 and Int(v) % 16 == 0
+        and Int(dq) % 4 == 0 and Int(dk) % 4 == 0 and Int(dv) % 4 == 0
+    )
+    if tensor_cores and tc_aligned and tc_backward_supported[dtype](B, H, Hkv, D):
         attention_backward_tc[dtype, HD](
             dq, dk, dv, delta, do_, q, k, v, lse, kv_len, params, B, H, Hkv, S, Skv, D, ctx
         )
