@@ -141,7 +141,8 @@ comptime DECODE_COMBINE_THREADS = 256  # threads per block of the combine (one b
 comptime DECODE_MMA_MIN_ROWS = 2  # rows from which 2-byte dtypes at D <= 128 take its plan (on NVIDIA the kernel)
 comptime DECODE_MMA_MAX_D = 128  # D256: its 128-register O accumulator and Q fragments spill (2x slower than SIMT)
 comptime DECODE_MMA_CTAS_PER_SM = 2  # resident blocks per SM (D128: 206 registers): splits fill one wave of them
-comptime DECODE_MMA_MIN_TILES = 2  # block tiles (_mma_bn keys) per split at least
+comptime DECODE_MMA_MIN_TILES = 2  # block tiles (DECODE_MMA_BN keys) per split at least
+comptime DECODE_MMA_BN = 64  # keys per block tile (two stages of K and V: 36 KB at D64, 68 KB at D128)
 
 
 @always_inline
@@ -175,7 +176,7 @@ def decode_plan(B: Int, H: Int, Hkv: Int, S: Int, Skv: Int, D: Int, es: Int, sms
         # the tensor-core kernel's split count (one block per (b, kv head) x split). Where that kernel does not
         # run (AMD, unaligned k / v) the SIMT kernels take the same count, so the host's workspace mirror
         # (specs.py) needs no vendor.
-        var max_m = max(1, min(DECODE_MAX_SPLITS, ceildiv(Skv, _mma_bn(D)) // DECODE_MMA_MIN_TILES))
+        var max_m = max(1, min(DECODE_MAX_SPLITS, ceildiv(Skv, DECODE_MMA_BN) // DECODE_MMA_MIN_TILES))
         var splits_m = max(1, min(max_m, sms * DECODE_MMA_CTAS_PER_SM // max(B * Hkv, 1)))
         if rows <= DECODE_REG_ROWS:
             return (1, rows, splits_m)
@@ -699,28 +700,10 @@ def _decode_reg_kernel[
 
 
 @always_inline
-def _mma_bn(d: Int) -> Int:
-    """Keys per block tile: 64 (D64 / D128), 32 (D256: two 32 x 264 stages of K and V are 66 KB)."""
-    return 32 if d == 256 else 64
-
-
-@always_inline
-def _mma_wr(rows: Int) -> Int:
-    """Row warps of a GQA group of `rows` rows: 16 rows each (mma.sync's M), a power of two up to 8."""
-    if rows <= 16:
-        return 1
-    if rows <= 32:
-        return 2
-    if rows <= 64:
-        return 4
-    return 8
-
-
-@always_inline
-def _mma_wk(d: Int, wr: Int) -> Int:
+def _mma_wk(wr: Int) -> Int:
     """Key warps: with few row warps a block still runs 4 warps, each taking its own 16+ keys of every tile
     (merged through shared memory at the end), so an SM has 4x the warps its shared memory would give."""
-    return max(1, min(_mma_bn(d) // 16, 4 // wr))
+    return max(1, 4 // wr)
 
 
 @always_inline
@@ -728,8 +711,8 @@ def _mma_smem(d: Int, es: Int, wr: Int) -> Int:
     """Dynamic shared memory of a block: two stages of a K and a V tile (rows padded by 8 elements), reused by
     the final merge of the key warps' fp32 states (it fits: at most 66 KB at D128 with 8 row warps)."""
     var rt = 16 * wr
-    var wk = _mma_wk(d, wr)
-    return max(2 * 2 * _mma_bn(d) * (d + 8) * es, (wk * rt * d + 2 * wk * rt) * 4)
+    var wk = _mma_wk(wr)
+    return max(2 * 2 * DECODE_MMA_BN * (d + 8) * es, (wk * rt * d + 2 * wk * rt) * 4)
 
 
 def _decode_mma_kernel[
@@ -761,7 +744,7 @@ def _decode_mma_kernel[
     some row does not fully see is zeroed in shared memory (p = 0 times NaN would poison the MMA) and added
     back, once, to the rows that see its key after the merge (vbad: the rare path). NVIDIA only: the lane
     layout is mma.sync's 32-lane one."""
-    comptime BN = _mma_bn(D)
+    comptime BN = DECODE_MMA_BN
     comptime KW = BN // WK  # keys of each tile a key warp takes (a multiple of 16: P.V's k side)
     comptime NW = WR * WK
     comptime NT = NW * 32
@@ -1163,9 +1146,9 @@ def attention_decode_gpu[
     @always_inline
     def launch_mma[HD: Int, WR: Int]() raises {var}:
         comptime smem_bytes = _mma_smem(HD, size_of[dtype](), WR)
-        ctx.enqueue_function[_decode_mma_kernel[dtype, HD, WR, _mma_wk(HD, WR)]](
+        ctx.enqueue_function[_decode_mma_kernel[dtype, HD, WR, _mma_wk(WR)]](
             o, lse, part, q, k, v, kv_len, params, Int32(H), Int32(Hkv), Int32(S), Int32(Skv), Int32(splits),
-            plse_off, grid_dim=(B * Hkv, splits), block_dim=WR * _mma_wk(HD, WR) * 32,
+            plse_off, grid_dim=(B * Hkv, splits), block_dim=WR * _mma_wk(WR) * 32,
             shared_mem_bytes=smem_bytes,
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem_bytes)),
         )

@@ -103,7 +103,7 @@ from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_
 
 from ._util import exp_f64, log_f64, check_workspace
 from ._attention_backward import attention_backward_tc, tc_backward_supported
-from ._attention_decode import attention_decode_gpu, decode_applies
+from ._attention_decode import attention_decode_gpu, decode_applies, _quad_max, _quad_sum
 
 comptime LOG2E: Float32 = 1.4426950408889634
 comptime LN2: Float32 = 0.6931471805599453
@@ -162,25 +162,6 @@ def _finish_row(m: Float32, l: Float32) -> Tuple[Float32, Float32]:
     if _nonfinite(m):
         return (m * 0, m)
     return (1.0 / l, m + Float32(log_f64(Float64(l))))
-
-
-@always_inline
-def _quad_max(v: SIMD[DType.float32, 2]) -> SIMD[DType.float32, 2]:
-    """NaN-propagating max over the 4 lanes of a quad (the lanes that share an MMA accumulator row)."""
-    var r = v
-    comptime for e in range(2):
-        r[e] = _nmax(r[e], warp.shuffle_xor(r[e], 1))
-        r[e] = _nmax(r[e], warp.shuffle_xor(r[e], 2))
-    return r
-
-
-@always_inline
-def _quad_sum(v: SIMD[DType.float32, 2]) -> SIMD[DType.float32, 2]:
-    var r = v
-    comptime for e in range(2):
-        r[e] += warp.shuffle_xor(r[e], 1)
-        r[e] += warp.shuffle_xor(r[e], 2)
-    return r
 
 
 @always_inline

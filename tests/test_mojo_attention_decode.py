@@ -64,6 +64,7 @@ def test_mirrored_constants_match_the_kernel() -> None:
         "DECODE_MMA_MAX_D": specs.AD_MMA_MAX_D,
         "DECODE_MMA_CTAS_PER_SM": specs.AD_MMA_CTAS_PER_SM,
         "DECODE_MMA_MIN_TILES": specs.AD_MMA_MIN_TILES,
+        "DECODE_MMA_BN": specs.AD_MMA_BN,
     }
     for name, value in pairs.items():
         assert _comptime(name) == value, name
@@ -115,8 +116,8 @@ def test_part_bound(sms: int, dtype: torch.dtype) -> None:
 def test_decode_shapes_split_to_fill_the_gpu() -> None:
     """132 SMs (H100 / H200), H32/8 D128. bf16 with >= 2 rows: the tensor-core kernel, B * Hkv * splits filling
     at most one wave of 264 blocks (2 per SM), at least 2 tiles of 64 keys per split: B1 (8 kv heads) Skv 2048
-    has 32 tiles, so 16 splits; Skv 32768 33; B32 (256 groups) 1; 8 rows over 300 keys: 5 tiles, 2 splits. fp32, 4 rows: the
-    register kernel, 1056 blocks wanted (8 per SM): Skv 2048 allows 32 splits of 64 keys. fp32, 16 rows (S 4):
+    has 32 tiles, so 16 splits; Skv 32768 33; B32 (256 groups) 1; 8 rows over 300 keys: 5 tiles, 2 splits.
+    fp32, 4 rows: the register kernel, 1056 blocks wanted (8 per SM): Skv 2048 allows 32 splits of 64 keys. fp32, 16 rows (S 4):
     the tile kernel, 528 blocks wanted (4 per SM): Skv 2048 has 128 tiles of 16 keys, so 64 splits. D256 bf16
     keeps the register kernel's plan: Skv 32768, 132 splits."""
     bf = torch.bfloat16

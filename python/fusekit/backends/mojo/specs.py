@@ -416,12 +416,11 @@ AD_Q_ELEMS = 4096  # DECODE_Q_ELEMS
 AD_REG_ROWS = 8  # DECODE_REG_ROWS: groups of at most this many rows take the register kernel
 AD_REG_CTAS_PER_SM = 8  # DECODE_REG_CTAS_PER_SM
 AD_REG_MIN_KEYS = 64  # DECODE_REG_MIN_KEYS
-AD_MMA_MIN_ROWS = (
-    2  # DECODE_MMA_MIN_ROWS: 2-byte dtypes from this many rows take the tensor-core kernel's plan
-)
+AD_MMA_MIN_ROWS = 2  # DECODE_MMA_MIN_ROWS: 2-byte dtypes from 2 rows: the tensor-core plan
 AD_MMA_MAX_D = 128  # DECODE_MMA_MAX_D
 AD_MMA_CTAS_PER_SM = 2  # DECODE_MMA_CTAS_PER_SM
 AD_MMA_MIN_TILES = 2  # DECODE_MMA_MIN_TILES
+AD_MMA_BN = 64  # DECODE_MMA_BN: keys per tile
 
 
 def attention_decode_splits(b: int, h: int, hkv: int, s: int, skv: int, d: int, es: int, sms: int) -> int:
@@ -435,9 +434,9 @@ def attention_decode_splits(b: int, h: int, hkv: int, s: int, skv: int, d: int, 
         return 0
     rows = (h // hkv) * s
     if es == 2 and rows >= AD_MMA_MIN_ROWS and d <= AD_MMA_MAX_D:
-        # the tensor-core kernel (64-key tiles): B * Hkv * splits fill one wave of MMA_CTAS_PER_SM blocks per SM,
+        # the tensor-core kernel (MMA_BN-key tiles): B * Hkv * splits fill one wave of MMA_CTAS_PER_SM blocks per SM,
         # each split at least MMA_MIN_TILES tiles (the SIMT kernels take the same count where it does not run)
-        max_m = max(1, min(AD_MAX_SPLITS, _cdiv(skv, 64) // AD_MMA_MIN_TILES))
+        max_m = max(1, min(AD_MAX_SPLITS, _cdiv(skv, AD_MMA_BN) // AD_MMA_MIN_TILES))
         return max(1, min(max_m, sms * AD_MMA_CTAS_PER_SM // max(b * hkv, 1)))
     if rows <= AD_REG_ROWS:
         max_r = max(1, min(AD_MAX_SPLITS, skv // AD_REG_MIN_KEYS))
