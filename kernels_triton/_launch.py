@@ -209,6 +209,8 @@ def _direct(kernel: Any, g3: tuple, device: int) -> Callable[..., None]:
             else:
                 runner(*args)
 
+        if expand is None:  # what kernels_triton._replay inlines into a generated replay (one frame less)
+            launch_raw.inline = (c_launch, gx, gy, gz, device, function, coop, pdl, metadata, unhooked)
         return launch_raw
 
     def launch_direct(*args: Any) -> None:

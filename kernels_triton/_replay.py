@@ -119,13 +119,17 @@ def _generate(
     launches: list[tuple[Callable, list]], bases: list[tuple[str, int, torch.Tensor, int, int]]
 ) -> Callable | None:
     """Source of `replay(o, i)` for the recorded launches, compiled with exec."""
-    ns: dict[str, Any] = {"_empty": torch.empty, "_u8": torch.uint8, "_mm": torch.mm, "_at": _tensor_at}
+    ns: dict[str, Any] = {
+        "_empty": torch.empty, "_u8": torch.uint8, "_mm": torch.mm, "_at": _tensor_at, "_stream": _launch._stream,
+    }  # fmt: skip
     lines = ["def replay(o, i):"]
     ptrs: dict[tuple[str, int], str] = {}  # base -> local holding its data_ptr()
     mm_ws: set[int] = set()  # workspaces an mm step reads or writes (allocated even without a launch)
     by_slot = {(kind, i): b for kind, i, b, _, _ in bases}
     checks: list[str] = []
     calls: list[str] = []
+    inline: list[str] | None = []  # the launches as direct C launches, None when one cannot be
+    streams: dict[int, str] = {}  # device index -> local holding its current raw stream
     for k, (runner, args) in enumerate(launches):
         if runner is _MM:
             parts = []
@@ -143,8 +147,19 @@ def _generate(
                 ns[f"m{k}_{j}"] = (a.dtype, a.element_size(), tuple(a.shape), tuple(a.stride()))
                 parts.append(f"_at({base}, {off}, *m{k}_{j})")
             calls.append(f"    _mm({parts[0]}, {parts[1]}, out={parts[2]})")
+            if inline is not None:
+                inline.append("    " + calls[-1])
             continue
         ns[f"r{k}"] = runner
+        inl = getattr(runner, "inline", None)
+        if inl is None:
+            inline = None
+        elif inline is not None:
+            c_launch, gx, gy, gz, device, function, coop, pdl, metadata, unhooked = inl
+            ns.update({f"l{k}": c_launch, f"x{k}": gx, f"y{k}": gy, f"z{k}": gz, f"f{k}": function,
+                       f"q{k}": coop, f"e{k}": pdl, f"md{k}": metadata, "_unhooked": unhooked})  # fmt: skip
+            stream = streams.setdefault(device, f"s{len(streams)}")
+            ns[f"v{stream}"] = device
         parts = []
         for j, a in enumerate(args):
             s = _slot(a, bases)
@@ -163,6 +178,17 @@ def _generate(
                 checks.append(f"(({expr}) & 15 == 0) is {bool(a.data_ptr() & 15 == 0)}")
             parts.append(expr)
         calls.append(f"    r{k}({', '.join(parts)})")
+        if inline is not None:
+            head = f"x{k}, y{k}, z{k}, {stream}, f{k}, q{k}, e{k}, None, None, md{k}, None, None, None"
+            inline.append(f"        l{k}({head}, {', '.join(parts)})")
+    if inline is not None:
+        # While no launch hook is registered, Triton 3.6's compiled C launches themselves (what each
+        # runner, _launch._direct's launch_raw, would call), one current-stream lookup per device;
+        # otherwise the runners, which take Triton's hooked path.
+        runners = ["    " + c for c in calls]
+        calls = ["    if _unhooked():"]
+        calls += [f"        {s} = _stream(v{s})" for s in streams.values()]
+        calls += [*inline, "    else:", *runners]
     temps = {i: t for kind, i, t, _, _ in bases if kind == "t"}
     for idx in sorted(mm_ws | {idx for kind, idx in ptrs if kind == "t"}):
         t = temps[idx]

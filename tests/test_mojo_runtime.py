@@ -538,6 +538,31 @@ def test_plan_replay_traces_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rp((y2, None), (x2, None, w)) is True and g.replays == 1 and d.counts["replay"] == 1
     assert rp((y, None), (x2, None, w)) is False and g.replays == 1  # another output pointer
 
+    # the same pointers again: the remembered lookup (bare pointers) replays the same graph
+    assert len(rp.fast) == 1
+    assert rp((y2, None), (x2, None, w)) is True and g.replays == 2 and d.counts["replay"] == 2
+    # a graph evicted anywhere voids remembered lookups: this key is gone, so nothing replays
+    del model.graphs[key]
+    d.evictions += 1
+    assert rp((y2, None), (x2, None, w)) is False and g.replays == 2
+    g2 = model.graphs[key] = _Graph()  # captured again: found through run's key, remembered anew
+    assert rp((y2, None), (x2, None, w)) is True and g2.replays == 1 and g.replays == 2
+
+    # a workspace: fresh per call at the size read once, between the outputs and the inputs as run passes it
+    st.sms, st.device = 4, torch.device("cpu")
+    sized = SimpleNamespace(
+        graphs={}, capturable=True, captures=0, replays=0, spec=SimpleNamespace(params=()),
+        workspaces=((torch.float32, lambda outs, ins, sms: 3 * sms), (torch.int32, lambda outs, ins, sms: 0)),
+    )  # fmt: skip
+    rw = PlanReplay.build(d, [(sized, st, (y,), (x,), ())], (y,), (x,))
+    assert rw is not None and rw.allocs == ((12, torch.float32, st.device),)
+    seen: list = []
+    ws = torch.zeros(12)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", lambda n, dtype, device: seen.append((n, dtype)) or ws)
+        gw = sized.graphs[(arg_key(y), arg_key(ws), arg_key(dummy), arg_key(x))] = _Graph()
+        assert rw((y,), (x,)) is True and gw.replays == 1 and seen == [(12, torch.float32)]
+
     assert PlanReplay.build(d, calls, (y, None), (x, x, w)) is None  # x in two places
     assert PlanReplay.build(d, [(model, st, (torch.empty(4),), (x,), ())], (y,), (x,)) is None  # temporary
     assert PlanReplay.build(d, [], (y,), (x,)) is None

@@ -309,6 +309,48 @@ def test_nested_record_is_part_of_the_outer_one(toy) -> None:
     assert [a[2][3] for a in log] == [1.0, 2.0, 3.0]
 
 
+def test_replay_calls_the_c_launch_inline(toy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the lean path calls Triton 3.6's compiled C launch (_raw_launch), the generated replay calls it
+    itself with the launch's constants (grid, function, flags, metadata) and one current-stream lookup; with
+    a launch hook registered it takes the runners, so the hook still sees every launch."""
+    fn, log = toy
+    from triton import knobs
+
+    class _C:  # the compiled launcher object: its flags, and the C launch raw_launcher hands back
+        launch_cooperative_grid, launch_pdl = False, True
+
+    def c_launch(gx, gy, gz, stream, function, coop, pdl, gs, ps, md, lm, enter, exit_, *args) -> None:
+        assert (gs, ps, lm, enter, exit_) == (None, None, None, None, None)
+        log.append(("c", (gx, gy, gz), stream, coop, pdl, args))
+
+    monkeypatch.setattr(_launch, "RAW", True)
+    monkeypatch.setattr(_launch, "raw_launcher", lambda run: (c_launch, None))
+    monkeypatch.setattr(_launch, "_stream", lambda device: 7)
+    monkeypatch.setattr(_Kernel, "run", _C())
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+
+    def launcher(outs, ins):
+        (y,), (x, w) = outs, ins
+        fn[(2,)](x, y, x.shape[1], 1e-6, BLOCK=64)
+        fn[(3,)](w, y, 5, 0.5, BLOCK=64)
+
+    outs, ins = _io()
+    replay = _warm_and_record(fn, log, launcher, outs, ins)
+    assert replay is not None and "l0" in replay.__code__.co_names
+    outs2, ins2 = _io()
+    assert replay(outs2, ins2) is True
+    (y2,), (x2, w2) = outs2, ins2
+    assert log == [
+        ("c", (2, 1, 1), 7, False, True, (_ptr(x2), _ptr(y2), 64, 1e-6, 64)),
+        ("c", (3, 1, 1), 7, False, True, (_ptr(w2), _ptr(y2), 5, 0.5, 64)),
+    ]
+    log.clear()
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)  # a profiler's hook
+    assert replay(outs2, ins2) is True
+    assert [e[0] for e in log] == ["hooked", "hooked"]
+
+
 @pytest.mark.usefixtures("toy")
 def test_disabled_lean_path_never_records(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_launch, "ENABLED", False)
