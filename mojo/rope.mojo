@@ -5,11 +5,13 @@ rotation), (a, b) -> (a c + b s, b c - a s): the same kernel with a compile-time
 Layouts: HF halves, pairs (i, i + D/2); interleaved, pairs (2i, 2i + 1). cos/sin come from the tables
 [St, D/2] f32 at row p when has_tables, else are computed in-kernel (fp32 angle as
 reference.py; exp/sin/cos accurately in fp64: the GPU's fast `cos.approx` is wrong for large angles).
-params = [start_pos, theta, interleaved (0/1), has_tables (0/1), has_positions (0/1)] (CONTRACT.md),
-read on the device.
-Signatures: rope(y [B,S,H,D], x, cos?, sin?, positions?, params), rope_backward(dx [B,S,H,D], dy, cos?,
-sin?, positions?, params); absent tables are [1, 1] dummies (has_tables = 0), an absent positions a
-[1, 1] int32 dummy (has_positions = 0), never read.
+params = [start_pos, theta, interleaved (0/1), has_tables (0/1), has_positions (0/1)] (mojo/README.md),
+read on the device (the backward's has_k after them is not read: an absent k is told by its dummy).
+Signatures: rope(y [B,S,H,D], yk?, x, cos?, sin?, positions?, k? [B,S,Hk,D], params),
+rope_backward(dx [B,S,H,D], dk?, dy, cos?, sin?, positions?, dyk?, params); absent tables are [1, 1]
+dummies (has_tables = 0), an absent positions a [1, 1] int32 dummy (has_positions = 0), an absent k / yk
+a [1, 1, 1, 1] dummy (head dim 1: a real one has x's even head dim), never read nor written. q and k
+are one launch: a decode step's one-token rope was two launches, two nodes of its replayed graph.
 positions (int32 [B, S] contiguous, ops/rope.py `_positions`) replace start_pos + s by positions[b, s]:
 one scalar load per (b, s) row. Their values are untrusted (CUDA callers skip the host-synced check), so
 they are clamped to [0, St - 1] with tables (St = the shorter table's rows) or [0, 2^24] without, as
@@ -105,6 +107,8 @@ def _row_cos_sin[W: Int, NEG: Bool](
 def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
     res: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
+    res_k: Pointer[Scalar[dtype], MutAnyOrigin],
+    xk: Pointer[Scalar[dtype], MutAnyOrigin],
     cos_t: FPtr,
     sin_t: FPtr,
     pos_t: IPtr,
@@ -112,6 +116,7 @@ def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
     n_rows: Int64,
     seq: Int64,
     heads: Int64,
+    heads_k: Int64,
     dim: Int64,
     table_rows: Int64,
     head_chunk: Int64,
@@ -120,9 +125,9 @@ def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
     var d = Int(dim)
     var half = d // 2
     var groups = half // W
-    var nh = Int(heads)
     var hc = Int(head_chunk)  # heads per unit (rope_gpu: all of them, or HU where rows are few)
-    var chunks = (nh + hc - 1) // hc
+    var cq = (Int(heads) + hc - 1) // hc  # x's head chunks, then k's (0 without k): one launch for both
+    var chunks = cq + (Int(heads_k) + hc - 1) // hc
     var start = Int(params[unsafe_offset=0])
     var inter = params[unsafe_offset=2] != 0
     var tables = params[unsafe_offset=3] != 0
@@ -135,7 +140,16 @@ def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
     while u < total:
         var row = u // (chunks * groups)
         var i0 = (u % groups) * W
-        var h = ((u // groups) % chunks) * hc
+        var c = (u // groups) % chunks
+        var src = x
+        var dst = res
+        var nh = Int(heads)
+        if c >= cq:  # one of k's chunks: same row, same positions, same cos/sin
+            src = xk
+            dst = res_k
+            nh = Int(heads_k)
+            c -= cq
+        var h = c * hc
         var h_end = min(h + hc, nh)
         var pos = _position(row, Int(seq), start, pos_t, has_pos, tables, Int(table_rows))
         var cs = _row_cos_sin[W, NEG](cos_t, sin_t, tables, pos, i0, half, coef)
@@ -146,21 +160,21 @@ def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
             var A = SIMD[dtype, HU * W](0)
             var B = SIMD[dtype, HU * W](0)
             comptime for t in range(HU):
-                var p = x.unsafe_offset(base + (h + t) * d)
+                var p = src.unsafe_offset(base + (h + t) * d)
                 A = A.insert[offset = t * W](p.unsafe_load[width=W, alignment=AL](o0))
                 B = B.insert[offset = t * W](p.unsafe_load[width=W, alignment=AL](o1))
             comptime for t in range(HU):
                 var r = _rot[dtype, W](A.slice[W, offset = t * W](), B.slice[W, offset = t * W](), cs[0], cs[1], inter)
-                var q = res.unsafe_offset(base + (h + t) * d)
+                var q = dst.unsafe_offset(base + (h + t) * d)
                 q.unsafe_store[alignment=AL](o0, r[0])
                 q.unsafe_store[alignment=AL](o1, r[1])
             h += HU
         while h < h_end:
-            var p = x.unsafe_offset(base + h * d)
+            var p = src.unsafe_offset(base + h * d)
             var r = _rot[dtype, W](
                 p.unsafe_load[width=W, alignment=AL](o0), p.unsafe_load[width=W, alignment=AL](o1), cs[0], cs[1], inter
             )
-            var q = res.unsafe_offset(base + h * d)
+            var q = dst.unsafe_offset(base + h * d)
             q.unsafe_store[alignment=AL](o0, r[0])
             q.unsafe_store[alignment=AL](o1, r[1])
             h += 1
@@ -171,6 +185,8 @@ def rope_gpu[dtype: DType, NEG: Bool = False](
     ctx: DeviceContext,
     res: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
+    res_k: Pointer[Scalar[dtype], MutAnyOrigin],
+    xk: Pointer[Scalar[dtype], MutAnyOrigin],
     cos_t: FPtr,
     sin_t: FPtr,
     pos_t: IPtr,
@@ -178,32 +194,37 @@ def rope_gpu[dtype: DType, NEG: Bool = False](
     b: Int,
     s: Int,
     h: Int,
+    hk: Int,
     d: Int,
     table_rows: Int,
 ) raises:
+    """x [B, S, H, D] and (hk > 0) k [B, S, Hk, D] at the same positions, in one launch."""
     comptime VW = vec_width[dtype]()
     var half = d // 2
     var vec_ok = half % VW == 0 and is_aligned16(x) and is_aligned16(res)
+    if hk > 0:
+        vec_ok = vec_ok and is_aligned16(xk) and is_aligned16(res_k)
     var units = b * s * (half // VW if vec_ok else half)
     # Few rows (decode: one token, 8 units of 16 B per row at D128 bf16): a unit per HU heads instead of
     # one looping over all H, so a row's heads are rotated in parallel. H200, bench small suite, one token
-    # with q 32 and k 8 heads, kernel time: 23.1 -> 14.7 us (Triton's 1.5; the rest is unexplained).
-    # Many rows keep a unit per row: its cos/sin (fp64 range reduction) are then computed once per row,
-    # not once per chunk. The threshold between the two was not measured.
-    var hc = max(h if units >= ROWS_PER_UNIT_MIN_UNITS else min(h, HU), 1)
-    var chunks = cdiv(h, hc)
+    # with q 32 and k 8 heads, kernel time: 23.1 -> 14.7 us (Triton's 1.5; then q and k were two
+    # launches, two graph nodes). Many rows keep a unit per row and tensor: its cos/sin (fp64 range
+    # reduction) are then computed once per row, not once per chunk. The threshold was not measured.
+    var most = max(h, hk)
+    var hc = max(most if units >= ROWS_PER_UNIT_MIN_UNITS else min(most, HU), 1)
+    var chunks = cdiv(h, hc) + cdiv(hk, hc)
     if units * chunks == 0:
         return  # nothing to rotate (no launch of an empty grid)
     var grid = min(cdiv(units * chunks, TPB), 1 << 30)
     if vec_ok:
         ctx.enqueue_function[_rope_kernel[dtype, VW, NEG]](
-            res, x, cos_t, sin_t, pos_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), Int64(table_rows),
-            Int64(hc), grid_dim=grid, block_dim=TPB,
+            res, x, res_k, xk, cos_t, sin_t, pos_t, params, Int64(b * s), Int64(s), Int64(h), Int64(hk), Int64(d),
+            Int64(table_rows), Int64(hc), grid_dim=grid, block_dim=TPB,
         )
     else:
         ctx.enqueue_function[_rope_kernel[dtype, 1, NEG]](
-            res, x, cos_t, sin_t, pos_t, params, Int64(b * s), Int64(s), Int64(h), Int64(d), Int64(table_rows),
-            Int64(hc), grid_dim=grid, block_dim=TPB,
+            res, x, res_k, xk, cos_t, sin_t, pos_t, params, Int64(b * s), Int64(s), Int64(h), Int64(hk), Int64(d),
+            Int64(table_rows), Int64(hc), grid_dim=grid, block_dim=TPB,
         )
 
 
@@ -257,10 +278,12 @@ def rope_cpu[dtype: DType, NEG: Bool = False](
 
 def _rope_execute[dtype: DType, //, target: StaticString, NEG: Bool](
     res: MutableInputTensor[dtype=dtype, rank=4, ...],
+    res_k: MutableInputTensor[dtype=dtype, rank=4, ...],
     x: InputTensor[dtype=dtype, rank=4, ...],
     cos: InputTensor[dtype=DType.float32, rank=2, ...],
     sin: InputTensor[dtype=DType.float32, rank=2, ...],
     positions: InputTensor[dtype=DType.int32, rank=2, ...],
+    k: InputTensor[dtype=dtype, rank=4, ...],
     params: InputTensor[dtype=DType.float32, rank=1, ...],
     ctx: DeviceContext,
 ) raises:
@@ -268,22 +291,29 @@ def _rope_execute[dtype: DType, //, target: StaticString, NEG: Bool](
     var s = x.dim_size(1)
     var h = x.dim_size(2)
     var d = x.dim_size(3)
+    # an absent k (and yk) is a [1, 1, 1, 1] dummy: a real one has x's head dim, which is even
+    var hk = k.dim_size(2) if k.dim_size(3) == d and d % 2 == 0 else 0
     var rp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](res.unsafe_ptr())
     var xp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](x.unsafe_ptr())
+    var rkp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](res_k.unsafe_ptr())
+    var kp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](k.unsafe_ptr())
     var cp = rebind[FPtr](cos.unsafe_ptr())
     var sp = rebind[FPtr](sin.unsafe_ptr())
     var ip = rebind[IPtr](positions.unsafe_ptr())
     var pp = rebind[FPtr](params.unsafe_ptr())
     var table_rows = min(cos.dim_size(0), sin.dim_size(0))  # dummies (no tables): 1, never read
     comptime if target == "gpu":
-        rope_gpu[dtype, NEG](ctx, rp, xp, cp, sp, ip, pp, b, s, h, d, table_rows)
+        rope_gpu[dtype, NEG](ctx, rp, xp, rkp, kp, cp, sp, ip, pp, b, s, h, hk, d, table_rows)
     else:
         rope_cpu[dtype, NEG](rp, xp, cp, sp, ip, pp, b, s, h, d, table_rows)
+        if hk > 0:
+            rope_cpu[dtype, NEG](rkp, kp, cp, sp, ip, pp, b, s, hk, d, table_rows)
 
 
 @register("fusekit.rope")
 struct Rope:
-    """RoPE forward, y = rope(x): outputs (y [B,S,H,D]), inputs (x, cos?, sin?, positions? [B,S] int32,
+    """RoPE forward, y = rope(x) and yk = rope(k) at the same positions in one launch: outputs (y [B,S,H,D],
+    yk [B,S,Hk,D] or a [1,1,1,1] dummy), inputs (x, cos?, sin?, positions? [B,S] int32, k? [B,S,Hk,D],
     params [start_pos, theta, interleaved, has_tables, has_positions])."""
 
     @staticmethod
@@ -291,31 +321,35 @@ struct Rope:
         dtype: DType, //, target: StaticString
     ](
         res: MutableInputTensor[dtype=dtype, rank=4, ...],
+        res_k: MutableInputTensor[dtype=dtype, rank=4, ...],
         x: InputTensor[dtype=dtype, rank=4, ...],
         cos: InputTensor[dtype=DType.float32, rank=2, ...],
         sin: InputTensor[dtype=DType.float32, rank=2, ...],
         positions: InputTensor[dtype=DType.int32, rank=2, ...],
+        k: InputTensor[dtype=dtype, rank=4, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        _rope_execute[target, False](res, x, cos, sin, positions, params, ctx)
+        _rope_execute[target, False](res, res_k, x, cos, sin, positions, k, params, ctx)
 
 
 @register("fusekit.rope_backward")
 struct RopeBackward:
-    """RoPE backward, dx = rotation of dy by the negative angle: outputs (dx [B,S,H,D]), inputs
-    (dy, cos?, sin?, positions?, params as rope)."""
+    """RoPE backward, dx = rotation of dy by the negative angle (dk of dyk likewise): outputs (dx [B,S,H,D],
+    dk or a dummy), inputs (dy, cos?, sin?, positions?, dyk?, params as rope plus has_k)."""
 
     @staticmethod
     def execute[
         dtype: DType, //, target: StaticString
     ](
         dx: MutableInputTensor[dtype=dtype, rank=4, ...],
+        dk: MutableInputTensor[dtype=dtype, rank=4, ...],
         dy: InputTensor[dtype=dtype, rank=4, ...],
         cos: InputTensor[dtype=DType.float32, rank=2, ...],
         sin: InputTensor[dtype=DType.float32, rank=2, ...],
         positions: InputTensor[dtype=DType.int32, rank=2, ...],
+        dyk: InputTensor[dtype=dtype, rank=4, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        _rope_execute[target, True](dx, dy, cos, sin, positions, params, ctx)
+        _rope_execute[target, True](dx, dk, dy, cos, sin, positions, dyk, params, ctx)

@@ -68,13 +68,14 @@ def _rope_spec(op: str) -> OpSpec:
     return OpSpec(
         op=op,
         max_op=f"fusekit.{op}",
-        outputs=(_ts(y, "B S H D", "x"),),
-        # optional tables: their own dim names (a [1, 1] dummy where they are absent)
+        # optional tensors: their own dim names (a [1, 1] / [1, 1, 1, 1] dummy where they are absent)
+        outputs=(_ts(y, "B S H D", "x"), _ts(f"{y}k", "Bk Sk Hk Dk", "x")),
         inputs=(
             _ts(x, "B S H D", "x"),
             _ts("cos", "St Dh", "float32"),
             _ts("sin", "St Dh", "float32"),
             _ts("positions", "Bp Sp", "int32"),
+            _ts(f"{x}k", "Bk Sk Hk Dk", "x"),
         ),
         params=("start_pos", "theta", "interleaved", "has_tables", "has_positions"),
         dtype_vars=("x",),
@@ -214,7 +215,8 @@ def _rope_call(
     # absent tables: [1, 1] dummies (their own symbolic dims), has_tables = 0
     cos, sin = tables if tables is not None else (torch.zeros(1, 1), torch.zeros(1, 1))
     params = (start_pos, theta, float(interleaved), float(tables is not None), 0.0)
-    run(ROPE_BWD if backward else ROPE, (out,), (x, cos, sin, NO_POSITIONS), params)
+    no_k = torch.zeros(1, 1, 1, 1, dtype=x.dtype)
+    run(ROPE_BWD if backward else ROPE, (out, no_k), (x, cos, sin, NO_POSITIONS, no_k), params)
     return out
 
 

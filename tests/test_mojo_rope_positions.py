@@ -42,9 +42,11 @@ def test_signature_takes_positions() -> None:
     for phase in ("forward", "backward"):
         assert be.supports("rope", phase, cpu, (torch.float32,), positions=True) is None
         ms = phase_spec("rope", phase)
-        assert [t.name for t in ms.inputs][1:] == ["cos", "sin", "positions"]
-        assert ms.inputs[-1].dtype == "int32"
-        assert ms.params == ("start_pos", "theta", "interleaved", "has_tables", "has_positions")
+        k = "k" if phase == "forward" else "dyk"  # k rides in the same call (one launch for q and k)
+        assert [t.name for t in ms.inputs][1:] == ["cos", "sin", "positions", k]
+        assert ms.inputs[3].dtype == "int32" and len(ms.outputs) == 2
+        flags = ("has_tables", "has_positions") + (("has_k",) if phase == "backward" else ())
+        assert ms.params == ("start_pos", "theta", "interleaved", *flags)
 
 
 @pytest.mark.parametrize("use_tables", (False, True), ids=("angles", "tables"))

@@ -75,10 +75,15 @@ def _run_pos[dtype: DType, NEG: Bool = False](
     var pshape = IndexList[2](b, s) if has_pos else IndexList[2](1, 1)
     var pos = InputTensor[static_spec=i2](_mut(posb.unsafe_ptr()), pshape, IndexList[2](pshape[1], 1))
     var p = InputTensor[static_spec=f1](_mut(pb.unsafe_ptr()), IndexList[1](5), IndexList[1](1))
+    # no k: the [1, 1, 1, 1] dummies the dispatcher passes for an absent k / yk (never read nor written)
+    var kb = ctx.enqueue_create_buffer[dtype](1)
+    var one = IndexList[4](1, 1, 1, 1)
+    var ok = MutableInputTensor[static_spec=s4](_mut(kb.unsafe_ptr()), one, one)
+    var k = InputTensor[static_spec=s4](_mut(kb.unsafe_ptr()), one, one)
     comptime if NEG:
-        RopeBackward.execute["gpu"](o, x, c, sn, pos, p, ctx)
+        RopeBackward.execute["gpu"](o, ok, x, c, sn, pos, k, p, ctx)
     else:
-        Rope.execute["gpu"](o, x, c, sn, pos, p, ctx)
+        Rope.execute["gpu"](o, ok, x, c, sn, pos, k, p, ctx)
 
 
 def rope_case[dtype: DType, NEG: Bool = False](

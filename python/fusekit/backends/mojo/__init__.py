@@ -156,11 +156,6 @@ class MojoBackend(Backend):
                 self._swiglu_ffn_forward_gemm(device, outputs, inputs, scalars)
         elif spec.name == "linear_cross_entropy":
             self._linear_cross_entropy(phase, device, outputs, inputs, scalars)
-        elif spec.name == "rope":  # (y, yk), (x, cos, sin, positions, k): x, then k as a second call
-            (y, yk), (x, cos, sin, positions, k) = outputs, inputs
-            self._call(ms, device, (y,), (x, cos, sin, positions), scalars)
-            if k is not None:
-                self._call(ms, device, (yk,), (k, cos, sin, positions), scalars)
         else:
             self._call(ms, device, outputs, inputs, scalars)
 

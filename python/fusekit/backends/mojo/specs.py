@@ -162,17 +162,10 @@ def _param(scalar, value: object) -> float:
 _BIND_PLANS = 256  # remembered (dtypes, presence, scalar values) patterns per op phase; a model has a few
 
 
-def max_spec(spec, phase: str, drop: frozenset[str] = frozenset()) -> OpSpec:
-    """The MAX custom-op view of `phase` of a fusekit op spec, without the tensors whose condition is in
-    `drop` (and without those conditions' flags): a second tensor the provider runs as another call."""
+def max_spec(spec, phase: str) -> OpSpec:
+    """The MAX custom-op view of `phase` of a fusekit op spec: its tensors in order (an absent optional one
+    as a dummy), then its scalars and condition flags as params."""
     p = spec.phase(phase)
-    if drop:
-        p = dataclasses.replace(
-            p,
-            outputs=tuple(a for a in p.outputs if a.when not in drop),
-            inputs=tuple(a for a in p.inputs if a.when not in drop),
-            conditions=tuple(c for c in p.conditions if c not in drop),
-        )
     op = spec.name if phase == "forward" else f"{spec.name}_backward"
 
     def tensor(arg) -> TensorSpec:
@@ -552,11 +545,6 @@ WORKSPACES: dict[str, tuple[Workspace, ...]] = {
 }
 
 
-# Tensors a fusekit spec has that the Mojo op does not take: the provider runs them as a second call of
-# the same op (rope's k: rotated by a second launch at the same positions).
-SECOND_CALL: dict[str, frozenset[str]] = {"rope": frozenset({"k"})}
-
-
 # attention's backward runs the tensor-core kernels (mojo/_attention_backward.mojo: FlashAttention-2, mma.sync,
 # deterministic) by default since they passed the H100 harness (60 cases against float64 and the SIMT kernels,
 # 25-48x faster than SIMT at S 2048); FUSEKIT_MOJO_ATTN_BWD_TC=0 keeps the SIMT kernels. The tensor-core
@@ -594,7 +582,7 @@ def phase_spec(op: str, phase: str) -> OpSpec:
     """The MAX spec of one phase of a registered fusekit op (cached)."""
     from fusekit.ops import SPECS as OP_SPECS
 
-    ms = max_spec(OP_SPECS[op], phase, SECOND_CALL.get(op, frozenset()))
+    ms = max_spec(OP_SPECS[op], phase)
     if op == "attention" and phase == "backward" and attention_bwd_tc():
         ms = with_flag(ms, "bwd_tc")
     if op == "attention" and phase == "forward" and ATTN_DECODE:
