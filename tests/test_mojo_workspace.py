@@ -102,6 +102,7 @@ def _comptime(file: str, name: str) -> str:
 def test_mirrored_constants_match_the_kernels() -> None:
     assert int(_comptime("reduce_sum.mojo", "BLOCK")) == specs.RS_BLOCK
     assert int(_comptime("reduce_sum.mojo", "WARP_ROW_MAX")) == specs.RS_WARP_ROW_MAX
+    assert int(_comptime("reduce_sum.mojo", "UNROLL")) == specs.RS_UNROLL
     assert int(_comptime("_norm_backward.mojo", "REG_ELEMS")) == specs.NB_REG_ELEMS
     assert int(_comptime("_norm_backward.mojo", "LOOP_BLK")) == specs.NB_LOOP_BLK
     assert int(_comptime("swiglu_ffn.mojo", "DECODE_MAX_T")) == specs.SW_DECODE_MAX_T
@@ -136,8 +137,10 @@ def test_reduce_sum_partials_bound(sms: int) -> None:
         for n in (1, 2048, 2049, 4097, 65535, 65536, 1 << 20, 3000017, 1 << 30):
             for m in ms:
                 need = _reduce_sum_need(m, n, sms, itemsize)
-                got = specs.reduce_sum_partials((None,), (SimpleNamespace(shape=(m, n)),), sms)
+                x = SimpleNamespace(shape=(m, n), element_size=lambda s=itemsize: s)
+                got = specs.reduce_sum_partials((None,), (x,), sms)
                 assert need <= got <= wave + m, (m, n, sms, itemsize, need, got)
+                assert (got == 0) == (need == 0), (m, n, sms, itemsize, need, got)  # no unused workspace
 
 
 def _norm_bwd_need(m: int, n: int, sms: int, itemsize: int, aligned: bool, ln: bool) -> dict[str, int]:

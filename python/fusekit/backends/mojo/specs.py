@@ -336,14 +336,21 @@ def _aligned16(*ts: torch.Tensor | tuple) -> bool:
 # mojo/reduce_sum.mojo
 RS_BLOCK = 256  # BLOCK
 RS_WARP_ROW_MAX = 2048  # WARP_ROW_MAX
+RS_UNROLL = 8  # UNROLL
 
 
 def reduce_sum_partials(outs: tuple, ins: tuple, sms: int) -> int:
-    """reduce_sum_gpu splits rows longer than WARP_ROW_MAX only while m < wave = sms * (2048 // BLOCK),
-    into splits <= cdiv(wave, m) chunks: m * splits <= wave + m - 1 partials."""
-    m, n = ins[0].shape
+    """The partials reduce_sum_gpu writes: rows longer than WARP_ROW_MAX are split only while
+    m < wave = sms * (2048 // BLOCK), into splits = min(cdiv(wave, m), n // (BLOCK * VW * UNROLL * 2))
+    chunks (each keeps two unrolled steps a thread): m * splits, none where splits is 1 (one kernel, no
+    partials: a decode-sized sum allocates no workspace per call)."""
+    x = ins[0]
+    m, n = x.shape
     wave = sms * (2048 // RS_BLOCK)
-    return wave + m if n > RS_WARP_ROW_MAX and m < wave else 0
+    if n <= RS_WARP_ROW_MAX or m >= wave:
+        return 0
+    splits = min(-(-wave // m), n // (RS_BLOCK * (16 // x.element_size()) * RS_UNROLL * 2))
+    return m * splits if splits > 1 else 0
 
 
 # mojo/_norm_backward.mojo (norm_bwd_gpu)
