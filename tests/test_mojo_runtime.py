@@ -511,6 +511,7 @@ def test_plan_replay_traces_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
     from types import SimpleNamespace
 
+    from fusekit.backends.mojo import dispatch
     from fusekit.backends.mojo.dispatch import Dispatcher, PlanReplay, arg_key
 
     class _Graph:
@@ -541,10 +542,16 @@ def test_plan_replay_traces_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     # the same pointers again: the remembered lookup (bare pointers) replays the same graph
     assert len(rp.fast) == 1
     assert rp((y2, None), (x2, None, w)) is True and g.replays == 2 and d.counts["replay"] == 2
-    # a graph evicted anywhere voids remembered lookups: this key is gone, so nothing replays
+    # an evicted graph is forgotten by every PlanReplay at once: this key is gone, so nothing replays
     del model.graphs[key]
-    d.evictions += 1
+    d.forget_replays()
+    assert not rp.fast
     assert rp((y2, None), (x2, None, w)) is False and g.replays == 2 and not rp.fast  # nor kept alive
+    rp.fast[("stale",)] = ()
+    with monkeypatch.context() as m:  # the next capture evicts: every PlanReplay forgets its lookups
+        m.setattr(dispatch, "GRAPH_CACHE", 1)
+        full = SimpleNamespace(graphs={"old": "g_old"}, seen={}, captures=0)
+        assert d._keep(full, "new", "g_new") == "g_old" and not rp.fast
     g2 = model.graphs[key] = _Graph()  # captured again: found through run's key, remembered anew
     assert rp((y2, None), (x2, None, w)) is True and g2.replays == 1 and g.replays == 2
 

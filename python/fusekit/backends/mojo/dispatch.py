@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -353,7 +354,9 @@ class Dispatcher:
         self.replay = mode != "0"
         self.torch_graphs = mode != "max"  # see the module docstring
         self.counts = {"execute": 0, "capture": 0, "replay": 0}
-        self.evictions = 0  # captured graphs dropped so far (PlanReplay's remembered lookups check it)
+        # the PlanReplays built on this dispatcher: an evicted graph is forgotten by every one of them at once
+        self._plan_replays: weakref.WeakSet = weakref.WeakSet()
+        self._plans_lock = threading.Lock()
 
     def state(self, device: torch.device) -> DeviceState:
         st = self.states.get(device)
@@ -505,9 +508,21 @@ class Dispatcher:
         compiled.captures += 1
         self.counts["capture"] += 1
         if len(compiled.graphs) > GRAPH_CACHE:
-            self.evictions += 1
+            self.forget_replays()
             return compiled.graphs.pop(next(iter(compiled.graphs)))
         return None
+
+    def register_replay(self, replay: PlanReplay) -> None:
+        with self._plans_lock:
+            self._plan_replays.add(replay)
+
+    def forget_replays(self) -> None:
+        """Empty every PlanReplay's remembered lookups (a captured graph is being dropped): none replays it,
+        nor keeps it alive. Rare (an eviction), and cheaper than checking on every replayed call."""
+        with self._plans_lock:
+            plans = list(self._plan_replays)
+        for pr in plans:
+            pr.fast.clear()
 
 
 class PlanReplay:
@@ -526,11 +541,11 @@ class PlanReplay:
     The hot path: the graphs found for one set of pointers are remembered under the bare data pointers of
     the plan's arguments and workspaces (shapes and dtypes are the plan's, so they add nothing to the key;
     building `run`'s keys of (pointer, shape, dtype) per tensor was ~10 us of a 15 us replayed rms_norm on
-    the H200's host). The entries are dropped as soon as any captured graph is evicted
-    (Dispatcher.evictions), so they never replay, nor keep alive, a graph `run` has dropped.
+    the H200's host). Every PlanReplay's entries are dropped when a captured graph is evicted
+    (Dispatcher.forget_replays), so none replays, nor keeps alive, a graph `run` has dropped.
     """
 
-    __slots__ = ("allocs", "disp", "epoch", "fast", "lock", "steps", "var")
+    __slots__ = ("__weakref__", "allocs", "disp", "fast", "lock", "steps", "var")
     # Pointer sets remembered per plan: as many as a model keeps graphs (GRAPH_CACHE). A decode step has
     # one per call site (an 80-layer model's two norms a layer: 160); with 64, 256 rotating sets ran at
     # 29-38 us per replayed call on the H200 (the lookup kept missing), 13-15 with one set.
@@ -544,7 +559,7 @@ class PlanReplay:
         self.var = var  # indices of the plan arguments the calls read, in the fast key's order
         self.allocs = allocs  # (size, dtype, device) of each fresh workspace
         self.fast: dict[tuple, tuple] = {}  # pointers -> ((compiled, key, graph), ...)
-        self.epoch = disp.evictions  # the entries' validity: no captured graph evicted since they were made
+        disp.register_replay(self)
 
     @classmethod
     def build(cls, disp: Dispatcher, calls: list, outputs: tuple, inputs: tuple) -> PlanReplay | None:
@@ -597,9 +612,6 @@ class PlanReplay:
         fkey = tuple([plan_args[i].data_ptr() for i in self.var] + [w.data_ptr() for w in ws])
         disp = self.disp
         with self.lock:
-            if self.epoch != disp.evictions:  # a graph was dropped: forget every entry (and its graphs)
-                self.fast.clear()
-                self.epoch = disp.evictions
             hit = self.fast.get(fkey)
             if hit is not None:
                 for compiled, key, g in hit:
@@ -628,10 +640,7 @@ class PlanReplay:
                 g.replay()
                 compiled.replays += 1
             disp.counts["replay"] += len(entry)
-            if self.epoch != disp.evictions:
-                self.fast.clear()
-                self.epoch = disp.evictions
-            elif len(self.fast) >= self.FAST_ENTRIES:
+            if len(self.fast) >= self.FAST_ENTRIES:
                 del self.fast[next(iter(self.fast))]  # the oldest entry
             self.fast[fkey] = tuple(entry)
         return True
