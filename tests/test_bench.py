@@ -315,6 +315,47 @@ def test_rows_record_what_the_first_call_tuned() -> None:
     assert again[0]["status"] == "ok" and "tuned" not in again[0]
 
 
+class _Sightings(TorchEager):
+    """Counts the calls each input set (told apart by its x) has had, as the mojo backend's capture rule
+    does with pointers: execute on the first sighting, capture on the second, replay from then on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name, self.seen = "sightings", {}
+
+    def prepare(self, case, device):
+        fn = case.eager()
+
+        def run(x, weight):
+            self.seen[id(x)] = self.seen.get(id(x), 0) + 1
+            return fn(x, weight)
+
+        return run
+
+
+def test_every_input_set_is_in_its_steady_state_before_timing(monkeypatch) -> None:
+    """Before any timed loop (and the peak-memory pass), every rotating input set has gone through the
+    provider STEADY_PASSES times: no set is timed on its first or second sighting."""
+    from fusekit.bench import run as run_mod
+
+    case = RmsNormCase({"M": 8, "N": 64}, "fp32", "g", 64, "N")
+    prov = _Sightings()
+    entered: list[tuple[str, int, int]] = []
+    for name in ("peak_memory_bytes", "bench_ms", "wall_per_call_ms", "e2e_ms"):
+        orig = getattr(run_mod, name)
+
+        def timed(*a, _orig=orig, _name=name, **k):
+            entered.append((_name, len(prov.seen), min(prov.seen.values())))
+            return _orig(*a, **k)
+
+        monkeypatch.setattr(run_mod, name, timed)
+    monkeypatch.setattr(run_mod, "n_rotating_sets", lambda nbytes, device: 5)
+    rows = run_case(case, [prov], CPU, CEIL, rep_ms=2, kernel_time=False)
+    assert rows[0]["status"] == "ok" and len(prov.seen) == 5, rows
+    assert [n for n, _, _ in entered] == ["peak_memory_bytes", "bench_ms", "wall_per_call_ms", "e2e_ms"]
+    assert all(sets == 5 and least >= run_mod.STEADY_PASSES for _, sets, least in entered), entered
+
+
 def test_triton_provider_reads_the_kernels_tuning_log(monkeypatch) -> None:
     pytest.importorskip("triton")
     from fusekit import backends
