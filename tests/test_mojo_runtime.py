@@ -522,7 +522,13 @@ def test_plan_replay_traces_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     dummy, p = torch.zeros(1), torch.zeros(2)
-    st = SimpleNamespace(lock=threading.Lock(), dummy=lambda marker: dummy, params_tensor=lambda v: p)
+    st = SimpleNamespace(
+        lock=threading.Lock(),
+        dummy=lambda marker: dummy,
+        params_tensor=lambda v: p,
+        sms=4,
+        device=torch.device("cpu"),
+    )
     spec = SimpleNamespace(params=("eps",))
     model = SimpleNamespace(graphs={}, capturable=True, captures=0, replays=0, workspaces=(), spec=spec)
     y, x, w = torch.empty(4), torch.ones(4), torch.ones(4)
@@ -556,19 +562,29 @@ def test_plan_replay_traces_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rp((y2, None), (x2, None, w)) is True and g2.replays == 1 and g.replays == 2
 
     # a workspace: fresh per call at the size read once, between the outputs and the inputs as run passes it
-    st.sms, st.device = 4, torch.device("cpu")
     sized = SimpleNamespace(
-        graphs={}, capturable=True, captures=0, replays=0, spec=SimpleNamespace(params=()),
+        graphs={}, capturable=True, captures=0, replays=0,
+        spec=SimpleNamespace(params=(), max_op="fusekit.toy", workspaces=(SimpleNamespace(name="part"),)),
         workspaces=((torch.float32, lambda outs, ins, sms: 3 * sms), (torch.int32, lambda outs, ins, sms: 0)),
     )  # fmt: skip
     rw = PlanReplay.build(d, [(sized, st, (y,), (x,), ())], (y,), (x,))
-    assert rw is not None and rw.allocs == ((12, torch.float32, st.device),)
+    assert rw is not None and rw.allocs == ((12, torch.float32, st.device, sized, 0),)
     seen: list = []
     ws = torch.zeros(12)
     with monkeypatch.context() as m:
         m.setattr(torch, "empty", lambda n, dtype, device: seen.append((n, dtype)) or ws)
         gw = sized.graphs[(arg_key(y), arg_key(ws), arg_key(dummy), arg_key(x))] = _Graph()
         assert rw((y,), (x,)) is True and gw.replays == 1 and seen == [(12, torch.float32)]
+
+    def no_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with monkeypatch.context() as m:  # named as run's own workspace allocation names it
+        m.setattr(torch, "empty", no_memory)
+        with pytest.raises(
+            torch.OutOfMemoryError, match=r"fusekit\.toy \(mojo\).*workspace 'part' \(12 x float32"
+        ):
+            rw((y,), (x,))
 
     assert PlanReplay.build(d, calls, (y, None), (x, x, w)) is None  # x in two places
     assert PlanReplay.build(d, [(model, st, (torch.empty(4),), (x,), ())], (y,), (x,)) is None  # temporary

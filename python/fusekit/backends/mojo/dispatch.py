@@ -89,6 +89,22 @@ def arg_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t.shape, t.dtype)
 
 
+def workspace_sizes(
+    compiled: Compiled, outs: tuple, ins: tuple, sms: int
+) -> tuple[tuple[torch.dtype, int], ...]:
+    """(dtype, elements) of each of the op's workspaces for this call (specs.Workspace sizes; sms 0: none)."""
+    return tuple((dtype, size(outs, ins, sms) if sms else 0) for dtype, size in compiled.workspaces)
+
+
+def workspace_oom(compiled: Compiled, i: int, n: int, device: torch.device, exc: BaseException) -> Exception:
+    """Out of memory allocating workspace i, named as the library names its outputs: the op and the size."""
+    spec, dtype = compiled.spec, compiled.workspaces[i][0]
+    return torch.OutOfMemoryError(
+        f"{spec.max_op} (mojo): out of memory allocating its workspace {spec.workspaces[i].name!r} "
+        f"({n} x {str(dtype).removeprefix('torch.')}, {n * dtype.itemsize / 2**30:.2f} GiB) on {device}. {exc}"
+    )
+
+
 def call_tensors(
     st: Any, compiled: Compiled, outs: tuple, ins: tuple, params_t: torch.Tensor | None
 ) -> list[torch.Tensor]:
@@ -280,20 +296,14 @@ class DeviceState:
         CPU (no CPU path uses one), is a 1-element dummy (specs.dummy): never read nor written.
         """
         res = []
-        for i, (dtype, size) in enumerate(compiled.workspaces):
-            n = size(outs, ins, self.sms) if self.cuda else 0
+        for i, (dtype, n) in enumerate(workspace_sizes(compiled, outs, ins, self.sms if self.cuda else 0)):
             if not n:
                 res.append(dummy_marker(dtype, 1, ("ws", i)))
                 continue
             try:
                 res.append(torch.empty(n, dtype=dtype, device=self.device))
-            except torch.OutOfMemoryError as exc:  # as the library's outputs: name the op and the size
-                spec = compiled.spec
-                raise torch.OutOfMemoryError(
-                    f"{spec.max_op} (mojo): out of memory allocating its workspace "
-                    f"{spec.workspaces[i].name!r} ({n} x {str(dtype).removeprefix('torch.')}, "
-                    f"{n * dtype.itemsize / 2**30:.2f} GiB) on {self.device}. {exc}"
-                ) from exc
+            except torch.OutOfMemoryError as exc:
+                raise workspace_oom(compiled, i, n, self.device, exc) from exc
         return tuple(res)
 
     def dummy(self, marker: tuple) -> torch.Tensor:
@@ -557,7 +567,7 @@ class PlanReplay:
         self.steps = steps  # per _call: (compiled, slots); a slot is an int >= 0 (plan argument),
         # an int < 0 (workspace -1 - slot of this call's fresh ones) or a fixed tensor (dummy, params)
         self.var = var  # indices of the plan arguments the calls read, in the fast key's order
-        self.allocs = allocs  # (size, dtype, device) of each fresh workspace
+        self.allocs = allocs  # (size, dtype, device, its model, its index) of each fresh workspace
         self.fast: dict[tuple, tuple] = {}  # pointers -> ((compiled, key, graph), ...)
         disp.register_replay(self)
 
@@ -588,10 +598,9 @@ class PlanReplay:
             if not compiled.capturable:
                 return None
             ws = []
-            for i, (dtype, size) in enumerate(compiled.workspaces):  # as DeviceState.workspaces sizes them
-                n = size(outs, ins, st.sms)
+            for i, (dtype, n) in enumerate(workspace_sizes(compiled, outs, ins, st.sms)):
                 if n:
-                    allocs.append((n, dtype, st.device))
+                    allocs.append((n, dtype, st.device, compiled, i))
                     ws.append(-len(allocs))
                 else:
                     ws.append(st.dummy(dummy_marker(dtype, 1, ("ws", i))))
@@ -608,7 +617,12 @@ class PlanReplay:
             return False  # run() records MAX's launches into the caller's capture
         plan_args = outputs + inputs
         # the workspaces stay allocated until the graphs are enqueued (freed after, as run's are)
-        ws = [torch.empty(n, dtype=dt, device=dev) for n, dt, dev in self.allocs] if self.allocs else ()
+        ws = []
+        for n, dt, dev, compiled, i in self.allocs:
+            try:
+                ws.append(torch.empty(n, dtype=dt, device=dev))
+            except torch.OutOfMemoryError as exc:
+                raise workspace_oom(compiled, i, n, dev, exc) from exc
         fkey = tuple([plan_args[i].data_ptr() for i in self.var] + [w.data_ptr() for w in ws])
         disp = self.disp
         with self.lock:
