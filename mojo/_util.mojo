@@ -97,24 +97,22 @@ def _two_over_pi_chunk[i: Int]() -> Float64:
     return c
 
 
-def sincos_f32_angle(a: Float32) -> Tuple[Float64, Float64]:
-    """Return (sin a, cos a) in fp64, accurate to a few fp64 ulps, for EVERY finite fp32 angle a.
+def reduce_pio2(a: Float32) -> Tuple[Int, Float32]:
+    """Return (q, r) with a = (4n + q) pi/2 + r, |r| <= pi/4 (r rounded once to fp32), for EVERY finite fp32
+    angle a; NaN or +-inf give r = NaN.
 
     RoPE angles reach 2^24 * theta^0 and beyond (tiny theta gives inv_freq up to ~1e38), so a Cody-Waite
-    reduction (exact only to ~2^26) is not enough. This is a Payne-Hanek reduction done in fp64 with
-    exact splits: |a| * 2/pi = sum_i |a| * C_i with every product exact (24 + 26 bits); each product
+    reduction (exact only to ~2^26) is not enough: above 2^20 this is a Payne-Hanek reduction done in fp64
+    with exact splits: |a| * 2/pi = sum_i |a| * C_i with every product exact (24 + 26 bits); each product
     contributes (t mod 4) = its integer part mod 4 (to the quadrant) plus its fraction (exact), and the
     fractions are summed with TwoSum, so the reduced argument keeps full relative precision even for
-    the fp32 angles closest to a multiple of pi/2. Then Taylor on |r| <= pi/4 (degree 17 / 18).
-    NaN or +-inf give NaN (as sin/cos do); no loop depends on a.
+    the fp32 angles closest to a multiple of pi/2. No loop depends on a.
     """
-    var nan = Float64(0) / Float64(0)
     var x = Float64(a)
     if not (abs(x) <= 3.5e38):  # NaN, +-inf
-        return (nan, nan)
-    var neg = x < 0
+        return (0, Float32(Float64(0) / Float64(0)))
     var ax = abs(x)
-    var q = 0  # quadrant (mod 4)
+    var q: Int
     var hi: Float64
     var lo: Float64
     if ax < 1048576.0:  # 2^20: RoPE's usual range; a cheaper Cody-Waite reduction is exact here
@@ -139,30 +137,35 @@ def sincos_f32_angle(a: Float32) -> Tuple[Float64, Float64]:
         q = hl[0]
         hi = hl[1]
         lo = hl[2]
-    var r = hi + lo
+    if x < 0:  # a = -(4n + q) pi/2 - r = (4n' + (-q mod 4)) pi/2 + (-r)
+        return ((-q) & 3, Float32(-(hi + lo)))
+    return (q & 3, Float32(hi + lo))
+
+
+def sincos_f32_angle(a: Float32) -> Tuple[Float32, Float32]:
+    """Return (sin a, cos a) to ~1 fp32 ulp for EVERY finite fp32 angle a (NaN for NaN / +-inf).
+
+    The reduction (reduce_pio2) is exact; the result is fp32, so after it the polynomials run in fp32:
+    Taylor on |r| <= pi/4 to r^9 / r^10 (the first dropped terms are 2.5e-9 / 1.1e-10 relative, below
+    half an fp32 ulp), one FMA per term. They were fp64 before (degree 17 / 18): a decode token's rope
+    is one short dependent chain per thread, and fp64 runs at half fp32's rate on the H200 (1/64 on
+    consumer parts).
+    """
+    var qr = reduce_pio2(a)
+    var r = qr[1]
     var r2 = r * r
-    # sin r = r (1 - r2/3! + r2^2/5! ...), cos r = 1 - r2/2! + ... ; |r| <= pi/4: degree 17/18 is exact in fp64
-    var sn: Float64 = 1.0
-    comptime for k in range(8, 0, -1):
-        sn = 1.0 - sn * r2 * (1.0 / Float64((2 * k) * (2 * k + 1)))
-    sn = sn * r
-    var c: Float64 = 1.0
-    comptime for k in range(9, 0, -1):
-        c = 1.0 - c * r2 * (1.0 / Float64((2 * k - 1) * (2 * k)))
-    var res_s: Float64
-    var res_c: Float64
-    var qq = q & 3
-    if qq == 0:
-        res_s, res_c = sn, c
-    elif qq == 1:
-        res_s, res_c = c, -sn
-    elif qq == 2:
-        res_s, res_c = -sn, -c
-    else:
-        res_s, res_c = -c, sn
-    if neg:
-        res_s = -res_s
-    return (res_s, res_c)
+    var sn = r * (1.0 + r2 * (-1.0 / 6.0 + r2 * (1.0 / 120.0 + r2 * (-1.0 / 5040.0 + r2 * (1.0 / 362880.0)))))
+    var c = 1.0 + r2 * (
+        -0.5 + r2 * (1.0 / 24.0 + r2 * (-1.0 / 720.0 + r2 * (1.0 / 40320.0 + r2 * (-1.0 / 3628800.0))))
+    )
+    var q = qr[0]
+    if q == 0:
+        return (sn, c)
+    if q == 1:
+        return (c, -sn)
+    if q == 2:
+        return (-sn, -c)
+    return (-c, sn)
 
 
 def _payne_hanek(ax: Float64) -> Tuple[Int, Float64, Float64]:
@@ -241,8 +244,8 @@ def rope_inv_freq_coef(theta: Float32, dim: Int) -> Float32:
 
 def rope_cos_sin(pos: Float32, i: Int, c: Float32) -> Tuple[Float32, Float32]:
     """Return (cos, sin) of angle f32(pos) * f32(exp(f32(i) * c)): the fp32 products of reference.py,
-    with exp / cos / sin evaluated accurately in fp64 and rounded once."""
+    exp evaluated in fp64 and rounded once (an angle of 2^24 magnifies inv_freq's error 2^24 times),
+    cos / sin to ~1 fp32 ulp after an exact range reduction."""
     var inv = Float32(exp_f64(Float64(Float32(i) * c)))
-    var ang = pos * inv
-    var sc = sincos_f32_angle(ang)
-    return (Float32(sc[1]), Float32(sc[0]))
+    var sc = sincos_f32_angle(pos * inv)
+    return (sc[1], sc[0])

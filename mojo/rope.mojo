@@ -4,7 +4,8 @@ rotation), (a, b) -> (a c + b s, b c - a s): the same kernel with a compile-time
 
 Layouts: HF halves, pairs (i, i + D/2); interleaved, pairs (2i, 2i + 1). cos/sin come from the tables
 [St, D/2] f32 at row p when has_tables, else are computed in-kernel (fp32 angle as
-reference.py; exp/sin/cos accurately in fp64: the GPU's fast `cos.approx` is wrong for large angles).
+reference.py; exp in fp64, cos/sin to ~1 fp32 ulp after an exact reduction: the GPU's fast `cos.approx`
+is wrong for large angles).
 params = [start_pos, theta, interleaved (0/1), has_tables (0/1), has_positions (0/1)] (mojo/README.md),
 read on the device (the backward's has_k after them is not read: an absent k is told by its dummy).
 Signatures: rope(y [B,S,H,D], yk?, x, cos?, sin?, positions?, k? [B,S,Hk,D], params),
@@ -51,6 +52,7 @@ comptime FPtr = Pointer[Float32, MutAnyOrigin]
 comptime HU = 4  # heads whose loads are in flight together (2 x 16 B each)
 comptime TPB = 256
 comptime ROWS_PER_UNIT_MIN_UNITS = 32768  # (row, 16 B group) units from which a unit takes all H heads
+comptime PAIR_UNIT_MAX_ROWS = 64  # (b, s) rows up to which a unit is one pair of HU heads (W = 1)
 comptime IPtr = Pointer[Int32, MutAnyOrigin]
 comptime MAX_POSITION = 1 << 24  # in-kernel angles: positions are clamped to [0, 2^24] (exact in fp32)
 
@@ -213,6 +215,12 @@ def rope_gpu[dtype: DType, NEG: Bool = False](
     var most = max(h, hk)
     var hc = max(most if units >= ROWS_PER_UNIT_MIN_UNITS else min(most, HU), 1)
     var chunks = cdiv(h, hc) + cdiv(hk, hc)
+    # Fewer rows still (decode): a unit per pair (W = 1), so a thread computes one cos/sin, not W in a
+    # row: the unit's work is a dependent chain (params -> log -> exp -> reduction -> polynomials -> x).
+    var pair_units = b * s <= PAIR_UNIT_MAX_ROWS
+    if pair_units:
+        vec_ok = False
+        units = b * s * half
     if units * chunks == 0:
         return  # nothing to rotate (no launch of an empty grid)
     var grid = min(cdiv(units * chunks, TPB), 1 << 30)
