@@ -52,9 +52,7 @@ comptime FPtr = Pointer[Float32, MutAnyOrigin]
 comptime HU = 4  # heads whose loads are in flight together (2 x 16 B each)
 comptime TPB = 256
 comptime ROWS_PER_UNIT_MIN_UNITS = 32768  # (row, 16 B group) units from which a unit takes all H heads
-# (b, s) rows up to which a unit is one pair of HU heads (_rope_pair_kernel). H200, q 32 + k 8 heads, D128
-# bf16, kernel us pair / 16 B units: 1 row 3.2 / 6.4, 64 rows 4.3 / 7.2, 256 rows 8.5 / 7.5.
-comptime PAIR_UNIT_MAX_ROWS = 64
+comptime PAIR_UNIT_MAX_ROWS = 64  # (b, s) rows up to which a unit is one pair of HU heads (W = 1)
 comptime IPtr = Pointer[Int32, MutAnyOrigin]
 comptime MAX_POSITION = 1 << 24  # in-kernel angles: positions are clamped to [0, 2^24] (exact in fp32)
 
@@ -185,75 +183,6 @@ def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
         u += grid_dim.x * block_dim.x
 
 
-@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(TPB)))
-def _rope_pair_kernel[dtype: DType, NEG: Bool](
-    res: Pointer[Scalar[dtype], MutAnyOrigin],
-    x: Pointer[Scalar[dtype], MutAnyOrigin],
-    res_k: Pointer[Scalar[dtype], MutAnyOrigin],
-    xk: Pointer[Scalar[dtype], MutAnyOrigin],
-    cos_t: FPtr,
-    sin_t: FPtr,
-    pos_t: IPtr,
-    params: FPtr,
-    n_rows: Int64,
-    seq: Int64,
-    heads: Int64,
-    heads_k: Int64,
-    dim: Int64,
-    table_rows: Int64,
-):
-    """Few rows (decode): a unit is one pair i of HU heads, one unit per thread, so a thread computes one
-    cos/sin (a unit of W pairs computed W in a row: one token, q 32 + k 8 heads, 7.5 -> 3.2 us on the H200).
-    x is loaded at both layouts' offsets, (i, i + D/2) and (2i, 2i + 1), before params is read: the
-    layout flag is in params, so loading only the right pair made x wait for params, two memory round
-    trips in a row instead of one; the spare loads are a few KB of a decode step."""
-    var d = Int(dim)
-    var half = d // 2
-    var cq = cdiv(Int(heads), HU)
-    var chunks = cq + cdiv(Int(heads_k), HU)
-    var u = global_idx.x
-    if u >= Int(n_rows) * chunks * half:
-        return
-    var row = u // (chunks * half)
-    var i = u % half
-    var c = (u // half) % chunks
-    var src = x
-    var dst = res
-    var nh = Int(heads)
-    if c >= cq:  # one of k's chunks: same row, same positions, same cos/sin
-        src = xk
-        dst = res_k
-        nh = Int(heads_k)
-        c -= cq
-    var h0 = c * HU
-    var base = row * nh * d
-    var xs = SIMD[dtype, 4 * HU](0)  # per head: halves a, b, then interleaved a, b
-    comptime for t in range(HU):
-        if h0 + t < nh:
-            var p = src.unsafe_offset(base + (h0 + t) * d)
-            xs[4 * t] = p[unsafe_offset=i]
-            xs[4 * t + 1] = p[unsafe_offset=i + half]
-            xs[4 * t + 2] = p[unsafe_offset=2 * i]
-            xs[4 * t + 3] = p[unsafe_offset=2 * i + 1]
-    var inter = params[unsafe_offset=2] != 0
-    var pos = _position(
-        row, Int(seq), Int(params[unsafe_offset=0]), pos_t, params[unsafe_offset=4] != 0,
-        params[unsafe_offset=3] != 0, Int(table_rows),
-    )
-    var cs = _row_cos_sin[1, NEG](
-        cos_t, sin_t, params[unsafe_offset=3] != 0, pos, i, half, rope_inv_freq_coef(params[unsafe_offset=1], d)
-    )
-    var o0 = 2 * i if inter else i
-    var o1 = 2 * i + 1 if inter else i + half
-    var sel = 2 if inter else 0
-    comptime for t in range(HU):
-        if h0 + t < nh:
-            var r = _rot[dtype, 1](xs[4 * t + sel], xs[4 * t + sel + 1], cs[0], cs[1], False)
-            var q = dst.unsafe_offset(base + (h0 + t) * d)
-            q[unsafe_offset=o0] = r[0]
-            q[unsafe_offset=o1] = r[1]
-
-
 def rope_gpu[dtype: DType, NEG: Bool = False](
     ctx: DeviceContext,
     res: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -286,15 +215,14 @@ def rope_gpu[dtype: DType, NEG: Bool = False](
     var most = max(h, hk)
     var hc = max(most if units >= ROWS_PER_UNIT_MIN_UNITS else min(most, HU), 1)
     var chunks = cdiv(h, hc) + cdiv(hk, hc)
+    # Fewer rows still (decode): a unit per pair (W = 1), so a thread computes one cos/sin, not W in a
+    # row: the unit's work is a dependent chain (params -> log -> exp -> reduction -> polynomials -> x).
+    var pair_units = b * s <= PAIR_UNIT_MAX_ROWS
+    if pair_units:
+        vec_ok = False
+        units = b * s * half
     if units * chunks == 0:
         return  # nothing to rotate (no launch of an empty grid)
-    if b * s <= PAIR_UNIT_MAX_ROWS:  # fewer rows still (decode): a unit per pair, see _rope_pair_kernel
-        var pairs = b * s * half * (cdiv(h, HU) + cdiv(hk, HU))
-        ctx.enqueue_function[_rope_pair_kernel[dtype, NEG]](
-            res, x, res_k, xk, cos_t, sin_t, pos_t, params, Int64(b * s), Int64(s), Int64(h), Int64(hk), Int64(d),
-            Int64(table_rows), grid_dim=cdiv(pairs, TPB), block_dim=TPB,
-        )
-        return
     var grid = min(cdiv(units * chunks, TPB), 1 << 30)
     if vec_ok:
         ctx.enqueue_function[_rope_kernel[dtype, VW, NEG]](
