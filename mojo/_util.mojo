@@ -77,7 +77,7 @@ def exp_f64(x: Float64) -> Float64:
     var r = (xc - kf * LN2_HI) - kf * LN2_LO
     var p: Float64 = 1.0
     comptime for j in range(14, 0, -1):
-        p = 1.0 + p * r * (1.0 / Float64(j))
+        p = 1.0 + (r * (1.0 / Float64(j))) * p  # r / j off the chain: one FMA per step
     return p * pow2_f64(k)
 
 
@@ -206,24 +206,21 @@ def _payne_hanek(ax: Float64) -> Tuple[Int, Float64, Float64]:
 def log_f64(x: Float64) -> Float64:
     """Return ln(x) for finite x > 0 (RoPE theta), NaN for anything else (0, negative, inf, NaN).
 
-    Normalize m = x * 2^-k into [sqrt(1/2), sqrt(2)) with a fixed number of power-of-two steps (a
-    binary search on the exponent: bounded for every input, no data-dependent loop), then the
-    2 atanh(z) series. Only + * / so it compiles on every target (fp64 transcendental intrinsics do
-    not on NVIDIA).
+    Normalize m = x * 2^-k into [sqrt(1/2), sqrt(2)) from x's exponent bits (subnormals scaled by 2^54
+    first; a binary search on the exponent took 20 dependent steps), then the 2 atanh(z) series. Only + * / and bit operations, so it compiles on every target (fp64
+    transcendental intrinsics do not on NVIDIA).
     """
     if not (x > 0 and x <= Float64.MAX_FINITE):
         return Float64(0) / Float64(0)
     comptime LN2 = 0.69314718055994530942
-    var m = x
+    var xn = x
     var k = 0
-    comptime for b in range(9, -1, -1):  # 2^512 ... 2^1: every exponent of a normal fp64 in 10 steps
-        if m >= pow2_f64(1 << b):
-            m *= pow2_f64(-(1 << b))
-            k += 1 << b
-    comptime for b in range(9, -1, -1):
-        if m * pow2_f64(1 << b) < 2.0:
-            m *= pow2_f64(1 << b)
-            k -= 1 << b
+    if xn < 2.2250738585072014e-308:  # subnormal: make it normal
+        xn *= pow2_f64(54)
+        k = -54
+    var bits = bitcast[DType.uint64](xn)
+    k += Int((bits >> 52) & 0x7FF) - 1023
+    var m = bitcast[DType.float64]((bits & 0x000FFFFFFFFFFFFF) | 0x3FF0000000000000)
     # now m in [1, 2)
     if m >= 1.4142135623730951:
         m *= 0.5
