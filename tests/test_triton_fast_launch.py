@@ -13,29 +13,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton_fakes import FakeCompiledKernel as _Kernel  # noqa: E402
 
 from kernels_triton import _launch, _raw_launch  # noqa: E402
 
 
 def _toy(x_ptr, y_ptr, n, start, BLOCK: tl.constexpr = 64, FLAG: tl.constexpr = False):  # noqa: F821
     pass
-
-
-class _Kernel:
-    """Stands in for a CompiledKernel: `kernel[grid]` returns a runner that records its arguments."""
-
-    function = packed_metadata = None
-
-    def __init__(self, log: list) -> None:
-        self.log = log
-
-    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args) -> None:
-        # the compiled launcher, as _launch's direct path calls it: no metadata, no hooks
-        assert launch_metadata is None and enter is None and exit_ is None
-        self.log.append(("fast", (gx, gy, gz), args))
-
-    def __getitem__(self, grid):  # Triton's runner: taken while a launch hook is registered
-        return lambda *args: self.log.append(("hooked", grid, args))
 
 
 @pytest.fixture
@@ -45,7 +29,7 @@ def toy(monkeypatch: pytest.MonkeyPatch):
 
     def run(self, *args, grid, warmup, **kwargs):
         log.append(("run", grid, args, kwargs))
-        return _Kernel(log)
+        return _Kernel(log, "fast")
 
     monkeypatch.setattr(type(fn), "run", run)
     monkeypatch.setattr(_launch, "_stream", lambda device: 0)  # no CUDA stream on the CPU

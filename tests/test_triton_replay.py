@@ -15,27 +15,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton_fakes import FakeCompiledKernel as _Kernel  # noqa: E402
 
 from kernels_triton import _launch, _replay  # noqa: E402
 
 
 def _toy(x_ptr, y_ptr, n, eps, BLOCK: tl.constexpr = 64):  # noqa: F821
     pass
-
-
-class _Kernel:
-    function = packed_metadata = None
-
-    def __init__(self, log: list) -> None:
-        self.log = log
-
-    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args) -> None:
-        # the compiled launcher, as _launch's direct path calls it: no metadata, no hooks
-        assert launch_metadata is None and enter is None and exit_ is None
-        self.log.append(("launch", (gx, gy, gz), args))
-
-    def __getitem__(self, grid):  # Triton's runner: taken while a launch hook is registered
-        return lambda *args: self.log.append(("hooked", grid, args))
 
 
 @pytest.fixture
