@@ -207,8 +207,9 @@ def log_f64(x: Float64) -> Float64:
     """Return ln(x) for finite x > 0 (RoPE theta), NaN for anything else (0, negative, inf, NaN).
 
     Normalize m = x * 2^-k into [sqrt(1/2), sqrt(2)) from x's exponent bits (subnormals scaled by 2^54
-    first; a binary search on the exponent took 20 dependent steps), then the 2 atanh(z) series. Only + * / and bit operations, so it compiles on every target (fp64
-    transcendental intrinsics do not on NVIDIA).
+    first; a binary search on the exponent took 20 dependent steps), then the 2 atanh(z) series. Only
+    + * / and bit operations, so it compiles on every target (fp64 transcendental intrinsics do not on
+    NVIDIA).
     """
     if not (x > 0 and x <= Float64.MAX_FINITE):
         return Float64(0) / Float64(0)
