@@ -3,6 +3,8 @@
 length that must never be read; the rowwise fp32 GPU kernel at realistic shapes) and FLOP-rate timing.
 
 FUSEKIT_HARNESS_ONLY=attn_decode runs only the split-KV decode path's checks and timings (`run_decode`).
+FUSEKIT_HARNESS_ONLY=attn_fwd runs only the forward (and small-shape gradient) checks and the forward timings,
+bf16 with the sm_90 wgmma kernel and with `_fa2_kernel` in the same run.
 FUSEKIT_HARNESS_BENCH=0 skips every timing (checks only: what a compute-sanitizer run wants).
 FUSEKIT_HARNESS_ONLY=attn_bwd_tc runs only the tensor-core backward's checks and timings (`run_bwd_tc`):
 the opt-in path (params' 4th slot, mojo/_attention_backward.mojo) against the SIMT backward and float64."""
@@ -17,6 +19,7 @@ from std.sys import size_of
 
 from ..attention import Attention, AttentionBackward, attention_gpu, attention_gpu_ws, attention_backward_gpu
 from .._util import exp_f64, log_f64
+from .._attention_hopper import attention_hopper_gpu
 from .._attention_decode import decode_applies, decode_plan, decode_part_len, attention_decode_gpu
 from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params, workspace, sm_count
 
@@ -429,7 +432,9 @@ def _case[
         check(name + " lse vs rowwise fp32 GPU", el.value(), 1e-4, failures)
 
 
-def _bench[dtype: DType](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int, causal: Bool, iters: Int) raises:
+def _bench[dtype: DType](
+    ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int, causal: Bool, iters: Int, hopper: Bool = True
+) raises:
     var n = B * H * S * D
     var qb = ctx.enqueue_create_buffer[dtype](n)
     var kb = ctx.enqueue_create_buffer[dtype](n)
@@ -450,17 +455,52 @@ def _bench[dtype: DType](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int, cau
     var k = _mut(kb.unsafe_ptr())
     var v = _mut(vb.unsafe_ptr())
     var p = _mut(pb.unsafe_ptr())
-    attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx)  # warm-up (module load)
+    attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx, hopper=hopper)  # warm-up (module load)
     ctx.synchronize()
     var t0 = now_ns()
     for _ in range(iters):
-        attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx)
+        attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx, hopper=hopper)
     ctx.synchronize()
     var ns = Float64(now_ns() - t0) / Float64(iters)
     var flops = 4.0 * Float64(B * H) * Float64(S) * Float64(S) * Float64(D) * (0.5 if causal else 1.0)
     var tf = flops / ns / 1000.0
-    print("PERF attention", dtype, "B", B, "H", H, "S", S, "D", D, "causal=", causal, "us=", ns / 1000.0, "TFLOP/s=", tf,
+    print("PERF attention", dtype, "B", B, "H", H, "S", S, "D", D, "causal=", causal, "hopper=", hopper, "us=", ns / 1000.0,
+          "TFLOP/s=", tf,
           "of_SDPA_604=", tf / 604.0)
+
+
+def _bench_hopper_cfg[
+    D: Int, NWG: Int, BN: Int
+](ctx: DeviceContext, B: Int, H: Int, S: Int, causal: Bool, iters: Int) raises:
+    """The sm_90 wgmma kernel at one (warpgroups, key tile) configuration (a tuning sweep; bf16)."""
+    comptime dtype = DType.bfloat16
+    var n = B * H * S * D
+    var qb = ctx.enqueue_create_buffer[dtype](n)
+    var kb = ctx.enqueue_create_buffer[dtype](n)
+    var vb = ctx.enqueue_create_buffer[dtype](n)
+    var ob = ctx.enqueue_create_buffer[dtype](n)
+    var lb = ctx.enqueue_create_buffer[DType.float32](B * H * S)
+    fill_random(ctx, qb, n, 7, -1.0, 1.0)
+    fill_random(ctx, kb, n, 8, -1.0, 1.0)
+    fill_random(ctx, vb, n, 9, -1.0, 1.0)
+    var pb = device_params(
+        ctx, Float32(1.0) if causal else Float32(0.0), Float32(1.0) / Float32(D).__pow__(Float32(0.5)), Float32(0.0)
+    )
+    var lenb = _device_ints(ctx, List[Int32]())
+    var args = (_mut(ob.unsafe_ptr()), _mut(lb.unsafe_ptr()), _mut(qb.unsafe_ptr()), _mut(kb.unsafe_ptr()))
+    var v = _mut(vb.unsafe_ptr())
+    var kl = _mut(lenb.unsafe_ptr())
+    var p = _mut(pb.unsafe_ptr())
+    attention_hopper_gpu[dtype, D, NWG, BN](args[0], args[1], args[2], args[3], v, kl, p, B, H, H, S, S, ctx)
+    ctx.synchronize()
+    var t0 = now_ns()
+    for _ in range(iters):
+        attention_hopper_gpu[dtype, D, NWG, BN](args[0], args[1], args[2], args[3], v, kl, p, B, H, H, S, S, ctx)
+    ctx.synchronize()
+    var ns = Float64(now_ns() - t0) / Float64(iters)
+    var flops = 4.0 * Float64(B * H) * Float64(S) * Float64(S) * Float64(D) * (0.5 if causal else 1.0)
+    print("PERF hopper_cfg D", D, "NWG", NWG, "BN", BN, "B", B, "S", S, "causal=", causal, "us=", ns / 1000.0,
+          "TFLOP/s=", flops / ns / 1000.0)
 
 
 def _bench_bwd[dtype: DType](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int, causal: Bool, iters: Int) raises:
@@ -1048,14 +1088,29 @@ def run(bench_default: Bool = True) raises:
             _case[DType.bfloat16](ctx, 4, 8, 2, 300, 1037, D, True, False, failures, 24, 0, False, 1)
             _case[DType.bfloat16](ctx, 4, 8, 2, 5, 1037, D, False, False, failures, 25, 0, False, 2)
         if bench:
+            # bf16 on sm_90: the wgmma kernel (hopper) and _fa2_kernel in the same run
             for causal in range(2):
-                _bench[DType.bfloat16](ctx, 4, 32, 4096, 128, causal == 1, 10)
-                _bench[DType.bfloat16](ctx, 4, 32, 4096, 64, causal == 1, 10)
-                _bench[DType.bfloat16](ctx, 4, 32, 4096, 256, causal == 1, 5)
+                for hop in range(2):
+                    _bench[DType.bfloat16](ctx, 4, 32, 4096, 128, causal == 1, 10, hop == 1)
+                    _bench[DType.bfloat16](ctx, 4, 32, 4096, 64, causal == 1, 10, hop == 1)
+                    _bench[DType.bfloat16](ctx, 4, 32, 4096, 256, causal == 1, 5, hop == 1)
             _bench[DType.float16](ctx, 4, 32, 4096, 128, False, 10)
-            _bench_bwd[DType.bfloat16](ctx, 1, 8, 2048, 128, True, 3)
+            comptime if DeviceContext.default_device_info.compute == 9.0:
+                if getenv("FUSEKIT_HARNESS_SWEEP") == "1":  # the wgmma kernel's (warpgroups, key tile) options
+                    for causal in range(2):
+                        _bench_hopper_cfg[128, 2, 128](ctx, 4, 32, 4096, causal == 1, 10)
+                        _bench_hopper_cfg[128, 2, 64](ctx, 4, 32, 4096, causal == 1, 10)
+                        _bench_hopper_cfg[128, 1, 64](ctx, 4, 32, 4096, causal == 1, 10)
+                        _bench_hopper_cfg[64, 1, 64](ctx, 4, 32, 4096, causal == 1, 10)
+                        _bench_hopper_cfg[64, 1, 128](ctx, 4, 32, 4096, causal == 1, 10)
+                        _bench_hopper_cfg[64, 2, 64](ctx, 4, 32, 4096, causal == 1, 10)
+                        _bench_hopper_cfg[256, 2, 64](ctx, 4, 32, 4096, causal == 1, 5)
+            if getenv("FUSEKIT_HARNESS_ONLY") != "attn_fwd":
+                _bench_bwd[DType.bfloat16](ctx, 1, 8, 2048, 128, True, 3)
     print("attention failures:", failures)
     if failures > 0:
         raise Error("attention: ", failures, " checks failed")
+    if getenv("FUSEKIT_HARNESS_ONLY") == "attn_fwd":  # the forward checks and timings only
+        return
     run_decode(bench)
     run_bwd_tc(bench)
