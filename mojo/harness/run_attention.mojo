@@ -391,11 +391,12 @@ def _case[
             var e1 = RelErr()
             var e2 = RelErr()
             var e3 = RelErr()
+            # add_pattern: with non-finite inputs (bad > 0) the reference gradients hold NaN / inf too
             for i in range(nq):
-                e1.add(hdq[i].cast[F64](), want.dq[i])
+                e1.add_pattern(hdq[i].cast[F64](), want.dq[i])
             for i in range(nk):
-                e2.add(hdk[i].cast[F64](), want.dk[i])
-                e3.add(hdv[i].cast[F64](), want.dv[i])
+                e2.add_pattern(hdk[i].cast[F64](), want.dk[i])
+                e3.add_pattern(hdv[i].cast[F64](), want.dv[i])
             check(name + " dq vs host f64", e1.value(), 2 * tol, failures)
             check(name + " dk vs host f64", e2.value(), 2 * tol, failures)
             check(name + " dv vs host f64", e3.value(), 2 * tol, failures)
@@ -411,7 +412,9 @@ def _case[
             var hdk2 = to_host(ctx, dkb, nk)
             var diff = 0
             for i in range(nk):
-                if hdk2[i] != hdk[i]:
+                var a = hdk2[i]
+                var c = hdk[i]
+                if a != c and not (a != a and c != c):  # NaN in both runs is the same result
                     diff += 1
             check(name + " dk deterministic", Float64(diff), 0.0, failures)
     else:
