@@ -54,6 +54,8 @@ from max.gpu.compute.mma import (
 )
 from max.gpu.host.nvidia.tma import TensorMapSwizzle
 
+from std.sys._assembly import inlined_assembly
+
 from ._attention_decode import _nmax, _nonfinite, _quad_max, _quad_sum
 
 comptime _LOG2E: Float32 = 1.4426950408889634
@@ -97,33 +99,40 @@ def _swz(r: Int, c: Int, R: Int) -> Int:
 
 
 @always_inline
+def _pin[N: Int](v: SIMD[_F32, N]) -> SIMD[_F32, N]:
+    """v through an empty volatile asm per register (CUTLASS's warpgroup_fence_operand): code reading a
+    wgmma accumulator stays after the wgmma wait that precedes this (LLVM sees the accumulators as ready at
+    the wgmma itself and hoisted `S * scale` above the wait: ptxas then serialised the wgmmas, C7514)."""
+    var r = v
+    comptime for i in range(N):
+        r[i] = inlined_assembly["", Float32, constraints="=f,0", has_side_effect=True](v[i])
+    return r
+
+
+@always_inline
 def _softmax_tile[
-    N: Int
+    N: Int, MASKED: Bool
 ](
     sacc: SIMD[_F32, N],
     scale2: Float32,
-    need_mask: Bool,
-    kbase: Int,
-    kvl: Int,
-    causal: Bool,
-    row0: Int,
-    off: Int,
-    t4: Int,
+    rel: SIMD[DType.int32, 2],
     mut m_i: SIMD[_F32, 2],
     mut l_i: SIMD[_F32, 2],
 ) -> Tuple[SIMD[_F32, N], SIMD[_F32, 2]]:
-    """One key tile's online-softmax step on a thread's S accumulators (rows row0 and row0 + 8, keys
-    kbase + 8jn + 2t4 + {0, 1}): mask (tiles crossing kvl or the causal diagonal), scale to the log2 domain,
-    NaN-propagating row max over the quad, p = exp2(s - max); updates m_i and l_i, returns (p, alpha).
+    """One key tile's online-softmax step on a thread's S accumulators (rows g and g + 8, keys
+    8jn + 2t4 + {0, 1} of the tile): scale to the log2 domain, mask, NaN-propagating row max over the quad,
+    p = exp2(s - max); updates m_i and l_i, returns (p, alpha).
+    MASKED (a tile crossing kvl or a row's causal diagonal): rel[h] is row h's last visible key minus the
+    tile's first key minus 2 t4, so key column c of n8 block jn is masked iff 8jn + c > rel[h]: one compare
+    per score against an immediate. A runtime mask branch inside one body was if-converted by the compiler
+    into ~430 compares and selects on every tile (SASS, H200), hence two instantiations.
     Works on a copy: sacc's registers are an input of the next S wgmma, and written while a P V group is in
     flight they would make ptxas serialise the wgmmas (C7513)."""
     var sv = sacc * scale2
-    if need_mask:
+    comptime if MASKED:
         comptime for jn in range(N // 4):
             comptime for e in range(4):
-                var key = kbase + 8 * jn + 2 * t4 + (e % 2)
-                var qrow = row0 + 8 * (e // 2)
-                if key >= kvl or (causal and key > qrow + off):
+                if Int32(8 * jn + (e % 2)) > rel[e // 2]:
                     sv[4 * jn + e] = _NEG_INF
     var mx = m_i
     comptime for jn in range(N // 4):
@@ -315,8 +324,14 @@ def _fa3_kernel[
         wgmma_commit_group_sync()
         return res
 
+    # each row's last visible key (-1 or less: none), for the masked tiles
+    var last = SIMD[DType.int32, 2](0)
+    comptime for hh in range(2):
+        last[hh] = Int32(min(kvl - 1, row0 + 8 * hh + off) if causal else kvl - 1)
+
     @always_inline
-    def mask_needed(it: Int) {var} -> Bool:
+    def masked(it: Int) {var} -> Bool:
+        """Tile it crosses kvl or this warp's causal diagonal (uniform per warp)."""
         var kb = it * BN
         return kb + BN > kvl or (causal and kb + BN - 1 > wrow0 + off)
 
@@ -331,7 +346,11 @@ def _fa3_kernel[
         sacc = s_chain(0, sacc)
         loads(0)
         wgmma_wait_group_sync[0]()
-        var r0 = _softmax_tile(sacc, scale2, mask_needed(0), 0, kvl, causal, row0, off, t4, m_i, l_i)
+        sacc = _pin[BN // 2](sacc)
+        var r0 = (
+            _softmax_tile[BN // 2, True](sacc, scale2, last - Int32(2 * t4), m_i, l_i) if masked(0) else
+            _softmax_tile[BN // 2, False](sacc, scale2, last, m_i, l_i)
+        )
         pf_prev = r0[0].cast[dtype]()  # O is still 0: no rescale
     for it in range(1, n_tiles):
         top(it)
@@ -339,7 +358,11 @@ def _fa3_kernel[
         oacc = pv(pf_prev, it - 1, oacc)
         loads(it)
         wgmma_wait_group_sync[1]()  # S done; P V_{it-1} may still run
-        var r = _softmax_tile(sacc, scale2, mask_needed(it), it * BN, kvl, causal, row0, off, t4, m_i, l_i)
+        sacc = _pin[BN // 2](sacc)
+        var r = (
+            _softmax_tile[BN // 2, True](sacc, scale2, last - Int32(it * BN + 2 * t4), m_i, l_i) if masked(it) else
+            _softmax_tile[BN // 2, False](sacc, scale2, last, m_i, l_i)
+        )
         wgmma_wait_group_sync[0]()  # P V_{it-1} done: O may be rescaled
         # P into the A registers only now: written while P V_{it-1} still reads them ptxas would serialise
         # the wgmmas (C7513); converted inside a chain it would inject warpgroup.arrive (C7519)

@@ -5,6 +5,7 @@ length that must never be read; the rowwise fp32 GPU kernel at realistic shapes)
 FUSEKIT_HARNESS_ONLY=attn_decode runs only the split-KV decode path's checks and timings (`run_decode`).
 FUSEKIT_HARNESS_ONLY=attn_fwd runs only the forward (and small-shape gradient) checks and the forward timings,
 bf16 with the sm_90 wgmma kernel and with `_fa2_kernel` in the same run.
+FUSEKIT_HARNESS_ONLY=attn_perf times one bf16 D128 forward and nothing else (what a profiler run wants).
 FUSEKIT_HARNESS_BENCH=0 skips every timing (checks only: what a compute-sanitizer run wants).
 FUSEKIT_HARNESS_ONLY=attn_bwd_tc runs only the tensor-core backward's checks and timings (`run_bwd_tc`):
 the opt-in path (params' 4th slot, mojo/_attention_backward.mojo) against the SIMT backward and float64."""
@@ -1045,6 +1046,10 @@ def run(bench_default: Bool = True) raises:
         return
     if getenv("FUSEKIT_HARNESS_ONLY") == "attn_decode":
         run_decode(bench)
+        return
+    if getenv("FUSEKIT_HARNESS_ONLY") == "attn_perf":  # one bf16 D128 forward timing (for a profiler)
+        with DeviceContext() as ctx:
+            _bench[DType.bfloat16](ctx, 4, 32, 4096, 128, False, 2)
         return
     var failures = 0
     with DeviceContext() as ctx:
