@@ -233,26 +233,30 @@ def _fa3_kernel[
                 async_copy[16](src.unsafe_offset(kv_base + kr * D + col), kvs.unsafe_offset(dst + _swz(r, col, BN)))
 
     @always_inline
-    def scan_v(tile: Int) {var}:
-        """A tile that some row of this block must not fully see: zero its non-finite V values (p = 0 * NaN
-        would be NaN in the MMA); the rows that do see them get them back after the loop (vbad)."""
+    def tile_masked(tile: Int) {var} -> Bool:
+        """Some row of this block must not see all of the tile's keys (uniform across the block)."""
         var kb = tile * BN
-        if kb + BN > kvl or (causal and kb + BN - 1 > m0 + off):
-            var vsl = kvs.unsafe_offset(V_OFF + (tile % 2) * TILE)
-            comptime for i in range(ceildiv(KV_CHUNKS, NT)):
-                var c = tid + i * NT
-                if c < KV_CHUNKS:
-                    var p8 = vsl.unsafe_offset(c * 8)  # the scan is layout-blind: every chunk once
-                    var x8 = p8.unsafe_load[width=8, alignment=16](0)
-                    var f8 = x8.cast[_F32]()
-                    var any_bad = False
-                    comptime for e in range(8):
-                        if _nonfinite(f8[e]):
-                            x8[e] = 0
-                            any_bad = True
-                    if any_bad:
-                        p8.unsafe_store[alignment=16](0, x8)
-                        vbad[] = 1
+        return kb + BN > kvl or (causal and kb + BN - 1 > m0 + off)
+
+    @always_inline
+    def scan_v(tile: Int) {var}:
+        """A masked tile: zero its non-finite V values (p = 0 * NaN would be NaN in the MMA); the rows that
+        do see them get them back after the loop (vbad)."""
+        var vsl = kvs.unsafe_offset(V_OFF + (tile % 2) * TILE)
+        comptime for i in range(ceildiv(KV_CHUNKS, NT)):
+            var c = tid + i * NT
+            if c < KV_CHUNKS:
+                var p8 = vsl.unsafe_offset(c * 8)  # the scan is layout-blind: every chunk once
+                var x8 = p8.unsafe_load[width=8, alignment=16](0)
+                var f8 = x8.cast[_F32]()
+                var any_bad = False
+                comptime for e in range(8):
+                    if _nonfinite(f8[e]):
+                        x8[e] = 0
+                        any_bad = True
+                if any_bad:
+                    p8.unsafe_store[alignment=16](0, x8)
+                    vbad[] = 1
 
     @always_inline
     def pv(pf: SIMD[dtype, BN // 2], tile: Int, acc: SIMD[_F32, D // 2]) {var} -> SIMD[_F32, D // 2]:
@@ -291,14 +295,19 @@ def _fa3_kernel[
 
     @always_inline
     def top(it: Int) {var}:
-        """Copy group it - 1 (K_it, V_{it-1}) landed: scan V_{it-1}, publish it all to the async proxy.
-        The barrier also means every warpgroup is past S_{it-1} and P V_{it-2}: K_{it-1}'s and V_{it-2}'s
-        slots are free for `loads`."""
+        """Copy group it - 1 (K_it, V_{it-1}) landed: publish it to the async proxy, scan V_{it-1} if its
+        tile is masked. The barrier also means every warpgroup is past S_{it-1} and P V_{it-2}: K_{it-1}'s
+        and V_{it-2}'s slots are free for `loads`."""
         async_copy_wait_group(0)
-        if it > 0:
-            scan_v(it - 1)
-        fence_async_view_proxy()  # this thread's cp.async / scan stores -> the async proxy wgmma reads
+        fence_async_view_proxy()  # this thread's cp.async data -> the async proxy wgmma reads
         barrier()
+        # the scan reads chunks other threads copied (the swizzle permutes them), so only after the barrier
+        # (before it, compute-sanitizer racecheck on the H200 reported the scan racing the cp.async writes:
+        # a scan could miss a NaN, or write stale data back over the landed tile)
+        if it > 0 and tile_masked(it - 1):
+            scan_v(it - 1)
+            fence_async_view_proxy()  # the scan's stores -> the async proxy
+            barrier()
 
     @always_inline
     def loads(it: Int) {var}:
