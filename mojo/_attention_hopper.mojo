@@ -28,17 +28,28 @@
 # Shared memory written by cp.async or st.shared (the generic proxy) is fenced (fence.proxy.async) before a
 # barrier and the wgmma that reads it (the async proxy).
 #
+# Softmax: `_softmax_tile` has a masked and an unmasked instantiation (a tile crossing kvl or a row's causal
+# diagonal takes the masked one: one compare per score against the row's last visible key); S is pinned
+# after its wgmma wait (`_pin`); a masked tile's V is scanned for non-finite values after the tile's barrier.
+#
 # Measured (H200, bf16, B4 H32 S4096, harness FUSEKIT_HARNESS_ONLY=attn_fwd, wall per call, _fa2_kernel in the
-# same run; SDPA 604 / 527 TFLOP/s D128, 456 / 421 D64, 642 / 587 D256 at 9ab55b2): D128 332 TFLOP/s (fa2 224),
-# causal 302 (210); D64 223 (152), causal 207 (144); D256 401 (198), causal 366 (189). Steps: the FA2 loop on
-# wgmma 286 at D128; the overlap with the P V issued only from the second tile (a branch around wgmmas) made
-# ptxas serialise every wgmma (info C7513): 263; tile 0 peeled: 309; one barrier per tile with the copies issued
-# behind the wgmmas: 332. Configuration sweep (FUSEKIT_HARNESS_SWEEP=1), TFLOP/s non-causal / causal:
-#   D128 (2, 128) 334 / 300, (2, 64) 318 / 292, (1, 64) 302 / 284; D64 (1, 64) 221 / 209, (1, 128) 217 / 202,
-#   (2, 64) 197 / 184; D256 (2, 64) 399 / 368 ((1, 64) 240 / 226 before the copies moved).
+# same run), TFLOP/s at 466fe8e: D128 406 (fa2 224), causal 363 (210); D64 299 (152), causal 273 (144); D256
+# 478 (198), causal 427 (189). Steps at D128: the FA2 loop on wgmma 286; the overlap with the P V issued only
+# from the second tile (a branch around wgmmas) made ptxas serialise every wgmma (info C7513): 263; tile 0
+# peeled: 309; one barrier per tile with the copies issued behind the wgmmas: 332; the masked / unmasked
+# softmax instantiations and `_pin`: 406. Through the benchmark (attention.json at 466fe8e, SDPA in the same
+# run): 0.51-0.74x SDPA over the 36-case sweep, median 0.65x. ncu at 332 TFLOP/s (D128): occupancy 12.5%
+# (8 warps per SM: registers and shared memory), ALU pipe the busiest (54%), no eligible warp 53% of cycles.
+# Configuration sweep (FUSEKIT_HARNESS_SWEEP=1, at 466fe8e), TFLOP/s non-causal / causal:
+#   D128 (2, 128) 404 / 365, (2, 64) 384 / 347, (1, 64) 365 / 334; D64 (1, 64) 299 / 276, (1, 128) 307 / 273,
+#   (2, 64) 264 / 240; D256 (2, 64) 478 / 432.
+# Tried and slower: the scale folded into the exp2 FMA with a rescale skipped where alpha = 1 (four softmax
+# instantiations; D64 299 -> 265, D128 406 -> 405, D256 478 -> 468).
 # Not yet: FA3's producer warp with TMA and mbarriers (the copies still cost every thread instructions, and
 # the per-tile barrier keeps the warpgroups in lockstep, so their softmaxes coincide: no pingpong), fp16
-# (MAX's register-A wgmma is bf16 only: fp16 keeps `_fa2_kernel`), exp2 folded into one FMA per score.
+# (MAX's register-A wgmma is bf16 only: fp16 keeps `_fa2_kernel`).
+# The scan-after-barrier order (compute-sanitizer racecheck found the scan racing the cp.async writes at
+# 466fe8e) is built and ptxas-checked but not yet run on a GPU.
 
 from std.math import ceildiv, exp2, log2
 from std.memory import unsafe_stack_allocation

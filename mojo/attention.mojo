@@ -51,7 +51,7 @@
 #   blocks are issued heaviest-first. mma.sync peaks near ~60% of SDPA's ~600 TFLOP/s on H100/H200, so
 # - sm_90, bf16, D in {64, 128, 256} (16-byte aligned q / k / v, B * H <= 65535): `_fa3_kernel` of
 #   _attention_hopper.mojo instead, the same loop on warpgroup MMA (wgmma) with the next tile's S issued
-#   while the previous tile's P V runs (1.5-2x `_fa2_kernel`, 0.55-0.65x SDPA: its header). fp16 and other
+#   while the previous tile's P V runs (1.8-2.4x `_fa2_kernel`, 0.51-0.74x SDPA: its header). fp16 and other
 #   GPUs keep `_fa2_kernel`.
 # - everything else (fp32, other head dims, AMD gfx942): `_attn_rowwise_kernel`, one warp per query
 #   row, exact fp32 math, no tensor cores (correct, slow; also the harness's GPU reference).
