@@ -103,19 +103,26 @@ def _host_ref[
                     r.lse[li] = mx
                     for d in range(D):
                         r.o[qb + i * D + d] = nan
-                    continue
-                var l = Float64(0)
-                for j in range(last + 1):
-                    p[j] = exp_f64(sc[j] - mx)
-                    l += p[j]
-                r.lse[li] = mx + log_f64(l)
-                for j in range(last + 1):
-                    p[j] /= l
-                for d in range(D):
-                    var acc = Float64(0)
+                    if not grads:
+                        continue
+                    # the gradients follow FlashAttention-2's formulas from the saved lse, as the kernels and
+                    # ops/attention.py's reference_backward do: p_j = exp(s_j - lse) (NaN, or 0 beside an
+                    # inf score), delta = do . o = NaN, so dq and every visible key's dk are NaN
                     for j in range(last + 1):
-                        acc += p[j] * hv[kvb + j * D + d].cast[F64]()
-                    r.o[qb + i * D + d] = acc
+                        p[j] = exp_f64(sc[j] - mx)
+                else:
+                    var l = Float64(0)
+                    for j in range(last + 1):
+                        p[j] = exp_f64(sc[j] - mx)
+                        l += p[j]
+                    r.lse[li] = mx + log_f64(l)
+                    for j in range(last + 1):
+                        p[j] /= l
+                    for d in range(D):
+                        var acc = Float64(0)
+                        for j in range(last + 1):
+                            acc += p[j] * hv[kvb + j * D + d].cast[F64]()
+                        r.o[qb + i * D + d] = acc
                 if grads:
                     var delta = Float64(0)
                     for d in range(D):
