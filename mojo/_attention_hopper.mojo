@@ -96,12 +96,6 @@ def hopper_smem_bytes(d: Int, nwg: Int, bn: Int) -> Int:
 
 
 @always_inline
-def hopper_applies(dtype: DType, d: Int) -> Bool:
-    """What `_fa3_kernel` is compiled for (the caller also checks the target, alignment and grid)."""
-    return dtype == DType.bfloat16 and (d == 64 or d == 128 or d == 256)
-
-
-@always_inline
 def _swz(r: Int, c: Int, R: Int) -> Int:
     """Element offset of X[r, c] in an [R, C] 2-byte tile in wgmma's 128-byte-swizzle format: C cut into
     64-column blocks, each a dense [R, 64] array of 128-byte rows; 16-byte chunk j of row r at j ^ (r % 8)."""
@@ -451,8 +445,8 @@ def attention_hopper_gpu[
     Skv: Int,
     ctx: DeviceContext,
 ) raises:
-    """Launch `_fa3_kernel` (the caller checked hopper_applies, an sm_90 target, B * H <= 65535 and 16-byte
-    aligned q / k / v)."""
+    """Launch `_fa3_kernel` (the caller checked bf16, D in {64, 128, 256}, an sm_90 target, B * H <= 65535 and
+    16-byte aligned q / k / v)."""
     comptime smem = hopper_smem_bytes(D, NWG, BN)
     ctx.enqueue_function[_fa3_kernel[dtype, D, BN, NWG]](
         o,
