@@ -47,7 +47,17 @@
 # instantiations; D64 299 -> 265, D128 406 -> 405, D256 478 -> 468).
 # Not yet: FA3's producer warp with TMA and mbarriers (the copies still cost every thread instructions, and
 # the per-tile barrier keeps the warpgroups in lockstep, so their softmaxes coincide: no pingpong), fp16
-# (MAX's register-A wgmma is bf16 only: fp16 keeps `_fa2_kernel`).
+# (MAX's register-A wgmma is bf16 only: fp16 keeps `_fa2_kernel`). For the producer, these compile for sm_90
+# in 26.7 (a probe, not yet run):
+#   - `max.gpu.host.nvidia.tma.create_tma_descriptor[dtype, rank, SWIZZLE_128B]` on a non-owning DeviceBuffer of
+#     our pointer, with shapes, strides and box outermost first, passed by value with
+#     @__llvm_arg_metadata(desc, `nvvm.grid_constant`);
+#   - `cp_async_bulk_tensor_shared_cluster_global`, whose coordinates are innermost first;
+#   - `SharedMemBarrier` init / expect_bytes / wait / arrive, and `fence_mbarrier_init`;
+#   - `warpgroup_reg_alloc` / `warpgroup_reg_dealloc`, which ptxas ignores (C7508) without
+#     @__llvm_metadata(`nvvm.minctasm`=...);
+#   - `named_barrier`.
+# A [rows, 64] box with the 128B swizzle lands in `_swz`'s layout.
 # The scan-after-barrier order (compute-sanitizer racecheck found the scan racing the cp.async writes at
 # 466fe8e) is built and ptxas-checked but not yet run on a GPU.
 
