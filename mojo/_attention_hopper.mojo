@@ -74,7 +74,6 @@ from max.gpu.compute.mma import (
     WGMMADescriptor,
 )
 from max.gpu.host.nvidia.tma import TensorMapSwizzle
-
 from std.sys._assembly import inlined_assembly
 
 from ._attention_decode import _nmax, _nonfinite, _quad_max, _quad_sum
@@ -84,7 +83,6 @@ comptime _LN2: Float32 = 0.6931471805599453
 comptime _NEG_INF = Float32.MIN  # -inf
 comptime _F32 = DType.float32
 comptime _SW128 = TensorMapSwizzle.SWIZZLE_128B
-
 
 
 @always_inline

@@ -443,9 +443,12 @@ def _case[
         check(name + " lse vs rowwise fp32 GPU", el.value(), 1e-4, failures)
 
 
-def _bench[dtype: DType](
-    ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int, causal: Bool, iters: Int, hopper: Bool = True
-) raises:
+def _bench[
+    dtype: DType, HD: Int = 0, NWG: Int = 0, BN: Int = 0
+](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int, causal: Bool, iters: Int, hopper: Bool = True) raises:
+    """Forward FLOP rate through attention_gpu (hopper False: `_fa2_kernel` where the sm_90 wgmma kernel would
+    run), or with NWG > 0 the wgmma kernel at head dim HD (= D) and (warpgroups, key tile) = (NWG, BN): the
+    tuning sweep."""
     var n = B * H * S * D
     var qb = ctx.enqueue_create_buffer[dtype](n)
     var kb = ctx.enqueue_create_buffer[dtype](n)
@@ -466,52 +469,29 @@ def _bench[dtype: DType](
     var k = _mut(kb.unsafe_ptr())
     var v = _mut(vb.unsafe_ptr())
     var p = _mut(pb.unsafe_ptr())
-    attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx, hopper=hopper)  # warm-up (module load)
+
+    @always_inline
+    def launch() raises {var}:
+        comptime if NWG > 0:
+            attention_hopper_gpu[dtype, HD, NWG, BN](o, l, q, k, v, kl, p, B, H, H, S, S, ctx)
+        else:
+            attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx, hopper=hopper)
+
+    launch()  # warm-up (module load)
     ctx.synchronize()
     var t0 = now_ns()
     for _ in range(iters):
-        attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx, hopper=hopper)
+        launch()
     ctx.synchronize()
     var ns = Float64(now_ns() - t0) / Float64(iters)
     var flops = 4.0 * Float64(B * H) * Float64(S) * Float64(S) * Float64(D) * (0.5 if causal else 1.0)
     var tf = flops / ns / 1000.0
-    print("PERF attention", dtype, "B", B, "H", H, "S", S, "D", D, "causal=", causal, "hopper=", hopper, "us=", ns / 1000.0,
-          "TFLOP/s=", tf,
-          "of_SDPA_604=", tf / 604.0)
-
-
-def _bench_hopper_cfg[
-    D: Int, NWG: Int, BN: Int
-](ctx: DeviceContext, B: Int, H: Int, S: Int, causal: Bool, iters: Int) raises:
-    """The sm_90 wgmma kernel at one (warpgroups, key tile) configuration (a tuning sweep; bf16)."""
-    comptime dtype = DType.bfloat16
-    var n = B * H * S * D
-    var qb = ctx.enqueue_create_buffer[dtype](n)
-    var kb = ctx.enqueue_create_buffer[dtype](n)
-    var vb = ctx.enqueue_create_buffer[dtype](n)
-    var ob = ctx.enqueue_create_buffer[dtype](n)
-    var lb = ctx.enqueue_create_buffer[DType.float32](B * H * S)
-    fill_random(ctx, qb, n, 7, -1.0, 1.0)
-    fill_random(ctx, kb, n, 8, -1.0, 1.0)
-    fill_random(ctx, vb, n, 9, -1.0, 1.0)
-    var pb = device_params(
-        ctx, Float32(1.0) if causal else Float32(0.0), Float32(1.0) / Float32(D).__pow__(Float32(0.5)), Float32(0.0)
-    )
-    var lenb = _device_ints(ctx, List[Int32]())
-    var args = (_mut(ob.unsafe_ptr()), _mut(lb.unsafe_ptr()), _mut(qb.unsafe_ptr()), _mut(kb.unsafe_ptr()))
-    var v = _mut(vb.unsafe_ptr())
-    var kl = _mut(lenb.unsafe_ptr())
-    var p = _mut(pb.unsafe_ptr())
-    attention_hopper_gpu[dtype, D, NWG, BN](args[0], args[1], args[2], args[3], v, kl, p, B, H, H, S, S, ctx)
-    ctx.synchronize()
-    var t0 = now_ns()
-    for _ in range(iters):
-        attention_hopper_gpu[dtype, D, NWG, BN](args[0], args[1], args[2], args[3], v, kl, p, B, H, H, S, S, ctx)
-    ctx.synchronize()
-    var ns = Float64(now_ns() - t0) / Float64(iters)
-    var flops = 4.0 * Float64(B * H) * Float64(S) * Float64(S) * Float64(D) * (0.5 if causal else 1.0)
-    print("PERF hopper_cfg D", D, "NWG", NWG, "BN", BN, "B", B, "S", S, "causal=", causal, "us=", ns / 1000.0,
-          "TFLOP/s=", flops / ns / 1000.0)
+    comptime if NWG > 0:
+        print("PERF hopper_cfg D", D, "NWG", NWG, "BN", BN, "B", B, "S", S, "causal=", causal, "us=", ns / 1000.0,
+              "TFLOP/s=", tf)
+    else:
+        print("PERF attention", dtype, "B", B, "H", H, "S", S, "D", D, "causal=", causal, "hopper=", hopper,
+              "us=", ns / 1000.0, "TFLOP/s=", tf, "of_SDPA_604=", tf / 604.0)
 
 
 def _bench_bwd[dtype: DType](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int, causal: Bool, iters: Int) raises:
@@ -1113,13 +1093,13 @@ def run(bench_default: Bool = True) raises:
             comptime if DeviceContext.default_device_info.compute == 9.0:
                 if getenv("FUSEKIT_HARNESS_SWEEP") == "1":  # the wgmma kernel's (warpgroups, key tile) options
                     for causal in range(2):
-                        _bench_hopper_cfg[128, 2, 128](ctx, 4, 32, 4096, causal == 1, 10)
-                        _bench_hopper_cfg[128, 2, 64](ctx, 4, 32, 4096, causal == 1, 10)
-                        _bench_hopper_cfg[128, 1, 64](ctx, 4, 32, 4096, causal == 1, 10)
-                        _bench_hopper_cfg[64, 1, 64](ctx, 4, 32, 4096, causal == 1, 10)
-                        _bench_hopper_cfg[64, 1, 128](ctx, 4, 32, 4096, causal == 1, 10)
-                        _bench_hopper_cfg[64, 2, 64](ctx, 4, 32, 4096, causal == 1, 10)
-                        _bench_hopper_cfg[256, 2, 64](ctx, 4, 32, 4096, causal == 1, 5)
+                        _bench[DType.bfloat16, 128, 2, 128](ctx, 4, 32, 4096, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 2, 64](ctx, 4, 32, 4096, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 1, 64](ctx, 4, 32, 4096, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 64, 1, 64](ctx, 4, 32, 4096, 64, causal == 1, 10)
+                        _bench[DType.bfloat16, 64, 1, 128](ctx, 4, 32, 4096, 64, causal == 1, 10)
+                        _bench[DType.bfloat16, 64, 2, 64](ctx, 4, 32, 4096, 64, causal == 1, 10)
+                        _bench[DType.bfloat16, 256, 2, 64](ctx, 4, 32, 4096, 256, causal == 1, 5)
             if getenv("FUSEKIT_HARNESS_ONLY") != "attn_fwd":
                 _bench_bwd[DType.bfloat16](ctx, 1, 8, 2048, 128, True, 3)
     print("attention failures:", failures)
