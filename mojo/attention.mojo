@@ -107,7 +107,7 @@ from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_
 from ._util import exp_f64, log_f64, check_workspace
 from ._attention_backward import attention_backward_tc, tc_backward_supported
 from ._attention_decode import attention_decode_gpu, decode_applies, _quad_max, _quad_sum
-from ._attention_hopper import attention_hopper_gpu
+from ._attention_hopper_ws import attention_hopper_ws_gpu
 
 comptime LOG2E: Float32 = 1.4426950408889634
 comptime LN2: Float32 = 0.6931471805599453
@@ -667,13 +667,13 @@ def attention_gpu_ws[
         var fa2_aligned = Int(k) % 16 == 0 and Int(v) % 16 == 0 and Int(q) % 4 == 0 and Int(o) % 4 == 0
         if not force_rowwise and B * H <= 65535 and fa2_aligned:
             # sm_90, bf16: the wgmma kernel (_attention_hopper.mojo; it also copies q in 16-byte chunks)
-            comptime if DeviceContext.default_device_info.compute == 9.0 and dtype == DType.bfloat16:
+            comptime if DeviceContext.default_device_info.compute == 9.0:
                 if hopper and Int(q) % 16 == 0:
                     comptime for di in range(3):
                         comptime HDi = 64 << di
                         comptime if HD == 0 or HD == HDi:
                             if D == HDi:
-                                attention_hopper_gpu[dtype, HDi](
+                                attention_hopper_ws_gpu[dtype, HDi](
                                     o, lse, q, k, v, kv_len, params, B, H, Hkv, S, Skv, ctx
                                 )
                                 return
