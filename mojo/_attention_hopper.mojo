@@ -141,17 +141,19 @@ def _softmax_tile[
     into ~430 compares and selects on every tile (SASS, H200), hence two instantiations.
     Works on a copy: sacc's registers are an input of the next S wgmma, and written while a P V group is in
     flight they would make ptxas serialise the wgmmas (C7513)."""
-    var sv = sacc * scale2
+    var sv = sacc  # raw scores: the scale is folded into the exp2 FMA (scale2 > 0, so the row max commutes
+    # with it exactly: max(s) * c == max(s * c) under round-to-nearest)
     comptime if MASKED:
         comptime for jn in range(N // 4):
             comptime for e in range(4):
                 if Int32(8 * jn + (e % 2)) > rel[e // 2]:
                     sv[4 * jn + e] = _NEG_INF
-    var mx = m_i
+    var mt = SIMD[_F32, 2](_NEG_INF)
     comptime for jn in range(N // 4):
-        mx[0] = _nmax(mx[0], _nmax(sv[4 * jn], sv[4 * jn + 1]))
-        mx[1] = _nmax(mx[1], _nmax(sv[4 * jn + 2], sv[4 * jn + 3]))
-    mx = _quad_max(mx)
+        mt[0] = _nmax(mt[0], _nmax(sv[4 * jn], sv[4 * jn + 1]))
+        mt[1] = _nmax(mt[1], _nmax(sv[4 * jn + 2], sv[4 * jn + 3]))
+    mt = _quad_max(mt)
+    var mx = SIMD[_F32, 2](_nmax(m_i[0], mt[0] * scale2), _nmax(m_i[1], mt[1] * scale2))
     var mref = SIMD[_F32, 2](0)  # a row with nothing visible yet keeps -inf: 0 there
     comptime for r in range(2):
         mref[r] = mx[r] if mx[r] > _NEG_INF else Float32(0)
@@ -160,7 +162,7 @@ def _softmax_tile[
     var rs = SIMD[_F32, 2](0)
     comptime for jn in range(N // 4):
         comptime for e in range(4):
-            var p = exp2(sv[4 * jn + e] - mref[e // 2])
+            var p = exp2(sv[4 * jn + e].fma(scale2, -mref[e // 2]))
             sv[4 * jn + e] = p
             rs[e // 2] += p
     l_i = l_i * alpha + rs
