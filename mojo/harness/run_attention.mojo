@@ -1085,6 +1085,11 @@ def run(bench_default: Bool = True) raises:
             _case[DType.float16](ctx, 1, 8, 8, 777, 777, D, True, False, failures, 23)
             _case[DType.bfloat16](ctx, 4, 8, 2, 300, 1037, D, True, False, failures, 24, 0, False, 1)
             _case[DType.bfloat16](ctx, 4, 8, 2, 5, 1037, D, False, False, failures, 25, 0, False, 2)
+            # more blocks than SMs at once (the sm_90 kernel's mbarrier rings start fresh in each block)
+            _case[DType.bfloat16](ctx, 4, 16, 4, 1000, 1037, D, False, False, failures, 26)
+            _case[DType.float16](ctx, 4, 16, 4, 1000, 1037, D, True, False, failures, 27)
+            _case[DType.bfloat16](ctx, 16, 8, 2, 200, 300, D, True, False, failures, 28, 0, False, 1)
+            _case[DType.bfloat16](ctx, 16, 8, 2, 200, 300, D, False, False, failures, 29, 0, False, 2)
         if bench:
             # bf16 on sm_90: the wgmma kernel (hopper) and _fa2_kernel in the same run
             for causal in range(2):
@@ -1104,8 +1109,10 @@ def run(bench_default: Bool = True) raises:
                     for causal in range(2):
                         _bench[DType.bfloat16, 128, 2, 128, True](ctx, 4, 32, 4096, 128, causal == 1, 10)
                         _bench[DType.bfloat16, 128, 2, 128, True, False](ctx, 4, 32, 4096, 128, causal == 1, 10)
-                        _bench[DType.bfloat16, 64, 2, 128, True](ctx, 4, 32, 4096, 64, causal == 1, 10)
-                        _bench[DType.bfloat16, 64, 2, 128, True, False](ctx, 4, 32, 4096, 64, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 2, 128, True](ctx, 32, 32, 512, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 2, 128, True, False](ctx, 32, 32, 512, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 2, 128, True](ctx, 8, 32, 2048, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 2, 128, True, False](ctx, 8, 32, 2048, 128, causal == 1, 10)
                         _bench[DType.bfloat16, 64, 3, 128, True](ctx, 4, 32, 4096, 64, causal == 1, 10)
                         _bench[DType.bfloat16, 64, 3, 128, True, False](ctx, 4, 32, 4096, 64, causal == 1, 10)
                         _bench[DType.bfloat16, 256, 2, 64, True](ctx, 4, 32, 4096, 256, causal == 1, 5)
