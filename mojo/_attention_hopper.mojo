@@ -1,71 +1,67 @@
-# fusekit.attention forward on Hopper (sm_90): FlashAttention-2's loop on warpgroup MMA (wgmma), the path
-# attention_gpu_ws (attention.mojo) takes for bf16 at D 64 / 128 / 256 on an sm_90 GPU. The contract,
-# masking, kv_len and non-finite rules are attention.mojo's (its header); this file only changes how the two
-# GEMMs of a key tile run.
+# fusekit.attention forward on Hopper (sm_90), bf16 and fp16 at D 64 / 128 / 256: FlashAttention-3's design in
+# Mojo, the path attention_gpu_ws (attention.mojo) takes on an sm_90 GPU for 16-byte aligned q / k / v. The
+# contract, masking, kv_len and non-finite rules are attention.mojo's (its header); this file only changes
+# how a block computes them.
 #
-# Why: `_fa2_kernel` issues mma.sync (m16n8k16, one warp each), which reaches ~0.34x SDPA on the H200
-# (202 of 604 TFLOP/s at B4 H32 S4096 D128). wgmma is Hopper's asynchronous warpgroup MMA: one instruction
-# per 64 x N x 16 step for 4 warps, B (and here Q as A) read straight from swizzled shared memory, P fed
-# from registers.
+# Block = 1 producer warpgroup (warpgroup 0: setmaxnreg.dec; one thread issues TMA) + NWG consumer
+# warpgroups (setmaxnreg.inc), each 64 query rows of one (b, h): BM = 64 NWG rows per block, (NWG, BN) =
+# (2, 128) at D128, (3, 128) at D64, (2, 64) at D256. Grid: (query blocks, B * H), heaviest (causal) first.
+# Shared memory (all tiles in wgmma's 128-byte-swizzle format, which a [rows, 64] TMA box with SWIZZLE_128B
+# writes: columns in 64-element blocks, 16-byte chunk j of row r at j ^ (r % 8); bases 1024-byte aligned):
+# Q [BM x D], NS = 2 slots each of K and V [BN x D], then the mbarriers q_full, k_full[NS], k_empty[NS],
+# v_full[NS], v_empty[NS] and the `vbad` flag.
+# Descriptors (host, per launch): q, k, v as 4-D [B, H(kv), S(kv), D] tensor maps, box [1, 1, rows, 64]:
+# rows past S (Skv) arrive as zeros, never another head's; expect_tx counts the full box.
+# Producer order K_0, V_0, K_1, V_1, ...; it waits on a slot's "empty" mbarrier (every consumer thread
+# arrives once its wgmma read the slot) before refilling it.
+# Per consumer tile j: wait V_{j-1}, K_j (a masked tile j - 1: the consumers scan V_{j-1} for non-finite
+# values, then a named barrier, since both warpgroups read that slot); issue S_j = Q K_j^T (D / 16
+# shared-memory wgmmas: Q and K K-major descriptors, SBO 1024 B, +32 B per k-step, a new 64-column block
+# every 4) and O += P_{j-1} V_{j-1} (BN / 16 register-A wgmmas: P straight from the S accumulators, which
+# are already the A fragment; V MN-major, SBO 1024 B between 8-key groups, LBO BN x 128 B between 64-column
+# blocks); wait S_j (release K_j), softmax (P V_{j-1} still on the tensor cores: FA3's intra-warpgroup
+# overlap), wait P V (release V_{j-1}), O *= alpha. Pingpong (PP, FA3's inter-warpgroup schedule): each
+# consumer warpgroup issues its GEMMs only after the previous one issued its own (named barriers 2..), so
+# one warpgroup's softmax runs while the other's GEMMs do.
+# Accumulators: the m64nNk16 layout is mma.sync's m16n8 C layout per warp repeated over N / 8, so the online
+# softmax is `_fa2_kernel`'s (quad shuffles); warp i of a warpgroup owns rows 16i.., each thread rows g and
+# g + 8 (g = lane / 4). fp16: S through the shared-memory wgmma (f16 operands), P V through `_pv_f16` (our
+# register-A wgmma asm, one m64n64k16 per 64 output columns: MAX's register-A wgmma is bf16 only).
 #
-# One block = NWG warpgroups (128 threads each) = BM = 64 NWG query rows of one (b, h); warpgroup w owns rows
-# 64w..64w+63 (wgmma M = 64), and inside it warp i rows 16i..16i+15, each thread rows g and g+8 (g = lane / 4):
-# the m64nNk16 accumulator is mma.sync's m16n8 C layout per warp, repeated over N / 8, so the online softmax
-# is `_fa2_kernel`'s (quad shuffles), and the S accumulator registers 8kc..8kc+7 are, in order, the A fragment
-# of P for k-step kc of O += P V (no shuffle, no shared memory).
-# Shared memory, all tiles in wgmma's 128-byte-swizzle format (_swz: columns in 64-element blocks, 16-byte
-# chunk j of row r at j ^ (r % 8), tile bases 1024-byte aligned):
-#   Q [BM x D] once, then 2 slots each of K [BN x D] and V [BN x D], filled with cp.async (16 bytes per copy,
-#   every thread of the block).
-#   (NWG, BN) per head dim: D 64 (1, 64): 8 + 4 x 8 KB = 40 KB; D 128 (2, 128): 32 + 4 x 32 = 160 KB;
-#   D 256 (2, 64): 64 + 4 x 32 = 192 KB.
-# Per tile j: S_j = Q K_j^T (D / 16 wgmmas, Q and K K-major descriptors, SBO 1024 B), then O += P_{j-1} V_{j-1}
-# (BN / 16 wgmmas, A = P from registers, V an MN-major descriptor: SBO 1024 B between 8-key groups, LBO
-# BN x 128 B between 64-column blocks) issued right behind it; while both run, the block's threads issue the
-# copies of K_{j+1} and V_j; then the S wait, mask, online softmax in the log2 domain (P V_{j-1} still on the
-# tensor cores: FA3's intra-warpgroup overlap), the P V wait, O *= alpha. One barrier per tile.
-# Registers: S BN / 2 + O D / 2 fp32 + P BN / 4 (ptxas sm_90a: 147-246, no spills at the chosen configs).
-# Shared memory written by cp.async or st.shared (the generic proxy) is fenced (fence.proxy.async) before a
-# barrier and the wgmma that reads it (the async proxy).
-#
-# Softmax: `_softmax_tile` has a masked and an unmasked instantiation (a tile crossing kvl or a row's causal
-# diagonal takes the masked one: one compare per score against the row's last visible key); S is pinned
-# after its wgmma wait (`_pin`); a masked tile's V is scanned for non-finite values after the tile's barrier.
-#
-# Measured (H200, bf16, B4 H32 S4096, harness FUSEKIT_HARNESS_ONLY=attn_fwd, wall per call, _fa2_kernel in the
-# same run), TFLOP/s at 466fe8e: D128 406 (fa2 224), causal 363 (210); D64 299 (152), causal 273 (144); D256
-# 478 (198), causal 427 (189). Steps at D128: the FA2 loop on wgmma 286; the overlap with the P V issued only
-# from the second tile (a branch around wgmmas) made ptxas serialise every wgmma (info C7513): 263; tile 0
-# peeled: 309; one barrier per tile with the copies issued behind the wgmmas: 332; the masked / unmasked
-# softmax instantiations and `_pin`: 406. Through the benchmark (attention.json at 466fe8e, SDPA in the same
-# run): 0.51-0.74x SDPA over the 36-case sweep, median 0.65x. ncu at 332 TFLOP/s (D128): occupancy 12.5%
-# (8 warps per SM: registers and shared memory), ALU pipe the busiest (54%), no eligible warp 53% of cycles.
-# Configuration sweep (FUSEKIT_HARNESS_SWEEP=1, at 466fe8e), TFLOP/s non-causal / causal:
-#   D128 (2, 128) 404 / 365, (2, 64) 384 / 347, (1, 64) 365 / 334; D64 (1, 64) 299 / 276, (1, 128) 307 / 273,
-#   (2, 64) 264 / 240; D256 (2, 64) 478 / 432.
-# Tried and slower: the scale folded into the exp2 FMA with a rescale skipped where alpha = 1 (four softmax
-# instantiations; D64 299 -> 265, D128 406 -> 405, D256 478 -> 468).
-# Not yet: FA3's producer warp with TMA and mbarriers (the copies still cost every thread instructions, and
-# the per-tile barrier keeps the warpgroups in lockstep, so their softmaxes coincide: no pingpong), fp16
-# (MAX's register-A wgmma is bf16 only: fp16 keeps `_fa2_kernel`). For the producer, these compile for sm_90
-# in 26.7 (a probe, not yet run):
-#   - `max.gpu.host.nvidia.tma.create_tma_descriptor[dtype, rank, SWIZZLE_128B]` on a non-owning DeviceBuffer of
-#     our pointer, with shapes, strides and box outermost first, passed by value with
-#     @__llvm_arg_metadata(desc, `nvvm.grid_constant`);
-#   - `cp_async_bulk_tensor_shared_cluster_global`, whose coordinates are innermost first;
-#   - `SharedMemBarrier` init / expect_bytes / wait / arrive, and `fence_mbarrier_init`;
-#   - `warpgroup_reg_alloc` / `warpgroup_reg_dealloc`, which ptxas ignores (C7508) without
-#     @__llvm_metadata(`nvvm.minctasm`=...);
-#   - `named_barrier`.
-# A [rows, 64] box with the 128B swizzle lands in `_swz`'s layout.
-# The scan-after-barrier order (compute-sanitizer racecheck found the scan racing the cp.async writes at
-# 466fe8e) is built and ptxas-checked but not yet run on a GPU.
+# Measured (H200, harness FUSEKIT_HARNESS_ONLY=attn_fwd, B4 H32 S4096, wall per call), TFLOP/s:
+#   bf16 D128 606, causal 528; D64 403 / 347; D256 603 / 549; fp16 D128 543, D64 431 (98bbce5).
+#   Steps at D128 (non-causal / causal): `_fa2_kernel` (mma.sync) 224 / 210; this loop with every thread
+#   issuing cp.async copies and one block barrier per tile (466fe8e) 406 / 363; the producer warpgroup,
+#   TMA and mbarriers 569 / 481; pingpong (e1fbea7) 579 / 503 (non-causal within the +-3% run-to-run
+#   noise); the scale folded into the exp2 FMA (98bbce5) 606 / 528.
+#   Benchmark (attention.json, GPU time, SDPA in the same run) at e1fbea7: 0.50-0.94x SDPA, median 0.82x.
+# Lessons from ptxas (info lines) on this loop:
+#   - a branch around wgmma issue (the first P V only from tile 1 on) made ptxas serialise every wgmma
+#     (C7513): tile 0 is peeled;
+#   - zeroing the S accumulator after the fence did the same: `scale_d = 0` on the first k-step instead;
+#   - LLVM hoisted accumulator reads above the wgmma wait (C7514): `_pin` after each wait;
+#   - writing P (the A registers) while a P V group is in flight serialises (C7513), converting it inside a
+#     wgmma chain injects warpgroup.arrive (C7519): P is converted after the P V wait;
+#   - a runtime mask branch was if-converted into ~430 compares and selects per tile (SASS): the masked and
+#     unmasked softmax are separate instantiations;
+#   - setmaxnreg is ignored (C7508) without `nvvm.minctasm`.
+# Tried and not kept: a persistent grid (one block per SM walking the work tiles): +12% at B32 S512 and +8%
+# at B8 S2048 non-causal, but 164-420 bytes of spills (the loop's state; the producer at 24 registers) cost
+# 6% at S4096 and causal lost up to 40% (static round-robin); a conditional O rescale (alpha = 1 skipped).
+# compute-sanitizer racecheck and synccheck on the harness: clean (e1fbea7).
 
 from std.math import ceildiv, exp2, log2
-from std.memory import unsafe_stack_allocation
-from max.gpu import thread_idx, block_idx, barrier, AddressSpace, external_memory
-from max.gpu.host import DeviceContext, FuncAttribute
-from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group, fence_async_view_proxy
+from std.memory import bitcast
+from std.sys import _RegisterPackType
+from std.sys._assembly import inlined_assembly
+from std.utils import IndexList
+from std.utils.static_tuple import StaticTuple
+from max.gpu import thread_idx, block_idx, barrier, AddressSpace, external_memory, MAX_THREADS_PER_BLOCK_METADATA
+from max.gpu.host import DeviceContext, FuncAttribute, DeviceBuffer
+from max.gpu.host.nvidia.tma import TensorMapSwizzle, TMADescriptor, create_tma_descriptor
+from max.gpu.memory import cp_async_bulk_tensor_shared_cluster_global, fence_async_view_proxy, fence_mbarrier_init
+from max.gpu.sync import named_barrier, named_barrier_arrive
+from max.gpu.intrinsics import warpgroup_reg_alloc, warpgroup_reg_dealloc
 from max.gpu.compute.mma import (
     wgmma_async,
     wgmma_fence_aligned,
@@ -73,11 +69,11 @@ from max.gpu.compute.mma import (
     wgmma_wait_group_sync,
     WGMMADescriptor,
 )
-from max.gpu.host.nvidia.tma import TensorMapSwizzle
-from std.sys._assembly import inlined_assembly
+from layout.tma_async import SharedMemBarrier
 
 from ._attention_decode import _nmax, _nonfinite, _quad_max, _quad_sum
 
+comptime _NS = 2  # K and V slots each
 comptime _LOG2E: Float32 = 1.4426950408889634
 comptime _LN2: Float32 = 0.6931471805599453
 comptime _NEG_INF = Float32.MIN  # -inf
@@ -87,28 +83,71 @@ comptime _SW128 = TensorMapSwizzle.SWIZZLE_128B
 
 @always_inline
 def hopper_nwg(d: Int) -> Int:
-    """Warpgroups per block (each 64 query rows, wgmma's M): 2, or 1 at D 64 (H200 sweep beside the header)."""
-    return 1 if d == 64 else 2
+    """Consumer warpgroups per block: 3 at D 64 (BM 192, as FA3), else 2 (H200 sweep beside the header)."""
+    return 3 if d == 64 else 2
 
 
 @always_inline
 def hopper_bn(d: Int) -> Int:
-    """Keys per tile: 128 at D 128 (S 64 + O 64 + P 32 registers), 64 at D 256 (its O alone is 128) and D 64."""
-    return 128 if d == 128 else 64
+    """Keys per tile: 128 at D 64 / 128, 64 at D 256 (its O accumulator alone is 128 registers)."""
+    return 64 if d == 256 else 128
 
 
 @always_inline
 def hopper_smem_bytes(d: Int, nwg: Int, bn: Int) -> Int:
-    """Q + 2 slots each of K and V, 2-byte elements, + 1 KB: the base is rounded up to 1024 bytes in the kernel."""
-    return (64 * nwg * d + 4 * bn * d) * 2 + 1024
+    """Q + NS slots each of K and V (2-byte elements) + 1 KB for the run-time 1024-byte round-up + 256 bytes of
+    mbarriers and the vbad flag."""
+    return (64 * nwg * d + 2 * _NS * bn * d) * 2 + 1024 + 256
 
 
 @always_inline
-def _swz(r: Int, c: Int, R: Int) -> Int:
-    """Element offset of X[r, c] in an [R, C] 2-byte tile in wgmma's 128-byte-swizzle format: C cut into
-    64-column blocks, each a dense [R, 64] array of 128-byte rows; 16-byte chunk j of row r at j ^ (r % 8)."""
-    var j = (c % 64) // 8
-    return (c // 64) * R * 64 + r * 64 + ((j ^ (r % 8)) * 8) + (c % 8)
+def _regs(nwg: Int) -> Tuple[Int, Int]:
+    """setmaxnreg (producer, consumer) per thread: 128 (P + NWG C) <= 65536 registers of the SM."""
+    if nwg == 1:
+        return (40, 232)
+    if nwg == 2:
+        return (24, 240)
+    return (24, 160)
+
+
+@always_inline
+def _pv_f16(a: SIMD[DType.float16, 8], desc: WGMMADescriptor, c: SIMD[_F32, 32]) -> SIMD[_F32, 32]:
+    """wgmma m64n64k16 f32 += f16 x f16 with A from registers (the mma.sync m16n8k16 A fragment per warp) and B
+    MN-major (transposed, V [K, N] row-major) from a shared-memory descriptor; one 64-column block of O."""
+    var a0 = bitcast[DType.uint32, 1](a.slice[2, offset=0]())
+    var a1 = bitcast[DType.uint32, 1](a.slice[2, offset=2]())
+    var a2 = bitcast[DType.uint32, 1](a.slice[2, offset=4]())
+    var a3 = bitcast[DType.uint32, 1](a.slice[2, offset=6]())
+    # fmt: off
+    var r = inlined_assembly[
+        """{
+        .reg .pred p;
+        setp.ne.b32 p, $37, 0;
+        wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16
+        {$0, $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+         $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31},
+        {$32, $33, $34, $35}, $36, p, 1, 1, 1;
+        }""",
+        _RegisterPackType[
+            Float32, Float32, Float32, Float32, Float32, Float32, Float32, Float32,
+            Float32, Float32, Float32, Float32, Float32, Float32, Float32, Float32,
+            Float32, Float32, Float32, Float32, Float32, Float32, Float32, Float32,
+            Float32, Float32, Float32, Float32, Float32, Float32, Float32, Float32,
+        ],
+        constraints="=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,"
+        + "r,r,r,r,l,n,"
+        + "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31",
+    ](
+        a0, a1, a2, a3, desc.desc, 1,
+        c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11], c[12], c[13], c[14], c[15],
+        c[16], c[17], c[18], c[19], c[20], c[21], c[22], c[23], c[24], c[25], c[26], c[27], c[28], c[29], c[30],
+        c[31],
+    )
+    return SIMD[_F32, 32](
+        r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], r[13], r[14], r[15],
+        r[16], r[17], r[18], r[19], r[20], r[21], r[22], r[23], r[24], r[25], r[26], r[27], r[28], r[29], r[30], r[31],
+    )
+    # fmt: on
 
 
 @always_inline
@@ -169,13 +208,19 @@ def _softmax_tile[
     return (sv, alpha)
 
 
+@__llvm_arg_metadata(qd, `nvvm.grid_constant`)
+@__llvm_arg_metadata(kd, `nvvm.grid_constant`)
+@__llvm_arg_metadata(vd, `nvvm.grid_constant`)
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(128 * (NWG + 1))))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(1))  # ptxas honours setmaxnreg only when it knows the entry count
 def _fa3_kernel[
-    dtype: DType, D: Int, BN: Int, NWG: Int
+    dtype: DType, D: Int, BN: Int, NWG: Int, PP: Bool
 ](
+    qd: TMADescriptor,
+    kd: TMADescriptor,
+    vd: TMADescriptor,
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     lse: Pointer[Float32, MutAnyOrigin],
-    q: Pointer[Scalar[dtype], MutAnyOrigin],
-    k: Pointer[Scalar[dtype], MutAnyOrigin],
     v: Pointer[Scalar[dtype], MutAnyOrigin],
     kv_len: Pointer[Int32, MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
@@ -185,28 +230,32 @@ def _fa3_kernel[
     Skv: Int32,
 ):
     comptime BM = 64 * NWG
-    comptime NT = 128 * NWG
-    comptime TILE = BN * D  # elements of one K (or V) tile
-    comptime V_OFF = 2 * TILE  # the V ring after the two K slots
+    comptime NC = 128 * NWG  # consumer threads
+    comptime TILE = BN * D  # elements of one K (or V) slot
+    comptime K_OFF = BM * D
+    comptime V_OFF = K_OFF + _NS * TILE
+    comptime BAR_OFF = V_OFF + _NS * TILE
     comptime CPR = D // 8  # 16-byte chunks per row
     comptime KV_CHUNKS = BN * CPR
-    comptime Q_CHUNKS = BM * CPR
     comptime NON = D // 8  # n8 blocks of O
+    comptime PREG = _regs(NWG)[0]
+    comptime CREG = _regs(NWG)[1]
 
     var raw = external_memory[Scalar[dtype], address_space=AddressSpace.SHARED, alignment=1024]()
     var pad = ((Int(raw) + 1023) & ~1023) - Int(raw)  # bytes; 0 when .align 1024 is honoured
     var qs = raw.unsafe_offset(pad // 2)
-    var kvs = qs.unsafe_offset(BM * D)
-    var vbad = unsafe_stack_allocation[1, DType.int32, address_space=AddressSpace.SHARED]()
+    var bars = qs.unsafe_offset(BAR_OFF).unsafe_bitcast[SharedMemBarrier]()
+    var q_full = bars
+    var k_full = bars.unsafe_offset(1)
+    var k_empty = bars.unsafe_offset(1 + _NS)
+    var v_full = bars.unsafe_offset(1 + 2 * _NS)
+    var v_empty = bars.unsafe_offset(1 + 3 * _NS)
+    var vbad = bars.unsafe_offset(1 + 4 * _NS).unsafe_bitcast[Int32]()
+
     var tid = thread_idx.x
     var wg = tid // 128
-    var lane = tid % 32
-    var wi = (tid % 128) // 32
-    var g = lane // 4
-    var t4 = lane % 4
-
     var s_len = Int(S)
-    var skv = Int(Skv)  # k/v row stride; the keys this sequence uses are 0..kvl - 1
+    var skv = Int(Skv)
     var n_mblk = ceildiv(s_len, BM)
     var mblk = n_mblk - 1 - block_idx.x  # heaviest (causal) blocks first
     var bh = block_idx.y
@@ -215,37 +264,76 @@ def _fa3_kernel[
     var hk = h // (Int(H) // Int(Hkv))
     var m0 = mblk * BM
     var causal = params[unsafe_offset=0] != 0
-    var scale2 = params[unsafe_offset=1] * _LOG2E
     var kvl = skv
     if params[unsafe_offset=2] != 0:  # untrusted lengths: clamped, so no read outside k / v
         kvl = min(max(Int(kv_len[unsafe_offset=b]), 0), skv)
     var off = kvl - s_len  # bottom-right alignment against this sequence's length
-
-    var q_base = (bh * s_len) * D
-    var kv_base = ((b * Int(Hkv) + hk) * skv) * D
     var kv_end = kvl
     if causal:
         kv_end = min(kvl, m0 + BM + off)
     var n_tiles = ceildiv(kv_end, BN) if kv_end > 0 else 0
 
-    var wrow0 = m0 + 64 * wg + 16 * wi  # this warp's first row
+    if tid == 0:
+        q_full[].init(1)
+        comptime for s in range(_NS):
+            k_full[unsafe_offset=s].init(1)  # one arrival: the producer's arrive.expect_tx
+            v_full[unsafe_offset=s].init(1)
+            k_empty[unsafe_offset=s].init(Int32(NC))  # every consumer thread, once its wgmma read the slot
+            v_empty[unsafe_offset=s].init(Int32(NC))
+        vbad[] = 0
+        fence_mbarrier_init()
+        fence_async_view_proxy()
+    barrier()
+
+    if wg == 0:
+        # ---------------- producer ----------------
+        warpgroup_reg_dealloc[PREG]()
+        if tid == 0 and n_tiles > 0:
+            var qp = Pointer(to=qd).unsafe_bitcast[NoneType]()
+            var kp = Pointer(to=kd).unsafe_bitcast[NoneType]()
+            var vp = Pointer(to=vd).unsafe_bitcast[NoneType]()
+            q_full[].expect_bytes(Int32(BM * D * 2))
+            comptime for j in range(D // 64):  # one [BM, 64] box per 64-column block (innermost coordinate first)
+                cp_async_bulk_tensor_shared_cluster_global(
+                    qs.unsafe_offset(j * BM * 64), qp, q_full, IndexList[4](64 * j, m0, h, b)
+                )
+            for t in range(n_tiles):
+                var s = t % _NS
+                var ph = UInt32(((t // _NS) & 1) ^ 1)  # a fresh slot's "empty" passes at once (phase 1)
+                k_empty[unsafe_offset=s].wait(ph)
+                k_full[unsafe_offset=s].expect_bytes(Int32(TILE * 2))
+                comptime for j in range(D // 64):
+                    cp_async_bulk_tensor_shared_cluster_global(
+                        qs.unsafe_offset(K_OFF + s * TILE + j * BN * 64),
+                        kp,
+                        k_full.unsafe_offset(s),
+                        IndexList[4](64 * j, t * BN, hk, b),
+                    )
+                v_empty[unsafe_offset=s].wait(ph)
+                v_full[unsafe_offset=s].expect_bytes(Int32(TILE * 2))
+                comptime for j in range(D // 64):
+                    cp_async_bulk_tensor_shared_cluster_global(
+                        qs.unsafe_offset(V_OFF + s * TILE + j * BN * 64),
+                        vp,
+                        v_full.unsafe_offset(s),
+                        IndexList[4](64 * j, t * BN, hk, b),
+                    )
+        return
+
+    # ---------------- consumers ----------------
+    warpgroup_reg_alloc[CREG]()
+    var ct = tid - 128  # consumer thread 0..NC-1
+    var cw = wg - 1
+    var lane = tid % 32
+    var wi = (tid % 128) // 32
+    var g = lane // 4
+    var t4 = lane % 4
+    var scale2 = params[unsafe_offset=1] * _LOG2E
+    var q_base = (bh * s_len) * D
+    var kv_base = ((b * Int(Hkv) + hk) * skv) * D
+    var wrow0 = m0 + 64 * cw + 16 * wi  # this warp's first row
     var row0 = wrow0 + g  # this thread's rows: row0, row0 + 8
-
-    var qg = q.unsafe_address_space_cast[AddressSpace.GLOBAL]()
-    var kg = k.unsafe_address_space_cast[AddressSpace.GLOBAL]()
-    var vg = v.unsafe_address_space_cast[AddressSpace.GLOBAL]()
-
-    @always_inline
-    def load_rows(src: Pointer[Scalar[dtype], MutAnyOrigin, address_space=AddressSpace.GLOBAL], tile: Int, dst: Int) {var}:
-        """One K or V tile (keys tile*BN..) into the slot at element offset dst; no commit."""
-        var kbase = tile * BN
-        comptime for i in range(ceildiv(KV_CHUNKS, NT)):
-            var c = tid + i * NT
-            if c < KV_CHUNKS:
-                var r = c // CPR
-                var col = (c % CPR) * 8
-                var kr = min(kbase + r, kvl - 1)  # clamp: rows past kvl are masked to p = 0
-                async_copy[16](src.unsafe_offset(kv_base + kr * D + col), kvs.unsafe_offset(dst + _swz(r, col, BN)))
+    var qw = qs.unsafe_offset(cw * 64 * 64)  # this warpgroup's 64 rows (8 KB into each column block)
 
     @always_inline
     def tile_masked(tile: Int) {var} -> Bool:
@@ -255,13 +343,14 @@ def _fa3_kernel[
 
     @always_inline
     def scan_v(tile: Int) {var}:
-        """A masked tile: zero its non-finite V values (p = 0 * NaN would be NaN in the MMA); the rows that
-        do see them get them back after the loop (vbad)."""
-        var vsl = kvs.unsafe_offset(V_OFF + (tile % 2) * TILE)
-        comptime for i in range(ceildiv(KV_CHUNKS, NT)):
-            var c = tid + i * NT
+        """A masked tile: the consumers zero its non-finite V values (p = 0 * NaN would be NaN in the MMA); the
+        rows that do see them get them back after the loop (vbad). Then the named barrier: no warpgroup's
+        P V reads the slot before every chunk is scanned."""
+        var vsl = qs.unsafe_offset(V_OFF + (tile % _NS) * TILE)
+        comptime for i in range(ceildiv(KV_CHUNKS, NC)):
+            var c = ct + i * NC
             if c < KV_CHUNKS:
-                var p8 = vsl.unsafe_offset(c * 8)  # the scan is layout-blind: every chunk once
+                var p8 = vsl.unsafe_offset(c * 8)  # layout-blind: every chunk once
                 var x8 = p8.unsafe_load[width=8, alignment=16](0)
                 var f8 = x8.cast[_F32]()
                 var any_bad = False
@@ -272,73 +361,21 @@ def _fa3_kernel[
                 if any_bad:
                     p8.unsafe_store[alignment=16](0, x8)
                     vbad[] = 1
+        fence_async_view_proxy()  # the scan's stores -> the async proxy the wgmma reads
+        named_barrier[Int32(NC)](1)
 
     @always_inline
-    def pv(pf: SIMD[dtype, BN // 2], tile: Int, acc: SIMD[_F32, D // 2]) {var} -> SIMD[_F32, D // 2]:
-        """Issue O += P V for `tile` (async, one commit group): k-step kc = keys 16kc..16kc+15 of the slot."""
-        var vsl = kvs.unsafe_offset(V_OFF + (tile % 2) * TILE)
-        var res = acc
-        wgmma_fence_aligned()
-        comptime for kc in range(BN // 16):
-            var dv = WGMMADescriptor.create[64, BN * 8, _SW128](vsl.unsafe_offset(kc * 16 * 64))
-            res = wgmma_async[64, D, 16, a_type=dtype, b_type=dtype, layout_b="row"](
-                pf.slice[8, offset = 8 * kc](), dv, res
-            )
-        wgmma_commit_group_sync()
-        return res
-
-    if tid == 0:
-        vbad[] = 0
-    if n_tiles > 0:
-        # copy groups: (Q, K_0) here, then tile j's (K_{j+1}, V_j) (`loads`), each waited for whole
-        comptime for i in range(ceildiv(Q_CHUNKS, NT)):
-            var c = tid + i * NT
-            if c < Q_CHUNKS:
-                var r = c // CPR
-                var col = (c % CPR) * 8
-                var qr = min(m0 + r, s_len - 1)  # rows past S: computed, never stored
-                async_copy[16](qg.unsafe_offset(q_base + qr * D + col), qs.unsafe_offset(_swz(r, col, BM)))
-        load_rows(kg, 0, 0)
-        async_copy_commit_group()
-
-    var oacc = SIMD[_F32, D // 2](0)
-    var m_i = SIMD[_F32, 2](_NEG_INF)  # running max (log2 domain), rows g / g + 8
-    var l_i = SIMD[_F32, 2](0)
-    var pf_prev = SIMD[dtype, BN // 2](0)  # P of the previous tile, the A operand of its P V (in flight)
-    var sacc = SIMD[_F32, BN // 2](0)  # S of the current tile (only wgmmas write it)
-    var qw = qs.unsafe_offset(wg * 64 * 64)  # this warpgroup's 64 rows (8 KB into each column block)
-
-    @always_inline
-    def top(it: Int) {var}:
-        """Copy group it - 1 (K_it, V_{it-1}) landed: publish it to the async proxy, scan V_{it-1} if its
-        tile is masked. The barrier also means every warpgroup is past S_{it-1} and P V_{it-2}: K_{it-1}'s
-        and V_{it-2}'s slots are free for `loads`."""
-        async_copy_wait_group(0)
-        fence_async_view_proxy()  # this thread's cp.async data -> the async proxy wgmma reads
-        barrier()
-        # the scan reads chunks other threads copied (the swizzle permutes them), so only after the barrier
-        # (before it, compute-sanitizer racecheck on the H200 reported the scan racing the cp.async writes:
-        # a scan could miss a NaN, or write stale data back over the landed tile)
-        if it > 0 and tile_masked(it - 1):
-            scan_v(it - 1)
-            fence_async_view_proxy()  # the scan's stores -> the async proxy
-            barrier()
-
-    @always_inline
-    def loads(it: Int) {var}:
-        """Copy group it: K_{it+1} and V_it, issued once tile it's wgmmas are in flight (the tensor cores
-        run while these threads compute addresses); waited for at the top of tile it + 1."""
-        if it + 1 < n_tiles:
-            load_rows(kg, it + 1, ((it + 1) % 2) * TILE)
-        load_rows(vg, it, V_OFF + (it % 2) * TILE)
-        async_copy_commit_group()
+    def wait_v(tile: Int) {var}:
+        """V_tile landed (and, on a masked tile, scanned)."""
+        v_full[unsafe_offset=tile % _NS].wait(UInt32((tile // _NS) & 1))
+        if tile_masked(tile):
+            scan_v(tile)
 
     @always_inline
     def s_chain(it: Int, acc: SIMD[_F32, BN // 2]) {var} -> SIMD[_F32, BN // 2]:
-        """Issue S = Q K_it^T (this warpgroup's 64 rows x BN keys; one commit group). k-step kk is +32 bytes
-        inside the swizzled 128-byte row, a new 64-column block every 4 steps. The first step ignores the
-        accumulator (scale_d = 0), so acc's registers need no zeroing movs after the fence."""
-        var ks = kvs.unsafe_offset((it % 2) * TILE)
+        """Issue S = Q K_it^T (this warpgroup's 64 rows x BN keys; one commit group). The first k-step
+        ignores the accumulator (scale_d = 0), so acc's registers need no zeroing movs after the fence."""
+        var ks = qs.unsafe_offset(K_OFF + (it % _NS) * TILE)
         var res = acc
         wgmma_fence_aligned()
         comptime for kk in range(D // 16):
@@ -348,8 +385,56 @@ def _fa3_kernel[
         wgmma_commit_group_sync()
         return res
 
-    # each row's last visible key (-1 or less: none), for the masked tiles
-    var last = SIMD[DType.int32, 2](0)
+    @always_inline
+    def pv(pf: SIMD[dtype, BN // 2], tile: Int, acc: SIMD[_F32, D // 2]) {var} -> SIMD[_F32, D // 2]:
+        """Issue O += P V for `tile` (one commit group): k-step kc = keys 16kc..16kc+15 of the slot."""
+        var vsl = qs.unsafe_offset(V_OFF + (tile % _NS) * TILE)
+        var res = acc
+        wgmma_fence_aligned()
+        comptime for kc in range(BN // 16):
+            comptime if dtype == DType.bfloat16:
+                var dv = WGMMADescriptor.create[64, BN * 8, _SW128](vsl.unsafe_offset(kc * 16 * 64))
+                res = wgmma_async[64, D, 16, a_type=dtype, b_type=dtype, layout_b="row"](
+                    pf.slice[8, offset = 8 * kc](), dv, res
+                )
+            else:  # fp16: one m64n64 per 64-column block of O (column block j of V at j * BN * 64)
+                var a = rebind[SIMD[DType.float16, 8]](pf.slice[8, offset = 8 * kc]())
+                comptime for j in range(D // 64):
+                    var dv = WGMMADescriptor.create[64, BN * 8, _SW128](vsl.unsafe_offset(j * BN * 64 + kc * 16 * 64))
+                    var part = _pv_f16(a, dv, res.slice[32, offset = 32 * j]())
+                    res = res.insert[offset = 32 * j](part)
+        wgmma_commit_group_sync()
+        return res
+
+    # pingpong (PP, FA3's inter-warpgroup schedule): consumer warpgroup c issues its GEMMs only after
+    # warpgroup c - 1 issued its own (named barrier 2 + c: 128 threads sync, the previous warpgroup's 128
+    # arrive), so the tensor cores run one warpgroup's GEMMs while the other does its softmax. Warpgroup 0
+    # goes first (the last warpgroup's arrive up front); the last warpgroup skips its arrive after its last
+    # issue, so every barrier ends complete.
+    comptime PPON = PP and NWG > 1
+
+    @always_inline
+    def sched_sync() {var}:
+        comptime if PPON:
+            named_barrier[Int32(256)](Int32(2 + cw))
+
+    @always_inline
+    def sched_arrive(final: Bool) {var}:
+        comptime if PPON:
+            if not (final and cw == NWG - 1):
+                named_barrier_arrive[Int32(256)](Int32(2 + (cw + 1) % NWG))
+
+    comptime if PPON:
+        if cw == NWG - 1 and n_tiles > 0:
+            named_barrier_arrive[Int32(256)](Int32(2))
+
+    var oacc = SIMD[_F32, D // 2](0)
+    var m_i = SIMD[_F32, 2](_NEG_INF)  # running max (log2 domain), rows g / g + 8
+    var l_i = SIMD[_F32, 2](0)
+    var pf_prev = SIMD[dtype, BN // 2](0)
+    var sacc = SIMD[_F32, BN // 2](0)
+
+    var last = SIMD[DType.int32, 2](0)  # each row's last visible key (-1 or less: none)
     comptime for hh in range(2):
         last[hh] = Int32(min(kvl - 1, row0 + 8 * hh + off) if causal else kvl - 1)
 
@@ -359,17 +444,14 @@ def _fa3_kernel[
         var kb = it * BN
         return kb + BN > kvl or (causal and kb + BN - 1 > wrow0 + off)
 
-    # FA3's intra-warpgroup overlap: tile j's S = Q K_j^T and tile j-1's O += P V_{j-1} are issued back to
-    # back; the S wait leaves the P V in flight while the softmax of tile j runs on the CUDA cores.
-    # K and V each have 2 slots: K_j and V_{j-1} are read by the wgmmas of tile j while K_{j+1} and V_j land
-    # in the other two; one barrier per tile (`top`).
-    # Tile 0 is peeled: a loop body that issued its P V only from the second tile on (a branch around the
-    # wgmmas) made ptxas serialise every wgmma of the kernel (C7513).
     if n_tiles > 0:
-        top(0)
+        q_full[].wait(UInt32(0))
+        k_full[].wait(UInt32(0))
+        sched_sync()
         sacc = s_chain(0, sacc)
-        loads(0)
+        sched_arrive(False)
         wgmma_wait_group_sync[0]()
+        _ = k_empty[].arrive()
         sacc = _pin[BN // 2](sacc)
         var r0 = (
             _softmax_tile[BN // 2, True](sacc, scale2, last - Int32(2 * t4), m_i, l_i) if masked(0) else
@@ -377,32 +459,39 @@ def _fa3_kernel[
         )
         pf_prev = r0[0].cast[dtype]()  # O is still 0: no rescale
     for it in range(1, n_tiles):
-        top(it)
+        var s = it % _NS
+        wait_v(it - 1)
+        k_full[unsafe_offset=s].wait(UInt32((it // _NS) & 1))
+        sched_sync()
         sacc = s_chain(it, sacc)
         oacc = pv(pf_prev, it - 1, oacc)
-        loads(it)
+        sched_arrive(False)
         wgmma_wait_group_sync[1]()  # S done; P V_{it-1} may still run
+        _ = k_empty[unsafe_offset=s].arrive()
         sacc = _pin[BN // 2](sacc)
         var r = (
             _softmax_tile[BN // 2, True](sacc, scale2, last - Int32(it * BN + 2 * t4), m_i, l_i) if masked(it) else
             _softmax_tile[BN // 2, False](sacc, scale2, last, m_i, l_i)
         )
-        wgmma_wait_group_sync[0]()  # P V_{it-1} done: O may be rescaled
-        # P into the A registers only now: written while P V_{it-1} still reads them ptxas would serialise
-        # the wgmmas (C7513); converted inside a chain it would inject warpgroup.arrive (C7519)
-        pf_prev = r[0].cast[dtype]()
+        wgmma_wait_group_sync[0]()  # P V_{it-1} done: O may be rescaled, V_{it-1}'s slot is free
+        _ = v_empty[unsafe_offset=(it - 1) % _NS].arrive()
+        pf_prev = r[0].cast[dtype]()  # after the P V wait (C7513 / C7519: the header)
         var alpha = r[1]
         comptime for jo in range(NON):
             comptime for e in range(4):
                 oacc[4 * jo + e] = oacc[4 * jo + e] * alpha[e // 2]
 
     if n_tiles > 0:  # the last tile's P V
-        top(n_tiles)
+        wait_v(n_tiles - 1)
+        sched_sync()
         oacc = pv(pf_prev, n_tiles - 1, oacc)
+        sched_arrive(True)
         wgmma_wait_group_sync[0]()
+        _ = v_empty[unsafe_offset=(n_tiles - 1) % _NS].arrive()
 
-    # ---- rare path (a masked tile had a non-finite V, zeroed in shared memory): as `_fa2_kernel`'s
-    barrier()
+    # ---- rare path (a masked tile had a non-finite V, zeroed in shared memory): those rows add the non-finite
+    # values they see back from global memory (the float64 result is then non-finite there too). Every
+    # scan is followed by a named barrier this warpgroup passed, so vbad is final here.
     if vbad[] != 0:
         comptime for half in range(2):
             var r = row0 + 8 * half
@@ -439,7 +528,7 @@ def _fa3_kernel[
 
 
 def attention_hopper_gpu[
-    dtype: DType, D: Int, NWG: Int = hopper_nwg(D), BN: Int = hopper_bn(D)
+    dtype: DType, D: Int, NWG: Int = hopper_nwg(D), BN: Int = hopper_bn(D), PP: Bool = True
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     lse: Pointer[Float32, MutAnyOrigin],
@@ -455,14 +544,30 @@ def attention_hopper_gpu[
     Skv: Int,
     ctx: DeviceContext,
 ) raises:
-    """Launch `_fa3_kernel` (the caller checked bf16, D in {64, 128, 256}, an sm_90 target, B * H <= 65535 and
-    16-byte aligned q / k / v)."""
+    """Launch `_fa3_kernel` (the caller checked bf16 / fp16, D in {64, 128, 256}, an sm_90 target,
+    B * H <= 65535 and 16-byte aligned q / k / v: TMA needs 16-byte aligned bases and strides)."""
+    comptime BM = 64 * NWG
     comptime smem = hopper_smem_bytes(D, NWG, BN)
-    ctx.enqueue_function[_fa3_kernel[dtype, D, BN, NWG]](
+    comptime SW = _SW128
+    # non-owning views of the caller's tensors, for the tensor maps (shapes / strides / box outermost first)
+    var qv = DeviceBuffer[dtype](ctx, q, B * H * S * D, owning=False)
+    var kv = DeviceBuffer[dtype](ctx, k, B * Hkv * Skv * D, owning=False)
+    var vv = DeviceBuffer[dtype](ctx, v, B * Hkv * Skv * D, owning=False)
+    var qd = create_tma_descriptor[dtype, 4, SW](
+        qv, IndexList[4](B, H, S, D), IndexList[4](H * S * D, S * D, D, 1), IndexList[4](1, 1, BM, 64)
+    )
+    var kd = create_tma_descriptor[dtype, 4, SW](
+        kv, IndexList[4](B, Hkv, Skv, D), IndexList[4](Hkv * Skv * D, Skv * D, D, 1), IndexList[4](1, 1, BN, 64)
+    )
+    var vd = create_tma_descriptor[dtype, 4, SW](
+        vv, IndexList[4](B, Hkv, Skv, D), IndexList[4](Hkv * Skv * D, Skv * D, D, 1), IndexList[4](1, 1, BN, 64)
+    )
+    ctx.enqueue_function[_fa3_kernel[dtype, D, BN, NWG, PP]](
+        qd,
+        kd,
+        vd,
         o,
         lse,
-        q,
-        k,
         v,
         kv_len,
         params,
@@ -470,8 +575,8 @@ def attention_hopper_gpu[
         Int32(Hkv),
         Int32(S),
         Int32(Skv),
-        grid_dim=(ceildiv(S, 64 * NWG), B * H),
-        block_dim=128 * NWG,
+        grid_dim=(ceildiv(S, BM), B * H),
+        block_dim=128 * (NWG + 1),
         shared_mem_bytes=smem,
         func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
     )

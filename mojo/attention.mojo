@@ -49,10 +49,10 @@
 #   re-packed from the S accumulators into A fragments without touching shared memory; O += P V.
 #   Causal: key tiles past the block's last visible key are skipped, only diagonal tiles are masked;
 #   blocks are issued heaviest-first. mma.sync peaks near ~60% of SDPA's ~600 TFLOP/s on H100/H200, so
-# - sm_90, bf16, D in {64, 128, 256} (16-byte aligned q / k / v, B * H <= 65535): `_fa3_kernel` of
-#   _attention_hopper.mojo instead, the same loop on warpgroup MMA (wgmma) with the next tile's S issued
-#   while the previous tile's P V runs (1.8-2.4x `_fa2_kernel`, 0.51-0.74x SDPA: its header). fp16 and other
-#   GPUs keep `_fa2_kernel`.
+# - sm_90, fp16/bf16, D in {64, 128, 256} (16-byte aligned q / k / v, B * H <= 65535): `_fa3_kernel` of
+#   _attention_hopper.mojo instead, FlashAttention-3's design: a TMA producer warpgroup, mbarrier rings,
+#   consumer warpgroups on warpgroup MMA (wgmma) with intra- and inter-warpgroup overlap (2.4-3x
+#   `_fa2_kernel`, 0.50-0.94x SDPA: its header). Other GPUs keep `_fa2_kernel`.
 # - everything else (fp32, other head dims, AMD gfx942): `_attn_rowwise_kernel`, one warp per query
 #   row, exact fp32 math, no tensor cores (correct, slow; also the harness's GPU reference).
 # GPU backward, default (every dtype / vendor): SIMT fp32 kernels, deterministic (fixed loop orders, no
@@ -107,7 +107,7 @@ from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_
 from ._util import exp_f64, log_f64, check_workspace
 from ._attention_backward import attention_backward_tc, tc_backward_supported
 from ._attention_decode import attention_decode_gpu, decode_applies, _quad_max, _quad_sum
-from ._attention_hopper_ws import attention_hopper_ws_gpu
+from ._attention_hopper import attention_hopper_gpu
 
 comptime LOG2E: Float32 = 1.4426950408889634
 comptime LN2: Float32 = 0.6931471805599453
@@ -620,7 +620,7 @@ def attention_gpu_ws[
     whose partials go to the caller's workspace `part` (part_len elements; specs.py attention_decode_part),
     unless decode is False or force_rowwise is set (the harness's references); force_splits > 0 forces their
     split count, and decode_mma False keeps the SIMT decode kernels where the tensor-core one would run;
-    hopper False keeps `_fa2_kernel` where the wgmma kernel (_attention_hopper.mojo, sm_90 bf16) would run.
+    hopper False keeps `_fa2_kernel` where the wgmma kernel (_attention_hopper.mojo, sm_90) would run.
 
     HD: the head dim the op was compiled for (the custom op's `head_dim` parameter, one MAX graph per head
     dim: issue #14 item 3), or 0 for every head dim. With HD != 0 only that head dim's flash-attention and
@@ -666,14 +666,14 @@ def attention_gpu_ws[
         # contiguous view one element into its storage would otherwise fault (misaligned address)
         var fa2_aligned = Int(k) % 16 == 0 and Int(v) % 16 == 0 and Int(q) % 4 == 0 and Int(o) % 4 == 0
         if not force_rowwise and B * H <= 65535 and fa2_aligned:
-            # sm_90, bf16: the wgmma kernel (_attention_hopper.mojo; it also copies q in 16-byte chunks)
+            # sm_90: the wgmma kernel (_attention_hopper.mojo; TMA also reads q in 16-byte chunks)
             comptime if DeviceContext.default_device_info.compute == 9.0:
                 if hopper and Int(q) % 16 == 0:
                     comptime for di in range(3):
                         comptime HDi = 64 << di
                         comptime if HD == 0 or HD == HDi:
                             if D == HDi:
-                                attention_hopper_ws_gpu[dtype, HDi](
+                                attention_hopper_gpu[dtype, HDi](
                                     o, lse, q, k, v, kv_len, params, B, H, Hkv, S, Skv, ctx
                                 )
                                 return

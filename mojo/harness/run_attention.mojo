@@ -21,7 +21,6 @@ from std.sys import size_of
 from ..attention import Attention, AttentionBackward, attention_gpu, attention_gpu_ws, attention_backward_gpu
 from .._util import exp_f64, log_f64
 from .._attention_hopper import attention_hopper_gpu
-from .._attention_hopper_ws import attention_hopper_ws_gpu
 from .._attention_decode import decode_applies, decode_plan, decode_part_len, attention_decode_gpu
 from ._common import _mut, fill_random, poison, to_host, RelErr, check, now_ns, device_params, workspace, sm_count
 
@@ -445,11 +444,11 @@ def _case[
 
 
 def _bench[
-    dtype: DType, HD: Int = 0, NWG: Int = 0, BN: Int = 0, WS: Bool = False, PP: Bool = True
+    dtype: DType, HD: Int = 0, NWG: Int = 0, BN: Int = 0, PP: Bool = True
 ](ctx: DeviceContext, B: Int, H: Int, S: Int, D: Int, causal: Bool, iters: Int, hopper: Bool = True) raises:
     """Forward FLOP rate through attention_gpu (hopper False: `_fa2_kernel` where the sm_90 wgmma kernel would
-    run), or with NWG > 0 the wgmma kernel at head dim HD (= D) and (warpgroups, key tile) = (NWG, BN): the
-    tuning sweep."""
+    run), or with NWG > 0 the wgmma kernel at head dim HD (= D), (consumer warpgroups, key tile) = (NWG, BN)
+    and pingpong PP: the tuning sweep."""
     var n = B * H * S * D
     var qb = ctx.enqueue_create_buffer[dtype](n)
     var kb = ctx.enqueue_create_buffer[dtype](n)
@@ -473,10 +472,8 @@ def _bench[
 
     @always_inline
     def launch() raises {var}:
-        comptime if NWG > 0 and WS:
-            attention_hopper_ws_gpu[dtype, HD, NWG, BN, PP](o, l, q, k, v, kl, p, B, H, H, S, S, ctx)
-        elif NWG > 0:
-            attention_hopper_gpu[dtype, HD, NWG, BN](o, l, q, k, v, kl, p, B, H, H, S, S, ctx)
+        comptime if NWG > 0:
+            attention_hopper_gpu[dtype, HD, NWG, BN, PP](o, l, q, k, v, kl, p, B, H, H, S, S, ctx)
         else:
             attention_gpu[dtype](o, l, q, k, v, kl, p, B, H, H, S, S, D, ctx, hopper=hopper)
 
@@ -490,7 +487,7 @@ def _bench[
     var flops = 4.0 * Float64(B * H) * Float64(S) * Float64(S) * Float64(D) * (0.5 if causal else 1.0)
     var tf = flops / ns / 1000.0
     comptime if NWG > 0:
-        print("PERF hopper_cfg", ("ws_pp" if PP else "ws") if WS else "fa3", dtype, "D", D, "NWG", NWG, "BN", BN, "B", B, "S", S, "causal=", causal, "us=", ns / 1000.0,
+        print("PERF hopper_cfg", "pingpong" if PP else "no_pingpong", dtype, "D", D, "NWG", NWG, "BN", BN, "B", B, "S", S, "causal=", causal, "us=", ns / 1000.0,
               "TFLOP/s=", tf)
     else:
         print("PERF attention", dtype, "B", B, "H", H, "S", S, "D", D, "causal=", causal, "hopper=", hopper,
@@ -1097,26 +1094,23 @@ def run(bench_default: Bool = True) raises:
                     _bench[DType.bfloat16](ctx, 4, 32, 4096, 128, causal == 1, 10, hop == 1)
                     _bench[DType.bfloat16](ctx, 4, 32, 4096, 64, causal == 1, 10, hop == 1)
                     _bench[DType.bfloat16](ctx, 4, 32, 4096, 256, causal == 1, 5, hop == 1)
-            _bench[DType.float16](ctx, 4, 32, 4096, 128, False, 10)
             comptime if DeviceContext.default_device_info.compute == 9.0:
-                for causal in range(2):  # the cp.async wgmma kernel (_attention_hopper.mojo) at its configurations
-                    _bench[DType.bfloat16, 128, 2, 128](ctx, 4, 32, 4096, 128, causal == 1, 10)
-                    _bench[DType.bfloat16, 64, 1, 64](ctx, 4, 32, 4096, 64, causal == 1, 10)
-                    _bench[DType.bfloat16, 256, 2, 64](ctx, 4, 32, 4096, 256, causal == 1, 5)
+                for causal in range(2):
+                    _bench[DType.float16](ctx, 4, 32, 4096, 128, causal == 1, 10)
                     _bench[DType.float16](ctx, 4, 32, 4096, 64, causal == 1, 10)
                     _bench[DType.float16](ctx, 4, 32, 4096, 256, causal == 1, 5)
                 if getenv("FUSEKIT_HARNESS_SWEEP") == "1":  # the wgmma kernels' (warpgroups, key tile) options
                     for causal in range(2):
-                        _bench[DType.bfloat16, 128, 2, 128, True](ctx, 4, 32, 4096, 128, causal == 1, 10)
-                        _bench[DType.bfloat16, 128, 2, 128, True, False](ctx, 4, 32, 4096, 128, causal == 1, 10)
-                        _bench[DType.bfloat16, 128, 2, 128, True](ctx, 32, 32, 512, 128, causal == 1, 10)
-                        _bench[DType.bfloat16, 128, 2, 128, True, False](ctx, 32, 32, 512, 128, causal == 1, 10)
-                        _bench[DType.bfloat16, 128, 2, 128, True](ctx, 8, 32, 2048, 128, causal == 1, 10)
-                        _bench[DType.bfloat16, 128, 2, 128, True, False](ctx, 8, 32, 2048, 128, causal == 1, 10)
-                        _bench[DType.bfloat16, 64, 3, 128, True](ctx, 4, 32, 4096, 64, causal == 1, 10)
-                        _bench[DType.bfloat16, 64, 3, 128, True, False](ctx, 4, 32, 4096, 64, causal == 1, 10)
-                        _bench[DType.bfloat16, 256, 2, 64, True](ctx, 4, 32, 4096, 256, causal == 1, 5)
-                        _bench[DType.bfloat16, 256, 2, 64, True, False](ctx, 4, 32, 4096, 256, causal == 1, 5)
+                        _bench[DType.bfloat16, 128, 2, 128](ctx, 4, 32, 4096, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 2, 128, False](ctx, 4, 32, 4096, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 2, 128](ctx, 32, 32, 512, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 2, 128, False](ctx, 32, 32, 512, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 2, 128](ctx, 8, 32, 2048, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 128, 2, 128, False](ctx, 8, 32, 2048, 128, causal == 1, 10)
+                        _bench[DType.bfloat16, 64, 3, 128](ctx, 4, 32, 4096, 64, causal == 1, 10)
+                        _bench[DType.bfloat16, 64, 3, 128, False](ctx, 4, 32, 4096, 64, causal == 1, 10)
+                        _bench[DType.bfloat16, 256, 2, 64](ctx, 4, 32, 4096, 256, causal == 1, 5)
+                        _bench[DType.bfloat16, 256, 2, 64, False](ctx, 4, 32, 4096, 256, causal == 1, 5)
             if getenv("FUSEKIT_HARNESS_ONLY") != "attn_fwd":
                 _bench_bwd[DType.bfloat16](ctx, 1, 8, 2048, 128, True, 3)
     print("attention failures:", failures)
