@@ -102,7 +102,10 @@ def hopper_smem_bytes(d: Int, nwg: Int, bn: Int) -> Int:
 
 @always_inline
 def _regs(nwg: Int) -> Tuple[Int, Int]:
-    """setmaxnreg (producer, consumer) per thread: 128 (P + NWG C) <= 65536 registers of the SM."""
+    """setmaxnreg (producer, consumer) per thread. The pool is what the block got at entry: 128 (NWG + 1)
+    threads x the entry count ptxas picks for .maxntid (65536 / threads rounded down to a multiple of 8: 168 at
+    384 threads, 128 at 512), so P + NWG C <= 504 at NWG 2 and <= 512 at NWG 3. Past the pool setmaxnreg.inc
+    waits forever (a persistent-grid build with 32 + 2 x 240 hung on the H200)."""
     if nwg == 1:
         return (40, 232)
     if nwg == 2:
