@@ -47,7 +47,10 @@
 #   - setmaxnreg is ignored (C7508) without `nvvm.minctasm`.
 # Tried and not kept: a persistent grid (one block per SM walking the work tiles): +12% at B32 S512 and +8%
 # at B8 S2048 non-causal, but 164-420 bytes of spills (the loop's state; the producer at 24 registers) cost
-# 6% at S4096 and causal lost up to 40% (static round-robin); a conditional O rescale (alpha = 1 skipped).
+# 6% at S4096 and causal lost up to 40% (static round-robin: with 132 blocks and 22 query blocks per head a
+# block drew the same query block every round). A second try (rounds alternating direction, per-tile
+# constants recomputed, the producer at 32 registers) still spilled 108-124 bytes at D128 (0 with 256 consumer
+# registers) and was not timed: its 32 + 2 x 240 setmaxnreg hung. Also not kept: a conditional O rescale.
 # compute-sanitizer racecheck and synccheck on the harness: clean (e1fbea7).
 
 from std.math import ceildiv, exp2, log2
