@@ -9,13 +9,14 @@ built. Each op provides a harness entry `mojo/harness/run_<op>.mojo` defining `d
 calls `<Op>.execute["gpu"]` for every dtype variant (and, on a GPU, checks and times it). For each entry
 this tool writes a two-line `main`, runs `mojo build --emit asm --target-accelerator <target>` and
 checks that the package's kernels came out as sidecar files (`.ptx` for NVIDIA, `.amdgcn` for AMD),
-one per kernel instantiation. New ops are picked up by adding their `run_<op>.mojo`.
+one per kernel instantiation, and that no sm_90 kernel's setmaxnreg counts exceed its register pool (a hang). New ops are picked up by adding their `run_<op>.mojo`.
 Exit status is non-zero if any build fails or produces no kernel of the package.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,44 @@ def _write_main(src: Path, work: Path, op: str) -> Path:
     return main
 
 
+# setmaxnreg moves registers between a block's warpgroups inside the allocation the block got at launch; an
+# `inc` past that pool waits forever (a hang, not an error: a build with 32 + 2 x 240 at 384 threads hung on
+# the H200), so every sm_90 kernel that uses it is checked here, on the CPU, before it can reach a GPU.
+_MAXNTID = re.compile(r"\.maxntid\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?")
+_SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
+
+
+def setmaxnreg_problem(ptx: str) -> str | None:
+    """Why one kernel's setmaxnreg counts may not fit its block's register pool, or None. The model is this
+    package's (FlashAttention-3's) layout: one warpgroup decreases to P, every other one increases to C. The
+    pool is the entry count ptxas gives each thread, 65536 / threads rounded down to a multiple of 8 (at most
+    248), times the threads; ptxas only knows that count (and otherwise ignores setmaxnreg, info C7508) when
+    the kernel declares .maxntid and .minnctapersm."""
+    counts = {"inc": [], "dec": []}
+    for kind, n in _SETMAXNREG.findall(ptx):
+        counts[kind].append(int(n))
+    if not counts["inc"] and not counts["dec"]:
+        return None
+    m = _MAXNTID.search(ptx)
+    if m is None or ".minnctapersm" not in ptx:
+        return "setmaxnreg without .maxntid and .minnctapersm: ptxas ignores it (C7508)"
+    threads = 1
+    for g in m.groups():
+        threads *= int(g) if g else 1
+    if threads % 128:
+        return f"setmaxnreg in a block of {threads} threads, not whole warpgroups"
+    entry = min(248, (65536 // threads) // 8 * 8)
+    p = max(counts["dec"], default=entry)
+    c = max(counts["inc"], default=entry)
+    need = 128 * (p + c * (threads // 128 - 1))
+    if need > entry * threads:
+        return (
+            f"setmaxnreg over the block's register pool: 128 x ({p} + {threads // 128 - 1} x {c}) = {need} "
+            f"> {entry} x {threads} threads = {entry * threads} (setmaxnreg.inc would wait forever)"
+        )
+    return None
+
+
 def build_one(mojo: Path, src: Path, work: Path, op: str, target: str) -> dict:
     """Build one harness entry for one target with --emit asm; count the package's kernel sidecars."""
     main = _write_main(src, work, op)
@@ -100,7 +139,12 @@ def build_one(mojo: Path, src: Path, work: Path, op: str, target: str) -> dict:
     kernels = [n for n in side if "_mojo_" in n and "_mojo_harness_" not in n]
     log = (proc.stdout + proc.stderr).strip()
     errors = [ln for ln in log.splitlines() if "error" in ln and "Crashpad" not in ln]
-    ok = proc.returncode == 0 and len(kernels) > 0
+    if target == "sm_90":
+        for name in kernels:
+            problem = setmaxnreg_problem((out_dir / name).read_text(errors="replace"))
+            if problem:
+                errors.append(f"{name}: {problem}")
+    ok = proc.returncode == 0 and len(kernels) > 0 and not errors
     return {
         "op": op,
         "target": target,
