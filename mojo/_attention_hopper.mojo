@@ -51,6 +51,11 @@
 # block drew the same query block every round). A second try (rounds alternating direction, per-tile
 # constants recomputed, the producer at 32 registers) still spilled 108-124 bytes at D128 (0 with 256 consumer
 # registers) and was not timed: its 32 + 2 x 240 setmaxnreg hung. Also not kept: a conditional O rescale.
+# Next, for short sequences (B32 S512: 0.52-0.72x SDPA, each block's Q / K_0 latency and epilogue exposed):
+# the persistent grid again, with setmaxnreg 24 / 240 - a work-tile function, rounds alternating direction,
+# a q_empty mbarrier the consumers arrive on after their last S, ring positions and the Q phase carried
+# across work tiles, vbad per work-tile parity holding an epoch, pingpong reset per work tile. Its D128 main
+# loop had no spill instruction in SASS (D64 / D256 did: 160 / 240 registers are tight there).
 # compute-sanitizer racecheck and synccheck on the harness: clean (e1fbea7).
 
 from std.math import ceildiv, exp2, log2
