@@ -487,8 +487,8 @@ def _bench[
     var flops = 4.0 * Float64(B * H) * Float64(S) * Float64(S) * Float64(D) * (0.5 if causal else 1.0)
     var tf = flops / ns / 1000.0
     comptime if NWG > 0:
-        print("PERF hopper_cfg", "pingpong" if PP else "no_pingpong", dtype, "D", D, "NWG", NWG, "BN", BN, "B", B, "S", S, "causal=", causal, "us=", ns / 1000.0,
-              "TFLOP/s=", tf)
+        print("PERF hopper_cfg", "pingpong" if PP else "no_pingpong", dtype, "D", D, "NWG", NWG, "BN", BN, "B", B,
+              "S", S, "causal=", causal, "us=", ns / 1000.0, "TFLOP/s=", tf)
     else:
         print("PERF attention", dtype, "B", B, "H", H, "S", S, "D", D, "causal=", causal, "hopper=", hopper,
               "us=", ns / 1000.0, "TFLOP/s=", tf, "of_SDPA_604=", tf / 604.0)
