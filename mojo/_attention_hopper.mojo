@@ -308,27 +308,25 @@ def _fa3_kernel[
                 cp_async_bulk_tensor_shared_cluster_global(
                     qs.unsafe_offset(j * BM * 64), qp, q_full, IndexList[4](64 * j, m0, h, b)
                 )
-            for t in range(n_tiles):
+            @always_inline
+            def load_kv[IS_V: Bool](t: Int) {var}:
+                """K_t (V_t) into slot t % NS once the slot's empty barrier passed (a fresh slot's at once:
+                phase 1): D / 64 [BN, 64] boxes (innermost coordinate first) completing on its full barrier."""
                 var s = t % _NS
-                var ph = UInt32(((t // _NS) & 1) ^ 1)  # a fresh slot's "empty" passes at once (phase 1)
-                k_empty[unsafe_offset=s].wait(ph)
-                k_full[unsafe_offset=s].expect_bytes(Int32(TILE * 2))
+                var full = (v_full if IS_V else k_full).unsafe_offset(s)
+                (v_empty if IS_V else k_empty)[unsafe_offset=s].wait(UInt32(((t // _NS) & 1) ^ 1))
+                full[].expect_bytes(Int32(TILE * 2))
                 comptime for j in range(D // 64):
-                    cp_async_bulk_tensor_shared_cluster_global(
-                        qs.unsafe_offset(K_OFF + s * TILE + j * BN * 64),
-                        kp,
-                        k_full.unsafe_offset(s),
-                        IndexList[4](64 * j, t * BN, hk, b),
-                    )
-                v_empty[unsafe_offset=s].wait(ph)
-                v_full[unsafe_offset=s].expect_bytes(Int32(TILE * 2))
-                comptime for j in range(D // 64):
-                    cp_async_bulk_tensor_shared_cluster_global(
-                        qs.unsafe_offset(V_OFF + s * TILE + j * BN * 64),
-                        vp,
-                        v_full.unsafe_offset(s),
-                        IndexList[4](64 * j, t * BN, hk, b),
-                    )
+                    var dst = qs.unsafe_offset((V_OFF if IS_V else K_OFF) + s * TILE + j * BN * 64)
+                    var box = IndexList[4](64 * j, t * BN, hk, b)
+                    comptime if IS_V:  # (two calls: the descriptor pointers differ in type, by origin)
+                        cp_async_bulk_tensor_shared_cluster_global(dst, vp, full, box)
+                    else:
+                        cp_async_bulk_tensor_shared_cluster_global(dst, kp, full, box)
+
+            for t in range(n_tiles):
+                load_kv[False](t)
+                load_kv[True](t)
         return
 
     # ---------------- consumers ----------------
@@ -538,6 +536,19 @@ def _fa3_kernel[
                 lse[unsafe_offset=bh * s_len + r] = lrow
 
 
+def _tma_map[
+    dtype: DType
+](
+    ctx: DeviceContext, p: Pointer[Scalar[dtype], MutAnyOrigin], B: Int, H: Int, S: Int, D: Int, rows: Int
+) raises -> TMADescriptor:
+    """The tensor map of a contiguous [B, H, S, D] tensor (a non-owning view of the caller's pointer), loaded
+    as [1, 1, rows, 64] boxes with the 128-byte swizzle; shapes, strides and box outermost first."""
+    var view = DeviceBuffer[dtype](ctx, p, B * H * S * D, owning=False)
+    return create_tma_descriptor[dtype, 4, _SW128](
+        view, IndexList[4](B, H, S, D), IndexList[4](H * S * D, S * D, D, 1), IndexList[4](1, 1, rows, 64)
+    )
+
+
 def attention_hopper_gpu[
     dtype: DType, D: Int, NWG: Int = hopper_nwg(D), BN: Int = hopper_bn(D), PP: Bool = True
 ](
@@ -559,20 +570,9 @@ def attention_hopper_gpu[
     B * H <= 65535 and 16-byte aligned q / k / v: TMA needs 16-byte aligned bases and strides)."""
     comptime BM = 64 * NWG
     comptime smem = hopper_smem_bytes(D, NWG, BN)
-    comptime SW = _SW128
-    # non-owning views of the caller's tensors, for the tensor maps (shapes / strides / box outermost first)
-    var qv = DeviceBuffer[dtype](ctx, q, B * H * S * D, owning=False)
-    var kv = DeviceBuffer[dtype](ctx, k, B * Hkv * Skv * D, owning=False)
-    var vv = DeviceBuffer[dtype](ctx, v, B * Hkv * Skv * D, owning=False)
-    var qd = create_tma_descriptor[dtype, 4, SW](
-        qv, IndexList[4](B, H, S, D), IndexList[4](H * S * D, S * D, D, 1), IndexList[4](1, 1, BM, 64)
-    )
-    var kd = create_tma_descriptor[dtype, 4, SW](
-        kv, IndexList[4](B, Hkv, Skv, D), IndexList[4](Hkv * Skv * D, Skv * D, D, 1), IndexList[4](1, 1, BN, 64)
-    )
-    var vd = create_tma_descriptor[dtype, 4, SW](
-        vv, IndexList[4](B, Hkv, Skv, D), IndexList[4](Hkv * Skv * D, Skv * D, D, 1), IndexList[4](1, 1, BN, 64)
-    )
+    var qd = _tma_map(ctx, q, B, H, S, D, BM)
+    var kd = _tma_map(ctx, k, B, Hkv, Skv, D, BN)
+    var vd = _tma_map(ctx, v, B, Hkv, Skv, D, BN)
     ctx.enqueue_function[_fa3_kernel[dtype, D, BN, NWG, PP]](
         qd,
         kd,
