@@ -11,6 +11,7 @@ from max.gpu.host import DeviceContext, DeviceBuffer, HostBuffer
 from std.utils import IndexList
 from std.sys import size_of
 from std.math import sqrt
+from std.os import getenv
 
 from ..rms_norm import RmsNorm, RmsNormBackward
 from ..layer_norm import LayerNorm, LayerNormBackward
@@ -466,11 +467,16 @@ def norm_run[LN: Bool](bench: Bool) raises:
     var failures = 0
     with DeviceContext() as ctx:
         print("device:", ctx.name())
+        if getenv("FUSEKIT_HARNESS_ONLY") == "norm_bwd":  # the bf16 backward timings alone (for a profiler)
+            norm_bwd_bench[DType.bfloat16, DType.bfloat16, LN](ctx, 32768, 8192, 3, False)
+            norm_bwd_bench[DType.bfloat16, DType.bfloat16, LN](ctx, 32768, 4096, 3, False)
+            norm_bwd_bench[DType.bfloat16, DType.float32, LN](ctx, 32768, 8192, 3, True)
+            return
         _cases[DType.float32, DType.float32, LN](ctx, failures, 0)
         _cases[DType.float16, DType.float16, LN](ctx, failures, 100)
         _cases[DType.bfloat16, DType.bfloat16, LN](ctx, failures, 200)
         _cases[DType.bfloat16, DType.float32, LN](ctx, failures, 300)
-        if bench:
+        if bench and getenv("FUSEKIT_HARNESS_BENCH") != "0":  # "0": checks only (sanitizers)
             norm_bench[DType.bfloat16, LN](ctx, 32768, 8192, 20)
             norm_bench[DType.bfloat16, LN](ctx, 32768, 8192, 20, True)
             norm_bench[DType.bfloat16, LN](ctx, 16384, 65536, 5)
@@ -480,6 +486,7 @@ def norm_run[LN: Bool](bench: Bool) raises:
             norm_bwd_bench[DType.bfloat16, DType.float32, LN](ctx, 32768, 8192, 10, True)
             norm_bwd_bench[DType.bfloat16, DType.bfloat16, LN](ctx, 32768, 1024, 20, False)
             norm_bwd_bench[DType.bfloat16, DType.bfloat16, LN](ctx, 32768, 4096, 20, False)
+            norm_bwd_bench[DType.bfloat16, DType.bfloat16, LN](ctx, 16384, 16384, 10, False)
             norm_bwd_bench[DType.bfloat16, DType.bfloat16, LN](ctx, 4096, 65536, 5, False)
             norm_bwd_bench[DType.float32, DType.float32, LN](ctx, 32768, 8192, 10, False)
     var op = "layer_norm" if LN else "rms_norm"

@@ -355,6 +355,7 @@ def reduce_sum_partials(outs: tuple, ins: tuple, sms: int) -> int:
 
 # mojo/_norm_backward.mojo (norm_bwd_gpu)
 NB_REG_ELEMS = 8  # REG_ELEMS
+NB_PIPE_COLS = 16  # PIPE_COLS: columns per thread of rms_norm's cp.async kernel (NVIDIA, 16-bit x)
 NB_LOOP_BLK = 512  # LOOP_BLK
 
 
@@ -364,31 +365,39 @@ class _NormBwdPlan(NamedTuple):
     nv: int  # 16-byte vectors per row
     nv_per: int  # NV: vectors per thread in the register kernel
     vec_ok: bool  # N a whole number of vectors and every pointer 16-byte aligned
+    pipe: bool  # rms_norm's cp.async kernel takes it (NVIDIA, 16-bit x, aligned rows of <= 1024 * 16)
 
 
-def _norm_bwd_plan(outs: tuple, ins: tuple) -> _NormBwdPlan:
+def _norm_bwd_plan(outs: tuple, ins: tuple, ln: bool) -> _NormBwdPlan:
     dx, dy, dh, xin, w = outs[0], ins[0], ins[1], ins[2], ins[3]
     m, n = dx.shape
     vw = 16 // dx.element_size()
     vec_ok = n % vw == 0 and _aligned16(dx, dy, xin, w, dh)
-    return _NormBwdPlan(m, n, n // vw, max(1, NB_REG_ELEMS // vw), vec_ok)
+    nvidia = dx.device.type == "cuda" and torch.version.hip is None
+    pipe = not ln and vec_ok and nvidia and dx.element_size() == 2 and n <= 1024 * NB_PIPE_COLS
+    return _NormBwdPlan(m, n, n // vw, max(1, NB_REG_ELEMS // vw), vec_ok, pipe)
 
 
-def norm_bwd_sums(outs: tuple, ins: tuple, sms: int) -> int:
-    """The column-tiled kernel's row sums (aligned rows of more than 1024 * NV vectors): [M, 2]."""
-    p = _norm_bwd_plan(outs, ins)
-    return 2 * p.m if p.vec_ok and p.nv > 1024 * p.nv_per else 0
+def norm_bwd_sums(outs: tuple, ins: tuple, sms: int, ln: bool = False) -> int:
+    """The column-tiled kernel's row sums (aligned rows of more than 1024 * NV vectors that rms_norm's
+    cp.async kernel does not take; `ln`: layer_norm's backward): [M, 2]."""
+    p = _norm_bwd_plan(outs, ins, ln)
+    return 2 * p.m if p.vec_ok and not p.pipe and p.nv > 1024 * p.nv_per else 0
 
 
-def norm_bwd_partials(outs: tuple, ins: tuple, sms: int) -> int:
+def norm_bwd_partials(outs: tuple, ins: tuple, sms: int, ln: bool = False) -> int:
     """P * N fp32 partials of dw (and of db), P = the persistent grid's rows of partials (exactly the
     plan's): unaligned: min(M, SMs * 1024 // BLK) (BLK 128 up to N = 4096, else LOOP_BLK); long aligned
     rows: max(1, min(M, cdiv(SMs, chunks))) with chunks = cdiv(N / VW, 1024 * NV); else
     min(M, SMs * max(1, 1024 // BLK)) with BLK the smallest power of two >= 64 holding the row in NV
-    vectors per thread. So P <= max(1, min(M, 16 SMs)) on every plan."""
-    p = _norm_bwd_plan(outs, ins)
+    vectors per thread, or in 16 columns per thread in rms_norm's cp.async kernel. So P <= max(1, min(M,
+    16 SMs)) on every plan."""
+    p = _norm_bwd_plan(outs, ins, ln)
     if not p.vec_ok:
         progs = min(p.m, sms * (1024 // (128 if p.n <= 4096 else NB_LOOP_BLK)))
+    elif p.pipe:
+        blk = max(64, 1 << max(0, _cdiv(p.n, NB_PIPE_COLS) - 1).bit_length())
+        progs = min(p.m, sms * max(1, 1024 // blk))
     elif p.nv > 1024 * p.nv_per:
         progs = max(1, min(p.m, _cdiv(sms, _cdiv(p.nv, 1024 * p.nv_per))))
     else:
@@ -539,12 +548,20 @@ def _swiglu_workspaces(with_tc: bool) -> tuple[Workspace, ...]:
 SWIGLU_FFN_TC_OP = "fusekit.swiglu_ffn_tc"
 
 
-_NORM_BWD = (Workspace("sums", "float32", norm_bwd_sums), Workspace("part_w", "float32", norm_bwd_partials))
+_LN_SUMS = functools.partial(norm_bwd_sums, ln=True)
+_LN_PARTIALS = functools.partial(norm_bwd_partials, ln=True)
 # The workspaces of each MAX op, in the Mojo op's parameter order (after its outputs).
 WORKSPACES: dict[str, tuple[Workspace, ...]] = {
     "fusekit.reduce_sum": (Workspace("part", "acc", reduce_sum_partials),),
-    "fusekit.rms_norm_backward": _NORM_BWD,
-    "fusekit.layer_norm_backward": (*_NORM_BWD, Workspace("part_b", "float32", norm_bwd_partials)),
+    "fusekit.rms_norm_backward": (
+        Workspace("sums", "float32", norm_bwd_sums),
+        Workspace("part_w", "float32", norm_bwd_partials),
+    ),
+    "fusekit.layer_norm_backward": (
+        Workspace("sums", "float32", _LN_SUMS),
+        Workspace("part_w", "float32", _LN_PARTIALS),
+        Workspace("part_b", "float32", _LN_PARTIALS),
+    ),
     "fusekit.attention": (Workspace("part", "float32", attention_decode_part),),
     "fusekit.attention_backward": (Workspace("delta", "float32", attention_delta),),
     "fusekit.swiglu_ffn": _swiglu_workspaces(False),
