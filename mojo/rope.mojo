@@ -110,6 +110,7 @@ def _row_cos_sin[W: Int, NEG: Bool](
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(TPB)))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(2 if W > 1 else 3))  # registers capped: see the kernel
 def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
     res: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -127,6 +128,11 @@ def _rope_kernel[dtype: DType, W: Int, NEG: Bool](
     table_rows: Int64,
     head_chunk: Int64,
 ):
+    """Registers are capped at 2 resident blocks per SM for 16-byte units (<= 128) and 3 for W = 1 (as
+    they were): the head chunks (b5f625f) took the 16-byte kernels from 122-128 to 154-164 registers, one
+    256-thread block per SM, and B16 S4096 H32 D128 bf16 from 309 to 402 us in the H200 harness (HEAD
+    before this cap: 366; 03fbe55, before the chunks: 309; fd8ab88 302). With the cap ptxas reports 120-128
+    registers and no spills. Not yet re-timed on a GPU."""
     comptime AL = 16 if W > 1 else align_of[dtype]()
     var d = Int(dim)
     var half = d // 2
