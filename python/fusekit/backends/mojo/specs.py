@@ -368,13 +368,17 @@ class _NormBwdPlan(NamedTuple):
     pipe: bool  # rms_norm's cp.async kernel takes it (NVIDIA, 16-bit x, aligned rows of <= 1024 * 16)
 
 
+def _on_nvidia(t: torch.Tensor) -> bool:
+    """The tensor lives on an NVIDIA GPU (the kernels' `DeviceContext.default_device_info.api == "cuda"`)."""
+    return t.device.type == "cuda" and torch.version.hip is None
+
+
 def _norm_bwd_plan(outs: tuple, ins: tuple, ln: bool) -> _NormBwdPlan:
     dx, dy, dh, xin, w = outs[0], ins[0], ins[1], ins[2], ins[3]
     m, n = dx.shape
     vw = 16 // dx.element_size()
     vec_ok = n % vw == 0 and _aligned16(dx, dy, xin, w, dh)
-    nvidia = dx.device.type == "cuda" and torch.version.hip is None
-    pipe = not ln and vec_ok and nvidia and dx.element_size() == 2 and n <= 1024 * NB_PIPE_COLS
+    pipe = not ln and vec_ok and _on_nvidia(dx) and dx.element_size() == 2 and n <= 1024 * NB_PIPE_COLS
     return _NormBwdPlan(m, n, n // vw, max(1, NB_REG_ELEMS // vw), vec_ok, pipe)
 
 
