@@ -479,6 +479,8 @@ def norm_run[LN: Bool](bench: Bool) raises:
         if bench and getenv("FUSEKIT_HARNESS_BENCH") != "0":  # "0": checks only (sanitizers)
             norm_bench[DType.bfloat16, LN](ctx, 32768, 8192, 20)
             norm_bench[DType.bfloat16, LN](ctx, 32768, 8192, 20, True)
+            norm_bench[DType.bfloat16, LN](ctx, 16384, 16384, 20)  # 512-thread register kernel
+            norm_bench[DType.bfloat16, LN](ctx, 524288, 512, 10)  # 64-thread register kernel
             norm_bench[DType.bfloat16, LN](ctx, 16384, 65536, 5)
             norm_bench[DType.bfloat16, LN, True](ctx, 16384, 65536, 5)
             norm_bench[DType.float32, LN](ctx, 32768, 8192, 10)
