@@ -284,7 +284,7 @@ def pipe_stages[dtype: DType]() -> Int:
 
 
 def pipe_smem_bytes[dtype: DType](blk: Int) -> Int:
-    """Dynamic shared memory of _norm_bwd_pipe_kernel for a block of blk threads: the data ring, then the
+    """Dynamic shared memory of _rms_bwd_pipe_kernel for a block of blk threads: the data ring, then the
     per-warp rstd ring."""
     comptime S = pipe_stages[dtype]()
     return S * blk * 3 * PIPE_COLS * size_of[dtype]() + S * MAX_WARPS * 4
@@ -581,6 +581,15 @@ def _partials_sum_kernel[
         res[unsafe_offset=col] = t.cast[wdtype]()
 
 
+def _whole_row_block(nv: Int, per: Int) -> Int:
+    """The smallest block of 64..1024 threads holding a row of nv vectors at `per` vectors per thread (the
+    whole-row kernels; specs.py norm_bwd_partials mirrors it)."""
+    var blk = 64
+    while blk * per < nv:
+        blk *= 2
+    return blk
+
+
 def _op_name[LN: Bool]() -> StaticString:
     return "fusekit.layer_norm_backward" if LN else "fusekit.rms_norm_backward"
 
@@ -651,9 +660,7 @@ def norm_bwd_gpu[
     elif PIPE and n <= 1024 * PIPE_COLS:
         # rms_norm, 16-bit x on NVIDIA: whole rows with their loads a row ahead (cp.async), the smallest
         # block of 64..1024 threads holding the row in 16 columns per thread, ~1024 resident threads per SM
-        var blk = 64
-        while blk * PIPE_COLS < n:
-            blk *= 2
+        var blk = _whole_row_block(nv, PIPE_COLS // VW)
         progs = min(m, sms * max(1, 1024 // blk))
         _check_parts[LN](pw_len, pb_len, progs * n)
 
@@ -695,9 +702,7 @@ def norm_bwd_gpu[
         # 32768x1024 95.6 -> 78.6; layer_norm lost with it in the stats-first load order (269 -> 314,
         # 83.8 -> 107; that order alone cost it at 1 row too, see the kernel) and keeps 1 row per step:
         # 2 rows in its current order lost as well (same call: 32768x1024 83.2 -> 100.8, x4096 267 -> 307)
-        var blk = 64
-        while blk * NV < nv:
-            blk *= 2
+        var blk = _whole_row_block(nv, NV)
         progs = min(m, sms * max(1, 1024 // blk))
         _check_parts[LN](pw_len, pb_len, progs * n)
         if blk == 64:

@@ -151,17 +151,13 @@ def _norm_bwd_need(
     kernels built for an NVIDIA GPU, where rms_norm's 16-bit rows up to 16 K take the cp.async kernel)."""
     vw = 16 // itemsize
     vec_ok = n % vw == 0 and aligned
-    nvp = max(1, 8 // vw)
+    pipe = nvidia and not ln and itemsize == 2 and vec_ok and n <= 1024 * 16
+    nvp = 16 // vw if pipe else max(1, 8 // vw)  # vectors per thread of the whole-row kernel
     nv = n // vw
     sums = 0
     if not vec_ok:
         blk = 128 if n <= 4096 else 512
         progs = min(m, sms * (1024 // blk))
-    elif nvidia and not ln and itemsize == 2 and n <= 1024 * 16:
-        blk = 64
-        while blk * 16 < n:
-            blk *= 2
-        progs = min(m, sms * max(1, 1024 // blk))
     elif nv > 1024 * nvp:
         sums = 2 * m
         chunks = _cdiv(nv, 1024 * nvp)

@@ -93,6 +93,17 @@ _MAXNTID = re.compile(r"\.maxntid\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?")
 _SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
 
 
+def block_threads(ptx: str) -> int | None:
+    """Threads per block a kernel's PTX declares (.maxntid x[, y[, z]]), or None without one."""
+    m = _MAXNTID.search(ptx)
+    if m is None:
+        return None
+    threads = 1
+    for g in m.groups():
+        threads *= int(g) if g else 1
+    return threads
+
+
 def setmaxnreg_problem(ptx: str) -> str | None:
     """Why one kernel's setmaxnreg counts may not fit its block's register pool, or None. The model is this
     package's (FlashAttention-3's) layout: one warpgroup decreases to P, every other one increases to C. The
@@ -104,12 +115,9 @@ def setmaxnreg_problem(ptx: str) -> str | None:
         counts[kind].append(int(n))
     if not counts["inc"] and not counts["dec"]:
         return None
-    m = _MAXNTID.search(ptx)
-    if m is None or ".minnctapersm" not in ptx:
+    threads = block_threads(ptx)
+    if threads is None or ".minnctapersm" not in ptx:
         return "setmaxnreg without .maxntid and .minnctapersm: ptxas ignores it (C7508)"
-    threads = 1
-    for g in m.groups():
-        threads *= int(g) if g else 1
     if threads % 128:
         return f"setmaxnreg in a block of {threads} threads, not whole warpgroups"
     entry = min(248, (65536 // threads) // 8 * 8)

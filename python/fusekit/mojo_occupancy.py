@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from fusekit.aot_mojo import block_threads
+
 REGS_PER_SM = 65536
 REG_UNIT = 256  # registers are allocated per warp in units of 256 (8 per thread)
 MAX_THREADS_PER_SM = 2048
@@ -33,7 +35,7 @@ WARP = 32
 @dataclass
 class KernelUse:
     name: str
-    threads: int  # .maxntid (threads per block)
+    threads: int  # threads per block (.maxntid)
     registers: int
     spill_bytes: int
     smem_bytes: int  # static shared memory
@@ -56,16 +58,16 @@ class KernelUse:
 def parse(ptx: str, ptxas_log: str) -> KernelUse | None:
     """The kernel's use from its PTX (entry name, .maxntid, .minnctapersm) and `ptxas -v`'s log."""
     entry = re.search(r"\.entry\s+(\w+)", ptx)
-    ntid = re.search(r"\.maxntid\s+(\d+)", ptx)
+    threads = block_threads(ptx)
     regs = re.search(r"Used (\d+) registers", ptxas_log)
-    if not (entry and ntid and regs):
+    if not (entry and threads and regs):
         return None
     spill = re.search(r"(\d+) bytes spill stores", ptxas_log)
     smem = re.search(r"(\d+) bytes smem", ptxas_log)
     minc = re.search(r"\.minnctapersm\s+(\d+)", ptx)
     return KernelUse(
         entry.group(1),
-        int(ntid.group(1)),
+        threads,
         int(regs.group(1)),
         int(spill.group(1)) if spill else 0,
         int(smem.group(1)) if smem else 0,

@@ -363,9 +363,8 @@ class _NormBwdPlan(NamedTuple):
     m: int
     n: int
     nv: int  # 16-byte vectors per row
-    nv_per: int  # NV: vectors per thread in the register kernel
+    nv_per: int  # vectors per thread of the whole-row kernel: NV (register kernel), or 2 in rms_norm's cp.async one
     vec_ok: bool  # N a whole number of vectors and every pointer 16-byte aligned
-    pipe: bool  # rms_norm's cp.async kernel takes it (NVIDIA, 16-bit x, aligned rows of <= 1024 * 16)
 
 
 def _on_nvidia(t: torch.Tensor) -> bool:
@@ -378,15 +377,18 @@ def _norm_bwd_plan(outs: tuple, ins: tuple, ln: bool) -> _NormBwdPlan:
     m, n = dx.shape
     vw = 16 // dx.element_size()
     vec_ok = n % vw == 0 and _aligned16(dx, dy, xin, w, dh)
+    # rms_norm's cp.async kernel (NVIDIA, 16-bit x, aligned rows of <= 1024 * 16) holds 16 columns per thread;
+    # its rows never reach the column-tiled plan (N <= 1024 * nv_per vectors)
     pipe = not ln and vec_ok and _on_nvidia(dx) and dx.element_size() == 2 and n <= 1024 * NB_PIPE_COLS
-    return _NormBwdPlan(m, n, n // vw, max(1, NB_REG_ELEMS // vw), vec_ok, pipe)
+    nv_per = NB_PIPE_COLS // vw if pipe else max(1, NB_REG_ELEMS // vw)
+    return _NormBwdPlan(m, n, n // vw, nv_per, vec_ok)
 
 
 def norm_bwd_sums(outs: tuple, ins: tuple, sms: int, ln: bool = False) -> int:
     """The column-tiled kernel's row sums (aligned rows of more than 1024 * NV vectors that rms_norm's
     cp.async kernel does not take; `ln`: layer_norm's backward): [M, 2]."""
     p = _norm_bwd_plan(outs, ins, ln)
-    return 2 * p.m if p.vec_ok and not p.pipe and p.nv > 1024 * p.nv_per else 0
+    return 2 * p.m if p.vec_ok and p.nv > 1024 * p.nv_per else 0
 
 
 def norm_bwd_partials(outs: tuple, ins: tuple, sms: int, ln: bool = False) -> int:
@@ -399,9 +401,6 @@ def norm_bwd_partials(outs: tuple, ins: tuple, sms: int, ln: bool = False) -> in
     p = _norm_bwd_plan(outs, ins, ln)
     if not p.vec_ok:
         progs = min(p.m, sms * (1024 // (128 if p.n <= 4096 else NB_LOOP_BLK)))
-    elif p.pipe:
-        blk = max(64, 1 << max(0, _cdiv(p.n, NB_PIPE_COLS) - 1).bit_length())
-        progs = min(p.m, sms * max(1, 1024 // blk))
     elif p.nv > 1024 * p.nv_per:
         progs = max(1, min(p.m, _cdiv(sms, _cdiv(p.nv, 1024 * p.nv_per))))
     else:
