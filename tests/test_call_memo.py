@@ -187,6 +187,29 @@ def test_scratch_arena_grows_to_what_calls_need(monkeypatch: pytest.MonkeyPatch)
     assert library.outputs._ARENAS[cpu].numel() == library.outputs.SCRATCH_MAX == top.numel() * 4
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "rms_norm_residual", "layer_norm"])
+def test_first_call_under_inference_mode_repeats_outside_it(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signature first called under inference_mode (a fresh scratch arena made there) and repeated under
+    no_grad and plain grad mode: same outputs. The remembered call writes the dropped statistics into
+    scratch views, which were inference tensors that torch refuses to write outside inference_mode."""
+    dispatch.clear_cache()
+    monkeypatch.setattr(library.outputs, "_ARENAS", {})
+    g = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(4, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g)
+    call = {
+        "rms_norm": lambda: ops.rms_norm(x, w, backend="torch"),
+        "rms_norm_residual": lambda: ops.rms_norm(x, w, residual=x, backend="torch")[0],
+        "layer_norm": lambda: ops.layer_norm(x, w, b, backend="torch"),
+    }[op]
+    with torch.inference_mode():
+        first = call()
+    with torch.no_grad():
+        assert torch.equal(call(), first)
+    assert torch.equal(call(), first)
+    with torch.inference_mode():
+        assert torch.equal(call(), first)
+
+
 def test_large_dropped_statistics_are_allocated_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     dispatch.clear_cache()
     monkeypatch.setattr(library.outputs, "SCRATCH_MAX", 256)  # rstd of 65 rows (260 bytes) does not fit

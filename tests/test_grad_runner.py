@@ -4,7 +4,8 @@ The first call of a signature that records a gradient runs the generic autograd.
 runs the lean per-op Function built from the spec's autograd glue (save / backward_inputs / input_grads read
 once on placeholders). Both must save, select and return the same tensors: outputs and every gradient of
 the second call are compared bit for bit with the first's, for each op with all its optional tensors, and
-with only some inputs requiring grad.
+with only some inputs requiring grad. Both Functions are first-order only: create_graph=True gives the same
+gradients, and differentiating them again raises naming the op (library.autograd.first_order).
 """
 
 from __future__ import annotations
@@ -120,3 +121,51 @@ def test_unused_output_gets_zeros_not_garbage(backend_name: str, device: str) ->
         y.sum().backward()
         grads.append(xl.grad)
     assert torch.equal(grads[0], grads[1]) and torch.isfinite(grads[1]).all()
+
+
+@pytest.mark.parametrize(
+    "op", ["rms_norm", "layer_norm", "rope", "swiglu_ffn", "attention", "linear_cross_entropy"]
+)
+def test_gradient_of_a_gradient_raises_naming_the_op(op: str, backend_name: str, device: str) -> None:
+    """A gradient penalty through an op: create_graph=True returns the plain gradients, and the backward
+    of the penalty raises instead of dropping (triton, mojo) or mis-computing (torch: saved outputs taken
+    as constants) the second-order term. Twice: the generic Function, then the remembered call's."""
+    fn, tensors = _calls(device)[op]
+    for _ in range(2):
+        leaves = tuple(t.clone().requires_grad_() for t in tensors)
+        try:
+            outs = fn(*leaves, backend_name)
+        except ValueError as exc:
+            if "cannot run" in str(exc) or "has no backward here" in str(exc):
+                pytest.skip(str(exc))
+            raise
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        g = torch.Generator(device="cpu").manual_seed(5)
+        ws = [
+            torch.randn(o.shape, generator=g, dtype=F32).to(o.device, o.dtype).requires_grad_() for o in outs
+        ]
+        loss = sum((o * w).float().sum() for o, w in zip(outs, ws))
+        plain = torch.autograd.grad(loss, leaves, retain_graph=True)
+        twice = torch.autograd.grad(loss, leaves, create_graph=True)
+        for a, b in zip(plain, twice):
+            assert torch.equal(a, b)
+        penalty = sum(t.float().square().sum() for t in twice)
+        with pytest.raises(RuntimeError, match=f"fusekit.{op}: its backward is first-order only"):
+            penalty.backward()
+
+
+def test_rope_tables_that_require_grad_raise_naming_them(backend_name: str, device: str) -> None:
+    """rope has no gradient for its cos / sin tables: one that requires grad raises before anything runs
+    (its gradient would be dropped), on every backend, whether or not x requires grad."""
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x = torch.randn(1, 5, 2, 16, generator=g).to(device)
+    ang = torch.arange(5.0)[:, None] * torch.rand(8, generator=g)[None, :]
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    for name, x_grad in (("cos", False), ("sin", True)):
+        tables = {"cos": cos, "sin": sin}
+        tables[name] = tables[name].clone().requires_grad_()
+        with pytest.raises(ValueError, match=f"^{name}: requires grad, but rope has no gradient for {name}"):
+            ops.rope(x.clone().requires_grad_(x_grad), **tables, backend=backend_name)
+        with torch.no_grad():
+            y = ops.rope(x, **tables, backend=backend_name)
+        assert torch.equal(y, ops.rope(x, cos=cos, sin=sin, backend=backend_name))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _functions as _autograd_functions
 
 from fusekit import dispatch
 from fusekit.library import lean_dispatch
@@ -23,19 +24,66 @@ from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec
 _SPECS: dict[str, OpSpec] = {}
 
 
-_GRAD_POS: dict[str, tuple[tuple[int, str], ...]] = {}
+# op -> (positions and names of the inputs with a gradient, those of the inputs without one)
+_GRAD_POS: dict[str, tuple[tuple[tuple[int, str], ...], tuple[tuple[int, str], ...]]] = {}
 
 
 def _needs_grad(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> list[str]:
-    """Names of the inputs that require grad (none under no_grad)."""
+    """Names of the inputs that require grad (none under no_grad). An input the op has no gradient for
+    (rope's cos / sin tables) that requires grad raises, naming it: its gradient would be dropped."""
     if not torch.is_grad_enabled():
         return []
     pos = _GRAD_POS.get(spec.name)
     if pos is None:
-        pos = _GRAD_POS[spec.name] = tuple(
-            (i, a.name) for i, a in enumerate(spec.forward.inputs) if a.name in spec.grad_inputs
+        named = tuple(enumerate(a.name for a in spec.forward.inputs))
+        pos = _GRAD_POS[spec.name] = (
+            tuple((i, n) for i, n in named if n in spec.grad_inputs),
+            tuple((i, n) for i, n in named if n not in spec.grad_inputs),
         )
-    return [n for i, n in pos if inputs[i] is not None and inputs[i].requires_grad]
+    for i, n in pos[1]:
+        if inputs[i] is not None and inputs[i].requires_grad:
+            raise ValueError(
+                f"{n}: requires grad, but {spec.name} has no gradient for {n} (only for "
+                f"{', '.join(spec.grad_inputs)}); pass {n}.detach() (HF's rotary embeddings build their "
+                "tables under torch.no_grad())"
+                if spec.name == "rope"
+                else f"{n}: requires grad, but {spec.name} has no gradient for {n}; pass {n}.detach()"
+            )
+    return [n for i, n in pos[0] if inputs[i] is not None and inputs[i].requires_grad]
+
+
+def first_order(op: str, backward: Callable[..., tuple]) -> Callable[..., tuple]:
+    """An autograd backward that is not itself differentiable, as torch's `once_differentiable`, but
+    which also catches the saved inputs: under create_graph=True it runs without recording, and where
+    its grads or saved tensors require grad, its results carry an error node, so differentiating them
+    again (a gradient penalty, a Hessian) raises naming the op instead of dropping or mis-computing the
+    second-order term (the kernels' backward phases are not differentiable)."""
+    msg = (
+        f"fusekit.{op}: its backward is first-order only, so a gradient of its gradient (create_graph=True: "
+        "a gradient penalty, a Hessian-vector product) cannot be computed through it; compute that term "
+        "with the equivalent torch operations"
+    )
+
+    def wrapped(ctx, *grads):
+        if not torch.is_grad_enabled():  # a plain backward (no create_graph): nothing to guard
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        if not any(t is not None and t.requires_grad for t in (*grads, *ctx.saved_tensors)):
+            return out
+        at = [i for i, v in enumerate(out) if v is not None]
+        if not at:
+            return out
+        flagged = _autograd_functions.DelayedError(msg, len(at))(
+            *[out[i].detach().requires_grad_() for i in at]
+        )
+        flagged = flagged if isinstance(flagged, tuple) else (flagged,)
+        res = list(out)
+        for i, v in zip(at, flagged):
+            res[i] = v
+        return tuple(res)
+
+    return wrapped
 
 
 def _check_backward(
@@ -269,7 +317,7 @@ def _register(spec: OpSpec) -> None:
         }
         return input_grads(ctx, g, False)
 
-    op.register_autograd(backward, setup_context=setup_context)
+    op.register_autograd(first_order(spec.name, backward), setup_context=setup_context)
     lean_dispatch.install(op, forward_impl)
     lean_dispatch.install(bop, backward_impl)
 
@@ -304,7 +352,10 @@ def _register(spec: OpSpec) -> None:
     _EAGER[spec.name] = type(
         f"{spec.name}_eager",
         (torch.autograd.Function,),
-        {"forward": staticmethod(eager_forward), "backward": staticmethod(eager_backward)},
+        {
+            "forward": staticmethod(eager_forward),
+            "backward": staticmethod(first_order(spec.name, eager_backward)),
+        },
     )
 
 

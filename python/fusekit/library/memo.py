@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from fusekit import dispatch, outputs
-from fusekit.library.autograd import _apply, _as_tuple, _needs_grad, _present, apply, eager_apply
+from fusekit.library.autograd import _apply, _as_tuple, _needs_grad, _present, apply, eager_apply, first_order
 from fusekit.library.fast_path import compile_run
 from fusekit.library.function_apply import applier
 from fusekit.library.plan import _PLANS, _RECORD_TRIES, _execute, _Plan, _plan_for, _signature, may_reuse
@@ -296,7 +296,10 @@ def _fast_apply(spec: OpSpec) -> Callable[..., Any]:
         cls = type(
             f"{spec.name}_fast",
             (torch.autograd.Function,),
-            {"forward": staticmethod(_fast_forward), "backward": staticmethod(_fast_backward)},
+            {
+                "forward": staticmethod(_fast_forward),
+                "backward": staticmethod(first_order(spec.name, _fast_backward)),
+            },
         )
         fn = _FAST[spec.name] = applier(cls)
     return fn
