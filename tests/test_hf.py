@@ -353,6 +353,40 @@ def test_unpatch_restores_bit_identical_outputs_and_objects():
         fh.unpatch(model)
 
 
+def test_unpatch_hands_back_parameters_replaced_while_patched():
+    """load_state_dict(assign=True) while patched replaces the norms' Parameters in fusekit's modules: unpatch
+    puts those back, not the ones shared at patch time (stale weights: logits off by 0.8 relative)."""
+    model, src = build("llama2", seed=0), build("llama2", seed=5)
+    x = ids(seq=11)
+    want = logits(src, x)
+    fh.patch(model)
+    model.load_state_dict(src.state_dict(), assign=True)
+    assert rel_error(logits(model, x), want) <= FP32_TOL
+    fh.unpatch(model)
+    assert torch.equal(logits(model, x), want)
+    assert all(torch.equal(p, src.state_dict()[n]) for n, p in model.state_dict().items())
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_hidden_states_are_recorded_and_attention_maps_refused(family):
+    """output_hidden_states on a patched model: the same tuple as HF's (transformers records them through
+    a registry keyed on the model's class name, which the patched class must be in); attention maps do not
+    exist in a flash kernel, so output_attentions raises instead of returning an empty tuple."""
+    model = build(family)
+    x = ids(seq=11)
+    with torch.no_grad():
+        want = model(x, output_hidden_states=True).hidden_states
+        fh.patch(model)
+        got = model(x, output_hidden_states=True).hidden_states
+        base = model.model(x, output_hidden_states=True).hidden_states
+    assert got is not None and len(got) == len(want) == TINY["num_hidden_layers"] + 1
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_error(a, b) <= FP32_TOL, f"hidden state {i}"
+    assert len(base) == len(want)
+    with pytest.raises(ValueError, match=r"^output_attentions: a fusekit-patched model"):
+        model(x, output_attentions=True)
+
+
 def test_fusekit_ops_ran_and_hf_originals_did_not(monkeypatch):
     model = build("llama2")
     fh.patch(model)

@@ -86,13 +86,15 @@ def test_rms_norm_torch_state_dict_round_trip_and_outputs(dtype):
     _compare("RMSNorm vs nn.RMSNorm", _grads(ours, x, dy), _grads(ref, x, dy), dtype, f"{dtype} [3,9,37]")
 
 
-def test_rms_norm_eps_none_and_no_affine_match_torch():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_eps_none_and_no_affine_match_torch(dtype):
+    """eps=None is the eps of the computation dtype (fp32 for 16-bit x, not bf16's 7.8e-3), as torch's."""
     torch.manual_seed(1)
-    x = torch.randn(5, 33) * 1e-3  # small values: eps matters
+    x = (torch.randn(5, 33) * (1e-3 if dtype == torch.float32 else 0.05)).to(dtype)  # small: eps matters
     for kw in ({"eps": None}, {"eps": 1e-4, "elementwise_affine": False}):
-        ref, ours = nn.RMSNorm(33, **kw), fnn.RMSNorm(33, **kw)
+        ref, ours = nn.RMSNorm(33, **kw, dtype=dtype), fnn.RMSNorm(33, **kw, dtype=dtype)
         assert ours.state_dict().keys() == ref.state_dict().keys()
-        assert_close(f"RMSNorm {kw}", ours(x), ref(x), TOL[torch.float32], str(kw))
+        assert_close(f"RMSNorm {kw}", ours(x), ref(x), TOL[dtype], f"{kw} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -239,6 +239,11 @@ class _ModelMixin:
     step (with a cache) must trace with no data-dependent branch (static-cache CUDA-graph decoding)."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, **kwargs):
+        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+            raise ValueError(
+                "output_attentions: a fusekit-patched model runs attention without forming its weights (flash "
+                "attention), so it has no attention maps to return; fusekit.hf.unpatch(model) first"
+            )
         if position_ids is None and not args:
             if (
                 attention_mask is not None
@@ -609,6 +614,7 @@ def patch(
         model.__dict__["forward"] = _CausalLMForward(model)
         rec.attrs.append((model, "forward"))
     _swap_classes(rec, bases, _subclass(_ModelMixin, classes["Model"]))
+    _keep_output_capture(bases)
     _swap_classes(rec, layers, _subclass(_DecoderLayerMixin, classes["DecoderLayer"]))
     for layer, norm in next_norms:  # plain attributes, not submodules: state_dict keys stay HF's
         norm.__class__ = _subclass(_PrecomputedNormMixin, type(norm))
@@ -617,6 +623,18 @@ def patch(
     _set_attn_implementation(model, _attention.NAME)
     object.__setattr__(model, _ATTR, rec)
     return model
+
+
+def _keep_output_capture(models: list[nn.Module]) -> None:
+    """transformers 5 records output_hidden_states / output_attentions through hooks it picks from a
+    registry keyed on the model's class name: the Fusekit subclass gets its base class's entry, or both
+    came back None, silently."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # a transformers without the registry records them in the forward itself
+        return
+    for m in models:
+        _CAN_RECORD_REGISTRY[m] = getattr(m, "_can_record_outputs", None)
 
 
 def _swap_classes(rec: _Record, modules: list[nn.Module], cls: type) -> None:
@@ -661,9 +679,23 @@ def unpatch(model: nn.Module) -> nn.Module:
     for m, cls in reversed(rec.classes):
         m.__class__ = cls
     for parent, name, old in reversed(rec.children):
+        _hand_back(parent._modules.get(name), old)
         setattr(parent, name, old)
     object.__delattr__(model, _ATTR)
     return model
+
+
+def _hand_back(new: nn.Module | None, old: nn.Module) -> None:
+    """The replacement's current parameters, buffers and shared submodules go back into the original: a
+    load_state_dict(assign=True) or to_empty() while patched replaced them in the replacement only, and
+    the original still held the objects shared at patch time (stale weights, or meta tensors)."""
+    if new is None:
+        return
+    for slot in ("_parameters", "_buffers", "_modules"):
+        mine, theirs = getattr(old, slot), getattr(new, slot)
+        for key in mine:
+            if key in theirs:
+                mine[key] = theirs[key]
 
 
 def is_patched(model: nn.Module) -> bool:

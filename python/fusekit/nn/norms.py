@@ -40,6 +40,11 @@ def _check_x(x: Tensor, n: int) -> None:
         raise ValueError(f"x: the last dimension must be normalized_shape = {n}, got shape {tuple(x.shape)}")
 
 
+def _default_eps(dtype: torch.dtype) -> float:
+    """torch.nn.RMSNorm's eps=None: the eps of its computation dtype (fp32 for 16-bit x)."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim: y = x * rsqrt(mean(x^2) + eps) * weight, math in fp32 (ops.rms_norm).
 
@@ -51,7 +56,8 @@ class RMSNorm(nn.Module):
       - "llama": normalize in fp32, round, then multiply by the weight and round again, as HF
         LlamaRMSNorm does (use it when replacing an HF Llama/Mistral/Qwen2 norm so logits match HF);
       - "gemma": y = x̂ * (1 + weight), HF GemmaRMSNorm (weights stored as offsets from 1).
-    eps: None means torch.finfo(x.dtype).eps at each call (torch.nn.RMSNorm's default).
+    eps: None means the eps of the dtype the norm is computed in, at each call: fp32's for fp32, bf16 and
+      fp16 x, fp64's for fp64 (torch.nn.RMSNorm's default; not bf16's own, 7.8e-3).
     elementwise_affine=False: no weight (a unit scale).
 
     forward(x [..., N], residual=None) -> y, or (y, h) with h = x + residual (fused). Inputs fp32, bf16,
@@ -102,7 +108,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         n = self.normalized_shape[0]
         _check_x(x, n)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = self.eps if self.eps is not None else _default_eps(x.dtype)
         w = self.weight if self.weight is not None else torch.ones(n, dtype=x.dtype, device=x.device)
         return ops.rms_norm(x, w, eps, residual=residual, casting=self.casting, backend=self.backend)
 
