@@ -169,3 +169,22 @@ def test_rope_tables_that_require_grad_raise_naming_them(backend_name: str, devi
         with torch.no_grad():
             y = ops.rope(x, **tables, backend=backend_name)
         assert torch.equal(y, ops.rope(x, cos=cos, sin=sin, backend=backend_name))
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "rope", "swiglu_ffn", "attention", "reduce_sum"])
+def test_forward_mode_and_torch_func_transforms_raise_naming_them(
+    op: str, backend_name: str, device: str
+) -> None:
+    """Forward-mode AD: the kernels' outputs would carry no tangent (dropped silently on triton and mojo);
+    torch.func transforms: the kernels cannot read wrapped tensors. Both raise, first and repeated calls."""
+    import torch.autograd.forward_ad as fwad
+
+    fn, tensors = _calls(device)[op]
+    for _ in range(2):
+        with fwad.dual_level():
+            dual = (fwad.make_dual(tensors[0], torch.ones_like(tensors[0])), *tensors[1:])
+            with pytest.raises(ValueError, match=f"carries a forward-mode tangent .* but {op} has no"):
+                fn(*dual, backend_name)
+        with pytest.raises(ValueError, match=f"^{op}: called inside a torch.func transform"):
+            torch.func.vmap(lambda t: fn(t, *tensors[1:], backend_name))(tensors[0][None])
+    fn(*tensors, backend_name)  # and outside them, the call runs

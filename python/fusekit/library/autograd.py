@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C import _functions as _autograd_functions
+from torch.autograd import forward_ad as _fwad
 
 from fusekit import dispatch
 from fusekit.library import lean_dispatch
@@ -50,6 +51,35 @@ def _needs_grad(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> list[str]:
                 else f"{n}: requires grad, but {spec.name} has no gradient for {n}; pass {n}.detach()"
             )
     return [n for i, n in pos[0] if inputs[i] is not None and inputs[i].requires_grad]
+
+
+_functorch_level = torch._C._functorch.maybe_current_level
+
+
+def transformed() -> bool:
+    """A forward-mode AD level or a torch.func transform (vmap, grad, jacrev, ...) is active: calls take
+    the checked path, which refuses what the kernels cannot honour (`_refuse_transforms`)."""
+    return _fwad._current_level >= 0 or _functorch_level() is not None
+
+
+def _refuse_transforms(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> None:
+    """Raise where a call would silently lose a transform: forward-mode tangents (the kernels write plain
+    outputs: the tangent was dropped) or torch.func's wrapped tensors (vmap's batch dimension, grad's
+    levels: the kernels cannot read them)."""
+    names = [a.name for a in spec.forward.inputs]
+    if _functorch_level() is not None:
+        raise ValueError(
+            f"{spec.name}: called inside a torch.func transform (vmap, grad, jacrev, jvp, ...), which fusekit's "
+            "ops do not support: call it outside the transform (for vmap, on the batched tensors directly; for "
+            "gradients, torch.autograd)"
+        )
+    for n, t in zip(names, inputs):
+        if t is not None and _fwad.unpack_dual(t).tangent is not None:
+            raise ValueError(
+                f"{n}: carries a forward-mode tangent (torch.autograd.forward_ad), but {spec.name} has no "
+                "forward-mode derivative (its output would have none); use reverse mode (backward, "
+                "torch.autograd.grad)"
+            )
 
 
 def first_order(op: str, backward: Callable[..., tuple]) -> Callable[..., tuple]:
@@ -126,6 +156,8 @@ def _apply(
     spec: OpSpec, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str
 ) -> tuple[tuple[Tensor | None, ...], str]:
     """`apply`, and the backend the call was pinned to (the given one where nothing was pinned)."""
+    if transformed() and not torch.compiler.is_compiling():
+        _refuse_transforms(spec, inputs)
     who = _needs_grad(spec, inputs)
     if who and spec.backward is None:
         if spec.grad_view is None:

@@ -14,7 +14,16 @@ import torch
 from torch import Tensor
 
 from fusekit import dispatch, outputs
-from fusekit.library.autograd import _apply, _as_tuple, _needs_grad, _present, apply, eager_apply, first_order
+from fusekit.library.autograd import (
+    _apply,
+    _as_tuple,
+    _needs_grad,
+    _present,
+    apply,
+    eager_apply,
+    first_order,
+    transformed,
+)
 from fusekit.library.fast_path import compile_run
 from fusekit.library.function_apply import applier
 from fusekit.library.plan import _PLANS, _RECORD_TRIES, _execute, _Plan, _plan_for, _signature, may_reuse
@@ -52,7 +61,7 @@ def call_key(tensors: tuple, scalars: tuple, backend: object) -> tuple | None:
     One flat tuple (backend, grad mode, per tensor None or its _SLOTS entries, per scalar its type and
     value): hashed and compared without nested tuples, ~1 us less per call than a tuple per tensor on
     the CPU here. `key_tensor` reads a tensor's entries back."""
-    if type(backend) is not str or _is_compiling():
+    if type(backend) is not str or _is_compiling() or transformed():
         return None
     if backend == "auto" and dispatch.capturing():
         return None  # auto may pick another backend inside a capture: the checked path decides
