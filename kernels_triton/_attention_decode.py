@@ -184,8 +184,9 @@ def _decode_split_kernel(
         kt = tl.load(kt_ptrs + start_n * skn)
         qk = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every score -inf: p = 0, not NaN
+        p = tl.math.exp2(qk * qk_scale - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         v = tl.load(v_ptrs + start_n * svn)

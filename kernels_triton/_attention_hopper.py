@@ -299,7 +299,7 @@ if HAS_GLUON:
         else:
             # qk_scale >= 0, so max(s) * scale is the scaled max and the scale folds into one FMA
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-            m_use = m_new
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # every score -inf: p = 0, not NaN
             if EXP2_POLY == 0:
                 p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
             else:

@@ -171,9 +171,10 @@ def _attn_fwd_kernel(
         hi = L
         full_end = (L // BLOCK_N) * BLOCK_N
 
-    # Unmasked tiles: every row sees every key, so every row max is finite after the first tile.
-    # qk_scale >= 0 (the launcher flips the sign of q otherwise), so max(qk) * scale is the scaled max
-    # and the scale folds into one FMA per score: exp2(qk * qk_scale - m).
+    # Unmasked tiles: every row sees every key. qk_scale >= 0 (the launcher flips the sign of q otherwise),
+    # so max(qk) * scale is the scaled max and the scale folds into one FMA per score: exp2(qk * qk_scale - m).
+    # A row whose scores are all -inf (a -inf in q or k) keeps m = -inf and takes 0 as its reference, so
+    # p = 0 instead of exp2(-inf - -inf) = NaN: the reference's zero row (as FlashAttention's rescale).
     for start_n in range(0, full_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         if TMA:
@@ -182,11 +183,12 @@ def _attn_fwd_kernel(
             kt = tl.load(kt_ptrs + start_n * skn)
         qk = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         if EXP2_POLY == 0:
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            p = tl.math.exp2(qk * qk_scale - m_safe[:, None])
         else:
-            p = exp2_mixed(qk * qk_scale - m_new[:, None], BLOCK_M, BLOCK_N, EXP2_POLY, EXP2_DEGREE)
-        alpha = tl.math.exp2(m_i - m_new)
+            p = exp2_mixed(qk * qk_scale - m_safe[:, None], BLOCK_M, BLOCK_N, EXP2_POLY, EXP2_DEGREE)
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         if TMA:

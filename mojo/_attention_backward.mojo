@@ -69,6 +69,15 @@ comptime _LOG2E: Float32 = 1.4426950408889634
 
 
 @always_inline
+def _bwd_lse2(lse: Float32) -> Float32:
+    """lse * log2(e), what p = exp2(s * scale * log2(e) - it) subtracts; +inf for a row whose lse is -inf
+    (every visible score -inf, or no visible key), so p = 0 there: the forward's zero row, the reference's
+    rule (exp2(-inf - -inf) would be NaN). A NaN lse stays NaN."""
+    var l2 = lse * _LOG2E
+    return -l2 if l2 == Float32.MIN else l2
+
+
+@always_inline
 def _kv_count(kv_len: Pointer[Int32, MutAnyOrigin], has_len: Bool, b: Int, skv: Int) -> Int:
     """L_b as attention.mojo's `_seq_len`: kv_len[b] clamped to [0, Skv] (untrusted), or Skv."""
     if not has_len:
@@ -259,7 +268,7 @@ def _bwd_dkdv_tc_kernel[
             comptime for c in range(2):
                 var qi = m0 + 8 * jn + 2 * t4 + c
                 var qrow = bh * s_len + min(qi, s_len - 1)
-                var lse2 = lse[unsafe_offset=qrow] * _LOG2E
+                var lse2 = _bwd_lse2(lse[unsafe_offset=qrow])
                 var dl = delta[unsafe_offset=qrow]
                 comptime for hh in range(2):
                     comptime e = 2 * hh + c
@@ -409,7 +418,7 @@ def _bwd_dq_tc_kernel[
     var dl = SIMD[DType.float32, 2](0)
     comptime for hh in range(2):
         var r = bh * s_len + min(row0 + 8 * hh, s_len - 1)
-        lse2[hh] = lse[unsafe_offset=r] * _LOG2E
+        lse2[hh] = _bwd_lse2(lse[unsafe_offset=r])
         dl[hh] = delta[unsafe_offset=r]
 
     var dqa = StaticTuple[SIMD[DType.float32, 4], NON](fill=0)

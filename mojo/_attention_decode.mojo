@@ -60,8 +60,9 @@
 # Non-finite rules (attention.mojo's header): a partial of a chunk with no visible key is (o 0, lse -inf);
 # a chunk whose max is NaN or +inf gives (NaN, max); one whose visible scores are all -inf gives (its sum of
 # 0 * v, which is 0 or NaN, -inf); the combine decides "the row sees no key" from indices (o 0, lse -inf),
-# a non-finite overall max M gives o NaN and lse M (so all visible scores -inf: NaN, -inf; +inf: NaN, +inf),
-# and a NaN / inf o_i of a weight-0 split still reaches o (0 * NaN), as a float64 softmax does. The register
+# an overall max M of NaN or +inf gives o NaN and lse M, M = -inf (every visible score -inf) the reference's
+# zero row (o = 0 x the partials, lse -inf), and a NaN / inf o_i of a weight-0 split still reaches o
+# (0 * NaN), as a float64 softmax does. The register
 # kernel's slot merge is the same rescaling as its per-batch update (weights 2^(m_i - M), M = 0 where every
 # m_i is -inf), so a slot's state follows the rules of one sequential pass.
 #
@@ -495,7 +496,9 @@ def _emit[
         var inv: Float32 = 0
         var lrow = _NEG_INF
         if sees:
-            if _nonfinite(m):  # NaN or +-inf: the float64 softmax is NaN, lse = m
+            if m == _NEG_INF:  # every visible score -inf: a zero row (0 x its sums), lse -inf
+                inv = 0
+            elif _nonfinite(m):  # NaN or +inf: the float64 softmax is NaN, lse = m
                 inv = m * 0
                 lrow = m * _LN2
             else:
@@ -1024,6 +1027,7 @@ def _decode_combine_kernel[
     comptime for ww in range(NW):
         M = _nmax(M, sred[unsafe_offset=ww])
     var ok = sees and not _nonfinite(M)
+    var zero_row = sees and M == _NEG_INF  # every visible score -inf: o = 0 x the partials, lse -inf
     var ws: Float32 = 0
     for i in range(tid, n_split, NT):
         var wt: Float32 = 0
@@ -1041,7 +1045,7 @@ def _decode_combine_kernel[
     var d = tid % D
     var g = tid // D
     var a: Float32 = 0
-    if ok:
+    if ok or zero_row:  # zero_row: every weight is 0, which keeps a 0 * NaN of a partial
         var i = g
         while i + (UN - 1) * TPD < n_split:
             var vals = SIMD[_F32, UN](0)
@@ -1062,14 +1066,17 @@ def _decode_combine_kernel[
             comptime for t in range(TPD):
                 tot += ssum[unsafe_offset=t * D + d]
             val = tot / wsum
-        elif sees:  # NaN, +inf, or every visible score -inf: o NaN, lse M
+        elif zero_row:
+            comptime for t in range(TPD):
+                val += ssum[unsafe_offset=t * D + d]
+        elif sees:  # NaN or +inf: o NaN, lse M
             val = M * 0
         o[unsafe_offset=row * D + d] = val.cast[dtype]()
     if tid == 0:
         var lrow = _NEG_INF
         if ok:
             lrow = (M + log2(wsum)) * _LN2
-        elif sees:
+        elif sees and not zero_row:
             lrow = M * _LN2
         lse[unsafe_offset=row] = lrow
 

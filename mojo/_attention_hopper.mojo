@@ -523,7 +523,9 @@ def _fa3_kernel[
             var lrow = _NEG_INF
             if kvl > 0 and (not causal or r + off >= 0):
                 var m = m_i[half]
-                if _nonfinite(m):  # NaN, or +-inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
+                if m == _NEG_INF:  # every visible score -inf: a zero row (0 x its sums), lse -inf
+                    inv = 0
+                elif _nonfinite(m):  # NaN or +inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
                     inv = m * 0
                     lrow = m * _LN2
                 else:

@@ -25,8 +25,8 @@
 # key (L_b = 0, or causal with S > L_b) writes o = 0 and lse = -inf (decided from indices, not from scores);
 # a NaN in q row i or in a key k_j that row i sees makes row i NaN (lse NaN); a NaN/Inf in v_j[d] makes
 # o[i, d] non-finite for exactly the rows i that see j; a visible score of +inf makes the row NaN with
-# lse = +inf, visible scores all -inf make it NaN with lse = -inf (torch.logsumexp); masked keys never
-# matter. This needs care because neither `max` (drops NaN) nor the CPU's `exp2` (clamps its argument:
+# lse = +inf, visible scores all -inf make it a zero row with lse = -inf (the reference's rule, as SDPA's
+# and the Triton backend's; the backward takes p = 0 there, `_bwd_lse2`); masked keys never matter. This needs care because neither `max` (drops NaN) nor the CPU's `exp2` (clamps its argument:
 # exp2(NaN) = 8.5e37, exp2(-inf) = 1.2e-38) propagates NaN: `_nmax` and the GPU's exp2 do, and a tensor-
 # core P.V would turn 0 (masked) * NaN into NaN, so masked tiles have their non-finite V zeroed in
 # shared memory and re-added (as +-inf / NaN) only to the rows that see them (`_fa2_kernel`).
@@ -40,7 +40,8 @@
 # - decode shapes, every dtype and vendor: S <= 16, a GQA group of H/Hkv * S <= 128 rows, D in {64, 128,
 #   256}: the split-KV (flash-decoding) kernels of _attention_decode.mojo (SIMT, one block per kv head's
 #   group rows and KV chunk, fp32 partials in the caller's workspace `part`, deterministic combine).
-#   Compiled for sm_90 / gfx942; NOT YET RUN ON A GPU (harness: FUSEKIT_HARNESS_ONLY=attn_decode).
+#   On NVIDIA fp16/bf16, D 64/128: the tensor-core kernel _decode_mma_kernel (H200 figures in
+#   _attention_decode.mojo's header; harness: FUSEKIT_HARNESS_ONLY=attn_decode).
 # - NVIDIA, fp16/bf16, D in {64, 128, 256}: `_fa2_kernel`, FlashAttention-2 forward with warp-level
 #   tensor-core MMA (mma.sync m16n8k16, fp32 accumulation): each warp owns 16 query rows whose Q
 #   fragments stay in registers; K/V tiles go global -> shared with cp.async, double-buffered so the
@@ -105,7 +106,7 @@ from max.gpu.compute.mma import mma, ld_matrix
 from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
 
 from ._util import exp_f64, log_f64, check_workspace
-from ._attention_backward import attention_backward_tc, tc_backward_supported
+from ._attention_backward import attention_backward_tc, tc_backward_supported, _bwd_lse2
 from ._attention_decode import attention_decode_gpu, decode_applies, _quad_max, _quad_sum
 from ._attention_hopper import attention_hopper_gpu
 
@@ -161,8 +162,11 @@ def _row_last_key(i: Int, s_len: Int, n_keys: Int, causal: Bool) -> Int:
 
 @always_inline
 def _finish_row(m: Float32, l: Float32) -> Tuple[Float32, Float32]:
-    """(1/l or NaN, lse) of a row that sees at least one key, from its max m and sum l = sum e^(s - m)
-    (natural-log domain). Non-finite m: the float64 softmax is NaN (inf - inf or -inf - -inf), lse = m."""
+    """(1/l, 0 or NaN, lse) of a row that sees at least one key, from its max m and sum l = sum e^(s - m)
+    (natural-log domain). m = -inf (every visible score -inf): a zero row, lse -inf (the reference's rule);
+    NaN or +inf: the float64 softmax is NaN (inf - inf), lse = m."""
+    if m == NEG_INF:
+        return (0, m)
     if _nonfinite(m):
         return (m * 0, m)
     return (1.0 / l, m + Float32(log_f64(Float64(l))))
@@ -413,7 +417,9 @@ def _fa2_kernel[
             var lrow = NEG_INF
             if kvl > 0 and (not causal or r + off >= 0):
                 var m = m_i[half]
-                if _nonfinite(m):  # NaN, or +-inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
+                if m == NEG_INF:  # every visible score -inf: a zero row (0 x its sums), lse -inf
+                    inv = 0
+                elif _nonfinite(m):  # NaN or +inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
                     inv = m * 0
                     lrow = m * LN2
                 else:
@@ -490,7 +496,9 @@ def _attn_rowwise_kernel[
     var inv: Float32 = 0
     var lrow = NEG_INF
     if last >= 0:
-        if _nonfinite(m):  # NaN, or +-inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
+        if m == NEG_INF:  # every visible score -inf: a zero row (0 x its sums), lse -inf
+            inv = 0
+        elif _nonfinite(m):  # NaN or +inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
             inv = m * 0
             lrow = m * LN2
         else:
@@ -547,9 +555,11 @@ def attention_cpu[
                     sc[j] = s * scale
                     mx = _nmax(mx, sc[j])
                 var l: Float32 = 0
-                if not _nonfinite(mx):
+                if not _nonfinite(mx) or mx == NEG_INF:  # -inf: every visible score -inf, p = 0
                     for j in range(last + 1):
-                        var p = _exp_acc(sc[j] - mx)
+                        var p: Float32 = 0
+                        if mx > NEG_INF:
+                            p = _exp_acc(sc[j] - mx)
                         l += p
                         for dd in range(D):
                             acc[dd] += p * v[unsafe_offset=kv_base + j * D + dd].cast[DType.float32]()
@@ -759,6 +769,8 @@ def attention_backward_cpu[
                         dqa[dd] = 0
                     if last >= 0:
                         var lse_i = lse[unsafe_offset=(b * H + h) * S + i]
+                        if lse_i == NEG_INF:  # every visible score -inf: p = 0, the forward's zero row
+                            lse_i = POS_INF
                         var delta: Float32 = 0
                         for dd in range(D):
                             delta += do_[unsafe_offset=qi + dd].cast[F32]() * o[unsafe_offset=qi + dd].cast[F32]()
@@ -852,7 +864,7 @@ def _attn_bwd_dq_kernel[
             qv[e] = q[unsafe_offset=row * d + dd].cast[F32]()
             dov[e] = do_[unsafe_offset=row * d + dd].cast[F32]()
     var last = _row_last_key(i, s_len, _seq_len(kv_len, params[unsafe_offset=2] != 0, b, skv), causal)
-    var lse2 = lse[unsafe_offset=row] * LOG2E
+    var lse2 = _bwd_lse2(lse[unsafe_offset=row])
     var dl = delta[unsafe_offset=row]
     for j in range(last + 1):
         var ps: Float32 = 0
@@ -936,7 +948,7 @@ def _attn_bwd_dkdv_kernel[
                 if dd < d:
                     ps += q[unsafe_offset=qrow * d + dd].cast[F32]() * kv[e]
                     pd += do_[unsafe_offset=qrow * d + dd].cast[F32]() * vv[e]
-            var p = exp2(warp.sum(ps) * scale * LOG2E - lse[unsafe_offset=qrow] * LOG2E)
+            var p = exp2(warp.sum(ps) * scale * LOG2E - _bwd_lse2(lse[unsafe_offset=qrow]))
             var ds = p * (warp.sum(pd) - delta[unsafe_offset=qrow])
             comptime for e in range(PER):
                 var dd = lane + e * WARP_SIZE
