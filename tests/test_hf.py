@@ -11,6 +11,9 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -39,6 +42,7 @@ from fusekit.hf import _attention  # noqa: E402
 from tests.checks import TINY_LLAMA, rel_error  # noqa: E402
 
 TINY = TINY_LLAMA
+ROOT = Path(__file__).resolve().parents[1]
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -528,6 +532,9 @@ def test_fused_loss_in_eval_keeps_logits_and_unpatch_restores_forward():
         assert model(x).loss is None  # no labels: HF's forward
     model.train()
     assert model(x, labels=x, skip_logits=False).logits is not None
+    assert model(x, labels=x).logits is None  # training: no logits by default (Liger's rule)...
+    loss, logits_, *_ = model(x, labels=x, return_dict=False)  # ...but a tuple keeps HF's positions
+    assert logits_.shape == (*x.shape, TINY["vocab_size"]) and loss.dim() == 0
     fh.unpatch(model)
     assert "forward" not in vars(model)
     with torch.no_grad():
@@ -725,6 +732,21 @@ def test_generate_wrapper_keeps_class_names_and_follows_copies(tmp_path):
     loaded = torch.load(buf, weights_only=False)
     assert fh.is_patched(loaded) and loaded.generate.model is loaded
     assert torch.equal(generate(loaded, x, n=3), generate(model, x, n=3))
+    # and in a process that never patched: the Fusekit classes and the attention implementation come
+    # with `import fusekit.hf` (it failed: "Can't get attribute 'FusekitLlamaModel'")
+    torch.save(model, tmp_path / "patched.pt")
+    want = generate(model, x, n=3)
+    code = (
+        "import sys, torch; import fusekit.hf as fh\n"
+        f"m = torch.load({str(tmp_path / 'patched.pt')!r}, weights_only=False)\n"
+        f"x = torch.tensor({x.tolist()})\n"
+        "g = m.generate(x, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)\n"
+        "assert fh.is_patched(m); print(g.tolist()); fh.unpatch(m)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT)])}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == str(want.tolist())
     fh.unpatch(model)
     assert "generate" not in vars(model)
 
@@ -873,6 +895,82 @@ def test_post_mlp_add_fused_into_the_next_norm_under_no_grad(monkeypatch):
     fh.unpatch(model)
     assert not any("_fusekit" in k for layer in model.model.layers for k in layer.__dict__)
     assert rel_error(logits(model, x), ref) == 0.0
+
+
+def test_data_edits_and_hooks_never_get_a_stale_fused_norm():
+    """A `.data` edit bumps no version: a layer called by hand (layer-by-layer tools) leaves no waiting norm
+    result behind, and inside the model a hook of anyone else's on a layer or its next norm turns the fusion
+    off there; transformers' own output recorders (output_hidden_states) leave it on."""
+    model = build("llama3")
+    x = ids(seq=9)
+    fh.patch(model)
+    layers, final = model.model.layers, model.model.norm
+    with torch.no_grad():
+        h = model.model.embed_tokens(x)
+        pe = model.model.rotary_emb(h, torch.arange(9)[None])
+        out = layers[0](h, position_embeddings=pe)
+        norm = layers[1].input_layernorm
+        norm.weight.data.mul_(3)  # no version bump
+        got = norm(out)
+        w = norm.weight.float()
+        want = (out.float() * torch.rsqrt(out.float().square().mean(-1, keepdim=True) + norm.eps)) * w
+        assert rel_error(got, want) <= FP32_TOL
+        norm.weight.data.div_(3)
+    ref = build("llama3")
+
+    def scaler(norm: nn.Module):  # a hook that edits a model's final norm mid-forward, after the last layer
+        def hook(m, a, o) -> None:
+            norm.weight.data.mul_(1.5)
+
+        return hook
+
+    hooks = [
+        layers[-1].register_forward_hook(scaler(final)),
+        ref.model.layers[-1].register_forward_hook(scaler(ref.model.norm)),
+    ]
+    assert rel_error(logits(model, x), logits(ref, x)) <= FP32_TOL
+    for hk in hooks:
+        hk.remove()
+    calls: list[bool] = []
+    real = ops.rms_norm
+
+    def counting(*a, **k):
+        calls.append(k.get("residual") is not None)
+        return real(*a, **k)
+
+    with torch.no_grad():
+        model(x, output_hidden_states=True)  # installs transformers' recorders on the layers
+        ops.rms_norm = counting
+        try:
+            got = model(x, output_hidden_states=True)
+        finally:
+            ops.rms_norm = real
+    assert calls.count(True) == 2 * model.config.num_hidden_layers, calls  # still fused
+    with torch.no_grad():
+        want = ref(x, output_hidden_states=True)
+    assert rel_error(got.logits, want.logits) <= FP32_TOL
+    assert all(rel_error(a, b) <= FP32_TOL for a, b in zip(got.hidden_states, want.hidden_states))
+
+
+def test_decoder_layer_takes_hfs_positional_order():
+    """HF 5's layer order (hidden_states, attention_mask, position_ids, past_key_values, use_cache, ...): a
+    cache passed positionally fills, as unpatched (it landed in use_cache and was never updated)."""
+    from transformers import DynamicCache
+
+    model = build("llama3")
+    layer = model.model.layers[0]
+    h = torch.randn(1, 6, TINY["hidden_size"], generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(6)[None]
+    pe = model.model.rotary_emb(h, pos)
+    outs = []
+    for patched in (False, True):
+        if patched:
+            fh.patch(model)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            outs.append(layer(h, None, pos, cache, position_embeddings=pe))
+        assert cache.get_seq_length(0) == 6
+    assert rel_error(outs[1], outs[0]) <= FP32_TOL
 
 
 def test_inference_mode_forward_and_generate():

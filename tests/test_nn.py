@@ -280,6 +280,16 @@ def test_rotary_tables_equal_hf_and_rotation_matches(rope):
     a = ours(q, start_pos=40)
     b = ours(q, position_ids=torch.arange(40, 47))
     assert torch.equal(a, b)
+    # position_ids of another length than q's S (or another batch) is a caller's bug: it raised nothing and
+    # used the first S positions
+    for bad in (
+        torch.arange(9),
+        torch.arange(9)[None],
+        torch.arange(14).view(2, 7)[:, None],
+        pos.repeat(3, 1),
+    ):
+        with pytest.raises(ValueError, match=r"^position_ids: expected"):
+            ours(q, position_ids=bad)
 
 
 def test_rotary_grad_and_dtypes():

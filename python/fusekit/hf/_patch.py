@@ -171,15 +171,18 @@ class _AttentionMixin:
 class _DecoderLayerMixin:
     """HF's decoder layer with the residual add after attention fused into the post-attention norm."""
 
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        position_ids=None,
-        use_cache=False,
-        position_embeddings=None,
-        **kwargs,  # the KV cache among them, under the name the caller's transformers gave it
-    ):
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:  # positional arguments in the HF layer's own order (its KV cache is the 4th in 5.x)
+            names = _positional_names(type(self))
+            if len(args) > len(names):
+                raise TypeError(
+                    f"{type(self).__name__}.forward: {len(args) + 1} positional arguments, at most {len(names) + 1}"
+                )
+            kwargs.update(zip(names, args))
+        attention_mask = kwargs.pop("attention_mask", None)
+        position_ids = kwargs.pop("position_ids", None)
+        use_cache = kwargs.pop("use_cache", False)
+        position_embeddings = kwargs.pop("position_embeddings", None)
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
@@ -206,6 +209,9 @@ class _DecoderLayerMixin:
             and type(w) in PLAIN
             and w.device == hidden_states.device
             and not torch.is_inference_mode_enabled()  # its tensors have no version to guard the result
+            and getattr(_RUNNING, "depth", 0) > 0  # inside the patched model's own loop over its layers
+            and not _foreign_hooks(self)
+            and not _foreign_hooks(nxt)
         ):
             # Inference: the add after the MLP fused into the next norm (the next layer's input norm, or
             # the model's final norm), which finds its output waiting (_PrecomputedNormMixin). Not with
@@ -213,13 +219,16 @@ class _DecoderLayerMixin:
             # Not while the next norm's weight is a DTensor (FSDP2 keeps the next layer's parameters sharded
             # until its own forward: an eval step of FSDP2 training raised here) or elsewhere (accelerate's
             # device_map puts the next layer on another GPU, or offloads its weights to "meta" until its
-            # own pre-forward hook loads them). The norm's own forward, not its __call__: hooks on that norm
-            # run once, when the next layer calls it and gets the waiting result (they see x and y, as
-            # without the fusion).
+            # own pre-forward hook loads them). The norm's own forward, not its __call__. Only inside the
+            # model's own forward with no hook of anyone else's on this layer or that norm: nothing else can
+            # run between here and the norm's call, so nothing can edit h or the weight through `.data`,
+            # which bumps no version (a layer-by-layer tool calling layers itself, a hook folding scales
+            # into the next norm's weight, got the stale result). transformers' own output-capturing hooks
+            # only record outputs.
             y, h = super(_PrecomputedNormMixin, nxt).forward(hidden_states, residual=residual)
             v, vw = _attention.version(h), _attention.version(w)
             if v is not None and vw is not None:  # inference tensors (no version): the norm computes again
-                nxt.__dict__["_fusekit_pre"] = (h, v, y, w, vw)
+                nxt.__dict__["_fusekit_pre"] = (h, v, y, w, vw, h.data_ptr(), w.data_ptr())
             return h
         return residual + hidden_states
 
@@ -254,7 +263,50 @@ class _ModelMixin:
                 attention_mask = None  # exact: an all-ones padding mask masks nothing
             if attention_mask is None:
                 kwargs[_attention.OWN_POSITIONS] = True
-        return super().forward(input_ids, attention_mask, position_ids, *args, **kwargs)
+        _RUNNING.depth = getattr(_RUNNING, "depth", 0) + 1
+        try:
+            return super().forward(input_ids, attention_mask, position_ids, *args, **kwargs)
+        finally:
+            _RUNNING.depth -= 1
+
+
+# Per thread: how many patched base models' forwards are running (a layer may fuse its last add into the
+# next layer's norm only inside one: _DecoderLayerMixin).
+_RUNNING = threading.local()
+_CAPTURE_HOOKS = "transformers.utils.output_capturing"
+
+
+def _foreign_hooks(m: nn.Module) -> bool:
+    """Whether calling m runs a forward hook (its own or a global one) other than transformers' output
+    recorders, which only read."""
+    from torch.nn.modules import module as _mm
+
+    for hooks in (
+        m._forward_hooks,
+        m._forward_pre_hooks,
+        _mm._global_forward_hooks,
+        _mm._global_forward_pre_hooks,
+    ):
+        for fn in hooks.values():
+            if getattr(fn, "__module__", None) != _CAPTURE_HOOKS:
+                return True
+    return False
+
+
+_POSITIONAL: dict[type, tuple[str, ...]] = {}
+
+
+def _positional_names(cls: type) -> tuple[str, ...]:
+    """The names of the HF decoder layer's positional parameters after hidden_states (its own order)."""
+    names = _POSITIONAL.get(cls)
+    if names is None:
+        base = next(
+            c for c in cls.__mro__ if c is not cls and "forward" in vars(c) and not c.__name__.startswith("_")
+        )
+        params = list(inspect.signature(base.forward).parameters.values())[2:]  # self, hidden_states
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = _POSITIONAL[cls] = tuple(p.name for p in params if p.kind in kinds)
+    return names
 
 
 def _all_ones(mask: object) -> bool:
@@ -286,6 +338,8 @@ class _PrecomputedNormMixin:
             and pre[1] == _attention.version(x)
             and pre[3] is self.weight  # the norm's weight unchanged since (AWQ-style scale folding edits it)
             and pre[4] == _attention.version(pre[3])
+            and pre[5] == x.data_ptr()  # `.data = ...` swaps the storage without a version bump
+            and pre[6] == pre[3].data_ptr()
             and not torch.is_grad_enabled()
         ):
             return pre[2]
@@ -398,8 +452,10 @@ class _CausalLMForward:
         )
         hidden = outputs.last_hidden_state
         loss = _fused_loss(model, hidden, labels, **kwargs)
-        if skip_logits is None:
-            skip_logits = model.training
+        if return_dict is None:
+            return_dict = getattr(model.config, "return_dict", True)
+        if skip_logits is None:  # a tuple keeps HF's positions (loss, logits, cache): logits stay in it
+            skip_logits = model.training and return_dict
         out = CausalLMOutputWithPast(
             loss=loss,
             logits=None if skip_logits else model.lm_head(hidden),
@@ -407,8 +463,6 @@ class _CausalLMForward:
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-        if return_dict is None:
-            return_dict = getattr(model.config, "return_dict", True)
         return out if return_dict else out.to_tuple()
 
 
@@ -471,8 +525,42 @@ def _set_prefix_masks(attentions: list[nn.Module], running: list[int]) -> None:
         m._fusekit_prefix_masks = trusted
 
 
+def _fusekit_classes(family: str) -> dict[str, type]:
+    """The Fusekit subclasses patch() swaps in for a family, by role (RMSNorm: the next-norm class of
+    fusekit.nn.RMSNorm, shared by every family)."""
+    classes = _family_classes(family)
+    eager = sys.modules[classes["Attention"].__module__].eager_attention_forward
+    attn = _subclass(
+        _AttentionMixin,
+        classes["Attention"],
+        _fusekit_eager=staticmethod(eager),
+        _fusekit_passes_sliding_window=family != "llama",
+        _fusekit_qk_norm=family == "qwen3",
+    )
+    return {
+        "Attention": attn,
+        "Model": _subclass(_ModelMixin, classes["Model"]),
+        "DecoderLayer": _subclass(_DecoderLayerMixin, classes["DecoderLayer"]),
+        "RMSNorm": _subclass(_PrecomputedNormMixin, RMSNorm),
+    }
+
+
+def __getattr__(name: str) -> type:
+    """Fusekit<class> in a process that has not patched yet (a patched model unpickled): built on demand
+    for the family whose class it names."""
+    if name.startswith("Fusekit"):
+        _attention.register()  # the unpickled config names the "fusekit" attention implementation
+        for family, prefix in _PREFIX.items():
+            if name.startswith(f"Fusekit{prefix}") or name == "FusekitRMSNorm":
+                _fusekit_classes(family)
+                if name in globals():
+                    return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _subclass(mixin: type, cls: type, **attrs) -> type:
-    """Fusekit<cls>, cached and published in this module so pickle finds it by name."""
+    """Fusekit<cls>, cached and published in this module so pickle finds it by name (`__getattr__` builds
+    it in a process that has not patched yet)."""
     name = f"Fusekit{cls.__name__}"
     new = globals().get(name)
     if new is None or cls not in new.__mro__:
@@ -562,7 +650,7 @@ def patch(
         raise TypeError(f"model: {type(model).__name__} has no `config`; expected a transformers model")
     family = _check_config(config, allow_sliding_window)
     classes = _family_classes(family)
-    eager = sys.modules[classes["Attention"].__module__].eager_attention_forward
+    ours = _fusekit_classes(family)
 
     # Plan every change first, so an unsupported module raises with the model untouched.
     children: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []
@@ -594,14 +682,7 @@ def patch(
     for parent, name, old, new in children:
         setattr(parent, name, new)
         rec.children.append((parent, name, old))
-    attn_cls = _subclass(
-        _AttentionMixin,
-        classes["Attention"],
-        _fusekit_eager=staticmethod(eager),
-        _fusekit_passes_sliding_window=family != "llama",
-        _fusekit_qk_norm=family == "qwen3",
-    )
-    _swap_classes(rec, attentions, attn_cls)
+    _swap_classes(rec, attentions, ours["Attention"])
     for m in attentions:
         m._fusekit_backend = backend
         m._fusekit_strict = strict
@@ -613,11 +694,11 @@ def patch(
     if type(model) is classes["ForCausalLM"]:
         model.__dict__["forward"] = _CausalLMForward(model)
         rec.attrs.append((model, "forward"))
-    _swap_classes(rec, bases, _subclass(_ModelMixin, classes["Model"]))
+    _swap_classes(rec, bases, ours["Model"])
     _keep_output_capture(bases)
-    _swap_classes(rec, layers, _subclass(_DecoderLayerMixin, classes["DecoderLayer"]))
+    _swap_classes(rec, layers, ours["DecoderLayer"])
     for layer, norm in next_norms:  # plain attributes, not submodules: state_dict keys stay HF's
-        norm.__class__ = _subclass(_PrecomputedNormMixin, type(norm))
+        norm.__class__ = ours["RMSNorm"]
         layer.__dict__["_fusekit_next_norm"] = norm
         rec.attrs.append((layer, "_fusekit_next_norm"))
     _set_attn_implementation(model, _attention.NAME)

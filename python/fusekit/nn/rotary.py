@@ -209,6 +209,15 @@ class RotaryEmbedding(nn.Module):
             position_ids = torch.arange(start_pos, start_pos + q.shape[1], device=q.device)
         elif start_pos:
             raise ValueError("start_pos: give start_pos or position_ids, not both")
+        elif (
+            position_ids.shape[-1:] != q.shape[1:2]
+            or position_ids.dim() not in (1, 2)
+            or (position_ids.dim() == 2 and position_ids.shape[0] not in (1, q.shape[0]))
+        ):
+            raise ValueError(
+                f"position_ids: expected [S={q.shape[1]}] or [B={q.shape[0]}, S={q.shape[1]}] for q "
+                f"{tuple(q.shape)}, got {tuple(position_ids.shape)}"
+            )
         cos, sin = self.tables(position_ids.to(q.device))
         kw = {"interleaved": self.interleaved, "backend": self.backend}
         return apply_rope(q, cos, sin, k=k, **kw)  # q and k in one launch
