@@ -452,13 +452,25 @@ def norm_cpu[
                 t += xr[unsafe_offset=j].cast[F32]()
             mean = t / Float32(n)
         var q = SIMD[F32, W](0)
+        var e = SIMD[F32, W](0)  # layer_norm: sum of (x - mean), the fp32 mean's own rounding
         for j in range(0, nb, W):
             var d = xr.unsafe_load[width=W](j).cast[F32]() - mean
             q += d * d
+            comptime if LN:
+                e += d
         var qt = q.reduce_add()
+        var et = e.reduce_add()
         for j in range(nb, n):
             var d = xr[unsafe_offset=j].cast[F32]() - mean
             qt += d * d
+            comptime if LN:
+                et += d
+        comptime if LN:
+            # Corrected two-pass: mean += sum(d) / n, sum((x - mean)^2) = sum(d^2) - sum(d)^2 / n. A constant
+            # row whose fp32 mean is an ulp off then normalizes to exactly 0 (it gave +-1.57 at eps 1e-12).
+            var c = et / Float32(n)
+            mean += c
+            qt = max(qt - et * c, 0)
         var r = 1.0 / sqrt(qt / Float32(n) + f.eps)
         rstd_out[unsafe_offset=row] = r
         comptime if LN:

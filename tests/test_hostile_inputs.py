@@ -70,6 +70,39 @@ def test_attention_masked_nan_key_does_not_leak_and_empty_rows_are_zero(backend_
     assert out[11].isnan().all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("s", "skv"), [(12, 16), (12, 40), (24, 80)])  # S 12: decode kernels; 40+: tiles
+def test_attention_row_whose_visible_scores_are_all_neginf_is_zero(backend_name, device, causal, s, skv):
+    """Query row 9 holds -inf against positive keys, so every score it sees is -inf: a zero row, the
+    reference's rule (and SDPA's), not NaN; the other rows are what they are without it. Its gradient
+    reaches nothing: dq row 9 is 0 and dv stays finite (dk takes 0 * -inf from q's -inf, as in float64)."""
+    q, k, v = _qkv(device, s=s, skv=skv)
+    k = k.abs() + 0.25
+    clean = q.clone()
+    q[0, 0, 9, 0] = float("-inf")
+    out = _attn(backend_name, q, k, v, causal=causal)[0, 0]
+    assert torch.equal(out[9], torch.zeros_like(out[9])), f"row 9: {out[9, :4].tolist()}"
+    want = _attn(backend_name, clean, k, v, causal=causal)[0, 0]
+    rest = torch.arange(s, device=out.device) != 9
+    assert torch.equal(out[rest], want[rest])
+    q, v = q.requires_grad_(), v.requires_grad_()
+    dq, dv = torch.autograd.grad(_attn(backend_name, q, k, v, causal=causal).float().sum(), (q, v))
+    assert torch.equal(dq[0, 0, 9], torch.zeros_like(dq[0, 0, 9])) and torch.isfinite(dq[0, 0, rest]).all()
+    assert torch.isfinite(dv).all()
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-5])
+def test_layer_norm_of_constant_rows_is_its_bias(backend_name, device, eps):
+    """Constant rows (large values, N not a power of two): the centred row is exactly 0, so y = bias. An
+    fp32 mean one ulp off left (x - mean) = ulp and, with eps 1e-12, y = +-1 on the torch backend."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.full((3, 37), 12345.678).to(device)
+    x[1] = -0.3
+    w, b = (torch.randn(37, generator=g).to(device) for _ in range(2))
+    y = ops.layer_norm(x, w, b, eps, backend=backend_name)
+    assert torch.equal(y, b.expand_as(y)), f"max |y - b| {float((y - b).abs().max()):.3g}"
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_rope_k_rotated_beside_x_without_heads(backend_name, device, layout):
     """x with no heads (H = 0) beside a k that has them: k is still rotated, and still gets its gradient.
