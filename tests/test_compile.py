@@ -36,3 +36,32 @@ def test_fullgraph_compile_all_ops():
     want = layer(*args)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_fullgraph_compile_with_grads_as_the_first_call_of_a_process():
+    """The first fusekit call of a process, traced by torch.compile(fullgraph=True) with an input that
+    requires grad: resolving the backward's backend loads the backend module inside the trace, which
+    failed ("Attempted to call function marked as skipped", naming neither fusekit nor a remedy) until one
+    eager call had been made. backends.get loads it outside the trace (assume_constant_result)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import torch\n"
+        "from fusekit import ops\n"
+        "torch.manual_seed(0)\n"
+        "x, w = torch.randn(3, 16, requires_grad=True), torch.randn(16, requires_grad=True)\n"
+        "f = torch.compile(lambda x, w: ops.rms_norm(x, w), backend='aot_eager', fullgraph=True)\n"
+        "f(x, w).sum().backward()\n"
+        "g = x.grad.clone(); x.grad = None\n"
+        "ops.rms_norm(x, w, backend='torch').sum().backward()\n"
+        "assert torch.allclose(g, x.grad, rtol=1e-5, atol=1e-6)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "python"), str(root)])}
+    env.pop("FUSEKIT_BACKEND", None)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

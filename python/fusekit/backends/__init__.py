@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch as _torch  # not `torch`: loading the provider fusekit.backends.torch binds that name here
+
 from fusekit.backends.base import Backend, BackendUnavailable
 
 # name -> "module:Class"; the order is the order `available()` lists them in.
@@ -43,7 +45,22 @@ def get(name: str) -> Backend:
     if not isinstance(name, str) or name not in _REGISTRY:
         valid = ", ".join(["auto", *_REGISTRY])
         raise ValueError(f"backend: unknown backend {name!r}; valid names are: {valid}")
+    if _torch.compiler.is_compiling():  # before the trace reads _INSTANCES (dynamo keeps what it read)
+        _load_untraced(name)  # dynamo runs it as it stands: no import inside the trace
     return _instantiate(name)
+
+
+def _load_untraced(name: str) -> bool:
+    """Load backend `name` where torch.compile traces a first call (a grad call resolves its backend while
+    being traced): dynamo calls this function itself instead of tracing it, since its module imports
+    would fail the trace ("Attempted to call function marked as skipped")."""
+    _instantiate(name).unavailable_reason()
+    return True
+
+
+# torch.compiler.assume_constant_result(_load_untraced), whose import of torch._dynamo would import triton
+# with `import fusekit` (the decorator sets only this flag, torch 2.0 to 2.13).
+_load_untraced._dynamo_marked_constant = True
 
 
 # What "auto" may pick that is cheap to load up front (mojo stays lazy: loading MAX can set up its
