@@ -11,8 +11,8 @@ The modes ("reg", "rows", "reload", "split", "coop") are shaped exactly as in rm
 kernels_triton/_config.py); large problems pick among them by timing (`norm_tuned`, every candidate first
 checked against an fp32 reference of the same residual/bias/weight variant).
 
-Statistics: "reg"/"rows" hold the row and do the exact two-pass (mean, then mean of squared deviations), as
-the reference. "reload"/"split" stream the row once for the statistics, using sums of d = xin - K with the
+Statistics: "reg"/"rows" hold the row and do the corrected two-pass (mean, then the deviations' sum and
+sum of squares in one tuple reduction: the sum corrects the fp32 mean's rounding), as the reference. "reload"/"split" stream the row once for the statistics, using sums of d = xin - K with the
 shift K = xin[row, 0]: var = E[d^2] - E[d]^2 loses almost nothing because K lies within a few standard
 deviations of the mean, so rows with a large mean (1e4 +- 1) stay accurate, unlike raw E[x^2] - E[x]^2.
 With a residual, "reload" pass 1 writes h (evict_last) and pass 2 re-reads h from L2. "loop3" (no
@@ -26,7 +26,6 @@ Backward byte floor: read dy and xin, write dx (+ read dh with a residual): 3 (4
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -62,11 +61,22 @@ def _add_res(x, r):
 
 
 @triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _ln_tile(x, w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS: tl.constexpr):
-    """(y fp32, mean, rstd) of a [BLOCK_M, BLOCK_N] fp32 tile by the exact two-pass statistics."""
+    """(y fp32, mean, rstd) of a [BLOCK_M, BLOCK_N] fp32 tile by the corrected two-pass statistics: the
+    deviations' own sum (one tuple reduction with their squares) corrects the fp32 mean's rounding, so a
+    constant row normalizes to exactly 0 (with the mean an ulp off, y was +-0.3 at eps 1e-5 for 12345.678)."""
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(m, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    s1, s2 = tl.reduce((xc, xc * xc), 1, _add2)
+    c = s1 / N
+    mean += c
+    xc = tl.where(m, xc - c[:, None], 0.0)
+    rstd = tl.rsqrt(tl.maximum(s2 / N - c * c, 0.0) + eps)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = xc * rstd[:, None] * w[None, :]
     if HAS_BIAS:
@@ -220,13 +230,18 @@ def _ln_loop3_kernel(
         acc += tl.load(x_ptr + base + c, mask=c < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
     mean = tl.sum(acc, axis=0) / N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK,), dtype=tl.float32)  # Σ(x - mean): corrects the fp32 mean's rounding (_ln_tile)
     for k in range(0, N, BLOCK):
         c = k + cols
         cm = c < N
         x = tl.load(x_ptr + base + c, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
         d = tl.where(cm, x - mean, 0.0)
         acc += d * d
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        acc1 += d
+    s1, s2 = tl.reduce((acc1, acc), 0, _add2)
+    corr = s1 / N
+    mean += corr
+    rstd = tl.rsqrt(tl.maximum(s2 / N - corr * corr, 0.0) + eps)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
     _ln_normalize(x_ptr, w_ptr, b_ptr, y_ptr, base, 0, N, mean, 0.0, rstd, HAS_BIAS, BLOCK)
@@ -433,10 +448,12 @@ def _reference(
     xs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 torch LayerNorm of rows `xs` (fp32 copies of xin): (y, mean, rstd), the tuner's check."""
-    out = F.layer_norm(xs, (xs.shape[-1],), weight.float(), None if bias is None else bias.float(), eps)
     mean = xs.mean(-1)
-    rstd = torch.rsqrt((xs - mean[:, None]).square().mean(-1) + eps)
-    return out, mean, rstd
+    mean = mean + (xs - mean[:, None]).mean(-1)  # the op reference's refined mean (ops/layer_norm.py)
+    xc = xs - mean[:, None]
+    rstd = torch.rsqrt(xc.square().mean(-1) + eps)
+    out = xc * rstd[:, None] * weight.float()
+    return (out if bias is None else out + bias.float()), mean, rstd
 
 
 def forward(

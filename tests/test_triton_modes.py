@@ -223,6 +223,24 @@ def test_layer_norm_large_mean_is_stable(mode: str, kw: dict) -> None:
     assert rel_error(out, ref) <= 2 * torch_err + 1e-5
 
 
+@pytest.mark.parametrize("mode", ["reg", "rows", "reload", "loop3", "split"])
+@pytest.mark.parametrize("N", [48, 1000, 3000])
+def test_layer_norm_constant_rows_are_exactly_zero(mode: str, N: int) -> None:
+    """A constant row centres to exactly 0 in every mode: "reg" / "rows" / "loop3" correct the fp32 mean's
+    rounding with the deviations' own sum ("reload" / "split" shift by the row's first value). With the
+    mean an ulp off, 12345.678 x 48 gave y = +-0.30 at eps 1e-5."""
+    x = torch.full((3, N), 12345.678)
+    x[1] = -0.3
+    out = torch.full_like(x, float("nan"))
+    mean = torch.full((3,), float("nan"))
+    rstd = torch.full((3,), float("nan"))
+    layer_norm(
+        out, mean, rstd, x, torch.ones(N), None, 1e-5, _mode=mode, _split=3 if mode == "split" else None
+    )
+    assert torch.equal(out, torch.zeros_like(out)), f"max |y| {float(out.abs().max()):.3g}"
+    assert torch.equal(mean, x[:, 0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode,M,N,kw", PERSISTENT_CASES)
 def test_norms_persistent(dtype: torch.dtype, mode: str, M: int, N: int, kw: dict) -> None:
