@@ -194,27 +194,46 @@ def _cell(vals: list[float], at_least: float, unit: str, commits: set[str], at_m
     worst, med = (max(vals) if at_most else min(vals)), statistics.median(vals)
     verdict = "**met**" if met == len(vals) else "not met"
     fmts = {"%": lambda v: f"{v:.0f}%", "µs": lambda v: f"{v:.1f} µs", "MiB": lambda v: f"{v:+.0f} MiB"}
-    fmt = fmts.get(unit, lambda v: f"{v:.2f}×")
-    return f"{verdict}: {met}/{len(vals)} cases, worst {fmt(worst)}, median {fmt(med)} ({', '.join(sorted(commits))})"
+
+    def ratio(v: float) -> str:  # a miss that two decimals would round onto the bound gets three
+        short = f"{v:.2f}×"
+        missed = v > at_least if at_most else v < at_least
+        return f"{v:.3f}×" if missed and float(short[:-1]) == round(at_least, 2) else short
+
+    fmt = fmts.get(unit, ratio)
+    tail = f" ({', '.join(sorted(commits))})" if commits else ""
+    return f"{verdict}: {met}/{len(vals)} cases, worst {fmt(worst)}, median {fmt(med)}{tail}"
 
 
-def _values(docs: list[dict], t: Target, backend: str) -> Iterator[tuple[float, str]]:
-    """(value, commit) of each timed row of `backend` in the op files `t` names."""
+def _values(docs: list[dict], t: Target, backend: str) -> Iterator[tuple[float, str, float | None]]:
+    """(value, commit, against the file's baseline row) of each timed row of `backend` in the op files `t`
+    names. The third is None where the row's ratio is against the baseline row the file holds (same run);
+    else the ratio of that row's time to this row's: its own run's baseline row was replaced by a later
+    run's (a file merged over sessions), so the stored ratio no longer matches the times beside it."""
     for d in docs:
         if d["op"] not in t.ops or suite_of(d) != t.suite:
             continue
         rs = runs(d)
-        for r in ok_rows(d):
+        rows = ok_rows(d)
+        base = {r["case"]: r for r in rows if t.baseline is not None and r["provider"] == t.baseline}
+        for r in rows:
             if (
                 r["provider"] == t.provider.format(b=backend)
                 and (t.where is None or t.where(r))
                 and (v := _value(r, t)) is not None
             ):
-                yield v, commit_str(rs[min(r.get("source", 0), len(rs) - 1)])
+                b = base.get(r["case"])
+                other = (
+                    b["time_us"] / r["time_us"]
+                    if b is not None and b.get("source", 0) != r.get("source", 0) and r.get("time_us")
+                    else None
+                )
+                yield v, commit_str(rs[min(r.get("source", 0), len(rs) - 1)]), other
 
 
 def evaluate(entries: list[tuple[str, Path, dict]]) -> list[tuple[str, Target, dict[str, str]]]:
-    """Per device and op target: backend -> cell."""
+    """Per device and op target: backend -> cell. A cell some of whose ratios are against baseline rows
+    the file no longer holds is marked † and followed by the verdict against the file's baseline rows."""
     out = []
     for dev in dict.fromkeys(dev for dev, _, _ in entries):
         docs = [d for dv, _, d in entries if dv == dev]
@@ -223,7 +242,13 @@ def evaluate(entries: list[tuple[str, Path, dict]]) -> list[tuple[str, Target, d
             for b in BACKENDS:
                 found = list(_values(docs, t, b))
                 unit = "%" if t.baseline is None else "×"
-                cells[b] = _cell([v for v, _ in found], t.at_least, unit, {c for _, c in found})
+                commits = {c for _, c, _ in found}
+                cells[b] = _cell([v for v, _, _ in found], t.at_least, unit, commits)
+                if any(o is not None for _, _, o in found):
+                    alt = [v if o is None else o for v, _, o in found]
+                    cells[b] += (
+                        f" † (against the file's {t.baseline} rows: {_cell(alt, t.at_least, unit, set())})"
+                    )
             if any(c != "no data" for c in cells.values()):
                 out.append((dev, t, cells))
     return out
@@ -332,7 +357,9 @@ def section_md(entries: list[tuple[str, Path, dict]], results_dir: Path) -> list
         "",
         "Each target checked against the committed results: **met** when every case of that op and suite "
         "meets it; ratios are against baselines measured in the same run; commits are the rows' runs. "
-        "Results measured before a kernel was rewritten still count here: their commits say so.",
+        "Results measured before a kernel was rewritten still count here: their commits say so. † marks a "
+        "cell where some rows' same-run baseline rows were since replaced in the file by a later run's; the "
+        "verdict against the file's current baseline rows follows in brackets.",
         "",
     ]
     rows = evaluate(entries)

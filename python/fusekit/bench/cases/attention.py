@@ -7,7 +7,7 @@ FLOPs: forward 4·B·H·D·P, P the visible (query, key) pairs: S·Skv, or about
 the forward (its five products recompute QKᵀ): 14·B·H·D·P in all — the no-recompute minimum is 12, so
 "% of ceiling" is up to 14/12 generous there.
 Byte floor (es = element size, q = B·H·S·D·es, kv = B·Hkv·Skv·D·es): forward q, k, v read and o written,
-2·q + 2·kv; train adds the backward's reads of q, k, v, o, do and writes of dq, dk, dv: 5·q + 6·kv.
+2·q + 2·kv; train adds the backward's reads of q, k, v, o, do (3·q + 2·kv) and writes of dq, dk, dv (q + 2·kv): 6·q + 6·kv.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class AttentionCase(Case):
         p, es = self.params, self.torch_dtype.itemsize
         q = p["B"] * p["H"] * p["S"] * p["D"] * es
         kv = p["B"] * self.hkv * self.skv * p["D"] * es
-        return 5 * q + 6 * kv if self.train else 2 * q + 2 * kv
+        return 6 * q + 6 * kv if self.train else 2 * q + 2 * kv
 
     def oracle(self, inputs: dict[str, Tensor]) -> list[Tensor]:
         """The reference (and its autograd gradients) one batch element and kv head — that head's query
