@@ -343,3 +343,24 @@ def test_grown_kv_key_keeps_the_checks_that_read_skv() -> None:
         with pytest.raises(ValueError, match=r"^k: the key sequence length"):
             ops.attention(q, k[:, :, :0], k[:, :, :0], backend="torch")
         ops.attention(q, k[:, :, :5].contiguous(), k[:, :, :5].contiguous(), backend="torch")  # still fine
+
+
+def test_backend_variables_are_read_once_and_again_by_clear_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSEKIT_BACKEND* as the process had them at the first resolution: a remembered signature and a new
+    one see the same choice (a changed variable reached only new signatures, a remembered call kept the
+    old backend); dispatch.clear_cache() reads them again, and a bad value raises naming the variable."""
+    monkeypatch.delenv("FUSEKIT_BACKEND", raising=False)
+    monkeypatch.delenv("FUSEKIT_BACKEND_REDUCE_SUM", raising=False)
+    dispatch.clear_cache()
+    x = torch.randn(4, 8)
+    ops.reduce_sum(x, -1)
+    monkeypatch.setenv("FUSEKIT_BACKEND_REDUCE_SUM", "nonexistent")
+    ops.reduce_sum(x, -1)  # remembered
+    ops.reduce_sum(torch.randn(5, 8), -1)  # new: the same (unchanged) reading
+    dispatch.clear_cache()
+    for t in (x, torch.randn(6, 8)):
+        with pytest.raises(ValueError, match=r"^FUSEKIT_BACKEND_REDUCE_SUM: unknown backend 'nonexistent'"):
+            ops.reduce_sum(t, -1)
+    monkeypatch.delenv("FUSEKIT_BACKEND_REDUCE_SUM")
+    dispatch.clear_cache()
+    ops.reduce_sum(x, -1)

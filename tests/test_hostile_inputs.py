@@ -91,6 +91,38 @@ def test_attention_row_whose_visible_scores_are_all_neginf_is_zero(backend_name,
     assert torch.isfinite(dv).all()
 
 
+def test_reduce_sum_to_float64_sums_in_float64(backend_name, device):
+    """dtype=torch.float64 sums x cast to float64, as torch.sum (an fp32 accumulation gave 1 or 0 for 2);
+    the kernel backends take no float64 and say so."""
+    x = torch.tensor([1e8, 1.0, -1e8, 1.0]).to(device)
+    if backend_name != "torch":
+        with pytest.raises(ValueError, match="float64 runs on the torch backend only"):
+            ops.reduce_sum(x, dtype=torch.float64, backend=backend_name)
+        return
+    out = ops.reduce_sum(x, dtype=torch.float64, backend=backend_name)
+    assert out.dtype == torch.float64 and out.item() == 2.0
+
+
+def test_float64_statistics_keep_float64_gradients():
+    """float64 inputs (the torch backend: gradchecks, oracles) save float64 statistics: rounded to fp32,
+    layer_norm's dx on a near-constant row at eps 1e-12 was off by 1.7e8 (torch's largest |dx| 1.4e6)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(6)
+    x = (1000.1 + 1e-3 * torch.randn(3, 8, generator=g, dtype=torch.float64)).requires_grad_()
+    w, b = (torch.randn(8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    dy = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(ops.layer_norm(x, w, b, 1e-12, backend="torch"), (x, w, b), dy)
+    want = torch.autograd.grad(F.layer_norm(x, (8,), w, b, 1e-12), (x, w, b), dy)
+    for name, a, e in zip(("dx", "dw", "db"), got, want):
+        assert ((a - e).norm() / e.norm()).item() <= 1e-9, name
+    q, k, v = (torch.randn(1, 2, 5, 64, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    got = torch.autograd.grad(ops.attention(q, k, v, backend="torch"), (q, k, v), torch.ones(1, 2, 5, 64))
+    want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), torch.ones(1, 2, 5, 64))
+    for a, e in zip(got, want):
+        assert ((a - e).norm() / e.norm()).item() <= 1e-12
+
+
 @pytest.mark.parametrize("eps", [1e-12, 1e-5])
 def test_layer_norm_of_constant_rows_is_its_bias(backend_name, device, eps):
     """Constant rows (large values, N not a power of two): the centred row is exactly 0, so y = bias. An

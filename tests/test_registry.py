@@ -65,10 +65,20 @@ def test_resolution_order(monkeypatch):
         dispatch.resolve("rms_norm", "auto", dev, f32 * 2).name == dispatch.auto_order("rms_norm", "cpu")[0]
     )
     monkeypatch.setenv("FUSEKIT_BACKEND", "torch")
+    dispatch.clear_cache()  # the variables are read once, and again by clear_cache
     assert dispatch.resolve("rope", "auto", dev, f32).name == "torch"
     monkeypatch.setenv("FUSEKIT_BACKEND_ROPE", "nonexistent")
-    with pytest.raises(ValueError, match="unknown backend 'nonexistent'"):
+    assert dispatch.resolve("rope", "auto", dev, f32).name == "torch"  # not yet read
+    dispatch.clear_cache()
+    with pytest.raises(ValueError, match=r"^FUSEKIT_BACKEND_ROPE: unknown backend 'nonexistent'"):
         dispatch.resolve("rope", "auto", dev, f32)
+    monkeypatch.delenv("FUSEKIT_BACKEND_ROPE")
+    monkeypatch.setenv("fusekit_backend_rope", "torch")  # names in any case; values exact
+    monkeypatch.setenv("FUSEKIT_BACKEND", "torch ")
+    dispatch.clear_cache()
+    assert dispatch.resolve("rope", "auto", dev, f32).name == "torch"
+    with pytest.raises(ValueError, match=r"^FUSEKIT_BACKEND: unknown backend 'torch '"):
+        dispatch.resolve("rms_norm", "auto", dev, f32 * 2)
     # an explicit argument beats the environment
     assert dispatch.resolve("rope", "torch", dev, f32).name == "torch"
     dispatch.clear_cache()
@@ -89,3 +99,14 @@ def test_import_is_lazy():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_clear_cache_checks_unavailable_backends_again(monkeypatch):
+    """A backend that could not run is checked again after dispatch.clear_cache() (installed since): its
+    first reason was kept for the process."""
+    monkeypatch.setitem(backends._INSTANCES, "mojo", backends._Missing("mojo", "ModuleNotFoundError: gone"))
+    assert backends.available()["mojo"] == "ModuleNotFoundError: gone"
+    dispatch.clear_cache()
+    assert "mojo" not in backends._INSTANCES
+    assert backends.available()["mojo"] != "ModuleNotFoundError: gone"
+    dispatch.clear_cache()

@@ -2,7 +2,8 @@
 
 Resolution order (never a silent fallback for an explicit choice):
 1. `backend=` argument, when it is not "auto";
-2. `FUSEKIT_BACKEND_<OP>` (e.g. FUSEKIT_BACKEND_RMS_NORM=triton), then `FUSEKIT_BACKEND`;
+2. `FUSEKIT_BACKEND_<OP>` (e.g. FUSEKIT_BACKEND_RMS_NORM=triton), then `FUSEKIT_BACKEND`, as set when
+   the first call resolved (`clear_cache()` reads them again);
 3. `auto`: the first backend in the ranking for the call's device type, op and shape class
    (`AUTO_CLASSES`, generated from the committed results by `python -m fusekit.bench.auto_table`;
    the op's default order where no class was measured) that is installed and supports the call.
@@ -91,8 +92,27 @@ def capturing(device_type: str = "cuda") -> bool:
 _cache: dict[tuple, Backend] = {}
 
 
+_ENV: dict[str, str] | None = None  # FUSEKIT_BACKEND* by upper-cased name, read once (clear_cache rereads)
+
+
 def _env_choice(op: str) -> str | None:
-    return os.environ.get(f"FUSEKIT_BACKEND_{op.upper()}") or os.environ.get("FUSEKIT_BACKEND") or None
+    """FUSEKIT_BACKEND_<OP>, else FUSEKIT_BACKEND (empty: unset), as the process had them at its first
+    resolution or the last clear_cache(): a remembered call and a new one see the same choice (a
+    variable changed in between reached only calls of new signatures). A value that is no backend
+    raises naming the variable."""
+    global _ENV
+    if _ENV is None:
+        _ENV = {k.upper(): v for k, v in os.environ.items() if k.upper().startswith("FUSEKIT_BACKEND") and v}
+    for var in (f"FUSEKIT_BACKEND_{op.upper()}", "FUSEKIT_BACKEND"):
+        value = _ENV.get(var)
+        if value is not None:
+            if value != "auto" and value not in backends.names():
+                valid = ", ".join(["auto", *backends.names()])
+                raise ValueError(
+                    f"{var}: unknown backend {value!r} (from the environment); valid names are: {valid}"
+                )
+            return value
+    return None
 
 
 def resolve(
@@ -149,8 +169,12 @@ def resolve(
 
 
 def clear_cache() -> None:
-    """Forget resolved choices (after changing FUSEKIT_BACKEND* variables or installing a backend)."""
+    """Forget resolved choices, read the FUSEKIT_BACKEND* variables again and check again the backends
+    that could not run (after changing those variables or installing a backend)."""
     from fusekit import library
 
+    global _ENV
+    _ENV = None
     _cache.clear()
+    backends.forget_unavailable()
     library.clear_plans()

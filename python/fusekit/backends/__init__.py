@@ -21,7 +21,7 @@ _REGISTRY: dict[str, str] = {
 }
 _INSTANCES: dict[str, Backend] = {}
 
-__all__ = ["Backend", "BackendUnavailable", "available", "get", "names", "prepare"]
+__all__ = ["Backend", "BackendUnavailable", "available", "forget_unavailable", "get", "names", "prepare"]
 
 
 def names() -> tuple[str, ...]:
@@ -78,6 +78,12 @@ def prepare(name: str) -> str:
         if n in _REGISTRY:
             _instantiate(n).unavailable_reason()
     return name
+
+
+def forget_unavailable() -> None:
+    """Drop the backends that could not run, so the next use checks them again (one installed since)."""
+    for name in [n for n, b in _INSTANCES.items() if b.unavailable_reason() is not None]:
+        del _INSTANCES[name]
 
 
 def available() -> dict[str, str | None]:

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch._C import _functions as _autograd_functions
 from torch.autograd import forward_ad as _fwad
 
-from fusekit import dispatch
+from fusekit import backends, dispatch
 from fusekit.library import lean_dispatch
 from fusekit.library.function_apply import applier
 from fusekit.library.plan import _device, may_reuse, run
@@ -124,6 +124,8 @@ def _check_backward(
     key = tuple(spec.dtype_of(v, spec.forward.inputs, inputs, named) for v in spec.dtype_vars)
     meta = spec.meta(dict(zip((a.name for a in spec.forward.inputs), inputs)), named)
     device = _device(inputs)
+    if backend != "auto":
+        backends.get(backend)  # an unknown name raises as itself, not as a missing backward
     try:
         cls = dispatch.shape_class(spec.name, inputs)
         chosen = dispatch.resolve(

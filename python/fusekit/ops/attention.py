@@ -107,7 +107,7 @@ def reference_forward(
     _, in_range = _masks(q.shape[2], k.shape[2], causal, kv_len, q.device)
     p, lse = _probs(q, _in_range(k, in_range), causal, scale, kv_len)
     vf = _in_range(v, in_range).to(p.dtype).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    return (p @ vf).to(q.dtype), lse.float()
+    return (p @ vf).to(q.dtype), lse  # lse in acc: fp32 (fp64 for fp64 q)
 
 
 def reference_backward(
@@ -139,7 +139,7 @@ SPEC = library.register(
         name="attention",
         forward=Phase(
             # o in q's memory order: a q read from [B, S, H, D] gives o laid out so (a free transpose back)
-            outputs=(t("o", "B H S D", like="q"), t("lse", "B H S", "float32", None, grad=False)),
+            outputs=(t("o", "B H S D", like="q"), t("lse", "B H S", "acc", None, grad=False)),
             inputs=(
                 t("q", "B H S D", strided=True),
                 t("k", "B Hkv Skv D", strided=True),
@@ -156,7 +156,7 @@ SPEC = library.register(
                 t("k", "B Hkv Skv D", strided=True),
                 t("v", "B Hkv Skv D", strided=True),
                 t("o", "B H S D", strided=True),  # the forward's o, in q's memory order
-                t("lse", "B H S", "float32"),
+                t("lse", "B H S", "acc"),
                 t("kv_len", "B", "int32", when="kv_len"),
             ),
             conditions=("kv_len",),

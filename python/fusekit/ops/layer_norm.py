@@ -39,7 +39,7 @@ def reference_forward(
     y = xc * rstd[:, None] * weight.to(acc)
     if bias is not None:
         y = y + bias.to(acc)
-    return y.to(x.dtype), h, mean.float(), rstd.float()
+    return y.to(x.dtype), h, mean, rstd  # statistics in acc: fp32 (fp64 for fp64 x)
 
 
 def reference_backward(
@@ -68,8 +68,8 @@ SPEC = library.register(
             outputs=(
                 t("y", "M N"),
                 t("h", "M N", when="residual"),
-                t("mean", "M", "float32", None, grad=False),
-                t("rstd", "M", "float32", None, grad=False),
+                t("mean", "M", "acc", None, grad=False),
+                t("rstd", "M", "acc", None, grad=False),
             ),
             inputs=(
                 t("x", "M N"),
@@ -86,8 +86,8 @@ SPEC = library.register(
                 t("dh", "M N", when="residual"),
                 t("xin", "M N"),
                 t("weight", "N", "w"),
-                t("mean", "M", "float32"),
-                t("rstd", "M", "float32"),
+                t("mean", "M", "acc"),
+                t("rstd", "M", "acc"),
             ),
             conditions=("residual", "bias"),
         ),

@@ -81,7 +81,9 @@ def reduce_sum(
 
     x: int32, int64, float16, bfloat16 or float32, any shape, any strides. Result dtype as torch.sum
     (integers -> int64, floats keep their dtype) unless `dtype` is given. Floating inputs accumulate in
-    fp32, integers in int64 (exact). Any `dim` works; a dim other than the last costs a transposing copy.
+    fp32, integers in int64 (exact). `dtype=torch.float64` sums x cast to float64, as torch.sum (on the
+    torch backend: the kernels take no float64); a narrower `dtype` only rounds the fp32 sum once (torch.sum
+    casts x first: more roundings, and an element past the dtype's range is inf there). Any `dim` works; a dim other than the last costs a transposing copy.
 
     backend: "auto" (default), "torch", "triton" or "mojo" (see `fusekit.backends.available()`).
     Gradients: d x = the output's gradient broadcast over the summed dimension (floating x).
@@ -94,6 +96,8 @@ def reduce_sum(
     if run is None:  # the checked path (first call of a signature, grad, compile)
         out_dtype = _check(x, dim, dtype)
         C.backend_name(backend)
+        if out_dtype == torch.float64 and x.dtype != torch.float64 and x.is_floating_point():
+            x = x.to(torch.float64)  # as torch.sum: a float64 sum of the values (fp32 lost 1 of 2 here)
     if dim is None or x.dim() == 0:
         rows, shape = x.reshape(1, x.numel()), ()
     else:

@@ -43,7 +43,7 @@ def reference_forward(
         y = xhat * (1.0 + w)
     else:
         y = xhat * w
-    return y.to(x.dtype), h, rstd.float()
+    return y.to(x.dtype), h, rstd  # rstd in acc: fp32 (fp64 for fp64 x)
 
 
 def reference_backward(
@@ -74,7 +74,7 @@ SPEC = library.register(
             outputs=(
                 t("y", "M N"),
                 t("h", "M N", when="residual"),
-                t("rstd", "M", "float32", None, grad=False),
+                t("rstd", "M", "acc", None, grad=False),
             ),
             inputs=(t("x", "M N"), t("residual", "M N", when="residual"), t("weight", "N", "w")),
             conditions=("residual",),
@@ -86,7 +86,7 @@ SPEC = library.register(
                 t("dh", "M N", when="residual"),
                 t("xin", "M N"),
                 t("weight", "N", "w"),
-                t("rstd", "M", "float32"),
+                t("rstd", "M", "acc"),
             ),
             conditions=("residual",),
         ),

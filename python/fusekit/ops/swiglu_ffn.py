@@ -26,7 +26,7 @@ def _normed(x: Tensor, nw: Tensor | None, eps: float) -> tuple[Tensor, Tensor | 
     acc = _acc(x.dtype)
     xf = x.to(acc)
     rstd = (xf.square().mean(dim=-1) + eps).rsqrt()
-    return (xf * rstd[:, None] * nw.to(acc)).to(x.dtype), rstd.float()
+    return (xf * rstd[:, None] * nw.to(acc)).to(x.dtype), rstd  # acc: fp32 (fp64 for fp64 x)
 
 
 # --- reference (what the op means; the torch backend runs it) ---------------------------------------
@@ -90,7 +90,7 @@ SPEC = library.register(
         forward=Phase(
             outputs=(
                 t("y", "T D"),
-                t("rstd", "T", "float32", "norm", grad=False),
+                t("rstd", "T", "acc", "norm", grad=False),
                 t("gu", "T G", "x", "save", grad=False),
             ),
             inputs=(
@@ -118,7 +118,7 @@ SPEC = library.register(
                 t("w_up", "F D"),
                 t("w_down", "D F"),
                 t("norm_weight", "D", "w", "norm"),
-                t("rstd", "T", "float32", "norm"),
+                t("rstd", "T", "acc", "norm"),
                 t("gu", "T G"),
             ),
             conditions=("norm",),

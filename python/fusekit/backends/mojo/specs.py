@@ -41,6 +41,8 @@ from typing import NamedTuple
 
 import torch
 
+from fusekit.ops._spec import ACC, acc_dtype
+
 # Ops the Mojo package has no kernel for (yet): the backend refuses them before building any MAX spec, so
 # backend="mojo" raises naming op and backend, "auto" passes over it, and mojo_build lists none of them.
 NO_KERNEL: frozenset[str] = frozenset()
@@ -190,7 +192,11 @@ def max_spec(spec, phase: str) -> OpSpec:
                 dt = None
                 if v is None:
                     dt = key.get(arg.dtype) or (
-                        x_dtype if arg.dtype in spec.dtype_vars else getattr(torch, arg.dtype)
+                        x_dtype
+                        if arg.dtype in spec.dtype_vars
+                        else acc_dtype(x_dtype)
+                        if arg.dtype == ACC
+                        else getattr(torch, arg.dtype)
                     )
                 res.append(None if dt is None else dummy(dt, len(arg.dims), base + i))
             return tuple(res)
