@@ -94,7 +94,7 @@ def reference_forward(
     q: Tensor, k: Tensor, v: Tensor, kv_len: Tensor | None, causal: bool, scale: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """q [B, H, S, D], k/v [B, Hkv, Skv, D] (any strides), kv_len [B] int or None
-    -> (o [B, H, S, D], lse [B, H, S] fp32).
+    -> (o [B, H, S, D], lse [B, H, S] fp32, fp64 for fp64 q).
 
     Head h reads kv head h // (H // Hkv). Sequence b sees keys 0..L_b - 1, L_b = clamp(kv_len[b], 0,
     Skv) (all Skv without kv_len); keys past L_b are never read (a cache may hold anything there). Causal

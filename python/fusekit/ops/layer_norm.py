@@ -22,7 +22,7 @@ from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 def reference_forward(
     x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """x [M, N] (+ residual) -> (y [M, N] x dtype, h or None, mean [M] fp32, rstd [M] fp32).
+    """x [M, N] (+ residual) -> (y [M, N] x dtype, h or None, mean [M], rstd [M]: fp32, fp64 for fp64 x).
 
     Biased variance as torch; y = (xin - mean) * rstd * w + b in fp32, one rounding; xin = h or x.
     """
@@ -129,7 +129,7 @@ def layer_norm(
 
     residual [..., N]: fused residual add, h = x + residual is normalized and returned: (y, h) (a
     residual of another float dtype is promoted with x's, as x + residual would be).
-    `return_stats` appends mean [...] and rstd [...] (fp32). Returns y, (y, h), (y, mean, rstd) or
+    `return_stats` appends mean [...] and rstd [...] (fp32; fp64 for fp64 x). Returns y, (y, h), (y, mean, rstd) or
     (y, h, mean, rstd).
 
     backend: "auto" (default), "torch", "triton" or "mojo". Gradients flow to x, residual, weight and

@@ -24,7 +24,7 @@ CASTINGS = ("fp32", "llama", "gemma")
 def reference_forward(
     x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, casting: str
 ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """x [M, N] (+ residual) -> (y [M, N] x dtype, h = x + residual or None, rstd [M] fp32).
+    """x [M, N] (+ residual) -> (y [M, N] x dtype, h = x + residual or None, rstd [M] fp32 (fp64 for fp64 x)).
 
     rstd = 1/sqrt(mean(xin^2) + eps) with xin = h (rounded to x's dtype) or x, math in fp32:
     - "fp32": y = xin * rstd * w, one rounding at the end (the most accurate);
@@ -132,7 +132,7 @@ def rms_norm(
     e.g. an fp32 residual stream with a bf16 x under autocast): fused residual add, h = x + residual is
     normalized and returned too, from one kernel: returns (y, h). `casting` picks where the rounding happens:
     "fp32" (default, most accurate), "llama" (HF LlamaRMSNorm), "gemma" (HF GemmaRMSNorm: 1 + weight).
-    `return_rstd` appends rstd [...] (fp32). Returns y, (y, h), (y, rstd) or (y, h, rstd).
+    `return_rstd` appends rstd [...] (fp32; fp64 for fp64 x). Returns y, (y, h), (y, rstd) or (y, h, rstd).
 
     backend: "auto" (default), "torch", "triton" or "mojo". Gradients flow to x, residual and weight
     (a backend without a backward for the call raises before running). Errors: TypeError/ValueError
