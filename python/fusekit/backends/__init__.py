@@ -82,8 +82,8 @@ def prepare(name: str) -> str:
 
 def forget_unavailable() -> None:
     """Drop the backends that could not run, so the next use checks them again (one installed since)."""
-    for name in [n for n, b in _INSTANCES.items() if b.unavailable_reason() is not None]:
-        del _INSTANCES[name]
+    for name in [n for n, b in _INSTANCES.items() if b._checked and b._reason is not None]:
+        del _INSTANCES[name]  # (an unchecked one is left unchecked: checking mojo imports MAX)
 
 
 def available() -> dict[str, str | None]:
