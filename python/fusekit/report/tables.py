@@ -153,7 +153,7 @@ def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
         backends, baselines = providers_in(doc)
         best: dict | None = None
         for b in backends:
-            sp, per_base, won, pct, n = [], defaultdict(list), 0, [], 0
+            sp, per_base, won, pct, n, stale = [], defaultdict(list), 0, [], 0, False
             largest: tuple[int, float] = (-1, math.nan)  # (bytes, speedup) of the biggest case
             for rows in cases.values():
                 if b not in rows:
@@ -164,6 +164,9 @@ def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
                 n += 1
                 t = rows[b]["time_us"]
                 ratios = _ratios(rows[b], base_ts)
+                # a ratio from the row's own run whose baseline row the file has since replaced
+                sv = rows[b].get("speedup_vs") or {}
+                stale |= any(p in sv and rows[p].get("source") != rows[b].get("source") for p in base_ts)
                 sp.append(min(ratios.values()))
                 if rows[b]["bytes"] > largest[0]:
                     largest = (rows[b]["bytes"], sp[-1])
@@ -187,6 +190,7 @@ def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
                 "pct_median": statistics.median(pct),
                 "source": str(path.relative_to(root)) if path.is_relative_to(root) else str(path),
                 "baselines": baselines,
+                "stale": stale,
             }
             if best is None or cand["speedup"] > best["speedup"]:
                 best = cand
@@ -206,10 +210,16 @@ def headline_md(items: list[dict]) -> str:
     for h in items:
         per = ", ".join(f"{p} {v:.2f}×" for p, v in h["per_baseline"].items())
         lines.append(
-            f"| {h['device']} | {h['op']} | **{h['backend']}** | **{h['speedup']:.2f}×** | "
+            f"| {h['device']} | {h['op']} | **{h['backend']}**{' †' if h.get('stale') else ''} | **{h['speedup']:.2f}×** | "
             f"{h['min']:.2f}–{h['max']:.2f}× | {h['largest']:.2f}× | {per} | {h['won']}/{h['cases']} | {h['pct_median']:.0f}% | "
             f"`{h['source']}` |"
         )
+    if any(h.get("stale") for h in items):
+        lines += [
+            "",
+            "† some of these ratios are against baseline rows of the backend's own run that the file has since "
+            "replaced with a later run's (the cases won compare the times in the file): see the targets section.",
+        ]
     return "\n".join(lines) + "\n"
 
 
