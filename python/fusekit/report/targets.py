@@ -325,7 +325,8 @@ _NOT_SLOWER = "never slower than the torch eager op (eager wall / fusekit wall)"
 HOST_TARGETS: tuple[tuple[str, str, Callable[[dict], float | None], float, str, bool], ...] = (
     (
         "triton",
-        f"wall per call ≤ {host_section.TARGET}× a bare launch of the same kernels",
+        f"wall per call ≤ {host_section.TARGET}× a bare launch of the same kernels (fwd+bwd rows: of "
+        "those launches inside a trivial autograd.Function, the floor with the autograd engine in it)",
         host_section.floor_ratio,
         host_section.TARGET,
         "×",
