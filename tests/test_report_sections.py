@@ -379,7 +379,7 @@ def test_e2e_peak_memory_target_is_an_upper_bound(tmp_path) -> None:
 def test_host_targets_from_host_json(tmp_path) -> None:
     res = _results(tmp_path, host_doc=_host_doc())
     got = {(b, w): c for _, b, w, c in targets.evaluate_host(res)}
-    bare = got[("triton", "wall per call ≤ 1.3× a bare launch of the same kernels")]
+    bare = got[("triton", targets.HOST_TARGETS[0][1])]  # wall per call <= 1.3x a bare launch
     # 39/30 = 1.30 meets it, 80/20 does not; the training row counts against its autograd floor (1.2x)
     assert bare.startswith("not met: 2/3 cases, worst 4.00×")
     vs_torch = got[("triton", "never slower than the torch eager op (eager wall / fusekit wall)")]
