@@ -293,6 +293,23 @@ def test_targets_met_only_when_every_case_meets_them() -> None:
     assert "norms fwd+bwd ≥ 1.1× Liger" not in got and "attention fwd+bwd ≥ 0.9× SDPA" not in got
 
 
+def test_target_ratios_against_replaced_baseline_rows_are_marked() -> None:
+    """A row's same-run ratio whose baseline row the file has since replaced (a later run, source 1): the
+    cell keeps the same-run verdict, marked †, with the verdict against the file's baseline row beside it;
+    1.3 against its own run's torch.compile, 0.8 against the 1000 / 1250 us rows the file holds."""
+    rows = [
+        {**_bench_row("triton", 4096, 1.3, 85.0), "time_us": 1250.0, "source": 0},
+        {**_bench_row("torch-compile", 4096, 1.0, 80.0), "kind": "baseline", "time_us": 1000.0, "source": 1},
+        {**_bench_row("triton", 8192, 1.25, 85.0), "time_us": 800.0, "source": 1},
+        {**_bench_row("torch-compile", 8192, 1.0, 80.0), "kind": "baseline", "time_us": 1000.0, "source": 1},
+    ]
+    got = {t.what: cells for _, t, cells in targets.evaluate([(SLUG, Path("x.json"), _op_doc(rows))])}
+    cell = got["norms fwd+bwd ≥ 1.2× torch.compile"]["triton"]
+    assert cell.startswith("**met**: 2/2 cases, worst 1.25×")
+    assert "† (against the file's torch-compile rows: not met: 1/2 cases, worst 0.80×" in cell
+    assert "†" not in got["norms fwd+bwd ≥ 80% of the byte floor"]["triton"]  # no baseline in a % target
+
+
 def test_layer_targets_read_the_model_benchs_providers() -> None:
     """model.json names providers fusekit-<backend>[-graph]: eager decode and graphed decode are checked
     on their own rows, by scenario."""
