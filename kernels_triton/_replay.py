@@ -18,7 +18,7 @@ What makes a call unrecordable (it then simply keeps the normal path; `record` r
 - any launch that did not go through the lean path's cache (a compile, an autotuner, a kernel
   without `@fast_launch`), seen by wrapping `JITFunction.run` while recording;
 - a tensor argument that is not (a view of) exactly one output, input or workspace of the call
-  (a module-level cached tensor, or aliased inputs that make the mapping ambiguous), or an argument
+  (a module-level cached tensor not marked `persistent`, or aliased inputs that make the mapping ambiguous), or an argument
   that is neither a tensor nor a plain int/float/bool/str/None (a host tensor descriptor).
 `replay` checks that each pointer keeps its 16-byte alignment (Triton specializes on it) and
 returns False, for the normal path, when one does not. Integer and float arguments are constants of
@@ -96,10 +96,23 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + span * t.element_size()
 
 
+_PERSISTENT: dict[int, torch.Tensor] = {}  # id -> a tensor a launcher keeps for the whole process
+
+
+def persistent(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t`, a tensor its launcher caches for the process and never writes (rope's inv_freq table), as
+    a constant of any recording that passes it: replayed as that very tensor."""
+    _PERSISTENT[id(t)] = t  # the reference keeps the id from being reused
+    return t
+
+
 def _slot(a: Any, bases: list[tuple[str, int, torch.Tensor, int, int]]) -> tuple | None:
-    """How argument `a` is rebuilt: ("c", value) a constant, (kind, index, byte offset) a pointer into an
-    output ("o"), input ("i") or workspace ("t"); None if a tensor matches no base or more than one.
-    `bases`: (kind, index, tensor, first byte, one past the last byte), extents computed once."""
+    """How argument `a` is rebuilt: ("c", value) a constant (a plain value, or a `persistent` tensor),
+    (kind, index, byte offset) a pointer into an output ("o"), input ("i") or workspace ("t"); None if a
+    tensor matches no base or more than one. `bases`: (kind, index, tensor, first byte, one past the last
+    byte), extents computed once."""
+    if _PERSISTENT.get(id(a)) is a:
+        return ("c", a)
     if not isinstance(a, torch.Tensor):
         # a plain value is a constant of the signature; anything else (a host-side tensor descriptor,
         # an object with data_ptr) may hold a pointer of this call: never replayed as recorded

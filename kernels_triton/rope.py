@@ -30,12 +30,12 @@ so loads stay 16-byte vectors instead of stride-2 gathers.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels_triton import _replay
 from kernels_triton._config import device_index, last_dim_contiguous, next_pow2, warps_for
 from kernels_triton._launch import fast_launch
 
@@ -52,17 +52,16 @@ def _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position):
 
 
 @triton.jit
-def _cos_sin(
-    cos_ptr, sin_ptr, pos, i, imask, inv_freq_log2_step, sign, HALF: tl.constexpr, HAS_TABLE: tl.constexpr
-):
+def _cos_sin(cos_ptr, sin_ptr, pos, i, imask, sign, HALF: tl.constexpr, HAS_TABLE: tl.constexpr):
     """[1, len(i)] cos and sign * sin of position `pos` at frequency indices i (imask: i < D/2): a table row
-    of the [St, D/2] fp32 tables, or in-kernel angles pos * theta^(-2i/D) = pos * exp2(i * step) with the
-    step -2 log2(theta) / D computed on the host in float64. sign -1 is the backward (the negative angle)."""
+    of the [St, D/2] fp32 tables, or in-kernel angles fp32(pos) * inv_freq[i], the [D/2] fp32 inv_freq of
+    fusekit.ops.rope.inv_freq (float64, rounded once; passed in cos_ptr): every backend's angle has the same
+    bits. sign -1 is the backward (the negative angle)."""
     if HAS_TABLE:
         c = tl.load(cos_ptr + pos * HALF + i, mask=imask, other=0.0)
         s = tl.load(sin_ptr + pos * HALF + i, mask=imask, other=0.0)
     else:
-        ang = pos.to(tl.float32) * tl.exp2(i.to(tl.float32) * inv_freq_log2_step)
+        ang = pos.to(tl.float32) * tl.load(cos_ptr + i, mask=imask, other=0.0)
         c = tl.cos(ang)
         s = tl.sin(ang)
     return c[None, :], (s * sign)[None, :]
@@ -115,7 +114,7 @@ def _rotate_heads(
 @triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position", "HK", "q_blocks", "blocks"])
 def _rope_kernel(
     x_ptr, out_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, HK, q_blocks, blocks, start_pos, has_positions,
-    max_position, inv_freq_log2_step, sign, stride_xb, stride_xs, stride_xh, stride_kb, stride_ks, stride_kh,
+    max_position, sign, stride_xb, stride_xs, stride_xh, stride_kb, stride_ks, stride_kh,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr, INTERLEAVED: tl.constexpr,
     HALVES_AS_PAIRS: tl.constexpr,
 ):  # fmt: skip
@@ -127,7 +126,7 @@ def _rope_kernel(
     pid_h = pid % blocks
     pos = _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position)
     i = tl.arange(0, HALF)
-    c, s = _cos_sin(cos_ptr, sin_ptr, pos, i, i < HALF, inv_freq_log2_step, sign, HALF, HAS_TABLE)
+    c, s = _cos_sin(cos_ptr, sin_ptr, pos, i, i < HALF, sign, HALF, HAS_TABLE)
     b = (pid_bs // S).to(tl.int64)
     t = (pid_bs % S).to(tl.int64)
     if pid_h < q_blocks:
@@ -163,7 +162,7 @@ def _rotate_any_d(
 @triton.jit(do_not_specialize=["start_pos", "has_positions", "max_position", "HK", "q_blocks", "blocks"])
 def _rope_any_d_kernel(
     x_ptr, out_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, HK, q_blocks, blocks, start_pos, has_positions,
-    max_position, inv_freq_log2_step, sign, stride_xb, stride_xs, stride_xh, stride_kb, stride_ks, stride_kh,
+    max_position, sign, stride_xb, stride_xs, stride_xh, stride_kb, stride_ks, stride_kh,
     HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_TABLE: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
@@ -175,7 +174,7 @@ def _rope_any_d_kernel(
     pos = _position(pid_bs, S, start_pos, pos_ptr, has_positions, max_position)
     i = tl.arange(0, BLOCK_HALF)
     imask = i < HALF
-    c, s = _cos_sin(cos_ptr, sin_ptr, pos, i, imask, inv_freq_log2_step, sign, HALF, HAS_TABLE)
+    c, s = _cos_sin(cos_ptr, sin_ptr, pos, i, imask, sign, HALF, HAS_TABLE)
     b = (pid_bs // S).to(tl.int64)
     t = (pid_bs % S).to(tl.int64)
     if pid_h < q_blocks:
@@ -236,7 +235,6 @@ def _launch(
     bh, nw = _tile(max(H, HK), next_pow2(D), x.element_size(), device_index(x))
     block_h = block_h or bh
     has_table = cos is not None and sin is not None
-    step = -2.0 * math.log2(theta) / D
     q_blocks = triton.cdiv(H, block_h)
     blocks = q_blocks + (triton.cdiv(HK, block_h) if has_k else 0)
     # One grid axis, a token's head blocks consecutive: the programs running at once read and write one
@@ -247,7 +245,7 @@ def _launch(
         raise ValueError(
             f"rope: {B * S} tokens x {blocks} head blocks exceed the 2^31 - 1 programs of one grid"
         )
-    cos_t, sin_t = (cos, sin) if has_table else (x, x)  # dummies the kernel never reads
+    cos_t, sin_t = (cos, sin) if has_table else (_inv_freq(D, theta, x.device),) * 2  # sin_t: never read
     positions = _check_positions(positions, B, S, x.device, cos, sin)
     # Without positions an int32 view of out (dense) stands in (never read): the pointer type stays *i32, so the
     # flag is all that differs and no second binary is compiled. Without k, x and out stand in for k (the
@@ -256,7 +254,7 @@ def _launch(
     max_position = min(cos.shape[0], sin.shape[0]) - 1 if has_table else _MAX_POSITION
     k_t, ko_t = (k, k_out) if has_k else (x, out)
     args = (x, out, k_t, ko_t, cos_t, sin_t, pos_t, S, H, HK, q_blocks, blocks, int(start_pos),
-            int(positions is not None), max_position, step, sign, *x.stride()[:3], *k_t.stride()[:3])  # fmt: skip
+            int(positions is not None), max_position, sign, *x.stride()[:3], *k_t.stride()[:3])  # fmt: skip
     if D & (D - 1):  # the register-pairing tiles need a power-of-two D; gather the pairs instead
         _rope_any_d_kernel[grid](
             *args, HEAD_DIM=D, BLOCK_HALF=next_pow2(D // 2), BLOCK_H=block_h, HAS_TABLE=has_table,
@@ -271,6 +269,19 @@ def _launch(
 
 
 _MAX_POSITION = 1 << 24  # in-kernel angles: positions are clamped to [0, 2^24] (fp32 holds them exactly)
+_INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}
+
+
+def _inv_freq(d: int, theta: float, device: torch.device) -> torch.Tensor:
+    """fusekit.ops.rope.inv_freq as a [D/2] fp32 tensor on `device`, made once per (D, theta, device) (on the
+    device: no host copy, so a first call inside a CUDA graph capture records it too)."""
+    key = (d, float(theta), device)
+    t = _INV_FREQ.get(key)
+    if t is None:
+        from fusekit.ops.rope import inv_freq
+
+        t = _INV_FREQ[key] = _replay.persistent(inv_freq(d, theta, torch.float32, device))
+    return t
 
 
 def _check_positions(
@@ -347,7 +358,7 @@ rope = forward  # the name the mode tests (tests/test_triton_modes.py) import
 # positions adds no variant: pos_ptr is *i32 with or without it (has_positions is a runtime flag).
 _SCALAR_SIG = {"pos_ptr": "*i32", "S": "i32", "H": "i32", "HK": "i32", "q_blocks": "i32", "blocks": "i32"}
 _SCALAR_SIG |= {"start_pos": "i32", "has_positions": "i32"}
-_SCALAR_SIG |= {"max_position": "i32", "inv_freq_log2_step": "fp32", "sign": "fp32"}
+_SCALAR_SIG |= {"max_position": "i32", "sign": "fp32"}
 _SCALAR_SIG |= {f"stride_{t}{d}": "i32" for t in "xk" for d in "bsh"}
 
 

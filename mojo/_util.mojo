@@ -234,16 +234,16 @@ def log_f64(x: Float64) -> Float64:
     return Float64(k) * LN2 + 2.0 * z * s
 
 
-def rope_inv_freq_coef(theta: Float32, dim: Int) -> Float32:
-    """Return the fp32 scalar c with inv_freq[i] = exp(f32(i) * c), as reference.rope_tables computes it
-    (`-2.0 * math.log(theta) / head_dim` in fp64, used as an fp32 scalar)."""
-    return Float32(-2.0 * log_f64(Float64(theta)) / Float64(dim))
+def rope_inv_freq_coef(theta: Float32, dim: Int) -> Float64:
+    """Return the fp64 scalar c with inv_freq[i] = f32(exp(i * c)), as fusekit.ops.rope.inv_freq computes it
+    (`-2.0 * math.log(theta) / head_dim` in fp64)."""
+    return -2.0 * log_f64(Float64(theta)) / Float64(dim)
 
 
-def rope_cos_sin(pos: Float32, i: Int, c: Float32) -> Tuple[Float32, Float32]:
-    """Return (cos, sin) of angle f32(pos) * f32(exp(f32(i) * c)): the fp32 products of reference.py,
-    exp evaluated in fp64 and rounded once (an angle of 2^24 magnifies inv_freq's error 2^24 times),
-    cos / sin to ~1 fp32 ulp after an exact range reduction."""
-    var inv = Float32(exp_f64(Float64(Float32(i) * c)))
+def rope_cos_sin(pos: Float32, i: Int, c: Float64) -> Tuple[Float32, Float32]:
+    """Return (cos, sin) of angle f32(pos) * f32(exp(i * c)): inv_freq in fp64, rounded once (the same bits as
+    every backend's: an angle of 2^24 magnifies inv_freq's error 2^24 times), the product in fp32 as
+    fusekit.ops.rope.tables, cos / sin to ~1 fp32 ulp after an exact range reduction."""
+    var inv = Float32(exp_f64(Float64(i) * c))
     var sc = sincos_f32_angle(pos * inv)
     return (sc[1], sc[0])

@@ -91,7 +91,7 @@ def _rot[dtype: DType, W: Int](
 
 @always_inline
 def _row_cos_sin[W: Int, NEG: Bool](
-    cos_t: FPtr, sin_t: FPtr, tables: Bool, pos: Int, i0: Int, half: Int, coef: Float32
+    cos_t: FPtr, sin_t: FPtr, tables: Bool, pos: Int, i0: Int, half: Int, coef: Float64
 ) -> Tuple[SIMD[F32, W], SIMD[F32, W]]:
     var c = SIMD[F32, W](0)
     var s = SIMD[F32, W](0)

@@ -158,15 +158,14 @@ def run() -> Runner:
 
 # --- rope ------------------------------------------------------------------------------------------
 def rope_angles_f32(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
-    """The kernel's fp32 angles [P, D/2]: f32(pos) * f32(exp(f32(i) * c)), c = f32(-2 ln(theta) / D),
-    exp rounded once from float64 (reference.rope_tables up to torch's own fp32 exp rounding).
+    """The kernels' fp32 angles [P, D/2]: f32(pos) * f32(exp(i * c)), c = -2 ln(theta) / D, exp in float64
+    rounded once (fusekit.ops.rope.inv_freq, every backend's inv_freq).
 
     theta is rounded to fp32 first, as the kernel receives it: at extreme thetas (angles ~1e36 rad)
     one ulp of c changes every angle, so the reference must start from the same fp32 theta."""
     theta32 = torch.tensor(theta, dtype=torch.float32).item()  # the kernel gets theta as fp32 params
-    c = torch.tensor(-2.0 * math.log(theta32) / head_dim, dtype=torch.float32)
-    arg = torch.arange(head_dim // 2, dtype=torch.float32) * c
-    inv = torch.tensor([math.exp(float(a)) for a in arg], dtype=torch.float64).to(torch.float32)
+    c = -2.0 * math.log(theta32) / head_dim
+    inv = torch.tensor([math.exp(i * c) for i in range(head_dim // 2)], dtype=torch.float64).to(torch.float32)
     return positions.to(torch.float32)[:, None] * inv[None, :]
 
 

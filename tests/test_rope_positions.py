@@ -196,3 +196,19 @@ def test_cuda_graph_replays_with_positions_updated_in_place(dtype, backend_name,
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(y, step()), f"replay {t} ignored the updated positions"
+
+
+@pytest.mark.parametrize("start", [131072, (1 << 24) - 8])
+def test_in_kernel_angles_agree_with_the_reference_at_large_positions(start, backend_name, device):
+    """Every backend's angle is fp32(position) * inv_freq with the same inv_freq bits (float64, rounded once:
+    fusekit.ops.rope.inv_freq), so they agree with the reference to cos / sin ulps at any position: each
+    rounded inv_freq its own way, 0.013 apart at 131072 (|x| ~ 3) and 1.6 at 2^24."""
+    x = _x((1, 8, 2, 64), torch.float32, device, seed=4) * 3
+    try:
+        y = ops.rope(x, start_pos=start, theta=5e5, backend=backend_name)
+    except ValueError as exc:
+        if "cannot run" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    want = ops.rope(x, start_pos=start, theta=5e5, backend="torch")
+    assert float((y - want).abs().max()) <= 2e-6 * float(x.abs().max())
