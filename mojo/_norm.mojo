@@ -208,11 +208,18 @@ def _norm_reg_kernel[
             mean = block.sum[block_size=BLK, broadcast=True](s.reduce_add()) / Float32(n)
             barrier()  # block.sum's shared scratch is reused below
             var q = SIMD[F32, VW](0)
+            var e = SIMD[F32, VW](0)  # sum of (x - mean): the fp32 mean's own rounding
             comptime for k in range(NV):
                 if tid + k * BLK < nv:
                     var dd = cache.slice[VW, offset = k * VW]().cast[F32]() - mean
                     q += dd * dd
-            r = 1.0 / sqrt(block.sum[block_size=BLK, broadcast=True](q.reduce_add()) / Float32(n) + f.eps)
+                    e += dd
+            # corrected two-pass: mean += sum(d) / n, sum((x - mean)^2) = sum(d^2) - sum(d)^2 / n (a constant
+            # row whose fp32 mean is an ulp off normalizes to exactly 0); both sums in one reduction
+            var sums = _block_allsum[BLK, 2](SIMD[F32, 2](e.reduce_add(), q.reduce_add()), red)
+            var c = sums[0] / Float32(n)
+            mean += c
+            r = 1.0 / sqrt(max(sums[1] / Float32(n) - c * c, 0) + f.eps)
         else:
             var ss = SIMD[F32, VW](0)
             comptime for k in range(NV):  # padding lanes are 0
@@ -298,17 +305,24 @@ def _norm_loop_kernel[
             barrier()
             var q0 = SIMD[F32, W](0)
             var q1 = SIMD[F32, W](0)
+            var e = SIMD[F32, W](0)  # sum of (x - mean): the fp32 mean's own rounding
             j = tid
             while j + BLK < nw:
                 var d0 = xr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]() - mean
                 var d1 = xr.unsafe_load[width=W, alignment=AL]((j + BLK) * W).cast[F32]() - mean
                 q0 += d0 * d0
                 q1 += d1 * d1
+                e += d0 + d1
                 j += 2 * BLK
             if j < nw:
                 var dd = xr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]() - mean
                 q0 += dd * dd
-            r = 1.0 / sqrt(block.sum[block_size=BLK, broadcast=True]((q0 + q1).reduce_add()) / Float32(n) + f.eps)
+                e += dd
+            # corrected two-pass (the register kernel's): both sums in one reduction
+            var sums = _block_allsum[BLK, 2](SIMD[F32, 2](e.reduce_add(), (q0 + q1).reduce_add()), red)
+            var c = sums[0] / Float32(n)
+            mean += c
+            r = 1.0 / sqrt(max(sums[1] / Float32(n) - c * c, 0) + f.eps)
         else:
             var q = SIMD[F32, W](0)
             var j = tid
