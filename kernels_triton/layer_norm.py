@@ -45,6 +45,7 @@ from kernels_triton._config import (
 )
 from kernels_triton._coop import COOP_SPLIT_MAX, coop_chunk, coop_launch, row_barrier, widen_again
 from kernels_triton._launch import fast_launch
+from kernels_triton._norm_bwd import _add2
 from kernels_triton._tiles import load_row_tile
 
 # Heuristic (untuned) step of "reload"/"split": 16 KB of x, 2 x 16-byte vectors per thread (16 warps on
@@ -58,11 +59,6 @@ SPLIT_MAX = 1024  # chunks per row in "split"; kernel 2 reads all partials of a 
 def _add_res(x, r):
     """h = x + residual, computed in fp32 and rounded once to x's dtype (as torch's x + residual)."""
     return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def _add2(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
 
 
 @triton.jit

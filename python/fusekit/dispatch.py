@@ -107,10 +107,7 @@ def _env_choice(op: str) -> str | None:
         value = _ENV.get(var)
         if value is not None:
             if value != "auto" and value not in backends.names():
-                valid = ", ".join(["auto", *backends.names()])
-                raise ValueError(
-                    f"{var}: unknown backend {value!r} (from the environment); valid names are: {valid}"
-                )
+                raise backends.unknown(var, value)
             return value
     return None
 

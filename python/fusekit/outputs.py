@@ -80,19 +80,18 @@ def scratch(
         end += -(-math.prod(shape) * dtype.itemsize // 256) * 256
     if end > SCRATCH_MAX:
         return None
-    with _ARENA_LOCK:
-        arena = _ARENAS.get(device)
-        if arena is None or arena.numel() < end:
-            size = max(SCRATCH_MIN, 2 * arena.numel() if arena is not None else 0)
-            while size < end:
-                size *= 2
-            with torch.inference_mode(False):
-                arena = _ARENAS[device] = torch.empty(
-                    min(size, SCRATCH_MAX), dtype=torch.uint8, device=device
-                )
     # Neither the arena nor its views are inference tensors (a first call under inference_mode): a repeat
     # outside it writes into them in place (the torch provider's copy_), which torch refuses for those.
     with torch.inference_mode(False):
+        with _ARENA_LOCK:
+            arena = _ARENAS.get(device)
+            if arena is None or arena.numel() < end:
+                size = max(SCRATCH_MIN, 2 * arena.numel() if arena is not None else 0)
+                while size < end:
+                    size *= 2
+                arena = _ARENAS[device] = torch.empty(
+                    min(size, SCRATCH_MAX), dtype=torch.uint8, device=device
+                )
         return [
             arena[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
             for o, (shape, dtype) in zip(offsets, layouts)

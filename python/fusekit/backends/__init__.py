@@ -40,11 +40,15 @@ def _instantiate(name: str) -> Backend:
     return _INSTANCES[name]
 
 
+def unknown(what: str, name: object) -> ValueError:
+    """The error for a backend name that is none of "auto" and the registered ones (`what` names its source)."""
+    return ValueError(f"{what}: unknown backend {name!r}; valid names are: {', '.join(['auto', *_REGISTRY])}")
+
+
 def get(name: str) -> Backend:
     """The backend object for `name`; ValueError listing the valid names for an unknown one."""
     if not isinstance(name, str) or name not in _REGISTRY:
-        valid = ", ".join(["auto", *_REGISTRY])
-        raise ValueError(f"backend: unknown backend {name!r}; valid names are: {valid}")
+        raise unknown("backend", name)
     if _torch.compiler.is_compiling():  # before the trace reads _INSTANCES (dynamo keeps what it read)
         _load_untraced(name)  # dynamo runs it as it stands: no import inside the trace
     return _instantiate(name)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _mm
 
 from fusekit import backends, ops
 from fusekit.distributed import PLAIN
@@ -279,8 +280,6 @@ _CAPTURE_HOOKS = "transformers.utils.output_capturing"
 def _foreign_hooks(m: nn.Module) -> bool:
     """Whether calling m runs a forward hook (its own or a global one) other than transformers' output
     recorders, which only read."""
-    from torch.nn.modules import module as _mm
-
     for hooks in (
         m._forward_hooks,
         m._forward_pre_hooks,
@@ -300,9 +299,8 @@ def _positional_names(cls: type) -> tuple[str, ...]:
     """The names of the HF decoder layer's positional parameters after hidden_states (its own order)."""
     names = _POSITIONAL.get(cls)
     if names is None:
-        base = next(
-            c for c in cls.__mro__ if c is not cls and "forward" in vars(c) and not c.__name__.startswith("_")
-        )
+        mro = cls.__mro__
+        base = mro[mro.index(_DecoderLayerMixin) + 1]  # the HF layer class the mixin sits on (_subclass)
         params = list(inspect.signature(base.forward).parameters.values())[2:]  # self, hidden_states
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         names = _POSITIONAL[cls] = tuple(p.name for p in params if p.kind in kinds)

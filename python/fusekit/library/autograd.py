@@ -45,10 +45,7 @@ def _needs_grad(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> list[str]:
         if inputs[i] is not None and inputs[i].requires_grad:
             raise ValueError(
                 f"{n}: requires grad, but {spec.name} has no gradient for {n} (only for "
-                f"{', '.join(spec.grad_inputs)}); pass {n}.detach() (HF's rotary embeddings build their "
-                "tables under torch.no_grad())"
-                if spec.name == "rope"
-                else f"{n}: requires grad, but {spec.name} has no gradient for {n}; pass {n}.detach()"
+                f"{', '.join(spec.grad_inputs)}); pass {n}.detach()"
             )
     return [n for i, n in pos[0] if inputs[i] is not None and inputs[i].requires_grad]
 
@@ -66,17 +63,16 @@ def _refuse_transforms(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> None:
     """Raise where a call would silently lose a transform: forward-mode tangents (the kernels write plain
     outputs: the tangent was dropped) or torch.func's wrapped tensors (vmap's batch dimension, grad's
     levels: the kernels cannot read them)."""
-    names = [a.name for a in spec.forward.inputs]
     if _functorch_level() is not None:
         raise ValueError(
             f"{spec.name}: called inside a torch.func transform (vmap, grad, jacrev, jvp, ...), which fusekit's "
             "ops do not support: call it outside the transform (for vmap, on the batched tensors directly; for "
             "gradients, torch.autograd)"
         )
-    for n, t in zip(names, inputs):
+    for a, t in zip(spec.forward.inputs, inputs):
         if t is not None and _fwad.unpack_dual(t).tangent is not None:
             raise ValueError(
-                f"{n}: carries a forward-mode tangent (torch.autograd.forward_ad), but {spec.name} has no "
+                f"{a.name}: carries a forward-mode tangent (torch.autograd.forward_ad), but {spec.name} has no "
                 "forward-mode derivative (its output would have none); use reverse mode (backward, "
                 "torch.autograd.grad)"
             )

@@ -83,7 +83,8 @@ def reduce_sum(
     (integers -> int64, floats keep their dtype) unless `dtype` is given. Floating inputs accumulate in
     fp32, integers in int64 (exact). `dtype=torch.float64` sums x cast to float64, as torch.sum (on the
     torch backend: the kernels take no float64); a narrower `dtype` only rounds the fp32 sum once (torch.sum
-    casts x first: more roundings, and an element past the dtype's range is inf there). Any `dim` works; a dim other than the last costs a transposing copy.
+    casts x first: more roundings, and an element past the dtype's range is inf there). Any `dim` works; a
+    dim other than the last costs a transposing copy.
 
     backend: "auto" (default), "torch", "triton" or "mojo" (see `fusekit.backends.available()`).
     Gradients: d x = the output's gradient broadcast over the summed dimension (floating x).

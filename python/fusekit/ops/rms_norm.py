@@ -24,7 +24,7 @@ CASTINGS = ("fp32", "llama", "gemma")
 def reference_forward(
     x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, casting: str
 ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """x [M, N] (+ residual) -> (y [M, N] x dtype, h = x + residual or None, rstd [M] fp32 (fp64 for fp64 x)).
+    """x [M, N] (+ residual) -> (y [M, N] x dtype, h = x + residual or None, rstd [M]: fp32, fp64 for fp64 x).
 
     rstd = 1/sqrt(mean(xin^2) + eps) with xin = h (rounded to x's dtype) or x, math in fp32:
     - "fp32": y = xin * rstd * w, one rounding at the end (the most accurate);

@@ -20,7 +20,8 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _normed(x: Tensor, nw: Tensor | None, eps: float) -> tuple[Tensor, Tensor | None]:
-    """(xn rounded to x's dtype, rstd [T] fp32 (fp64 for fp64 x)) — xn = x * rstd * nw, or (x, None) without a norm."""
+    """(xn rounded to x's dtype, rstd [T]: fp32, fp64 for fp64 x) — xn = x * rstd * nw, or (x, None) without
+    a norm."""
     if nw is None:
         return x, None
     acc = _acc(x.dtype)
