@@ -211,6 +211,19 @@ def _nonfinite(x: Float32) -> Bool:
 
 
 @always_inline
+def _finish_log2(m: Float32, l: Float32) -> Tuple[Float32, Float32]:
+    """(the factor on the row's sums, lse in natural log) of a row that sees a key, from its log2-domain max
+    m and sum l: every visible score -inf (m = -inf): 0 and -inf, the reference's zero row; NaN or +inf: the
+    float64 softmax is NaN, lse = m (torch.logsumexp); else 1 / l and (m + log2 l) ln 2. Every GPU forward
+    epilogue finishes through it (the CPU path's `_finish_row` works in the natural-log domain)."""
+    if m == _NEG_INF:
+        return (0, _NEG_INF)
+    if _nonfinite(m):
+        return (m * 0, m * _LN2)
+    return (1.0 / l, (m + log2(l)) * _LN2)
+
+
+@always_inline
 def _seq_len(kv_len: Pointer[Int32, MutAnyOrigin], has_len: Bool, b: Int, skv: Int) -> Int:
     if not has_len:
         return skv
@@ -496,14 +509,9 @@ def _emit[
         var inv: Float32 = 0
         var lrow = _NEG_INF
         if sees:
-            if m == _NEG_INF:  # every visible score -inf: a zero row (0 x its sums), lse -inf
-                inv = 0
-            elif _nonfinite(m):  # NaN or +inf: the float64 softmax is NaN, lse = m
-                inv = m * 0
-                lrow = m * _LN2
-            else:
-                inv = 1.0 / l
-                lrow = (m + log2(l)) * _LN2
+            var f = _finish_log2(m, l)
+            inv = f[0]
+            lrow = f[1]
         o[unsafe_offset=grow * D + d] = (a * inv).cast[dtype]()
         if d == 0:
             lse[unsafe_offset=grow] = lrow

@@ -58,7 +58,7 @@
 # loop had no spill instruction in SASS (D64 / D256 did: 160 / 240 registers are tight there).
 # compute-sanitizer racecheck and synccheck on the harness: clean (e1fbea7).
 
-from std.math import ceildiv, exp2, log2
+from std.math import ceildiv, exp2
 from std.memory import bitcast
 from std.sys import _RegisterPackType
 from std.sys._assembly import inlined_assembly
@@ -79,11 +79,10 @@ from max.gpu.compute.mma import (
 )
 from layout.tma_async import SharedMemBarrier
 
-from ._attention_decode import _nmax, _nonfinite, _quad_max, _quad_sum
+from ._attention_decode import _finish_log2, _nmax, _nonfinite, _quad_max, _quad_sum
 
 comptime _NS = 2  # K and V slots each
 comptime _LOG2E: Float32 = 1.4426950408889634
-comptime _LN2: Float32 = 0.6931471805599453
 comptime _NEG_INF = Float32.MIN  # -inf
 comptime _F32 = DType.float32
 comptime _SW128 = TensorMapSwizzle.SWIZZLE_128B
@@ -522,15 +521,9 @@ def _fa3_kernel[
             var inv: Float32 = 0
             var lrow = _NEG_INF
             if kvl > 0 and (not causal or r + off >= 0):
-                var m = m_i[half]
-                if m == _NEG_INF:  # every visible score -inf: a zero row (0 x its sums), lse -inf
-                    inv = 0
-                elif _nonfinite(m):  # NaN or +inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
-                    inv = m * 0
-                    lrow = m * _LN2
-                else:
-                    inv = 1.0 / l_i[half]
-                    lrow = (m + log2(l_i[half])) * _LN2
+                var f = _finish_log2(m_i[half], l_i[half])
+                inv = f[0]
+                lrow = f[1]
             comptime for jo in range(NON):
                 var val = SIMD[_F32, 2](oacc[4 * jo + 2 * half], oacc[4 * jo + 2 * half + 1]) * inv
                 o.unsafe_store[width=2, alignment=4](q_base + r * D + 8 * jo + 2 * t4, val.cast[dtype]())

@@ -92,7 +92,7 @@
 # cheap pre-pass finds V all finite (a device flag both variants read, no host sync).
 # Backward (SIMT fp32, bf16 B1 H8 S2048 D128 causal): 8.1 ms = 2.7 TFLOP/s (10 B H S^2 D / 2 FLOP).
 
-from std.math import ceildiv, exp2, log2
+from std.math import ceildiv, exp2
 from std.memory import unsafe_stack_allocation
 from std.sys import llvm_intrinsic
 from std.utils import StaticTuple
@@ -107,11 +107,10 @@ from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_
 
 from ._util import exp_f64, log_f64, check_workspace
 from ._attention_backward import attention_backward_tc, tc_backward_supported, _bwd_lse2
-from ._attention_decode import attention_decode_gpu, decode_applies, _quad_max, _quad_sum
+from ._attention_decode import attention_decode_gpu, decode_applies, _finish_log2, _quad_max, _quad_sum
 from ._attention_hopper import attention_hopper_gpu
 
 comptime LOG2E: Float32 = 1.4426950408889634
-comptime LN2: Float32 = 0.6931471805599453
 comptime NEG_INF = Float32.MIN  # -inf (Float32.MIN is -inf in Mojo; MIN_FINITE is the finite one)
 comptime POS_INF = Float32.MAX  # +inf
 comptime F32 = DType.float32
@@ -416,15 +415,9 @@ def _fa2_kernel[
             var inv: Float32 = 0
             var lrow = NEG_INF
             if kvl > 0 and (not causal or r + off >= 0):
-                var m = m_i[half]
-                if m == NEG_INF:  # every visible score -inf: a zero row (0 x its sums), lse -inf
-                    inv = 0
-                elif _nonfinite(m):  # NaN or +inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
-                    inv = m * 0
-                    lrow = m * LN2
-                else:
-                    inv = 1.0 / l_i[half]
-                    lrow = (m + log2(l_i[half])) * LN2
+                var f = _finish_log2(m_i[half], l_i[half])
+                inv = f[0]
+                lrow = f[1]
             comptime for jo in range(NON):
                 var val = SIMD[DType.float32, 2](oacc[jo][2 * half], oacc[jo][2 * half + 1]) * inv
                 o.unsafe_store[width=2, alignment=4](q_base + r * D + 8 * jo + 2 * t4, val.cast[dtype]())
@@ -496,14 +489,9 @@ def _attn_rowwise_kernel[
     var inv: Float32 = 0
     var lrow = NEG_INF
     if last >= 0:
-        if m == NEG_INF:  # every visible score -inf: a zero row (0 x its sums), lse -inf
-            inv = 0
-        elif _nonfinite(m):  # NaN or +inf: the float64 softmax is NaN, lse = m (torch.logsumexp)
-            inv = m * 0
-            lrow = m * LN2
-        else:
-            inv = 1.0 / l
-            lrow = (m + log2(l)) * LN2
+        var f = _finish_log2(m, l)
+        inv = f[0]
+        lrow = f[1]
     comptime for e in range(PER):
         var dd = lane + e * WARP_SIZE
         if dd < d:
