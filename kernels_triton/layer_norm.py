@@ -66,10 +66,12 @@ def _ln_tile(x, w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS: tl.constexpr):
     """(y fp32, mean, rstd) of a [BLOCK_M, BLOCK_N] fp32 tile by the corrected two-pass statistics: the
     deviations' own sum (one tuple reduction with their squares) corrects the fp32 mean's rounding, so a
     constant row normalizes to exactly 0 (with the mean an ulp off, y was +-0.3 at eps 1e-5 for 12345.678)."""
-    mean = tl.sum(x, axis=1) / N
+    # div_rn: Triton's `/` is div.full.f32 on NVIDIA (2 ulp); the correction must be exactly the deviations'
+    # mean, else a constant row's centred value is ~1e-10 and eps 1e-12 scales it to ~1e-4 (H200, N 37).
+    mean = tl.div_rn(tl.sum(x, axis=1), N * 1.0)
     xc = tl.where(m, x - mean[:, None], 0.0)
     s1, s2 = tl.reduce((xc, xc * xc), 1, _add2)
-    c = s1 / N
+    c = tl.div_rn(s1, N * 1.0)
     mean += c
     xc = tl.where(m, xc - c[:, None], 0.0)
     rstd = tl.rsqrt(tl.maximum(s2 / N - c * c, 0.0) + eps)
@@ -163,7 +165,7 @@ def _ln_normalize(
 @triton.jit
 def _ln_stats(s1, s2, shift, N, eps):
     """(E[d] = mean - K, mean, rstd) from the shifted sums s1 = Σ d, s2 = Σ d^2 of a row, d = xin - K."""
-    md = s1 / N
+    md = tl.div_rn(s1, N * 1.0)  # div_rn: see _ln_tile
     rstd = tl.rsqrt(tl.maximum(s2 / N - md * md, 0.0) + eps)
     return md, shift + md, rstd
 
@@ -224,7 +226,7 @@ def _ln_loop3_kernel(
     for k in range(0, N, BLOCK):
         c = k + cols
         acc += tl.load(x_ptr + base + c, mask=c < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    mean = tl.sum(acc, axis=0) / N
+    mean = tl.div_rn(tl.sum(acc, axis=0), N * 1.0)  # div_rn: see _ln_tile
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK,), dtype=tl.float32)  # Σ(x - mean): corrects the fp32 mean's rounding (_ln_tile)
     for k in range(0, N, BLOCK):
@@ -235,7 +237,7 @@ def _ln_loop3_kernel(
         acc += d * d
         acc1 += d
     s1, s2 = tl.reduce((acc1, acc), 0, _add2)
-    corr = s1 / N
+    corr = tl.div_rn(s1, N * 1.0)
     mean += corr
     rstd = tl.rsqrt(tl.maximum(s2 / N - corr * corr, 0.0) + eps)
     tl.store(mean_ptr + row, mean)
