@@ -9,7 +9,7 @@ import triton.language as tl
 
 from kernels_triton._ffn_backward import _tile_rows_cols
 from kernels_triton._launch import fast_launch
-from kernels_triton._tiles import dot
+from kernels_triton._tiles import dot, rsqrt_full_range
 
 
 @fast_launch
@@ -23,7 +23,7 @@ def _rstd_kernel(x_ptr, nw_ptr, rstd_ptr, xn_ptr, D, eps, WRITE_XN: tl.constexpr
     for k in range(0, D, BLOCK):
         x = tl.load(x_row + k + offs, mask=k + offs < D, other=0.0).to(tl.float32)
         ss += x * x
-    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + eps)
+    rstd = rsqrt_full_range(tl.sum(ss, axis=0) / D + eps)
     tl.store(rstd_ptr + row, rstd)
     if WRITE_XN:
         for k in range(0, D, BLOCK):
@@ -296,7 +296,7 @@ def _gate_up_gemv_kernel(
             xk = tl.load(x_rows + k + offs_k0[None, :], mask=t_mask[:, None] & (k + offs_k0[None, :] < D))
             xk = xk.to(tl.float32)
             ss += xk * xk
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / D + eps)
+        rstd = rsqrt_full_range(tl.sum(ss, axis=1) / D + eps)
         if SAVE:  # noqa: SIM102 - constexpr flag, then a runtime branch: every program computed the same
             # values; the first one stores them
             if pid == 0:

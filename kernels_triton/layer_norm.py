@@ -46,7 +46,7 @@ from kernels_triton._config import (
 from kernels_triton._coop import COOP_SPLIT_MAX, coop_chunk, coop_launch, row_barrier, widen_again
 from kernels_triton._launch import fast_launch
 from kernels_triton._norm_bwd import _add2
-from kernels_triton._tiles import load_row_tile
+from kernels_triton._tiles import load_row_tile, rsqrt_full_range
 
 # Heuristic (untuned) step of "reload"/"split": 16 KB of x, 2 x 16-byte vectors per thread (16 warps on
 # NVIDIA); the two fp32 accumulators per element made wider steps slower than for rms_norm in the old
@@ -74,7 +74,7 @@ def _ln_tile(x, w_ptr, b_ptr, cols, cmask, m, N, eps, HAS_BIAS: tl.constexpr):
     c = tl.div_rn(s1, N * 1.0)
     mean += c
     xc = tl.where(m, xc - c[:, None], 0.0)
-    rstd = tl.rsqrt(tl.maximum(s2 / N - c * c, 0.0) + eps)
+    rstd = rsqrt_full_range(tl.maximum(s2 / N - c * c, 0.0) + eps)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = xc * rstd[:, None] * w[None, :]
     if HAS_BIAS:
@@ -166,7 +166,7 @@ def _ln_normalize(
 def _ln_stats(s1, s2, shift, N, eps):
     """(E[d] = mean - K, mean, rstd) from the shifted sums s1 = Σ d, s2 = Σ d^2 of a row, d = xin - K."""
     md = tl.div_rn(s1, N * 1.0)  # div_rn: see _ln_tile
-    rstd = tl.rsqrt(tl.maximum(s2 / N - md * md, 0.0) + eps)
+    rstd = rsqrt_full_range(tl.maximum(s2 / N - md * md, 0.0) + eps)
     return md, shift + md, rstd
 
 
@@ -239,7 +239,7 @@ def _ln_loop3_kernel(
     s1, s2 = tl.reduce((acc1, acc), 0, _add2)
     corr = tl.div_rn(s1, N * 1.0)
     mean += corr
-    rstd = tl.rsqrt(tl.maximum(s2 / N - corr * corr, 0.0) + eps)
+    rstd = rsqrt_full_range(tl.maximum(s2 / N - corr * corr, 0.0) + eps)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
     _ln_normalize(x_ptr, w_ptr, b_ptr, y_ptr, base, 0, N, mean, 0.0, rstd, HAS_BIAS, BLOCK)

@@ -52,7 +52,7 @@ from kernels_triton._config import (
 )
 from kernels_triton._coop import COOP_SPLIT_MAX, coop_chunk, coop_launch, row_barrier, widen_again
 from kernels_triton._launch import fast_launch
-from kernels_triton._tiles import load_row_tile
+from kernels_triton._tiles import load_row_tile, rsqrt_full_range
 
 # Heuristic (untuned) step of "reload": 32 KB of x, 4 x 16-byte vectors per thread (16 warps on NVIDIA);
 # with one program of one row per SM it is the old one-row-per-program kernel's best step (H200, 16384 x
@@ -101,7 +101,7 @@ def _rms_reg_kernel(
         x = _add_res(x, tl.load(r_ptr + offs, mask=m, other=0.0))
         tl.store(h_ptr + offs, x, mask=m)
     x = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    rstd = rsqrt_full_range(tl.sum(x * x, axis=1) / N + eps)
     tl.store(rstd_ptr + rows, rstd, mask=rmask)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, _rms_y(x, rstd[:, None], w[None, :], CASTING, y_ptr.dtype.element_ty), mask=m)
@@ -138,7 +138,7 @@ def _rms_rows_kernel(
             rn = load_row_tile(r_ptr, nrows, cols, M, N)
             tl.store(h_ptr + offs, x, mask=m)
         x = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        rstd = rsqrt_full_range(tl.sum(x * x, axis=1) / N + eps)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         y = _rms_y(x, rstd[:, None], w[None, :], CASTING, y_ptr.dtype.element_ty)
@@ -183,7 +183,7 @@ def _rms_reload_kernel(
             c = k + 2 * BLOCK + cols
             xb = tl.load(x_ptr + base + c, mask=c < N, other=0.0, eviction_policy="evict_last")
             acc += x * x
-        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        rstd = rsqrt_full_range(tl.sum(acc, axis=0) / N + eps)
         tl.store(rstd_ptr + row, rstd)
         nxt = row + G
         n_nxt = tl.where(nxt < M, N, 0)  # elements of the next row to load: none past the last row
@@ -220,7 +220,7 @@ def _rms_reload_res_kernel(
             tl.store(h_ptr + base + c, h, mask=cm, eviction_policy="evict_last")
             hf = h.to(tl.float32)
             acc += hf * hf
-        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        rstd = rsqrt_full_range(tl.sum(acc, axis=0) / N + eps)
         tl.store(rstd_ptr + row, rstd)
         tl.debug_barrier()  # h written by every thread of the program is visible to pass 2's loads
         _rms_normalize(h_ptr, w_ptr, y_ptr, base, 0, N, rstd, CASTING, BLOCK)
@@ -264,7 +264,7 @@ def _rms_split_norm_kernel(
     # Every chunk of a row combines the same partials in the same order: identical rstd, reproducible.
     s = tl.arange(0, BLOCK_S)
     p = tl.load(part_ptr + row.to(tl.int64) * SPLIT + s, mask=s < SPLIT, other=0.0)
-    rstd = tl.rsqrt(tl.sum(p, axis=0) / N + eps)
+    rstd = rsqrt_full_range(tl.sum(p, axis=0) / N + eps)
     if part == 0:
         tl.store(rstd_ptr + row, rstd)
     start = part.to(tl.int64) * CHUNK
@@ -303,7 +303,7 @@ def _rms_coop_kernel(
             rn = tl.load(r_ptr + base + G * N + c, mask=nm, other=0.0)
         row_barrier(cnt_ptr, row, SPLIT)
         p = tl.load(part_ptr + pbase + s, mask=s < SPLIT, other=0.0, cache_modifier=".cg")
-        rstd = tl.rsqrt(tl.sum(p, axis=0) / N + eps)
+        rstd = rsqrt_full_range(tl.sum(p, axis=0) / N + eps)
         if k == 0:
             tl.store(rstd_ptr + row, rstd)
         tl.store(

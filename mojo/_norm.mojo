@@ -43,11 +43,10 @@ from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, thread_idx, block
 from max.gpu.primitives import warp, block
 from std.memory import unsafe_stack_allocation
 from max.gpu.host import DeviceContext
-from std.math import sqrt
 from std.utils import StaticTuple
 from std.sys import align_of
 
-from ._util import vec_width, is_aligned16
+from ._util import vec_width, is_aligned16, rsqrt_full_range
 
 comptime F32 = DType.float32
 comptime FPtr = Pointer[Float32, MutAnyOrigin]
@@ -219,13 +218,13 @@ def _norm_reg_kernel[
             var sums = _block_allsum[BLK, 2](SIMD[F32, 2](e.reduce_add(), q.reduce_add()), red)
             var c = sums[0] / Float32(n)
             mean += c
-            r = 1.0 / sqrt(max(sums[1] / Float32(n) - c * c, 0) + f.eps)
+            r = rsqrt_full_range(max(sums[1] / Float32(n) - c * c, 0) + f.eps)
         else:
             var ss = SIMD[F32, VW](0)
             comptime for k in range(NV):  # padding lanes are 0
                 var v = cache.slice[VW, offset = k * VW]().cast[F32]()
                 ss += v * v
-            r = 1.0 / sqrt(_block_allsum[BLK, 1](ss.reduce_add(), red)[0] / Float32(n) + f.eps)
+            r = rsqrt_full_range(_block_allsum[BLK, 1](ss.reduce_add(), red)[0] / Float32(n) + f.eps)
         if tid == 0:
             rstd_out[unsafe_offset=row] = r
             comptime if LN:
@@ -322,7 +321,7 @@ def _norm_loop_kernel[
             var sums = _block_allsum[BLK, 2](SIMD[F32, 2](e.reduce_add(), (q0 + q1).reduce_add()), red)
             var c = sums[0] / Float32(n)
             mean += c
-            r = 1.0 / sqrt(max(sums[1] / Float32(n) - c * c, 0) + f.eps)
+            r = rsqrt_full_range(max(sums[1] / Float32(n) - c * c, 0) + f.eps)
         else:
             var q = SIMD[F32, W](0)
             var j = tid
@@ -335,7 +334,7 @@ def _norm_loop_kernel[
                     var v = vs.slice[W, offset = u * W]().cast[F32]()
                     q += v * v
                 j += U * BLK
-            r = 1.0 / sqrt(_block_allsum[BLK, 1](q.reduce_add(), red)[0] / Float32(n) + f.eps)
+            r = rsqrt_full_range(_block_allsum[BLK, 1](q.reduce_add(), red)[0] / Float32(n) + f.eps)
         if tid == 0:
             rstd_out[unsafe_offset=row] = r
             comptime if LN:
@@ -485,7 +484,7 @@ def norm_cpu[
             var c = et / Float32(n)
             mean += c
             qt = max(qt - et * c, 0)
-        var r = 1.0 / sqrt(qt / Float32(n) + f.eps)
+        var r = rsqrt_full_range(qt / Float32(n) + f.eps)
         rstd_out[unsafe_offset=row] = r
         comptime if LN:
             mean_out[unsafe_offset=row] = mean

@@ -12,6 +12,7 @@
 
 from std.sys import size_of
 from std.memory import bitcast
+from std.math import sqrt
 
 
 def vec_width[dtype: DType]() -> Int:
@@ -35,6 +36,15 @@ def cdiv(a: Int, b: Int) -> Int:
 
 def is_aligned16[dtype: DType](p: Pointer[Scalar[dtype], MutAnyOrigin]) -> Bool:
     return Int(p) % 16 == 0
+
+
+def rsqrt_full_range(v: Float32) -> Float32:
+    """1 / sqrt(v) for every v >= 0. On NVIDIA 1 / sqrt(v) compiles to rsqrt.approx.ftz.f32, which reads
+    v < 2^-126 as 0: with eps 0 (or a subnormal eps) a row whose mean square is ~1e-40 got rstd inf and y
+    inf / NaN. Such v is scaled by 2^64 (exact) and the root by 2^32; the fast rsqrt is kept."""
+    var tiny = v < Float32(1.1754943508222875e-38)
+    var r = 1.0 / sqrt(v * Float32(18446744073709551616.0) if tiny else v)
+    return r * Float32(4294967296.0) if tiny else r
 
 
 def check_workspace(op: StaticString, name: StaticString, have: Int, need: Int) raises:

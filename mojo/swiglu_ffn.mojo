@@ -41,7 +41,7 @@
 # (limit 2^31 - 1). MAX's sm90 wgmma matmul takes M = Tp rows (TMA coordinates are 32-bit:
 # Tp < 2^31, far above any T whose buffers fit in memory).
 
-from std.math import ceildiv, exp, rsqrt
+from std.math import ceildiv, exp
 # Outputs are MutableInputTensor: the graph passes the caller's buffers (ops.inplace_custom), so the
 # kernel writes them directly; an OutputTensor would be a MAX temporary copied out afterwards.
 from extensibility import InputTensor, _MutableInputTensor as MutableInputTensor, register
@@ -55,7 +55,7 @@ from ._swiglu_backward import swiglu_bwd_gpu, swiglu_bwd_cpu
 # process. The wgmma path (fusekit.swiglu_ffn_tc) lives in the subpackage tc/, precompiled into its own
 # .mojoc only when a call is first routed to it (python/fusekit/backends/mojo/runtime.py);
 # tests/test_mojo_tc_package.py keeps linalg out of the top-level files.
-from ._util import check_workspace
+from ._util import check_workspace, rsqrt_full_range
 
 comptime GEMV_WARPS = 4  # warps per block in the GEMV kernels (one weight row per warp)
 comptime NORM_THREADS = 256
@@ -175,7 +175,7 @@ def _norm_kernel[
         var xv = x[unsafe_offset=base + j].cast[DType.float32]()
         ss += xv * xv
     var tot = block.sum[block_size=NORM_THREADS](ss)
-    var rstd = rsqrt(tot / Float32(d) + params[unsafe_offset=0])
+    var rstd = rsqrt_full_range(tot / Float32(d) + params[unsafe_offset=0])
     if thread_idx.x == 0:
         rstd_out[unsafe_offset=row] = rstd
     for j in range(thread_idx.x, d, NORM_THREADS):
@@ -470,7 +470,7 @@ def swiglu_ffn_cpu[
             for j in range(D):
                 var xv = x[unsafe_offset=t * D + j].cast[DType.float32]()
                 ss += xv * xv
-            rstd = rsqrt(ss / Float32(D) + eps)
+            rstd = rsqrt_full_range(ss / Float32(D) + eps)
             rstd_out[unsafe_offset=t] = rstd
         for j in range(D):
             var xv = x[unsafe_offset=t * D + j].cast[DType.float32]()

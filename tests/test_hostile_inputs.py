@@ -123,16 +123,46 @@ def test_float64_statistics_keep_float64_gradients():
         assert ((a - e).norm() / e.norm()).item() <= 1e-12
 
 
-@pytest.mark.parametrize("eps", [1e-12, 1e-5])
+@pytest.mark.parametrize("eps", [1e-12, 1e-5, 1e-40])
 def test_layer_norm_of_constant_rows_is_its_bias(backend_name, device, eps):
     """Constant rows (large values, N not a power of two): the centred row is exactly 0, so y = bias. An
-    fp32 mean one ulp off left (x - mean) = ulp and, with eps 1e-12, y = +-1 on the torch backend."""
+    fp32 mean one ulp off left (x - mean) = ulp and, with eps 1e-12, y = +-1 on the torch backend; on the
+    H200 Triton's approximate `/` (div.full) left ~1e-10 (|y - b| 9e-5). eps 1e-40 is subnormal: NVIDIA's
+    rsqrt.approx.ftz read it as 0, so rstd was inf and y = 0 * inf = NaN."""
     g = torch.Generator().manual_seed(2)
     x = torch.full((3, 37), 12345.678).to(device)
     x[1] = -0.3
     w, b = (torch.randn(37, generator=g).to(device) for _ in range(2))
     y = ops.layer_norm(x, w, b, eps, backend=backend_name)
     assert torch.equal(y, b.expand_as(y)), f"max |y - b| {float((y - b).abs().max()):.3g}"
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "swiglu_ffn"])
+def test_norm_of_rows_whose_mean_square_is_subnormal(backend_name, device, op):
+    """eps 0 and rows of ~1e-20: mean(x^2) ~ 1e-40 is below fp32's normal range, which NVIDIA's
+    rsqrt.approx.ftz (tl.rsqrt, Mojo's 1 / sqrt) reads as 0: rstd was inf and y inf / NaN, where the float64
+    reference normalizes the rows to |y| ~ 3."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(7)
+    x = 1e-20 * torch.randn(3, 64, generator=g)
+    w, b = (torch.randn(64, generator=g) for _ in range(2))
+    xd, wd, bd = x.double(), w.double(), b.double()
+    if op == "rms_norm":
+        got = ops.rms_norm(x.to(device), w.to(device), 0.0, backend=backend_name)
+        want = F.rms_norm(xd, (64,), wd, 0.0)
+    elif op == "layer_norm":
+        got = ops.layer_norm(x.to(device), w.to(device), b.to(device), 0.0, backend=backend_name)
+        want = F.layer_norm(xd, (64,), wd, bd, 0.0)
+    else:
+        wg, wu, wdn = (0.1 * torch.randn(*s, generator=g) for s in ((128, 64), (128, 64), (64, 128)))
+        args = (x.to(device), wg.to(device), wu.to(device), wdn.to(device))
+        got = ops.swiglu_ffn(*args, norm_weight=w.to(device), eps=0.0, backend=backend_name)
+        h = F.rms_norm(xd, (64,), wd, 0.0)
+        want = (F.silu(h @ wg.double().T) * (h @ wu.double().T)) @ wdn.double().T
+    got = got.double().cpu()
+    assert torch.isfinite(got).all(), f"{op}: {int((~torch.isfinite(got)).sum())} non-finite outputs"
+    assert ((got - want).norm() / want.norm()).item() < 1e-3
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
