@@ -12,7 +12,7 @@
 
 from std.sys import size_of
 from std.memory import bitcast
-from std.math import sqrt
+from std.math import exp, sqrt
 
 
 def vec_width[dtype: DType]() -> Int:
@@ -36,6 +36,12 @@ def cdiv(a: Int, b: Int) -> Int:
 
 def is_aligned16[dtype: DType](p: Pointer[Scalar[dtype], MutAnyOrigin]) -> Bool:
     return Int(p) % 16 == 0
+
+
+def exp_keep_nan[W: SIMDLength, //](x: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
+    """exp(x) with NaN in, NaN out: Mojo's CPU exp returns +inf for NaN (a NaN logit's loss was +inf, not
+    NaN). The test is x.eq(x): SIMD x.ne(x) is an ordered compare, false for NaN lanes."""
+    return x.eq(x).select(exp(x), x)
 
 
 def rsqrt_full_range(v: Float32) -> Float32:

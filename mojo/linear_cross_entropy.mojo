@@ -42,7 +42,7 @@ from std.sys import align_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan, neg_inf
 
-from ._util import vec_width, is_aligned16
+from ._util import vec_width, is_aligned16, exp_keep_nan
 
 comptime F32 = DType.float32
 comptime FPtr = Pointer[Float32, MutAnyOrigin]
@@ -99,7 +99,7 @@ def _grad_vec[
     z: SIMD[F32, W], m: Float32, ls: Float32, col: Int, y: Int64, inside: Bool, sc: Float32, v: Int, f: LceFlags
 ) -> SIMD[dtype, W]:
     """d loss / d logits for W logits starting at column `col`, in the reference's order of operations."""
-    var g = exp((z - m) - ls)
+    var g = exp_keep_nan((z - m) - ls)
     if f.eps != 0:
         g -= f.eps / Float32(v)
     var k = Int(y) - col
@@ -151,7 +151,7 @@ def _lce_rows_kernel[
         while j < nw:
             var z = zr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]()
             var mn = max(m, z.reduce_max())
-            s = s * _rescale(m, mn) + exp(z - mn).reduce_add()
+            s = s * _rescale(m, mn) + exp_keep_nan(z - mn).reduce_add()
             m = mn
             zs += z
             j += BLK
@@ -241,7 +241,7 @@ def lce_rows_cpu[
             zsum += z
         var s = Float32(0)
         for j in range(v):
-            s += exp(zr[unsafe_offset=j].cast[F32]() - m)
+            s += exp_keep_nan(zr[unsafe_offset=j].cast[F32]() - m)
         var ls = log(s)
         var zy = zr[unsafe_offset=Int(y)].cast[F32]() if inside else Float32(0)
         rows[unsafe_offset=row] = _row_loss(m, ls, zy, zsum, v, y, f)

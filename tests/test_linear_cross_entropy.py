@@ -198,6 +198,27 @@ def test_target_out_of_range_gives_nan(backend_name, device):
     assert out[1].isnan() and out[2].isnan() and out[3:].isfinite().all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_logit_gives_nan_rows_and_gradients(bad, backend_name, device):
+    """A NaN or +inf bias entry makes every row's logsumexp NaN, as torch's. Mojo's CPU exp returns +inf for
+    NaN, so its rows were +inf (finite-looking: inf, not NaN) and its dx +-inf with no NaN."""
+    x, w, t, b = _inputs(device)
+    b = b.clone()
+    b[5] = bad
+    t = t.clone()
+    t[0], t[1] = 5, 7  # a row whose target is the bad class and one whose is not
+    try:
+        with torch.no_grad():
+            out = ops.linear_cross_entropy(x, w, t, b, reduction="none", backend=backend_name)
+        x.requires_grad_()
+        (dx,) = torch.autograd.grad(ops.linear_cross_entropy(x, w, t, b, backend=backend_name), x)
+    except ValueError as exc:
+        _refused(exc)
+    want = _hf(x.detach(), w, t, b, reduction="none")
+    assert torch.equal(out.isnan(), want.isnan()), (out, want)
+    assert dx[t != -100].isnan().all(), "a row with a NaN logsumexp has a NaN gradient"
+
+
 def test_fp32_large_logits_keep_torchs_accuracy(backend_name, device):
     """lse = m + log(s) rounded to fp32 as one number carries ~u |m|: every softmax value of the row moved
     by that relative amount and every loss by that much, 20x torch's own error (fuzzer, FUSEKIT_FUZZ_SEED=6
