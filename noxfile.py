@@ -28,6 +28,13 @@ SHARED_TESTS = [
     "tests/test_cuda_graphs.py",
     "tests/test_compile_graphs.py",
     "tests/test_amp.py",
+    "tests/test_linear_cross_entropy.py",
+    "tests/test_grad_runner.py",
+    "tests/test_rope_positions.py",
+    "tests/test_bench_model.py",
+    "tests/test_any_device.py",
+    "tests/test_concurrency.py",
+    "tests/test_large_index.py",
 ]
 
 
