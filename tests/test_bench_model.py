@@ -178,6 +178,9 @@ def test_ab_rounds_time_every_provider_again_alternating(monkeypatch) -> None:
 
 
 def test_targets_read_the_ab_ratio() -> None:
+    pytest.importorskip(
+        "matplotlib", reason="the report needs the bench extra (the torch session installs it)"
+    )
     from fusekit.report import targets
 
     t = next(t for t in targets.TARGETS if t.what.startswith("layer prefill"))
