@@ -152,6 +152,13 @@ def test_gradient_of_a_gradient_raises_naming_the_op(op: str, backend_name: str,
         penalty = sum(t.float().square().sum() for t in twice)
         with pytest.raises(RuntimeError, match=f"fusekit.{op}: its backward is first-order only"):
             penalty.backward()
+        # a plain loss: its output gradient requires no grad, and linear_cross_entropy saves only the
+        # gradients its forward computed (none requiring grad either): its penalty term was dropped
+        outs = fn(*leaves, backend_name)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        twice = torch.autograd.grad(sum(o.float().sum() for o in outs), leaves, create_graph=True)
+        with pytest.raises(RuntimeError, match=f"fusekit.{op}: its backward is first-order only"):
+            sum(t.float().square().sum() for t in twice).backward()
 
 
 def test_rope_tables_that_require_grad_raise_naming_them(backend_name: str, device: str) -> None:

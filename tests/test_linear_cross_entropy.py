@@ -221,6 +221,27 @@ def test_nan_or_inf_logit_gives_nan_rows_and_gradients(bad, backend_name, device
     assert dx[t != -100].isnan().all(), "a row with a NaN logsumexp has a NaN gradient"
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_neginf_logit_keeps_the_loss_finite(smoothing, backend_name, device):
+    """A class masked by a -inf bias: torch's loss is finite without label smoothing (the reference added
+    0 * (m - mean z) = NaN) and +inf with it (-log p of the masked class), on every backend."""
+    x, w, t, b = _inputs(device)
+    b = b.clone()
+    b[5] = float("-inf")
+    t = t.clone()
+    t[t == 5] = 6
+    try:
+        with torch.no_grad():
+            out = ops.linear_cross_entropy(x, w, t, b, label_smoothing=smoothing, backend=backend_name)
+    except ValueError as exc:
+        _refused(exc)
+    want = _hf(x, w, t, b, label_smoothing=smoothing)
+    if smoothing:
+        assert want.isinf() and out.item() == want.item(), (out, want)
+    else:
+        torch.testing.assert_close(out.cpu(), want.cpu(), rtol=1e-5, atol=1e-6)
+
+
 def test_fp32_large_logits_keep_torchs_accuracy(backend_name, device):
     """lse = m + log(s) rounded to fp32 as one number carries ~u |m|: every softmax value of the row moved
     by that relative amount and every loss by that much, 20x torch's own error (fuzzer, FUSEKIT_FUZZ_SEED=6

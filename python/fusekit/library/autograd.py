@@ -80,10 +80,10 @@ def _refuse_transforms(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> None:
 
 def first_order(op: str, backward: Callable[..., tuple]) -> Callable[..., tuple]:
     """An autograd backward that is not itself differentiable, as torch's `once_differentiable`, but
-    which also catches the saved inputs: under create_graph=True it runs without recording, and where
-    its grads or saved tensors require grad, its results carry an error node, so differentiating them
-    again (a gradient penalty, a Hessian) raises naming the op instead of dropping or mis-computing the
-    second-order term (the kernels' backward phases are not differentiable)."""
+    which also catches the saved inputs: under create_graph=True it runs without recording and its
+    results carry an error node, so differentiating them again (a gradient penalty, a Hessian) raises
+    naming the op instead of dropping or mis-computing the second-order term (the kernels' backward
+    phases are not differentiable)."""
     msg = (
         f"fusekit.{op}: its backward is first-order only, so a gradient of its gradient (create_graph=True: "
         "a gradient penalty, a Hessian-vector product) cannot be computed through it; compute that term "
@@ -95,8 +95,9 @@ def first_order(op: str, backward: Callable[..., tuple]) -> Callable[..., tuple]
             return backward(ctx, *grads)
         with torch.no_grad():
             out = backward(ctx, *grads)
-        if not any(t is not None and t.requires_grad for t in (*grads, *ctx.saved_tensors)):
-            return out
+        # flagged whether or not grads / saved tensors require grad: the results depend on the forward's
+        # inputs all the same (linear_cross_entropy saves only gradients it computed, none requiring grad,
+        # so a penalty on its dx was silently dropped)
         at = [i for i, v in enumerate(out) if v is not None]
         if not at:
             return out

@@ -107,7 +107,10 @@ def reference_forward(
         ls = torch.log(torch.exp(zm).sum(dim=-1))
         inside = (tc >= 0) & (tc < V)
         zy = z.gather(1, tc.clamp(0, V - 1)[:, None])[:, 0]
-        lr = (1.0 - label_smoothing) * (m - zy) + label_smoothing * (m - z.mean(dim=-1)) + ls
+        lr = (1.0 - label_smoothing) * (m - zy) + ls
+        # only with smoothing: 0 * (m - mean z) is NaN for a -inf logit, where torch's loss is finite
+        if label_smoothing != 0.0:
+            lr = lr + label_smoothing * (m - z.mean(dim=-1))
         lr = torch.where(inside, lr, torch.nan)
         rows[s:e] = torch.where(ok, lr, 0.0)
         if dx is None:
