@@ -216,11 +216,23 @@ x4 = torch.randn(1, 3, 2, 8)
             lambda: ops.rope(x4, start_pos=2**31 - 4),
             r"^start_pos: positions up to start_pos \+ S = 2147483647",
         ),
-        (lambda: ops.rope(x4, start_pos=2**63), r"^start_pos: positions up to"),
+        (lambda: ops.rope(x4, start_pos=2**63), r"^start_pos: 9223372036854775808 is outside the int64"),
         (lambda: ops.rope(x4, start_pos=(1 << 24) - 2), r"^start_pos: positions up to .* exceed 2\^24"),
         (
             lambda: ops.rms_norm(x4, torch.ones(8), casting="bf16"),
             r"^casting: expected one of 'fp32', 'llama'",
+        ),
+        (  # wrapped to -100 (the default ignore_index) on its way to the kernels: rows silently ignored
+            lambda: ops.linear_cross_entropy(
+                x4[0, 0], torch.ones(3, 8), torch.zeros(2, dtype=torch.long), ignore_index=2**64 - 100
+            ),
+            r"^ignore_index: 18446744073709551516 is outside the int64 range",
+        ),
+        (
+            lambda: ops.linear_cross_entropy(
+                x4[0, 0], torch.ones(3, 8), torch.zeros(2, dtype=torch.long), ignore_index=-(2**63) - 100
+            ),
+            r"^ignore_index: -9223372036854775908 is outside the int64 range",
         ),
     ],
 )

@@ -76,8 +76,8 @@ def real(name: str, v: object, *, positive: bool = False, nonnegative: bool = Fa
         raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
     f = float(v)
     if not math.isfinite(f) or (positive and f <= 0) or (nonnegative and f < 0):
-        need = "positive" if positive else "non-negative" if nonnegative else "finite"
-        raise ValueError(f"{name}: must be {need} and finite, got {v}")
+        need = "positive and finite" if positive else "non-negative and finite" if nonnegative else "finite"
+        raise ValueError(f"{name}: must be {need}, got {v}")
     if abs(f) > FLOAT32_MAX or (f != 0 and abs(f) < FLOAT32_TINY):
         raise ValueError(
             f"{name}: {v} is not representable in float32 (|{name}| must be 0 or within "
@@ -105,6 +105,8 @@ def integer(name: str, v: object) -> int:
         return int(v.item())
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if not -(2**63) <= int(v) < 2**63:  # 2**64 - 100 wrapped to -100 on its way to a kernel
+        raise ValueError(f"{name}: {int(v)} is outside the int64 range")
     return int(v)
 
 
