@@ -117,9 +117,12 @@ def _slot(a: Any, bases: list[tuple[str, int, torch.Tensor, int, int]]) -> tuple
         # a plain value is a constant of the signature; anything else (a host-side tensor descriptor,
         # an object with data_ptr) may hold a pointer of this call: never replayed as recorded
         return ("c", a) if type(a) in _CONSTANTS else None
-    for kind, i, b, _, _ in bases:  # the very tensor object: unambiguous even when inputs alias
-        if a is b:
-            return (kind, i, 0)
+    # the very tensor object, if it fills exactly one slot: one object passed twice (attention(x, x, x),
+    # rms_norm(x, w, residual=x)) would bake "slot 0's pointer" into both, and later calls of the signature
+    # with distinct tensors would replay reading slot 0 for each
+    same = [(kind, i, 0) for kind, i, b, _, _ in bases if a is b]
+    if same:
+        return same[0] if len(same) == 1 else None
     p = a.data_ptr()
     hits = []
     for kind, i, _, lo, hi in bases:
