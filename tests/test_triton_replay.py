@@ -390,3 +390,40 @@ def test_cuda_replayed_results_equal_normal_launch(device: str, monkeypatch: pyt
             assert all(torch.equal(a, b_) for a, b_ in zip(got, want[k])), f"{k}: replay changed the result"
     replayed = [p for p in library._PLANS.values() if p.replay is not None]
     assert replayed, "no plan recorded a replay"
+
+
+def test_cuda_one_object_in_two_slots_never_replays_for_distinct_ones(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signature recorded while one tensor filled two slots (attention(x, x, x), residual=x, bias is
+    weight) replayed "input 0" for both on later calls with distinct tensors; such a call is not recorded."""
+    if device != "cuda":
+        pytest.skip("needs --device cuda (the CPU rule: test_unrecordable_calls_keep_the_normal_path)")
+    from fusekit import library, ops
+    from fusekit.backends import triton as tb
+
+    g = torch.Generator(device=device).manual_seed(1)
+
+    def r(*s):
+        return torch.randn(*s, device=device, dtype=torch.float16, generator=g)
+
+    x, w, q = r(4, 64), r(64), r(1, 2, 8, 64)
+    cases = {  # the call, and inputs with one object in two slots
+        "attention q=k=v": (lambda a, b, c: ops.attention(a, b, c, backend="triton"), (q, q, q)),
+        "rms_norm residual=x": (lambda a, b, c: ops.rms_norm(a, c, residual=b, backend="triton"), (x, x, w)),
+        "layer_norm bias=weight": (lambda a, b, c: ops.layer_norm(a, b, c, backend="triton"), (x, w, w)),
+    }
+    for name, (f, aliased) in cases.items():
+        fresh = [r(*t.shape) for t in aliased]
+        monkeypatch.setattr(tb, "REPLAY", False)
+        library.clear_plans()
+        want = f(*fresh)
+        want = [t.clone() for t in (want if isinstance(want, tuple) else (want,))]
+        monkeypatch.setattr(tb, "REPLAY", True)
+        library.clear_plans()
+        f(*[r(*t.shape) for t in aliased])  # call 1 plans
+        for _ in range(3):  # calls 2..4 would record
+            f(*aliased)
+        got = f(*fresh)
+        got = got if isinstance(got, tuple) else (got,)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{name}: replayed the aliased recording"
