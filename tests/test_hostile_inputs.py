@@ -165,6 +165,35 @@ def test_norm_of_rows_whose_mean_square_is_subnormal(backend_name, device, op):
     assert ((got - want).norm() / want.norm()).item() < 1e-3
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_norm_weight_of_x_dtype_beside_a_wider_residual(backend_name, device, op):
+    """bf16 x and weight with an fp32 residual stream: h = x + residual is fp32 (torch's promotion), and the
+    bf16 weight is widened with it (HF multiplies it into the fp32 h the same way); it was refused with
+    'weight: dtype bfloat16 is not supported; expected one of float32', naming neither x nor the residual."""
+    g = torch.Generator().manual_seed(8)
+    x, w, b = torch.randn(3, 64, generator=g), torch.randn(64, generator=g), torch.randn(64, generator=g)
+    res = torch.randn(3, 64, generator=g)
+    xb, wb, bb = (t.bfloat16().to(device).requires_grad_() for t in (x, w, b))
+    rf = res.to(device).requires_grad_()
+    if op == "rms_norm":
+        y, h = ops.rms_norm(xb, wb, residual=rf, backend=backend_name)
+        hd = xb.detach().double().cpu() + res.double()
+        want = hd * torch.rsqrt(hd.square().mean(-1, keepdim=True) + 1e-6) * wb.detach().double().cpu()
+        leaves = (xb, wb, rf)
+    else:
+        y, h = ops.layer_norm(xb, wb, bb, residual=rf, backend=backend_name)
+        hd = xb.detach().double().cpu() + res.double()
+        want = torch.nn.functional.layer_norm(
+            hd, (64,), wb.detach().double().cpu(), bb.detach().double().cpu(), 1e-5
+        )
+        leaves = (xb, wb, bb, rf)
+    assert y.dtype == h.dtype == torch.float32
+    assert ((y.double().cpu() - want).norm() / want.norm()).item() < 1e-5
+    grads = torch.autograd.grad(y.sum(), leaves)
+    assert [gr.dtype for gr in grads] == [t.dtype for t in leaves]
+    assert all(torch.isfinite(gr).all() for gr in grads)
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_rope_k_rotated_beside_x_without_heads(backend_name, device, layout):
     """x with no heads (H = 0) beside a k that has them: k is still rotated, and still gets its gradient.

@@ -27,19 +27,32 @@ def add_residual(x: Tensor, residual: Tensor | None) -> Tensor | None:
     return (x.to(acc) + residual.to(acc)).to(x.dtype)
 
 
-def promote_residual(x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """x and residual in one dtype, torch's promotion of x + residual: an fp32 residual stream meeting a
+def promote_residual(x: Tensor, residual: Tensor | None, *params: Tensor | None) -> tuple:
+    """(x, residual, *params) in torch's promotion of x + residual: an fp32 residual stream meeting a
     bf16 sublayer output (an fp32 model under bf16 autocast, as HF adds them) is normalized in fp32, the
-    narrower tensor cast once. Same dtypes (the common case) pass through untouched."""
+    narrower tensor cast once. A weight / bias of the narrower dtype is widened too (exact; HF multiplies
+    it into the promoted h the same way), where the kernels would refuse it beside the promoted x. Same
+    dtypes (the common case) pass through untouched."""
     if (
         not isinstance(x, Tensor)
         or not isinstance(residual, Tensor)
         or residual.dtype == x.dtype
         or not (x.is_floating_point() and residual.is_floating_point())
     ):
-        return x, residual  # the common case; or check_norm_inputs names the bad argument
+        return (x, residual, *params)  # the common case; or check_norm_inputs names the bad argument
     dt = torch.promote_types(x.dtype, residual.dtype)
-    return x.to(dt), residual.to(dt)
+    x = x.to(dt)
+    allowed = C.weight_dtypes(x)
+    widened = tuple(
+        p.to(dt)
+        if isinstance(p, Tensor)
+        and p.is_floating_point()
+        and p.dtype not in allowed
+        and torch.promote_types(p.dtype, dt) == dt
+        else p
+        for p in params
+    )
+    return (x, residual.to(dt), *widened)
 
 
 def check_norm_inputs(x: object, weight: object, bias: object, residual: object) -> int:

@@ -144,7 +144,7 @@ def layer_norm(
     ) and (out := distributed.layer_norm(x, weight, bias, eps, residual, return_stats, backend)) is not None:
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     if residual is not None:
-        x, residual = promote_residual(x, residual)  # dtypes as x + residual
+        x, residual, weight, bias = promote_residual(x, residual, weight, bias)  # dtypes as x + residual
     key = library.call_key((x, weight, bias, residual), (eps, return_stats), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)

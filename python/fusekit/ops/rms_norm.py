@@ -143,7 +143,7 @@ def rms_norm(
     ) is not None:
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     if residual is not None:
-        x, residual = promote_residual(x, residual)  # dtypes as x + residual
+        x, residual, weight = promote_residual(x, residual, weight)  # dtypes as x + residual
     key = library.call_key((x, weight, residual), (eps, casting, return_rstd), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)
