@@ -129,7 +129,8 @@ def layer_norm(
 
     residual [..., N]: fused residual add, h = x + residual is normalized and returned: (y, h) (a
     residual of another float dtype is promoted with x's, as x + residual would be).
-    `return_stats` appends mean [...] and rstd [...] (fp32; fp64 for fp64 x). Returns y, (y, h),
+    `return_stats` appends mean [...] and rstd [...] (fp32; fp64 for fp64 x), statistics with no gradient
+    (as torch's native_layer_norm's: a loss through them adds nothing to x's). Returns y, (y, h),
     (y, mean, rstd) or (y, h, mean, rstd).
 
     backend: "auto" (default), "torch", "triton" or "mojo". Gradients flow to x, residual, weight and

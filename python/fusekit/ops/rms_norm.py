@@ -132,7 +132,8 @@ def rms_norm(
     e.g. an fp32 residual stream with a bf16 x under autocast): fused residual add, h = x + residual is
     normalized and returned too, from one kernel: returns (y, h). `casting` picks where the rounding happens:
     "fp32" (default, most accurate), "llama" (HF LlamaRMSNorm), "gemma" (HF GemmaRMSNorm: 1 + weight).
-    `return_rstd` appends rstd [...] (fp32; fp64 for fp64 x). Returns y, (y, h), (y, rstd) or (y, h, rstd).
+    `return_rstd` appends rstd [...] (fp32; fp64 for fp64 x), a statistic with no gradient (as torch's
+    native_layer_norm's: a loss through it adds nothing to x's). Returns y, (y, h), (y, rstd) or (y, h, rstd).
 
     backend: "auto" (default), "torch", "triton" or "mojo". Gradients flow to x, residual and weight
     (a backend without a backward for the call raises before running). Errors: TypeError/ValueError
