@@ -80,7 +80,9 @@ def _ce_rows_kernel(
         c = k + offs
         z = tl.load(base + c, mask=c < V, other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        # a block of only -inf (classes masked by a -inf bias) leaves m_new -inf: exp(-inf - -inf) was NaN
+        m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_sub) + tl.sum(tl.exp(z - m_sub), axis=0)
         m = m_new
         if SMOOTH:
             zsum += tl.sum(tl.where(c < V, z, 0.0), axis=0)

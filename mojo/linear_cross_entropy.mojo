@@ -151,7 +151,9 @@ def _lce_rows_kernel[
         while j < nw:
             var z = zr.unsafe_load[width=W, alignment=AL](j * W).cast[F32]()
             var mn = max(m, z.reduce_max())
-            s = s * _rescale(m, mn) + exp_keep_nan(z - mn).reduce_add()
+            # a thread's share of only -inf (classes masked by a -inf bias) leaves mn -inf: z - mn was NaN
+            var m_sub = Float32(0) if mn == neg_inf[F32]() else mn
+            s = s * _rescale(m, mn) + exp_keep_nan(z - m_sub).reduce_add()
             m = mn
             zs += z
             j += BLK

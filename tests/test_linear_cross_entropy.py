@@ -242,6 +242,30 @@ def test_neginf_logit_keeps_the_loss_finite(smoothing, backend_name, device):
         torch.testing.assert_close(out.cpu(), want.cpu(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_leading_block_of_masked_classes_keeps_the_loss_and_grads_finite(backend_name, device):
+    """The first 1024 classes masked by a -inf bias (constrained decoding): a block (Triton: the interpreter's
+    1024 block) or a thread's share of the row (Mojo on a GPU) that holds only -inf had a running max of -inf,
+    and exp(z - max) = exp(-inf + inf) = NaN made the loss NaN. torch's loss and gradients are finite."""
+    x, w, t, b = _inputs(device)
+    b = b.clone()
+    b[:1024] = float("-inf")
+    t = t.clone()
+    t[t >= 0] = 1024 + t[t >= 0] % (V - 1024)
+    try:
+        got = [v.clone().requires_grad_() for v in (x, w, b)]
+        loss = ops.linear_cross_entropy(*got[:2], t, got[2], backend=backend_name)
+    except ValueError as exc:
+        _refused(exc)
+    loss.backward()
+    want = [v.clone().requires_grad_() for v in (x, w, b)]
+    ref = _hf(want[0], want[1], t, want[2])
+    ref.backward()
+    assert ref.isfinite() and want[0].grad.isfinite().all()
+    torch.testing.assert_close(loss.detach().cpu(), ref.detach().cpu(), rtol=1e-5, atol=1e-6)
+    for i, (a, r) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a.grad.cpu(), r.grad.cpu(), rtol=1e-4, atol=1e-5, msg=f"grad of input {i}")
+
+
 def test_fp32_large_logits_keep_torchs_accuracy(backend_name, device):
     """lse = m + log(s) rounded to fp32 as one number carries ~u |m|: every softmax value of the row moved
     by that relative amount and every loss by that much, 20x torch's own error (fuzzer, FUSEKIT_FUZZ_SEED=6
