@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels_triton import _launch
 from kernels_triton._config import device_index, is_hip, is_interpreter, num_sms, pdl_options, pdl_supported
 from kernels_triton._launch import fast_launch, launch_keyed
 from kernels_triton._tiles import dot
@@ -362,11 +363,12 @@ def decode_forward(
     ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), o.stride()
     # The launches' key: every pointer 16-byte aligned and every stride a multiple of 16 within int32 (the
     # usual case: anything else takes the per-argument key), the KV length's class; the rest is the plan's.
+    # On AMD the per-argument key, which holds each tensor's storage class (_launch.HIP_STORAGE_KEY).
     bits = ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2] | qs[0] | qs[1] | qs[2] | os_[0] | os_[1] | os_[2]
     ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | lse.data_ptr() | po.data_ptr()
     ptrs |= plse.data_ptr() | kl.data_ptr()
     key = None
-    if not (bits & 15 or ptrs & 15) and bits < _I32 and Skv < _I32:
+    if not (bits & 15 or ptrs & 15) and bits < _I32 and Skv < _I32 and not _launch.HIP_STORAGE_KEY:
         key = (plan.key, k.dtype, v.dtype, o.dtype, causal, has_kv_len, Skv == 1, Skv & 15 == 0, n_splits)
     grid = (plan.groups, n_splits)
     launch_keyed(

@@ -167,13 +167,16 @@ if HAS_GLUON:
                                use_acc=False, is_async=True)  # fmt: skip
         qi = m + cols
         in_s = qi < S
-        # rows past S: lse2 = +inf makes p exactly 0 (q and do are zero-filled there too)
+        # rows past S: lse2 = +inf (q and do are zero-filled there too); p is selected to 0 below
         lse2 = gl.load(lse2_ptr + row_base + qi, mask=in_s, other=float("inf"))
         delta = gl.load(delta_ptr + row_base + qi, mask=in_s, other=0.0)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        if MASK:  # causal diagonal: key j visible to query i iff j <= i + diag
-            pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(qi + diag, 0), pt, 0.0)
+        if MASK:  # causal diagonal: key j visible to query i iff j <= i + diag; rows past S selected out
+            seen = (gl.expand_dims(keys, 1) <= gl.expand_dims(qi + diag, 0)) & gl.expand_dims(in_s, 0)
+            pt = gl.where(seen, pt, 0.0)
+        elif m + BLOCK_M > S:  # the ragged last block: its q rows past S are 0, and a +-inf key makes s NaN
+            pt = gl.where(gl.expand_dims(in_s, 0), pt, 0.0)
         # dV += P^T dO goes to the tensor cores while dS^T is formed (wgmma groups retire in order: waiting
         # for all but one leaves exactly that dV in flight once dP^T is done)
         p16 = gl.convert_layout(pt.to(dtype), a_layout)

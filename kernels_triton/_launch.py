@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kernels_triton._config import is_hip
 from kernels_triton._raw_launch import clear as raw_clear
 from kernels_triton._raw_launch import raw_launcher
 
@@ -51,9 +52,18 @@ class _Recording(threading.local):
 RECORDING = _Recording()
 
 
+# On AMD Triton also specializes a tensor whose storage is < 2 GiB ("S": buffer loads with 32-bit offsets);
+# a kernel compiled for a small tensor must not run on a larger one of the same dtype (offsets wrap to 0).
+HIP_STORAGE_KEY = is_hip()
+_2GIB = 2**31
+
+
 def _arg_key(v: Any) -> Any:
-    """A constexpr (or launch option): its value; a tensor: dtype and 16-byte alignment."""
+    """A constexpr (or launch option): its value; a tensor: dtype, 16-byte alignment (and on AMD whether its
+    storage is under 2 GiB)."""
     if isinstance(v, torch.Tensor):
+        if HIP_STORAGE_KEY:
+            return (v.dtype, v.data_ptr() & 15 == 0, v.untyped_storage().size() < _2GIB)
         return (v.dtype, v.data_ptr() & 15 == 0)
     if v is None or type(v) is int or type(v) is bool:
         return v

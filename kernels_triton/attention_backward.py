@@ -241,8 +241,12 @@ def _dkdv_step(
         else:
             do = tl.load(do_ptr + ptrs, mask=in_s[:, None], other=0.0)
         delta = tl.load(delta_ptr + rows, mask=in_s, other=0.0)
-        if CAUSAL:  # rows past S need no mask: lse2 = +inf there makes p exactly 0
-            pt = tl.where(offs_n[:, None] - offs_m[None, :] <= diag, pt, 0.0)
+        # rows past S are selected out: q = 0 there, so a key holding +-inf gives s = NaN, and lse2 = +inf
+        # would not make exp2(NaN - inf) zero
+        valid = in_s[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[:, None] - offs_m[None, :] <= diag)
+        pt = tl.where(valid, pt, 0.0)
     else:
         if not TMA:
             do = tl.load(do_ptr + ptrs)

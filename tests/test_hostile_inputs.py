@@ -91,6 +91,32 @@ def test_attention_row_whose_visible_scores_are_all_neginf_is_zero(backend_name,
     assert torch.isfinite(dv).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    ("s", "skv"), [(20, 32), (1, 24), (12, 40)]
+)  # S past a whole query tile: padded rows
+def test_attention_key_whose_scores_are_all_neginf_gets_zero_grads(backend_name, device, causal, s, skv):
+    """Key 3 holds -inf against queries positive in that component: every score of it is -inf, p = 0, so
+    its dk and dv are 0 and the other keys' are the float64 reference's. Triton's dk/dv kernel loaded q = 0
+    in the padded query rows of a tail tile, where s = -inf * 0 = NaN passed through exp2(NaN - lse2 = +inf)
+    unmasked: dk = dv = NaN whenever S was not a multiple of its query tile (the mask now selects them)."""
+    q, k, v = _qkv(device, s=s, skv=skv)
+    q[..., 0] = q[..., 0].abs() + 0.5
+    k[0, 0, 3, 0] = float("-inf")
+    k, v = k.requires_grad_(), v.requires_grad_()
+    out = _attn(backend_name, q, k, v, causal=causal)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
+    dk, dv = torch.autograd.grad(out, (k, v), do)
+    ref = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    rk, rv = torch.autograd.grad(
+        ops.attention(*ref, causal=causal, backend="torch"), ref[1:], do.cpu().double()
+    )
+    for name, got, want in (("dk", dk, rk), ("dv", dv, rv)):
+        assert torch.equal(got[0, 0, 3].cpu(), torch.zeros_like(got[0, 0, 3].cpu())), f"{name} of key 3"
+        tol = 2e-2 if got.dtype == torch.float16 else 1e-4
+        torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol, msg=name)
+
+
 def test_reduce_sum_to_float64_sums_in_float64(backend_name, device):
     """dtype=torch.float64 sums x cast to float64, as torch.sum (an fp32 accumulation gave 1 or 0 for 2);
     the kernel backends take no float64 and say so."""

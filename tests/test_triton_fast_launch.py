@@ -320,6 +320,20 @@ def test_host_descriptor_key_holds_its_whole_type() -> None:
     assert key(d) != key(TensorDescriptor(a16, [64, 64], [64, 1], [32, 16]))
 
 
+def test_tensor_key_holds_the_storage_class_on_amd(monkeypatch) -> None:
+    """On AMD Triton specializes a tensor whose storage is under 2 GiB (buffer loads, 32-bit offsets): a
+    kernel remembered for a 128 MiB bf16 tensor must not run on a 4 GiB one of the same dtype and alignment
+    (reduce_sum's key was equal for both: its offsets past 2 GiB wrapped). On NVIDIA the class is not
+    specialized, so it is not keyed. The large storage is only reserved, never touched."""
+    small = torch.empty(64, dtype=torch.bfloat16)
+    big = torch.empty(2**30 + 64, dtype=torch.bfloat16)  # 2 GiB + 128 bytes
+    monkeypatch.setattr(_launch, "HIP_STORAGE_KEY", False)
+    assert _launch._arg_key(small) == _launch._arg_key(big)
+    monkeypatch.setattr(_launch, "HIP_STORAGE_KEY", True)
+    assert _launch._arg_key(small) != _launch._arg_key(big)
+    assert _launch._arg_key(small) == _launch._arg_key(torch.empty(2**20, dtype=torch.bfloat16))
+
+
 # Triton 3.6's wrap_handle_tensordesc and CudaLauncher.__call__ (triton/backends/nvidia/driver.py), the
 # shapes _raw_launch.raw_launcher recognises
 _DRIVER_36 = """
