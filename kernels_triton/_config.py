@@ -808,3 +808,16 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """t as it is when its last dim is contiguous (kernels read the other dims through strides), else a
     contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+_TILE_KEYS_MAX = 256  # the largest key tile of attention's pointer kernels (forward, decode, dq)
+
+
+def kv_tile_addressable(t: torch.Tensor) -> torch.Tensor:
+    """k or v [B, Hkv, Skv, D] as `last_dim_contiguous` gives it, or a contiguous copy when the offsets within
+    one key tile (key in tile x per-key stride, int32 in the kernels: 64-bit only per tile start) would pass
+    2^31: a view into a huge buffer, e.g. per-key stride 1.5e8, read the wrong keys or faulted."""
+    t = last_dim_contiguous(t)
+    if (min(t.shape[2], _TILE_KEYS_MAX) - 1) * t.stride(2) + t.shape[3] >= 2**31:
+        return t.contiguous()
+    return t

@@ -61,6 +61,7 @@ from kernels_triton._config import (
     device_index,
     is_hip,
     is_interpreter,
+    kv_tile_addressable,
     last_dim_contiguous,
     num_sms,
     on_device,
@@ -397,7 +398,7 @@ def forward(
     """
     kv_len, causal, scale = _kv_args(kv_len, causal, scale)
     B, H, S, D = _check(q, k, v, o)
-    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    q, k, v = last_dim_contiguous(q), kv_tile_addressable(k), kv_tile_addressable(v)
     kv_len = _check_kv_len(kv_len, B, q.device)
     Hkv, Skv = k.shape[1], k.shape[2]
     if lse.shape != (B, H, S) or lse.dtype != torch.float32 or not lse.is_contiguous():
@@ -534,7 +535,7 @@ def backward(
     kv_len, causal, scale = _kv_args(kv_len, causal, scale)
     B, H, S, _ = _check(q, k, v, o)
     q = q.contiguous()  # the backward kernels index q densely (the forward reads a strided q in place)
-    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
+    k, v = kv_tile_addressable(k), kv_tile_addressable(v)
     kv_len = _check_kv_len(kv_len, B, q.device)
     if (dq.shape, do.shape) != (q.shape, q.shape) or dk.shape != k.shape or dv.shape != k.shape:
         raise ValueError(

@@ -117,6 +117,32 @@ def test_attention_key_whose_scores_are_all_neginf_gets_zero_grads(backend_name,
         torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol, msg=name)
 
 
+@pytest.mark.parametrize("s", [1, 32])  # 1: the decode kernel; 32: the tiled forward, and dq
+def test_attention_kv_view_with_a_huge_per_key_stride(backend_name, device, s):
+    """k and v views into one buffer 1.5e8 elements per key apart (legal: every offset fits int64; 4.5 GB
+    reserved, 16 rows touched). Triton's kernels form a key's offset within a tile in int32: 15 x 1.5e8
+    wrapped, and the CPU interpreter faulted (a GPU reads wrong keys); such views are now copied."""
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    skv, d, stride = 16, 64, 150_000_000
+    n = (skv - 1) * stride + d
+    g = torch.Generator().manual_seed(5)
+    dense = torch.randn(1, 1, skv, d, generator=g).to(device, dt)
+    kv = torch.empty(n, dtype=dt, device=device).as_strided((1, 1, skv, d), (n, n, stride, 1))
+    kv.copy_(dense)
+    q = torch.randn(1, 1, s, d, generator=g).to(device, dt).requires_grad_()
+    out = _attn(backend_name, q, kv, kv, causal=False)
+    do = torch.randn(out.shape, generator=g).to(out)
+    (dq,) = torch.autograd.grad(out, q, do)
+    ref = [t.detach().cpu().double() for t in (q, dense)]
+    ref[0].requires_grad_()
+    want = ops.attention(ref[0], ref[1], ref[1], backend="torch")
+    (want_dq,) = torch.autograd.grad(want, ref[0], do.cpu().double())
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.detach().cpu().double(), want.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(dq.cpu().double(), want_dq, rtol=tol, atol=tol)
+    del kv
+
+
 def test_reduce_sum_to_float64_sums_in_float64(backend_name, device):
     """dtype=torch.float64 sums x cast to float64, as torch.sum (an fp32 accumulation gave 1 or 0 for 2);
     the kernel backends take no float64 and say so."""
