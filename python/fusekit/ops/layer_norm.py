@@ -149,6 +149,7 @@ def layer_norm(
     key = library.call_key((x, weight, bias, residual), (eps, return_stats), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)
+        C.flag("return_stats", return_stats)  # 'no' must not mean True
         check_norm_inputs(x, weight, bias, residual)
         scalars = (SPEC.scalars[0].check(eps),)
         C.backend_name(backend)

@@ -148,6 +148,7 @@ def rms_norm(
     key = library.call_key((x, weight, residual), (eps, casting, return_rstd), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)
+        C.flag("return_rstd", return_rstd)  # 'no' must not mean True
         check_norm_inputs(x, weight, None, residual)
         scalars = tuple(s.check(v) for s, v in zip(SPEC.scalars, (eps, casting)))
         C.backend_name(backend)
