@@ -340,8 +340,14 @@ def test_rope_position_bound_is_inclusive():
         (lambda: ops.rope(x4, start_pos=torch.tensor([1])), r"^start_pos: expected an int or a 0-d"),
         (lambda: ops.rope(x4, start_pos=torch.tensor(1.0)), r"^start_pos: expected an int or a 0-d"),
         (lambda: ops.rms_norm(x4, torch.ones(8), casting=1), r"^casting: expected one of"),
-        (lambda: ops.rms_norm(x4, torch.ones(8), return_rstd="no"), r"^return_rstd: expected a bool, got str"),
-        (lambda: ops.layer_norm(x4, torch.ones(8), return_stats=1), r"^return_stats: expected a bool, got int"),
+        (
+            lambda: ops.rms_norm(x4, torch.ones(8), return_rstd="no"),
+            r"^return_rstd: expected a bool, got str",
+        ),
+        (
+            lambda: ops.layer_norm(x4, torch.ones(8), return_stats=1),
+            r"^return_stats: expected a bool, got int",
+        ),
     ],
 )
 def test_loose_flags_rejected(call, match):
