@@ -457,10 +457,15 @@ def test_fused_loss_matches_hf_loss_and_every_gradient(family, items, monkeypatc
     real = ops.linear_cross_entropy
     monkeypatch.setattr(ops, "linear_cross_entropy", lambda *a, **k: calls.append(k) or real(*a, **k))
 
-    def banned(*a, **k):
-        raise AssertionError("the LM head ran: the logits were materialized")
+    linear = nn.Linear.forward
 
-    monkeypatch.setattr(model.lm_head, "forward", banned)
+    def banned(self, x):  # nn.Linear.forward, raising for the head (a wrapper on the head instance's forward
+        if self is model.lm_head:  # would be a hook, which rightly turns the fusion off)
+            raise AssertionError("the LM head ran: the logits were materialized")
+        return linear(self, x)
+
+    monkeypatch.setattr(nn.Linear, "forward", banned)
+    monkeypatch.setattr(fnn.mlp, "_LINEAR_FORWARD", banned)  # the projections stay plain Linears
     got, got_g = _loss_and_grads(model, x, **kw)
     assert len(calls) == 1 and calls[0].get("reduction", "mean") == ("mean" if items is None else "sum")
     assert got.logits is None
@@ -491,6 +496,45 @@ def test_a_hook_on_the_lm_head_keeps_hfs_loss_path():
     (ref, ref_g), ref_seen = run(False)
     (got, got_g), got_seen = run(True)
     assert got_seen == ref_seen and len(ref_seen) == 1
+    assert rel_error(got.loss, ref.loss) <= FP32_TOL
+    worst = max((rel_error(got_g[n], ref_g[n]), n) for n in ref_g)
+    assert worst[0] <= GRAD_TOL, worst
+
+
+@pytest.mark.parametrize("where", ["mlp", "post_attention_layernorm", "input_layernorm"])
+def test_patch_refuses_modules_it_would_replace_that_carry_hooks(where):
+    """patch() replaces each RMSNorm and MLP: a hook registered on one before patching stopped running, and
+    logits moved by up to 29% with no error. It raises naming the module, with the model untouched."""
+    model = build("llama3", num_hidden_layers=2)
+    getattr(model.model.layers[0], where).register_forward_hook(lambda mod, args, out: out * 1.5)
+    before = logits(model, ids(seq=7))
+    with pytest.raises(ValueError, match=rf"^model: model\.layers\.0\.{where} \(\w+\) has hooks"):
+        fh.patch(model)
+    assert not hasattr(model, fh._patch._ATTR) and torch.equal(logits(model, ids(seq=7)), before)
+
+
+def _wrap_forward(m: nn.Module, scale: float) -> None:
+    """accelerate's add_hook_to_module: the instance's forward replaced by a wrapper (no torch hook)."""
+    old = m.forward
+    m.forward = lambda *a, **k: old(*a, **k) * scale
+
+
+@pytest.mark.parametrize("where", ["up_proj", "lm_head"])
+def test_instance_level_forward_wrappers_are_hooks(where):
+    """A projection or head whose forward is wrapped on the instance (accelerate's hooks: offload, device
+    maps) must be called: the fused MLP and the fused loss read only `.weight` and skipped the wrapper
+    (logits 4.5% off through up_proj; the loss through lm_head)."""
+
+    def run(patched: bool):
+        model = build("llama3", num_hidden_layers=2).train()
+        if patched:
+            fh.patch(model)
+        target = model.lm_head if where == "lm_head" else model.model.layers[0].mlp.up_proj
+        _wrap_forward(target, 0.5)
+        x = ids(seq=9)
+        return _loss_and_grads(model, x, labels=x)
+
+    (ref, ref_g), (got, got_g) = run(False), run(True)
     assert rel_error(got.loss, ref.loss) <= FP32_TOL
     worst = max((rel_error(got_g[n], ref_g[n]), n) for n in ref_g)
     assert worst[0] <= GRAD_TOL, worst

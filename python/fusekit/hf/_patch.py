@@ -49,7 +49,7 @@ from fusekit import backends, ops
 from fusekit.distributed import PLAIN
 from fusekit.hf import _attention
 from fusekit.nn import RMSNorm, SwiGLUMLP
-from fusekit.nn._hooks import hooked
+from fusekit.nn._hooks import hooked, own_hooks
 from fusekit.nn.rotary import apply_rope, rope_parameters
 from fusekit.ops import _amp
 
@@ -655,8 +655,17 @@ def patch(
     attentions: list[nn.Module] = []
     layers: list[nn.Module] = []
     bases: list[nn.Module] = []
+    paths = {id(m): p for p, m in model.named_modules()}
     for parent in model.modules():
         for name, child in parent.named_children():
+            if type(child) in (classes["RMSNorm"], classes["MLP"]) and own_hooks(child):
+                # the module is replaced: its hooks (or accelerate's instance forward) would silently stop running
+                where = ".".join(x for x in (paths.get(id(parent), ""), name) if x)
+                raise ValueError(
+                    f"model: {where} ({type(child).__name__}) has hooks or an instance-level forward, which "
+                    "fusekit.hf.patch would drop by replacing it; register them after patching (fusekit's "
+                    "modules run hooks as HF's do)"
+                )
             if type(child) is classes["RMSNorm"]:
                 children.append(
                     (parent, name, child, RMSNorm.from_module(child, casting="llama", backend=backend))

@@ -7,13 +7,23 @@ from torch import nn
 from torch.nn.modules import module as _mm
 
 
-def hooked(m: nn.Module) -> bool:
-    """True if calling m runs a hook of its own or a global one (forward or backward, pre or post)."""
+def own_hooks(m: nn.Module) -> bool:
+    """True if m has hooks of its own: torch's (forward or backward, pre or post), or a forward replaced on the
+    instance (accelerate's add_hook_to_module wraps `m.forward` so; its `_hf_hook` marks it)."""
     return bool(
         m._forward_hooks
         or m._forward_pre_hooks
         or m._backward_hooks
         or m._backward_pre_hooks
+        or "forward" in m.__dict__
+        or getattr(m, "_hf_hook", None) is not None
+    )
+
+
+def hooked(m: nn.Module) -> bool:
+    """True if calling m runs a hook of its own (`own_hooks`) or a global one."""
+    return bool(
+        own_hooks(m)
         or _mm._global_forward_hooks
         or _mm._global_forward_pre_hooks
         or _mm._global_backward_hooks
