@@ -114,6 +114,59 @@ def test_rms_norm_matches_hf_llama_rms_norm(dtype):
     assert wrapped.weight is hf.weight and wrapped.casting == "llama" and wrapped.eps == 1e-5
 
 
+def test_rms_norm_from_module_takes_the_math_the_module_runs():
+    """Gemma-style norms (x * (1 + w), `eps` attribute) were wrapped with casting "fp32" (x * w: 91-99% off)
+    and Cohere's mean-subtracting norm (it has `variance_epsilon`) as a Llama RMSNorm (62% off). The casting
+    now follows the module's forward; an unknown forward needs an explicit casting."""
+    import importlib
+
+    torch.manual_seed(4)
+    x = torch.randn(3, 5, 32)
+
+    def hf(family: str, name: str, **kw) -> nn.Module:
+        cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+        m = cls(32, eps=1e-6, **kw)
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(32) * 0.5)
+        return m
+
+    for family, name, casting in (
+        ("gemma", "GemmaRMSNorm", "gemma"),
+        ("gemma3", "Gemma3RMSNorm", "gemma"),
+        ("qwen3", "Qwen3RMSNorm", "llama"),
+        ("mistral", "MistralRMSNorm", "llama"),
+    ):
+        m = hf(family, name)
+        ours = fnn.RMSNorm.from_module(m)
+        assert ours.casting == casting, name
+        assert_close(f"from_module({name})", ours(x), m(x), TOL[torch.float32], name)
+    assert fnn.RMSNorm.from_module(nn.RMSNorm(32)).casting == "fp32"
+    cohere = hf("cohere", "CohereLayerNorm", bias=False)
+    with pytest.raises(ValueError, match=r"^casting: CohereLayerNorm is neither torch.nn.RMSNorm nor"):
+        fnn.RMSNorm.from_module(cohere)
+    with pytest.raises(TypeError, match=r"^module: CohereLayerNorm does not run torch.nn.LayerNorm"):
+        fnn.LayerNorm.from_module(cohere)
+
+
+def test_swiglu_mlp_from_module_refuses_other_forwards():
+    """An MLP with LlamaMLP's Linears and SiLU but more math in its forward (FalconH1's multipliers, a clamp)
+    was wrapped as down(silu(gate(x)) * up(x)) and the extra math dropped; HF's copies of LlamaMLP wrap."""
+    L = _hf_llama()
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    class Scaled(L.LlamaMLP):
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 0.5)
+
+    cfg = _llama_config()
+    with pytest.raises(ValueError, match=r"^module: Scaled.forward is not LlamaMLP's"):
+        fnn.SwiGLUMLP.from_module(Scaled(cfg))
+    torch.manual_seed(5)
+    m = Qwen2MLP(cfg)
+    x = torch.randn(2, 3, 64)
+    assert_close("from_module(Qwen2MLP)", fnn.SwiGLUMLP.from_module(m)(x), m(x), TOL[torch.float32], "qwen2")
+
+
 def test_rms_norm_fused_residual_and_mixed_precision_weight():
     torch.manual_seed(3)
     x, r = torch.randn(6, 64, dtype=torch.bfloat16), torch.randn(6, 64, dtype=torch.bfloat16)

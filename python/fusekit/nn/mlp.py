@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from fusekit import backends, ops
 from fusekit.distributed import PLAIN
+from fusekit.nn._forms import hf_form
 from fusekit.nn._hooks import hooked
 
 
@@ -88,8 +89,16 @@ class SwiGLUMLP(nn.Module):
     def from_module(cls, module: nn.Module, *, backend: str = "auto") -> SwiGLUMLP:
         """A SwiGLUMLP around an HF-style MLP's own Linear modules (shared, not copied).
 
-        Raises ValueError naming the feature when the module has biases or an activation other than SiLU.
+        Raises ValueError naming the feature when the module has biases or an activation other than SiLU, and
+        when its forward is not LlamaMLP's down(act(gate(x)) * up(x)) (HF's copies of it: Mistral, Qwen2/3,
+        Granite ...) or a fusekit SwiGLUMLP's: extra math (FalconH1's multipliers, a clamp) is not guessed.
         """
+        if not isinstance(module, SwiGLUMLP) and hf_form(module, "mlp") != "llama":
+            raise ValueError(
+                f"module: {type(module).__name__}.forward is not LlamaMLP's down_proj(act_fn(gate_proj(x)) * "
+                "up_proj(x)), so what it computes is unknown; build a SwiGLUMLP and assign its Linears if it "
+                "computes exactly that"
+            )
         projs = {}
         for name in ("gate_proj", "up_proj", "down_proj"):
             lin = getattr(module, name, None)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from fusekit import backends, ops
+from fusekit.nn._forms import hf_form
 
 CASTINGS = ("fp32", "llama", "gemma")
 
@@ -116,15 +117,31 @@ class RMSNorm(nn.Module):
     def from_module(cls, module: nn.Module, *, casting: str | None = None, backend: str = "auto") -> RMSNorm:
         """A fusekit RMSNorm sharing `module`'s weight Parameter (torch.nn.RMSNorm or an HF RMSNorm).
 
-        casting defaults to "llama" for HF norms (they have `variance_epsilon`) and "fp32" otherwise.
+        casting defaults to what the module computes: "fp32" for torch.nn.RMSNorm, "llama" / "gemma" for HF
+        norms running LlamaRMSNorm's / GemmaRMSNorm's forward (their copies: Mistral, Qwen2/3, Phi3, Gemma2/3
+        ...), the module's own for a fusekit RMSNorm. Any other class (Cohere's mean-subtracting norm, OLMo2's
+        cast order) raises unless `casting` is given: its math is not guessed.
         """
         weight = getattr(module, "weight", None)
         if hasattr(module, "variance_epsilon"):
-            eps, hf = module.variance_epsilon, True
+            eps = module.variance_epsilon
         elif hasattr(module, "eps"):
-            eps, hf = module.eps, False
+            eps = module.eps
         else:
             raise TypeError(f"module: {type(module).__name__} has neither `eps` nor `variance_epsilon`")
+        if casting is None:
+            if isinstance(module, RMSNorm):
+                casting = module.casting
+            elif type(module).forward is nn.RMSNorm.forward and "forward" not in module.__dict__:
+                casting = "fp32"
+            else:
+                casting = hf_form(module, "norm")
+            if casting is None:
+                raise ValueError(
+                    f"casting: {type(module).__name__} is neither torch.nn.RMSNorm nor an HF norm running "
+                    f"LlamaRMSNorm's or GemmaRMSNorm's forward, so what it computes is unknown; pass casting= "
+                    f"one of {CASTINGS} after checking it computes that"
+                )
         if weight is not None and weight.dim() != 1:
             raise ValueError(
                 f"module: fusekit normalizes over the last dimension only; {type(module).__name__}.weight has "
@@ -135,7 +152,7 @@ class RMSNorm(nn.Module):
             n,
             eps,
             elementwise_affine=weight is not None,
-            casting=casting or ("llama" if hf else "fp32"),
+            casting=casting,
             backend=backend,
             device="meta",
         )
@@ -202,7 +219,15 @@ class LayerNorm(nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.LayerNorm, *, backend: str = "auto") -> LayerNorm:
-        """A fusekit LayerNorm sharing a torch.nn.LayerNorm's weight and bias Parameters."""
+        """A fusekit LayerNorm sharing a torch.nn.LayerNorm's weight and bias Parameters (or a fusekit
+        LayerNorm's); a module with another forward raises (its math is not guessed)."""
+        if not isinstance(module, LayerNorm) and (
+            type(module).forward is not nn.LayerNorm.forward or "forward" in module.__dict__
+        ):
+            raise TypeError(
+                f"module: {type(module).__name__} does not run torch.nn.LayerNorm's forward; fusekit's LayerNorm "
+                "wraps only that"
+            )
         n = _last_dim(module.normalized_shape)
         affine = module.weight is not None
         new = cls(
