@@ -16,6 +16,31 @@ def layer(x, w, b, wg, wu, wd, q, k, v):
     return ops.reduce_sum(h, -1, backend="torch"), ops.reduce_sum(a, backend="torch")
 
 
+def scalars(x, w, q):
+    """The checked float scalars (eps, theta, scale, label_smoothing), by default and given explicitly."""
+    h = ops.rms_norm(x, w, backend="torch") + ops.rms_norm(x, w, 1e-5, backend="torch")
+    h = h + ops.layer_norm(x, w, w, backend="torch")
+    r = ops.rope(q, backend="torch") + ops.rope(q, theta=5e5, backend="torch")
+    a = ops.attention(r, r, r, scale=0.1, backend="torch")
+    t = torch.arange(x.shape[0]) % x.shape[1]
+    return (
+        h,
+        a,
+        ops.linear_cross_entropy(x, w.expand(x.shape[1], -1), t, label_smoothing=0.1, backend="torch"),
+    )
+
+
+def test_fullgraph_dynamic_compile_of_checked_float_scalars():
+    """dynamic=True: the finiteness check of a default eps or theta used math.isfinite, which Dynamo cannot
+    trace there ("torch.* op returned non-Tensor"), so rms_norm, layer_norm and rope failed to compile."""
+    torch.manual_seed(0)
+    args = (torch.randn(6, 32), torch.randn(32), torch.randn(1, 5, 2, 64))
+    torch._dynamo.reset()
+    compiled = torch.compile(scalars, fullgraph=True, dynamic=True, backend="aot_eager")
+    for g, w in zip(compiled(*args), scalars(*args)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_fullgraph_compile_all_ops():
     torch.manual_seed(0)
     d, f = 64, 96

@@ -75,7 +75,8 @@ def real(name: str, v: object, *, positive: bool = False, nonnegative: bool = Fa
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
     f = float(v)
-    if not math.isfinite(f) or (positive and f <= 0) or (nonnegative and f < 0):
+    # f - f != 0 exactly for inf and NaN; unlike math.isfinite it traces under torch.compile(dynamic=True)
+    if f - f != 0 or (positive and f <= 0) or (nonnegative and f < 0):
         need = "positive and finite" if positive else "non-negative and finite" if nonnegative else "finite"
         raise ValueError(f"{name}: must be {need}, got {v}")
     if abs(f) > FLOAT32_MAX or (f != 0 and abs(f) < FLOAT32_TINY):
