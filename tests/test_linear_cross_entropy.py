@@ -266,6 +266,21 @@ def test_a_leading_block_of_masked_classes_keeps_the_loss_and_grads_finite(backe
         torch.testing.assert_close(a.grad.cpu(), r.grad.cpu(), rtol=1e-4, atol=1e-5, msg=f"grad of input {i}")
 
 
+def test_direct_op_call_saving_with_reduction_none_raises():
+    """The public function refuses a gradient with reduction='none'; a direct torch.ops call skipped that
+    check, and its backward broadcast the per-row output grads over the saved [T, H] dx (T == H: dx off by
+    3.6, silently). The custom op itself now refuses it, eagerly and under fake tensors."""
+    x, w, t, _ = _inputs("cpu")
+    with pytest.raises(
+        ValueError, match=r"^torch.ops.fusekit.linear_cross_entropy: save=True with reduction"
+    ):
+        torch.ops.fusekit.linear_cross_entropy(x, w, t, None, -100, "none", 0.0, "torch", True)
+    loss = torch.ops.fusekit.linear_cross_entropy(x, w, t, None, -100, "none", 0.0, "torch", False)[0]
+    torch.testing.assert_close(
+        loss, F.cross_entropy(F.linear(x, w), t, reduction="none"), rtol=1e-5, atol=1e-5
+    )
+
+
 def test_fp32_large_logits_keep_torchs_accuracy(backend_name, device):
     """lse = m + log(s) rounded to fp32 as one number carries ~u |m|: every softmax value of the row moved
     by that relative amount and every loss by that much, 20x torch's own error (fuzzer, FUSEKIT_FUZZ_SEED=6

@@ -248,12 +248,19 @@ def _register(spec: OpSpec) -> None:
     def split(args: tuple) -> tuple[tuple, tuple, str, bool]:
         return args[:n_in], args[n_in : n_in + n_sc], args[n_in + n_sc], args[n_in + n_sc + 1]
 
+    def refuse(sc: tuple, save: bool) -> None:
+        why = spec.refuse(dict(zip(spec.scalar_names, sc)), save) if spec.refuse is not None else None
+        if why is not None:
+            raise ValueError(f"torch.ops.fusekit.{spec.name}: {why}")
+
     def forward_impl(*args):  # absent outputs as 0-element placeholders, as the custom-op schema needs
         ins, sc, backend, save = split(args)
+        refuse(sc, save)
         return _placeholders(_device(ins), run(spec, FORWARD, ins, sc, backend, spec.conditions(ins, save)))
 
     def forward_fake(*args):
         ins, sc, _, save = split(args)
+        refuse(sc, save)
         named = dict(zip(spec.scalar_names, sc))
         lay = spec.output_layout(FORWARD, ins, named, spec.conditions(ins, save))
         return _placeholders(

@@ -166,6 +166,9 @@ class OpSpec:
     # Forward conditions that are conjunctions of others: (name, (condition, ...)), e.g. a bias gradient
     # output that exists when the bias is given and the call saves for backward.
     derived: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # A forward call the custom op itself refuses, (scalars by name, save) -> the reason or None: a direct
+    # torch.ops call skips the public function's checks (linear_cross_entropy saving with reduction="none").
+    refuse: Callable[[dict[str, object], bool], str | None] | None = None
 
     def phase(self, name: str) -> Phase:
         p = self.forward if name == FORWARD else self.backward

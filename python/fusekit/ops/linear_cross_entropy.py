@@ -341,6 +341,11 @@ SPEC = library.register(
         backward_inputs=lambda saved, g, cond: (g["loss"], *saved),
         input_grads=lambda g, cond: (g["gx"], g["gweight"], None, g["gbias"]),
         derived=(("bias_save", ("bias", "save")),),
+        refuse=lambda sc, save: (
+            "save=True with reduction='none' has no backward (the saved gradients are of the summed loss)"
+            if save and sc["reduction"] == "none"
+            else None
+        ),
     )
 )
 
