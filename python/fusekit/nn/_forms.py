@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 
 from torch import nn
 
 
-def _code(cls: type) -> tuple | None:
-    f = getattr(getattr(cls, "forward", None), "__code__", None)
+def class_forward(module: nn.Module) -> Callable | None:
+    """The forward `module` runs when called: its class's, or None when the instance replaced it (a wrapper
+    such as accelerate's hooks: the math it runs is unknown)."""
+    return None if "forward" in module.__dict__ else type(module).forward
+
+
+def _code(fn: Callable | None) -> tuple | None:
+    f = getattr(fn, "__code__", None)
     return None if f is None else (f.co_code, f.co_consts, f.co_names)
 
 
@@ -32,7 +39,7 @@ def _hf_forms(kind: str) -> dict[tuple, str]:
             cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
         except (ImportError, AttributeError):
             continue
-        code = _code(cls)
+        code = _code(getattr(cls, "forward", None))
         if code is not None:
             forms[code] = form
     return forms
@@ -41,6 +48,7 @@ def _hf_forms(kind: str) -> dict[tuple, str]:
 def hf_form(module: nn.Module, kind: str) -> str | None:
     """ "llama" / "gemma" when `module` runs HF's LlamaRMSNorm / GemmaRMSNorm forward (kind "norm"), "llama"
     when it runs LlamaMLP's down(act(gate(x)) * up(x)) (kind "mlp"); None for any other forward."""
-    if "forward" in module.__dict__ or not type(module).__module__.startswith("transformers."):
+    fwd = class_forward(module)
+    if fwd is None or not type(module).__module__.startswith("transformers."):
         return None
-    return _hf_forms(kind).get(_code(type(module)))
+    return _hf_forms(kind).get(_code(fwd))

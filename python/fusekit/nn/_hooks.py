@@ -6,6 +6,8 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules import module as _mm
 
+from fusekit.nn._forms import class_forward
+
 
 def own_hooks(m: nn.Module) -> bool:
     """True if m has hooks of its own: torch's (forward or backward, pre or post), or a forward replaced on the
@@ -15,7 +17,7 @@ def own_hooks(m: nn.Module) -> bool:
         or m._forward_pre_hooks
         or m._backward_hooks
         or m._backward_pre_hooks
-        or "forward" in m.__dict__
+        or class_forward(m) is None
         or getattr(m, "_hf_hook", None) is not None
     )
 

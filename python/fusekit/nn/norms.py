@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from fusekit import backends, ops
-from fusekit.nn._forms import hf_form
+from fusekit.nn._forms import class_forward, hf_form
 
 CASTINGS = ("fp32", "llama", "gemma")
 
@@ -132,7 +132,7 @@ class RMSNorm(nn.Module):
         if casting is None:
             if isinstance(module, RMSNorm):
                 casting = module.casting
-            elif type(module).forward is nn.RMSNorm.forward and "forward" not in module.__dict__:
+            elif class_forward(module) is nn.RMSNorm.forward:
                 casting = "fp32"
             else:
                 casting = hf_form(module, "norm")
@@ -221,9 +221,7 @@ class LayerNorm(nn.Module):
     def from_module(cls, module: nn.LayerNorm, *, backend: str = "auto") -> LayerNorm:
         """A fusekit LayerNorm sharing a torch.nn.LayerNorm's weight and bias Parameters (or a fusekit
         LayerNorm's); a module with another forward raises (its math is not guessed)."""
-        if not isinstance(module, LayerNorm) and (
-            type(module).forward is not nn.LayerNorm.forward or "forward" in module.__dict__
-        ):
+        if not isinstance(module, LayerNorm) and class_forward(module) is not nn.LayerNorm.forward:
             raise TypeError(
                 f"module: {type(module).__name__} does not run torch.nn.LayerNorm's forward; fusekit's LayerNorm "
                 "wraps only that"
