@@ -88,11 +88,11 @@ def _swiglu_bwd_kernel[
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(TPB)))
 def _xn_kernel[
-    dtype: DType, W: Int
+    dtype: DType, wdtype: DType, W: Int
 ](
     xn: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
-    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[wdtype], MutAnyOrigin],
     rstd: FPtr,
     params: FPtr,
     T: Int64,
@@ -102,6 +102,7 @@ def _xn_kernel[
     if params[unsafe_offset=0] == 0:
         return
     comptime AL = 16 if W > 1 else align_of[dtype]()
+    comptime ALW = 16 if W > 1 else align_of[wdtype]()  # nw's W-vector: W * its size bytes, 16-aligned
     var d = Int(D)
     var per_row = d // W
     var n = Int(T) * per_row
@@ -111,13 +112,13 @@ def _xn_kernel[
         var c = (i - t * per_row) * W
         var o = t * d + c
         var xv = x.unsafe_load[width=W, alignment=AL](o).cast[F32]() * rstd[unsafe_offset=t]
-        var wv = nw.unsafe_load[width=W, alignment=AL](c).cast[F32]()
+        var wv = nw.unsafe_load[width=W, alignment=ALW](c).cast[F32]()
         xn.unsafe_store[alignment=AL](o, (xv * wv).cast[dtype]())
         i += grid_dim.x * block_dim.x
 
 
 def swiglu_bwd_gpu[
-    dtype: DType
+    wdtype: DType, //, dtype: DType
 ](
     ctx: DeviceContext,
     h: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -127,7 +128,7 @@ def swiglu_bwd_gpu[
     dh: Pointer[Scalar[dtype], MutAnyOrigin],
     gu: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
-    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[wdtype], MutAnyOrigin],
     rstd: FPtr,
     params: FPtr,
     T: Int,
@@ -154,18 +155,18 @@ def swiglu_bwd_gpu[
     var xok = Dn % VW == 0 and is_aligned16(xn) and is_aligned16(x) and is_aligned16(nw)
     if xok:
         var grid = max(1, min(cdiv(Tn * (Dn // VW), TPB), 1 << 30))
-        ctx.enqueue_function[_xn_kernel[dtype, VW]](
+        ctx.enqueue_function[_xn_kernel[dtype, wdtype, VW]](
             xn, x, nw, rstd, params, Int64(Tn), Int64(Dn), grid_dim=grid, block_dim=TPB
         )
     else:
         var grid = max(1, min(cdiv(Tn * Dn, TPB), 1 << 30))
-        ctx.enqueue_function[_xn_kernel[dtype, 1]](
+        ctx.enqueue_function[_xn_kernel[dtype, wdtype, 1]](
             xn, x, nw, rstd, params, Int64(Tn), Int64(Dn), grid_dim=grid, block_dim=TPB
         )
 
 
 def swiglu_bwd_cpu[
-    dtype: DType
+    wdtype: DType, //, dtype: DType
 ](
     h: Pointer[Scalar[dtype], MutAnyOrigin],
     dg: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -174,7 +175,7 @@ def swiglu_bwd_cpu[
     dh: Pointer[Scalar[dtype], MutAnyOrigin],
     gu: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
-    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[wdtype], MutAnyOrigin],
     rstd: FPtr,
     has_norm: Bool,
     grads: Bool,

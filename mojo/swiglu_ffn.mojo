@@ -3,7 +3,7 @@
 # Contract: out [T, D], rstd [T] f32 (written when has_norm), gu [T, 2F] = [round(g), round(u)] (written
 # when save: a training call, for fusekit.swiglu_ffn_backward), then the workspaces xn, h, g (f32), out_pad
 # (rank 1, see FfnScratch; 1-element dummies on the CPU) <- x [T, D], w_gate [F, D], w_up [F, D],
-# w_down [D, F], norm_weight [D] (x's dtype), params [3] f32 = [eps, has_norm, save].
+# w_down [D, F], norm_weight [D] (x's dtype or fp32), params [3] f32 = [eps, has_norm, save].
 # Precision = python/fusekit/ops/swiglu_ffn.py: xn rounded to x.dtype, g/u accumulated in fp32,
 # h = silu(g) * u in fp32 rounded to x.dtype, out accumulated in fp32.
 # norm_weight and rstd are not touched when has_norm == 0 (they may be dummies), gu not when save == 0
@@ -151,12 +151,12 @@ def _silu_mul(g: Float32, u: Float32) -> Float32:
 
 
 def _norm_kernel[
-    dtype: DType
+    dtype: DType, wdtype: DType
 ](
     xn: Pointer[Scalar[dtype], MutAnyOrigin],
     rstd_out: Pointer[Float32, MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
-    w: Pointer[Scalar[dtype], MutAnyOrigin],
+    w: Pointer[Scalar[wdtype], MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     D: Int32,
 ):
@@ -318,7 +318,7 @@ def _gemv[
 # is why the GEMV-only forward is its own function rather than swiglu_ffn_gpu_save with a with_tc = False
 # parameter, and why the ops pick it through a struct parameter (_FfnGpuPath) rather than a comptime if.
 def swiglu_ffn_gpu_gemv[
-    dtype: DType
+    wdtype: DType, //, dtype: DType
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     rstd: Pointer[Float32, MutAnyOrigin],
@@ -328,7 +328,7 @@ def swiglu_ffn_gpu_gemv[
     wg: Pointer[Scalar[dtype], MutAnyOrigin],
     wu: Pointer[Scalar[dtype], MutAnyOrigin],
     wd: Pointer[Scalar[dtype], MutAnyOrigin],
-    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[wdtype], MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     T: Int,
     D: Int,
@@ -343,11 +343,11 @@ def swiglu_ffn_gpu_gemv[
 
 
 def _ffn_norm[
-    dtype: DType
+    wdtype: DType, //, dtype: DType
 ](
     rstd: Pointer[Float32, MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
-    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[wdtype], MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     T: Int,
     D: Int,
@@ -358,7 +358,7 @@ def _ffn_norm[
     """Launch the norm kernel into ws.xn (checked to hold xn_rows rows) and return ws.xn."""
     check_workspace(_OP, "xn", ws.xn_len, xn_rows * D)
     var xn = ws.xn()
-    ctx.enqueue_function[_norm_kernel[dtype]](xn, rstd, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
+    ctx.enqueue_function[_norm_kernel[dtype, wdtype]](xn, rstd, x, nw, params, Int32(D), grid_dim=T, block_dim=NORM_THREADS)
     return xn
 
 
@@ -395,7 +395,7 @@ trait _FfnGpuPath:
 
     @staticmethod
     def run[
-        dtype: DType
+        wdtype: DType, //, dtype: DType
     ](
         o: Pointer[Scalar[dtype], MutAnyOrigin],
         rstd: Pointer[Float32, MutAnyOrigin],
@@ -405,7 +405,7 @@ trait _FfnGpuPath:
         wg: Pointer[Scalar[dtype], MutAnyOrigin],
         wu: Pointer[Scalar[dtype], MutAnyOrigin],
         wd: Pointer[Scalar[dtype], MutAnyOrigin],
-        nw: Pointer[Scalar[dtype], MutAnyOrigin],
+        nw: Pointer[Scalar[wdtype], MutAnyOrigin],
         params: Pointer[Float32, MutAnyOrigin],
         T: Int,
         D: Int,
@@ -421,7 +421,7 @@ struct _GemvPath(_FfnGpuPath):
 
     @staticmethod
     def run[
-        dtype: DType
+        wdtype: DType, //, dtype: DType
     ](
         o: Pointer[Scalar[dtype], MutAnyOrigin],
         rstd: Pointer[Float32, MutAnyOrigin],
@@ -431,7 +431,7 @@ struct _GemvPath(_FfnGpuPath):
         wg: Pointer[Scalar[dtype], MutAnyOrigin],
         wu: Pointer[Scalar[dtype], MutAnyOrigin],
         wd: Pointer[Scalar[dtype], MutAnyOrigin],
-        nw: Pointer[Scalar[dtype], MutAnyOrigin],
+        nw: Pointer[Scalar[wdtype], MutAnyOrigin],
         params: Pointer[Float32, MutAnyOrigin],
         T: Int,
         D: Int,
@@ -443,7 +443,7 @@ struct _GemvPath(_FfnGpuPath):
 
 
 def swiglu_ffn_cpu[
-    dtype: DType
+    wdtype: DType, //, dtype: DType
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     rstd_out: Pointer[Float32, MutAnyOrigin],
@@ -453,7 +453,7 @@ def swiglu_ffn_cpu[
     wg: Pointer[Scalar[dtype], MutAnyOrigin],
     wu: Pointer[Scalar[dtype], MutAnyOrigin],
     wd: Pointer[Scalar[dtype], MutAnyOrigin],
-    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[wdtype], MutAnyOrigin],
     eps: Float32,
     has_norm: Bool,
     T: Int,
@@ -499,7 +499,7 @@ def swiglu_ffn_cpu[
 # compile (H100, MAX 26.7), so a call compiles them only when python/fusekit/backends/mojo routes a
 # static-pair prefill to fusekit.swiglu_ffn_tc.
 def _swiglu_ffn_execute[
-    dtype: DType, //, target: StaticString, Path: _FfnGpuPath
+    dtype: DType, wdtype: DType, //, target: StaticString, Path: _FfnGpuPath
 ](
     res: MutableInputTensor[dtype=dtype, rank=2, ...],
     rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
@@ -512,7 +512,7 @@ def _swiglu_ffn_execute[
     w_gate: InputTensor[dtype=dtype, rank=2, ...],
     w_up: InputTensor[dtype=dtype, rank=2, ...],
     w_down: InputTensor[dtype=dtype, rank=2, ...],
-    norm_weight: InputTensor[dtype=dtype, rank=1, ...],
+    norm_weight: InputTensor[dtype=wdtype, rank=1, ...],
     params: InputTensor[dtype=DType.float32, rank=1, ...],
     ctx: DeviceContext,
 ) raises:
@@ -525,7 +525,7 @@ def _swiglu_ffn_execute[
     var gp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_gate.unsafe_ptr())
     var up = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_up.unsafe_ptr())
     var dp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](w_down.unsafe_ptr())
-    var np = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](norm_weight.unsafe_ptr())
+    var np = rebind[Pointer[Scalar[wdtype], MutAnyOrigin]](norm_weight.unsafe_ptr())
     var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
     var gup = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](gu.unsafe_ptr())
     var save = gu.dim_size(1) == 2 * F  # a [1, 1] dummy without save (2F >= 2)
@@ -551,7 +551,7 @@ def _swiglu_ffn_execute[
 struct SwigluFfn:
     @staticmethod
     def execute[
-        dtype: DType, //, target: StaticString
+        dtype: DType, wdtype: DType, //, target: StaticString
     ](
         res: MutableInputTensor[dtype=dtype, rank=2, ...],
         rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
@@ -564,7 +564,7 @@ struct SwigluFfn:
         w_gate: InputTensor[dtype=dtype, rank=2, ...],
         w_up: InputTensor[dtype=dtype, rank=2, ...],
         w_down: InputTensor[dtype=dtype, rank=2, ...],
-        norm_weight: InputTensor[dtype=dtype, rank=1, ...],
+        norm_weight: InputTensor[dtype=wdtype, rank=1, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
@@ -577,13 +577,13 @@ struct SwigluFfn:
 struct SwigluFfnBackward:
     """The backward's element-wise part (_swiglu_backward.mojo): outputs h [T, F], dg, du [T, F] (x's dtype;
     [1, 1] dummies without grads), xn [T, D] (written when has_norm, else a [1, 1] dummy); inputs dh [T, F]
-    (a dummy without grads), gu [T, 2F], x [T, D], norm_weight [D] (x's dtype), rstd [T] f32 (dummies [1]
+    (a dummy without grads), gu [T, 2F], x [T, D], norm_weight [D] (x's dtype or fp32), rstd [T] f32 (dummies [1]
     without a norm), params [2] = [has_norm, grads]. Without grads it is the GEMM-path forward's h = silu(g) u
     from gu (MojoBackend._swiglu_ffn_forward_gemm)."""
 
     @staticmethod
     def execute[
-        dtype: DType, //, target: StaticString
+        dtype: DType, wdtype: DType, //, target: StaticString
     ](
         h: MutableInputTensor[dtype=dtype, rank=2, ...],
         dg: MutableInputTensor[dtype=dtype, rank=2, ...],
@@ -592,7 +592,7 @@ struct SwigluFfnBackward:
         dh: InputTensor[dtype=dtype, rank=2, ...],
         gu: InputTensor[dtype=dtype, rank=2, ...],
         x: InputTensor[dtype=dtype, rank=2, ...],
-        norm_weight: InputTensor[dtype=dtype, rank=1, ...],
+        norm_weight: InputTensor[dtype=wdtype, rank=1, ...],
         rstd: InputTensor[dtype=DType.float32, rank=1, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
@@ -606,7 +606,7 @@ struct SwigluFfnBackward:
         var dhp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](dh.unsafe_ptr())
         var gup = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](gu.unsafe_ptr())
         var xp = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](x.unsafe_ptr())
-        var np = rebind[Pointer[Scalar[dtype], MutAnyOrigin]](norm_weight.unsafe_ptr())
+        var np = rebind[Pointer[Scalar[wdtype], MutAnyOrigin]](norm_weight.unsafe_ptr())
         var rp = rebind[Pointer[Float32, MutAnyOrigin]](rstd.unsafe_ptr())
         var pp = rebind[Pointer[Float32, MutAnyOrigin]](params.unsafe_ptr())
         comptime if target == "gpu":

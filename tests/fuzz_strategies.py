@@ -103,8 +103,7 @@ PROFILES: dict[str, Profile] = {
         },
     ),
     # One MAX graph compile per (op, phase, dtypes) costs 20 s to minutes on a CPU: only fp32 and bf16
-    # (and the integer pairs), all compiled by the conformance suite earlier in the same session. The
-    # mojo swiglu_ffn kernel takes norm_weight in x's dtype only.
+    # (and the integer pairs), all compiled by the conformance suite earlier in the same session.
     "mojo": Profile(
         floats=(F32, BF16),
         wf32=True,
@@ -112,7 +111,7 @@ PROFILES: dict[str, Profile] = {
         int32_out=False,
         float_outs=(F32,),
         dot_floats=(F32, BF16),
-        swiglu_wf32=False,
+        swiglu_wf32=True,
         head_dims=(64, 128, 256),
         numel=12000,
         row=4097,

@@ -41,15 +41,20 @@ def test_entries_cover_every_op_phase_and_kernel_dtype(monkeypatch: pytest.Monke
     # float64 *result* of reduce_sum is a mojo kernel (reduce_sum(x, dtype=torch.float64, backend="mojo"))
     assert all(e.dtypes[0] != torch.float64 for e in cpu), "float64 x runs on the torch backend"
     assert ("fusekit.reduce_sum", (torch.float32, torch.float64)) in keys
-    # swiglu_ffn's backward: its element-wise op and the rms_norm backward it calls (weight in x's dtype)
+    # swiglu_ffn's backward: its element-wise op and the rms_norm backward it calls, each with norm_weight
+    # in x's dtype or (AMP) fp32 under a half x
     swiglu_bwd = {
         e.spec.max_op for e in mojo_build.entries(torch.device("cpu"), ["swiglu_ffn"], ("backward",))
     }
     assert swiglu_bwd == {"fusekit.swiglu_ffn_backward", "fusekit.rms_norm_backward"}
+    bf16, f32 = torch.bfloat16, torch.float32
+    amp = {(e.spec.max_op, e.dtypes) for e in mojo_build.entries(torch.device("cpu"), ["swiglu_ffn"])}
+    assert {("fusekit.swiglu_ffn", (bf16, f32)), ("fusekit.swiglu_ffn_backward", (bf16, f32))} <= amp
+    assert ("fusekit.rms_norm_backward", (bf16, f32)) in amp
     # its forward: the op, the rms_norm op of the GEMM path, on a GPU the element-wise op forming h there,
     # and on NVIDIA the bf16 wgmma twin only where FUSEKIT_MOJO_FFN_TC=1 routes prefill to it
-    tc_key = ("fusekit.swiglu_ffn_tc", (torch.bfloat16, torch.bfloat16))
-    for dev, tc_env, tc in (("cpu", "1", set()), ("cuda", "", set()), ("cuda", "1", {tc_key})):
+    tc_keys = {("fusekit.swiglu_ffn_tc", (torch.bfloat16, w)) for w in (torch.bfloat16, torch.float32)}
+    for dev, tc_env, tc in (("cpu", "1", set()), ("cuda", "", set()), ("cuda", "1", tc_keys)):
         monkeypatch.setenv("FUSEKIT_MOJO_FFN_TC", tc_env)
         fwd = {
             (e.spec.max_op, e.dtypes)

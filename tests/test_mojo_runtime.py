@@ -224,11 +224,12 @@ def test_supports_reasons() -> None:
     cpu = torch.device("cpu")
     f32, bf16 = torch.float32, torch.bfloat16
     assert be.supports("swiglu_ffn", "forward", cpu, (f32, f32)) is None
-    # the Mojo FFN kernels take the norm weight in x's dtype only, forward and backward (issue #10)
-    assert "x's dtype only" in be.supports("swiglu_ffn", "forward", cpu, (bf16, f32))
+    # the Mojo FFN kernels take the norm weight in x's dtype or fp32 (AMP), forward and backward (issue #10)
+    assert be.supports("swiglu_ffn", "forward", cpu, (bf16, f32)) is None
     assert be.supports("swiglu_ffn", "backward", cpu, (f32, f32)) is None
     assert be.supports("swiglu_ffn", "backward", cpu, (bf16, bf16)) is None
-    assert "x's dtype only" in be.supports("swiglu_ffn", "backward", cpu, (bf16, f32))
+    assert be.supports("swiglu_ffn", "backward", cpu, (bf16, f32)) is None
+    assert be.supports("swiglu_ffn", "forward", cpu, (bf16, torch.float16)) is not None
     assert be.supports("attention", "forward", cpu, (bf16,), head_dim=128) is None
     assert be.supports("attention", "forward", cpu, (bf16,), head_dim=96) is not None
     assert be.supports("attention", "forward", cpu, (torch.float64,), head_dim=128) is not None

@@ -105,7 +105,7 @@ def _ffn_tc[
 
 
 def swiglu_ffn_gpu[
-    dtype: DType
+    wdtype: DType, //, dtype: DType
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     rstd: Pointer[Float32, MutAnyOrigin],
@@ -113,7 +113,7 @@ def swiglu_ffn_gpu[
     wg: Pointer[Scalar[dtype], MutAnyOrigin],
     wu: Pointer[Scalar[dtype], MutAnyOrigin],
     wd: Pointer[Scalar[dtype], MutAnyOrigin],
-    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[wdtype], MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     T: Int,
     D: Int,
@@ -127,7 +127,7 @@ def swiglu_ffn_gpu[
 
 
 def swiglu_ffn_gpu_save[
-    dtype: DType
+    wdtype: DType, //, dtype: DType
 ](
     o: Pointer[Scalar[dtype], MutAnyOrigin],
     rstd: Pointer[Float32, MutAnyOrigin],
@@ -137,7 +137,7 @@ def swiglu_ffn_gpu_save[
     wg: Pointer[Scalar[dtype], MutAnyOrigin],
     wu: Pointer[Scalar[dtype], MutAnyOrigin],
     wd: Pointer[Scalar[dtype], MutAnyOrigin],
-    nw: Pointer[Scalar[dtype], MutAnyOrigin],
+    nw: Pointer[Scalar[wdtype], MutAnyOrigin],
     params: Pointer[Float32, MutAnyOrigin],
     T: Int,
     D: Int,
@@ -180,7 +180,7 @@ struct _TcPath(_FfnGpuPath):
 
     @staticmethod
     def run[
-        dtype: DType
+        wdtype: DType, //, dtype: DType
     ](
         o: Pointer[Scalar[dtype], MutAnyOrigin],
         rstd: Pointer[Float32, MutAnyOrigin],
@@ -190,7 +190,7 @@ struct _TcPath(_FfnGpuPath):
         wg: Pointer[Scalar[dtype], MutAnyOrigin],
         wu: Pointer[Scalar[dtype], MutAnyOrigin],
         wd: Pointer[Scalar[dtype], MutAnyOrigin],
-        nw: Pointer[Scalar[dtype], MutAnyOrigin],
+        nw: Pointer[Scalar[wdtype], MutAnyOrigin],
         params: Pointer[Float32, MutAnyOrigin],
         T: Int,
         D: Int,
@@ -207,7 +207,7 @@ struct SwigluFfnTc:
 
     @staticmethod
     def execute[
-        dtype: DType, //, target: StaticString
+        dtype: DType, wdtype: DType, //, target: StaticString
     ](
         res: MutableInputTensor[dtype=dtype, rank=2, ...],
         rstd: MutableInputTensor[dtype=DType.float32, rank=1, ...],
@@ -220,7 +220,7 @@ struct SwigluFfnTc:
         w_gate: InputTensor[dtype=dtype, rank=2, ...],
         w_up: InputTensor[dtype=dtype, rank=2, ...],
         w_down: InputTensor[dtype=dtype, rank=2, ...],
-        norm_weight: InputTensor[dtype=dtype, rank=1, ...],
+        norm_weight: InputTensor[dtype=wdtype, rank=1, ...],
         params: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:

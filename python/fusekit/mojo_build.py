@@ -104,8 +104,8 @@ def entries(
                     # (forming h) that prefill runs between vendor matmuls; the wgmma twin for bf16 prefill
                     # at a static pair where it is switched on (ffn_tc_enabled; built from mojo/tc/)
                     add(op, phase, spec, key)
-                    if device.type in FFN_GEMM_DEVICES:
-                        add(op, phase, SWIGLU_FFN_BACKWARD, key[:1])
+                    if device.type in FFN_GEMM_DEVICES:  # h only: no norm_weight (a dummy in x's dtype)
+                        add(op, phase, SWIGLU_FFN_BACKWARD, key[:1] * 2)
                     if (
                         ffn_tc_enabled()
                         and device.type == "cuda"
@@ -113,14 +113,12 @@ def entries(
                         and torch.version.hip is None
                     ):
                         add(op, phase, swiglu_ffn_tc_spec(), key)
-                    norm = phase_spec("rms_norm", "forward")
-                    add(op, phase, norm, key[:1] * len(norm.dtype_vars))
+                    add(op, phase, phase_spec("rms_norm", "forward"), key)  # (x, norm_weight)
                 elif op == "swiglu_ffn" and phase == "backward":
-                    # what the backend runs for it: its element-wise op and the rms_norm backward (weight
-                    # in x's dtype) between torch matmuls
-                    add(op, phase, SWIGLU_FFN_BACKWARD, key[:1])
-                    norm = phase_spec("rms_norm", "backward")
-                    add(op, phase, norm, key[:1] * len(norm.dtype_vars))
+                    # what the backend runs for it: its element-wise op and the rms_norm backward (both
+                    # with norm_weight's dtype) between torch matmuls
+                    add(op, phase, SWIGLU_FFN_BACKWARD, key)
+                    add(op, phase, phase_spec("rms_norm", "backward"), key)
                 else:
                     add(op, phase, spec, key)
     return out

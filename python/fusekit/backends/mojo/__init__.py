@@ -21,7 +21,6 @@ from fusekit.backends.mojo.specs import (
     RUNS_ON,
     SW_TC_MIN_T,
     SWIGLU_FFN_BACKWARD,
-    X_DTYPE_WEIGHTS,
     ffn_static_tc,
     phase_spec,
     swiglu_ffn_tc_spec,
@@ -128,8 +127,6 @@ class MojoBackend(Backend):
         if dtypes not in spec.allowed:
             names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
             return f"the mojo backend has no {op} kernel for dtypes ({names})"
-        if op in X_DTYPE_WEIGHTS and len(set(dtypes)) > 1:
-            return f"the mojo {op} kernel takes norm_weight in x's dtype only, got {dtypes[1]} with {dtypes[0]} x"
         if why := fused_refusal(op, phase, dtypes):  # as the triton backend's
             return why
         if op == "attention" and meta.get("head_dim") not in HEAD_DIMS:

@@ -46,8 +46,6 @@ from fusekit.ops._spec import ACC, acc_dtype
 # Ops the Mojo package has no kernel for (yet): the backend refuses them before building any MAX spec, so
 # backend="mojo" raises naming op and backend, "auto" passes over it, and mojo_build lists none of them.
 NO_KERNEL: frozenset[str] = frozenset()
-# Ops whose Mojo kernels take their weights in x's dtype only (no second dtype parameter yet).
-X_DTYPE_WEIGHTS = frozenset({"swiglu_ffn"})
 
 Bound = tuple[tuple[torch.Tensor | tuple, ...], tuple[torch.Tensor | tuple, ...], tuple[float, ...]]
 # Compile-time parameters of a MAX custom op, as passed to `ops.inplace_custom(parameters=...)`:
@@ -287,12 +285,15 @@ SWIGLU_FFN_BACKWARD = OpSpec(
         TensorSpec("dh", ("T_dh", "F_dh"), "x"),
         TensorSpec("gu", ("T", "G"), "x"),
         TensorSpec("x", ("T", "D"), "x"),
-        TensorSpec("norm_weight", ("D_norm_weight",), "x"),
+        TensorSpec("norm_weight", ("D_norm_weight",), "w"),
         TensorSpec("rstd", ("T_rstd",), "float32"),
     ),
     params=("has_norm", "grads"),
-    dtype_vars=("x",),
-    allowed=frozenset((d,) for d in (torch.float32, torch.float16, torch.bfloat16)),
+    dtype_vars=("x", "w"),  # w: norm_weight's, x's or fp32 (the swiglu_ffn op's own pairs)
+    allowed=frozenset(
+        [(d, d) for d in (torch.float32, torch.float16, torch.bfloat16)]
+        + [(d, torch.float32) for d in (torch.float16, torch.bfloat16)]
+    ),
     bind=_bind_swiglu_backward,
 )
 
