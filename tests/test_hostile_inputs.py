@@ -293,6 +293,10 @@ x4 = torch.randn(1, 3, 2, 8)
         (lambda: ops.layer_norm(x4, torch.ones(8), eps=1e-50), r"^eps: 1e-50 is not representable"),
         (lambda: ops.attention(x4, x4, x4, scale=1e39), r"^scale: 1e\+39 is not representable"),
         (lambda: ops.attention(x4, x4, x4, scale=0.0), r"^scale: must be positive"),
+        # an int beyond any float: float() raised OverflowError, naming nothing
+        (lambda: ops.rms_norm(x4, torch.ones(8), eps=10**400), r"^eps: int value too large for float32"),
+        (lambda: ops.rope(x4, theta=10**400), r"^theta: int value too large for float32"),
+        (lambda: ops.attention(x4, x4, x4, scale=-(10**400)), r"^scale: int value too large"),
         (
             lambda: ops.rope(x4, start_pos=2**31 - 4),
             r"^start_pos: positions up to start_pos \+ S = 2147483647",
@@ -325,6 +329,66 @@ def test_scalar_ranges_are_named(call, match):
 def test_rope_position_bound_is_inclusive():
     y = ops.rope(torch.randn(1, 3, 2, 8, dtype=torch.float64), start_pos=(1 << 24) - 3, backend="torch")
     assert y.isfinite().all()
+
+
+def test_lazily_negated_inputs_are_read_by_value(backend_name, device):
+    """A tensor with the neg bit (torch._neg_view; z.conj().imag) holds -values in memory: the kernels read
+    memory, so triton and mojo computed from -x (rms_norm off by 6.4) with the same key as a plain tensor.
+    Inputs, weights and a backward's output gradient are read by value, on first and remembered calls."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 64, generator=g).to(device)
+    w = (torch.rand(64, generator=g) + 0.5).to(device)
+    neg = lambda t: torch._neg_view(-t)  # the same values, negated lazily
+    assert neg(x).is_neg() and torch.equal(neg(x), x)
+    for _ in range(2):  # the plain call first (remembered), then the lazily negated one, twice
+        want = ops.rms_norm(x, w, backend=backend_name)
+        assert torch.equal(ops.rms_norm(neg(x), w, backend=backend_name), want)
+        assert torch.equal(ops.rms_norm(x, neg(w), backend=backend_name), want)
+        s = ops.reduce_sum(x, -1, backend=backend_name)
+        assert torch.equal(ops.reduce_sum(neg(x), -1, backend=backend_name), s)
+    xr = x.clone().requires_grad_()
+    dy = torch.randn(4, 64, generator=g).to(device)
+    grads = []
+    for gy in (dy, neg(dy), dy):
+        xr.grad = None
+        ops.rms_norm(xr, w, backend=backend_name).backward(gy)
+        grads.append(xr.grad)
+    assert torch.equal(grads[1], grads[0]) and torch.equal(grads[2], grads[0])
+
+
+def test_inference_mode_with_enable_grad_records_no_gradient(backend_name):
+    """torch records nothing inside inference_mode, even under enable_grad (F.rms_norm returns an inference
+    tensor without grad_fn); fusekit tried to save inference tensors for backward and raised, also after a
+    gradient call of the same signature was remembered outside the mode."""
+    x = torch.randn(3, 16)
+    w = torch.ones(16, requires_grad=True)
+    ops.rms_norm(x, w, backend=backend_name).sum().backward()  # remembered with a gradient
+    for _ in range(2):
+        with torch.inference_mode(), torch.enable_grad():
+            y = ops.rms_norm(x, w, backend=backend_name)
+        assert y.is_inference() and not y.requires_grad and y.grad_fn is None
+        torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (16,), w.detach(), 1e-6))
+
+
+@pytest.mark.filterwarnings("ignore:.*(beta|prototype)")  # torch's notes on sparse CSR / nested tensors
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested"])
+def test_non_strided_tensors_are_named(layout):
+    """Sparse and nested tensors have no strides: torch's own error leaked out of the memo key."""
+    x = torch.randn(4, 8)
+    make = {
+        "sparse_coo": lambda t: t.to_sparse(),
+        "sparse_csr": lambda t: t.to_sparse_csr(),
+        "nested": lambda t: torch.nested.nested_tensor([t[:2], t[2:]]),
+    }[layout]
+    name = "nested" if layout == "nested" else layout
+    with pytest.raises(TypeError, match=rf"^x: expected a dense \(strided\) tensor, got a {name} one"):
+        ops.rms_norm(make(x), torch.ones(8))
+    with pytest.raises(TypeError, match=r"^weight: expected a dense"):
+        ops.rms_norm(x, torch.ones(8).to_sparse())
+    with pytest.raises(TypeError, match=r"^x: expected a dense"):
+        ops.reduce_sum(make(x))
+    with pytest.raises(TypeError, match=r"^target: expected a dense"):
+        ops.linear_cross_entropy(x, torch.ones(3, 8), torch.zeros(4, dtype=torch.long).to_sparse())
 
 
 # --- 3. flags must be bools; integer-like positions are accepted -------------------------------------

@@ -29,10 +29,20 @@ _SPECS: dict[str, OpSpec] = {}
 _GRAD_POS: dict[str, tuple[tuple[tuple[int, str], ...], tuple[tuple[int, str], ...]]] = {}
 
 
+def grad_on() -> bool:
+    """Whether a call records a gradient: grad mode on, outside inference_mode (torch records nothing there
+    even under enable_grad, and inference tensors cannot be saved for backward). Dynamo cannot trace the
+    inference-mode query (a fundamental graph break), and a traced graph is recorded under its grad mode."""
+    return torch.is_grad_enabled() and (
+        torch.compiler.is_compiling() or not torch.is_inference_mode_enabled()
+    )
+
+
 def _needs_grad(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> list[str]:
-    """Names of the inputs that require grad (none under no_grad). An input the op has no gradient for
-    (rope's cos / sin tables) that requires grad raises, naming it: its gradient would be dropped."""
-    if not torch.is_grad_enabled():
+    """Names of the inputs that require grad (none under no_grad or inference_mode). An input the op has
+    no gradient for (rope's cos / sin tables) that requires grad raises, naming it: its gradient would be
+    dropped."""
+    if not grad_on():
         return []
     pos = _GRAD_POS.get(spec.name)
     if pos is None:

@@ -22,6 +22,7 @@ from fusekit.library.autograd import (
     apply,
     eager_apply,
     first_order,
+    grad_on,
     transformed,
 )
 from fusekit.library.fast_path import compile_run
@@ -50,13 +51,14 @@ def memo() -> dict:
 _PLAIN = (bool, int, float, str, type(None))
 _SLOTS = 6  # a present tensor's entries in a key: type, shape, strides, dtype, device, requires_grad
 _is_compiling = torch.compiler.is_compiling
-_grad_enabled = torch.is_grad_enabled
 
 
 def call_key(tensors: tuple, scalars: tuple, backend: object) -> tuple | None:
     """A public call's memo key, or None where it must take the checked path: while torch.compile
     traces, for non-tensor arguments, and for scalars that are not plain Python values (a 0-d tensor
-    or numpy start_pos could change value under the same identity).
+    or numpy start_pos could change value under the same identity), and for tensors whose values are not
+    their memory: a lazy negation (neg bit: the general path resolves it, plan._execute) or a sparse,
+    nested or mkldnn layout (the checks name the argument).
 
     One flat tuple (backend, grad mode, per tensor None or its _SLOTS entries, per scalar its type and
     value): hashed and compared without nested tuples, ~1 us less per call than a tuple per tensor on
@@ -65,14 +67,16 @@ def call_key(tensors: tuple, scalars: tuple, backend: object) -> tuple | None:
         return None
     if backend == "auto" and dispatch.capturing():
         return None  # auto may pick another backend inside a capture: the checked path decides
-    key = [backend, _grad_enabled()]  # grad mode decides the path
+    key = [backend, grad_on()]  # grad mode decides the path
     try:
         for t in tensors:
             if t is None:
                 key.append(None)
+            elif t.is_neg():
+                return None
             else:
                 key += (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):  # not a tensor; no strides
         return None
     for v in scalars:
         tv = type(v)
@@ -339,7 +343,7 @@ def _fast_backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
             g.append(torch.zeros(like[0], dtype=like[1], device=like[2]))
         else:
             same = same and gv.dtype == like[1] and gv.shape == like[0]
-            g.append(gv.contiguous())
+            g.append(gv.contiguous() if not gv.is_neg() else gv.resolve_neg())  # kernels read memory
     both = ctx.saved_tensors + tuple(g)
     bins = tuple([None if i is None else both[i] for i in r.bsel])
     plan = r.bplan

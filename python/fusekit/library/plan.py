@@ -226,6 +226,15 @@ def _plan_for(
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
+def resolved(inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    """`inputs`, with a lazily negated tensor (neg bit: torch._neg_view, conj().imag) materialized: kernels
+    read memory, which holds the negation's operand. Never on a remembered call (library.call_key)."""
+    for v in inputs:
+        if v is not None and v.is_neg():
+            return tuple([None if t is None else t.resolve_neg() for t in inputs])
+    return inputs
+
+
 def _execute(
     spec: OpSpec,
     phase: str,
@@ -235,6 +244,7 @@ def _execute(
     scratch: tuple | None = None,
 ) -> tuple[Tensor | None, ...]:
     """One call of a planned signature: contiguous copies where the plan says, outputs, the launch."""
+    inputs = resolved(inputs)
     if plan.contig:
         inputs = tuple(v.contiguous() if i in plan.contig else v for i, v in enumerate(inputs))
     outs = _allocate(spec, phase, plan, inputs if reuse else None, scratch)

@@ -33,6 +33,11 @@ def tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int | No
     """Check that `t` is a tensor of an allowed dtype (and rank), on a supported device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided or t.is_nested:
+        what = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise TypeError(
+            f"{name}: expected a dense (strided) tensor, got a {what} one; call .to_dense() first"
+        )
     if t.dtype not in dtypes:
         raise TypeError(
             f"{name}: dtype {str(t.dtype).removeprefix('torch.')} is not supported; expected one of {names(dtypes)}"
@@ -74,7 +79,13 @@ def real(name: str, v: object, *, positive: bool = False, nonnegative: bool = Fa
     """A real number that survives the trip to float32: finite, |v| <= FLT_MAX, non-zero stays non-zero."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(
+            f"{name}: {type(v).__name__} value too large for float32 (|{name}| must be at most {FLOAT32_MAX:.4g}); "
+            "the kernels compute in float32"
+        ) from None
     # f - f != 0 exactly for inf and NaN; unlike math.isfinite it traces under torch.compile(dynamic=True)
     if f - f != 0 or (positive and f <= 0) or (nonnegative and f < 0):
         need = "positive and finite" if positive else "non-negative and finite" if nonnegative else "finite"
