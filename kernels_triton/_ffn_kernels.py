@@ -281,7 +281,7 @@ def _gate_up_gemv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Decode gate/up: program p owns rows [p*BLOCK_F, +BLOCK_F) of Wg and Wu and reads each byte once.
-    SAVE (training): also gu[T, 2F] = [round(g), round(u)] and, with HAS_NORM, rstd[T] (program 0)."""
+    HAS_NORM: also rstd[T] (program 0). SAVE (training): also gu[T, 2F] = [round(g), round(u)]."""
     pid = tl.program_id(0)
     offs_t = tl.arange(0, BLOCK_T)
     offs_f = pid * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -297,10 +297,8 @@ def _gate_up_gemv_kernel(
             xk = xk.to(tl.float32)
             ss += xk * xk
         rstd = rsqrt_full_range(tl.sum(ss, axis=1) / D + eps)
-        if SAVE:  # noqa: SIM102 - constexpr flag, then a runtime branch: every program computed the same
-            # values; the first one stores them
-            if pid == 0:
-                tl.store(rstd_ptr + offs_t, rstd, mask=t_mask)
+        if pid == 0:  # every program computed the same values; the first one stores them
+            tl.store(rstd_ptr + offs_t, rstd, mask=t_mask)
     if BLOCK_T == 1:
         acc_g = tl.zeros([BLOCK_F, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_F, BLOCK_K], dtype=tl.float32)

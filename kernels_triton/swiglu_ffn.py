@@ -295,7 +295,7 @@ def forward(
 ) -> None:
     """y[T, D] = swiglu_ffn(x[T, D]) (CONTRACT.md); writes y (and rstd, gu when given), returns None.
 
-    Inference (rstd = gu = None): nothing beyond y is written. Training: gu [T, 2F] (x's dtype) receives
+    Inference (gu = None): nothing beyond y (and rstd when given) is written. Training: gu [T, 2F] (x's dtype) receives
     [round(g), round(u)] from the gate/up GEMM's epilogue (g, u are its fp32 accumulators; h is still formed
     from them before rounding), and rstd [T] fp32 (given iff norm_weight is) the row statistics. norm_weight
     may be fp32 with fp16/bf16 x. `_path` ("decode" | "prefill"), `_prologue` ("fused": scale A tiles in the
@@ -356,15 +356,17 @@ def forward(
 
 def _decode(y, rstd, gu, x, w_gate, w_up, w_down, nw, h, eps, T, D, F, has_norm, ieee) -> None:
     """The GEMV path (T <= DECODE_MAX_T): gate/up (+ the norm) in one kernel, then the down GEMV."""
-    save = gu is not None or rstd is not None
+    # Training is gu given; rstd comes with every call that has a norm (the op's spec allocates it, a
+    # statistic an inference call discards): it must not pick the training variant (gu written, T padded
+    # to 16, one fixed config), which it did, for every decode step with a fused norm.
+    save = gu is not None
     # one token: the [rows, BLOCK_K] partial-product GEMV; a training call always pads to 16 (tl.dot), one
     # variant fewer to compile for a case (training on <= 16 tokens) that is rare
     bt = 1 if T == 1 and not save else 16
-    if save:  # training: both are written (scratch for one the caller did not ask for)
-        gu = gu if gu is not None else torch.empty((T, 2 * F), device=x.device, dtype=x.dtype)
-        if rstd is None:
-            rstd = torch.empty((T,), device=x.device, dtype=torch.float32)
-    gu_t, rstd_t = (gu, rstd) if save else (h, h)  # dummies the kernel never touches without SAVE
+    if has_norm and rstd is None:  # the kernel writes rstd with a norm (T floats)
+        rstd = torch.empty((T,), device=x.device, dtype=torch.float32)
+    gu_t = gu if save else h  # a dummy the kernel never touches without SAVE
+    rstd_t = rstd if has_norm else h  # a dummy the kernel never touches without HAS_NORM
     if save or is_interpreter():
         r, bk, w = _gemv_save_config(bt, x.element_size()) if save else _GEMV_INTERP
         _gate_up_gemv_kernel[(triton.cdiv(F, r),)](

@@ -105,6 +105,40 @@ def test_swiglu_ffn_decode_rejects_large_t() -> None:
         ffn_forward(torch.empty_like(x), None, None, x, w, w, w.T.contiguous(), None, 1e-6, _path="decode")
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_swiglu_ffn_decode_with_a_norm_runs_the_inference_variant(
+    T: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The op's spec hands rstd to every call with a norm (a statistic inference discards): that alone must
+    not pick the training GEMV (SAVE: a [T, 2F] gu written, T padded to 16), which every decode step with a
+    fused norm took. rstd is still written, and the training call (gu given) still saves."""
+    from kernels_triton import swiglu_ffn as mod
+
+    seen: list[dict] = []
+    real = mod._gate_up_gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw)
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(mod, "_gate_up_gemv_kernel", Spy())
+    (x, wg, wu, wd, nw), ref = _ffn_case(T, 64, 48, torch.float32)
+    want_rstd = (x.double().square().mean(-1) + 1e-6).rsqrt()
+    for gu in (None, torch.full((T, 96), float("nan"))):
+        out = torch.full((T, 64), float("nan"))
+        rstd = torch.full((T,), float("nan"))
+        ffn_forward(out, rstd, gu, x, wg, wu, wd, nw, 1e-6, _path="decode")
+        assert rel_error(out, ref) < TOL[torch.float32]
+        assert rel_error(rstd, want_rstd) < 1e-6
+        assert seen[-1]["SAVE"] == (gu is not None)
+        assert seen[-1]["BLOCK_T"] == (1 if T == 1 and gu is None else 16)
+        assert gu is None or not gu.isnan().any()
+
+
 def _ffn_case(T: int, D: int, F: int, dtype: torch.dtype, norm: bool = True, seed: int = 0):
     torch.manual_seed(seed)
     x = torch.randn(T, D, dtype=dtype)
