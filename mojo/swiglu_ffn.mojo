@@ -55,7 +55,7 @@ from ._swiglu_backward import swiglu_bwd_gpu, swiglu_bwd_cpu
 # process. The wgmma path (fusekit.swiglu_ffn_tc) lives in the subpackage tc/, precompiled into its own
 # .mojoc only when a call is first routed to it (python/fusekit/backends/mojo/runtime.py);
 # tests/test_mojo_tc_package.py keeps linalg out of the top-level files.
-from ._util import check_workspace, rsqrt_full_range
+from ._util import check_workspace, is_aligned16, rsqrt_full_range
 
 comptime GEMV_WARPS = 4  # warps per block in the GEMV kernels (one weight row per warp)
 comptime NORM_THREADS = 256
@@ -305,7 +305,9 @@ def _gemv[
         else:
             go[16, W]()
 
-    if K % 8 == 0:
+    # 16-byte loads need 16-byte aligned rows: K a whole number of vectors and every base pointer aligned (a
+    # weight viewed at an odd offset of a flat buffer would fault the context with a misaligned address)
+    if K % 8 == 0 and is_aligned16(xa) and is_aligned16(w1) and is_aligned16(w2):
         go_w[8]()
     else:
         go_w[1]()

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from fusekit import nn as fnn
 from fusekit import ops
 
 PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
@@ -246,6 +247,40 @@ def test_norm_weight_of_x_dtype_beside_a_wider_residual(backend_name, device, op
     assert all(torch.isfinite(gr).all() for gr in grads)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_narrower_norm_weight_beside_fp32_x_computes_in_fp32(backend_name, device, op):
+    """A bf16 model's norm fed fp32 activations (fp32 inputs_embeds under autocast): torch and HF promote
+    `weight * x` to fp32; fusekit refused the bf16 weight ('expected one of float32'), so a patched model
+    crashed where HF ran. The weight (and bias) are widened (exact): fp32 result, grads in their dtypes."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 64, generator=g).to(device).requires_grad_()
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(device, torch.bfloat16).requires_grad_()
+    b = (0.1 * torch.randn(64, generator=g)).to(device, torch.bfloat16).requires_grad_()
+    for _ in range(2):  # the checked call, then the remembered one
+        if op == "rms_norm":
+            y = ops.rms_norm(x, w, backend=backend_name)
+            want = torch.nn.functional.rms_norm(x.double(), (64,), w.double(), 1e-6)
+            leaves = (x, w)
+        else:
+            y = ops.layer_norm(x, w, b, backend=backend_name)
+            want = torch.nn.functional.layer_norm(x.double(), (64,), w.double(), b.double(), 1e-5)
+            leaves = (x, w, b)
+        assert y.dtype == torch.float32
+        assert ((y.double() - want).norm() / want.norm()).item() < 1e-5
+        y2, h2 = getattr(ops, op)(x, *leaves[1:], residual=x, backend=backend_name)  # an fp32 residual too
+        assert y2.dtype == h2.dtype == torch.float32 and torch.equal(h2, x + x)
+        grads = torch.autograd.grad(y.sum(), leaves)
+        ref = torch.autograd.grad(want.sum(), leaves)
+        assert [gr.dtype for gr in grads] == [t.dtype for t in leaves]
+        for gr, rf in zip(grads, ref):
+            assert ((gr.double() - rf.double()).norm() / rf.double().norm()).item() < 1e-2
+    with torch.no_grad():  # torch.nn.RMSNorm of a bf16 model, fed fp32: its result, as a fusekit module
+        tm = torch.nn.RMSNorm(64, eps=1e-6).to(device, torch.bfloat16)
+        got = fnn.RMSNorm.from_module(tm, backend=backend_name)(x)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, tm(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_rope_k_rotated_beside_x_without_heads(backend_name, device, layout):
     """x with no heads (H = 0) beside a k that has them: k is still rotated, and still gets its gradient.
@@ -368,6 +403,43 @@ def test_inference_mode_with_enable_grad_records_no_gradient(backend_name):
             y = ops.rms_norm(x, w, backend=backend_name)
         assert y.is_inference() and not y.requires_grad and y.grad_fn is None
         torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (16,), w.detach(), 1e-6))
+
+
+def _odd_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t whose data starts one element into a flat buffer: not 16-byte aligned (the
+    layout of a parameter packed into a flat buffer at an odd offset)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    v = flat[1:].view(t.shape)
+    v.copy_(t)
+    assert v.is_contiguous() and v.data_ptr() % 16 != 0
+    return v
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])  # 1, 5: the decode GEMVs (16-byte weight loads on a GPU)
+def test_weights_at_an_odd_offset_of_a_flat_buffer(backend_name, device, T):
+    """Misaligned but contiguous operands give the aligned operands' result: mojo's GEMV loaded 16 bytes at
+    a time from any weight pointer (a misaligned-address fault on a GPU, which poisons the CUDA context).
+    Within rounding: vendor GEMMs may take another path for a misaligned pointer (MKL here, by 1e-6)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    D, F = 64, 96
+    x = torch.randn(T, D, generator=g).to(device, dtype)
+    ws = [(torch.randn(*s, generator=g) / 8).to(device, dtype) for s in ((F, D), (F, D), (D, F))]
+    nw = (1 + 0.1 * torch.randn(D, generator=g)).to(device, dtype)
+    want = ops.swiglu_ffn(x, *ws, norm_weight=nw, backend=backend_name)
+    for args in (
+        (_odd_view(x), *ws, nw),
+        (x, *[_odd_view(w) for w in ws], _odd_view(nw)),
+    ):
+        got = ops.swiglu_ffn(args[0], *args[1:4], norm_weight=args[4], backend=backend_name)
+        torch.testing.assert_close(got, want)
+    want = ops.swiglu_ffn(x, *ws, backend=backend_name)  # no norm: the GEMV reads x itself
+    got = ops.swiglu_ffn(_odd_view(x), *[_odd_view(w) for w in ws], backend=backend_name)
+    torch.testing.assert_close(got, want)
+    y = ops.rms_norm(x, nw, backend=backend_name)
+    torch.testing.assert_close(
+        ops.rms_norm(_odd_view(x), _odd_view(nw), backend=backend_name), y, rtol=0, atol=0
+    )
 
 
 @pytest.mark.filterwarnings("ignore:.*(beta|prototype)")  # torch's notes on sparse CSR / nested tensors

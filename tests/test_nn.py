@@ -366,6 +366,25 @@ def test_rotary_grad_and_dtypes():
         assert_close(f"rope {dt}", out, y.detach(), TOL[dt], str(dt))
 
 
+def test_rotary_keeps_fp32_frequencies_through_dtype_conversions():
+    """model.to(bf16) / .half() / .double() cast the inv_freq buffer: rounded to bf16 the angles at
+    position 4000 moved q by up to 1.5. The frequencies stay fp32 (moved with the module)."""
+    torch.manual_seed(9)
+    ref = fnn.RotaryEmbedding(64, theta=500000.0, backend="torch")
+    q = torch.randn(1, 3, 2, 64)
+    pos = torch.tensor([4000, 4001, 4002])
+    want = ref(q, position_ids=pos)
+    for conv in (
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.half(),
+        lambda m: m.double(),
+        lambda m: m.float(),
+    ):
+        m = conv(fnn.RotaryEmbedding(64, theta=500000.0, backend="torch"))
+        assert m.inv_freq.dtype == torch.float32 and torch.equal(m.inv_freq, ref.inv_freq)
+        assert torch.equal(m(q, position_ids=pos), want)
+
+
 def test_rotary_unknown_type_names_it():
     with pytest.raises(ValueError, match="rope_type: 'yarn'"):
         fnn.RotaryEmbedding(16, rope_type="yarn")

@@ -44,9 +44,9 @@ def _raises(exc: type[Exception], match: str, fn, *args, **kwargs) -> None:
         ),
         # rms_norm
         (
-            lambda: ops.rms_norm(x2, w8.to(BF16)),
+            lambda: ops.rms_norm(x2.half(), w8.to(BF16)),  # fp16 x: its own dtype or fp32
             TypeError,
-            r"^weight: dtype bfloat16 is not supported; expected one of float32",
+            r"^weight: dtype bfloat16 is not supported; expected one of float16, float32",
         ),
         (lambda: ops.rms_norm(x2, torch.randn(7)), ValueError, r"^weight: expected shape \(8,\), got \(7,\)"),
         (lambda: ops.rms_norm(x2, w8, eps=-1.0), ValueError, r"^eps: must be non-negative"),
@@ -61,7 +61,7 @@ def _raises(exc: type[Exception], match: str, fn, *args, **kwargs) -> None:
         (lambda: ops.rms_norm(x2, w8, backend=3), TypeError, r"^backend: expected a string"),
         # layer_norm
         (lambda: ops.layer_norm(x2, w8, torch.randn(9)), ValueError, r"^bias: expected shape \(8,\)"),
-        (lambda: ops.layer_norm(x2, w8, w8.half()), TypeError, r"^bias: dtype float16"),
+        (lambda: ops.layer_norm(x2.bfloat16(), w8, w8.half()), TypeError, r"^bias: dtype float16"),
         (lambda: ops.layer_norm(x2, w8[None]), ValueError, r"^weight: expected shape"),
         # rope
         (lambda: ops.rope(torch.randn(2, 3, 4)), ValueError, r"^x: expected 4 dimensions"),

@@ -188,6 +188,15 @@ class RotaryEmbedding(nn.Module):
         head_dim, theta = p.pop("head_dim"), p.pop("theta")
         return cls(head_dim, theta=theta, backend=backend, device=device, **p)
 
+    def _apply(self, fn, recurse: bool = True):
+        """`.to(dtype)` / `.half()` / `.double()` move inv_freq but keep it fp32: rounded to bf16 its angles
+        were off by up to 1.5 rad of q at position 4000 (HF keeps it fp32 through from_pretrained)."""
+        inv = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != inv.dtype:
+            self.inv_freq = inv.to(self.inv_freq.device)
+        return self
+
     @torch.no_grad()
     def tables(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         ang = position_ids[..., None].float() * self.inv_freq.to(

@@ -39,20 +39,29 @@ def promote_residual(x: Tensor, residual: Tensor | None, *params: Tensor | None)
         or residual.dtype == x.dtype
         or not (x.is_floating_point() and residual.is_floating_point())
     ):
-        return (x, residual, *params)  # the common case; or check_norm_inputs names the bad argument
+        return (x, residual, *widen_params(x, *params))  # the common case; or the checks name the argument
     dt = torch.promote_types(x.dtype, residual.dtype)
     x = x.to(dt)
-    allowed = C.weight_dtypes(x)
-    widened = tuple(
+    return (x, residual.to(dt), *widen_params(x, *params))
+
+
+def widen_params(x: object, *params: Tensor | None) -> tuple:
+    """Weights / biases narrower than an fp32 / fp64 x, widened to x's dtype (exact), as torch promotes
+    `weight * x`: a bf16 model's norms fed fp32 activations (fp32 inputs_embeds under autocast) compute in
+    fp32 and return fp32, as HF's and torch's norms do; the kernels take weights of x's dtype there. Half
+    x (the AMP case: fp32 weights allowed) and same dtypes pass through untouched, before any other check."""
+    dt = getattr(x, "dtype", None)
+    if dt is not torch.float32 and dt is not F64:
+        return params
+    return tuple(
         p.to(dt)
         if isinstance(p, Tensor)
+        and p.dtype is not dt
         and p.is_floating_point()
-        and p.dtype not in allowed
         and torch.promote_types(p.dtype, dt) == dt
         else p
         for p in params
     )
-    return (x, residual.to(dt), *widened)
 
 
 def check_norm_inputs(x: object, weight: object, bias: object, residual: object) -> int:

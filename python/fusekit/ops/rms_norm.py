@@ -14,6 +14,7 @@ from fusekit.ops._norms import (
     check_norm_inputs,
     norm_returns,
     promote_residual,
+    widen_params,
 )
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 
@@ -145,6 +146,8 @@ def rms_norm(
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     if residual is not None:
         x, residual, weight = promote_residual(x, residual, weight)  # dtypes as x + residual
+    else:
+        (weight,) = widen_params(x, weight)  # a bf16 weight beside fp32 x: as torch, in fp32
     key = library.call_key((x, weight, residual), (eps, casting, return_rstd), backend)
     run = _MEMO.get(key) if key is not None else None
     if run is None:  # the checked path (first call of a signature, grad, compile)
