@@ -126,7 +126,8 @@ def layer_norm(
     """LayerNorm over the last dim as torch.nn.functional.layer_norm (biased variance), math in fp32.
 
     x [..., N] fp16/bf16/fp32 (fp64 on the torch backend), any strides; weight [N] and bias [N] or None
-    of x's dtype, or fp32 with fp16/bf16 x (mixed precision). y [..., N] in x's dtype.
+    of x's dtype, or fp32 with fp16/bf16 x (mixed precision); bf16/fp16 ones beside fp32 x are widened to
+    fp32. y [..., N] in x's dtype.
 
     residual [..., N]: fused residual add, h = x + residual is normalized and returned: (y, h) (a
     residual of another float dtype is promoted with x's, as x + residual would be).

@@ -127,7 +127,8 @@ def rms_norm(
     """RMSNorm over the last dim: y = x * rsqrt(mean(x^2) + eps) * weight, math in fp32.
 
     x [..., N] fp16/bf16/fp32 (fp64 on the torch backend), any strides. weight [N] of x's dtype, or
-    fp32 with fp16/bf16 x (mixed precision, as HF keeps norm weights). y [..., N] in x's dtype.
+    fp32 with fp16/bf16 x (mixed precision, as HF keeps norm weights); a bf16/fp16 weight beside fp32 x is
+    widened to fp32 (as torch promotes weight * x). y [..., N] in x's dtype.
 
     residual [..., N] (x's shape; another float dtype is promoted with x's as x + residual would be,
     e.g. an fp32 residual stream with a bf16 x under autocast): fused residual add, h = x + residual is
