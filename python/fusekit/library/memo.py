@@ -22,7 +22,6 @@ from fusekit.library.autograd import (
     apply,
     eager_apply,
     first_order,
-    grad_on,
     transformed,
 )
 from fusekit.library.fast_path import compile_run
@@ -51,6 +50,8 @@ def memo() -> dict:
 _PLAIN = (bool, int, float, str, type(None))
 _SLOTS = 6  # a present tensor's entries in a key: type, shape, strides, dtype, device, requires_grad
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_inference_mode = torch.is_inference_mode_enabled
 
 
 def call_key(tensors: tuple, scalars: tuple, backend: object) -> tuple | None:
@@ -67,7 +68,7 @@ def call_key(tensors: tuple, scalars: tuple, backend: object) -> tuple | None:
         return None
     if backend == "auto" and dispatch.capturing():
         return None  # auto may pick another backend inside a capture: the checked path decides
-    key = [backend, grad_on()]  # grad mode decides the path
+    key = [backend, _grad_enabled()]  # grad mode decides the path (inference_mode: GradRunner asks)
     try:
         for t in tensors:
             if t is None:
@@ -231,6 +232,8 @@ class GradRunner:
             self.frun = compile_run(spec, FORWARD, self.fplan)
 
     def __call__(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        if _inference_mode():  # enable_grad inside inference_mode: torch records nothing there
+            return apply(self.spec, inputs, self.scalars, self.backend)
         if self.fast is not None:
             return self.fast(self, *inputs)
         outs = _as_tuple(eager_apply(self.spec.name)(*inputs, *self.tail))

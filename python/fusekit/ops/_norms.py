@@ -45,6 +45,16 @@ def promote_residual(x: Tensor, residual: Tensor | None, *params: Tensor | None)
     return (x, residual.to(dt), *widen_params(x, *params))
 
 
+def wider(x: object, p: object) -> bool:
+    """Whether x is fp32 / fp64 and p (a weight or bias) a tensor of another dtype: widen_params' cheap guard
+    (a few attribute reads on the hot path; non-tensors go on to the checks)."""
+    try:
+        xd = x.dtype  # type: ignore[attr-defined]
+        return (xd is torch.float32 or xd is F64) and p.dtype is not xd  # type: ignore[attr-defined]
+    except AttributeError:
+        return False
+
+
 def widen_params(x: object, *params: Tensor | None) -> tuple:
     """Weights / biases narrower than an fp32 / fp64 x, widened to x's dtype (exact), as torch promotes
     `weight * x`: a bf16 model's norms fed fp32 activations (fp32 inputs_embeds under autocast) compute in

@@ -15,6 +15,7 @@ from fusekit.ops._norms import (
     norm_returns,
     promote_residual,
     widen_params,
+    wider,
 )
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 
@@ -148,7 +149,7 @@ def layer_norm(
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     if residual is not None:
         x, residual, weight, bias = promote_residual(x, residual, weight, bias)  # dtypes as x + residual
-    else:
+    elif wider(x, weight) or (bias is not None and wider(x, bias)):
         weight, bias = widen_params(x, weight, bias)  # bf16 parameters beside fp32 x: as torch, in fp32
     key = library.call_key((x, weight, bias, residual), (eps, return_stats), backend)
     run = _MEMO.get(key) if key is not None else None

@@ -15,6 +15,7 @@ from fusekit.ops._norms import (
     norm_returns,
     promote_residual,
     widen_params,
+    wider,
 )
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, t
 
@@ -147,7 +148,7 @@ def rms_norm(
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     if residual is not None:
         x, residual, weight = promote_residual(x, residual, weight)  # dtypes as x + residual
-    else:
+    elif wider(x, weight):
         (weight,) = widen_params(x, weight)  # a bf16 weight beside fp32 x: as torch, in fp32
     key = library.call_key((x, weight, residual), (eps, casting, return_rstd), backend)
     run = _MEMO.get(key) if key is not None else None
