@@ -754,6 +754,63 @@ def test_overlapping_generate_calls_trust_masks_only_while_all_are_unpadded(monk
     assert not flags() and "_fusekit_generating" not in vars(model)
 
 
+def test_padded_forward_inside_generate_is_not_read_as_a_prefix():
+    """generate() of an unpadded prompt trusts its masks to be causal prefixes; a forward inside the call
+    with a padded mask of its own (a LogitsProcessor here; another thread alike) was read that way: the
+    padded row's logits off by 1.4, silently. Eager masks are now checked (is_prefix) before that path."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    ref = build("llama2")
+    model = copy.deepcopy(ref)
+    fh.patch(model)
+    xb = ids(2, 10, seed=5)
+    pad = torch.ones_like(xb)
+    pad[1, :4] = 0
+    with torch.no_grad():
+        want = ref(xb, attention_mask=pad).logits
+    got = []
+
+    class Probe(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if not got:
+                with torch.no_grad():
+                    got.append(model(xb, attention_mask=pad).logits)
+            return scores
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the padded forward's one-time sdpa fallback warning
+        model.generate(
+            ids(1, 6), max_new_tokens=2, do_sample=False, logits_processor=LogitsProcessorList([Probe()])
+        )
+    assert rel_error(got[0][1, 4:], want[1, 4:]) < FP32_TOL and rel_error(got[0][0], want[0]) < FP32_TOL
+
+
+def test_classifier_free_guidance_with_a_padded_negative_prompt():
+    """guidance_scale with a left-padded negative prompt: transformers' CFG processor runs the model on it
+    inside generate(); 7 of 8 tokens differed from the unpatched model, with no warning."""
+    ref = build("llama2")
+    model = copy.deepcopy(ref)
+    fh.patch(model)
+    x = ids(1, 9, seed=2) % 100 + 1  # no pad token (0) in the prompt
+    neg = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids(1, 5, seed=3) % 100 + 1], 1)
+    kw = dict(
+        max_new_tokens=8,
+        do_sample=False,
+        guidance_scale=1.5,
+        negative_prompt_ids=neg,
+        negative_prompt_attention_mask=(neg != 0).long(),
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    want = ref.generate(x, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = model.generate(x, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel_error(a, b) for a, b in zip(got.scores, want.scores)) < FP32_TOL
+
+
 def test_generate_wrapper_keeps_class_names_and_follows_copies(tmp_path):
     """The generate wrapper is an instance attribute: save_pretrained still records the original class
     (a reload works), a deepcopy's and an unpickled model's generate run on themselves, unpatch removes

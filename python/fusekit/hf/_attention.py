@@ -20,10 +20,13 @@ implementation's name. fusekit's attention expresses two masks: none, and causal
 - Inside `generate()` of a patched model whose prompt has no padding (fusekit.hf.patch wraps generate
   and checks that once, on the host), every mask is a causal prefix pattern: a static cache's masks
   [B, 1, S, max_len] then become per-sequence key counts, `kv_len` = the keys the last query row sees,
-  computed on the device; the full cache goes to ops.attention with that kv_len. No host sync, no
-  data-dependent shape: the decode step traces into one graph under torch.compile and replays under
-  CUDA graphs (transformers compiles static-cache decoding itself). A sliding window shorter than the
-  cache keeps the checked path above.
+  computed on the device; the full cache goes to ops.attention with that kv_len. Traced or captured,
+  no host sync and no data-dependent shape: the decode step traces into one graph under torch.compile
+  and replays under CUDA graphs (transformers compiles static-cache decoding itself). Eager, each mask
+  is checked to be that pattern (`is_prefix`: one sync per forward): a forward inside generate() with a
+  padded mask of its own (classifier-free guidance's negative prompt, a LogitsProcessor, another
+  thread) takes the checked path above; the wrapper also counts a padded negative prompt as padding.
+  A sliding window shorter than the cache keeps the checked path above.
 - A patched base model called without position_ids and without an attention_mask passes its layers
   `fusekit_own_positions=True`: its positions are 0..S-1 of one sequence per row, so a mask over as
   many keys as queries can only be plain causal. transformers keeps its packed-sequence mask while
@@ -77,6 +80,7 @@ class _LastMask:
 
 _verdicts = _LastMask()  # mask_kind's verdict, key (S, Skv)
 _kv_lens = _LastMask()  # prefix_kv_len's lengths, key batch
+_prefixes = _LastMask()  # is_prefix's verdict, key (batch, causal)
 
 
 def _verdict(mask: Tensor, s: int, skv: int) -> tuple[str, int]:
@@ -129,9 +133,7 @@ def prefix_kv_len(mask: Tensor, batch: int) -> Tensor:
     S, Skv] (bool, or additive with 0 where visible). Device-side only: no sync, traceable. Remembered
     for the last mask in eager mode; never while compiling or capturing a CUDA graph (a capture must
     record the computation, so that a replay derives the lengths from the mask it reads)."""
-    eager = not torch.compiler.is_compiling() and not (
-        mask.is_cuda and torch.cuda.is_current_stream_capturing()
-    )
+    eager = _eager(mask)
     hit = _kv_lens.get(mask, batch) if eager else None
     if hit is not None:
         return hit
@@ -142,6 +144,36 @@ def prefix_kv_len(mask: Tensor, batch: int) -> Tensor:
     if eager:
         _kv_lens.put(mask, batch, kv_len)
     return kv_len
+
+
+def _eager(mask: Tensor) -> bool:
+    """Not tracing and not capturing a CUDA graph: a mask's values may be read on the host."""
+    return not torch.compiler.is_compiling() and not (
+        mask.is_cuda and torch.cuda.is_current_stream_capturing()
+    )
+
+
+def is_prefix(mask: Tensor, kv_len: Tensor, causal: bool) -> bool:
+    """Whether `mask` [B|1, 1|H, S, Skv] is exactly the pattern prefix_kv_len's lengths stand for: sequence b
+    sees keys j < kv_len[b], causally aligned bottom-right. The generate() flag said so for every mask of
+    the call, but a forward inside it (classifier-free guidance's padded negative prompt, a LogitsProcessor,
+    another thread) brings its own padded mask. One device check and one host sync per mask (eager only;
+    remembered for the layers that share it)."""
+    b = kv_len.shape[0]
+    hit = _prefixes.get(mask, (b, causal))
+    if hit is not None:
+        return hit
+    s, skv = mask.shape[-2:]
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    j = torch.arange(skv, device=mask.device)
+    last = kv_len.to(torch.int64).view(b, 1, 1, 1)
+    if causal:  # query i sees key j <= i + kv_len - S
+        last = last - s + torch.arange(s, device=mask.device).view(1, 1, s, 1)
+    else:
+        last = last - 1
+    ok = bool((visible == (j <= last)).all())
+    _prefixes.put(mask, (b, causal), ok)
+    return ok
 
 
 def _fallback(module, query, key, value, attention_mask, reason: str, **kwargs):
@@ -206,8 +238,11 @@ def fusekit_attention(
     ):
         kv_len = prefix_kv_len(attention_mask, query.shape[0])
         causal = bool(is_causal) and s > 1
-        out = ops.attention(query, key, value, causal=causal, scale=scaling, kv_len=kv_len, backend=backend)
-        return out.transpose(1, 2), None
+        if not _eager(attention_mask) or is_prefix(attention_mask, kv_len, causal):
+            out = ops.attention(
+                query, key, value, causal=causal, scale=scaling, kv_len=kv_len, backend=backend
+            )
+            return out.transpose(1, 2), None
     kind, n = mask_kind(attention_mask, s, skv, bool(is_causal))
     if query.device.type == "cuda" and query.dtype in (torch.float32, torch.float64):
         kind = f"{str(query.dtype).removeprefix('torch.')} attention on CUDA (fusekit's GPU kernels are fp16/bf16)"

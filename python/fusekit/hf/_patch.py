@@ -347,11 +347,22 @@ class _PrecomputedNormMixin:
 def _unpadded(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether a generate(...) call's prompt has no padding (one host check per generate call): its 2-D
     attention_mask is all ones, or, without one, no prompt token is the pad token (transformers would
-    infer a padding mask from those). Anything else (a 4-D mask, embeddings only) counts as padded."""
+    infer a padding mask from those). Anything else (a 4-D mask, embeddings only) counts as padded. A
+    classifier-free-guidance negative prompt (its own forwards inside the call) is held to the same rule."""
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if "negative_prompt_ids" in kwargs or "negative_prompt_attention_mask" in kwargs:
+        neg = {
+            "input_ids": kwargs.get("negative_prompt_ids"),
+            "attention_mask": kwargs.get("negative_prompt_attention_mask"),
+        }
+        if neg["attention_mask"] is None:
+            del neg["attention_mask"]
+        keep = {k: kwargs[k] for k in ("generation_config", "pad_token_id") if k in kwargs}
+        if not _unpadded(model, (), {**keep, **neg}):
+            return False
     mask = kwargs.get("attention_mask")
     if mask is not None:
         return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())
-    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if not isinstance(ids, torch.Tensor):
         return False
     gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
