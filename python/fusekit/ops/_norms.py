@@ -63,6 +63,11 @@ def widen_params(x: object, *params: Tensor | None) -> tuple:
     dt = getattr(x, "dtype", None)
     if dt is not torch.float32 and dt is not F64:
         return params
+    for p in params:
+        if isinstance(p, Tensor) and p.dtype is not dt:
+            break
+    else:
+        return params  # same dtypes: no new tuple
     return tuple(
         p.to(dt)
         if isinstance(p, Tensor)
