@@ -51,7 +51,7 @@ WORLD = 2
 # Where the workers run; _worker replaces it with the test's (spawned workers import this module afresh).
 CFG = {"dist": "gloo", "device": "cpu", "backend": "torch"}
 TIMEOUT_S = 150  # the whole spawn; CI must never hang
-SCENARIOS = ("ops", "errors", "fsdp2", "fsdp2_eval", "fsdp2_bf16", "tp")
+SCENARIOS = ("ops", "errors", "fsdp2", "fsdp2_eval", "fsdp2_bf16", "tp", "mlp_styles")
 
 
 # --- helpers (run inside the workers) ------------------------------------------------------------
@@ -222,6 +222,68 @@ def _scenario_errors(mesh) -> None:
         lambda: ops.swiglu_ffn(d(x, Shard(0)), d(wg, Shard(0)), d(wg, Shard(0)), d(wg.T, Shard(1))),
         "x must be",
     )
+    # every rank raises alike before a collective where one shard would be empty (the rank whose local op
+    # raised alone left the other waiting in the all-reduce until gloo's timeout)
+    w1 = torch.randn(1, 16)
+    raises(
+        lambda: ops.swiglu_ffn(
+            d(x, Replicate()), d(w1, Shard(0)), d(w1, Shard(0)), d(w1.T.contiguous(), Shard(1))
+        ),
+        "w_gate: the hidden dim F (1) sharded 2 ways leaves a rank an empty shard",
+    )
+    qh, kh = torch.randn(2, 6, 4, 8), torch.randn(2, 6, 1, 8)
+    raises(lambda: ops.rope(d(qh, Shard(2)), d(kh, Shard(2))), "k: its head count Hk (1) sharded 2 ways")
+    # a sum of per-rank maxima is not a sum (Partial('max') from DTensor.amax was kept pending as one)
+    from torch.distributed.tensor import DTensor, Partial
+
+    pmax = DTensor.from_local(_dev(torch.randn(3, 4)), mesh, [Partial("max")], run_check=False)
+    raises(lambda: ops.reduce_sum(pmax), "x: placement Partial('max')")
+    # linear_cross_entropy takes no DTensor (it failed deep inside with DTensor's own errors)
+    raises(
+        lambda: ops.linear_cross_entropy(
+            d(x, Replicate()), d(wg, Replicate()), d(torch.zeros(4, dtype=torch.long), Replicate())
+        ),
+        "x: a DTensor",
+    )
+
+
+def _scenario_mlp_styles(mesh) -> None:
+    """SwiGLUMLP under parallel styles other than the default Colwise / Rowwise pair (here sequence
+    parallel: gate / up take Shard(1) inputs, down returns Shard(1)) runs its three projections, whose
+    hooks do the redistribution: fused, a plain x was taken for replicated (0.44 off, silently)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fusekit import nn as fnn
+
+    torch.manual_seed(5)
+    ref = fnn.SwiGLUMLP(16, 24, backend=CFG["backend"]).to(_dev(torch.empty(0)).device)
+    x = _dev(torch.randn(2, 6, 16))
+    want = ref(x)
+    for styles, fused in (
+        ((ColwiseParallel(), RowwiseParallel()), True),
+        ((ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(output_layouts=Shard(1))), False),
+    ):
+        m = copy.deepcopy(ref)
+        plan = {"gate_proj": styles[0], "up_proj": styles[0], "down_proj": styles[1]}
+        parallelize_module(m, mesh, plan)
+        from fusekit.nn import mlp
+
+        assert mlp._fusable(m.gate_proj, m.up_proj, m.down_proj) is fused
+        if fused:
+            _close(m(x), want, "default TP MLP", rtol=1e-5, atol=1e-6)
+            # a sequence-sharded DTensor x: the default Colwise hooks redistribute it (the fused op refused it)
+            xs = distribute_tensor(x, mesh, [Shard(1)])
+            _close(m(xs), want, "default TP MLP on a Shard(1) DTensor x", rtol=1e-5, atol=1e-6)
+        else:
+            rows = x.chunk(WORLD, dim=1)[dist.get_rank()]
+            _close(
+                m(rows),
+                want.chunk(WORLD, dim=1)[dist.get_rank()],
+                "sequence-parallel MLP",
+                rtol=1e-5,
+                atol=1e-6,
+            )
 
 
 TINY = TINY_LLAMA

@@ -1,4 +1,5 @@
-"""DTensor inputs: every public op runs on the local shards and wraps its outputs back as DTensors.
+"""DTensor inputs: every public op but linear_cross_entropy (which refuses them, naming the argument) runs on
+the local shards and wraps its outputs back as DTensors.
 
 A public op checks its tensor arguments' types against `PLAIN` (one set lookup each, ~20 ns) and only
 for anything else calls the handler here, which returns None when no argument is a DTensor (another
@@ -120,6 +121,22 @@ def _same(name: str, t, ref_name: str, ref) -> None:
         raise ValueError(
             f"{name}: placements {[_pl(p) for p in t.placements]} differ from {ref_name}'s "
             f"{[_pl(p) for p in ref.placements]}; the op runs on local shards and needs them alike"
+        )
+
+
+def _empty_shard(name: str, t, dim: int, what: str) -> None:
+    """Raise on every rank alike (before any collective) where sharding t's `dim` leaves a rank an empty
+    shard of it (torch's chunking: ceil(n / ways) per rank, the last ones empty when n is small): the
+    op would raise on that rank only, and the others would wait in the next collective."""
+    n, ways = int(t.shape[dim]), 1
+    for p, size in zip(t.placements, t.device_mesh.shape):
+        if p.is_shard() and p.dim % t.dim() == dim:
+            ways *= size
+    chunk = -(-n // ways)
+    if ways > 1 and (ways - 1) * chunk >= n:
+        raise ValueError(
+            f"{name}: {what} ({n}) sharded {ways} ways leaves a rank an empty shard (torch gives each rank "
+            f"ceil({n}/{ways}) = {chunk}); shard it fewer ways"
         )
 
 
@@ -298,6 +315,7 @@ def rope(
         _rows("k", k, {0, heads}, "the sequence or head dim D (positions / pairs would change)")
         if _batch(k) != _batch(x):
             raise ValueError("k: must be sharded on the batch dim exactly where x is (the same positions)")
+        _empty_shard("k", k, heads, "its head count Hk")
     none = [False] * mesh.ndim
     pos_batch = _batch(x) if positions is not None and positions.dim() == 2 else none
     out = op(
@@ -397,6 +415,7 @@ def swiglu_ffn(
         nwp = norm_weight.placements[i] if norm_weight is not None else Replicate()
         tp = wp[0].is_shard(0) and wp[1].is_shard(0) and wp[2].is_shard(1) and nwp.is_replicate()
         if tp:  # ColwiseParallel gate/up, RowwiseParallel down: each rank sums over its F slice
+            _empty_shard("w_gate", w_gate, 0, "the hidden dim F")
             if not p.is_replicate():
                 raise ValueError(
                     f"x: placement {_pl(p)} with tensor-parallel weights (mesh dim {i}); x must be replicated"
@@ -461,10 +480,15 @@ def reduce_sum(x: Tensor, dim: int | None, dtype: torch.dtype | None, backend: s
             out_pl.append(Partial())  # each rank summed its shard: the total is their sum
             reduce.append(True)
             continue
+        if p.is_partial() and getattr(p, "reduce_op", "sum") not in ("sum", "avg"):
+            raise ValueError(
+                f"x: placement Partial({p.reduce_op!r}); a sum of per-rank {p.reduce_op}s is not their "
+                "sum: redistribute x to Replicate first"
+            )
         if p.is_shard():
             out_pl.append(Shard(p.dim - (p.dim > d)))
         else:
-            out_pl.append(p)  # Replicate, or a Partial input (the sum is linear: still pending)
+            out_pl.append(p)  # Replicate, or a Partial sum / avg input (the sum is linear: still pending)
         reduce.append(False)
     y = op(x.to_local(), dim, dtype=dtype, backend=backend)
     shape = () if d is None else tuple(s for i, s in enumerate(x.shape) if i != d)
@@ -472,3 +496,17 @@ def reduce_sum(x: Tensor, dim: int | None, dtype: torch.dtype | None, backend: s
     if any(reduce):
         out = out.redistribute(mesh, [Replicate() if r else p for p, r in zip(out_pl, reduce)])
     return out
+
+
+def linear_cross_entropy(named: dict[str, object]) -> dict[str, object] | None:
+    """DTensor arguments are refused, naming one: the loss reduces over every token and the whole
+    vocabulary (a vocabulary-parallel weight or a sequence-sharded x would each need collectives inside
+    the row kernel's max and sum), which this op does not do. AsyncCollectiveTensors are waited for:
+    `named` with plain tensors, or None when there is nothing to wait for."""
+    for n, t in named.items():
+        if _is_dt(t):
+            raise ValueError(
+                f"{n}: a DTensor (placements {[_pl(p) for p in t.placements]}); linear_cross_entropy runs on "
+                "plain tensors only: pass .full_tensor(), or the local shards for a loss of the local rows"
+            )
+    return waited(named)

@@ -22,12 +22,16 @@ def own_hooks(m: nn.Module) -> bool:
     )
 
 
-def hooked(m: nn.Module) -> bool:
-    """True if calling m runs a hook of its own (`own_hooks`) or a global one."""
+def global_hooks() -> bool:
+    """True if torch's global module hooks (register_module_forward_hook and the like) are set."""
     return bool(
-        own_hooks(m)
-        or _mm._global_forward_hooks
+        _mm._global_forward_hooks
         or _mm._global_forward_pre_hooks
         or _mm._global_backward_hooks
         or _mm._global_backward_pre_hooks
     )
+
+
+def hooked(m: nn.Module) -> bool:
+    """True if calling m runs a hook of its own (`own_hooks`) or a global one."""
+    return own_hooks(m) or global_hooks()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
 from fusekit import backends, ops
 from fusekit.distributed import PLAIN
 from fusekit.nn._forms import hf_form
-from fusekit.nn._hooks import hooked
+from fusekit.nn._hooks import global_hooks, hooked
 
 
 def _is_silu(act: object) -> bool:
@@ -26,15 +28,76 @@ def _plain_linear(m: nn.Module) -> bool:
     return type(m).forward is _LINEAR_FORWARD and getattr(m, "bias", None) is None
 
 
+def _hook_partial(hook: object) -> functools.partial | None:
+    """The functools.partial a distribute_module hook closes over (its input_fn / output_fn), or None."""
+    for cell in getattr(hook, "__closure__", None) or ():
+        try:
+            fn = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(fn, functools.partial):
+            return fn
+    return None
+
+
+def _tp_layout(m: nn.Module) -> tuple | None:
+    """(style class, input_layouts, output_layouts, use_local_output) of the ParallelStyle whose two hooks
+    parallelize_module put on m: distribute_module's pre / post hooks close over partials of the style's
+    static _prepare_input_fn(input_layouts, desired_input_layouts, ...) and _prepare_output_fn(
+    output_layouts, use_local_output, ...). None where m has any other hook."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if (
+        m._backward_hooks
+        or m._backward_pre_hooks
+        or len(m._forward_pre_hooks) != 1
+        or len(m._forward_hooks) != 1
+    ):
+        return None
+    pre = _hook_partial(next(iter(m._forward_pre_hooks.values())))
+    post = _hook_partial(next(iter(m._forward_hooks.values())))
+    if pre is None or post is None or len(pre.args) != 2 or len(post.args) != 2:
+        return None
+    for cls in (ColwiseParallel, RowwiseParallel):
+        if pre.func is cls._prepare_input_fn and post.func is cls._prepare_output_fn:
+            return (cls, tuple(pre.args[0]), tuple(post.args[0]), post.args[1])
+    return None
+
+
+def _default_tp(gate: nn.Module, up: nn.Module, down: nn.Module) -> bool:
+    """Whether the projections carry exactly the default ColwiseParallel (gate, up) and RowwiseParallel (down)
+    hooks: a replicated x in, a Replicate local output: what the op's tensor-parallel path computes (one
+    all-reduce of the F-slice sums). Any other layout (sequence-parallel input_layouts=Shard(1), an
+    output_layouts shard, use_local_output=False) means the hooks do something the fused op would not."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col = (ColwiseParallel, (Replicate(),), (Shard(-1),), True)
+    return (
+        _tp_layout(gate) == col
+        and _tp_layout(up) == col
+        and _tp_layout(down) == (RowwiseParallel, (Shard(-1),), (Replicate(),), True)
+    )
+
+
+def _replicated(x: object) -> bool:
+    """A DTensor x Replicate on every mesh dim: what the default ColwiseParallel hooks pass on as it is (a
+    sharded x they redistribute first; the unfused modules do that)."""
+    return all(p.is_replicate() for p in getattr(x, "placements", ()))
+
+
 def _fusable(*projs: nn.Module) -> bool:
     """The three projections can run as one swiglu_ffn: plain Linears, and no hooks - except torch's tensor
-    parallelism (parallelize_module), which hooks the Linears whose weights it made DTensors: the op's DTensor
-    path does what those hooks do (fusekit.distributed)."""
+    parallelism (parallelize_module) in its default Colwise / Rowwise layout, which hooks the Linears whose
+    weights it made DTensors: the op's DTensor path does what those hooks do (fusekit.distributed). Any
+    other hook, or a parallel style with other layouts, runs the three modules (exact)."""
     if not all(_plain_linear(m) for m in projs):
         return False
     if not any(hooked(m) for m in projs):
         return True
-    return all(type(m.weight) not in PLAIN for m in projs)
+    if global_hooks():  # it must see the three calls
+        return False
+    return all(type(m.weight) not in PLAIN for m in projs) and _default_tp(*projs)
 
 
 class SwiGLUMLP(nn.Module):
@@ -77,7 +140,7 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        if _fusable(g, u, d):
+        if _fusable(g, u, d) and (type(x) in PLAIN or _replicated(x) or type(g.weight) in PLAIN):
             return ops.swiglu_ffn(x, g.weight, u.weight, d.weight, backend=self.backend)
         # A projection that computes more than x @ weight.T (a LoRA adapter put in its place by peft after
         # patching, a quantized or otherwise wrapped layer), or one with hooks (activation capture, AWQ/GPTQ

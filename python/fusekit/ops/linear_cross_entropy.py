@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusekit import library
+from fusekit import distributed, library
+from fusekit.distributed import PLAIN
 from fusekit.ops import _amp
 from fusekit.ops import _checks as C
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, acc_dtype, t
@@ -405,6 +406,16 @@ def linear_cross_entropy(
     fp16 gradients: fused_refusal).
     Errors: TypeError/ValueError naming the argument.
     """
+    if (
+        type(x) not in PLAIN
+        or type(weight) not in PLAIN
+        or type(target) not in PLAIN
+        or type(bias) not in PLAIN
+    ) and (w := distributed.linear_cross_entropy({"x": x, "weight": weight, "target": target, "bias": bias})):
+        return linear_cross_entropy(  # AsyncCollectiveTensors, waited for (DTensors raise above)
+            w["x"], w["weight"], w["target"], w["bias"], ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, backend=backend,
+        )  # fmt: skip
     if (cast := _amp.lower(x, weight, bias)) is not None:  # autocast: the head as F.linear
         x, weight, bias = cast
     key = library.call_key((x, weight, target, bias), (ignore_index, reduction, label_smoothing), backend)
