@@ -182,6 +182,14 @@ def _scenario_ops(mesh) -> None:
     for p in (R, S(0), S(1)):
         for dim in (None, 0, 1):
             _run_both(lambda x, d=dim: ops.reduce_sum(x, d, backend=bk), {"x": xi}, mesh, {"x": [p]}, ("x",))
+    # a bf16 sum over ranks is rounded once, as in one process: rank 0's 1 + 2^-8 rounded to 1 in bf16, then
+    # 1 + 2^-8 again (1.0 where the fp32 sum 1 + 2^-7 is exact in bf16)
+    from torch.distributed.tensor import distribute_tensor
+
+    xb = torch.tensor([1.0, 2**-8, 2**-8, 0.0])
+    for x16, dt in ((xb, torch.bfloat16), (xb.bfloat16(), None)):
+        got = ops.reduce_sum(distribute_tensor(_dev(x16), mesh, [S(0)]), dtype=dt, backend=bk).full_tensor()
+        assert got.dtype == torch.bfloat16 and got.item() == 1 + 2**-7, got
 
 
 def _scenario_errors(mesh) -> None:

@@ -413,7 +413,12 @@ def swiglu_ffn(
     for i, p in enumerate(xp):
         wp = [t.placements[i] for _, t in ws]
         nwp = norm_weight.placements[i] if norm_weight is not None else Replicate()
-        tp = wp[0].is_shard(0) and wp[1].is_shard(0) and wp[2].is_shard(1) and nwp.is_replicate()
+        tp = wp[0].is_shard(0) and wp[1].is_shard(0) and wp[2].is_shard(1)
+        if tp and not nwp.is_replicate():
+            raise ValueError(
+                f"norm_weight: placement {_pl(nwp)} on mesh dim {i}; beside tensor-parallel weights it must "
+                "be Replicate"
+            )
         if tp:  # ColwiseParallel gate/up, RowwiseParallel down: each rank sums over its F slice
             _empty_shard("w_gate", w_gate, 0, "the hidden dim F")
             if not p.is_replicate():
@@ -490,12 +495,14 @@ def reduce_sum(x: Tensor, dim: int | None, dtype: torch.dtype | None, backend: s
         else:
             out_pl.append(p)  # Replicate, or a Partial sum / avg input (the sum is linear: still pending)
         reduce.append(False)
-    y = op(x.to_local(), dim, dtype=dtype, backend=backend)
+    # a 16-bit sum over ranks: each rank's partial and the all-reduce in fp32, rounded once (as one process)
+    half = (dtype or x.dtype) in (torch.float16, torch.bfloat16) and any(reduce)
+    y = op(x.to_local(), dim, dtype=torch.float32 if half else dtype, backend=backend)
     shape = () if d is None else tuple(s for i, s in enumerate(x.shape) if i != d)
     out = _wrap(y, mesh, out_pl, shape)
     if any(reduce):
         out = out.redistribute(mesh, [Replicate() if r else p for p, r in zip(out_pl, reduce)])
-    return out
+    return out.to(dtype or x.dtype) if half else out
 
 
 def linear_cross_entropy(named: dict[str, object]) -> dict[str, object] | None:
