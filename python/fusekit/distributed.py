@@ -18,17 +18,20 @@ mean the same as the global one. Per mesh dim:
   of ColwiseParallel / RowwiseParallel (w_gate, w_up Shard(0), w_down Shard(1), norm_weight Replicate)
   with a replicated x, where each rank's output is a partial sum: all-reduced here. A plain x next to
   DTensor weights counts as replicated (as ColwiseParallel's input hook treats it) and gets a plain,
-  all-reduced output back.
-- reduce_sum: any placement; a sum over a sharded dim is all-reduced (a Partial input stays Partial).
+  all-reduced output back (fusekit.nn.SwiGLUMLP fuses only under the default Colwise / Rowwise styles,
+  whose hooks do exactly that).
+- reduce_sum: any placement; a sum over a sharded dim is all-reduced (fp32 partials for a 16-bit
+  result, rounded once); a Partial sum / avg input stays Partial, a Partial max / min raises.
 
 An AsyncCollectiveTensor (what a functional collective hands back: RowwiseParallel's output, or the
 tensor-parallel swiglu_ffn's all-reduced plain output below) is waited for and passed on as a plain
 tensor, its gradient flowing through (`_Wait`): a kernel must not read it before the collective is done,
 and its wrapper has no storage for a launch to point at.
 
-Anything else raises ValueError naming the argument and its placement. Gradients flow through
-to_local / from_local; a Replicate input used by sharded work (a norm weight under a batch-sharded x)
-gets a Partial gradient, which DTensor reduces when it is read, as its own ops do.
+Anything else raises ValueError naming the argument and its placement, on every rank alike where a
+shard would be empty (a rank raising alone would leave the others in the next collective). Gradients
+flow through to_local / from_local; a Replicate input used by sharded work (a norm weight under a
+batch-sharded x) gets a Partial gradient, which DTensor reduces when it is read, as its own ops do.
 """
 
 from __future__ import annotations
