@@ -202,6 +202,14 @@ def _other_float(dtype: torch.dtype, allowed: tuple[torch.dtype, ...] = ()) -> t
     return next(d for d in (F16, torch.bfloat16, F32, F64) if d != dtype and d not in allowed)
 
 
+def _bad_param_dtype(x: torch.dtype, allowed: tuple[torch.dtype, ...]) -> torch.dtype | None:
+    """A float dtype a norm refuses for a weight / bias beside x: outside `allowed`, and (for fp32 / fp64 x)
+    not narrower than x, since narrower parameters are widened as torch promotes them (_norms.widen_params);
+    None where every float is taken (fp64 x)."""
+    widened = (F16, torch.bfloat16, F32) if x in (F32, F64) else ()
+    return next((d for d in (F16, torch.bfloat16, F32, F64) if d != x and d not in allowed + widened), None)
+
+
 def _like(t: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     return torch.ones(shape, dtype=dtype or t.dtype, device=t.device)
 
@@ -250,7 +258,8 @@ def _breakers(case: Case):
         allowed = (x.dtype, F32) if x.dtype in (F16, torch.bfloat16) else (x.dtype,)
         brk("weight length", ("weight",), ValueError, [x, _like(w, (n + 1,)), *a[2:]])
         brk("weight 2-d", ("weight",), ValueError, [x, w[None], *a[2:]])
-        brk("weight dtype", ("weight",), TypeError, [x, w.to(_other_float(x.dtype, allowed)), *a[2:]])
+        if (bad := _bad_param_dtype(x.dtype, allowed)) is not None:
+            brk("weight dtype", ("weight",), TypeError, [x, w.to(bad), *a[2:]])
         brk("weight a list", ("weight",), TypeError, [x, w.tolist(), *a[2:]])
         brk("x int", ("x",), TypeError, [x.to(I32), *a[1:]])
         brk("x 0-d", ("x",), ValueError, [x.flatten()[:1].sum() if x.numel() else x.new_ones(()), *a[1:]])
@@ -272,7 +281,8 @@ def _breakers(case: Case):
                 if v is not None:
                     brk(f"eps={v!r}", ("eps",), e, [x, w, b, v])
             brk("bias length", ("bias",), ValueError, [x, w, _like(w, (n + 2,)), a[3]])
-            brk("bias dtype", ("bias",), TypeError, [x, w, _like(w, (n,), _other_float(wdt)), a[3]])
+            if (bad := _bad_param_dtype(x.dtype, (wdt,))) is not None:  # the weight's dtype, or widened
+                brk("bias dtype", ("bias",), TypeError, [x, w, _like(w, (n,), bad), a[3]])
     if op == "rope":
         s, d = x.shape[1], x.shape[3]
         brk("x odd head dim", ("x",), ValueError, [x[..., : d - 1]])
