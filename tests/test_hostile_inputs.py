@@ -383,12 +383,14 @@ def test_lazily_negated_inputs_are_read_by_value(backend_name, device):
         assert torch.equal(ops.reduce_sum(neg(x), -1, backend=backend_name), s)
     xr = x.clone().requires_grad_()
     dy = torch.randn(4, 64, generator=g).to(device)
+    dyt = torch.randn(64, 4, generator=g).to(device).t()  # a transposed grad: its negation stays transposed
     grads = []
-    for gy in (dy, neg(dy), dy):
+    for gy in (dy, neg(dy), dy, dyt.contiguous(), neg(dyt)):
         xr.grad = None
         ops.rms_norm(xr, w, backend=backend_name).backward(gy)
         grads.append(xr.grad)
     assert torch.equal(grads[1], grads[0]) and torch.equal(grads[2], grads[0])
+    assert torch.equal(grads[4], grads[3])
 
 
 def test_inference_mode_with_enable_grad_records_no_gradient(backend_name):

@@ -346,7 +346,8 @@ def _fast_backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
             g.append(torch.zeros(like[0], dtype=like[1], device=like[2]))
         else:
             same = same and gv.dtype == like[1] and gv.shape == like[0]
-            g.append(gv.contiguous() if not gv.is_neg() else gv.resolve_neg())  # kernels read memory
+            # a lazily negated grad materialized (kernels read memory), then contiguous as any
+            g.append((gv.resolve_neg() if gv.is_neg() else gv).contiguous())
     both = ctx.saved_tensors + tuple(g)
     bins = tuple([None if i is None else both[i] for i in r.bsel])
     plan = r.bplan
