@@ -295,8 +295,8 @@ def forward(
 ) -> None:
     """y[T, D] = swiglu_ffn(x[T, D]) (CONTRACT.md); writes y (and rstd, gu when given), returns None.
 
-    Inference (gu = None): nothing beyond y (and rstd when given) is written. Training: gu [T, 2F] (x's dtype) receives
-    [round(g), round(u)] from the gate/up GEMM's epilogue (g, u are its fp32 accumulators; h is still formed
+    Inference (gu = None): nothing beyond y (and rstd when given) is written. Training: gu [T, 2F] (x's
+    dtype) receives [round(g), round(u)] from the gate/up GEMM's epilogue (g, u are its fp32 accumulators; h is still formed
     from them before rounding), and rstd [T] fp32 (given iff norm_weight is) the row statistics. norm_weight
     may be fp32 with fp16/bf16 x. `_path` ("decode" | "prefill"), `_prologue` ("fused": scale A tiles in the
     GEMM, "xn": write the normalized activation first) and `_gemm` ("ptr" | "tma" | "blas": both GEMMs of
@@ -311,15 +311,16 @@ def forward(
     nw = norm_weight if has_norm else x  # a dummy pointer the kernel never reads
     interp = is_interpreter()
     h = torch.empty((T, F), device=x.device, dtype=x.dtype)
+    if has_norm and rstd is None:  # both paths' kernels write rstd with a norm (T floats)
+        rstd = torch.empty((T,), device=x.device, dtype=torch.float32)
     with on_device(x):
         if path == "decode":
             _decode(y, rstd, gu, x, w_gate, w_up, w_down, nw, h, eps, T, D, F, has_norm, ieee)
             return
         if path != "prefill":
             raise ValueError(f"unknown swiglu_ffn path {path!r}")
-        a, rstd_buf = x, x  # dummies the kernels never read without a norm
+        a, rstd_buf = x, rstd if has_norm else x  # x: dummies the kernels never read without a norm
         if has_norm:
-            rstd_buf = rstd if rstd is not None else torch.empty((T,), device=x.device, dtype=torch.float32)
             write_xn = _prologue == "xn"
             if write_xn:
                 a = torch.empty_like(x)
@@ -363,8 +364,6 @@ def _decode(y, rstd, gu, x, w_gate, w_up, w_down, nw, h, eps, T, D, F, has_norm,
     # one token: the [rows, BLOCK_K] partial-product GEMV; a training call always pads to 16 (tl.dot), one
     # variant fewer to compile for a case (training on <= 16 tokens) that is rare
     bt = 1 if T == 1 and not save else 16
-    if has_norm and rstd is None:  # the kernel writes rstd with a norm (T floats)
-        rstd = torch.empty((T,), device=x.device, dtype=torch.float32)
     gu_t = gu if save else h  # a dummy the kernel never touches without SAVE
     rstd_t = rstd if has_norm else h  # a dummy the kernel never touches without HAS_NORM
     if save or is_interpreter():

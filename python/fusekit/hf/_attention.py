@@ -128,12 +128,13 @@ def mask_kind(mask: object, s: int, skv: int, is_causal: bool) -> tuple[str, int
     return v
 
 
-def prefix_kv_len(mask: Tensor, batch: int) -> Tensor:
+def prefix_kv_len(mask: Tensor, batch: int, eager: bool | None = None) -> Tensor:
     """int32 [B]: the keys the last query row of each sequence sees in a causal prefix mask [B|1, 1|H,
     S, Skv] (bool, or additive with 0 where visible). Device-side only: no sync, traceable. Remembered
     for the last mask in eager mode; never while compiling or capturing a CUDA graph (a capture must
-    record the computation, so that a replay derives the lengths from the mask it reads)."""
-    eager = _eager(mask)
+    record the computation, so that a replay derives the lengths from the mask it reads). `eager`: the
+    caller's `_eager(mask)`, when it has it."""
+    eager = _eager(mask) if eager is None else eager
     hit = _kv_lens.get(mask, batch) if eager else None
     if hit is not None:
         return hit
@@ -236,9 +237,10 @@ def fusekit_attention(
         and (window is None or skv <= window)
         and not (query.device.type == "cuda" and query.dtype in (torch.float32, torch.float64))
     ):
-        kv_len = prefix_kv_len(attention_mask, query.shape[0])
+        eager = _eager(attention_mask)
+        kv_len = prefix_kv_len(attention_mask, query.shape[0], eager)
         causal = bool(is_causal) and s > 1
-        if not _eager(attention_mask) or is_prefix(attention_mask, kv_len, causal):
+        if not eager or is_prefix(attention_mask, kv_len, causal):
             out = ops.attention(
                 query, key, value, causal=causal, scale=scaling, kv_len=kv_len, backend=backend
             )
