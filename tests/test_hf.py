@@ -583,9 +583,22 @@ def test_fused_loss_in_eval_keeps_logits_and_unpatch_restores_forward():
     assert "forward" not in vars(model)
     with torch.no_grad():
         assert torch.equal(model(x, labels=x).loss, ref.loss)
-    fh.patch(model, backend="mojo")  # mojo runs linear_cross_entropy too: the fused loss replaces HF's
+    # mojo runs linear_cross_entropy too: the fused loss replaces HF's (head dim 64: mojo attention's)
+    model = build("llama2", num_attention_heads=1, num_key_value_heads=1)
+    fh.patch(model, backend="mojo")
     assert "forward" in vars(model)
     fh.unpatch(model)
+
+
+@pytest.mark.parametrize("name", ["triton", "mojo"])
+def test_head_dim_the_kernels_lack_raises_at_patch_time(name):
+    """TINY's head dim is 16: triton and mojo attention run 64 / 128 / 256 only, so patch raises naming
+    head_dim with the model untouched (it used to patch, then raise at the first forward); "auto" patches."""
+    model = build("llama2")
+    with pytest.raises(ValueError, match="head_dim: 16 is not supported by " + name):
+        fh.patch(model, backend=name)
+    assert not fh.is_patched(model) and model.config._attn_implementation == "sdpa"
+    assert fh.is_patched(fh.patch(model, backend="auto"))
 
 
 # --- masks -------------------------------------------------------------------------------------------

@@ -603,7 +603,11 @@ def _sliding_window(config) -> int | None:
     return sw
 
 
-def _check_config(config, allow_sliding_window: bool) -> str:
+# head dims the triton and mojo attention kernels are built for (backends/triton.py, backends/mojo/specs.py)
+_KERNEL_HEAD_DIMS = (64, 128, 256)
+
+
+def _check_config(config, allow_sliding_window: bool, backend: str) -> str:
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
         raise ValueError(
@@ -621,6 +625,13 @@ def _check_config(config, allow_sliding_window: bool) -> str:
         raise ValueError(
             f"attention_dropout: attention dropout ({config.attention_dropout}) is not supported by fusekit "
             "attention; set model.config.attention_dropout = 0.0 before patching"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if backend in ("triton", "mojo") and head_dim not in _KERNEL_HEAD_DIMS:
+        # raised here, with the model untouched, not at the first forward of the patched model
+        raise ValueError(
+            f"head_dim: {head_dim} is not supported by {backend} attention (supported: 64, 128, 256); "
+            'use backend="auto" (falls back to torch for this model) or backend="torch"'
         )
     sw = _sliding_window(config)
     max_pos = getattr(config, "max_position_embeddings", None)
@@ -657,7 +668,7 @@ def patch(
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"model: {type(model).__name__} has no `config`; expected a transformers model")
-    family = _check_config(config, allow_sliding_window)
+    family = _check_config(config, allow_sliding_window, backend)
     classes = _family_classes(family)
     ours = _fusekit_classes(family)
 
