@@ -240,6 +240,111 @@ def test_sealed_file_damage_is_detected(tmp_path: Path) -> None:
     assert ".sum" in rt._damage(final)
 
 
+def test_sealed_files_are_readable_by_other_users(tmp_path: Path) -> None:
+    """The .sum (and an artifact copied in after a fallback) get a new file's usual mode, not mkstemp's
+    0600: a cache dir built by one user (an image prebuilt by mojo_build) read as damaged by all others."""
+    old = os.umask(0o022)
+    try:
+        for staged_here in (True, False):
+            d = tmp_path / ("here" if staged_here else "elsewhere")
+            stage = (d if staged_here else tmp_path / "other") / ".stage-x"
+            stage.mkdir(parents=True)
+            (stage / "a.mef").write_bytes(b"model")
+            d.mkdir(exist_ok=True)
+            rt._seal(stage / "a.mef", d / "a.mef")
+            for f in (d / "a.mef", rt._sum_path(d / "a.mef")):
+                assert stat.S_IMODE(f.stat().st_mode) & 0o044 == 0o044, (f, oct(f.stat().st_mode))
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(28, "No space left on device"),
+        rt.MojoBuildError(
+            "`mojo precompile x` failed (exit 1):\nLLVM ERROR: IO failure on output stream: "
+            "No space left on device"
+        ),
+    ],
+    ids=["oserror", "precompile"],
+)
+def test_full_cache_dir_falls_back_to_a_private_dir(tmp_path: Path, failure: Exception) -> None:
+    """A staging write the shared dir refuses (full disk, quota) is a cache failure like an unwritable dir:
+    one warning naming the env var, then the write is redone in the private dir; it raised before."""
+    store = rt._Store(tmp_path / "cache")
+    rel = Path("fusekit_x.mojoc")
+    calls = []
+
+    def write(out: Path) -> None:
+        calls.append(out)
+        if len(calls) == 1:
+            raise failure
+        out.write_bytes(b"package")
+
+    with pytest.warns(RuntimeWarning, match=rt.CACHE_ENV):
+        path = store.save(rel, write)
+    assert (
+        path.read_bytes() == b"package" and store.private is not None and path.is_relative_to(store.private)
+    )
+    assert calls[0].is_relative_to(tmp_path / "cache") and not list((tmp_path / "cache").glob(".stage-*"))
+
+
+def test_a_build_error_is_not_read_as_a_cache_failure(tmp_path: Path) -> None:
+    store = rt._Store(tmp_path / "cache")
+
+    def write(out: Path) -> None:
+        raise rt.MojoBuildError("`mojo precompile x` failed (exit 1):\nerror: use of unknown declaration 'y'")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(rt.MojoBuildError, match="unknown declaration"):
+            store.save(Path("fusekit_x.mojoc"), write)
+    assert store.private is None and store.failed is None
+
+
+def test_staging_dirs_of_killed_processes_are_swept(tmp_path: Path) -> None:
+    """A process killed mid-build leaves its .stage-* dir (its `mojo precompile` child may even finish
+    into it); the next save removes those older than STAGE_MAX_AGE_S and leaves a recent one alone."""
+    cache = tmp_path / "cache"
+    old, recent = cache / ".stage-old", cache / ".stage-recent"
+    for d in (old, recent):
+        (d / "fusekit_ops").mkdir(parents=True)
+    t = time.time() - rt.STAGE_MAX_AGE_S - 60
+    os.utime(old, (t, t))
+    rt._Store(cache).save(Path("fusekit_x.mojoc"), lambda out: out.write_bytes(b"package"))
+    assert not old.exists() and recent.is_dir() and (cache / "fusekit_x.mojoc").is_file()
+
+
+def test_cpu_mefs_are_named_for_the_host_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU machine code depends on the host's ISA extensions: the tag names the architecture and hashes
+    the feature flags, so a cache dir shared between hosts never hands one host's MEF to another."""
+    import platform
+
+    import torch
+
+    tag = rt.device_tag(torch.device("cpu"))
+    machine = platform.machine() or "unknown"
+    assert tag.startswith(f"cpu-{machine}-") and len(tag.rsplit("-", 1)[1]) == 8, tag
+    real_open = open
+
+    def fake_cpuinfo(path, *a, **k):
+        if str(path) == "/proc/cpuinfo":
+            import io
+
+            return io.StringIO("processor : 0\nflags : fpu sse2 avx2\n")
+        return real_open(path, *a, **k)
+
+    rt._cpu_tag.cache_clear()
+    monkeypatch.setattr("builtins.open", fake_cpuinfo)
+    try:
+        other = rt._cpu_tag()
+    finally:
+        monkeypatch.undo()
+        rt._cpu_tag.cache_clear()
+    assert other.startswith(f"cpu-{machine}-") and other != tag
+
+
 def test_construction_touches_no_cache_and_precompile_names_the_env_var(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

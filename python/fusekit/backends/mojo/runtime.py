@@ -61,10 +61,13 @@ The cache is shared by every process of the user, so it has to survive crashes, 
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import hashlib
 import importlib.metadata
 import importlib.resources
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -332,6 +335,19 @@ def _damage(path: Path) -> str | None:
     return None
 
 
+def _create_temp(d: Path, prefix: str, suffix: str) -> tuple[int, str]:
+    """A new file in `d` opened for writing, with the permissions of any new file (0o666 less the umask):
+    mkstemp's 0600 made a cache built by one user read as damaged by every other (a shared cache dir, an
+    image prebuilt with `python -m fusekit.mojo_build`)."""
+    for _ in range(100):
+        path = os.path.join(d, f"{prefix}{os.urandom(6).hex()}{suffix}")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name in {d}")
+
+
 def _seal(out: Path, final: Path) -> None:
     """Moves the finished artifact `out` to `final`, its .sum first: a reader that sees `final`
     always finds the .sum of its content, a crash in between leaves only a harmless orphan .sum."""
@@ -339,12 +355,12 @@ def _seal(out: Path, final: Path) -> None:
     d = final.parent
     tmps: list[str] = []
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".sum.tmp", dir=d)
+        fd, tmp = _create_temp(d, f".{final.name}.", ".sum.tmp")
         tmps.append(tmp)
         with os.fdopen(fd, "w") as f:
             f.write(f"{size} {digest}\n")
         if out.parent.parent != d:  # staged elsewhere (after a fallback): copy next to `final` first
-            fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=d)
+            fd, tmp = _create_temp(d, f".{final.name}.", ".tmp")
             tmps.append(tmp)
             os.close(fd)
             shutil.copyfile(out, tmp)
@@ -481,32 +497,73 @@ class _Store:
             time.sleep(0.2)
 
     def save(self, rel: Path, write: Callable[[Path], None]) -> Path:
-        """Runs `write(out)` into a fresh staging dir, then seals `out` as `rel` in the writable dir."""
+        """Runs `write(out)` into a fresh staging dir, then seals `out` as `rel` in the writable dir. A
+        staging write that fails for lack of room or rights (the shared dir full, over quota, read-only)
+        falls back to the private dir like any other write; a build error of the write itself is raised."""
         while True:
             parent = self._dir(rel.parent)
             try:
                 stage = Path(tempfile.mkdtemp(prefix=".stage-", dir=parent))
-                break
             except OSError as exc:
                 if self.failed is not None:
                     raise
                 self.fail(f"cannot write in {parent}: {exc.strerror or exc}")
-        try:
-            out = stage / rel.name
-            write(out)
-            if not out.is_file():
-                raise OSError(f"{out} was not written")
-            while True:
-                final = self._dir(rel.parent) / rel.name
+                continue
+            _sweep_stages(parent, keep=stage)
+            try:
+                out = stage / rel.name
                 try:
-                    _seal(out, final)
-                    return final
-                except OSError as exc:
-                    if self.failed is not None:
+                    write(out)
+                except (OSError, MojoBuildError) as exc:
+                    why = _write_failure(exc)
+                    if why is None or self.failed is not None:
                         raise
-                    self.fail(f"cannot write {final}: {exc.strerror or exc}")
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
+                    self.fail(f"cannot write in {parent}: {why}")
+                    continue
+                if not out.is_file():
+                    raise OSError(f"{out} was not written")
+                return self._seal_into(rel, out)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+
+    def _seal_into(self, rel: Path, out: Path) -> Path:
+        while True:
+            final = self._dir(rel.parent) / rel.name
+            try:
+                _seal(out, final)
+                return final
+            except OSError as exc:
+                if self.failed is not None:
+                    raise
+                self.fail(f"cannot write {final}: {exc.strerror or exc}")
+
+
+# errno names of a write the filesystem refused (not a fault of what was written)
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+_WRITE_TEXTS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied")
+STAGE_MAX_AGE_S = 24 * 3600.0  # a staging dir this old belongs to a killed process (a compile takes minutes)
+
+
+def _write_failure(exc: BaseException) -> str | None:
+    """Why `exc` is the cache dir refusing a write (full, over quota, read-only), or None if it is not:
+    an OSError with such an errno, or `mojo precompile` failing to write its output (LLVM's `IO failure on
+    output stream: No space left on device`)."""
+    if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
+        return exc.strerror or str(exc)
+    if isinstance(exc, MojoBuildError):
+        return next((t for t in _WRITE_TEXTS if t in str(exc)), None)
+    return None
+
+
+def _sweep_stages(parent: Path, keep: Path) -> None:
+    """Removes staging dirs in `parent` left by processes killed mid-build (best effort: nothing else ever
+    removes them, and a killed process's `mojo precompile` child can still fill one afterwards)."""
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for d in parent.glob(".stage-*"):
+            with contextlib.suppress(OSError):
+                if d != keep and d.is_dir() and now - d.stat().st_mtime > STAGE_MAX_AGE_S:
+                    shutil.rmtree(d, ignore_errors=True)
 
 
 def _obtain(
@@ -736,10 +793,26 @@ def graph_device(device: torch.device) -> Iterator[None]:
         mg.Accelerator = real
 
 
+@functools.cache
+def _cpu_tag() -> str:
+    """`cpu-<machine>-<hash of the CPU's feature flags>`: a CPU MEF holds machine code for this host's ISA
+    extensions (AVX-512 on the machine that built it), so a cache dir shared between hosts (NFS home, a
+    prebuilt image) must not hand it to a CPU without them, nor to another architecture."""
+    flags = ""
+    with contextlib.suppress(OSError, UnicodeDecodeError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip().lower() in ("flags", "features"):  # x86 / arm64
+                flags = value
+                break
+    flags = " ".join(sorted(flags.split())) or platform.processor()
+    return f"cpu-{platform.machine() or 'unknown'}-{hashlib.sha256(flags.encode()).hexdigest()[:8]}"
+
+
 def device_tag(device: torch.device) -> str:
-    """Names the compile target in cache file names: `cpu` or e.g. `cuda-sm_90-0`."""
+    """Names the compile target in cache file names: e.g. `cpu-x86_64-1a2b3c4d` or `cuda-sm_90-0`."""
     if device.type == "cpu":
-        return "cpu"
+        return _cpu_tag()
     dev = max_device(device)
     return f"{dev.api}-{dev.architecture_name}-{device.index or 0}"
 
@@ -890,7 +963,8 @@ class OpCompiler:
     ) -> Any:
         session = self._session(device)
         rel = self.mef_rel(spec, dtypes, device, parameters)
-        label = f"mojo {spec.op} ({_dtype_label(spec, dtypes, parameters)}, {device_tag(device)})"
+        where = "cpu" if device.type == "cpu" else device_tag(device)
+        label = f"mojo {spec.op} ({_dtype_label(spec, dtypes, parameters)}, {where})"
         t0 = time.perf_counter()
 
         def load(path: Path) -> Any:
