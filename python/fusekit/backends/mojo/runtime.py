@@ -540,7 +540,12 @@ class _Store:
 
 # errno names of a write the filesystem refused (not a fault of what was written)
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
-_WRITE_TEXTS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied")
+_WRITE_TEXTS = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "Read-only file system",
+    "Permission denied",
+)
 STAGE_MAX_AGE_S = 24 * 3600.0  # a staging dir this old belongs to a killed process (a compile takes minutes)
 
 
