@@ -740,31 +740,46 @@ def test_padded_prompt_in_static_cache_generate_is_not_trusted():
     assert not fh._patch._unpadded(model, (x,), {"attention_mask": mask})
 
 
-def test_overlapping_generate_calls_trust_masks_only_while_all_are_unpadded(monkeypatch):
-    """Two generate() calls in flight on one model (threads): a padded one turns the prefix-mask path
-    off for both until it ends; the flag is off again once no call runs."""
+def test_only_the_forwards_of_an_unpadded_generate_call_are_marked(monkeypatch):
+    """generate() of an unpadded prompt marks the inputs of its own forwards (prepare_inputs_for_generation)
+    as prefix masks; a nested padded call's forwards are not marked while it runs, the outer call's are
+    again after it, another thread's and any call outside generate() never are. (A flag on the attention
+    modules for the whole call also covered other forwards: test_compiled_padded_forward_inside_generate.)"""
+    import inspect
+    import threading
+
     from transformers.generation.utils import GenerationMixin
 
     model = build("llama2")
     fh.patch(model)
-    attn = [m for m in model.modules() if hasattr(m, "_fusekit_prefix_masks")]
     seen: list[tuple[str, bool]] = []
 
-    def flags() -> bool:
-        values = {m._fusekit_prefix_masks for m in attn}
-        assert len(values) == 1, "every attention module gets the same flag"
-        return values.pop()
+    def marked() -> bool:
+        inputs = model.prepare_inputs_for_generation(torch.tensor([[5, 3, 4]]))
+        return inputs.get(_attention.PREFIX_MASKS, False)
 
     def fake_generate(self, ids, tag, **kw):
-        seen.append((f"{tag} runs", flags()))
+        seen.append((f"{tag} runs", marked()))
         if tag == "outer":
-            self.generate(torch.tensor([[0, 3, 4]]), tag="inner", pad_token_id=0)  # padded, overlapping
-            seen.append(("outer after inner", flags()))
+            self.generate(torch.tensor([[0, 3, 4]]), tag="inner", pad_token_id=0)  # padded, nested
+            seen.append(("outer after inner", marked()))
+            t = threading.Thread(target=lambda: seen.append(("other thread", marked())))
+            t.start()
+            t.join()
 
     monkeypatch.setattr(GenerationMixin, "generate", fake_generate)
     model.generate(torch.tensor([[5, 3, 4]]), tag="outer", pad_token_id=0)
-    assert seen == [("outer runs", True), ("inner runs", False), ("outer after inner", True)], seen
-    assert not flags() and "_fusekit_generating" not in vars(model)
+    assert seen == [
+        ("outer runs", True),
+        ("inner runs", False),
+        ("outer after inner", True),
+        ("other thread", False),
+    ], seen
+    assert not marked()
+    bound = type(model).prepare_inputs_for_generation.__get__(model)
+    assert inspect.signature(model.prepare_inputs_for_generation) == inspect.signature(bound)
+    fh.unpatch(model)
+    assert "prepare_inputs_for_generation" not in vars(model)
 
 
 def test_padded_forward_inside_generate_is_not_read_as_a_prefix():
@@ -795,6 +810,47 @@ def test_padded_forward_inside_generate_is_not_read_as_a_prefix():
         model.generate(
             ids(1, 6), max_new_tokens=2, do_sample=False, logits_processor=LogitsProcessorList([Probe()])
         )
+    assert rel_error(got[0][1, 4:], want[1, 4:]) < FP32_TOL and rel_error(got[0][0], want[0]) < FP32_TOL
+
+
+def test_compiled_padded_forward_inside_generate_is_not_read_as_a_prefix():
+    """The compiled form of the test above: while tracing, masks cannot be checked on the host, so the
+    prefix path trusted every mask during an unpadded generate() (a flag on the attention modules): a
+    LogitsProcessor's padded forward through torch.compile(model) got row 1 off by 1.33, silently. Only
+    generate()'s own forwards carry the marker now."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    ref = build("llama2")
+    model = copy.deepcopy(ref)
+    fh.patch(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    xb = ids(2, 10, seed=5)
+    pad = torch.ones_like(xb)
+    pad[1, :4] = 0
+    with torch.no_grad():
+        want = ref(xb, attention_mask=pad, use_cache=False).logits
+    got = []
+
+    class Probe(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if not got:
+                with torch.no_grad():
+                    got.append(compiled(xb, attention_mask=pad, use_cache=False).logits)
+            return scores
+
+    torch._dynamo.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the padded forward's one-time sdpa fallback warning
+            model.generate(
+                ids(1, 6),
+                max_new_tokens=2,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([Probe()]),
+            )
+    finally:
+        torch._dynamo.reset()
     assert rel_error(got[0][1, 4:], want[1, 4:]) < FP32_TOL and rel_error(got[0][0], want[0]) < FP32_TOL
 
 
@@ -938,6 +994,31 @@ def test_unsupported_config_raises_naming_the_feature_and_leaves_model_alone(fam
         fh.patch(model)
     assert not fh.is_patched(model) and [type(m) for m in model.modules()] == types
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_patch_and_unpatch_through_a_torch_compile_wrapper():
+    """patch / unpatch / is_patched of torch.compile(model) act on the model inside: unpatch(compiled) used to
+    restore the model, then raise AttributeError deleting the record from the wrapper, leaving the model
+    unpatched yet is_patched (patch refused it); patch(compiled) skipped the generate / loss wrappers."""
+    ref = build("llama2")
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model, backend="eager")
+    assert fh.patch(compiled) is compiled and fh.is_patched(model) and fh.is_patched(compiled)
+    assert {"generate", "forward", "prepare_inputs_for_generation"} <= set(vars(model))
+    x = ids(seq=7)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            assert rel_error(compiled(x).logits, ref(x).logits) <= FP32_TOL
+        assert fh.unpatch(compiled) is compiled
+        assert not fh.is_patched(model) and not fh.is_patched(compiled)
+        assert model.config._attn_implementation == "sdpa" and "generate" not in vars(model)
+        with torch.no_grad():
+            assert torch.equal(compiled(x).logits, ref(x).logits)
+        fh.patch(model)  # patchable again
+        assert fh.is_patched(compiled)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_unsupported_model_type_and_runtime_dropout():

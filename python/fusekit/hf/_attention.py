@@ -17,15 +17,19 @@ implementation's name. fusekit's attention expresses two masks: none, and causal
   one-time warning naming the feature; with `patch(model, strict=True)` it raises ValueError instead.
   The same rule covers fp32 attention on CUDA (fusekit's GPU attention kernels are fp16/bf16).
   Nothing is silently wrong.
-- Inside `generate()` of a patched model whose prompt has no padding (fusekit.hf.patch wraps generate
-  and checks that once, on the host), every mask is a causal prefix pattern: a static cache's masks
+- In the forwards `generate()` of a patched model makes itself, for a prompt with no padding
+  (fusekit.hf.patch wraps generate and checks that once, on the host; its prepare_inputs_for_generation
+  then adds `fusekit_prefix_masks=True` to those forwards' inputs, which reach the layers' attention as a
+  keyword), every mask is a causal prefix pattern: a static cache's masks
   [B, 1, S, max_len] then become per-sequence key counts, `kv_len` = the keys the last query row sees,
   computed on the device; the full cache goes to ops.attention with that kv_len. Traced or captured,
   no host sync and no data-dependent shape: the decode step traces into one graph under torch.compile
-  and replays under CUDA graphs (transformers compiles static-cache decoding itself). Eager, each mask
-  is checked to be that pattern (`is_prefix`: one sync per forward): a forward inside generate() with a
-  padded mask of its own (classifier-free guidance's negative prompt, a LogitsProcessor, another
-  thread) takes the checked path above; the wrapper also counts a padded negative prompt as padding.
+  and replays under CUDA graphs (transformers compiles static-cache decoding itself). Any other forward
+  during the call (classifier-free guidance's negative prompt, a LogitsProcessor's, another thread's),
+  eager or compiled, carries no marker and takes the checked path above (a flag on the modules for the
+  whole call read a compiled padded forward inside it as a prefix). Eager, a marked mask is still checked
+  to be that pattern (`is_prefix`: one sync per forward); the wrapper also counts a padded negative
+  prompt as padding.
   A sliding window shorter than the cache keeps the checked path above.
 - A patched base model called without position_ids and without an attention_mask passes its layers
   `fusekit_own_positions=True`: its positions are 0..S-1 of one sequence per row, so a mask over as
@@ -47,6 +51,9 @@ from fusekit import ops
 NAME = "fusekit"
 # kwarg a patched base model passes to its layers when the positions are its own 0..S-1 (see below)
 OWN_POSITIONS = "fusekit_own_positions"
+# kwarg patch's generate() wrapper adds to the model inputs of the forwards generate() itself makes, for an
+# unpadded prompt: their masks are causal prefixes (see below); no other forward carries it
+PREFIX_MASKS = "fusekit_prefix_masks"
 CAUSAL, FULL = "causal", "full"
 _warned: set[str] = set()
 
@@ -230,7 +237,7 @@ def fusekit_attention(
         # packed-sequence guard over one sequence (kept while tracing), i.e. plain causal.
         attention_mask = None
     if (
-        getattr(module, "_fusekit_prefix_masks", False)  # set by patch's generate() for unpadded prompts
+        kwargs.pop(PREFIX_MASKS, False)  # a forward of patch's generate() with an unpadded prompt
         and isinstance(attention_mask, Tensor)
         and attention_mask.dim() == 4
         and tuple(attention_mask.shape[-2:]) == (s, skv)

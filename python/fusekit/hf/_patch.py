@@ -36,6 +36,7 @@ mask then has a window pattern fall back to sdpa or raise, see fusekit.hf._atten
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import sys
 import threading
@@ -373,7 +374,12 @@ def _unpadded(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     return not any(bool((ids == int(p)).any()) for p in pads)
 
 
-_GEN_LOCK = threading.Lock()
+# True while this thread (context) runs a patched generate() whose prompt has no padding: read by
+# _PrepareInputs, so only the forwards that generate() makes itself get the prefix-mask marker (a nested
+# generate() of a padded prompt sets it False until it returns; other threads have their own value).
+_UNPADDED_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fusekit_unpadded_generate", default=False
+)
 
 
 class _Generate:
@@ -386,26 +392,37 @@ class _Generate:
         self.__doc__ = type(model).generate.__doc__
 
     def __call__(self, *args, **kwargs):
-        """The class's generate(), with the attention modules told whether the masks they see are causal
-        prefixes. Concurrent calls on one model share the modules: the flag is on only while every
-        running call has an unpadded prompt."""
+        """The class's generate(), its own forwards told (by _PrepareInputs) whether their masks are
+        causal prefixes: only for a prompt with no padding."""
         model = self.model
-        attentions = [m for m in model.modules() if hasattr(m, "_fusekit_prefix_masks")]
-        padded = not _unpadded(model, args, kwargs)
-        with _GEN_LOCK:
-            running = model.__dict__.setdefault("_fusekit_generating", [0, 0])  # [calls, padded calls]
-            running[0] += 1
-            running[1] += padded
-            _set_prefix_masks(attentions, running)
+        token = _UNPADDED_GENERATE.set(_unpadded(model, args, kwargs))
         try:
             return type(model).generate(model, *args, **kwargs)
         finally:
-            with _GEN_LOCK:
-                running[0] -= 1
-                running[1] -= padded
-                _set_prefix_masks(attentions, running)
-                if not running[0]:
-                    del model.__dict__["_fusekit_generating"]
+            _UNPADDED_GENERATE.reset(token)
+
+
+class _PrepareInputs:
+    """model.prepare_inputs_for_generation of a patched model (kept like _Generate): the class's, plus
+    `fusekit_prefix_masks=True` in the inputs while the running generate() has an unpadded prompt. The
+    marker rides the forward's keywords down to the attention calls, so a forward generate() does not
+    make (a LogitsProcessor's, a compiled one, another thread's) is never read as a prefix; under
+    torch.compile it is a constant the compiled step guards on. Same signature as the class's:
+    generate() validates its model kwargs against it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.__doc__ = type(model).prepare_inputs_for_generation.__doc__
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.model).prepare_inputs_for_generation.__get__(self.model))
+
+    def __call__(self, *args, **kwargs):
+        inputs = type(self.model).prepare_inputs_for_generation(self.model, *args, **kwargs)
+        if _UNPADDED_GENERATE.get() and isinstance(inputs, dict):
+            inputs[_attention.PREFIX_MASKS] = True
+        return inputs
 
 
 class _CausalLMForward:
@@ -528,12 +545,6 @@ def _fused_loss(
     return loss / num_items_in_batch
 
 
-def _set_prefix_masks(attentions: list[nn.Module], running: list[int]) -> None:
-    trusted = running[0] > 0 and running[1] == 0
-    for m in attentions:
-        m._fusekit_prefix_masks = trusted
-
-
 def _fusekit_classes(family: str) -> dict[str, type]:
     """The Fusekit subclasses patch() swaps in for a family, by role (RMSNorm: the next-norm class of
     fusekit.nn.RMSNorm, shared by every family)."""
@@ -654,7 +665,7 @@ def patch(
 ) -> nn.Module:
     """Run a transformers Llama / Mistral / Qwen2 / Qwen3 model's norms, MLPs, rope and attention on fusekit.
 
-    In place; returns `model`. backend: "auto", "torch", "triton" or "mojo" for every op. strict: a
+    In place; returns `model` (a torch.compile wrapper is patched inside). backend: "auto", "torch", "triton" or "mojo" for every op. strict: a
     call whose attention mask fusekit cannot express (padding, a sliding-window pattern) raises instead
     of falling back to transformers' sdpa with a one-time warning. Raises ValueError naming the
     unsupported feature before changing anything; fusekit.hf.unpatch(model) restores the original.
@@ -663,6 +674,7 @@ def patch(
     backends.prepare(backend)  # loaded here, not inside a torch.compile trace of the first call
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a transformers model (nn.Module), got {type(model).__name__}")
+    given, model = model, _unwrapped(model)  # a torch.compile wrapper: patch the model it calls
     if hasattr(model, _ATTR):
         raise ValueError("model: already patched by fusekit; call fusekit.hf.unpatch(model) first")
     config = getattr(model, "config", None)
@@ -715,11 +727,13 @@ def patch(
     for m in attentions:
         m._fusekit_backend = backend
         m._fusekit_strict = strict
-        m._fusekit_prefix_masks = False  # True only inside the generate wrapper, for unpadded prompts
-        rec.attrs += [(m, "_fusekit_backend"), (m, "_fusekit_strict"), (m, "_fusekit_prefix_masks")]
+        rec.attrs += [(m, "_fusekit_backend"), (m, "_fusekit_strict")]
     if callable(getattr(type(model), "generate", None)):
         model.__dict__["generate"] = _Generate(model)
         rec.attrs.append((model, "generate"))
+        if callable(getattr(type(model), "prepare_inputs_for_generation", None)):
+            model.__dict__["prepare_inputs_for_generation"] = _PrepareInputs(model)
+            rec.attrs.append((model, "prepare_inputs_for_generation"))
     if type(model) is classes["ForCausalLM"]:
         model.__dict__["forward"] = _CausalLMForward(model)
         rec.attrs.append((model, "forward"))
@@ -732,7 +746,7 @@ def patch(
         rec.attrs.append((layer, "_fusekit_next_norm"))
     _set_attn_implementation(model, _attention.NAME)
     object.__setattr__(model, _ATTR, rec)
-    return model
+    return given
 
 
 def _keep_output_capture(models: list[nn.Module]) -> None:
@@ -778,8 +792,20 @@ def _set_attn_implementation(model: nn.Module, name: str | None) -> None:
         model.config._attn_implementation = name
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside torch.compile's wrapper (OptimizedModule, which forwards attribute reads to it): patch
+    and unpatch work on the model itself, whose forward the wrapper calls. unpatch(compiled) found the
+    record through the wrapper, restored the model, then failed deleting it from the wrapper, leaving the
+    model unpatched but marked patched."""
+    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undo fusekit.hf.patch: the original modules, classes and attention implementation come back."""
+    """Undo fusekit.hf.patch: the original modules, classes and attention implementation come back.
+    Returns `model` (a torch.compile wrapper is unpatched inside)."""
+    given, model = model, _unwrapped(model)
     rec: _Record | None = getattr(model, _ATTR, None)
     if rec is None:
         raise ValueError("model: not patched by fusekit (nothing to unpatch)")
@@ -792,7 +818,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         _hand_back(parent._modules.get(name), old)
         setattr(parent, name, old)
     object.__delattr__(model, _ATTR)
-    return model
+    return given
 
 
 def _hand_back(new: nn.Module | None, old: nn.Module) -> None:
@@ -809,4 +835,4 @@ def _hand_back(new: nn.Module | None, old: nn.Module) -> None:
 
 
 def is_patched(model: nn.Module) -> bool:
-    return hasattr(model, _ATTR)
+    return hasattr(_unwrapped(model), _ATTR)
