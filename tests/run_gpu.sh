@@ -9,7 +9,9 @@
 # (tests/reliability.py: cases per check, commit, GPU, versions); the XML is then removed to keep $OUT to
 # two files per backend (KEEP_JUNIT=1 keeps it). NPROC=N runs the per-case files in N pytest-xdist workers
 # and the whole-GPU checks (CUDA graphs, out of memory, concurrency, any device) after them in one process
-# (tests-<backend>-serial.log); PART_S caps each pytest run (seconds, default 3000).
+# (tests-<backend>-serial.log); PART_S caps each pytest run (seconds, default 3000). Where pytest-timeout is
+# installed (the GPU image has it), TEST_S (default 300) fails a single test that runs longer, by name: a hung
+# or slow test under xdist otherwise left only dots in the log when PART_S (or the device call) cut the run.
 # MAX/Mojo staged by shared/gpu-env/pack_max.sh (/tmp/maxsite/env.sh) are put on the path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +20,8 @@ if [ -f /tmp/maxsite/env.sh ]; then source /tmp/maxsite/env.sh; fi
 export PYTHONPATH="python:.${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
 rc=0
+per_test=()
+if python3 -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout "${TEST_S:-300}"); fi
 for b in ${BACKENDS:-torch triton mojo}; do
   echo "=== conformance, backend=$b, device=cuda"
   files="tests/test_conformance.py tests/test_hostile_inputs.py tests/test_fuzz.py tests/test_layouts.py"
@@ -34,7 +38,7 @@ for b in ${BACKENDS:-torch triton mojo}; do
     [ -n "$these" ] || continue
     # shellcheck disable=SC2086
     timeout "${PART_S:-3000}" python3 -m pytest $these --device cuda --backends "$b" -q -ra -p no:cacheprovider \
-      "${xdist[@]+"${xdist[@]}"}" "$@" --junitxml "$out/$stem.xml" -o junit_suite_name="$b-cuda" \
+      "${xdist[@]+"${xdist[@]}"}" "${per_test[@]+"${per_test[@]}"}" "$@" --junitxml "$out/$stem.xml" -o junit_suite_name="$b-cuda" \
       > "$out/$stem.log" 2>&1 || rc=1
     xdist=()  # the serial part runs in one process
     grep -E "passed|failed|error" "$out/$stem.log" | tail -n 3

@@ -147,6 +147,10 @@ def test_gradient_of_a_gradient_raises_naming_the_op(op: str, backend_name: str,
         ]
         loss = sum((o * w).float().sum() for o, w in zip(outs, ws))
         plain = torch.autograd.grad(loss, leaves, retain_graph=True)
+        if op == "linear_cross_entropy":  # saves no history of x / weight: raises in the create_graph call
+            with pytest.raises(RuntimeError, match=f"fusekit.{op}: its backward is first-order only"):
+                torch.autograd.grad(loss, leaves, create_graph=True)
+            continue
         twice = torch.autograd.grad(loss, leaves, create_graph=True)
         for a, b in zip(plain, twice):
             assert torch.equal(a, b)
@@ -154,12 +158,36 @@ def test_gradient_of_a_gradient_raises_naming_the_op(op: str, backend_name: str,
         with pytest.raises(RuntimeError, match=f"fusekit.{op}: its backward is first-order only"):
             penalty.backward()
         # a plain loss: its output gradient requires no grad, and linear_cross_entropy saves only the
-        # gradients its forward computed (none requiring grad either): its penalty term was dropped
+        # gradients its forward computed (none requiring grad either): its penalty term was dropped. Where
+        # nothing carries history (rope's saved tables, linear_cross_entropy) the create_graph call raises.
         outs = fn(*leaves, backend_name)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        twice = torch.autograd.grad(sum(o.float().sum() for o in outs), leaves, create_graph=True)
         with pytest.raises(RuntimeError, match=f"fusekit.{op}: its backward is first-order only"):
+            twice = torch.autograd.grad(sum(o.float().sum() for o in outs), leaves, create_graph=True)
             sum(t.float().square().sum() for t in twice).backward()
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "swiglu_ffn", "attention", "linear_cross_entropy"])
+def test_gradient_penalty_differentiated_for_one_weight_raises(
+    op: str, backend_name: str, device: str
+) -> None:
+    """torch.autograd.grad(penalty + other terms, weight) after a create_graph=True gradient: the error node
+    hung on the results alone had no path to the weight, so autograd pruned it and returned the other terms
+    only (rms_norm: exactly 2·w for penalty + |w|², float64 says otherwise), silently. It now also hangs on
+    the saved inputs, so reaching the weight reaches it."""
+    fn, tensors = _calls(device)[op]
+    leaves = tuple(t.clone().requires_grad_() for t in tensors)
+    try:
+        outs = fn(*leaves, backend_name)
+    except ValueError as exc:
+        if "cannot run" in str(exc) or "has no backward here" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    x, weight = leaves[0], leaves[1]
+    with pytest.raises(RuntimeError, match=f"fusekit.{op}: its backward is first-order only"):
+        (gx,) = torch.autograd.grad(sum(o.float().square().sum() for o in outs), x, create_graph=True)
+        torch.autograd.grad(gx.float().square().sum() + weight.float().square().sum(), weight)
 
 
 def test_rope_tables_that_require_grad_raise_naming_them(backend_name: str, device: str) -> None:

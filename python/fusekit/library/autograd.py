@@ -88,12 +88,18 @@ def _refuse_transforms(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> None:
             )
 
 
-def first_order(op: str, backward: Callable[..., tuple]) -> Callable[..., tuple]:
+def first_order(op: str, backward: Callable[..., tuple], saved_history: bool = True) -> Callable[..., tuple]:
     """An autograd backward that is not itself differentiable, as torch's `once_differentiable`, but
     which also catches the saved inputs: under create_graph=True it runs without recording and its
     results carry an error node, so differentiating them again (a gradient penalty, a Hessian) raises
     naming the op instead of dropping or mis-computing the second-order term (the kernels' backward
-    phases are not differentiable)."""
+    phases are not differentiable).
+
+    The error node's inputs are the results and every saved tensor and output grad with autograd
+    history: a differentiation reaches it from whichever input the second-order term depends on. With
+    the results alone, `torch.autograd.grad(penalty, weight)` pruned it (no path to weight) and returned
+    the other terms only, silently. Where the saved tensors keep no history of the inputs (saved_history
+    False: linear_cross_entropy) or nothing carries history, the create_graph backward raises at once."""
     msg = (
         f"fusekit.{op}: its backward is first-order only, so a gradient of its gradient (create_graph=True: "
         "a gradient penalty, a Hessian-vector product) cannot be computed through it; compute that term "
@@ -103,18 +109,17 @@ def first_order(op: str, backward: Callable[..., tuple]) -> Callable[..., tuple]
     def wrapped(ctx, *grads):
         if not torch.is_grad_enabled():  # a plain backward (no create_graph): nothing to guard
             return backward(ctx, *grads)
+        links = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, Tensor) and t.requires_grad]
+        if not saved_history or not links:
+            raise RuntimeError(msg)
         with torch.no_grad():
             out = backward(ctx, *grads)
-        # flagged whether or not grads / saved tensors require grad: the results depend on the forward's
-        # inputs all the same (linear_cross_entropy saves only gradients it computed, none requiring grad,
-        # so a penalty on its dx was silently dropped)
         at = [i for i, v in enumerate(out) if v is not None]
         if not at:
             return out
-        flagged = _autograd_functions.DelayedError(msg, len(at))(
-            *[out[i].detach().requires_grad_() for i in at]
-        )
-        flagged = flagged if isinstance(flagged, tuple) else (flagged,)
+        flagged = _autograd_functions.DelayedError(msg, len(at) + len(links))(
+            *[out[i].detach().requires_grad_() for i in at], *links
+        )  # two or more inputs: a tuple
         res = list(out)
         for i, v in zip(at, flagged):
             res[i] = v
@@ -365,7 +370,7 @@ def _register(spec: OpSpec) -> None:
         }
         return input_grads(ctx, g, False)
 
-    op.register_autograd(first_order(spec.name, backward), setup_context=setup_context)
+    op.register_autograd(first_order(spec.name, backward, spec.saved_history), setup_context=setup_context)
     lean_dispatch.install(op, forward_impl)
     lean_dispatch.install(bop, backward_impl)
 
@@ -402,7 +407,7 @@ def _register(spec: OpSpec) -> None:
         (torch.autograd.Function,),
         {
             "forward": staticmethod(eager_forward),
-            "backward": staticmethod(first_order(spec.name, eager_backward)),
+            "backward": staticmethod(first_order(spec.name, eager_backward, spec.saved_history)),
         },
     )
 

@@ -314,7 +314,7 @@ def _fast_apply(spec: OpSpec) -> Callable[..., Any]:
             (torch.autograd.Function,),
             {
                 "forward": staticmethod(_fast_forward),
-                "backward": staticmethod(first_order(spec.name, _fast_backward)),
+                "backward": staticmethod(first_order(spec.name, _fast_backward, spec.saved_history)),
             },
         )
         fn = _FAST[spec.name] = applier(cls)

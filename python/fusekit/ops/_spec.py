@@ -158,6 +158,12 @@ class OpSpec:
     # An op whose gradient is a view of the output grads needs no backward kernel:
     # (output grads by name, forward input shapes) -> forward input grads.
     grad_view: Callable[..., tuple[Tensor | None, ...]] | None = None
+    # Whether the backward depends on the differentiable inputs only through saved tensors that keep their
+    # autograd history (saved inputs, or outputs whose history leads to them) and the output grads: then a
+    # create_graph=True backward defers its first-order-only error to a differentiation that reaches those
+    # inputs (library.autograd.first_order). False (linear_cross_entropy saves gradients its forward
+    # computed, with no history): a create_graph=True backward raises at once.
+    saved_history: bool = True
     # Facts a provider needs to say whether it runs a call (head_dim, ...): (the phase's inputs by name,
     # scalars by name) -> dict; must give the same answer for both phases (it reads tensors both have).
     meta: Callable[[dict[str, Tensor | None], dict[str, object]], dict[str, object]] = field(

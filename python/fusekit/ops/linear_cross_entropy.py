@@ -301,6 +301,7 @@ def _label_smoothing(v: object) -> float:
 SPEC = library.register(
     OpSpec(
         name="linear_cross_entropy",
+        saved_history=False,  # saves dx / dweight / dbias computed by the forward: no history of x, weight
         forward=Phase(
             outputs=(
                 t("loss", "L", "acc"),
