@@ -90,3 +90,27 @@ def test_fullgraph_compile_with_grads_as_the_first_call_of_a_process():
     env.pop("FUSEKIT_BACKEND", None)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_export_with_a_dynamic_batch_past_the_decode_class():
+    """torch.export of a module whose parameters require grad, batch dynamic up to 64: the backward pinning
+    read the call's shape class (tokens <= 16: "decode") though an explicit backend (and "auto" on the CPU)
+    does not depend on it, so export raised (2-D x: guard 2 <= b <= 16) or the program refused more than 16
+    tokens at run time (3-D x)."""
+    from torch.export import Dim, export
+
+    from fusekit import nn as fnn
+
+    torch.manual_seed(0)
+    for backend in ("torch", "auto"):
+        norm = fnn.RMSNorm(16, backend=backend)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(16))
+        ep = export(norm, (torch.randn(4, 16),), dynamic_shapes={"x": {0: Dim("b", max=64)}})
+        x = torch.randn(40, 16)
+        assert torch.equal(ep.module()(x), norm(x))
+        ep = export(
+            norm, (torch.randn(2, 3, 16),), dynamic_shapes={"x": {0: Dim("b", max=64), 1: Dim("s", max=64)}}
+        )
+        x = torch.randn(4, 5, 16)
+        assert torch.equal(ep.module()(x), norm(x))

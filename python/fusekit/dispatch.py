@@ -74,6 +74,17 @@ def shape_class(op: str, inputs: tuple[Tensor | None, ...]) -> str:
     return "small" if nbytes < SMALL_BYTES else "large"
 
 
+def auto_shape_class(
+    op: str, backend: str, device_type: str, inputs: tuple[Tensor | None, ...]
+) -> str | None:
+    """`shape_class` where the choice reads it (backend "auto" on a device whose ranking is per class for
+    `op`), else None. Reading shapes where nothing depends on them put a guard on the token count in every
+    trace: an exported program with a dynamic batch was valid for at most DECODE_TOKENS rows."""
+    if backend != "auto" or not AUTO_CLASSES.get(device_type, {}).get(op):
+        return None
+    return shape_class(op, inputs)
+
+
 def auto_order(op: str, device_type: str, shape_class: str | None = None) -> tuple[str, ...]:
     """The `auto` ranking: the measured one for the shape class, else the op's default order."""
     if device_type == "cpu":

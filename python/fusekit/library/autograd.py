@@ -139,7 +139,7 @@ def _check_backward(
     if backend != "auto":
         backends.get(backend)  # an unknown name raises as itself, not as a missing backward
     try:
-        cls = dispatch.shape_class(spec.name, inputs)
+        cls = dispatch.auto_shape_class(spec.name, backend, device.type, inputs)
         chosen = dispatch.resolve(
             spec.name, backend, device, key, phase=BACKWARD, shape_class=cls, **meta
         ).name

@@ -59,7 +59,8 @@ class _Plan:
         self.empty = inputs[0] is not None and inputs[0].numel() == 0
         key = tuple(spec.dtype_of(v, p.inputs, inputs, named) for v in spec.dtype_vars)
         meta = spec.meta(dict(zip((a.name for a in p.inputs), inputs)), named)
-        cls = dispatch.shape_class(spec.name, inputs)  # picks auto's ranking (decode, small, large)
+        # picks auto's ranking (decode, small, large); None where the choice does not read it
+        cls = dispatch.auto_shape_class(spec.name, backend, device.type, inputs)
         self.provider = (
             None
             if self.empty
