@@ -420,3 +420,19 @@ def test_attention_core_matches_sdpa(dtype, s, skv):
     full = fnn.Attention(causal=True)(q, k, v, causal=False)
     want_full = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), enable_gqa=True)
     assert_close("Attention causal=False", full, want_full, TOL[dtype], f"{dtype} S={s} Skv={skv}")
+
+
+def test_from_module_of_a_parametrized_norm_names_the_parametrization():
+    """A parametrized weight (torch.nn.utils.parametrize) is a computed tensor, not a Parameter to share:
+    from_module raised torch's TypeError "cannot assign ... as parameter 'weight'", which said nothing of
+    why; it now names the parametrization and what to do."""
+    from torch.nn.utils import parametrize
+
+    class Scale(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    for module, cls in ((torch.nn.RMSNorm(8), fnn.RMSNorm), (torch.nn.LayerNorm(8), fnn.LayerNorm)):
+        parametrize.register_parametrization(module, "weight", Scale())
+        with pytest.raises(ValueError, match="weight is parametrized"):
+            cls.from_module(module)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from fusekit import backends, ops
 from fusekit.nn._forms import class_forward, hf_form
@@ -44,6 +45,19 @@ def _check_x(x: Tensor, n: int) -> None:
 def _default_eps(dtype: torch.dtype) -> float:
     """torch.nn.RMSNorm's eps=None: the eps of its computation dtype (fp32 for 16-bit x)."""
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
+def _refuse_parametrized(module: nn.Module, names: tuple[str, ...]) -> None:
+    """from_module shares the module's Parameters; a parametrized one (torch.nn.utils.parametrize) has a
+    computed tensor there, not a Parameter (torch's TypeError "cannot assign ... as parameter" said nothing
+    of why)."""
+    for name in names:
+        if parametrize.is_parametrized(module, name):
+            raise ValueError(
+                f"module: its {name} is parametrized (torch.nn.utils.parametrize), so there is no Parameter to "
+                f"share; call parametrize.remove_parametrizations(module, {name!r}) first, or register the "
+                "parametrization on the fusekit module after from_module"
+            )
 
 
 class RMSNorm(nn.Module):
@@ -122,6 +136,7 @@ class RMSNorm(nn.Module):
         ...), the module's own for a fusekit RMSNorm. Any other class (Cohere's mean-subtracting norm, OLMo2's
         cast order) raises unless `casting` is given: its math is not guessed.
         """
+        _refuse_parametrized(module, ("weight",))
         weight = getattr(module, "weight", None)
         if hasattr(module, "variance_epsilon"):
             eps = module.variance_epsilon
@@ -226,6 +241,7 @@ class LayerNorm(nn.Module):
                 f"module: {type(module).__name__} does not run torch.nn.LayerNorm's forward; fusekit's LayerNorm "
                 "wraps only that"
             )
+        _refuse_parametrized(module, ("weight", "bias"))
         n = _last_dim(module.normalized_shape)
         affine = module.weight is not None
         new = cls(
