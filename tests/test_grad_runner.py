@@ -124,6 +124,19 @@ def test_unused_output_gets_zeros_not_garbage(backend_name: str, device: str) ->
     assert torch.equal(grads[0], grads[1]) and torch.isfinite(grads[1]).all()
 
 
+def _leaves_and_outputs(op: str, backend_name: str, device: str) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """Fresh leaves of `op`'s test inputs and its outputs on the backend (skips where it has no backward)."""
+    fn, tensors = _calls(device)[op]
+    leaves = tuple(t.clone().requires_grad_() for t in tensors)
+    try:
+        outs = fn(*leaves, backend_name)
+    except ValueError as exc:
+        if "cannot run" in str(exc) or "has no backward here" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    return leaves, outs if isinstance(outs, tuple) else (outs,)
+
+
 @pytest.mark.parametrize(
     "op", ["rms_norm", "layer_norm", "rope", "swiglu_ffn", "attention", "linear_cross_entropy"]
 )
@@ -131,16 +144,9 @@ def test_gradient_of_a_gradient_raises_naming_the_op(op: str, backend_name: str,
     """A gradient penalty through an op: create_graph=True returns the plain gradients, and the backward
     of the penalty raises instead of dropping (triton, mojo) or mis-computing (torch: saved outputs taken
     as constants) the second-order term. Twice: the generic Function, then the remembered call's."""
-    fn, tensors = _calls(device)[op]
+    fn = _calls(device)[op][0]
     for _ in range(2):
-        leaves = tuple(t.clone().requires_grad_() for t in tensors)
-        try:
-            outs = fn(*leaves, backend_name)
-        except ValueError as exc:
-            if "cannot run" in str(exc) or "has no backward here" in str(exc):
-                pytest.skip(str(exc))
-            raise
-        outs = outs if isinstance(outs, tuple) else (outs,)
+        leaves, outs = _leaves_and_outputs(op, backend_name, device)
         g = torch.Generator(device="cpu").manual_seed(5)
         ws = [
             torch.randn(o.shape, generator=g, dtype=F32).to(o.device, o.dtype).requires_grad_() for o in outs
@@ -175,15 +181,7 @@ def test_gradient_penalty_differentiated_for_one_weight_raises(
     hung on the results alone had no path to the weight, so autograd pruned it and returned the other terms
     only (rms_norm: exactly 2·w for penalty + |w|², float64 says otherwise), silently. It now also hangs on
     the saved inputs, so reaching the weight reaches it."""
-    fn, tensors = _calls(device)[op]
-    leaves = tuple(t.clone().requires_grad_() for t in tensors)
-    try:
-        outs = fn(*leaves, backend_name)
-    except ValueError as exc:
-        if "cannot run" in str(exc) or "has no backward here" in str(exc):
-            pytest.skip(str(exc))
-        raise
-    outs = outs if isinstance(outs, tuple) else (outs,)
+    leaves, outs = _leaves_and_outputs(op, backend_name, device)
     x, weight = leaves[0], leaves[1]
     with pytest.raises(RuntimeError, match=f"fusekit.{op}: its backward is first-order only"):
         (gx,) = torch.autograd.grad(sum(o.float().square().sum() for o in outs), x, create_graph=True)
