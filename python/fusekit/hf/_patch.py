@@ -614,8 +614,16 @@ def _sliding_window(config) -> int | None:
     return sw
 
 
-# head dims the triton and mojo attention kernels are built for (backends/triton.py, backends/mojo/specs.py)
-_KERNEL_HEAD_DIMS = (64, 128, 256)
+def _kernel_head_dims(backend: str) -> tuple[int, ...] | None:
+    """The head dims `backend`'s attention kernels are built for (the backends' own tables, which their
+    `supports` checks), None for a backend that runs any (torch) or chooses per call (auto)."""
+    if backend == "triton":
+        from fusekit.backends.triton import HEAD_DIMS
+    elif backend == "mojo":
+        from fusekit.backends.mojo.specs import HEAD_DIMS
+    else:
+        return None
+    return HEAD_DIMS
 
 
 def _check_config(config, allow_sliding_window: bool, backend: str) -> str:
@@ -638,10 +646,12 @@ def _check_config(config, allow_sliding_window: bool, backend: str) -> str:
             "attention; set model.config.attention_dropout = 0.0 before patching"
         )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if backend in ("triton", "mojo") and head_dim not in _KERNEL_HEAD_DIMS:
+    kernel_dims = _kernel_head_dims(backend)
+    if kernel_dims is not None and head_dim not in kernel_dims:
         # raised here, with the model untouched, not at the first forward of the patched model
         raise ValueError(
-            f"head_dim: {head_dim} is not supported by {backend} attention (supported: 64, 128, 256); "
+            f"head_dim: {head_dim} is not supported by {backend} attention (supported: "
+            f"{', '.join(map(str, kernel_dims))}); "
             'use backend="auto" (falls back to torch for this model) or backend="torch"'
         )
     sw = _sliding_window(config)
@@ -665,10 +675,11 @@ def patch(
 ) -> nn.Module:
     """Run a transformers Llama / Mistral / Qwen2 / Qwen3 model's norms, MLPs, rope and attention on fusekit.
 
-    In place; returns `model` (a torch.compile wrapper is patched inside). backend: "auto", "torch", "triton" or "mojo" for every op. strict: a
-    call whose attention mask fusekit cannot express (padding, a sliding-window pattern) raises instead
-    of falling back to transformers' sdpa with a one-time warning. Raises ValueError naming the
-    unsupported feature before changing anything; fusekit.hf.unpatch(model) restores the original.
+    In place; returns `model` (a torch.compile wrapper is patched inside). backend: "auto", "torch",
+    "triton" or "mojo" for every op. strict: a call whose attention mask fusekit cannot express (padding,
+    a sliding-window pattern) raises instead of falling back to transformers' sdpa with a one-time
+    warning. Raises ValueError naming the unsupported feature before changing anything;
+    fusekit.hf.unpatch(model) restores the original.
     """
     _check_transformers()
     backends.prepare(backend)  # loaded here, not inside a torch.compile trace of the first call

@@ -540,12 +540,8 @@ class _Store:
 
 # errno names of a write the filesystem refused (not a fault of what was written)
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
-_WRITE_TEXTS = (
-    "No space left on device",
-    "Disk quota exceeded",
-    "Read-only file system",
-    "Permission denied",
-)
+# their messages, as a compiler subprocess prints them (LLVM: `IO failure on output stream: <strerror>`)
+_WRITE_TEXTS = tuple(os.strerror(e) for e in sorted(_WRITE_ERRNOS))
 STAGE_MAX_AGE_S = 24 * 3600.0  # a staging dir this old belongs to a killed process (a compile takes minutes)
 
 
