@@ -393,12 +393,12 @@ def test_lazily_negated_inputs_are_read_by_value(backend_name, device):
     assert torch.equal(grads[4], grads[3])
 
 
-def test_inference_mode_with_enable_grad_records_no_gradient(backend_name):
+def test_inference_mode_with_enable_grad_records_no_gradient(backend_name, device):
     """torch records nothing inside inference_mode, even under enable_grad (F.rms_norm returns an inference
     tensor without grad_fn); fusekit tried to save inference tensors for backward and raised, also after a
     gradient call of the same signature was remembered outside the mode."""
-    x = torch.randn(3, 16)
-    w = torch.ones(16, requires_grad=True)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)).to(device)
+    w = torch.ones(16, device=device, requires_grad=True)
     ops.rms_norm(x, w, backend=backend_name).sum().backward()  # remembered with a gradient
     for _ in range(2):
         with torch.inference_mode(), torch.enable_grad():
@@ -421,8 +421,11 @@ def _odd_view(t: torch.Tensor) -> torch.Tensor:
 def test_weights_at_an_odd_offset_of_a_flat_buffer(backend_name, device, T):
     """Misaligned but contiguous operands give the aligned operands' result: mojo's GEMV loaded 16 bytes at
     a time from any weight pointer (a misaligned-address fault on a GPU, which poisons the CUDA context).
-    Within rounding: vendor GEMMs may take another path for a misaligned pointer (MKL here, by 1e-6)."""
+    Within rounding: a misaligned pointer takes another path (MKL here, by 1e-6; triton's pointer kernel
+    instead of its TMA one on a GPU, another accumulation order: one or two bf16 ulps of the ~1-3 outputs,
+    where a misread weight would be off by O(1))."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tol = {"rtol": 2e-2, "atol": 3e-2} if dtype == torch.bfloat16 else {}
     g = torch.Generator().manual_seed(3)
     D, F = 64, 96
     x = torch.randn(T, D, generator=g).to(device, dtype)
@@ -434,10 +437,10 @@ def test_weights_at_an_odd_offset_of_a_flat_buffer(backend_name, device, T):
         (x, *[_odd_view(w) for w in ws], _odd_view(nw)),
     ):
         got = ops.swiglu_ffn(args[0], *args[1:4], norm_weight=args[4], backend=backend_name)
-        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, want, **tol)
     want = ops.swiglu_ffn(x, *ws, backend=backend_name)  # no norm: the GEMV reads x itself
     got = ops.swiglu_ffn(_odd_view(x), *[_odd_view(w) for w in ws], backend=backend_name)
-    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, want, **tol)
     y = ops.rms_norm(x, nw, backend=backend_name)
     torch.testing.assert_close(
         ops.rms_norm(_odd_view(x), _odd_view(nw), backend=backend_name), y, rtol=0, atol=0
