@@ -37,12 +37,13 @@ for b in ${BACKENDS:-torch triton mojo}; do
     if [ "$part" = main ]; then these=$files stem=tests-$b; else these=$serial stem=tests-$b-serial; fi
     [ -n "$these" ] || continue
     # shellcheck disable=SC2086
-    timeout "${PART_S:-3000}" python3 -m pytest $these --device cuda --backends "$b" -q -ra -p no:cacheprovider \
+    timeout "${PART_S:-3000}" python3 -m pytest $these --device cuda --backends "$b" -v -ra --durations=20 -p no:cacheprovider \
       "${xdist[@]+"${xdist[@]}"}" "${per_test[@]+"${per_test[@]}"}" "$@" --junitxml "$out/$stem.xml" -o junit_suite_name="$b-cuda" \
       > "$out/$stem.log" 2>&1 || rc=1
     xdist=()  # the serial part runs in one process
     grep -E "passed|failed|error" "$out/$stem.log" | tail -n 3
-    grep -E "^(FAILED|ERROR)" "$out/$stem.log" | head -n 20
+    # -v names each result as it lands (xdist's -q printed dots): a run cut by PART_S still names its failures
+    grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR) " "$out/$stem.log" | head -n 20
     logs="$logs $out/$stem.xml $out/$stem.log"
   done
   # shellcheck disable=SC2086
