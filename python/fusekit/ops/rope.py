@@ -183,7 +183,7 @@ def _check(x: object, start_pos: int, cos: object, sin: object, positions: bool)
 
 
 def _positions(positions: object, x: Tensor, start_pos: int, rows: int | None) -> Tensor | None:
-    """positions as contiguous int32 [B, S] on x's device ([S] is broadcast over B).
+    """positions as contiguous int32 [B, S] on x's device ([S] and [1, S] are broadcast over B).
 
     Values must lie in [0, 2^24] (in-kernel angles) or [0, St) (tables with St = `rows`): checked on the
     CPU; on CUDA they are trusted (checking would be a host sync per call) and every backend clamps them
@@ -194,8 +194,10 @@ def _positions(positions: object, x: Tensor, start_pos: int, rows: int | None) -
     positions = C.tensor("positions", positions, C.INT_DTYPES)
     C.same_device("positions", positions, "x", x)
     b, s = x.shape[0], x.shape[1]
-    if tuple(positions.shape) not in ((b, s), (s,)):
-        raise ValueError(f"positions: expected shape [B={b}, S={s}] or [S={s}], got {tuple(positions.shape)}")
+    if tuple(positions.shape) not in ((b, s), (s,), (1, s)):
+        raise ValueError(
+            f"positions: expected shape [B={b}, S={s}], [1, S={s}] or [S={s}], got {tuple(positions.shape)}"
+        )
     if start_pos != 0:
         raise ValueError(
             f"positions: per-token positions and a nonzero start_pos (= {start_pos}) exclude each other; "
@@ -275,8 +277,8 @@ def rope(
 
     positions: per-token positions instead of start_pos (HF's `position_ids`; left-padded batches; a
     CUDA-graph decode loop, whose device tensor can be updated in place between replays where an int
-    start_pos would be baked into the graph): an int32 or int64 tensor [B, S] (or [S], the same for
-    every sequence) on x's device; token (b, s) sits at p = positions[b, s]. Not with a nonzero
+    start_pos would be baked into the graph): an int32 or int64 tensor [B, S] (or [S] or [1, S], HF's
+    position_ids of an unpadded batch: the same for every sequence) on x's device; token (b, s) sits at p = positions[b, s]. Not with a nonzero
     start_pos. Values must lie in [0, 2^24] (in-kernel angles) or [0, St) (tables; then cos and sin
     have the same St): checked on the CPU (ValueError); on CUDA they are trusted (no host sync) and
     clamped into that range, so a bad value can never read outside the tables. Positions carry no
