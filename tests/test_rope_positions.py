@@ -90,7 +90,11 @@ def test_validation_names_positions() -> None:
     ok = torch.arange(4)
     cases = [
         ({"positions": ok, "start_pos": 3}, ValueError, r"^positions: per-token positions and a nonzero"),
-        ({"positions": torch.arange(5)}, ValueError, r"^positions: expected shape \[B=2, S=4\], \[1, S=4\] or \[S=4\]"),
+        (
+            {"positions": torch.arange(5)},
+            ValueError,
+            r"^positions: expected shape \[B=2, S=4\], \[1, S=4\] or \[S=4\]",
+        ),
         ({"positions": torch.zeros(3, 4, dtype=torch.int64)}, ValueError, r"^positions: expected shape"),
         ({"positions": torch.zeros(1, 2, 4, dtype=torch.int64)}, ValueError, r"^positions: expected shape"),
         ({"positions": ok.float()}, TypeError, r"^positions: dtype float32 is not supported"),
