@@ -222,3 +222,33 @@ def test_forward_mode_and_torch_func_transforms_raise_naming_them(
         with pytest.raises(ValueError, match=f"^{op}: called inside a torch.func transform"):
             torch.func.vmap(lambda t: fn(t, *tensors[1:], backend_name))(tensors[0][None])
     fn(*tensors, backend_name)  # and outside them, the call runs
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "attention"])
+def test_forward_mode_inside_torch_compile_raises(op: str, backend_name: str, device: str) -> None:
+    """Under torch.compile dynamo shows the code plain tensors (a dual input's tangent reads None) and the
+    custom op has no jvp: torch.func.jvp returned zeros and a dual_level call no tangent, where eager
+    raises. A compiled call under a forward-mode level now raises naming the op."""
+    import torch.autograd.forward_ad as fwad
+
+    fn, tensors = _calls(device)[op]
+    compiled = torch.compile(lambda *t: fn(*t, backend_name), fullgraph=True, backend="aot_eager")
+    tangent = torch.ones_like(tensors[0])
+    def dual_call() -> None:
+        with fwad.dual_level():
+            compiled(fwad.make_dual(tensors[0], tangent), *tensors[1:])
+
+    def jvp_call() -> None:
+        def jvp(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return torch.func.jvp(lambda x: fn(x, *tensors[1:], backend_name), (x,), (t,))[1]
+
+        torch.compile(jvp, fullgraph=True, backend="aot_eager")(tensors[0], tangent)
+
+    for call in (jvp_call, dual_call):
+        with pytest.raises(Exception) as info:  # dynamo wraps the ValueError
+            call()
+        chain = [info.value]
+        while chain[-1].__cause__ is not None:
+            chain.append(chain[-1].__cause__)
+        assert any(f"{op}: called under forward-mode AD" in str(e) for e in chain), chain
+    torch._dynamo.reset()

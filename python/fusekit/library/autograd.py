@@ -72,7 +72,16 @@ def transformed() -> bool:
 def _refuse_transforms(spec: OpSpec, inputs: tuple[Tensor | None, ...]) -> None:
     """Raise where a call would silently lose a transform: forward-mode tangents (the kernels write plain
     outputs: the tangent was dropped) or torch.func's wrapped tensors (vmap's batch dimension, grad's
-    levels: the kernels cannot read them)."""
+    levels: the kernels cannot read them). Under torch.compile the levels alone decide: dynamo shows the
+    traced code plain tensors (a dual input's tangent reads None there), and the custom op silently gave
+    a zero / missing tangent where eager raised."""
+    if _fwad._current_level >= 0 and torch.compiler.is_compiling():
+        raise ValueError(
+            f"{spec.name}: called under forward-mode AD (torch.autograd.forward_ad.dual_level or "
+            "torch.func.jvp) inside torch.compile; fusekit's ops have no forward-mode derivative and a "
+            "compiled call cannot tell whether its inputs carry tangents: use reverse mode (backward, "
+            "torch.autograd.grad), or call it outside the dual level"
+        )
     if _functorch_level() is not None:
         raise ValueError(
             f"{spec.name}: called inside a torch.func transform (vmap, grad, jacrev, jvp, ...), which fusekit's "
@@ -170,7 +179,7 @@ def _apply(
     spec: OpSpec, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str
 ) -> tuple[tuple[Tensor | None, ...], str]:
     """`apply`, and the backend the call was pinned to (the given one where nothing was pinned)."""
-    if transformed() and not torch.compiler.is_compiling():
+    if transformed():
         _refuse_transforms(spec, inputs)
     who = _needs_grad(spec, inputs)
     if who and spec.backward is None:
