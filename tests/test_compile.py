@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 from fusekit import ops
@@ -114,3 +117,53 @@ def test_export_with_a_dynamic_batch_past_the_decode_class():
         )
         x = torch.randn(4, 5, 16)
         assert torch.equal(ep.module()(x), norm(x))
+
+
+def test_strict_export_of_rope_with_a_dynamic_sequence():
+    """rope formatted its shape message ('start_pos + S = ...') on every call: formatting pinned a dynamic S
+    to a constant (strict export raised 'Constraints violated', compile(dynamic=True) recompiled per S)."""
+    from torch.export import Dim, export
+
+    class Rope(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return ops.rope(x, start_pos=4, backend="torch")
+
+    ep = export(Rope(), (torch.randn(2, 3, 4, 16),), dynamic_shapes=({1: Dim("s", max=64)},), strict=True)
+    x = torch.randn(2, 9, 4, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ep.module()(x), Rope()(x))
+
+
+def test_cpu_value_checks_hold_under_compile():
+    """The values eager checks on the CPU (a [St, D] rope table's repeated halves, positions, kv_len) were
+    skipped while compiling: the compiled call answered (only half of a bad table used) where eager raised.
+    They are asserts in the graph now."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 2, 16, generator=g)
+    ang = torch.randn(8, 16, generator=g)
+    q = torch.randn(2, 2, 3, 64, generator=g)
+    cases = (
+        (
+            lambda x, c, s: ops.rope(x, cos=c, sin=s, backend="torch"),
+            (x, ang.cos(), ang.sin()),
+            "cos: a [St, D]",
+        ),
+        (
+            lambda x, p: ops.rope(x, positions=p, backend="torch"),
+            (x, torch.tensor([0, 1, -1, 2])),
+            "positions:",
+        ),
+        (
+            lambda q, n: ops.attention(q, q, q, kv_len=n, backend="torch"),
+            (q, torch.tensor([9, 1])),
+            "kv_len:",
+        ),
+    )
+    for fn, args, match in cases:
+        with pytest.raises(ValueError, match=re.escape(match)):
+            fn(*args)
+        with pytest.raises(RuntimeError, match=re.escape(match)):
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+    good = ang[:, :8].repeat(1, 2)
+    fn = torch.compile(cases[0][0], fullgraph=True, backend="aot_eager")
+    assert torch.equal(fn(x, good.cos(), good.sin()), cases[0][0](x, good.cos(), good.sin()))

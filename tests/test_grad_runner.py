@@ -234,6 +234,7 @@ def test_forward_mode_inside_torch_compile_raises(op: str, backend_name: str, de
     fn, tensors = _calls(device)[op]
     compiled = torch.compile(lambda *t: fn(*t, backend_name), fullgraph=True, backend="aot_eager")
     tangent = torch.ones_like(tensors[0])
+
     def dual_call() -> None:
         with fwad.dual_level():
             compiled(fwad.make_dual(tensors[0], tangent), *tensors[1:])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 
 import torch
 
@@ -68,6 +69,21 @@ def like(
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
     return t
+
+
+def values_on_cpu(name: str, t: torch.Tensor, ok: Callable[[], torch.Tensor], message: str) -> bool:
+    """Whether a value check of `t` is left to the caller: True in eager on the CPU, where the caller
+    reads the values and raises ValueError naming them. Under torch.compile (CPU) the values are unknown
+    while tracing: `ok()` (bool, all True when the values are fine) becomes a runtime assert in the graph
+    (RuntimeError "name: message"; `message` names no size, which would pin a dynamic one), where
+    skipping the check gave a compiled call another answer than eager's error. On CUDA values are
+    trusted (a check would be a host sync per call): False, nothing computed."""
+    if t.device.type != "cpu":
+        return False
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok().all(), f"{name}: {message}")
+        return False
+    return True
 
 
 def weight_dtypes(x: torch.Tensor) -> tuple[torch.dtype, ...]:

@@ -210,7 +210,8 @@ def _kv_len(kv_len: object, q: Tensor, k: Tensor) -> Tensor | None:
     b, skv = q.shape[0], k.shape[2]
     if kv_len.shape[0] != b:
         raise ValueError(f"kv_len: expected shape [B={b}], got {tuple(kv_len.shape)}")
-    if kv_len.device.type == "cpu" and b and not torch.compiler.is_compiling():
+    ok = lambda: (kv_len >= 0) & (kv_len <= skv)
+    if C.values_on_cpu("kv_len", kv_len, ok, "every length must be in [0, Skv]") and b:
         lo, hi = (int(x) for x in torch.aminmax(kv_len))
         if lo < 0 or hi > skv:
             raise ValueError(f"kv_len: every length must be in [0, Skv={skv}], got values in [{lo}, {hi}]")

@@ -164,13 +164,16 @@ def _check(x: object, start_pos: int, cos: object, sin: object, positions: bool)
     if (cos is None) != (sin is None):
         raise ValueError("cos, sin: give both tables or neither")
     # With `positions` the rows read are only known from the values (checked by _positions on the CPU).
-    need, what = (min(1, b * s), "1") if positions else (start_pos + s, f"start_pos + S = {start_pos + s}")
+    # (the message is formatted only when raised: formatting S on every call pinned a dynamic S under
+    # torch.compile / export to a constant)
+    need = min(1, b * s) if positions else start_pos + s
     for name, tab in (("cos", cos), ("sin", sin)):
         if tab is None:
             continue
         tab = C.tensor(name, tab, C.ANY_FLOAT, ndim=2)
         C.same_device(name, tab, "x", x)
         if tab.shape[1] not in (d // 2, d) or tab.shape[0] < need:
+            what = "1" if positions else f"start_pos + S = {start_pos + s}"
             raise ValueError(
                 f"{name}: expected shape [>= {what}, D/2 = {d // 2}] (or [.., D = {d}] as HF builds it), "
                 f"got {tuple(tab.shape)}"
@@ -204,7 +207,11 @@ def _positions(positions: object, x: Tensor, start_pos: int, rows: int | None) -
             "add start_pos to positions instead"
         )
     hi = C.MAX_POSITION if rows is None else rows - 1
-    if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+    what = "every value must be in [0, " + (
+        "2^24] (in-kernel angles)" if rows is None else "St - 1] (tables)"
+    )
+    ok = lambda: (positions >= 0) & (positions <= hi)
+    if C.values_on_cpu("positions", positions, ok, what) and positions.numel():
         lo, top = (int(v) for v in torch.aminmax(positions))
         if lo < 0 or top > hi:
             bound = "2^24 (in-kernel angles)" if rows is None else f"St - 1 = {hi} (the tables' last row)"
@@ -225,12 +232,13 @@ def _half_table(name: str, tab: Tensor, d: int, interleaved: bool) -> Tensor:
     if tab.shape[1] == d // 2:
         return tab
     a, b = (tab[:, 0::2], tab[:, 1::2]) if interleaved else (tab[:, : d // 2], tab[:, d // 2 :])
-    if tab.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.equal(a, b):
-        pairing = "repeat_interleave(f, 2)" if interleaved else "cat(f, f)"
-        raise ValueError(
-            f"{name}: a [St, D] table must repeat each angle for both elements of its pair ({pairing}, "
-            f"interleaved={interleaved}); this one does not. Pass the [St, D/2] table instead"
-        )
+    pairing = "repeat_interleave(f, 2)" if interleaved else "cat(f, f)"
+    why = (
+        f"a [St, D] table must repeat each angle for both elements of its pair ({pairing}, "
+        f"interleaved={interleaved}); this one does not. Pass the [St, D/2] table instead"
+    )
+    if C.values_on_cpu(name, tab, lambda: a == b, why) and not torch.equal(a, b):
+        raise ValueError(f"{name}: {why}")
     return a
 
 
