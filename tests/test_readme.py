@@ -27,3 +27,14 @@ def test_readme_snippet_runs(i):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT
     )
     assert proc.returncode == 0, f"README snippet {i} failed:\n{code}\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_readme_headline_table_is_the_committed_results():
+    """The headline table is generated from benchmarks/results (the hand-kept one drifted from the JSON by
+    up to 20%, and quoted ratios against baselines of other sessions): regenerate it with
+    `python -m fusekit.report.readme_table --write` after merging new results."""
+    from fusekit.report import readme_table
+
+    text = (ROOT / "README.md").read_text()
+    want = readme_table.block(ROOT / readme_table.RESULTS)
+    assert want in text, "README's headline table differs from the results: run the command above"
