@@ -402,3 +402,37 @@ def test_host_targets_from_host_json(tmp_path) -> None:
     vs_torch = got[("triton", "never slower than the torch eager op (eager wall / fusekit wall)")]
     assert vs_torch.startswith("not met: 0/3 cases, worst 0.10×")  # torch 12 us against 39, 80 and 120 us
     assert not any(b == "mojo" for b, _ in got)  # no mojo rows: no verdict
+
+
+def test_ratios_pair_only_rows_of_one_session() -> None:
+    """A merged file's backend row and a baseline row of another session (another commit, days apart) were
+    divided anyway (201 such ratios in the H200 files, e.g. triton attention.small 1.17x SDPA against an
+    SDPA row six days older): no ratio now, the case is 'unpaired'. A process of the same session (same
+    commit and timer, minutes apart: the mojo process) and the row's own run's stored ratio still count."""
+    from fusekit.report import pairing, tables
+
+    def run(commit: str, date: str, cmd: str) -> dict:
+        return {"git_commit": commit, "date": date, "command": cmd, "gpu_name": "NVIDIA H200"}
+
+    def row(prov: str, kind: str, us: float, source: int, sv: dict | None = None) -> dict:
+        return {"op": "attention", "case": "c", "provider": prov, "kind": kind, "status": "ok", "time_us": us,
+                "source": source, "bytes": 1, "pct_of_ceiling": 50.0, "method": "ev", "speedup_vs": sv or {}}  # fmt: skip
+
+    runs_ = [
+        run("aaa", "2026-12-04T10:00:00+00:00", "python -m fusekit.bench --backends triton --baselines none"),
+        run("bbb", "2026-11-28T10:00:00+00:00", "python -m fusekit.bench --backends none --baselines sdpa"),
+        run("bbb", "2026-11-28T10:20:00+00:00", "python -m fusekit.bench --backends mojo --baselines none"),
+    ]
+    sdpa = row("sdpa", "baseline", 10.0, 1)
+    triton = row("triton", "backend", 8.0, 0, {"sdpa": 1.25})  # the cross-session ratio merge stored
+    mojo = row("mojo", "backend", 12.5, 2, {"sdpa": 0.8})
+    assert pairing.ratio(triton, sdpa, runs_) is None
+    assert pairing.ratio(mojo, sdpa, runs_) == 0.8
+    own = {**triton, "speedup_vs": {"sdpa": 1.1}}
+    own_runs = [{**runs_[0], "command": "python -m fusekit.bench --baselines sdpa"}, *runs_[1:]]
+    assert pairing.ratio(own, sdpa, own_runs) == 1.1  # its own run timed sdpa (row since replaced)
+    doc = {"op": "attention", "suite": "small", "meta": {**_meta("fusekit-bench/1"), "merged_from": runs_},
+           "rows": [sdpa, triton]}  # fmt: skip
+    (h,) = tables.headline([(SLUG, Path("x.json"), doc)], Path("."))
+    assert h["backend"] == "triton" and h["speedup"] is None and h["unpaired"] == 1
+    assert "0/0 (+1 unpaired ‡)" in tables.headline_md([h])

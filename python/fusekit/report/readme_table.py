@@ -16,17 +16,17 @@ exactly this output.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 from fusekit.bench.results import runs
+from fusekit.report.pairing import own_run_ratio, run_of, same_session
 
 RESULTS = Path("benchmarks/results/nvidia-h200")
 README = Path("README.md")
 BEGIN, END = "<!-- headline-table:begin -->", "<!-- headline-table:end -->"
-SESSION_H = 12.0  # processes of one GPU session are minutes apart; sessions are days apart
 
 # (results file, case, baseline provider, label)
 CASES = (
@@ -50,26 +50,6 @@ BACKENDS = ("triton", "mojo")
 NAMES = {"cub": "CUB", "torch-compile": "torch.compile", "sdpa": "SDPA"}
 
 
-def _date(run: dict) -> _dt.datetime | None:
-    try:
-        return _dt.datetime.fromisoformat(run["date"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def same_session(a: dict, ra: dict, b: dict, rb: dict) -> bool:
-    """Rows a and b (of runs ra and rb) were timed in one session: one run, or two processes with the same
-    commit (neither dirty), GPU and timer, started within SESSION_H hours of each other."""
-    if a.get("source", 0) == b.get("source", 0):
-        return True
-    if ra.get("git_commit") != rb.get("git_commit") or ra.get("git_dirty") or rb.get("git_dirty"):
-        return False
-    if ra.get("gpu_name", "?") != rb.get("gpu_name", "?") or a.get("method") != b.get("method"):
-        return False
-    da, db = _date(ra), _date(rb)
-    return da is not None and db is not None and abs((da - db).total_seconds()) <= SESSION_H * 3600
-
-
 def _figure(r: dict) -> str:
     if r.get("tflops") and r.get("bound") == "compute":
         return f"{r['tflops']:.0f} TFLOP/s"
@@ -78,15 +58,6 @@ def _figure(r: dict) -> str:
 
 def _commit(run: dict) -> str:
     return str(run.get("git_commit", "?"))[:7]
-
-
-def _own_run_ratio(r: dict, run: dict, base: str) -> float | None:
-    """The ratio r's own run measured against `base` (kept in r's speedup_vs after a later run replaced
-    that baseline row), where the run's command shows it timed `base`; else None."""
-    words = str(run.get("command", "")).replace("=", " ").split()
-    timed = words[words.index("--baselines") + 1].split(",") if "--baselines" in words[:-1] else []
-    ratio = (r.get("speedup_vs") or {}).get(base)
-    return ratio if base in timed and ratio else None
 
 
 def rows(results: Path = RESULTS) -> list[tuple[str, ...]]:
@@ -102,10 +73,7 @@ def rows(results: Path = RESULTS) -> list[tuple[str, ...]]:
         by = {r["provider"]: r for r in doc["rows"] if r["case"] == case and r.get("status") == "ok"}
         if not by:
             continue
-
-        def run(r: dict, srcs: list[dict] = srcs) -> dict:
-            return srcs[r.get("source", 0)] if srcs else {}
-
+        run = partial(run_of, srcs=srcs)
         b = by.get(base)
         cells = []
         for name in BACKENDS:
@@ -116,7 +84,7 @@ def rows(results: Path = RESULTS) -> list[tuple[str, ...]]:
                 cells.append(f"{_figure(r)} ({_commit(run(r))})")
             elif same_session(r, run(r), b, run(b)):
                 cells.append(f"{b['time_us'] / r['time_us']:.2f}× ({_figure(r)}, {_commit(run(r))})")
-            elif (own := _own_run_ratio(r, run(r), base)) is not None:
+            elif (own := own_run_ratio(r, run(r), base)) is not None:
                 cells.append(f"{own:.2f}× against its own run's ({_figure(r)}, {_commit(run(r))})")
             else:
                 cells.append(f"{_figure(r)} ({_commit(run(r))}; baseline of another session)")

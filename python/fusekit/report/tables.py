@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from fusekit.bench.results import runs, suite_of
+from fusekit.report import pairing
 
 NOT_RECORDED = "n/r"  # a version the run did not record (files merged before versions were kept per run)
 
@@ -135,67 +136,86 @@ def runs_md(doc: dict) -> str:
 
 
 # --- tables -------------------------------------------------------------------------------------------
-def _ratios(row: dict, base_ts: dict[str, float]) -> dict[str, float]:
-    """Baseline time / this row's time per baseline: the row's `speedup_vs` (against the baselines of its
-    own run, see fusekit.bench.merge), else the times shown beside it (a merged file's baseline rows may
-    come from a later run)."""
-    sv = row.get("speedup_vs") or {}
-    return {p: sv.get(p, bt / row["time_us"]) for p, bt in base_ts.items()}
+def _ratios(row: dict, base_rows: dict[str, dict], srcs: list[dict]) -> dict[str, float]:
+    """Baseline time / this row's time per baseline timed in the row's session (fusekit.report.pairing:
+    the same run or process of it, or the ratio the row's own run measured where a later run replaced
+    that baseline row); a baseline of another session gives no ratio (it compared other commits, days
+    or timers: 201 such pairs were in the merged files)."""
+    out = {}
+    for p, b in base_rows.items():
+        if (v := pairing.ratio(row, b, srcs)) is not None:
+            out[p] = v
+    return out
 
 
 def headline(entries: list[tuple[str, Path, dict]], root: Path) -> list[dict]:
     """Per (device, op, suite): the fusekit backend with the best geometric-mean speedup over the best
-    baseline of each case (ratios from its own run, `_ratios`), with its range, the per-baseline geomeans,
+    baseline of each case (ratios of its session only, `_ratios`; a case whose fastest baseline was timed
+    in another session is left out and counted as unpaired), with its range, the per-baseline geomeans,
     how many cases it won, and the source file."""
     out = []
     for dev, path, doc in entries:
         cases = by_case(ok_rows(doc))
         backends, baselines = providers_in(doc)
-        best: dict | None = None
+        srcs = runs(doc)
+        cands: list[dict] = []
         for b in backends:
-            sp, per_base, won, pct, n, stale = [], defaultdict(list), 0, [], 0, False
+            sp, per_base, won, pct, n, stale, unpaired = [], defaultdict(list), 0, [], 0, False, 0
             largest: tuple[int, float] = (-1, math.nan)  # (bytes, speedup) of the biggest case
             for rows in cases.values():
                 if b not in rows:
                     continue
-                base_ts = {p: r["time_us"] for p, r in rows.items() if r["kind"] == "baseline"}
-                if not base_ts:
+                base_rows = {p: r for p, r in rows.items() if r["kind"] == "baseline"}
+                if not base_rows:
+                    continue
+                ratios = _ratios(rows[b], base_rows, srcs)
+                for p, v in ratios.items():
+                    per_base[p].append(v)
+                # the case counts only where its fastest baseline was timed in the row's session: a
+                # weaker baseline standing in for it would flatter the backend
+                if min(base_rows, key=lambda p: base_rows[p]["time_us"]) not in ratios:
+                    unpaired += 1
                     continue
                 n += 1
                 t = rows[b]["time_us"]
-                ratios = _ratios(rows[b], base_ts)
                 # a ratio from the row's own run whose baseline row the file has since replaced
-                sv = rows[b].get("speedup_vs") or {}
-                stale |= any(p in sv and rows[p].get("source") != rows[b].get("source") for p in base_ts)
+                stale |= any(rows[p].get("source") != rows[b].get("source") for p in ratios)
                 sp.append(min(ratios.values()))
                 if rows[b]["bytes"] > largest[0]:
                     largest = (rows[b]["bytes"], sp[-1])
-                for p, v in ratios.items():
-                    per_base[p].append(v)
                 won += t <= min(r["time_us"] for r in rows.values())
                 pct.append(rows[b]["pct_of_ceiling"])
+            src = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
             if not n:
+                if unpaired:  # timed, but never beside its session's fastest baseline: no ratio to show
+                    cands.append({"device": dev, "op": op_title(doc), "backend": b, "speedup": None,
+                                  "unpaired": unpaired, "source": src})  # fmt: skip
                 continue
-            cand = {
-                "device": dev,
-                "op": op_title(doc),
-                "backend": b,
-                "speedup": geomean(sp),
-                "min": min(sp),
-                "max": max(sp),
-                "largest": largest[1],
-                "per_baseline": {p: geomean(v) for p, v in per_base.items()},
-                "won": won,
-                "cases": n,
-                "pct_median": statistics.median(pct),
-                "source": str(path.relative_to(root)) if path.is_relative_to(root) else str(path),
-                "baselines": baselines,
-                "stale": stale,
-            }
-            if best is None or cand["speedup"] > best["speedup"]:
-                best = cand
-        if best:
-            out.append(best)
+            cands.append(
+                {
+                    "device": dev,
+                    "op": op_title(doc),
+                    "backend": b,
+                    "speedup": geomean(sp),
+                    "min": min(sp),
+                    "max": max(sp),
+                    "largest": largest[1],
+                    "per_baseline": {p: geomean(v) for p, v in per_base.items()},
+                    "won": won,
+                    "cases": n,
+                    "pct_median": statistics.median(pct),
+                    "source": src,
+                    "baselines": baselines,
+                    "stale": stale,
+                    "unpaired": unpaired,
+                }
+            )
+        # the best kernel backend with ratios; else one timed without a same-session baseline; the torch
+        # backend (the reference) only where no kernel backend was timed
+        kernels = [c for c in cands if c["backend"] != "torch"]
+        pool = [c for c in kernels if c["speedup"] is not None] or kernels or cands
+        if pool:
+            out.append(max(pool, key=lambda c: -math.inf if c["speedup"] is None else c["speedup"]))
     return out
 
 
@@ -208,12 +228,30 @@ def headline_md(items: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for h in items:
+        if h["speedup"] is None:
+            lines.append(
+                f"| {h['device']} | {h['op']} | **{h['backend']}** | – | – | – | – "
+                f"| 0/0 (+{h['unpaired']} unpaired ‡) | – | `{h['source']}` |"
+            )
+            continue
         per = ", ".join(f"{p} {v:.2f}×" for p, v in h["per_baseline"].items())
+        won = f"{h['won']}/{h['cases']}" + (f" (+{h['unpaired']} unpaired ‡)" if h.get("unpaired") else "")
         lines.append(
             f"| {h['device']} | {h['op']} | **{h['backend']}**{' †' if h.get('stale') else ''} | **{h['speedup']:.2f}×** | "
-            f"{h['min']:.2f}–{h['max']:.2f}× | {h['largest']:.2f}× | {per} | {h['won']}/{h['cases']} | {h['pct_median']:.0f}% | "
+            f"{h['min']:.2f}–{h['max']:.2f}× | {h['largest']:.2f}× | {per} | {won} | {h['pct_median']:.0f}% | "
             f"`{h['source']}` |"
         )
+    lines += [
+        "",
+        "Ratios only against baselines timed in the backend row's session (its run, or a process of that "
+        "session: same commit, GPU and timer; `fusekit.report.pairing`).",
+    ]
+    if any(h.get("unpaired") for h in items):
+        lines += [
+            "",
+            "‡ cases left out of the × columns: their fastest baseline was timed in another session (the "
+            "times are in the op's table).",
+        ]
     if any(h.get("stale") for h in items):
         lines += [
             "",
@@ -240,6 +278,7 @@ def op_table_md(doc: dict) -> str:
     backend's speedup over each baseline."""
     backends, baselines = providers_in(doc)
     cases = by_case(doc["rows"])
+    srcs = runs(doc)
     provs = backends + baselines
     head = ["case", *provs, *[f"best backend × {b}" for b in baselines]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -258,10 +297,11 @@ def op_table_md(doc: dict) -> str:
         okb = [ok[b] for b in backends if b in ok]
         bb = min(okb, key=lambda r: r["time_us"]) if okb else None
         for b in baselines:
-            if bb is None or b not in ok:
-                cells.append("–")
+            v = _ratios(bb, {b: ok[b]}, srcs).get(b) if bb is not None and b in ok else None
+            if v is None:
+                cells.append("–" if bb is None or b not in ok else "– (other session)")
             else:
-                cells.append(f"{_ratios(bb, {b: ok[b]['time_us']})[b]:.2f}× ({bb['provider']})")
+                cells.append(f"{v:.2f}× ({bb['provider']})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from fusekit.bench.results import runs, suite_of
 from fusekit.report import e2e as e2e_section
 from fusekit.report import host as host_section
+from fusekit.report import pairing
 from fusekit.report.tables import commit_str, ok_rows
 
 TITLE = "## Targets of the open issues"
@@ -176,13 +177,20 @@ E2E_TARGETS: tuple[E2ETarget, ...] = (
 )
 
 
-def _value(r: dict, t: Target) -> float | None:
+def _value(r: dict, t: Target, b: dict | None, srcs: list[dict]) -> float | None:
+    """The row's % of the ceiling, or its ratio against t.baseline (row b, where the file holds one): a
+    same-process A/B ratio (the model bench's --ab-rounds) where the row has one, else a ratio against a
+    baseline of its session only (fusekit.report.pairing)."""
     if t.baseline is None:
         v = r.get("pct_of_ceiling")
-    else:  # a same-process A/B ratio (the model bench's --ab-rounds) where the row has one
+    else:
         v = (r.get("ab_speedup_vs") or {}).get(t.baseline)
         if v is None:
-            v = (r.get("speedup_vs") or {}).get(t.baseline)
+            v = (
+                pairing.ratio(r, b, srcs)
+                if b is not None
+                else pairing.own_run_ratio(r, pairing.run_of(r, srcs), t.baseline)
+            )
     return None if v is None else float(v)
 
 
@@ -217,12 +225,12 @@ def _values(docs: list[dict], t: Target, backend: str) -> Iterator[tuple[float, 
         rows = ok_rows(d)
         base = {r["case"]: r for r in rows if t.baseline is not None and r["provider"] == t.baseline}
         for r in rows:
+            b = base.get(r["case"])
             if (
                 r["provider"] == t.provider.format(b=backend)
                 and (t.where is None or t.where(r))
-                and (v := _value(r, t)) is not None
+                and (v := _value(r, t, b, rs)) is not None
             ):
-                b = base.get(r["case"])
                 other = (
                     b["time_us"] / r["time_us"]
                     if b is not None and b.get("source", 0) != r.get("source", 0) and r.get("time_us")
