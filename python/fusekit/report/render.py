@@ -65,7 +65,16 @@ def _env_md(entries: list[tuple[str, Path, dict]], root: Path) -> str:
 
 def _timing_sentence(docs: list[dict]) -> str:
     if all(not _is_cpu(d) for d in docs):
-        return "Times are medians of CUDA-event timings with a cold L2 (rotating inputs, L2 flushed between calls); "
+        old = sum(str(r.get("method", "")).startswith("triton.do_bench") for d in docs for r in d["rows"])
+        return (
+            "Times are medians of CUDA-event timings with a cold L2 (rotating inputs, L2 flushed between calls); "
+            + (
+                f"{old} older rows were timed by triton.do_bench, whose events also hold the host's enqueue time at "
+                "decode sizes (each row's `method` in the JSON says which; no ratio pairs rows of the two timers); "
+                if old
+                else ""
+            )
+        )
     if all(_is_cpu(d) for d in docs):
         return (
             "These are CPU results: times are medians of host wall-clock timings per call (no device timer, "
