@@ -436,3 +436,25 @@ def test_ratios_pair_only_rows_of_one_session() -> None:
     (h,) = tables.headline([(SLUG, Path("x.json"), doc)], Path("."))
     assert h["backend"] == "triton" and h["speedup"] is None and h["unpaired"] == 1
     assert "0/0 (+1 unpaired ‡)" in tables.headline_md([h])
+
+
+def test_stale_lists_rows_timed_before_their_kernels_changed(tmp_path) -> None:
+    """fusekit.report.stale maps an op to its kernel files (own and shared, per backend) and lists a
+    results file whose rows were timed at a commit older than a later change to those files."""
+    from fusekit.report import stale
+
+    paths = stale.kernel_paths("triton", "rms_norm")
+    assert ":(glob)kernels_triton/_norm_bwd.py" in paths and not any("attention" in p for p in paths)
+    assert stale.kernel_paths("mojo", "swiglu_ffn")[:3] == [
+        ":(glob)mojo/swiglu_ffn.mojo", ":(glob)mojo/_swiglu*.mojo", ":(glob)mojo/tc"
+    ]  # fmt: skip
+    first = stale._git("rev-list", "--max-parents=0", "HEAD").split()[0]
+    head = stale._git("rev-parse", "--short", "HEAD")
+    doc = {"op": "rope", "meta": {"git_commit": first, "date": "2026-01-01T00:00:00+00:00"},
+           "rows": [{"case": "c", "provider": "triton", "kind": "backend", "status": "ok"}]}  # fmt: skip
+    (tmp_path / "rope.json").write_text(json.dumps(doc))
+    ((name, backend, _, later),) = stale.stale_rows(tmp_path)
+    assert (name, backend) == ("rope.json", "triton") and later  # kernels_triton/rope.py changed since
+    doc["meta"]["git_commit"] = head
+    (tmp_path / "rope.json").write_text(json.dumps(doc))
+    assert stale.stale_rows(tmp_path) == []
