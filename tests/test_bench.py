@@ -504,13 +504,14 @@ def test_merge_keeps_each_runs_own_baselines() -> None:
                 "pct_of_ceiling": 50.0}  # fmt: skip
 
     def doc(commit: str, *rows: dict) -> dict:
-        return {"op": "rms_norm", "suite": "train", "meta": {"git_commit": commit}, "rows": list(rows)}
+        meta = {"git_commit": commit, "date": "2026-12-04T21:00:00+00:00"}
+        return {"op": "rms_norm", "suite": "train", "meta": meta, "rows": list(rows)}
 
     old = doc(
         "a", row("triton", "backend", 50.0), row("mojo", "backend", 400.0), row("liger", "baseline", 100.0)
     )
     new = doc("b", row("mojo", "backend", 80.0), row("liger", "baseline", 120.0))
-    alone = doc("c", row("torch", "backend", 60.0))
+    alone = doc("b", row("torch", "backend", 60.0))  # a --baselines none process of run b's session
     m = merge.merge([old, new, alone])
     got = {r["provider"]: (r["source"], r["speedup_vs"]) for r in m["rows"]}
     assert got["triton"] == (0, {"liger": 2.0})  # its own run's liger (100 us), not the later 120

@@ -185,8 +185,8 @@ def test_targets_read_the_ab_ratio() -> None:
 
     t = next(t for t in targets.TARGETS if t.what.startswith("layer prefill"))
     row = {"speedup_vs": {"torch-compile": 0.9}, "ab_speedup_vs": {"torch-compile": 1.07}}
-    assert targets._value(row, t) == 1.07
-    assert targets._value({"speedup_vs": {"torch-compile": 0.9}}, t) == 0.9
+    assert targets._value(row, t, None, []) == 1.07
+    assert targets._value({"speedup_vs": {"torch-compile": 0.9}}, t, None, []) == 0.9
 
 
 def test_cli_rejects_unknown_names(tmp_path, capsys) -> None:

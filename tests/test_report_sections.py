@@ -409,7 +409,8 @@ def test_ratios_pair_only_rows_of_one_session() -> None:
     divided anyway (201 such ratios in the H200 files, e.g. triton attention.small 1.17x SDPA against an
     SDPA row six days older): no ratio now, the case is 'unpaired'. A process of the same session (same
     commit and timer, minutes apart: the mojo process) and the row's own run's stored ratio still count."""
-    from fusekit.report import pairing, tables
+    from fusekit.bench import pairing
+    from fusekit.report import tables
 
     def run(commit: str, date: str, cmd: str) -> dict:
         return {"git_commit": commit, "date": date, "command": cmd, "gpu_name": "NVIDIA H200"}

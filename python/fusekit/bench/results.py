@@ -49,6 +49,7 @@ META_KEYS = (
 # What identifies one run: kept per run when files are merged.
 RUN_KEYS = (
     "command",
+    "gpu_name",
     "git_commit",
     "git_dirty",
     "date",

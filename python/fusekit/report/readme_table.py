@@ -21,8 +21,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from fusekit.bench.pairing import own_run_ratio, run_of, same_session
 from fusekit.bench.results import runs
-from fusekit.report.pairing import own_run_ratio, run_of, same_session
 
 RESULTS = Path("benchmarks/results/nvidia-h200")
 README = Path("README.md")

@@ -9,8 +9,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from fusekit.bench import pairing
 from fusekit.bench.results import runs, suite_of
-from fusekit.report import pairing
 
 NOT_RECORDED = "n/r"  # a version the run did not record (files merged before versions were kept per run)
 
@@ -137,7 +137,7 @@ def runs_md(doc: dict) -> str:
 
 # --- tables -------------------------------------------------------------------------------------------
 def _ratios(row: dict, base_rows: dict[str, dict], srcs: list[dict]) -> dict[str, float]:
-    """Baseline time / this row's time per baseline timed in the row's session (fusekit.report.pairing:
+    """Baseline time / this row's time per baseline timed in the row's session (fusekit.bench.pairing:
     the same run or process of it, or the ratio the row's own run measured where a later run replaced
     that baseline row); a baseline of another session gives no ratio (it compared other commits, days
     or timers: 201 such pairs were in the merged files)."""
@@ -244,7 +244,7 @@ def headline_md(items: list[dict]) -> str:
     lines += [
         "",
         "Ratios only against baselines timed in the backend row's session (its run, or a process of that "
-        "session: same commit, GPU and timer; `fusekit.report.pairing`).",
+        "session: same commit, GPU and timer; `fusekit.bench.pairing`).",
     ]
     if any(h.get("unpaired") for h in items):
         lines += [

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fusekit.bench import pairing
 from fusekit.bench.results import runs, suite_of
 from fusekit.report import e2e as e2e_section
 from fusekit.report import host as host_section
-from fusekit.report import pairing
 from fusekit.report.tables import commit_str, ok_rows
 
 TITLE = "## Targets of the open issues"
@@ -180,7 +180,7 @@ E2E_TARGETS: tuple[E2ETarget, ...] = (
 def _value(r: dict, t: Target, b: dict | None, srcs: list[dict]) -> float | None:
     """The row's % of the ceiling, or its ratio against t.baseline (row b, where the file holds one): a
     same-process A/B ratio (the model bench's --ab-rounds) where the row has one, else a ratio against a
-    baseline of its session only (fusekit.report.pairing)."""
+    baseline of its session only (fusekit.bench.pairing)."""
     if t.baseline is None:
         v = r.get("pct_of_ceiling")
     else:

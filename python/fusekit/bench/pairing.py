@@ -11,24 +11,31 @@ from __future__ import annotations
 
 import datetime as _dt
 
-SESSION_H = 12.0  # processes of one GPU session are minutes apart; sessions are days apart
+SESSION_H = 12.0  # processes of one GPU session are minutes apart; other sessions are days apart
 
 
 def _date(run: dict) -> _dt.datetime | None:
     try:
-        return _dt.datetime.fromisoformat(run["date"])
+        d = _dt.datetime.fromisoformat(str(run["date"]))
     except (KeyError, TypeError, ValueError):
         return None
+    return d if d.tzinfo else d.replace(tzinfo=_dt.timezone.utc)
 
 
 def same_session(a: dict, ra: dict, b: dict, rb: dict) -> bool:
-    """Rows a and b (of runs ra and rb) were timed in one session: one run, or two processes with the same
-    commit (neither dirty), GPU and timer, started within SESSION_H hours of each other."""
+    """Rows a and b, of runs ra and rb (results.runs entries), were timed in one GPU session: one run, or
+    two processes of it (the mojo backend times in its own process, `--baselines none`) with the same GPU,
+    the same known commit (neither dirty), the same timing method (where both rows record it), started
+    within SESSION_H hours of each other. Unknown commit or date: not shown to be one session."""
     if a.get("source", 0) == b.get("source", 0):
         return True
-    if ra.get("git_commit") != rb.get("git_commit") or ra.get("git_dirty") or rb.get("git_dirty"):
+    if ra.get("gpu_name") != rb.get("gpu_name"):
         return False
-    if ra.get("gpu_name", "?") != rb.get("gpu_name", "?") or a.get("method") != b.get("method"):
+    if not ra.get("git_commit") or ra.get("git_commit") != rb.get("git_commit"):
+        return False
+    if ra.get("git_dirty") or rb.get("git_dirty"):
+        return False
+    if a.get("method") and b.get("method") and a["method"] != b["method"]:
         return False
     da, db = _date(ra), _date(rb)
     return da is not None and db is not None and abs((da - db).total_seconds()) <= SESSION_H * 3600
