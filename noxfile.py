@@ -35,6 +35,7 @@ SHARED_TESTS = [
     "tests/test_any_device.py",
     "tests/test_concurrency.py",
     "tests/test_large_index.py",
+    "tests/test_hf_backends.py",
 ]
 
 

@@ -197,16 +197,22 @@ def test_gradient_checkpointing_keeps_every_gradient(reentrant):
 
 
 def test_bf16_training_step_runs_and_tracks_fp32():
+    """Each bf16 gradient is as close to the fp32 one as unpatched HF's bf16 gradient is (within 1.5x +
+    1e-3; a flat 10% bound passed a gradient 9% off)."""
     model = build("llama2").train()
     x = ids(seq=17)
     exact = _grads(model, x)
     model.to(torch.bfloat16)
+    hf_bf16 = _grads(model, x)
     fh.patch(model)
     got = _grads(model, x)
     assert got.keys() == exact.keys()
     for n in exact:
         assert torch.isfinite(got[n]).all(), n
-        assert rel_error(got[n], exact[n]) <= 0.1, f"bf16 gradient of {n} far from fp32"
+        err, hf_err = rel_error(got[n], exact[n]), rel_error(hf_bf16[n], exact[n])
+        assert err <= 1.5 * hf_err + 1e-3, (
+            f"bf16 gradient of {n}: {err:.2e} from fp32, HF's bf16 {hf_err:.2e}"
+        )
 
 
 def test_torch_compile_of_patched_model():
