@@ -1,7 +1,12 @@
 """The benchmark loop: for each case, build rotating input sets, compute the float64 oracle (outputs,
 and input gradients in the "train" suite), then for each provider check correctness first and only
-then time it, after every input set has gone through it STEADY_PASSES more times. Nothing here knows
-an op: the case (`bench/cases/<op>.py`) supplies everything."""
+then time it, after every input set has gone through it STEADY_PASSES more times and the steady-state
+call has been checked again, on another input set (the memo / launch-replay / CUDA-graph paths the
+timed calls take are not the first call's: a bug there, or a replay of the first call's pointers, was
+timed and published as correct). Checked calls run with fusekit's outputs NaN-poisoned, and on CUDA
+after a NaN-filled block went back to the allocator (a provider leaving part of its output unwritten
+read the previous provider's correct values). Nothing here knows an op: the case
+(`bench/cases/<op>.py`) supplies everything."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from fusekit.bench.timing import (
     peak_memory_bytes,
     wall_per_call_ms,
 )
+from fusekit.outputs import poisoned
 
 # Passes over the rotating input sets before any timing, so every set is timed in its steady state: the
 # mojo backend executes a call's first sighting of its pointers, captures a graph on the second and replays
@@ -126,6 +132,31 @@ def _check(
     return info, "; ".join(bad) or None
 
 
+def _poisoned_allocator(device: torch.device, nbytes: int) -> None:
+    """On CUDA, hand the caching allocator a NaN-filled block of about the case's size, so a baseline's
+    outputs (not under fusekit's poisoning) start as NaN rather than as the last provider's results."""
+    if device.type != "cuda":
+        return
+    try:
+        block = torch.empty(min(max(nbytes, 1 << 20), 4 << 30) // 4, dtype=torch.float32, device=device)
+    except torch.cuda.OutOfMemoryError:
+        return
+    block.fill_(float("nan"))
+    del block
+
+
+def _checked_call(
+    fn: Callable[..., tuple], case: Case, inputs: dict, ref: list[torch.Tensor], device: torch.device
+) -> tuple[dict, str | None]:
+    _poisoned_allocator(device, case.bytes_moved())
+    with poisoned():
+        out = fn(**inputs)
+    _sync(device)
+    info, bad = _check(case, out, ref, inputs)
+    del out
+    return info, bad
+
+
 def run_case(
     case: Case,
     providers: list[Provider],
@@ -161,12 +192,18 @@ def run_case(
 
     sets = fresh_sets()
     ref = case.oracle(sets[0])
+    steady = (
+        len(sets) - 1
+    )  # the steady-state check's set: another one than the first call's where there are two
+    steady_ref: list[torch.Tensor] | None = None  # its oracle, once per case
     for prov, row in runnable:
         try:
             fn = case.step(prov.prepare(case, device))
             mark = prov.tuning_mark()
+            _poisoned_allocator(device, case.bytes_moved())
             t0 = time.perf_counter()
-            out = fn(**sets[0])
+            with poisoned():
+                out = fn(**sets[0])
             _sync(device)
             row["first_call_s"] = time.perf_counter() - t0  # includes compilation / graph build
             tuned = prov.tuned_since(mark)
@@ -182,6 +219,13 @@ def run_case(
             for _ in range(STEADY_PASSES * len(sets)):
                 call()
             _sync(device)
+            if steady_ref is None:
+                steady_ref = ref if steady == 0 else case.oracle(sets[steady])
+            info, bad = _checked_call(fn, case, sets[steady], steady_ref, device)
+            row["steady_rel_error"] = info.get("rel_error")
+            if bad is not None:
+                row["status"], row["reason"] = "failed", f"steady-state call (input set {steady}): {bad}"
+                continue
             row["peak_mem_bytes"] = peak_memory_bytes(call, device)
             ms, method = bench_ms(call, device, rep_ms=rep_ms)
             row["time_us"], row["method"], row["rotating_sets"] = ms * 1e3, method, len(sets)
@@ -204,7 +248,7 @@ def run_case(
                 sets = fresh_sets()
             if on_done:
                 on_done()
-    del sets, ref
+    del sets, ref, steady_ref
     if device.type == "cuda":
         torch.cuda.empty_cache()
     speedups(rows)
