@@ -109,3 +109,23 @@ def test_recorded_launches_say_whether_grad_mode_was_on() -> None:
     finally:
         JITFunction.run = orig
     assert [(a, k, grad) for _, a, k, grad in seen] == [((1,), {"k": 2}, True), ((3,), {}, False)]
+
+
+def test_each_case_is_checked_against_the_torch_call_beside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every forward case's fusekit output equals the torch call it is timed beside (the same tables, GQA
+    heads and kv_len keys: the decode baseline used to repeat K/V 4x outside the call and read every key),
+    and a fusekit call computing something else is an error row, never timed."""
+    checked = 0
+    for name, params, fk, eager, _ in host._cases("cpu", torch.float32):
+        if eager is not None and not params.get("train"):
+            host._check_against(fk("torch"), eager(), name, torch.float32)  # raises on a mismatch
+            checked += 1
+    assert checked >= 10
+
+    def wrong(dev: str, dtype: torch.dtype):
+        (name, params, fk, eager, _), *_ = _tiny_cases(dev, dtype)
+        return [(name, params, lambda be: fk(be) * 1.01, eager, None)]
+
+    monkeypatch.setattr(host, "_cases", wrong)
+    (row,) = host.run(["torch"], "cpu", torch.float32, rep_ms=0.5, rounds=1)
+    assert row["status"] == "error" and "from torch's" in row["reason"] and "fusekit_wall_us" not in row

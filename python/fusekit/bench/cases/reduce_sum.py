@@ -58,8 +58,14 @@ class ReduceSumCase(Case):
         return lambda x: _REF(x.reshape(1, -1) if whole else x)[0]
 
     def eager(self) -> Callable[..., Tensor]:
-        ref, out = self.reference(), self.out_dtype
-        return lambda x: ref(x).to(out)
+        # what a user writes: torch.sum accumulating in the wide dtype (the reference's x.to(fp32).sum()
+        # first materialized an fp32 copy of a bf16 x: 4008 us at 2^30 on the H200 against torch.sum's
+        # ~490, an 8x "speedup" over a baseline nobody would write)
+        dim, out = (None if self.whole else -1), self.out_dtype
+        acc = torch.int64 if not self.torch_dtype.is_floating_point else torch.float32
+        if self.torch_dtype == torch.float64:
+            acc = torch.float64
+        return lambda x: torch.sum(x, dim=dim, dtype=acc).to(out)
 
     def backend_query(self) -> tuple[tuple[torch.dtype, ...], dict]:
         return (self.torch_dtype, self.out_dtype), {}
