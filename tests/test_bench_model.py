@@ -124,6 +124,26 @@ def test_wrong_provider_is_not_timed() -> None:
     assert bad["rel_error"] > TOL
 
 
+class _OutOnly(model.Eager):
+    """The right `out` but no `h` (the residual stream): zip stopped at the shorter tuple and passed it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "out-only"
+
+    def build(self, st):
+        call = super().build(st)
+        return lambda: call()[:1]
+
+
+def test_a_provider_missing_an_output_is_not_timed() -> None:
+    sc = model.Scenario("t", "decode", 1, 16, 1)
+    w = make_weights(MICRO, CPU, torch.float32, torch.Generator().manual_seed(0))
+    ceil = {"copy": {"gbps": 10.0}, "matmul": {"tflops": 0.1}}
+    (row,) = model.run_scenario(MICRO, sc, w, [_OutOnly()], CPU, "fp32", ceil, rep_ms=2)
+    assert row["status"] == "failed" and "1 outputs, the reference has 2" in row["reason"], row
+
+
 def test_cli_end_to_end(tmp_path) -> None:
     provs = "torch-eager,fusekit-torch,torch-compile-ro,fusekit-triton-graph"
     argv = ["--device", "cpu", "--config", "tiny", "--quick", "--providers", provs, "--rep-ms", "4"]

@@ -31,6 +31,7 @@ token's k/v slot, so calls are identical and the cache stays filled to the conte
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import statistics
@@ -432,9 +433,11 @@ def run_provider(
         row["cudagraph_skips"] = _cudagraph_skips() - skips0
     errs = [rel_error(o.detach(), r) for o, r in zip(out, ref)]
     tol = TOLERANCE[st.dtype]
-    row.update(rel_error=max(errs), rel_errors=errs, tolerance=tol, outputs=["out", "h"])
+    row.update(rel_error=max(errs, default=math.inf), rel_errors=errs, tolerance=tol, outputs=["out", "h"])
     del out
     bad = [f"{n} rel error {e:.3g} > {tol:g}" for n, e in zip(("out", "h"), errs) if not e <= tol]
+    if len(errs) != len(ref):  # zip stopped at the shorter: a provider returning only `out` passed
+        bad.append(f"{len(errs)} outputs, the reference has {len(ref)} (out, h)")
     if bad:
         row["status"], row["reason"] = "failed", "; ".join(bad) + " (not timed)"
         return None
