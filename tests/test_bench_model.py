@@ -100,23 +100,32 @@ def test_configs_and_floors() -> None:
     assert (tiny.batch, tiny.context, tiny.tokens) == (4, 2048, 1)
 
 
-class _Wrong(model.Eager):
-    """The eager layer with its output off by a little: must be refused, not timed."""
+class _Altered(model.Eager):
+    """The eager layer with its outputs passed through `alter`: must be refused, not timed."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, alter) -> None:
         super().__init__()
-        self.name = "wrong"
+        self.name, self._alter = name, alter
 
     def build(self, st):
         call = super().build(st)
-        return lambda: tuple(t * 1.01 for t in call())
+        return lambda: self._alter(call())
 
 
 def test_wrong_provider_is_not_timed() -> None:
     sc = model.Scenario("t", "decode", 1, 16, 1)
     w = make_weights(MICRO, CPU, torch.float32, torch.Generator().manual_seed(0))
     ceil = {"copy": {"gbps": 10.0}, "matmul": {"tflops": 0.1}}
-    rows = model.run_scenario(MICRO, sc, w, [model.Eager(), _Wrong()], CPU, "fp32", ceil, rep_ms=2)
+    rows = model.run_scenario(
+        MICRO,
+        sc,
+        w,
+        [model.Eager(), _Altered("wrong", lambda outs: tuple(t * 1.01 for t in outs))],
+        CPU,
+        "fp32",
+        ceil,
+        rep_ms=2,
+    )
     good, bad = rows
     assert good["status"] == "ok" and good["ok"] and good["rel_error"] == 0.0
     assert bad["status"] == "failed" and not bad["ok"] and "not timed" in bad["reason"]
@@ -124,23 +133,12 @@ def test_wrong_provider_is_not_timed() -> None:
     assert bad["rel_error"] > TOL
 
 
-class _OutOnly(model.Eager):
-    """The right `out` but no `h` (the residual stream): zip stopped at the shorter tuple and passed it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = "out-only"
-
-    def build(self, st):
-        call = super().build(st)
-        return lambda: call()[:1]
-
-
 def test_a_provider_missing_an_output_is_not_timed() -> None:
     sc = model.Scenario("t", "decode", 1, 16, 1)
     w = make_weights(MICRO, CPU, torch.float32, torch.Generator().manual_seed(0))
     ceil = {"copy": {"gbps": 10.0}, "matmul": {"tflops": 0.1}}
-    (row,) = model.run_scenario(MICRO, sc, w, [_OutOnly()], CPU, "fp32", ceil, rep_ms=2)
+    out_only = _Altered("out-only", lambda outs: outs[:1])  # the right out, no h (the residual stream)
+    (row,) = model.run_scenario(MICRO, sc, w, [out_only], CPU, "fp32", ceil, rep_ms=2)
     assert row["status"] == "failed" and "1 outputs, the reference has 2" in row["reason"], row
 
 

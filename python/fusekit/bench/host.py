@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from fusekit.bench.results import environment, slug
+from fusekit.bench.run import rel_error
 from fusekit.bench.timing import bench_ms, wall_per_call_ms
 
 SCHEMA = "fusekit-bench-host/1"
@@ -311,7 +312,7 @@ def _check_against(got: object, want: object, name: str, dtype: torch.dtype) -> 
     kv_len), first outputs compared; raises (the row is an error, not timed) beyond the dtype's rounding."""
     g = got[0] if isinstance(got, tuple) else got
     w = want[0] if isinstance(want, tuple) else want
-    err = float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30))
+    err = rel_error(g, w)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     if not err <= tol:
         raise AssertionError(f"{name}: fusekit's output is {err:.3g} from torch's (tolerance {tol:g})")

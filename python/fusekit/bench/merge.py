@@ -6,8 +6,9 @@ Why several processes: once MAX has run on a GPU its device allocator keeps most
 memory, so torch's large reference tensors no longer fit in the same process. The mojo backend (and
 MAX's own attention) is therefore timed in its own process on the same machine, minutes apart, and
 the rows are merged here. Speedups are recomputed per case against the baselines in the merged
-rows timed in the same session (same GPU, commit and timer, within 12 hours: `fusekit.bench.pairing.same_session`; a
-baseline of another session gives no ratio), and files of different GPUs are refused.
+rows timed in the same session (same GPU, commit and timer, within 12 hours:
+`fusekit.bench.pairing.same_session`; a baseline of another session gives no ratio), and files of
+different GPUs are refused.
 `meta.merged_from` records each source run's command, GPU, commit, date and versions, and each row its
 run (`source`), so the report can say exactly which commit timed which row.
 """
@@ -19,7 +20,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from fusekit.bench.pairing import same_session
+from fusekit.bench.pairing import run_of, same_session
 from fusekit.bench.results import file_name, runs, suite_of
 
 
@@ -76,10 +77,6 @@ def merge(docs: list[dict]) -> dict:
     for r in rows.values():
         by_case[r["case"]].append(r)
 
-    def run_of(r: dict) -> dict:
-        i = r.get("source", 0)
-        return session[i] if 0 <= i < len(session) else {}
-
     for case, case_rows in by_case.items():
         base = [b for b in case_rows if b.get("status") == "ok" and b.get("kind") == "baseline"]
         for r in case_rows:
@@ -89,7 +86,8 @@ def merge(docs: list[dict]) -> dict:
             r["speedup_vs"] = {
                 b["provider"]: b["time_us"] / r["time_us"]
                 for b in base
-                if b["provider"] != r["provider"] and same_session(r, run_of(r), b, run_of(b))
+                if b["provider"] != r["provider"]
+                and same_session(r, run_of(r, session), b, run_of(b, session))
             }
             if r.get("kind") == "baseline":
                 continue

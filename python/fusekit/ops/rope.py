@@ -286,9 +286,9 @@ def rope(
     positions: per-token positions instead of start_pos (HF's `position_ids`; left-padded batches; a
     CUDA-graph decode loop, whose device tensor can be updated in place between replays where an int
     start_pos would be baked into the graph): an int32 or int64 tensor [B, S] (or [S] or [1, S], HF's
-    position_ids of an unpadded batch: the same for every sequence) on x's device; token (b, s) sits at p = positions[b, s]. Not with a nonzero
-    start_pos. Values must lie in [0, 2^24] (in-kernel angles) or [0, St) (tables; then cos and sin
-    have the same St): checked on the CPU (ValueError); on CUDA they are trusted (no host sync) and
+    position_ids of an unpadded batch: the same for every sequence) on x's device; token (b, s) sits at
+    p = positions[b, s]. Not with a nonzero start_pos. Values must lie in [0, 2^24] (in-kernel angles)
+    or [0, St) (tables; then cos and sin have the same St): checked on the CPU (ValueError); on CUDA they are trusted (no host sync) and
     clamped into that range, so a bad value can never read outside the tables. Positions carry no
     gradient; int32 [B, S] is passed as is, other forms cost one small conversion kernel.
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from fusekit import tolerances
 from fusekit.bench.baselines import Provider
 from fusekit.bench.cases._base import DTYPES, Case, Rand
-from fusekit.ops.reduce_sum import SPEC
+from fusekit.ops.reduce_sum import SPEC, _acc
 
 # Where the report puts this op (memory-bound ops first, then the matrix ops) and its plot marker.
 REPORT_RANK = 0
@@ -61,10 +61,7 @@ class ReduceSumCase(Case):
         # what a user writes: torch.sum accumulating in the wide dtype (the reference's x.to(fp32).sum()
         # first materialized an fp32 copy of a bf16 x: 4008 us at 2^30 on the H200 against torch.sum's
         # ~490, an 8x "speedup" over a baseline nobody would write)
-        dim, out = (None if self.whole else -1), self.out_dtype
-        acc = torch.int64 if not self.torch_dtype.is_floating_point else torch.float32
-        if self.torch_dtype == torch.float64:
-            acc = torch.float64
+        dim, out, acc = (None if self.whole else -1), self.out_dtype, _acc(self.torch_dtype)
         return lambda x: torch.sum(x, dim=dim, dtype=acc).to(out)
 
     def backend_query(self) -> tuple[tuple[torch.dtype, ...], dict]:
