@@ -482,6 +482,13 @@ def _bwd_dq_kernel(
 
 
 # ------------------------------------------------------------------------------------------------ launch
+# The autotuner offers the TMA tiles only from this many queries and keys on. Below it the dk/dv TMA tile hung
+# the GPU (H100, triton 3.6, session 55: non-causal fp16 D64 B1 H1, S 12-32 against Skv 16-80, while the
+# autotuner timed it; a forced run at S 32 Skv 64 hung too, at S 12 Skv 16 it did not: not yet understood),
+# and a few query rows gain nothing from TMA. Forced TMA tiles (tests, benchmarks) still run at any size.
+TMA_MIN_LEN = 128
+
+
 def _tma(tile: Tile) -> bool:
     return len(tile) > 4 and bool(tile[4])
 
@@ -612,10 +619,11 @@ def attention_backward(
                 _bwd_dkdv_kernel[(triton.cdiv(Skv, t1[1]) * nb * Hkv,)](*kv_args, **kw, **_launch_kw(t1))
                 _bwd_dq_kernel[(triton.cdiv(S, t2[0]) * nb * H,)](*q_args, **kw, **_launch_kw(t2))
                 continue
-            _tuned_dkdv(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(Skv, m["BLOCK_N"]) * nb * Hkv,)](
+            tuned_tma = tma_ok and min(S, Skv) >= TMA_MIN_LEN
+            _tuned_dkdv(D, tuned_tma)[lambda m, nb=nb: (triton.cdiv(Skv, m["BLOCK_N"]) * nb * Hkv,)](
                 *kv_args, **kw
             )
-            _tuned_dq(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]) * nb * H,)](*q_args, **kw)
+            _tuned_dq(D, tuned_tma)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]) * nb * H,)](*q_args, **kw)
 
 
 def _chunk_args(causal: bool, n_heads: int, head_bytes: int, q: torch.Tensor) -> tuple[int, int]:

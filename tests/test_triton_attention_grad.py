@@ -347,3 +347,35 @@ def test_forward_nan(attn, dev, case: str, causal: bool) -> None:
     assert torch.equal(nan_rows, want.expand(H, S)), f"NaN rows {nan_rows.int().tolist()}, want from {first}"
     if causal:
         assert bool((o[0, :, : S - Skv] == 0).all()), "rows with no visible key stay exact zeros"
+
+
+@pytest.mark.parametrize(("S", "Skv", "tma"), [(12, 16, False), (32, 64, False), (64, 300, False),
+                                               (300, 64, False), (128, 128, True), (1000, 333, True)])  # fmt: skip
+def test_autotuner_offers_tma_tiles_from_the_minimum_length_on(dev, S, Skv, tma, monkeypatch) -> None:
+    """The autotuned backward offers the dk/dv and dq TMA tiles only when S and Skv are both at least
+    TMA_MIN_LEN: below it the dk/dv TMA tile hung an H100 (non-causal fp16 D64, S 12-32) while the autotuner
+    timed it. The tuned path runs on the CPU with its kernels recorded instead of launched."""
+    import kernels_triton.attention_backward as AB
+
+    if dev == "cuda":
+        pytest.skip("checks the host's choice of config table; the GPU runs it in test_hostile_inputs")
+    asked: list[tuple[str, bool]] = []
+
+    class _Record:
+        def __init__(self, name: str, tma_ok: bool) -> None:
+            asked.append((name, tma_ok))
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    monkeypatch.setattr(AB, "is_interpreter", lambda: False)  # the tuned path, not the interpreter's tiles
+    monkeypatch.setattr(AB, "tma_setup", lambda *a: True)  # as on an sm_90 GPU with aligned tensors
+    monkeypatch.setattr(AB, "_tuned_dkdv", lambda d, tma_ok: _Record("dkdv", tma_ok))
+    monkeypatch.setattr(AB, "_tuned_dq", lambda d, tma_ok: _Record("dq", tma_ok))
+    q, k, v, do = _inputs(1, 2, 1, S, Skv, 64, torch.float16, dev, seed=S + Skv)
+    o, lse = torch.zeros_like(q), torch.zeros(q.shape[:3])
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    AB.attention_backward(*grads, do, q, k, v, o, lse, None, False, 0.125, s_bucket=S, skv_bucket=Skv,
+                          max_grid_y=65535)  # fmt: skip
+    assert asked == [("dkdv", tma), ("dq", tma)]
+    assert (min(S, Skv) >= AB.TMA_MIN_LEN) == tma
