@@ -485,7 +485,10 @@ def _bwd_dq_kernel(
 # The autotuner offers the TMA tiles only from this many queries and keys on. Below it the dk/dv TMA tile hung
 # the GPU (H100, triton 3.6, session 55: non-causal fp16 D64 B1 H1, S 12-32 against Skv 16-80, while the
 # autotuner timed it; a forced run at S 32 Skv 64 hung too, at S 12 Skv 16 it did not: not yet understood),
-# and a few query rows gain nothing from TMA. Forced TMA tiles (tests, benchmarks) still run at any size.
+# and a few query rows gain nothing from TMA. The forward's autotuner takes the same rule (its TMA tiles build
+# device-side descriptors the same way; not seen to hang). Forced TMA tiles (tests, benchmarks) still run at
+# any size. benchmarks/gpu_checks/tma_hang.py probes the hypotheses (stale tensor map at a reused scratch
+# address, pipelined zero/one-trip loops, a box taller than the tensor) on a GPU.
 TMA_MIN_LEN = 128
 
 

@@ -379,3 +379,29 @@ def test_autotuner_offers_tma_tiles_from_the_minimum_length_on(dev, S, Skv, tma,
                           max_grid_y=65535)  # fmt: skip
     assert asked == [("dkdv", tma), ("dq", tma)]
     assert (min(S, Skv) >= AB.TMA_MIN_LEN) == tma
+
+
+@pytest.mark.parametrize(("S", "Skv", "tma"), [(32, 64, False), (300, 64, False), (128, 128, True)])
+def test_forward_autotuner_offers_tma_tiles_from_the_minimum_length_on(attn, dev, S, Skv, tma, monkeypatch):
+    """The forward's autotuner takes the backward's TMA_MIN_LEN rule (S 32 is past the decode kernels)."""
+    import kernels_triton.attention_backward as AB
+
+    if dev == "cuda":
+        pytest.skip("checks the host's choice of config table on the CPU")
+    asked: list[bool] = []
+
+    class _Record:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    def record(d, tma_ok):
+        asked.append(tma_ok)
+        return _Record()
+
+    monkeypatch.setattr(attn, "is_interpreter", lambda: False)
+    monkeypatch.setattr(attn, "tma_setup", lambda *a: True)
+    monkeypatch.setattr(attn, "_tuned", record)
+    q, k, v, _ = _inputs(1, 2, 1, S, Skv, 128, torch.float16, dev, seed=S + Skv)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    attn.forward(o, lse, q, k, v, False, 0.125)
+    assert asked == [tma] and (min(S, Skv) >= AB.TMA_MIN_LEN) == tma

@@ -1,0 +1,362 @@
+#!/usr/bin/env python3
+"""Which variant of the attention-backward TMA pattern hangs an H100 (Triton 3.6)? Standalone probe, written
+after session 55's hang (kernels_triton/attention_backward.TMA_MIN_LEN); `python benchmarks/gpu_checks/tma_hang.py`.
+
+Run from a checkout's root (the `real_*` cases import kernels_triton from there; they are skipped when it is
+not importable):   python benchmarks/gpu_checks/tma_hang.py [--cases a,b,...] [--timeout 20] [--budget 110] [--iters N]
+
+Each case runs in its own subprocess under a timeout; a case that does not return is reported HANG with its
+last progress line (so you can tell "first launch" from "launch k of N"). Cases run in priority order and
+new ones stop being started when --budget seconds have passed (the rest are SKIPPED).
+
+Hypotheses and the cases that isolate them (minimal kernel `_mini`: one k tile held, q tiles streamed in two
+loops like _bwd_dkdv_kernel: an unmasked loop with runtime trip count N_U and a masked one with N_MASK;
+device-side descriptors unless said otherwise; grid = 1 program unless said otherwise):
+  H1 software pipelining of descriptor loads in a loop with runtime trip count 0 / 1:
+       mini_s3            N_U=0 N_MASK=1, num_stages=3, box 64 rows over a 32-row tensor (the hung shape)
+       mini_s1            same, num_stages=1 (no pipelining)
+       mini_s3_noloop1    same as mini_s3 without the first (zero-trip) loop
+       mini_s3_u1         N_U=1 N_MASK=0 (the S=64 pattern that completed)
+       mini_s3_div        mini_s3 plus the real kernel's `g = it // n` index math (division by a 0 trip count
+                          is computed, unpredicated, in the pipeliner's prologue)
+  H2 a box whose rows exceed the tensor's global rows:
+       mini_s3_fitbox     mini_s3 with a 64-row tensor (box == tensor) and the same trip counts
+  H3 device-side descriptor creation (tensormap written to global scratch, fenced) vs host-side:
+       mini_s3_host       mini_s3 with host-side TensorDescriptor (kernel params), no global scratch
+  H4 stale tensormap: Triton's global scratch is freed after each launch and torch's caching allocator hands
+     the next launch (another kernel / config) the *same* address; with 1-2 programs the same SM re-creates a
+     descriptor at the same address whose previous contents had another box size -> if the tensormap-proxy
+     acquire did not take, the TMA unit uses the old box and the mbarrier's expect_tx never balances (hang):
+       mini_alt_box       alternate launches: box 32 rows / box 64 rows, same scratch address (grid 1)
+       mini_alt_box_fresh same, but the allocator never reuses an address (all scratch kept alive)
+       mini_alt_box_wide  same as mini_alt_box with 528 programs (many descriptors per SM)
+  The real kernels (kernels_triton.attention_backward, forced tiles (dkdv, dq)), fp16 D64 B1 H1 non-causal:
+       real_s32_ptrdq     dkdv TMA 64x64 w4 s3, dq pointer tile: S=32 Skv=64 (hung once forced)
+       real_s32_tmadq     dkdv TMA 64x64 w4 s3, dq TMA 128x64 w8 s3 (box 128 at slot 0: H4 mismatch)
+       real_s32_s1        dkdv TMA 64x64 w4 s1, dq pointer (H1 on the real kernel)
+       real_s32_fresh     real_s32_tmadq with the never-reuse allocator (H4 on the real kernel)
+       real_s32_32x128    dkdv TMA 32x128 w4 s3 (the autotuner's third dk/dv config)
+       real_s12           S=12 Skv=16 dkdv TMA 64x64 s3, dq TMA 128x64 (completed once)
+       real_autotune_s24  the original failure: autotuned backward with TMA_MIN_LEN forced to 0, S=24 Skv=80
+       real_s128          S=Skv=128 B1 H1 (now offered by the autotuner): both TMA tiles, repeated
+       real_s128_autotune autotuned at S=Skv=128 B1 H1 (TMA offered since 8c75690), fresh process
+       real_big           S=Skv=1024 B1 H8, both TMA tiles, repeated (many programs)
+  The forward (attention.py; its autotuner now takes TMA_MIN_LEN too, forced back to 0 here), D128:
+       real_fwd_d128_s32      autotuned forward, fp16 D128 B1 H1 S=32 Skv=64 non-causal, repeated
+       real_fwd_d128_s32_tma  forced forward TMA tile (64, 64, 4, 3, True), same shape
+A HANG whose last line is "compiling / first ..." may be a slow compile: rerun that case with --timeout 90.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import triton
+import triton.language as tl
+
+CASES = [  # priority order: the most telling first (the budget may cut the tail)
+    "mini_s3", "mini_s1", "mini_s3_fitbox", "mini_s3_host", "mini_alt_box", "mini_alt_box_fresh",
+    "real_s32_tmadq", "real_s32_fresh", "real_s32_ptrdq", "real_s32_s1", "real_autotune_s24",
+    "real_s128_autotune", "mini_s3_noloop1", "mini_s3_u1", "mini_s3_div", "mini_alt_box_wide",
+    "real_s32_32x128", "real_s12", "real_s128", "real_big", "real_fwd_d128_s32", "real_fwd_d128_s32_tma",
+]  # fmt: skip
+SLOW = {
+    "real_autotune_s24": 60.0,
+    "real_s128_autotune": 60.0,
+    "real_fwd_d128_s32": 60.0,
+}  # autotuning compiles 6 configs: own timeout
+
+
+# ------------------------------------------------------------------------------------------------ child side
+def _progress(msg: str) -> None:
+    print(msg, flush=True)
+
+
+@triton.jit
+def _body(q_desc, k_desc, out_ptr, n_rows, n_u, n_mask, BM: tl.constexpr, BN: tl.constexpr,
+          D: tl.constexpr, FIRST_LOOP: tl.constexpr, DIV: tl.constexpr):  # fmt: skip
+    k = k_desc.load([0, 0])
+    acc = tl.zeros([BN, D], dtype=tl.float32)
+    if FIRST_LOOP:
+        for it in range(0, n_u):
+            if DIV:  # the real kernel's (head, block) split of a flat index: it // n_u
+                g = it // n_u
+                m = (it - g * n_u) * BM
+            else:
+                m = it * BM
+            q = q_desc.load([m, 0])
+            st = tl.dot(k, tl.trans(q))
+            acc = tl.dot(st.to(q.dtype), q, acc)
+    for it in range(0, n_mask):
+        if DIV:
+            g = it // n_mask
+            m = n_u * BM + (it - g * n_mask) * BM
+        else:
+            m = n_u * BM + it * BM
+        q = q_desc.load([m, 0])
+        rows = m + tl.arange(0, BM)
+        q = tl.where((rows < n_rows)[:, None], q, 0.0)  # q through registers, as the masked step
+        st = tl.dot(k, tl.trans(q))
+        acc = tl.dot(st.to(q.dtype), q, acc)
+    offs = tl.program_id(0) * BN * D + tl.arange(0, BN)[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(out_ptr + offs, acc)
+
+
+@triton.jit
+def mini_device(q_ptr, k_ptr, out_ptr, n_rows, L, n_u, n_mask, BM: tl.constexpr, BN: tl.constexpr,
+                D: tl.constexpr, FIRST_LOOP: tl.constexpr, DIV: tl.constexpr):  # fmt: skip
+    k_desc = tl.make_tensor_descriptor(k_ptr, shape=[L, D], strides=[D, 1], block_shape=[BN, D])
+    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[n_rows, D], strides=[D, 1], block_shape=[BM, D])
+    _body(q_desc, k_desc, out_ptr, n_rows, n_u, n_mask, BM, BN, D, FIRST_LOOP, DIV)
+
+
+@triton.jit
+def mini_host(q_desc, k_desc, out_ptr, n_rows, n_u, n_mask, BM: tl.constexpr, BN: tl.constexpr,
+              D: tl.constexpr, FIRST_LOOP: tl.constexpr, DIV: tl.constexpr):  # fmt: skip
+    _body(q_desc, k_desc, out_ptr, n_rows, n_u, n_mask, BM, BN, D, FIRST_LOOP, DIV)
+
+
+def _kernels():
+    return mini_device, mini_host
+
+
+class _Alloc:
+    """Triton's global-scratch allocator on torch: `reuse` False keeps every block alive (no address reuse)."""
+
+    def __init__(self, reuse: bool) -> None:
+        self.reuse, self.kept, self.addrs = reuse, [], set()
+
+    def __call__(self, size: int, alignment: int, stream):
+        import torch
+
+        t = torch.empty(size + 128, device="cuda", dtype=torch.int8)
+        off = (-t.data_ptr()) % 128
+        t = t[off : off + size]
+        self.addrs.add(t.data_ptr())
+        if not self.reuse:
+            self.kept.append(t)
+        return t
+
+
+def _mini(case: str, iters: int) -> None:
+    import torch
+    import triton
+
+    mini_device, mini_host = _kernels()
+    alloc = _Alloc(reuse=not case.endswith("_fresh"))
+    triton.set_allocator(alloc)
+    D, BN = 64, 64
+    dt = torch.float16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    stages = 1 if case == "mini_s1" else 3
+    n_rows, L, n_u, n_mask = 32, 64, 0, 1  # S=32 (< 64-row box), Skv=64: the hung forced shape
+    first, div, bm = True, False, 64
+    if case == "mini_s3_noloop1":
+        first = False
+    if case == "mini_s3_u1":
+        n_rows, n_u, n_mask = 64, 1, 0
+    if case == "mini_s3_div":
+        div = True
+    if case == "mini_s3_fitbox":
+        n_rows = 64  # the box fits; trip counts as the hung shape (0, 1)
+    q = torch.randn(max(n_rows, 1), D, device="cuda", dtype=dt, generator=g)
+    k = torch.randn(L, D, device="cuda", dtype=dt, generator=g)
+    grid = 528 if case == "mini_alt_box_wide" else 1
+    out = torch.empty(grid * BN * D, device="cuda", dtype=torch.float32)
+
+    def launch(bm_: int) -> None:
+        if case == "mini_s3_host":
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            qd = TensorDescriptor(q, [n_rows, D], [D, 1], [bm_, D])
+            kd = TensorDescriptor(k, [L, D], [D, 1], [BN, D])
+            mini_host[(grid,)](qd, kd, out, n_rows, n_u, n_mask, BM=bm_, BN=BN, D=D, FIRST_LOOP=first,
+                               DIV=div, num_warps=4, num_stages=stages)  # fmt: skip
+        else:
+            mini_device[(grid,)](q, k, out, n_rows, L, n_u, n_mask, BM=bm_, BN=BN, D=D, FIRST_LOOP=first,
+                                 DIV=div, num_warps=4, num_stages=stages)  # fmt: skip
+
+    alt = case.startswith("mini_alt_box")
+    sizes = (32, 64) if alt else (bm,)
+    for b in sizes:  # compile + one checked launch each
+        _progress(f"compiling / first launch BM={b} ...")
+        launch(b)
+        torch.cuda.synchronize()
+        _progress(f"first launch BM={b} ok")
+    for i in range(iters):
+        launch(sizes[i % len(sizes)])
+        if i % 200 == 199:
+            torch.cuda.synchronize()
+            _progress(f"launch {i + 1}/{iters} ok")
+    torch.cuda.synchronize()
+    _progress(f"done: {iters} launches, {len(alloc.addrs)} distinct scratch addresses")
+
+
+def _real(case: str, iters: int, repo: str) -> None:
+    import torch
+
+    sys.path.insert(0, repo)
+    from kernels_triton import attention_backward as ab
+
+    if case.endswith("_fresh"):
+        import triton
+
+        alloc = _Alloc(reuse=False)
+        triton.set_allocator(alloc)  # ensure_tma_allocator leaves a user allocator in place
+    B, H, D, S, Skv = 1, 1, 64, 32, 64
+    dk_tile, dq_tile = (64, 64, 4, 3, True), (128, 64, 8, 3)
+    autotune = False
+    if case == "real_s32_tmadq" or case == "real_s32_fresh":
+        dq_tile = (128, 64, 8, 3, True)
+    if case == "real_s32_s1":
+        dk_tile = (64, 64, 4, 1, True)
+    if case == "real_s32_32x128":
+        dk_tile = (32, 128, 4, 3, True)
+    if case == "real_s12":
+        S, Skv, dq_tile = 12, 16, (128, 64, 8, 3, True)
+    if case == "real_autotune_s24":
+        S, Skv, autotune = 24, 80, True
+        ab.TMA_MIN_LEN = 0  # the autotuner offers the TMA tiles at any length again (before 8c75690)
+    if case == "real_s128":
+        S = Skv = 128
+        dq_tile = (128, 64, 8, 3, True)
+    if case == "real_s128_autotune":
+        S = Skv = 128
+        autotune = True
+    if case == "real_big":
+        H, S, Skv = 8, 1024, 1024
+        dq_tile = (128, 64, 8, 3, True)
+        iters = max(1, iters // 20)
+    dt = torch.float16
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dt, generator=g)
+
+    q, k, v, do, o = rnd(B, H, S, D), rnd(B, H, Skv, D), rnd(B, H, Skv, D), rnd(B, H, S, D), rnd(B, H, S, D)
+    lse = torch.full((B, H, S), 4.0, device="cuda", dtype=torch.float32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def p2(n: int) -> int:
+        return 1 << max(0, (n - 1).bit_length())
+
+    cfg = None if autotune else (dk_tile, dq_tile)
+
+    def launch() -> None:
+        ab.attention_backward(dq, dk, dv, do, q, k, v, o, lse, None, False, 0.125, s_bucket=p2(S),
+                              skv_bucket=p2(Skv), max_grid_y=65535, config=cfg)  # fmt: skip
+
+    _progress(f"compiling / first call (S={S} Skv={Skv} cfg={cfg}) ...")
+    launch()
+    torch.cuda.synchronize()
+    _progress(f"first call ok (S={S} Skv={Skv} cfg={cfg})")
+    for i in range(iters):
+        launch()
+        if i % 100 == 99:
+            torch.cuda.synchronize()
+            _progress(f"call {i + 1}/{iters} ok")
+    torch.cuda.synchronize()
+    _progress(f"done: {iters} calls")
+
+
+def _real_fwd(case: str, iters: int, repo: str) -> None:
+    import torch
+
+    sys.path.insert(0, repo)
+    from kernels_triton import attention as fa
+
+    fa.TMA_MIN_LEN = 0  # the forward's autotuner offers its TMA tiles at any length again (as before 8c75690)
+    B, H, D, S, Skv = 1, 1, 128, 32, 64
+    cfg = (64, 64, 4, 3, True) if case.endswith("_tma") else None
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (
+        torch.randn(B, H, n, D, device="cuda", dtype=torch.float16, generator=g) for n in (S, Skv, Skv)
+    )
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, S), device="cuda", dtype=torch.float32)
+
+    def launch() -> None:
+        fa.forward(o, lse, q, k, v, None, False, 0.125, _config=cfg)
+
+    _progress(f"compiling / first call (forward D{D} S={S} Skv={Skv} cfg={cfg}) ...")
+    launch()
+    torch.cuda.synchronize()
+    _progress("first call ok")
+    for i in range(iters):
+        launch()
+        if i % 100 == 99:
+            torch.cuda.synchronize()
+            _progress(f"call {i + 1}/{iters} ok")
+    torch.cuda.synchronize()
+    _progress(f"done: {iters} calls")
+
+
+def child(case: str, iters: int, repo: str) -> None:
+    import torch
+
+    _progress(f"{case}: {torch.cuda.get_device_name()} torch {torch.__version__} "
+              f"triton {__import__('triton').__version__}")  # fmt: skip
+    if case.startswith("mini"):
+        _mini(case, iters)
+    elif case.startswith("real_fwd"):
+        _real_fwd(case, iters, repo)
+    else:
+        _real(case, iters, repo)
+
+
+# ----------------------------------------------------------------------------------------------- parent side
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--timeout", type=float, default=20.0, help="seconds per case (compile included)")
+    ap.add_argument("--budget", type=float, default=110.0, help="start no case after this many seconds")
+    ap.add_argument("--iters", type=int, default=2000, help="launches per mini case (real: /4)")
+    ap.add_argument("--repo", default=os.getcwd(), help="checkout root holding kernels_triton/")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a.child, a.iters if a.child.startswith("mini") else max(1, a.iters // 4), a.repo)
+        return
+    have_repo = os.path.isdir(os.path.join(a.repo, "kernels_triton"))
+    t0 = time.time()
+    rows = []
+    for case in [c for c in a.cases.split(",") if c]:
+        if case not in CASES:
+            rows.append((case, "UNKNOWN", 0.0, ""))
+            continue
+        if case.startswith("real") and not have_repo:
+            rows.append((case, "SKIPPED (no kernels_triton under --repo)", 0.0, ""))
+            continue
+        if time.time() - t0 > a.budget:
+            rows.append((case, "SKIPPED (budget)", 0.0, ""))
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--iters", str(a.iters),
+               "--repo", a.repo]  # fmt: skip
+        t = time.time()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)  # fmt: skip
+        try:
+            out, _ = p.communicate(timeout=max(a.timeout, SLOW.get(case, 0.0)))
+            status = "ok" if p.returncode == 0 else f"ERROR rc={p.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)  # this case's own process group only
+            out, _ = p.communicate()
+            status = "HANG"
+        lines = [ln for ln in (out or "").splitlines() if ln.strip()]
+        last = lines[-1] if lines else ""
+        if status.startswith("ERROR"):
+            last = " | ".join(lines[-3:])
+        rows.append((case, status, time.time() - t, last))
+        print(f"{case:20s} {status:10s} {time.time() - t:6.1f}s  {last[:150]}", flush=True)
+    print("\nsummary")
+    for case, status, _dt, _last in rows:
+        print(f"  {case:20s} {status}")
+    print(f"total {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
