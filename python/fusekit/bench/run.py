@@ -43,8 +43,10 @@ def _sync(device: torch.device) -> None:
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64; inf for NaN/inf outputs or a shape mismatch."""
-    if out.numel() != ref.numel():
+    """‖out − ref‖ / ‖ref‖ in float64; inf for NaN/inf outputs or a shape mismatch (shapes, not element
+    counts: a [S, H] result of an [H, S] contract is a different answer, even where its values happen to
+    line up)."""
+    if tuple(out.shape) != tuple(ref.shape):
         return math.inf
     o, r = out.reshape(-1).to(torch.float64), ref.reshape(-1).to(torch.float64)
     if not bool(torch.isfinite(o).all()):
