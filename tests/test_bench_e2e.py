@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("transformers")
 
 from fusekit.bench import e2e, results
+from fusekit.bench.e2e.config import FP32_GRAD_RTOL
 
 ROOT = Path(__file__).resolve().parents[1]
 PROVIDERS = ("eager", "fusekit-torch", "fusekit-triton", "liger")
@@ -128,6 +129,9 @@ def test_fusekit_gate_passed_and_its_kernels_ran(run, provider):
         "swiglu_ffn:forward": LAYERS,
     }
     assert g["kernel_runs"] == expected == g["kernel_runs_expected"]
+    # one training step's gradient of every parameter against HF eager's (the tiny model has 21)
+    assert g["grad_params_checked"] == 21 and "grad_missing" not in g, g
+    assert g["grad_rel_error"] <= g["grad_tol"] == FP32_GRAD_RTOL
     train = next(r for r in _rows(doc, provider) if r["scenario"] == "train")
     assert train["status"] == "ok", train
     runs = train["kernel_runs_first_step"]
@@ -428,3 +432,30 @@ def test_liger_provider_suspends_and_resumes_its_patch(monkeypatch) -> None:
         prov.close()
     assert (ml.apply_rotary_pos_emb, ml.LlamaRMSNorm, ml.LlamaMLP) == hf_names
     assert prov.ab and e2e.Fusekit("torch").ab and not e2e.FusekitCompile("torch").ab
+
+
+def test_grad_gate_fails_a_missing_a_wrong_and_a_nan_gradient() -> None:
+    """The training gate (scenarios.grad_gate): a parameter HF's loss reaches that gets no gradient (a
+    silently detached op), one off by more than its tolerance, and a NaN one (which stays the worst) each
+    fail it; low precision measures against the fp32 model with 2x HF eager's own error + slack."""
+    from fusekit.bench.e2e.scenarios import Reference, grad_gate
+
+    g = torch.Generator().manual_seed(0)
+    want = {n: torch.randn(5, 7, generator=g) for n in ("a", "b", "c")}
+    ref = Reference(torch.zeros(1), None, None, None, grads={**want, "frozen": None})
+    rec, bad = grad_gate({n: w * (1 + 1e-5) for n, w in want.items()}, ref)
+    assert bad == [] and rec["grad_params_checked"] == 3 and rec["grad_rel_error"] <= 2e-5
+    rec, bad = grad_gate({"a": want["a"], "b": want["b"], "c": None}, ref)
+    assert rec["grad_missing"] == ["c"] and "no gradient reached 1 parameter(s), e.g. c" in bad[0]
+    rec, bad = grad_gate({**want, "b": want["b"] * 1.01}, ref)
+    assert rec["grad_worst_param"] == "b" and "gradient of b" in bad[0], (rec, bad)
+    nan = want["a"].clone()
+    nan[0, 0] = float("nan")
+    rec, bad = grad_gate({**want, "a": nan, "b": want["b"] * 1.01}, ref)
+    assert rec["grad_worst_param"] == "a" and "gradient of a: relative error nan" in bad[0], (rec, bad)
+    low = Reference(torch.zeros(1), None, torch.zeros(1), 0.0, grads=want, grads_exact=want,
+                    grads_eager_err={"a": 0.1, "b": 0.0, "c": 0.0})  # fmt: skip
+    rec, bad = grad_gate({**want, "a": want["a"] * 1.2}, low)  # 0.2 <= 2 * 0.1 + slack
+    assert bad == [] and rec["grad_vs"].startswith("the fp32 model"), (rec, bad)
+    rec, bad = grad_gate({**want, "b": want["b"] * 1.05}, low)  # 0.05 > 2 * 0 + slack
+    assert "gradient of b" in bad[0], (rec, bad)

@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"e2e: {model_name}, {setup.layers} layers, {setup.dtype} on {device}; providers {', '.join(names)}")
     state = base_weights(setup)
     b, p, n = setup.decode[0]
-    ref = reference(setup, state, _ids(setup, *setup.prefill[0], salt=1), _ids(setup, b, p, salt=2), n)
+    gate_ids, prompt = _ids(setup, *setup.prefill[0], salt=1), _ids(setup, b, p, salt=2)
+    ref = reference(setup, state, gate_ids, prompt, n, train="train" in scenarios)
     if ref.eager_err is not None:
         log(f"  HF eager {setup.dtype} logits vs fp32: relative error {ref.eager_err:.3g}")
 

@@ -14,7 +14,9 @@ from torch import nn
 
 from fusekit.bench.e2e.config import (
     BUDGET_SKIP,
+    FP32_GRAD_RTOL,
     FP32_LOGITS_RTOL,
+    LOW_PRECISION_GRAD_SLACK,
     LOW_PRECISION_SLACK,
     Setup,
     _decode_shapes,
@@ -38,27 +40,109 @@ class Reference:
     tokens: torch.Tensor | None  # HF eager's greedy generate of the decode prompt
     exact: torch.Tensor | None  # low precision only: the same model in fp32
     eager_err: float | None  # low precision only: HF eager's error against `exact`
+    # train: HF eager's parameter gradients of one training step's loss (host copies, by parameter name);
+    # in low precision also the fp32 model's and HF eager's error against them, per parameter
+    grads: dict[str, torch.Tensor | None] | None = None
+    grads_exact: dict[str, torch.Tensor | None] | None = None
+    grads_eager_err: dict[str, float] | None = None
+
+
+def train_batch(setup: Setup, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The train scenario's (input ids, labels) at B x S; labels are random targets (HF shifts them)."""
+    return _ids(setup, b, s, salt=20 + s), _ids(setup, b, s, salt=30 + s)
+
+
+def loss_grads(fwd: Callable, model: nn.Module, setup: Setup) -> dict[str, torch.Tensor | None]:
+    """Every trainable parameter's gradient (a host copy; None where none reached it) of the loss of one
+    forward with labels at the first train shape, as the training step computes it; the model is left
+    with no gradients, in eval mode."""
+    ids, labels = train_batch(setup, *setup.train[0])
+    model.train()
+    model.zero_grad(set_to_none=True)
+    try:
+        fwd(input_ids=ids, labels=labels).loss.backward()
+        return {
+            n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+            for n, p in model.named_parameters()
+            if p.requires_grad
+        }
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
 
 
 def reference(
-    setup: Setup, state: dict, gate_ids: torch.Tensor, prompt: torch.Tensor | None, n_new: int
+    setup: Setup,
+    state: dict,
+    gate_ids: torch.Tensor,
+    prompt: torch.Tensor | None,
+    n_new: int,
+    train: bool = False,
 ) -> Reference:
-    """HF eager's logits (and greedy tokens when `prompt` is given); in low precision also the fp32 model's."""
+    """HF eager's logits (and greedy tokens when `prompt` is given; with `train` its parameter gradients);
+    in low precision also the fp32 model's."""
     model = fresh_model(setup, state)
     with torch.no_grad():
         logits = model(gate_ids, use_cache=False).logits.float()
     tokens = _generate(model, prompt, n_new) if prompt is not None else None
+    grads = loss_grads(model, model, setup) if train else None
     del model
-    exact = err = None
+    exact = err = grads_exact = grads_err = None
     if setup.torch_dtype != torch.float32:
         _free()
         model = fresh_model(setup, state, dtype=torch.float32)
         with torch.no_grad():
             exact = model(gate_ids, use_cache=False).logits.float()
+        grads_exact = loss_grads(model, model, setup) if train else None
         del model
         err = rel_error(logits, exact)
+        if grads is not None and grads_exact is not None:
+            grads_err = {
+                n: rel_error(g, grads_exact[n])
+                for n, g in grads.items()
+                if g is not None and grads_exact.get(n) is not None
+            }
     _free()
-    return Reference(logits, tokens, exact, err)
+    return Reference(logits, tokens, exact, err, grads, grads_exact, grads_err)
+
+
+def grad_gate(got: dict[str, torch.Tensor | None], ref: Reference) -> tuple[dict, list[str]]:
+    """A provider's parameter gradients (`loss_grads`) against the reference's: every parameter HF eager's
+    loss reaches must get a gradient (a silently detached op leaves None), each within its tolerance (fp32:
+    FP32_GRAD_RTOL against HF eager; else against the fp32 model, 2x HF eager's own error + slack).
+    Returns (record, problems)."""
+    assert ref.grads is not None
+    low = ref.grads_exact is not None
+    want = ref.grads_exact if low else ref.grads
+    missing, worst = [], (None, 0.0, 0.0)  # (name, error, its tolerance) of the largest error / tolerance
+    checked, worst_ratio = 0, -1.0  # a NaN ratio is the worst and stays
+    for name, w in want.items():
+        if w is None:
+            continue
+        g = got.get(name)
+        if g is None:
+            missing.append(name)
+            continue
+        err = rel_error(g, w)
+        tol = 2 * ref.grads_eager_err[name] + LOW_PRECISION_GRAD_SLACK if low else FP32_GRAD_RTOL
+        checked += 1
+        ratio = err / tol
+        if not math.isnan(worst_ratio) and (math.isnan(ratio) or ratio > worst_ratio):
+            worst, worst_ratio = (name, err, tol), ratio
+    rec = {
+        "grad_params_checked": checked,
+        "grad_worst_param": worst[0],
+        "grad_rel_error": worst[1],
+        "grad_tol": worst[2],
+        "grad_vs": "the fp32 model, 2x HF eager's own error + slack" if low else "HF eager, fp32",
+    }
+    problems = []
+    if missing:
+        rec["grad_missing"] = missing
+        problems.append(f"no gradient reached {len(missing)} parameter(s), e.g. {missing[0]}")
+    if worst[0] is not None and not worst[1] <= worst[2]:
+        problems.append(f"gradient of {worst[0]}: relative error {worst[1]:.3g} > {worst[2]:.3g}")
+    return rec, problems
 
 
 def gate(
@@ -72,7 +156,8 @@ def gate(
     n_new: int,
 ) -> dict:
     """Logits against HF eager (fp32: rtol 1e-4; else against the fp32 model, within 2x HF eager's own
-    error), greedy tokens (fp32: identical; else the matching prefix is recorded), kernel evidence."""
+    error), greedy tokens (fp32: identical; else the matching prefix is recorded), kernel evidence; with
+    the reference's gradients (a train scenario), each parameter's gradient of one step (`grad_gate`)."""
     out: dict = {"passed": False}
     with kernel_runs(prov.backend) as runs, torch.no_grad():
         logits = fwd(gate_ids, use_cache=False).logits.float()
@@ -109,6 +194,10 @@ def gate(
             problems.append(f"greedy tokens differ from HF eager after {prefix} of {n_new}")
     elif ref.tokens is not None:
         out["generate"] = f"not checked: {kw}"
+    if ref.grads is not None:
+        rec, bad = grad_gate(loss_grads(fwd, model, setup), ref)
+        out.update(rec)
+        problems += bad
     out["passed"] = not problems
     if problems:
         out["problems"] = problems
@@ -222,8 +311,7 @@ def ab_train(
 def train_step(fwd, model, setup: Setup, b: int, s: int, losses: list | None = None):
     """The train scenario's step on a B x S batch (model put in train mode): zero_grad, forward with
     labels (the model's own loss), backward, AdamW (setup.optim); each loss appended to `losses`."""
-    ids = _ids(setup, b, s, salt=20 + s)
-    labels = _ids(setup, b, s, salt=30 + s)  # random targets: HF shifts them by one inside the loss
+    ids, labels = train_batch(setup, b, s)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=setup.optim == "fused")
 
