@@ -142,6 +142,33 @@ def test_a_provider_missing_an_output_is_not_timed() -> None:
     assert row["status"] == "failed" and "1 outputs, the reference has 2" in row["reason"], row
 
 
+class _NoCacheWrite(model.Eager):
+    """The eager layer over a private copy of the cache: right outputs, but the shared cache's new-token
+    slots are never written (they hold whatever the last provider left there)."""
+
+    name = "no-cache-write"
+
+    def build(self, st):
+        cache = KVCache(st.cache.k.clone(), st.cache.v.clone(), st.cache.kv_len.clone())
+        layer = DecoderLayer(st.cfg, st.weights, cache, "eager")
+        return lambda: layer(st.x, st.residual, st.sc.context)
+
+
+def test_a_provider_that_skips_its_cache_write_is_not_timed() -> None:
+    """Every provider rewrites the new token's k/v slots of one shared cache, which the eager reference
+    filled first: a provider that never wrote them passed with the reference's values still in place.
+    The slots are NaN-filled before the checked call and compared with the reference's."""
+    sc = model.Scenario("t", "decode", 1, 16, 1)
+    w = make_weights(MICRO, CPU, torch.float32, torch.Generator().manual_seed(0))
+    ceil = {"copy": {"gbps": 10.0}, "matmul": {"tflops": 0.1}}
+    rows = model.run_scenario(MICRO, sc, w, [model.Eager(), _NoCacheWrite()], CPU, "fp32", ceil, rep_ms=2)
+    good, bad = rows
+    assert good["status"] == "ok" and good["outputs"] == ["out", "h", "k_new", "v_new"]
+    assert good["rel_errors"] == [0.0] * 4, good["rel_errors"]
+    assert bad["status"] == "failed" and "k_new rel error inf" in bad["reason"], bad["reason"]
+    assert "v_new rel error inf" in bad["reason"] and "out rel" not in bad["reason"]
+
+
 def test_cli_end_to_end(tmp_path) -> None:
     provs = "torch-eager,fusekit-torch,torch-compile-ro,fusekit-triton-graph"
     argv = ["--device", "cpu", "--config", "tiny", "--quick", "--providers", provs, "--rep-ms", "4"]

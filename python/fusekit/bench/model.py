@@ -412,10 +412,22 @@ def wall_speedups(rows: list[dict]) -> None:
             r["wall_speedup_vs"] = {b: t / r["wall_us"] for b, t in base.items() if b != r["provider"]}
 
 
+CHECKED = ("out", "h", "k_new", "v_new")  # the layer's outputs, then the cache slots it writes
+
+
+def new_slots(st: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the new tokens' k and v slots of the shared cache (positions context .. kv_len - 1)."""
+    sl = slice(st.sc.context, st.sc.kv_len)
+    return st.cache.k[:, sl], st.cache.v[:, sl]
+
+
 def run_provider(
     prov: Provider, st: Setup, ref: tuple[torch.Tensor, ...], row: dict, ceil: dict, rep_ms: float
 ) -> Call | None:
     """Build, check against the eager reference, then time (only a correct provider); fills `row`.
+    `ref` = (out, h, k_new, v_new): the eager layer's outputs and the cache slots it wrote. Every provider
+    rewrites the same slots of the shared cache, so they are NaN-filled before the checked call: a provider
+    that skipped its cache write would otherwise read (and leave) the reference's values and pass.
     Returns the timed call (None where it failed the check)."""
     dev = st.device
     skips0 = _cudagraph_skips()
@@ -431,13 +443,19 @@ def run_provider(
         # reduce-overhead falls back to plain compiled code (silently, but for a log line) where it
         # cannot use a CUDA graph: recorded so such a row is not read as a CUDA-graph timing.
         row["cudagraph_skips"] = _cudagraph_skips() - skips0
-    errs = [rel_error(o.detach(), r) for o, r in zip(out, ref)]
+    for t in new_slots(st):
+        t.fill_(math.nan)
+    out = call()
+    _sync(dev)
+    n_out = len(out)
+    got = (*out[:2], *new_slots(st)) if n_out == 2 else tuple(out)
+    errs = [rel_error(o.detach(), r) for o, r in zip(got, ref)]
     tol = TOLERANCE[st.dtype]
-    row.update(rel_error=max(errs, default=math.inf), rel_errors=errs, tolerance=tol, outputs=["out", "h"])
-    del out
-    bad = [f"{n} rel error {e:.3g} > {tol:g}" for n, e in zip(("out", "h"), errs) if not e <= tol]
-    if len(errs) != len(ref):  # zip stopped at the shorter: a provider returning only `out` passed
-        bad.append(f"{len(errs)} outputs, the reference has {len(ref)} (out, h)")
+    row.update(rel_error=max(errs, default=math.inf), rel_errors=errs, tolerance=tol, outputs=list(CHECKED))
+    del out, got
+    bad = [f"{n} rel error {e:.3g} > {tol:g}" for n, e in zip(CHECKED, errs) if not e <= tol]
+    if n_out != 2:  # zip would stop at the shorter: a provider returning only `out` passed
+        bad.append(f"{n_out} outputs, the reference has 2 (out, h)")
     if bad:
         row["status"], row["reason"] = "failed", "; ".join(bad) + " (not timed)"
         return None
@@ -501,7 +519,7 @@ def run_scenario(
     ref: tuple[torch.Tensor, ...] | None = None
     ref_error: str | None = None
     try:
-        ref = tuple(t.clone() for t in st.layer("eager")(st.x, st.residual, sc.context))
+        ref = tuple(t.clone() for t in (*st.layer("eager")(st.x, st.residual, sc.context), *new_slots(st)))
     except Exception as exc:  # e.g. out of memory: nothing can be checked, so nothing is timed
         ref_error = f"the eager reference failed: {type(exc).__name__}: {str(exc)[:300]}"
     timed: dict[str, tuple[dict, Call]] = {}
