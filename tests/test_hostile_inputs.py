@@ -605,3 +605,52 @@ def test_rope_extreme_theta_finishes(backend_name, device, theta):
         [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_fused_residual_leaf_grads_are_separate_buffers(backend_name, device, op):
+    """x and residual both leaves (not 2-d): the fused norm's backward gives both the same dx, and the
+    [M, N] views made of them turned it into two views of one storage that both leaves kept as .grad: a
+    second accumulation added into it twice (3x the gradient instead of 2x) and zeroing x.grad zeroed
+    residual.grad. Found by a read-only audit helper (every backend)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(11)
+    x, r = (torch.randn(2, 3, 40, generator=g).to(device).requires_grad_() for _ in range(2))
+    w, b = torch.randn(40, generator=g).to(device), torch.randn(40, generator=g).to(device)
+    xd, rd = (t.detach().cpu().double().requires_grad_() for t in (x, r))
+    hd = xd + rd
+    if op == "rms_norm":
+        want = hd * (hd.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w.cpu().double()
+    else:
+        want = F.layer_norm(hd, (40,), w.cpu().double(), b.cpu().double(), 1e-6)
+    want.sum().backward()
+    for _ in range(2):  # two accumulation steps
+        if op == "rms_norm":
+            y, _h = ops.rms_norm(x, w, 1e-6, residual=r, backend=backend_name)
+        else:
+            y, _h = ops.layer_norm(x, w, b, 1e-6, residual=r, backend=backend_name)
+        y.sum().backward()
+    assert x.grad.data_ptr() != r.grad.data_ptr()
+    for got, ref in ((x.grad, xd.grad), (r.grad, rd.grad)):
+        torch.testing.assert_close(got.cpu().double(), 2 * ref, rtol=1e-4, atol=1e-4)
+    x.grad.zero_()
+    torch.testing.assert_close(r.grad.cpu().double(), 2 * rd.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_residual_stream_of_a_model_takes_no_gradient_copy():
+    """own_residual_grad copies a gradient only where leaves could keep it: a sublayer's output beside the
+    last norm's h (a model's residual stream) passes through as is; a leaf, or a view of one, does not."""
+    from fusekit.ops._norms import own_residual_grad
+
+    g = torch.Generator().manual_seed(12)
+    p, lin = torch.randn(2, 3, 8, generator=g, requires_grad=True), torch.nn.Linear(8, 8)
+    _y, h = ops.rms_norm(p * 2, torch.ones(8), residual=p * 3, backend="torch")
+    out = lin(h)  # a sublayer's output: its grad goes into the linear's backward, which makes new tensors
+    assert own_residual_grad(out, h) is h
+    leaf = torch.randn(2, 3, 8, generator=g, requires_grad=True)
+    assert own_residual_grad(out, leaf) is leaf  # x's gradient is consumed: nothing shared survives
+    c = leaf.clone()  # a clone hands its gradient on unchanged: to the leaf, which keeps it
+    assert own_residual_grad(leaf.view(6, 8).view(2, 3, 8), c) is not c
+    with torch.no_grad():
+        assert own_residual_grad(leaf, leaf) is leaf

@@ -45,6 +45,68 @@ def promote_residual(x: Tensor, residual: Tensor | None, *params: Tensor | None)
     return (x, residual.to(dt), *widen_params(x, *params))
 
 
+# Backward nodes that hand their incoming gradient on unchanged or as a view of it (the rest make new tensors).
+_PASS_ON = frozenset(
+    ("View", "UnsafeView", "Reshape", "ReshapeAlias", "Alias", "AsStrided", "Clone", "Add", "T", "Transpose",
+     "Permute", "Squeeze", "Unsqueeze", "Expand", "Unfold", "Split", "Unbind", "Narrow")
+)  # fmt: skip
+
+
+def _may_keep_grad(t: Tensor) -> bool:
+    """Whether autograd may keep the very gradient tensor t receives (or a view of it) as a leaf's .grad:
+    t is a leaf, or a chain of pass-on nodes (views, clone, add) reaches one. A graph too deep to tell
+    counts as yes."""
+    stack, seen = [t.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None:
+            if seen == 0:
+                return True  # t is a leaf
+            continue
+        seen += 1
+        if seen > 32:
+            return True
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return True
+        if name.rstrip("0123456789").removesuffix("Backward") in _PASS_ON:
+            stack.extend(f for f, _ in node.next_functions)
+    return False
+
+
+class _OwnGrad(torch.autograd.Function):
+    """Identity whose backward hands on a copy of its gradient."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor) -> Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return g.clone()
+
+
+def own_residual_grad(x: Tensor, residual: Tensor) -> Tensor:
+    """residual, or an identity of it whose gradient is a copy, where x's and residual's gradients could
+    otherwise end up as one buffer. The fused norm's backward gives both the same dx; torch copies a
+    gradient that reaches two leaves as one tensor, but the [M, N] views of non-2-d inputs turn it into two
+    views of one storage, which the leaves keep as their .grad: the next accumulation added into it twice
+    (3x instead of 2x) and zeroing one zeroed the other. Only when both could keep it (leaves, or views /
+    clones / adds of leaves); a model's residual stream (sublayer outputs, the last norm's h) pays nothing.
+    Not while compiling (the compiled backward returns its grads as separate outputs)."""
+    if (
+        torch.is_grad_enabled()
+        and x.requires_grad
+        and residual.requires_grad
+        and not (x.dim() == 2 and x.is_contiguous() and residual.dim() == 2 and residual.is_contiguous())
+        and not torch.compiler.is_compiling()
+        and _may_keep_grad(x)
+        and _may_keep_grad(residual)
+    ):
+        return _OwnGrad.apply(residual)
+    return residual
+
+
 def wider(x: object, p: object) -> bool:
     """Whether x is fp32 / fp64 and p (a weight or bias) a tensor of another dtype: widen_params' cheap guard
     (a few attribute reads on the hot path; non-tensors go on to the checks)."""

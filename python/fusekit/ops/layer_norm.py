@@ -13,6 +13,7 @@ from fusekit.ops._norms import (
     add_residual,
     check_norm_inputs,
     norm_returns,
+    own_residual_grad,
     promote_residual,
     widen_params,
     wider,
@@ -149,6 +150,7 @@ def layer_norm(
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     if residual is not None:
         x, residual, weight, bias = promote_residual(x, residual, weight, bias)  # dtypes as x + residual
+        residual = own_residual_grad(x, residual)
     elif wider(x, weight) or (bias is not None and wider(x, bias)):
         weight, bias = widen_params(x, weight, bias)  # bf16 parameters beside fp32 x: as torch, in fp32
     key = library.call_key((x, weight, bias, residual), (eps, return_stats), backend)

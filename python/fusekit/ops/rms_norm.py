@@ -13,6 +13,7 @@ from fusekit.ops._norms import (
     add_residual,
     check_norm_inputs,
     norm_returns,
+    own_residual_grad,
     promote_residual,
     widen_params,
     wider,
@@ -148,6 +149,7 @@ def rms_norm(
         return out  # DTensor inputs: local compute on the shards (fusekit.distributed)
     if residual is not None:
         x, residual, weight = promote_residual(x, residual, weight)  # dtypes as x + residual
+        residual = own_residual_grad(x, residual)
     elif wider(x, weight):
         (weight,) = widen_params(x, weight)  # a bf16 weight beside fp32 x: as torch, in fp32
     key = library.call_key((x, weight, residual), (eps, casting, return_rstd), backend)
