@@ -132,6 +132,8 @@ def test_fusekit_gate_passed_and_its_kernels_ran(run, provider):
     # one training step's gradient of every parameter against HF eager's (the tiny model has 21)
     assert g["grad_params_checked"] == 21 and "grad_missing" not in g, g
     assert g["grad_rel_error"] <= g["grad_tol"] == FP32_GRAD_RTOL
+    # every decode step's logits with HF eager's tokens forced (the KV-cache path generate() takes)
+    assert g["decode_logits_rel_error"] <= g["decode_logits_tol"] == e2e.FP32_LOGITS_RTOL
     train = next(r for r in _rows(doc, provider) if r["scenario"] == "train")
     assert train["status"] == "ok", train
     runs = train["kernel_runs_first_step"]
@@ -459,3 +461,24 @@ def test_grad_gate_fails_a_missing_a_wrong_and_a_nan_gradient() -> None:
     assert bad == [] and rec["grad_vs"].startswith("the fp32 model"), (rec, bad)
     rec, bad = grad_gate({**want, "b": want["b"] * 1.05}, low)  # 0.05 > 2 * 0 + slack
     assert "gradient of b" in bad[0], (rec, bad)
+
+
+def test_gate_fails_a_wrong_decode_path() -> None:
+    """A model right on a full forward but off by 1% on generate()'s steps (its KV-cache path) kept its
+    greedy tokens and passed the gate; the logits of every step with HF eager's tokens forced now fail it."""
+    from fusekit.bench.e2e import config, scenarios
+    from fusekit.bench.e2e.providers import Provider
+
+    setup = config.Setup(device="cpu", model="tiny", layers=LAYERS, dtype="fp32", attn_implementation="sdpa",
+                         prefill=[(1, 16)], decode=[(1, 8, 8)], train=[(1, 16)], seed=0)  # fmt: skip
+    state = config.base_weights(setup)
+    gate_ids, prompt = config._ids(setup, 1, 16, salt=1), config._ids(setup, 1, 8, salt=2)
+    ref = scenarios.reference(setup, state, gate_ids, prompt, 8)
+    model = config.fresh_model(setup, state)
+    g = scenarios.gate(Provider(), model, model, setup, ref, gate_ids, prompt, 8)
+    assert g["passed"] and g["decode_logits_rel_error"] == 0.0, g
+    step = lambda m, i, o: o * 1.01 if o.shape[1] == 1 else o  # generate's steps: one position
+    model.lm_head.register_forward_hook(step)
+    g = scenarios.gate(Provider(), model, model, setup, ref, gate_ids, prompt, 8)
+    assert g["generate_same_tokens"] and g["logits_rel_error"] == 0.0, g
+    assert not g["passed"] and any(p.startswith("decode logits") for p in g["problems"]), g

@@ -45,6 +45,30 @@ class Reference:
     grads: dict[str, torch.Tensor | None] | None = None
     grads_exact: dict[str, torch.Tensor | None] | None = None
     grads_eager_err: dict[str, float] | None = None
+    # decode: HF eager's logits of every generate() step with its own greedy tokens forced (`forced_decode`);
+    # in low precision also the fp32 model's on the same tokens and HF eager's error against them
+    decode: torch.Tensor | None = None
+    decode_exact: torch.Tensor | None = None
+    decode_eager_err: float | None = None
+
+
+def forced_decode(model: nn.Module, prompt: torch.Tensor, tokens: torch.Tensor, **kw) -> torch.Tensor:
+    """generate() over the prompt with every step's token forced to `tokens` [B, n] (teacher forcing: a
+    near tie that flips one greedy token no longer sends the rest of the sequence elsewhere), through the
+    provider's own decode path (`kw`: its cache, its compiled steps); the raw logits of the n steps,
+    [B, n, V] float32. The decode attention over the KV cache is what these logits check."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    start = prompt.shape[1]
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            want = tokens[:, input_ids.shape[1] - start].to(scores.device)
+            return torch.full_like(scores, float("-inf")).scatter_(1, want[:, None], 0.0)
+
+    out = _generate(model, prompt, tokens.shape[1], logits_processor=LogitsProcessorList([Force()]),
+                    output_logits=True, return_dict_in_generate=True, **kw)  # fmt: skip
+    return torch.stack([step.float() for step in out.logits], 1)
 
 
 def train_batch(setup: Setup, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,14 +109,19 @@ def reference(
     with torch.no_grad():
         logits = model(gate_ids, use_cache=False).logits.float()
     tokens = _generate(model, prompt, n_new) if prompt is not None else None
+    new = tokens[:, prompt.shape[1] :] if tokens is not None and prompt is not None else None
+    decode = forced_decode(model, prompt, new) if new is not None else None
     grads = loss_grads(model, model, setup) if train else None
     del model
-    exact = err = grads_exact = grads_err = None
+    exact = err = grads_exact = grads_err = decode_exact = decode_err = None
     if setup.torch_dtype != torch.float32:
         _free()
         model = fresh_model(setup, state, dtype=torch.float32)
         with torch.no_grad():
             exact = model(gate_ids, use_cache=False).logits.float()
+        if new is not None:
+            decode_exact = forced_decode(model, prompt, new)
+            decode_err = rel_error(decode, decode_exact)
         grads_exact = loss_grads(model, model, setup) if train else None
         del model
         err = rel_error(logits, exact)
@@ -103,7 +132,9 @@ def reference(
                 if g is not None and grads_exact.get(n) is not None
             }
     _free()
-    return Reference(logits, tokens, exact, err, grads, grads_exact, grads_err)
+    return Reference(
+        logits, tokens, exact, err, grads, grads_exact, grads_err, decode, decode_exact, decode_err
+    )
 
 
 def grad_gate(got: dict[str, torch.Tensor | None], ref: Reference) -> tuple[dict, list[str]]:
@@ -156,8 +187,10 @@ def gate(
     n_new: int,
 ) -> dict:
     """Logits against HF eager (fp32: rtol 1e-4; else against the fp32 model, within 2x HF eager's own
-    error), greedy tokens (fp32: identical; else the matching prefix is recorded), kernel evidence; with
-    the reference's gradients (a train scenario), each parameter's gradient of one step (`grad_gate`)."""
+    error), the same rule for the logits of every decode step with HF eager's tokens forced
+    (`forced_decode`: the provider's generate() path, its KV cache and decode attention), greedy tokens
+    (fp32: identical; else the matching prefix is recorded), kernel evidence; with the reference's
+    gradients (a train scenario), each parameter's gradient of one step (`grad_gate`)."""
     out: dict = {"passed": False}
     with kernel_runs(prov.backend) as runs, torch.no_grad():
         logits = fwd(gate_ids, use_cache=False).logits.float()
@@ -184,6 +217,19 @@ def gate(
             f"fusekit {prov.backend} kernel runs {out['kernel_runs']} != {out['kernel_runs_expected']}"
         )
     kw = prov.generate_kwargs(setup)
+    if ref.decode is not None and isinstance(kw, dict):
+        got = forced_decode(model, prompt, ref.tokens[:, prompt.shape[1] :], **kw)
+        if ref.decode_exact is None:
+            derr, dtol, vs = rel_error(got, ref.decode), FP32_LOGITS_RTOL, "HF eager, fp32"
+        else:
+            derr = rel_error(got, ref.decode_exact)
+            dtol = 2 * ref.decode_eager_err + LOW_PRECISION_SLACK
+            vs = f"the fp32 model; HF eager {setup.dtype}'s own error {ref.decode_eager_err:.3g}"
+        out.update(decode_logits_rel_error=derr, decode_logits_tol=dtol, decode_logits_vs=vs)
+        if not derr <= dtol:
+            problems.append(
+                f"decode logits (HF eager's tokens forced) relative error {derr:.3g} > {dtol:.3g}"
+            )
     if ref.tokens is not None and isinstance(kw, dict):
         tokens = _generate(model, prompt, n_new, **kw)
         p = prompt.shape[1]
