@@ -196,6 +196,23 @@ def _mini(case: str, iters: int) -> None:
     _progress(f"done: {iters} launches, {len(alloc.addrs)} distinct scratch addresses")
 
 
+def _repeat(launch, iters: int, what: str) -> None:
+    """The first call (compile included), then `iters` more, reporting progress every 100."""
+    import torch
+
+    _progress(f"compiling / first call ({what}) ...")
+    launch()
+    torch.cuda.synchronize()
+    _progress(f"first call ok ({what})")
+    for i in range(iters):
+        launch()
+        if i % 100 == 99:
+            torch.cuda.synchronize()
+            _progress(f"call {i + 1}/{iters} ok")
+    torch.cuda.synchronize()
+    _progress(f"done: {iters} calls")
+
+
 def _real(case: str, iters: int, repo: str) -> None:
     import torch
 
@@ -250,17 +267,7 @@ def _real(case: str, iters: int, repo: str) -> None:
         ab.attention_backward(dq, dk, dv, do, q, k, v, o, lse, None, False, 0.125, s_bucket=p2(S),
                               skv_bucket=p2(Skv), max_grid_y=65535, config=cfg)  # fmt: skip
 
-    _progress(f"compiling / first call (S={S} Skv={Skv} cfg={cfg}) ...")
-    launch()
-    torch.cuda.synchronize()
-    _progress(f"first call ok (S={S} Skv={Skv} cfg={cfg})")
-    for i in range(iters):
-        launch()
-        if i % 100 == 99:
-            torch.cuda.synchronize()
-            _progress(f"call {i + 1}/{iters} ok")
-    torch.cuda.synchronize()
-    _progress(f"done: {iters} calls")
+    _repeat(launch, iters, f"S={S} Skv={Skv} cfg={cfg}")
 
 
 def _real_fwd(case: str, iters: int, repo: str) -> None:
@@ -282,17 +289,7 @@ def _real_fwd(case: str, iters: int, repo: str) -> None:
     def launch() -> None:
         fa.forward(o, lse, q, k, v, None, False, 0.125, _config=cfg)
 
-    _progress(f"compiling / first call (forward D{D} S={S} Skv={Skv} cfg={cfg}) ...")
-    launch()
-    torch.cuda.synchronize()
-    _progress("first call ok")
-    for i in range(iters):
-        launch()
-        if i % 100 == 99:
-            torch.cuda.synchronize()
-            _progress(f"call {i + 1}/{iters} ok")
-    torch.cuda.synchronize()
-    _progress(f"done: {iters} calls")
+    _repeat(launch, iters, f"forward D{D} S={S} Skv={Skv} cfg={cfg}")
 
 
 def child(case: str, iters: int, repo: str) -> None:
