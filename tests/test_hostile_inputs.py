@@ -654,3 +654,12 @@ def test_residual_stream_of_a_model_takes_no_gradient_copy():
     assert own_residual_grad(leaf.view(6, 8).view(2, 3, 8), c) is not c
     with torch.no_grad():
         assert own_residual_grad(leaf, leaf) is leaf
+
+
+def test_fused_residual_under_torch_func_grad_gets_the_ops_refusal():
+    """Under torch.func.grad over x and residual, the gradient-copy identity (own_residual_grad) must not
+    raise torch's setup_context error before the op's own refusal, which names the op."""
+    x, r, w = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(8)
+    f = lambda x, r: ops.rms_norm(x, w, residual=r, backend="torch")[0].sum()
+    with pytest.raises(ValueError, match=r"rms_norm: called inside a torch\.func transform"):
+        torch.func.grad(f, argnums=(0, 1))(x, r)

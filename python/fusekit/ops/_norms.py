@@ -75,11 +75,18 @@ def _may_keep_grad(t: Tensor) -> bool:
 
 
 class _OwnGrad(torch.autograd.Function):
-    """Identity whose backward hands on a copy of its gradient."""
+    """Identity whose backward hands on a copy of its gradient (setup_context form: inside a torch.func
+    transform the op's own refusal, which names it, is what the caller sees)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, t: Tensor) -> Tensor:
+    def forward(t: Tensor) -> Tensor:
         return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
 
     @staticmethod
     def backward(ctx, g: Tensor) -> Tensor:
