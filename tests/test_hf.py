@@ -181,6 +181,23 @@ def test_training_step_gradients_match_every_parameter(family):
     assert not torch.equal(model.lm_head.weight, before)
 
 
+def test_training_step_copies_no_residual_gradient(monkeypatch: pytest.MonkeyPatch):
+    """The fused residual norms copy a gradient only where two leaves could keep one buffer
+    (`_norms.own_residual_grad`); a patched model's residual stream (sublayer outputs beside the last
+    norm's h) must not pay that copy, while its fused norms are asked."""
+    from fusekit.ops import _norms
+
+    asked, copies = [], []
+    walk, apply = _norms._may_keep_grad, _norms._OwnGrad.apply
+    monkeypatch.setattr(_norms, "_may_keep_grad", lambda t: asked.append(1) or walk(t))
+    monkeypatch.setattr(_norms._OwnGrad, "apply", lambda t: copies.append(1) or apply(t))
+    model = build("llama3").train()
+    fh.patch(model)
+    x = ids(seq=21)
+    model(x, labels=x).loss.backward()
+    assert asked and not copies, (len(asked), len(copies))
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_gradient_checkpointing_keeps_every_gradient(reentrant):
     """HF's gradient checkpointing, reentrant (the layers' forward runs under no_grad, where the patched
