@@ -288,8 +288,8 @@ def rope(
     start_pos would be baked into the graph): an int32 or int64 tensor [B, S] (or [S] or [1, S], HF's
     position_ids of an unpadded batch: the same for every sequence) on x's device; token (b, s) sits at
     p = positions[b, s]. Not with a nonzero start_pos. Values must lie in [0, 2^24] (in-kernel angles)
-    or [0, St) (tables; then cos and sin have the same St): checked on the CPU (ValueError); on CUDA they are trusted (no host sync) and
-    clamped into that range, so a bad value can never read outside the tables. Positions carry no
+    or [0, St) (tables; then cos and sin have the same St): checked on the CPU (ValueError); on CUDA they
+    are trusted (no host sync) and clamped into that range, so a bad value can never read outside the tables. Positions carry no
     gradient; int32 [B, S] is passed as is, other forms cost one small conversion kernel.
 
     layout: "bshd" (default, x is [B, S, H, D]) or "bhsd" (x is [B, H, S, D], as HF's attention holds q

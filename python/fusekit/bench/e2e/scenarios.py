@@ -176,6 +176,17 @@ def grad_gate(got: dict[str, torch.Tensor | None], ref: Reference) -> tuple[dict
     return rec, problems
 
 
+def _logits_rule(
+    got: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor | None, eager_err: float | None, dtype: str
+) -> tuple[float, float, str]:
+    """(error, tolerance, against what) of logits: fp32 against HF eager's at FP32_LOGITS_RTOL; in low
+    precision (`exact` given) against the fp32 model's, within 2x HF eager's own error + slack."""
+    if exact is None:
+        return rel_error(got, eager), FP32_LOGITS_RTOL, "HF eager, fp32"
+    vs = f"the fp32 model; HF eager {dtype}'s own error {eager_err:.3g}"
+    return rel_error(got, exact), 2 * eager_err + LOW_PRECISION_SLACK, vs
+
+
 def gate(
     prov: Provider,
     fwd: Callable,
@@ -197,18 +208,10 @@ def gate(
     if prov.backend is not None:
         out["kernel_runs"] = dict(runs)
         out["kernel_runs_expected"] = expected_forward_runs(setup.layers)
-    if ref.exact is None:
-        err, tol = rel_error(logits, ref.logits), FP32_LOGITS_RTOL
-        out.update(logits_rel_error=err, logits_tol=tol, logits_vs="HF eager, fp32")
-    else:
-        err = rel_error(logits, ref.exact)
-        tol = 2 * ref.eager_err + LOW_PRECISION_SLACK
-        out.update(
-            logits_rel_error=err,
-            logits_tol=tol,
-            logits_vs=f"the fp32 model; HF eager {setup.dtype}'s own error {ref.eager_err:.3g}",
-            logits_rel_error_vs_eager=rel_error(logits, ref.logits),
-        )
+    err, tol, vs = _logits_rule(logits, ref.logits, ref.exact, ref.eager_err, setup.dtype)
+    out.update(logits_rel_error=err, logits_tol=tol, logits_vs=vs)
+    if ref.exact is not None:
+        out["logits_rel_error_vs_eager"] = rel_error(logits, ref.logits)
     problems = []
     if not err <= tol:  # NaN fails
         problems.append(f"logits relative error {err:.3g} > {tol:.3g}")
@@ -219,12 +222,7 @@ def gate(
     kw = prov.generate_kwargs(setup)
     if ref.decode is not None and isinstance(kw, dict):
         got = forced_decode(model, prompt, ref.tokens[:, prompt.shape[1] :], **kw)
-        if ref.decode_exact is None:
-            derr, dtol, vs = rel_error(got, ref.decode), FP32_LOGITS_RTOL, "HF eager, fp32"
-        else:
-            derr = rel_error(got, ref.decode_exact)
-            dtol = 2 * ref.decode_eager_err + LOW_PRECISION_SLACK
-            vs = f"the fp32 model; HF eager {setup.dtype}'s own error {ref.decode_eager_err:.3g}"
+        derr, dtol, vs = _logits_rule(got, ref.decode, ref.decode_exact, ref.decode_eager_err, setup.dtype)
         out.update(decode_logits_rel_error=derr, decode_logits_tol=dtol, decode_logits_vs=vs)
         if not derr <= dtol:
             problems.append(
