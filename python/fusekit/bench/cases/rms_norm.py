@@ -111,7 +111,9 @@ class LigerRmsNorm(Liger):
 
 class TorchRmsNorm(Provider):
     """What a torch user calls: F.rms_norm (fused on a GPU when x and weight share a dtype), after
-    h = x + residual in x's dtype when there is one."""
+    h = x + residual in x's dtype when there is one. With an fp32 weight and bf16/fp16 x (the train
+    suite's `w fp32` rows) torch has no fused kernel and F.rms_norm runs its unfused composite: a ratio
+    against this provider there measures that path; torch-compile is the fused peer for those rows."""
 
     def __init__(self) -> None:
         super().__init__("torch-native", "torch.nn.functional.rms_norm (and x + residual first)")
