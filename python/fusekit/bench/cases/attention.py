@@ -282,6 +282,8 @@ class MaxAttention(Provider):
         from max.nn.attention import MHAMaskVariant
         from max.nn.kernels import flash_attention_gpu
 
+        from fusekit.backends.mojo.dispatch import _make_fence
+
         p = case.params
         shape = [p["B"], p["S"], p["H"], p["D"]]
         t = TensorType(DType.bfloat16, shape, device=DeviceRef.GPU())
@@ -290,9 +292,12 @@ class MaxAttention(Provider):
             q, k, v = (x.tensor for x in g.inputs)
             g.output(flash_attention_gpu(q, k, v, mask_variant=mask, scale=case.scale))
         if self._session is None:
-            self._acc = Accelerator()
+            self._acc = Accelerator(device.index or 0)
             self._session = InferenceSession(devices=[self._acc])
-        acc, model = self._acc, self._session.load(g)
+        model = self._session.load(g)
+        # MAX runs on its own stream: fenced both ways against torch's current stream with events, as the
+        # mojo backend's calls are (a host synchronize here put the host's latency into MAX's GPU time).
+        fence = _make_fence(device, self._acc.default_queue.native_stream_handle)
         cache: dict[int, tuple] = {}
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -301,10 +306,11 @@ class MaxAttention(Provider):
             key = q.data_ptr()
             if key not in cache:
                 qs, ks, vs = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-                torch.cuda.synchronize()  # the copies are made on torch's stream; MAX reads on its own
                 cache[key] = (qs, ks, vs, [Buffer.from_dlpack(x) for x in (qs, ks, vs)])
+            cur = fence.enter()
             out = model.execute(*cache[key][3])[0]
-            acc.synchronize()  # MAX runs on its own stream: make the result visible to torch's
+            if cur is not None:
+                fence.exit(cur)
             return torch.from_dlpack(out).transpose(1, 2)
 
         return run
