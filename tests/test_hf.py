@@ -564,8 +564,10 @@ def test_instance_level_forward_wrappers_are_hooks(where):
 
 
 def test_fused_loss_takes_a_backend_with_the_gradient(monkeypatch):
-    """A patched model whose backend cannot give the loss's gradient for this call (triton in fp16) runs
-    the fused loss on "auto" (torch's fp32 d weight) in training, and on its own backend without grad."""
+    """A patched model whose backend refuses the loss's gradient (the fused backends in fp16) runs the fused
+    loss on torch (fp32 d weight, as the README says) when something needs that gradient, and on its own
+    backend otherwise: without grad mode, or with grad mode on and nothing requiring grad (a frozen model).
+    Never on "auto", which would let FUSEKIT_BACKEND* override the patch's explicit choice."""
     from types import SimpleNamespace
 
     from fusekit.hf import _patch
@@ -578,11 +580,17 @@ def test_fused_loss_takes_a_backend_with_the_gradient(monkeypatch):
     monkeypatch.setattr(
         ops, "linear_cross_entropy", lambda *a, backend, **k: seen.append(backend) or a[0].sum()
     )
-    monkeypatch.setattr(backends.get("triton"), "supports", lambda op, phase, dev, dt, **m: "no fp16 grad")
+    monkeypatch.setenv("FUSEKIT_BACKEND", "mojo")
+    monkeypatch.setenv("FUSEKIT_BACKEND_LINEAR_CROSS_ENTROPY", "mojo")
     _patch._fused_loss(model, hidden, labels)
     with torch.no_grad():
         _patch._fused_loss(model, hidden, labels)
-    assert seen == ["auto", "triton"]
+    head.weight.requires_grad_(False)
+    _patch._fused_loss(model, hidden.detach(), labels)  # frozen: no gradient asked for
+    _patch._fused_loss(model, hidden.detach().float(), labels)
+    head.weight.requires_grad_(True)
+    _patch._fused_loss(model, hidden.detach(), labels)  # the head's d weight is asked for
+    assert seen == ["torch", "triton", "triton", "triton", "torch"]
 
 
 def test_fused_loss_in_eval_keeps_logits_and_unpatch_restores_forward():

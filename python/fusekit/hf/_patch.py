@@ -53,6 +53,8 @@ from fusekit.nn import RMSNorm, SwiGLUMLP
 from fusekit.nn._hooks import hooked, own_hooks
 from fusekit.nn.rotary import apply_rope, rope_parameters
 from fusekit.ops import _amp
+from fusekit.ops._spec import BACKWARD
+from fusekit.ops.linear_cross_entropy import fused_refusal
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
@@ -529,11 +531,14 @@ def _fused_loss(
     target = shift_labels.reshape(-1).to(x.device)
     backend = getattr(model, _ATTR).backend
     if (
-        backend != "auto"
+        backend not in ("auto", "torch")
         and torch.is_grad_enabled()
-        and backends.get(backend).supports("linear_cross_entropy", "backward", x.device, (x.dtype,))
+        and any(t is not None and t.requires_grad for t in (x, w, b))
+        and fused_refusal("linear_cross_entropy", BACKWARD, (x.dtype,))
     ):
-        backend = "auto"  # e.g. triton's fp16 gradients: the loss takes a backend that has them (torch)
+        # the fused backends' fp16 gradients (fused_refusal): the loss alone takes torch's (d weight in
+        # fp32), as the README says; not "auto", which would read FUSEKIT_BACKEND* over the patch's choice
+        backend = "torch"
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = ops.linear_cross_entropy(
         x, w, target, b, ignore_index=ignore_index, reduction=reduction, backend=backend
