@@ -48,14 +48,16 @@ def test_shape_class_boundaries(op: str, inputs: tuple, expected: str) -> None:
 
 
 class Fake(Backend):
-    """Stands in for an installed backend; `no_backward` refuses the backward phase."""
+    """Stands in for an installed backend; `no_backward` / `no_forward` refuse that phase."""
 
     def __init__(self, name: str, no_backward: bool = False) -> None:
         super().__init__()
-        self.name, self.no_backward = name, no_backward
+        self.name, self.no_backward, self.no_forward = name, no_backward, False
         self.capture_safe = name != "mojo"  # mojo as it declares itself with FUSEKIT_MOJO_CAPTURE=0
 
     def supports(self, op, phase, device, dtypes, **meta) -> str | None:
+        if self.no_forward and phase == "forward":
+            return "no forward"
         return "no backward" if self.no_backward and phase == "backward" else None
 
 
@@ -136,6 +138,71 @@ def test_backward_picks_a_backend_with_a_backward(fakes, monkeypatch) -> None:
     res = dispatch.resolve("rms_norm", "auto", CUDA, BF16, phase="backward", shape_class="decode")
     assert res.name == "triton"
     assert dispatch.resolve("rms_norm", "auto", CUDA, BF16, shape_class="decode").name == "mojo"
+
+
+def test_backward_picks_a_backend_with_both_phases(fakes, monkeypatch) -> None:
+    """A call with grad runs both phases on the backend auto picks for the backward: one without this
+    call's forward (a package with only the backward kernel) is passed over, not picked and then refused."""
+    capturing(monkeypatch, False)
+    fakes["mojo"].no_forward = True
+    res = dispatch.resolve("rms_norm", "auto", CUDA, BF16, phase="backward", shape_class="decode")
+    assert res.name == "triton"
+
+
+@pytest.fixture
+def forwardless(monkeypatch: pytest.MonkeyPatch) -> Fake:
+    """A stand-in "triton" that runs no forward (whatever is installed: the torch session has no triton),
+    first in the CPU's rms_norm ranking; no FUSEKIT_BACKEND* set."""
+    fake = Fake("triton")
+    fake.no_forward = True
+    monkeypatch.setitem(backends._INSTANCES, "triton", fake)
+    monkeypatch.setitem(dispatch.AUTO["cpu"], "rms_norm", ("triton", "torch"))
+    monkeypatch.delenv("FUSEKIT_BACKEND", raising=False)
+    monkeypatch.delenv("FUSEKIT_BACKEND_RMS_NORM", raising=False)
+    dispatch.clear_cache()
+    yield fake
+    dispatch.clear_cache()
+
+
+def test_grad_call_on_auto_skips_a_backend_without_the_forward(forwardless) -> None:
+    """The same through a real call on the CPU: the first backend of the ranking has only a backward."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    ops.rms_norm(x, torch.ones(64)).sum().backward()  # raised: 'triton' cannot run rms_norm (forward)
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_a_backend_without_the_forward_is_named_for_the_forward_with_grad(forwardless) -> None:
+    """An explicit backend that cannot run a call's forward says so, with grad as without: not "requires
+    grad, but rms_norm has no backward here ... run under torch.no_grad()", advice that fails again."""
+    forwardless.no_backward = True  # neither phase, as triton for float64
+    x = torch.randn(4, 64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^backend: 'triton' cannot run rms_norm \(forward\)"):
+        ops.rms_norm(x, torch.ones(64), backend="triton")
+
+
+@pytest.mark.parametrize("var", ["FUSEKIT_BACKEND", "FUSEKIT_BACKEND_RMS_NORM"])
+def test_a_refusal_of_an_environment_choice_names_the_variable(forwardless, monkeypatch, var: str) -> None:
+    monkeypatch.setenv(var, "triton")
+    dispatch.clear_cache()
+    with pytest.raises(ValueError, match=rf"^{var}: 'triton' cannot run rms_norm \(forward\)"):
+        ops.rms_norm(torch.randn(4, 64), torch.ones(64))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_empty_call_is_refused_as_any_other_by_an_explicit_backend(forwardless, grad: bool) -> None:
+    """Empty inputs launch nothing, yet a backend that cannot run the call refuses it as at any size
+    (an empty float64 call on triton returned zeros without grad and raised with it)."""
+    x = torch.randn(0, 64, requires_grad=grad)
+    with pytest.raises(ValueError, match=r"backend: 'triton' cannot run rms_norm \(forward\)"):
+        ops.rms_norm(x, torch.ones(64), backend="triton")
+    q = torch.randn(0, 2, 3, 64, requires_grad=grad)
+    with pytest.raises(ValueError, match=r"backend: 'triton' cannot run attention \(forward\)"):
+        ops.attention(q, q, q, backend="triton")
+    w = torch.randn(10, 64, requires_grad=grad)
+    with pytest.raises(ValueError, match=r"backend: 'triton' cannot run linear_cross_entropy \(forward\)"):
+        ops.linear_cross_entropy(x, w, torch.zeros(0, dtype=torch.int64), backend="triton")
+    assert ops.rms_norm(x, torch.ones(64)).shape == (0, 64)  # auto passes the stand-in over
+    assert ops.linear_cross_entropy(x, w, torch.zeros(0, dtype=torch.int64), backend="torch").isnan()
 
 
 def test_library_passes_the_call_class(monkeypatch) -> None:

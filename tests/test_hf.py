@@ -36,8 +36,8 @@ from transformers import (  # noqa: E402
 )
 
 import fusekit.hf as fh  # noqa: E402
-from fusekit import backends, ops  # noqa: E402
 from fusekit import nn as fnn  # noqa: E402
+from fusekit import ops  # noqa: E402
 from fusekit.hf import _attention  # noqa: E402
 from tests.checks import TINY_LLAMA, rel_error  # noqa: E402
 

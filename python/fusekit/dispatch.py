@@ -106,11 +106,11 @@ _cache: dict[tuple, Backend] = {}
 _ENV: dict[str, str] | None = None  # FUSEKIT_BACKEND* by upper-cased name, read once (clear_cache rereads)
 
 
-def _env_choice(op: str) -> str | None:
-    """FUSEKIT_BACKEND_<OP>, else FUSEKIT_BACKEND (empty: unset), as the process had them at its first
-    resolution or the last clear_cache(): a remembered call and a new one see the same choice (a
-    variable changed in between reached only calls of new signatures). A value that is no backend
-    raises naming the variable."""
+def _env_choice(op: str) -> tuple[str, str] | None:
+    """(variable, value) of FUSEKIT_BACKEND_<OP>, else FUSEKIT_BACKEND (empty: unset), as the process had
+    them at its first resolution or the last clear_cache(): a remembered call and a new one see the same
+    choice (a variable changed in between reached only calls of new signatures). A value that is no
+    backend raises naming the variable."""
     global _ENV
     if _ENV is None:
         _ENV = {k.upper(): v for k, v in os.environ.items() if k.upper().startswith("FUSEKIT_BACKEND") and v}
@@ -119,7 +119,7 @@ def _env_choice(op: str) -> str | None:
         if value is not None:
             if value != "auto" and value not in backends.names():
                 raise backends.unknown(var, value)
-            return value
+            return var, value
     return None
 
 
@@ -135,8 +135,9 @@ def resolve(
     """The backend object that runs `phase` of `op` for a call with these properties. `shape_class`
     (see `shape_class()`; None: the op's default order) picks the `auto` ranking; an `auto` choice
     made inside a CUDA graph capture is cached apart from the others (the capture flag is in the key)."""
-    if backend == "auto":
-        backend = _env_choice(op) or "auto"
+    source = "backend"  # where an explicit choice came from, for its refusal
+    if backend == "auto" and (env := _env_choice(op)) is not None:
+        source, backend = env  # the variable is what the caller must change
     in_capture = backend == "auto" and capturing(device.type)
     # meta in key-name order: sorting the names (constants) traces under torch.compile, sorting the
     # items (values read off tensor shapes) is a graph break
@@ -158,6 +159,8 @@ def resolve(
         for name in auto_order(op, device.type, shape_class):
             b = backends.get(name)
             why = b.unavailable_reason() or b.supports(op, phase, device, dtypes, **meta)
+            if why is None and phase != "forward":  # both phases of a call run on one backend
+                why = b.supports(op, "forward", device, dtypes, **meta)
             if why is None and in_capture and not b.capture_safe:
                 why = "refuses to run inside a CUDA graph capture"
             if why is None:
@@ -168,10 +171,10 @@ def resolve(
     b = backends.get(backend)
     why = b.unavailable_reason()
     if why is not None:
-        raise BackendUnavailable(f"backend: {backend!r} is not available: {why}")
+        raise BackendUnavailable(f"{source}: {backend!r} is not available: {why}")
     why = b.supports(op, phase, device, dtypes, **meta)
     if why is not None:
-        raise ValueError(f"backend: {backend!r} cannot run {op} ({phase}) for this call: {why}")
+        raise ValueError(f"{source}: {backend!r} cannot run {op} ({phase}) for this call: {why}")
     _cache[key] = b
     return b
 

@@ -31,7 +31,7 @@ from fusekit.library.memo import (
     key_tensor,
     memo,
 )
-from fusekit.library.plan import _PLANS, _RECORD_TRIES, _launch, _refuse_first_call_in_capture, run
+from fusekit.library.plan import _PLANS, _RECORD_TRIES, _launch, _refuse_first_call_in_capture, resolve, run
 from fusekit.ops._spec import SAVE
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "key_tensor",
     "memo",
     "register",
+    "resolve",
     "run",
     "specs",
 ]

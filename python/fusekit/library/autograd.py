@@ -16,10 +16,9 @@ from torch import Tensor
 from torch._C import _functions as _autograd_functions
 from torch.autograd import forward_ad as _fwad
 
-from fusekit import backends, dispatch
 from fusekit.library import lean_dispatch
 from fusekit.library.function_apply import applier
-from fusekit.library.plan import _device, may_reuse, run
+from fusekit.library.plan import _device, may_reuse, resolve, run
 from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec
 
 _SPECS: dict[str, OpSpec] = {}
@@ -141,17 +140,12 @@ def _check_backward(
     spec: OpSpec, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str, who: list[str]
 ) -> str:
     """The backend both phases run on; raises (naming op, backend, input) when it has no backward."""
-    named = dict(zip(spec.scalar_names, scalars))
-    key = tuple(spec.dtype_of(v, spec.forward.inputs, inputs, named) for v in spec.dtype_vars)
-    meta = spec.meta(dict(zip((a.name for a in spec.forward.inputs), inputs)), named)
-    device = _device(inputs)
     if backend != "auto":
-        backends.get(backend)  # an unknown name raises as itself, not as a missing backward
+        # an unknown name, or a backend without this call's forward, raises as without grad (not as a
+        # missing backward: detaching would not help); "auto" checks both phases in dispatch.resolve
+        resolve(spec, FORWARD, inputs, scalars, backend)
     try:
-        cls = dispatch.auto_shape_class(spec.name, backend, device.type, inputs)
-        chosen = dispatch.resolve(
-            spec.name, backend, device, key, phase=BACKWARD, shape_class=cls, **meta
-        ).name
+        chosen = resolve(spec, BACKWARD, inputs, scalars, backend, inputs_of=FORWARD).name
     except ValueError as exc:
         raise ValueError(
             f"{who[0]}: requires grad, but {spec.name} has no backward here: {exc}. Detach the input, "

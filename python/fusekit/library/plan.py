@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from fusekit import dispatch, outputs
+from fusekit.backends.base import Backend
 from fusekit.ops import _amp
 from fusekit.ops._spec import OpSpec
 
@@ -57,15 +58,10 @@ class _Plan:
         pairs = dict(p.reuse)
         self.reuse = tuple(in_pos.get(pairs.get(a.name)) for a in p.outputs) if pairs else None
         self.empty = inputs[0] is not None and inputs[0].numel() == 0
-        key = tuple(spec.dtype_of(v, p.inputs, inputs, named) for v in spec.dtype_vars)
-        meta = spec.meta(dict(zip((a.name for a in p.inputs), inputs)), named)
-        # picks auto's ranking (decode, small, large); None where the choice does not read it
-        cls = dispatch.auto_shape_class(spec.name, backend, device.type, inputs)
-        self.provider = (
-            None
-            if self.empty
-            else dispatch.resolve(spec.name, backend, device, key, phase=phase, shape_class=cls, **meta)
-        )
+        # resolved for an empty call too (which launches nothing): a backend that cannot run this call
+        # refuses it whatever the size, as it does with grad
+        provider = resolve(spec, phase, inputs, scalars, backend)
+        self.provider = None if self.empty else provider
         self.kscalars = spec.kernel_scalars(scalars)
         self.guard = device.type == "cuda"
         # The provider's replay of this signature's launches (Backend.record), tried on calls 2..4:
@@ -92,6 +88,20 @@ class _Plan:
                 j for j, st in enumerate(self.strides) if st is not None and self.layout[j] is not None
             )
         )
+
+
+def resolve(
+    spec: OpSpec, phase: str, inputs: tuple, scalars: tuple, backend: str, inputs_of: str | None = None
+) -> Backend:
+    """The backend that runs `phase` of a call of `spec` (dispatch.resolve with the call's dtypes, meta
+    and shape class), `inputs` being those of phase `inputs_of` (default: `phase`)."""
+    named = dict(zip(spec.scalar_names, scalars))
+    p = spec.phase(inputs_of or phase)
+    key = tuple(spec.dtype_of(v, p.inputs, inputs, named) for v in spec.dtype_vars)
+    meta = spec.meta(dict(zip((a.name for a in p.inputs), inputs)), named)
+    # picks auto's ranking (decode, small, large); None where the choice does not read it
+    cls = dispatch.auto_shape_class(spec.name, backend, _device(inputs).type, inputs)
+    return dispatch.resolve(spec.name, backend, _device(inputs), key, phase=phase, shape_class=cls, **meta)
 
 
 _KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
