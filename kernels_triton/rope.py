@@ -273,14 +273,19 @@ _INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}
 
 
 def _inv_freq(d: int, theta: float, device: torch.device) -> torch.Tensor:
-    """fusekit.ops.rope.inv_freq as a [D/2] fp32 tensor on `device`, made once per (D, theta, device) (on the
-    device: no host copy, so a first call inside a CUDA graph capture records it too)."""
+    """fusekit.ops.rope.inv_freq as a [D/2] fp32 tensor on `device`, made once per (D, theta, device) and
+    shared by every later call, on any stream or thread: so it is finished before it is shared (made on
+    this call's stream, nothing would order another stream's kernel after it). A first call is never
+    inside a CUDA graph capture (the library refuses those), where the synchronize would be illegal."""
     key = (d, float(theta), device)
     t = _INV_FREQ.get(key)
     if t is None:
         from fusekit.ops.rope import inv_freq
 
-        t = _INV_FREQ[key] = _replay.persistent(inv_freq(d, theta, torch.float32, device))
+        t = inv_freq(d, theta, torch.float32, device)
+        if t.is_cuda and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(t.device).synchronize()
+        t = _INV_FREQ[key] = _replay.persistent(t)
     return t
 
 

@@ -172,3 +172,29 @@ def test_threads_and_streams_give_serial_bits(op: str, backend_name: str, device
             if why:
                 bad.append(f"thread {t} (stream {t % STREAMS}) rep {rep} {lists[t][j].label} out {i}: {why}")
     assert not bad, f"{len(bad)} results differ from the serial run:\n" + "\n".join(bad[:10])
+
+
+def test_a_first_call_on_a_busy_stream_shares_nothing_unfinished(backend_name: str, device: str) -> None:
+    """A first call may build something later calls share (triton rope's inv_freq table per D and theta).
+    Made on a stream still busy with earlier work, it must be finished before another stream's call reads
+    it: the first call runs behind ~0.5 s of queued GPU sleep on stream 1, the next at once on stream 2
+    (the table used to be cached as soon as its kernels were queued: stream 2 read unwritten memory)."""
+    if device != "cuda":
+        pytest.skip("streams need --device cuda")
+    dev = torch.device(device)
+    gen = torch.Generator(device="cpu").manual_seed(15)
+    x = torch.randn(1, 16, 8, 128, generator=gen).to(dev)  # [B, S, H, D]
+    theta = 10000.0 + 1.0 * torch.randint(1, 1 << 20, (1,), generator=gen).item()  # a table no call made
+    ref = ops.rope(x.double(), theta=theta, backend="torch").to(x.dtype)
+    torch.cuda.synchronize()
+    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    with torch.cuda.stream(s1):
+        junk = [torch.full((256,), float("nan"), device=dev) for _ in range(64)]  # NaN in freed blocks
+        del junk
+        torch.cuda._sleep(1 << 30)
+        y1 = ops.rope(x, theta=theta, backend=backend_name)
+    with torch.cuda.stream(s2):
+        y2 = ops.rope(x, theta=theta, backend=backend_name)
+    torch.cuda.synchronize()
+    assert torch.equal(y1, y2), "the second stream's call differs from the first's"
+    torch.testing.assert_close(y2, ref, rtol=1e-5, atol=1e-5)

@@ -609,3 +609,42 @@ def test_plan_replay_only_where_run_is_only_mojo_calls() -> None:
     assert not be.replayable("swiglu_ffn", "forward", cuda, (prefill, w))
     assert not be.replayable("swiglu_ffn", "backward", cuda, (decode, w))
     assert not be.replayable("linear_cross_entropy", "forward", cuda, (decode, w))
+
+
+def test_buffer_cache_shared_by_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU calls share a device's wrapped-buffer LRU without a lock: a hit's lookup and its move to the end
+    were two steps, and another thread's insert could evict the key in between (KeyError out of
+    ops.<op>(..., backend="mojo")). Eight threads rotating over their own tensors through a small cache,
+    with the interpreter switching threads as often as it can: no error, and each buffer views its tensor."""
+    import threading
+
+    from fusekit.backends.mojo import dispatch as md
+
+    monkeypatch.setattr(md, "BUFFER_CACHE", 8)
+    interval = sys.getswitchinterval()
+    st = DeviceState(torch.device("cpu"))
+    mine = [[torch.full((4,), float(8 * t + i)) for i in range(6)] for t in range(8)]
+    start, errors = threading.Barrier(8), []
+
+    def worker(t: int) -> None:
+        start.wait()
+        try:
+            for i in range(20000):
+                x = mine[t][i % 6]
+                buf = st.buffer(md.arg_key(x), x)
+                if i % 5000 == 0:
+                    assert torch.equal(torch.from_dlpack(buf), x)
+        except Exception as exc:  # reported below
+            errors.append(f"thread {t}: {type(exc).__name__}: {exc!r}")
+
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    assert len(st.buffers) <= 8

@@ -110,3 +110,48 @@ def test_clear_cache_checks_unavailable_backends_again(monkeypatch):
     assert "mojo" not in backends._INSTANCES
     assert backends.available()["mojo"] != "ModuleNotFoundError: gone"
     dispatch.clear_cache()
+
+
+def test_threads_making_their_first_calls_at_once_load_a_backend_once(monkeypatch):
+    """Eight threads' first calls at once (a server warming up): one instance per backend name and one
+    `_load` (each thread ran its own: eight mojo compilers and MAX sessions, one per thread)."""
+    import threading
+    import time
+    import types
+
+    from fusekit.backends.base import Backend
+
+    made = {"init": 0, "load": 0}
+
+    class Slow(Backend):
+        name = "slow"
+
+        def __init__(self) -> None:
+            super().__init__()
+            made["init"] += 1
+            time.sleep(0.02)  # a wide window for the other threads
+
+        def _load(self) -> None:
+            made["load"] += 1
+            time.sleep(0.02)
+
+    mod = types.ModuleType("_fusekit_test_slow_backend")
+    mod.Slow = Slow
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(backends._REGISTRY, "slow", f"{mod.__name__}:Slow")
+    monkeypatch.delitem(backends._INSTANCES, "slow", raising=False)
+    start, seen = threading.Barrier(8), []
+
+    def first_call() -> None:
+        start.wait()
+        b = backends.get("slow")
+        seen.append((b, b.unavailable_reason()))
+
+    threads = [threading.Thread(target=first_call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert made == {"init": 1, "load": 1}
+    assert len({id(b) for b, _ in seen}) == 1 and [r for _, r in seen] == [None] * 8
+    monkeypatch.delitem(backends._INSTANCES, "slow")

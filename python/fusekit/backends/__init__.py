@@ -11,7 +11,7 @@ import importlib
 
 import torch as _torch  # not `torch`: loading the provider fusekit.backends.torch binds that name here
 
-from fusekit.backends.base import Backend, BackendUnavailable
+from fusekit.backends.base import LOAD_LOCK, Backend, BackendUnavailable
 
 # name -> "module:Class"; the order is the order `available()` lists them in.
 _REGISTRY: dict[str, str] = {
@@ -30,14 +30,18 @@ def names() -> tuple[str, ...]:
 
 
 def _instantiate(name: str) -> Backend:
-    if name not in _INSTANCES:
-        module_name, cls_name = _REGISTRY[name].split(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), cls_name)
-            _INSTANCES[name] = cls()
-        except ImportError as exc:  # the provider module itself is missing or broken
-            _INSTANCES[name] = _Missing(name, f"{type(exc).__name__}: {exc}")
-    return _INSTANCES[name]
+    b = _INSTANCES.get(name)
+    if b is not None:
+        return b
+    with LOAD_LOCK:  # one instance per name, also when threads make their first calls at once
+        if name not in _INSTANCES:
+            module_name, cls_name = _REGISTRY[name].split(":")
+            try:
+                cls = getattr(importlib.import_module(module_name), cls_name)
+                _INSTANCES[name] = cls()
+            except ImportError as exc:  # the provider module itself is missing or broken
+                _INSTANCES[name] = _Missing(name, f"{type(exc).__name__}: {exc}")
+        return _INSTANCES[name]
 
 
 def unknown(what: str, name: object) -> ValueError:

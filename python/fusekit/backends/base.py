@@ -19,7 +19,13 @@ A provider therefore only ever sees:
 
 from __future__ import annotations
 
+import threading
+
 import torch
+
+# Serializes backends' first loads (and backends.get's first instantiation): re-entrant, as a load may
+# look at another backend.
+LOAD_LOCK = threading.RLock()
 
 
 class BackendUnavailable(RuntimeError):
@@ -54,15 +60,19 @@ class Backend:
         """Import what the backend needs; raise (any exception) when it cannot run here."""
 
     def unavailable_reason(self) -> str | None:
-        """None when the backend can run here, else why not (with the install hint)."""
+        """None when the backend can run here, else why not (with the install hint). Loads once: threads
+        making their first calls at once wait for one `_load` (each ran its own: 8 mojo compilers and
+        sessions for 8 threads)."""
         if not self._checked:
-            try:
-                self._load()
-            except Exception as exc:
-                self._reason = f"{type(exc).__name__}: {exc}".strip()
-                if self.install_hint:
-                    self._reason += f" (install with: {self.install_hint})"
-            self._checked = True
+            with LOAD_LOCK:
+                if not self._checked:
+                    try:
+                        self._load()
+                    except Exception as exc:
+                        self._reason = f"{type(exc).__name__}: {exc}".strip()
+                        if self.install_hint:
+                            self._reason += f" (install with: {self.install_hint})"
+                    self._checked = True
         return self._reason
 
     def is_available(self) -> bool:

@@ -260,15 +260,18 @@ class DeviceState:
         return key, self.buffer(key, t)
 
     def buffer(self, key: tuple, t: torch.Tensor) -> Any:
-        """The MAX Buffer viewing t (key: arg_key(t)), from the LRU or wrapped now."""
-        buf = self.buffers.get(key)
+        """The MAX Buffer viewing t (key: arg_key(t)), from the LRU or wrapped now. Each step is one dict
+        operation, so threads sharing the state (CPU calls take no lock) never see a key vanish between
+        a lookup and its move (another thread's insert may evict it: get + move_to_end raised KeyError)."""
+        buf = self.buffers.pop(key, None)
         if buf is None:
             buf = self._new_buffer(t)
-            self.buffers[key] = buf
-            if len(self.buffers) > BUFFER_CACHE:
+        self.buffers[key] = buf  # (re)inserted last: the most recently used
+        while len(self.buffers) > BUFFER_CACHE:
+            try:
                 self.buffers.popitem(last=False)
-        else:
-            self.buffers.move_to_end(key)
+            except KeyError:  # emptied by other threads meanwhile
+                break
         return buf
 
     def _new_buffer(self, t: torch.Tensor) -> Any:
@@ -371,7 +374,10 @@ class Dispatcher:
     def state(self, device: torch.device) -> DeviceState:
         st = self.states.get(device)
         if st is None:
-            st = self.states[device] = DeviceState(device)
+            with self._plans_lock:  # one state per device: concurrent first calls share its locks
+                st = self.states.get(device)
+                if st is None:
+                    st = self.states[device] = DeviceState(device)
         return st
 
     def run(
