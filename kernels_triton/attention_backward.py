@@ -202,6 +202,12 @@ def _tile_of(pid, n_heads, n_blocks, head_chunk):
 
 
 @triton.jit
+def _nonzero(n):
+    """max(n, 1): a divisor LLVM cannot assume non-zero from, for a loop's index split (see _bwd_dkdv_kernel)."""
+    return tl.maximum(n, 1)
+
+
+@triton.jit
 def _dkdv_step(
     dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr, row0, m, offs_n, offs_d, S, diag,
     qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr,
@@ -335,14 +341,24 @@ def _bwd_dkdv_kernel(
 
     # One flat loop over (query head of the group, query block): the pipeliner keeps loads in flight across
     # head switches. The group sum happens here, in a fixed order: deterministic.
+    # The flat index is split by a divisor clamped to >= 1 (`_nonzero`): with num_stages > 1 the pipeliner
+    # computes the first iterations' (head, block) ahead of the loop for every trip count, 0 included, and
+    # only predicates their loads. `it // n_u` with n_u = 0 there is division by zero, undefined behaviour in
+    # LLVM, which then took n_u != 0 as a fact and folded the prologue's `0 < trip count` predicate to true:
+    # with no unmasked block (S < BLOCK_M non-causal) the TMA loads of the loop's first stage were issued,
+    # never waited for, and their mbarriers invalidated and re-initialized for the masked loop with the
+    # transaction in flight - the H100 hang (session 55, Triton 3.6; tests/test_triton_attention_grad.py
+    # test_dkdv_prologue_loads_stay_predicated checks the compiled code).
+    n_u_div = _nonzero(n_u)
+    n_mask_div = _nonzero(n_mask)
     for it in range(0, group * n_u):
-        g = it // n_u
+        g = it // n_u_div
         m = m_full + (it - g * n_u) * BLOCK_M
         dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr, (head0 + g) * S,
                             m, offs_n, offs_d, S, diag, qk_scale, HEAD_DIM, CAUSAL, IEEE, False, BLOCK_M,
                             BLOCK_N, TMA)  # fmt: skip
     for it in range(0, group * n_mask):
-        g = it // n_mask
+        g = it // n_mask_div
         j = it - g * n_mask
         m = tl.where(j < n_diag, m_lo + j * BLOCK_M, u_end + (j - n_diag) * BLOCK_M)
         dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr, (head0 + g) * S,
@@ -484,11 +500,13 @@ def _bwd_dq_kernel(
 # ------------------------------------------------------------------------------------------------ launch
 # The autotuner offers the TMA tiles only from this many queries and keys on. Below it the dk/dv TMA tile hung
 # the GPU (H100, triton 3.6, session 55: non-causal fp16 D64 B1 H1, S 12-32 against Skv 16-80, while the
-# autotuner timed it; a forced run at S 32 Skv 64 hung too, at S 12 Skv 16 it did not: not yet understood),
-# and a few query rows gain nothing from TMA. The forward's autotuner takes the same rule (its TMA tiles build
-# device-side descriptors the same way; not seen to hang). Forced TMA tiles (tests, benchmarks) still run at
-# any size. benchmarks/gpu_checks/tma_hang.py probes the hypotheses (stale tensor map at a reused scratch
-# address, pipelined zero/one-trip loops, a box taller than the tensor) on a GPU.
+# autotuner timed it; a forced run at S 32 Skv 64 hung too, at S 12 Skv 16 it did not), and a few query rows
+# gain nothing from TMA. The forward's autotuner takes the same rule (its TMA tiles build device-side
+# descriptors the same way; not seen to hang). Forced TMA tiles (tests, benchmarks) still run at any size.
+# Cause found on the CPU (Triton 3.6's sm_90 LLVM IR): the unmasked loop's `it // n_u`, computed by the
+# pipeliner's prologue with n_u = 0 (S < BLOCK_M), let LLVM drop the prologue loads' predicate; fixed by the
+# clamped divisor in _bwd_dkdv_kernel. benchmarks/gpu_checks/tma_hang.py's real_fixed_* cases run the
+# formerly hanging shapes with this gate off; once they pass on a GPU the gate can go.
 TMA_MIN_LEN = 128
 
 

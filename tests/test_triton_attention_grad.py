@@ -405,3 +405,76 @@ def test_forward_autotuner_offers_tma_tiles_from_the_minimum_length_on(attn, dev
     o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
     attn.forward(o, lse, q, k, v, False, 0.125)
     assert asked == [tma] and (min(S, Skv) >= AB.TMA_MIN_LEN) == tma
+
+
+# Compiles the dk/dv kernel for sm_90 as the JIT specializes it for B1 H1 fp16 D64 non-causal S=32 Skv=64 (the
+# shape that hung an H100): pointers and 16-divisible ints marked divisible, ints equal to 1 compiled in.
+_COMPILE_DKDV = r"""
+import json, re, sys
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
+from kernels_triton import attention_backward as ab
+S, SKV, D = 32, 64, 64
+ints = dict(H=1, HKV=1, S=S, SKV=SKV, stride_kb=SKV * D, stride_kh=SKV * D, stride_kn=D, stride_vb=SKV * D,
+            stride_vh=SKV * D, stride_vn=D, has_kv_len=0, chunk_work=0, chunk_cap=1, S_BUCKET=S, SKV_BUCKET=SKV)
+fn = ab._bwd_dkdv_kernel
+for tma in (True, False):
+    const = dict(HEAD_DIM=D, CAUSAL=False, IEEE=False, BLOCK_M=64, BLOCK_N=64, TMA=tma)
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            sig[n] = {"lse2_ptr": "*fp32", "delta_ptr": "*fp32", "kv_len_ptr": "*i32"}.get(n, "*fp16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in ints:
+            ty, spec = native_specialize_impl(BaseBackend, ints[n], False, True, True)
+            sig[n] = ty
+            if ty == "constexpr":
+                const[n] = ints[n]
+            elif spec == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "fp32"
+    src = triton.compiler.ASTSource(fn, sig, const, attrs)
+    ll = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["llir"]
+    expect = re.findall(r'mbarrier\.arrive\.expect_tx[^"]*", "b,r"\(i1 (%[\w.]+)', ll)
+    cp = re.findall(r'"cp\.async\.cg\.shared\.global[^"]*", "r,l,r"\(.*?, i32 (\d+|%[\w.]+)\)', ll)
+    print("RESULT " + json.dumps({"tma": tma, "expect": expect, "cp_sizes": cp}), flush=True)
+"""
+
+
+def test_dkdv_prologue_loads_stay_predicated() -> None:
+    """The software-pipelined q/do loads of the dk/dv kernel stay predicated on the loop's trip count, also
+    for the loop that runs 0 times when S < BLOCK_M (the H100 hang, session 55). Its flat (head, block) index
+    is split by the block count; divided by a count that may be 0 in the pipeliner's prologue, LLVM took the
+    count as non-zero and issued the first stage's loads unconditionally (Triton 3.6): TMA loads never
+    waited for, whose mbarriers were then invalidated and re-initialized for the next loop (the hang), and
+    on the pointer tile cp.async reads of rows past S. TMA tile: only the k and v loads (outside the loops)
+    may arm their mbarrier on the bare one-thread predicate; pointer tile: every cp.async has a runtime
+    source size (0 when predicated off), none a constant 16. Compiled for sm_90 on the CPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "python"), str(root), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_DKDV], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    res = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT ") :])
+            res[r["tma"]] = r
+    assert set(res) == {True, False}, proc.stderr[-3000:]
+    expect = res[True]["expect"]
+    assert len(expect) >= 6, f"k, v and the pipelined q/do loads arm mbarriers: {expect}"
+    bare = [p for p in expect if p == expect[0]]  # the k load's predicate: thread 0, nothing else
+    assert len(bare) == 2, f"only k and v may be loaded unconditionally; armed on {expect[0]}: {len(bare)}"
+    sizes = res[False]["cp_sizes"]
+    assert sizes and "16" not in sizes, f"unpredicated cp.async in the pointer tile: {sizes.count('16')}"
