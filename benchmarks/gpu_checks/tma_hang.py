@@ -17,8 +17,18 @@ device-side descriptors unless said otherwise; grid = 1 program unless said othe
        mini_s1            same, num_stages=1 (no pipelining)
        mini_s3_noloop1    same as mini_s3 without the first (zero-trip) loop
        mini_s3_u1         N_U=1 N_MASK=0 (the S=64 pattern that completed)
-       mini_s3_div        mini_s3 plus the real kernel's `g = it // n` index math (division by a 0 trip count
-                          is computed, unpredicated, in the pipeliner's prologue)
+       mini_s3_div        mini_s3 plus the real kernel's `g = it // n` index math over a count known >= 0
+                          (division by a 0 trip count is computed, unpredicated, in the pipeliner's prologue)
+       mini_s3_divfix     mini_s3_div with the fix's divisor max(n, 1)
+  H0 (found on the CPU afterwards, Triton 3.6's sm_90 LLVM IR of _bwd_dkdv_kernel at S 32 Skv 64): H1's
+     division. `0 // n_u` in the prologue is undefined behaviour for n_u = 0; with n_u >= 0 known LLVM folds
+     the prologue's `n_u > 0` predicate to true, so the first stage's q/do TMA loads are issued though the
+     loop runs 0 times, never waited for, and their mbarriers are invalidated and re-initialized (same shared
+     memory) for the masked loop with the transaction in flight. mini_s3_div compiles to exactly that (one
+     unpredicated loop-1 TMA load); mini_s3 and mini_s3_divfix do not. Expect mini_s3_div to hang or be flaky
+     (a race), the others and the real_fixed_* cases (the repository's kernel, now dividing by max(n, 1)) to
+     pass. tests/test_triton_attention_grad.py::test_dkdv_prologue_loads_stay_predicated checks the kernel's
+     compiled code on the CPU.
   H2 a box whose rows exceed the tensor's global rows:
        mini_s3_fitbox     mini_s3 with a 64-row tensor (box == tensor) and the same trip counts
   H3 device-side descriptor creation (tensormap written to global scratch, fenced) vs host-side:
@@ -31,6 +41,11 @@ device-side descriptors unless said otherwise; grid = 1 program unless said othe
        mini_alt_box_fresh same, but the allocator never reuses an address (all scratch kept alive)
        mini_alt_box_wide  same as mini_alt_box with 528 programs (many descriptors per SM)
   The real kernels (kernels_triton.attention_backward, forced tiles (dkdv, dq)), fp16 D64 B1 H1 non-causal:
+       real_fixed_sweep   the fixed kernel, forced dk/dv TMA tiles (64x64 w4 s3, 32x128 w4 s3; dq TMA 128x64)
+                          at every small shape class that hung or could (S 12-48 against Skv 16-80, causal and
+                          not), each launched repeatedly and checked against the pointer tiles
+       real_fixed_autotune the original failure with the fix: autotuned backward, TMA_MIN_LEN forced to 0,
+                          S 12-32 against Skv 16-80 non-causal (and causal), fresh process, repeated calls
        real_s32_ptrdq     dkdv TMA 64x64 w4 s3, dq pointer tile: S=32 Skv=64 (hung once forced)
        real_s32_tmadq     dkdv TMA 64x64 w4 s3, dq TMA 128x64 w8 s3 (box 128 at slot 0: H4 mismatch)
        real_s32_s1        dkdv TMA 64x64 w4 s1, dq pointer (H1 on the real kernel)
@@ -59,12 +74,15 @@ import triton
 import triton.language as tl
 
 CASES = [  # priority order: the most telling first (the budget may cut the tail)
+    "real_fixed_sweep", "real_fixed_autotune", "mini_s3_div", "mini_s3_divfix",
     "mini_s3", "mini_s1", "mini_s3_fitbox", "mini_s3_host", "mini_alt_box", "mini_alt_box_fresh",
     "real_s32_tmadq", "real_s32_fresh", "real_s32_ptrdq", "real_s32_s1", "real_autotune_s24",
-    "real_s128_autotune", "mini_s3_noloop1", "mini_s3_u1", "mini_s3_div", "mini_alt_box_wide",
+    "real_s128_autotune", "mini_s3_noloop1", "mini_s3_u1", "mini_alt_box_wide",
     "real_s32_32x128", "real_s12", "real_s128", "real_big", "real_fwd_d128_s32", "real_fwd_d128_s32_tma",
 ]  # fmt: skip
 SLOW = {
+    "real_fixed_sweep": 180.0,
+    "real_fixed_autotune": 240.0,
     "real_autotune_s24": 60.0,
     "real_s128_autotune": 60.0,
     "real_fwd_d128_s32": 60.0,
@@ -81,10 +99,12 @@ def _body(q_desc, k_desc, out_ptr, n_rows, n_u, n_mask, BM: tl.constexpr, BN: tl
           D: tl.constexpr, FIRST_LOOP: tl.constexpr, DIV: tl.constexpr):  # fmt: skip
     k = k_desc.load([0, 0])
     acc = tl.zeros([BN, D], dtype=tl.float32)
+    if DIV:  # the real kernel's block count is provably >= 0 (max(.., 0) // BLOCK_M); LLVM needs that too
+        n_u = tl.maximum(n_u, 0)
     if FIRST_LOOP:
         for it in range(0, n_u):
-            if DIV:  # the real kernel's (head, block) split of a flat index: it // n_u
-                g = it // n_u
+            if DIV:  # the real kernel's (head, block) split of a flat index: it // n_u (DIV 2: the fix's
+                g = it // tl.maximum(n_u, 1) if DIV == 2 else it // n_u  # divisor clamped to >= 1)
                 m = (it - g * n_u) * BM
             else:
                 m = it * BM
@@ -106,7 +126,7 @@ def _body(q_desc, k_desc, out_ptr, n_rows, n_u, n_mask, BM: tl.constexpr, BN: tl
     tl.store(out_ptr + offs, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_u", "n_mask"])  # runtime trip counts, as the real kernel's
 def mini_device(q_ptr, k_ptr, out_ptr, n_rows, L, n_u, n_mask, BM: tl.constexpr, BN: tl.constexpr,
                 D: tl.constexpr, FIRST_LOOP: tl.constexpr, DIV: tl.constexpr):  # fmt: skip
     k_desc = tl.make_tensor_descriptor(k_ptr, shape=[L, D], strides=[D, 1], block_shape=[BN, D])
@@ -114,7 +134,7 @@ def mini_device(q_ptr, k_ptr, out_ptr, n_rows, L, n_u, n_mask, BM: tl.constexpr,
     _body(q_desc, k_desc, out_ptr, n_rows, n_u, n_mask, BM, BN, D, FIRST_LOOP, DIV)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_u", "n_mask"])  # runtime trip counts, as the real kernel's
 def mini_host(q_desc, k_desc, out_ptr, n_rows, n_u, n_mask, BM: tl.constexpr, BN: tl.constexpr,
               D: tl.constexpr, FIRST_LOOP: tl.constexpr, DIV: tl.constexpr):  # fmt: skip
     _body(q_desc, k_desc, out_ptr, n_rows, n_u, n_mask, BM, BN, D, FIRST_LOOP, DIV)
@@ -154,13 +174,15 @@ def _mini(case: str, iters: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     stages = 1 if case == "mini_s1" else 3
     n_rows, L, n_u, n_mask = 32, 64, 0, 1  # S=32 (< 64-row box), Skv=64: the hung forced shape
-    first, div, bm = True, False, 64
+    first, div, bm = True, 0, 64
     if case == "mini_s3_noloop1":
         first = False
     if case == "mini_s3_u1":
         n_rows, n_u, n_mask = 64, 1, 0
     if case == "mini_s3_div":
-        div = True
+        div = 1
+    if case == "mini_s3_divfix":
+        div = 2
     if case == "mini_s3_fitbox":
         n_rows = 64  # the box fits; trip counts as the hung shape (0, 1)
     q = torch.randn(max(n_rows, 1), D, device="cuda", dtype=dt, generator=g)
@@ -292,6 +314,62 @@ def _real_fwd(case: str, iters: int, repo: str) -> None:
     _repeat(launch, iters, f"forward D{D} S={S} Skv={Skv} cfg={cfg}")
 
 
+def _real_fixed(case: str, iters: int, repo: str) -> None:
+    """The repository's dk/dv kernel (its flat loop index divided by max(n, 1), the H0 fix) at the small shapes
+    that hung: forced TMA tiles, each launched repeatedly and compared with the pointer tiles on the same
+    inputs (real_fixed_sweep), or the autotuner offering its TMA tiles at any length (real_fixed_autotune,
+    TMA_MIN_LEN forced to 0). A line per shape; the last line printed names the shape that hung."""
+    import torch
+
+    sys.path.insert(0, repo)
+    from kernels_triton import attention_backward as ab
+
+    D, dt = 64, torch.float16
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    reps = max(20, iters // 10)
+    pointer = ((64, 64, 4, 3), (128, 64, 8, 3))  # the D64 pointer tiles: the reference on the same inputs
+    if case == "real_fixed_sweep":
+        tiles = [((64, 64, 4, 3, True), (128, 64, 8, 3, True)), ((32, 128, 4, 3, True), (128, 64, 8, 3))]
+        shapes = [(S, Skv, c) for c in (False, True) for S in (12, 24, 32, 48) for Skv in (16, 64, 80)]
+        shapes += [(1, 24, False), (63, 64, False), (64, 64, False), (64, 16, False)]
+    else:
+        ab.TMA_MIN_LEN = 0  # the autotuner offers the TMA tiles at any length again (as when it hung)
+        tiles = [None]
+        shapes = [(S, Skv, False) for S in (12, 16, 20, 24, 28, 32) for Skv in (16, 32, 48, 64, 80)]
+        shapes += [(S, Skv, True) for S in (12, 24, 32) for Skv in (32, 80)]
+
+    def p2(n: int) -> int:
+        return 1 << max(0, (n - 1).bit_length())
+
+    def grads(ins, causal: bool, cfg):
+        q, k, v, do, o, lse = ins
+        out = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        ab.attention_backward(*out, do, q, k, v, o, lse, None, causal, 0.125, s_bucket=p2(q.shape[2]),
+                              skv_bucket=p2(k.shape[2]), max_grid_y=65535, config=cfg)  # fmt: skip
+        return out
+
+    for S, Skv, causal in shapes:
+        q, do, o = (torch.randn(1, 1, S, D, device="cuda", dtype=dt, generator=gen) for _ in range(3))
+        k, v = (torch.randn(1, 1, Skv, D, device="cuda", dtype=dt, generator=gen) for _ in range(2))
+        ins = (q, k, v, do, o, torch.full((1, 1, S), 4.0, device="cuda", dtype=torch.float32))
+        ref = grads(ins, causal, pointer)
+        torch.cuda.synchronize()
+        for cfg in tiles:
+            what = f"S={S} Skv={Skv} causal={causal} cfg={cfg or 'autotuned'}"
+            _progress(f"first call {what} ...")
+            got = grads(ins, causal, cfg)
+            torch.cuda.synchronize()
+            err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1.0))
+                      for a, b in zip(got, ref))  # fmt: skip
+            if not err <= 2e-2:  # NaN included: a gradient the kernel did not write
+                raise SystemExit(f"MISMATCH {what}: max error {err:.3g} against the pointer tiles")
+            for _ in range(reps):
+                grads(ins, causal, cfg)
+            torch.cuda.synchronize()
+            _progress(f"ok {what}: {reps + 1} calls, max error {err:.2e}")
+    _progress(f"done: {len(shapes)} shapes x {len(tiles)} configs")
+
+
 def child(case: str, iters: int, repo: str) -> None:
     import torch
 
@@ -301,6 +379,8 @@ def child(case: str, iters: int, repo: str) -> None:
         _mini(case, iters)
     elif case.startswith("real_fwd"):
         _real_fwd(case, iters, repo)
+    elif case.startswith("real_fixed"):
+        _real_fixed(case, iters, repo)
     else:
         _real(case, iters, repo)
 
