@@ -38,7 +38,11 @@ def _grouped(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M row-blocks share each weight column-block while it is in L2."""
     in_group = GROUP_M * num_pid_n
     first_m = (tile // in_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    # >= 1 for every real tile. The persistent TMA kernels' pipelined loops also compute the tiles past a
+    # program's last one (their loads predicated off), where this is 0 when GROUP_M divides num_pid_m: clamped,
+    # so `% group_size` is never a division by 0, undefined behaviour LLVM may take as a fact to fold those
+    # loads' predicates (what hung the dk/dv kernel: see attention_backward._bwd_dkdv_kernel).
+    group_size = tl.maximum(tl.minimum(num_pid_m - first_m, GROUP_M), 1)
     pid_m = first_m + ((tile % in_group) % group_size)
     pid_n = (tile % in_group) // group_size
     return pid_m, pid_n

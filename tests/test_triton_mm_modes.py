@@ -28,8 +28,20 @@ from fusekit.tolerances import RTOL
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 if importlib.util.find_spec("triton") is not None:
+    import triton
+    import triton.language as tl
+
+    from kernels_triton._ffn_kernels import _grouped
     from kernels_triton.attention import attention
     from kernels_triton.swiglu_ffn import forward as ffn_forward
+
+    @triton.jit
+    def _grouped_tiles_kernel(out_ptr, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t] = _grouped(t) for tiles t < BLOCK (test_grouped_tile_order_never_divides_by_zero)."""
+        t = tl.arange(0, BLOCK)
+        pid_m, pid_n = _grouped(t, num_pid_m, num_pid_n, GROUP_M)
+        tl.store(out_ptr + 2 * t, pid_m)
+        tl.store(out_ptr + 2 * t + 1, pid_n)
 
 
 def _ffn_ref(x, wg, wu, wd, nw, eps: float) -> torch.Tensor:
@@ -160,6 +172,23 @@ def test_swiglu_ffn_tma(T: int, norm: bool, dtype: torch.dtype) -> None:
     out = torch.full((T, 80), float("nan"), dtype=dtype)
     ffn_forward(out, None, None, x, wg, wu, wd, nw, 1e-6, _path="prefill", _gemm="tma")
     assert rel_error(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("num_pid_m, num_pid_n", [(8, 2), (16, 1), (5, 3)])
+def test_grouped_tile_order_never_divides_by_zero(num_pid_m: int, num_pid_n: int) -> None:
+    """_grouped (the GEMMs' tile -> (row block, column block) order) over every real tile and the tiles past
+    the last one, which the persistent TMA GEMMs' pipelined loops compute ahead of loads that are predicated
+    off: a permutation of the grid for the real tiles, and no integer division by 0 anywhere (GROUP_M 8
+    dividing num_pid_m left 0 rows in the group past the end: `% 0`, undefined behaviour in the compiled
+    code, the class of bug that hung the attention dk/dv kernel). numpy raises on it here."""
+    import numpy as np
+
+    block = 256  # every tile of the grid and more than 132 (an H100's NUM_SMS) past it
+    out = torch.full((block, 2), -1, dtype=torch.int32)
+    with np.errstate(all="raise"):
+        _grouped_tiles_kernel[(1,)](out, num_pid_m, num_pid_n, GROUP_M=8, BLOCK=block)
+    real = {tuple(r) for r in out[: num_pid_m * num_pid_n].tolist()}
+    assert real == {(m, n) for m in range(num_pid_m) for n in range(num_pid_n)}
 
 
 def test_swiglu_ffn_tma_rejects() -> None:
