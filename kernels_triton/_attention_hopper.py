@@ -233,7 +233,15 @@ def _env_config(head_dim: int) -> tuple[int, int, bool]:
     env = os.environ.get("FUSEKIT_HOPPER_ATTN_CFG")
     if env:
         bn, st, *ke = (int(x) for x in env.split(","))
-        return bn, st, bool(ke and ke[0])
+        k_early = bool(ke and ke[0])
+        # One stage deadlocks without K_EARLY: tile j's S = Q K_j^T waits for K_j before tile j-1's P V frees
+        # the only slot, and the producer waits for that slot before loading K_j (any query block with >= 2
+        # key tiles). With K_EARLY the K slot is freed after S_{j-1}, so one stage can make progress.
+        if st < 1 or (st < 2 and not k_early):
+            raise ValueError(
+                f"FUSEKIT_HOPPER_ATTN_CFG={env!r}: STAGES must be >= 2 (or 1 with K_EARLY=1: 'BLOCK_N,1,1')"
+            )
+        return bn, st, k_early
     return (*CONFIGS[head_dim], head_dim in K_EARLY_DIMS)
 
 

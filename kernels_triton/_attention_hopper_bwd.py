@@ -140,6 +140,8 @@ def _env_config(head_dim: int) -> tuple[int, int, int, int]:
     env = os.environ.get("FUSEKIT_HOPPER_BWD_CFG")
     if env:
         a, b, c, d = (int(x) for x in env.split(","))
+        if b < 1 or d < 1:  # a ring needs a slot (slot = t % STAGES)
+            raise ValueError(f"FUSEKIT_HOPPER_BWD_CFG={env!r}: DKDV_STAGES and DQ_STAGES must be >= 1")
         return a, b, c, d
     return (*DKDV_CONFIGS[head_dim], *DQ_CONFIGS[head_dim])
 

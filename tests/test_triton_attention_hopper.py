@@ -139,6 +139,31 @@ def test_aot_spec_names():
     )
 
 
+def test_ring_config_env_refuses_one_stage_without_k_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSEKIT_HOPPER_ATTN_CFG with one K/V stage and K freed with V would deadlock on any query block with >= 2
+    key tiles (S_j waits for K_j in the only slot, which the producer refills only after P V_{j-1}, issued
+    after that wait): refused before a launch. One stage with K_EARLY (K freed after S) and the tables pass."""
+    m = _mod()
+    for bad in ("128,1", "128,1,0", "64,0,1"):
+        monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_CFG", bad)
+        with pytest.raises(ValueError, match="STAGES"):
+            m._env_config(128)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_CFG", "64,1,1")
+    assert m._env_config(256) == (64, 1, True)
+    monkeypatch.setenv("FUSEKIT_HOPPER_ATTN_CFG", "64,2")
+    assert m._env_config(128) == (64, 2, False)
+    monkeypatch.delenv("FUSEKIT_HOPPER_ATTN_CFG")
+    for d in m.HEAD_DIMS:
+        assert m._env_config(d)[1] >= 2
+    from kernels_triton import _attention_hopper_bwd as b
+
+    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_CFG", "64,0,128,2")
+    with pytest.raises(ValueError, match="STAGES"):
+        b._env_config(128)
+    monkeypatch.setenv("FUSEKIT_HOPPER_BWD_CFG", "64,1,128,1")  # no overlap across ring slots: 1 works
+    assert b._env_config(128) == (64, 1, 128, 1)
+
+
 def test_persistent_selection(monkeypatch: pytest.MonkeyPatch):
     """The persistent kernel runs where PERSISTENT_DIMS says (D64, D128 since the H200 probe) or where
     FUSEKIT_HOPPER_ATTN_PERSIST=1 forces it, and never at D256 (no shared memory left for its O buffer)."""

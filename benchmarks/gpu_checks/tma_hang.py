@@ -59,6 +59,16 @@ device-side descriptors unless said otherwise; grid = 1 program unless said othe
   The forward (attention.py; its autotuner now takes TMA_MIN_LEN too, forced back to 0 here), D128:
        real_fwd_d128_s32      autotuned forward, fp16 D128 B1 H1 S=32 Skv=64 non-causal, repeated
        real_fwd_d128_s32_tma  forced forward TMA tile (64, 64, 4, 3, True), same shape
+  The Gluon kernels (_attention_hopper.py, _attention_hopper_bwd.py; sm_90 only, bf16), at the edge shapes the
+  GPU tests do not cover (S = Skv = 1: both specialized to constants; S < 64: the second 64-row Q box wholly
+  past S; Skv == BLOCK_N; S >> Skv causal: query blocks that see no key run one all-masked tile, dq blocks load
+  no K/V tile; S << Skv causal: dk/dv key blocks no query sees run no step; GQA 8:1), each shape launched
+  repeatedly into NaN-poisoned outputs and compared with float32 torch on the GPU:
+       gluon_fwd_edges        hopper_forward, D64/128/256, one-tile kernel and the persistent one (grid as
+                              planned and capped at 1 CTA: every work tile through one ring)
+       gluon_bwd_edges        hopper_backward, D64/128, plus the split dk/dv (FUSEKIT_HOPPER_BWD_SPLIT=2)
+       gluon_fwd_stage1       FUSEKIT_HOPPER_ATTN_CFG=64,1,1: one K/V stage with K_EARLY (the one-stage ring
+                              _env_config still accepts; without K_EARLY it deadlocks and is refused)
 A HANG whose last line is "compiling / first ..." may be a slow compile: rerun that case with --timeout 90.
 """
 
@@ -79,6 +89,7 @@ CASES = [  # priority order: the most telling first (the budget may cut the tail
     "real_s32_tmadq", "real_s32_fresh", "real_s32_ptrdq", "real_s32_s1", "real_autotune_s24",
     "real_s128_autotune", "mini_s3_noloop1", "mini_s3_u1", "mini_alt_box_wide",
     "real_s32_32x128", "real_s12", "real_s128", "real_big", "real_fwd_d128_s32", "real_fwd_d128_s32_tma",
+    "gluon_fwd_edges", "gluon_bwd_edges", "gluon_fwd_stage1",
 ]  # fmt: skip
 SLOW = {
     "real_fixed_sweep": 180.0,
@@ -86,6 +97,9 @@ SLOW = {
     "real_autotune_s24": 60.0,
     "real_s128_autotune": 60.0,
     "real_fwd_d128_s32": 60.0,
+    "gluon_fwd_edges": 300.0,  # ~10 Gluon variants to compile
+    "gluon_bwd_edges": 300.0,
+    "gluon_fwd_stage1": 120.0,
 }  # autotuning compiles 6 configs: own timeout
 
 
@@ -370,6 +384,138 @@ def _real_fixed(case: str, iters: int, repo: str) -> None:
     _progress(f"done: {len(shapes)} shapes x {len(tiles)} configs")
 
 
+# (B, H, Hkv, S, Skv, causal) of the Gluon cases, each at every head dim of the case
+_GLUON_SHAPES = [
+    (1, 2, 1, 1, 1, False),
+    (1, 2, 1, 1, 1, True),
+    (1, 4, 2, 17, 1, False),
+    (1, 4, 2, 64, 64, True),
+    (2, 4, 4, 1000, 5, True),
+    (1, 2, 2, 5, 1000, True),
+    (1, 8, 1, 130, 129, False),
+]
+
+
+def _attn_ref(q, k, v, causal: bool, scale: float):
+    """float32 o and natural-log lse (bottom-right causal; a row that sees no key: o = 0, lse = -inf), with
+    autograd through q, k, v."""
+    import torch
+
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    s = q.float() @ kk.transpose(-1, -2) * scale
+    S, Skv = q.shape[2], k.shape[2]
+    if causal:
+        seen = (
+            torch.arange(Skv, device=q.device)[None, :] <= torch.arange(S, device=q.device)[:, None] + Skv - S
+        )
+        s = s.masked_fill(~seen, float("-inf"))
+    m = s.amax(-1, keepdim=True).clamp_min(-1e30)  # a row with no key: finite, so e = 0, not NaN
+    e = (s - m).exp()
+    den = e.sum(-1, keepdim=True)
+    o = (e / den.clamp_min(1e-30)) @ vv
+    return o, (den.log() + m).squeeze(-1)
+
+
+def _rel_err(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
+
+
+def _gluon(case: str, iters: int, repo: str) -> None:
+    """The Gluon forward / backward at the edge shapes of _GLUON_SHAPES (see the module docstring): a progress
+    line before each shape's first launch (the last line printed names the shape that hung), then `reps`
+    more launches, and the outputs against float32 torch."""
+    import torch
+
+    sys.path.insert(0, repo)
+    from kernels_triton import _attention_hopper as fh
+    from kernels_triton import _attention_hopper_bwd as bh
+
+    if torch.cuda.get_device_capability() != (9, 0) or not fh.HAS_GLUON:
+        raise SystemExit("needs an sm_90 GPU and Triton's Gluon")
+    dt, gen = torch.bfloat16, torch.Generator(device="cuda").manual_seed(4)
+    reps = max(5, iters // 50)
+
+    def inputs(B, H, Hkv, S, Skv, D):
+        return (torch.randn(B, H, S, D, device="cuda", dtype=dt, generator=gen),
+                torch.randn(B, Hkv, Skv, D, device="cuda", dtype=dt, generator=gen),
+                torch.randn(B, Hkv, Skv, D, device="cuda", dtype=dt, generator=gen))  # fmt: skip
+
+    def check(what: str, err: float, tol: float = 2e-2) -> None:
+        if not err <= tol:  # NaN included: an output the kernel did not write
+            raise SystemExit(f"MISMATCH {what}: relative error {err:.3g}")
+
+    n = 0
+    if case.startswith("gluon_fwd"):
+        variants = [("64,1,1", "0", None)] if case == "gluon_fwd_stage1" else [(None, "0", None)]
+        if case == "gluon_fwd_edges":
+            variants += [(None, "1", None), (None, "1", "1")]
+        dims = (128, 256) if case == "gluon_fwd_stage1" else (64, 128, 256)
+        shapes = _GLUON_SHAPES + ([(1, 2, 2, 300, 700, True), (1, 2, 2, 333, 333, False)] if case ==
+                                  "gluon_fwd_stage1" else [])  # fmt: skip
+        for cfg, persist, ctas in variants:
+            for var, val in (("FUSEKIT_HOPPER_ATTN_CFG", cfg), ("FUSEKIT_HOPPER_ATTN_PERSIST", persist),
+                             ("FUSEKIT_HOPPER_ATTN_PERSIST_CTAS", ctas)):  # fmt: skip
+                if val is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = val
+            for D in dims:
+                if persist == "1" and D not in fh.PERSIST_HEAD_DIMS:
+                    continue
+                for B, H, Hkv, S, Skv, causal in shapes:
+                    q, k, v = inputs(B, H, Hkv, S, Skv, D)
+                    o = torch.full_like(q, float("nan"))
+                    lse = torch.full((B, H, S), float("nan"), device="cuda")
+                    scale = D**-0.5
+                    what = f"fwd D{D} B{B} H{H}/{Hkv} S={S} Skv={Skv} causal={causal} cfg={cfg} persist={persist}"
+                    what += f" ctas={ctas}"
+                    _progress(f"first call {what} ...")
+                    for _ in range(reps + 1):
+                        fh.hopper_forward(o, lse, q, k, v, causal, scale * 1.4426950408889634)
+                    torch.cuda.synchronize()
+                    ro, rl = _attn_ref(q, k, v, causal, scale)
+                    check(what, _rel_err(o, ro))
+                    fin = rl.isfinite()
+                    if not (torch.equal(lse.isfinite(), fin) and (o[~fin] == 0).all()):
+                        raise SystemExit(f"MISMATCH {what}: rows that see no key")
+                    check(what + " lse", float((lse[fin] - rl[fin]).abs().max()) if fin.any() else 0.0, 5e-2)
+                    _progress(f"ok {what}: {reps + 1} calls")
+                    n += 1
+    else:
+        for split in (None, "2"):
+            if split is None:
+                os.environ.pop("FUSEKIT_HOPPER_BWD_SPLIT", None)
+            else:
+                os.environ["FUSEKIT_HOPPER_BWD_SPLIT"] = split
+            for D in (64, 128) if split is None else (128,):
+                shapes = (
+                    _GLUON_SHAPES if split is None else [(1, 8, 2, 5, 300, True), (1, 8, 2, 1000, 5, True)]
+                )
+                for B, H, Hkv, S, Skv, causal in shapes:
+                    q, k, v = (t.requires_grad_() for t in inputs(B, H, Hkv, S, Skv, D))
+                    scale = D**-0.5
+                    ro, rl = _attn_ref(q, k, v, causal, scale)
+                    do = torch.randn(q.shape, device="cuda", dtype=dt, generator=gen)
+                    ref = torch.autograd.grad(ro, (q, k, v), do.float())
+                    o, lse = ro.detach().to(dt).contiguous(), rl.detach().contiguous()
+                    qd, kd, vd = q.detach(), k.detach(), v.detach()
+                    got = [torch.full_like(t, float("nan")) for t in (qd, kd, vd)]
+                    what = f"bwd D{D} B{B} H{H}/{Hkv} S={S} Skv={Skv} causal={causal} split={split}"
+                    _progress(f"first call {what} ...")
+                    for _ in range(reps + 1):
+                        bh.hopper_backward(*got, do, qd, kd, vd, o, lse, causal, scale)
+                    torch.cuda.synchronize()
+                    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+                        if r.norm() > 0:
+                            check(f"{what} {name}", _rel_err(g, r))
+                        elif not (g == 0).all():
+                            raise SystemExit(f"MISMATCH {what} {name}: not 0")
+                    _progress(f"ok {what}: {reps + 1} calls")
+                    n += 1
+    _progress(f"done: {n} shapes")
+
+
 def child(case: str, iters: int, repo: str) -> None:
     import torch
 
@@ -381,6 +527,8 @@ def child(case: str, iters: int, repo: str) -> None:
         _real_fwd(case, iters, repo)
     elif case.startswith("real_fixed"):
         _real_fixed(case, iters, repo)
+    elif case.startswith("gluon"):
+        _gluon(case, iters, repo)
     else:
         _real(case, iters, repo)
 
