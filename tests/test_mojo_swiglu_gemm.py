@@ -102,6 +102,29 @@ def test_routes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert route(cpu, 2048, 4096, 14336) == "op"
 
 
+def test_tc_route_needs_aligned_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The opt-in wgmma route hands the caller's weights to MAX's sm90 matmul, whose TMA descriptors need
+    16-byte aligned bases (it checks none): a contiguous weight view at an odd element offset (2 bytes in)
+    takes the GEMM route instead, whichever weight it is."""
+    cuda = torch.device("cuda")
+    bf = torch.bfloat16
+    t, d, f = 32, 4096, 11008
+
+    def meta(rows: int, cols: int, off: int = 0) -> torch.Tensor:  # meta: data_ptr() is the byte offset
+        return torch.empty(rows * cols + off, dtype=bf, device="meta")[off:].view(rows, cols)
+
+    x = meta(t, d)
+    monkeypatch.setenv(mojo_backend.FFN_TC_ENV, "1")
+    assert mojo_backend.ffn_route(cuda, x, meta(f, d)) == "tc"
+    assert mojo_backend.ffn_route(cuda, x, meta(f, d, 1)) == "gemm"  # w_gate 2 bytes into its storage
+    assert mojo_backend.ffn_route(cuda, x, meta(f, d), (meta(f, d), meta(d, f))) == "tc"
+    assert mojo_backend.ffn_route(cuda, x, meta(f, d, 8), (meta(f, d), meta(d, f))) == "tc"  # 16 bytes in
+    for odd in range(3):
+        ws = [meta(f, d), meta(f, d), meta(d, f)]
+        ws[odd] = meta(*ws[odd].shape, 1)
+        assert mojo_backend.ffn_route(cuda, x, ws[0], tuple(ws[1:])) == "gemm", f"weight {odd} misaligned"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_forward_h_is_the_backward_h(dtype, device, _gemm_path_here) -> None:
     """The GEMM path's h comes from the backward's element-wise op without gradients (grads = 0): the same

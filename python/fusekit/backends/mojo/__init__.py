@@ -46,14 +46,22 @@ def ffn_tc_enabled() -> bool:
     return os.environ.get(FFN_TC_ENV) == "1"
 
 
-def ffn_route(device: torch.device, x: torch.Tensor, w_gate: torch.Tensor) -> str:
+def ffn_route(device: torch.device, x: torch.Tensor, w_gate: torch.Tensor, more: tuple = ()) -> str:
     """A swiglu_ffn forward's path: "gemm" MojoBackend._swiglu_ffn_forward_gemm, "op" the Mojo op's GEMV
     kernels (decode; the CPU's loops), "tc" the Mojo op with the wgmma path (fusekit.swiglu_ffn_tc; opt-in,
-    FFN_TC_ENV)."""
+    FFN_TC_ENV). `more`: the other weights (w_up, w_down). "tc" only when every weight's base is 16-byte
+    aligned: MAX's sm90 matmul builds TMA descriptors over the caller's weights and checks no pointer (a
+    contiguous view at an odd element offset, e.g. `buf[1:].view(F, D)`, would fail the tensor map's
+    encoding); such weights take the GEMM path (torch.mm reads any alignment)."""
     t, d = x.shape
     if t < SW_TC_MIN_T:
         return "op"
-    if device.type == "cuda" and ffn_tc_enabled() and ffn_static_tc(x, d, w_gate.shape[0]):
+    if (
+        device.type == "cuda"
+        and ffn_tc_enabled()
+        and ffn_static_tc(x, d, w_gate.shape[0])
+        and all(w.data_ptr() % 16 == 0 for w in (w_gate, *more))
+    ):
         return "tc"
     return "gemm" if device.type in FFN_GEMM_DEVICES else "op"
 
@@ -146,7 +154,7 @@ class MojoBackend(Backend):
             )
         if spec.name == "swiglu_ffn" and phase == "backward":
             self._swiglu_ffn_backward(outputs, inputs, scalars)
-        elif spec.name == "swiglu_ffn" and (route := ffn_route(device, inputs[0], inputs[1])) != "op":
+        elif spec.name == "swiglu_ffn" and (route := ffn_route(device, *inputs[:2], inputs[2:4])) != "op":
             if route == "tc":
                 self._call(swiglu_ffn_tc_spec(), device, outputs, inputs, scalars)
             else:
