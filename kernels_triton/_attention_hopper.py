@@ -819,7 +819,13 @@ def _capability(index: int | None) -> tuple[int, int]:
 
 
 def _aligned16(t: torch.Tensor) -> bool:
+    """A host TMA descriptor over t's own shape and strides: a 16-byte aligned base and strides, and no
+    broadcast dimension (stride 0 over a size > 1: an expanded MQA k/v, a batch-shared prefix), which
+    passes the 16-byte rule but is outside what cuTensorMapEncodeTiled documents; such calls take the
+    Triton kernels, which address heads and batches with pointer arithmetic."""
     es = t.element_size()
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return False
     return t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in t.stride()[:-1])
 
 

@@ -566,6 +566,8 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *outs: torch.Tens
         return False
     if any(st % per16 for t in (q, k, v, *outs) if t.dim() == 4 for st in t.stride()[:3]):  # q, o: views
         return False
+    if any(t.stride(2) == 0 and t.shape[2] > 1 for t in (q, k, v) if t.dim() == 4):
+        return False  # rows broadcast (stride 0): a descriptor stride outside cuTensorMapEncodeTiled's rules
     return q.shape[1] * q.shape[2] * q.shape[0] < 2**31
 
 
