@@ -302,8 +302,11 @@ def _decode_split_kernel[
     comptime RPT = RB // RL  # rows per thread in the P.V step (16 for every D)
     comptime NWARP = NT // WARP_SIZE
 
-    var ks = unsafe_stack_allocation[BN * LD, dtype, address_space=AddressSpace.SHARED]()
-    var vs = unsafe_stack_allocation[BN * LD, dtype, address_space=AddressSpace.SHARED]()
+    # alignment 16: the K / V rows are written and the K rows read as 4-byte words (alignment=4 below); the
+    # default is the element's (`.shared .align 2` for fp16 / bf16 in the PTX), so those words were aligned
+    # only because every shared array of this kernel happens to be a multiple of 4 bytes long
+    var ks = unsafe_stack_allocation[BN * LD, dtype, alignment=16, address_space=AddressSpace.SHARED]()
+    var vs = unsafe_stack_allocation[BN * LD, dtype, alignment=16, address_space=AddressSpace.SHARED]()
     var qs = unsafe_stack_allocation[RB * D, _F32, address_space=AddressSpace.SHARED]()
     var ps = unsafe_stack_allocation[RB * BN, _F32, address_space=AddressSpace.SHARED]()
     var m_s = unsafe_stack_allocation[RB, _F32, address_space=AddressSpace.SHARED]()
