@@ -41,9 +41,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+
+from _isolated import run_case  # benchmarks/gpu_checks/_isolated.py (the script's folder is on sys.path)
 
 CASES = [
     "norm_fwd",
@@ -346,21 +347,9 @@ def main() -> None:
         if time.time() - t0 > a.budget:
             rows.append({"case": case, "status": "SKIPPED (budget)"})
             continue
-        t = time.time()
-        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", case],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)  # fmt: skip
-        try:
-            out, _ = p.communicate(timeout=max(a.timeout, SLOW.get(case, 0.0)))
-            status = "ok" if p.returncode == 0 else f"ERROR rc={p.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)  # this case's own process group only
-            out, _ = p.communicate()
-            status = "TIMEOUT"
-        lines = [ln for ln in (out or "").splitlines() if ln.strip()]
-        last = " | ".join(lines[-3:]) if status.startswith("ERROR") else (lines[-1] if lines else "")
-        rows.append({"case": case, "status": status, "seconds": round(time.time() - t, 1), "last": last})
-        print(f"{case:14s} {status:12s} {time.time() - t:6.1f}s  {last[:160]}", flush=True)
+        status, secs, last = run_case(__file__, [case], max(a.timeout, SLOW.get(case, 0.0)), "TIMEOUT")
+        rows.append({"case": case, "status": status, "seconds": round(secs, 1), "last": last})
+        print(f"{case:14s} {status:12s} {secs:6.1f}s  {last[:160]}", flush=True)
     print("\nsummary")
     for r in rows:
         print(f"  {r['case']:14s} {r['status']}")

@@ -76,12 +76,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
 import triton
 import triton.language as tl
+from _isolated import run_case  # benchmarks/gpu_checks/_isolated.py (the script's folder is on sys.path)
 
 CASES = [  # priority order: the most telling first (the budget may cut the tail)
     "real_fixed_sweep", "real_fixed_autotune", "mini_s3_div", "mini_s3_divfix",
@@ -559,24 +559,10 @@ def main() -> None:
         if time.time() - t0 > a.budget:
             rows.append((case, "SKIPPED (budget)", 0.0, ""))
             continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--iters", str(a.iters),
-               "--repo", a.repo]  # fmt: skip
-        t = time.time()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)  # fmt: skip
-        try:
-            out, _ = p.communicate(timeout=max(a.timeout, SLOW.get(case, 0.0)))
-            status = "ok" if p.returncode == 0 else f"ERROR rc={p.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)  # this case's own process group only
-            out, _ = p.communicate()
-            status = "HANG"
-        lines = [ln for ln in (out or "").splitlines() if ln.strip()]
-        last = lines[-1] if lines else ""
-        if status.startswith("ERROR"):
-            last = " | ".join(lines[-3:])
-        rows.append((case, status, time.time() - t, last))
-        print(f"{case:20s} {status:10s} {time.time() - t:6.1f}s  {last[:150]}", flush=True)
+        args = [case, "--iters", str(a.iters), "--repo", a.repo]
+        status, secs, last = run_case(__file__, args, max(a.timeout, SLOW.get(case, 0.0)), "HANG")
+        rows.append((case, status, secs, last))
+        print(f"{case:20s} {status:10s} {secs:6.1f}s  {last[:150]}", flush=True)
     print("\nsummary")
     for case, status, _dt, _last in rows:
         print(f"  {case:20s} {status}")
