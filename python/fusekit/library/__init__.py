@@ -19,7 +19,7 @@ None. Empty problems are answered here (outputs zero-filled), so providers never
 """
 
 from fusekit import outputs  # noqa: F401 - tests patch library.outputs.empty
-from fusekit.library.autograd import _apply, apply, register, specs
+from fusekit.library.autograd import _apply, apply, check_backend, register, specs
 from fusekit.library.memo import (
     GradRunner,
     Runner,
@@ -31,7 +31,7 @@ from fusekit.library.memo import (
     key_tensor,
     memo,
 )
-from fusekit.library.plan import _PLANS, _RECORD_TRIES, _launch, _refuse_first_call_in_capture, resolve, run
+from fusekit.library.plan import _PLANS, _RECORD_TRIES, _launch, _refuse_first_call_in_capture, run
 from fusekit.ops._spec import SAVE
 
 __all__ = [
@@ -47,12 +47,12 @@ __all__ = [
     "apply",
     "apply_memo",
     "call_key",
+    "check_backend",
     "clear_plans",
     "key_slot",
     "key_tensor",
     "memo",
     "register",
-    "resolve",
     "run",
     "specs",
 ]

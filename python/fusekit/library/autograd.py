@@ -154,6 +154,16 @@ def _check_backward(
     return chosen
 
 
+def check_backend(spec: OpSpec, inputs: tuple[Tensor | None, ...], scalars: tuple, backend: str) -> None:
+    """Refuses, as `apply` would and launching nothing, a backend that cannot run the phases this call
+    needs (its forward; with grad also its backward): for a call answered without a kernel (empty)."""
+    who = _needs_grad(spec, inputs)
+    if who:
+        _check_backward(spec, inputs, scalars, backend, who)
+    else:
+        resolve(spec, FORWARD, inputs, scalars, backend)
+
+
 def _present(spec: OpSpec, inputs: tuple, outs: tuple, save: bool) -> tuple:
     """Placeholders of outputs the call does not produce back to None."""
     cond = spec.conditions(inputs, save=save)

@@ -99,9 +99,10 @@ def resolve(
     p = spec.phase(inputs_of or phase)
     key = tuple(spec.dtype_of(v, p.inputs, inputs, named) for v in spec.dtype_vars)
     meta = spec.meta(dict(zip((a.name for a in p.inputs), inputs)), named)
+    device = _device(inputs)
     # picks auto's ranking (decode, small, large); None where the choice does not read it
-    cls = dispatch.auto_shape_class(spec.name, backend, _device(inputs).type, inputs)
-    return dispatch.resolve(spec.name, backend, _device(inputs), key, phase=phase, shape_class=cls, **meta)
+    cls = dispatch.auto_shape_class(spec.name, backend, device.type, inputs)
+    return dispatch.resolve(spec.name, backend, device, key, phase=phase, shape_class=cls, **meta)
 
 
 _KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)

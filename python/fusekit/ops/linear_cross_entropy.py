@@ -434,9 +434,7 @@ def linear_cross_entropy(
         if x.numel() == 0:  # no rows: torch's own answer (NaN for "mean"), nothing to chunk
             if backend != "auto":  # yet a backend that cannot run this call refuses it, as at any size
                 ins = (x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), bias)
-                grad = torch.is_grad_enabled() and _requires_grad(x, weight, bias)
-                for phase in (FORWARD, BACKWARD) if grad else (FORWARD,):
-                    library.resolve(SPEC, phase, ins, scalars, backend, inputs_of=FORWARD)
+                library.check_backend(SPEC, ins, scalars, backend)
             z = F.linear(x, weight, bias).float()
             return F.cross_entropy(
                 z.reshape(0, weight.shape[0]),
