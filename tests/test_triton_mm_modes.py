@@ -22,6 +22,7 @@ import warnings
 
 import torch
 from checks import rel_error
+from triton_fakes import fake_ffn_choice
 
 from fusekit.tolerances import RTOL
 
@@ -206,22 +207,7 @@ def test_swiglu_ffn_tma_rejects() -> None:
 @pytest.fixture
 def ffn_choice(monkeypatch: pytest.MonkeyPatch):
     """The automatic ptr-vs-TMA choice on the CPU: TMA made eligible, timings faked, caches fresh."""
-    import kernels_triton.swiglu_ffn as ffn_mod
-
-    monkeypatch.setattr(ffn_mod, "_tma_auto", lambda tensors: True)
-    monkeypatch.setattr(ffn_mod, "_CHOICE", {})
-    monkeypatch.setattr(ffn_mod, "TIMINGS", {})
-    monkeypatch.setattr(ffn_mod, "_BROKEN", set())
-    calls: list[int] = []
-
-    # later candidates "faster": the TMA config wins unless it is excluded
-    def fake_bench(fn, device) -> float:
-        fn()
-        calls.append(1)
-        return 10.0 - len(calls)
-
-    monkeypatch.setattr(ffn_mod, "_bench_ms", fake_bench)
-    return ffn_mod, calls
+    return fake_ffn_choice(monkeypatch, lambda tensors: True)
 
 
 def test_swiglu_ffn_choice_picks_and_caches(ffn_choice) -> None:

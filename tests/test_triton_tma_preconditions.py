@@ -21,6 +21,7 @@ import importlib.util
 
 import pytest
 import torch
+from triton_fakes import fake_ffn_choice
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -203,19 +204,7 @@ def ffn_tma(monkeypatch: pytest.MonkeyPatch):
     fresh caches, timings faked so that the TMA config wins wherever it competes."""
     import kernels_triton.swiglu_ffn as ffn
 
-    monkeypatch.setattr(ffn, "_tma_auto", ffn._tma_aligned)
-    monkeypatch.setattr(ffn, "_CHOICE", {})
-    monkeypatch.setattr(ffn, "TIMINGS", {})
-    monkeypatch.setattr(ffn, "_BROKEN", set())
-    order: list[int] = []
-
-    def bench(fn, device) -> float:
-        fn()
-        order.append(1)
-        return 10.0 - len(order)
-
-    monkeypatch.setattr(ffn, "_bench_ms", bench)
-    return ffn
+    return fake_ffn_choice(monkeypatch, ffn._tma_aligned)[0]
 
 
 def test_ffn_tma_choice_is_keyed_on_alignment(dev: str, ffn_tma) -> None:

@@ -20,3 +20,24 @@ class FakeCompiledKernel:
 
     def __getitem__(self, grid):
         return lambda *args: self.log.append(("hooked", grid, args))
+
+
+def fake_ffn_choice(monkeypatch, tma_auto):
+    """swiglu_ffn's automatic ptr-vs-TMA choice made testable on the CPU: `tma_auto(tensors)` decides TMA
+    eligibility, caches start empty, and the timer runs each candidate once and calls later candidates
+    faster (the TMA config wins wherever it competes). Returns (the module, the list of timed runs)."""
+    import kernels_triton.swiglu_ffn as ffn
+
+    monkeypatch.setattr(ffn, "_tma_auto", tma_auto)
+    monkeypatch.setattr(ffn, "_CHOICE", {})
+    monkeypatch.setattr(ffn, "TIMINGS", {})
+    monkeypatch.setattr(ffn, "_BROKEN", set())
+    calls: list[int] = []
+
+    def bench(fn, device) -> float:
+        fn()
+        calls.append(1)
+        return 10.0 - len(calls)
+
+    monkeypatch.setattr(ffn, "_bench_ms", bench)
+    return ffn, calls

@@ -46,17 +46,6 @@ import time
 
 from _isolated import run_case  # benchmarks/gpu_checks/_isolated.py (the script's folder is on sys.path)
 
-CASES = [
-    "norm_fwd",
-    "norm_bwd",
-    "rope",
-    "reduce_sum",
-    "swiglu",
-    "lce",
-    "attn_decode",
-    "attn_prefill",
-    "ffn_tc",
-]
 SLOW = {"attn_prefill": 600.0, "attn_decode": 450.0, "ffn_tc": 600.0}
 
 
@@ -301,29 +290,27 @@ def _ffn_tc(ck: _Checker) -> None:
         ck.run(f"swiglu_ffn wgmma route, weight {odd} misaligned", fn, 4e-2)
 
 
+# case -> what its child process runs (the parent runs them in this order)
+_RUNS = {
+    "norm_fwd": lambda ck: _norm(ck, backward=False),
+    "norm_bwd": lambda ck: _norm(ck, backward=True),
+    "rope": _rope,
+    "reduce_sum": _reduce_sum,
+    "swiglu": _swiglu,
+    "lce": _lce,
+    "attn_decode": lambda ck: _attn(ck, decode=True),
+    "attn_prefill": lambda ck: _attn(ck, decode=False),
+    "ffn_tc": _ffn_tc,
+}
+CASES = list(_RUNS)
+
+
 def child(case: str) -> None:
     import torch
 
     _progress(f"{case}: {torch.cuda.get_device_name()} torch {torch.__version__}")
     ck = _Checker()
-    if case == "norm_fwd":
-        _norm(ck, backward=False)
-    elif case == "norm_bwd":
-        _norm(ck, backward=True)
-    elif case == "rope":
-        _rope(ck)
-    elif case == "reduce_sum":
-        _reduce_sum(ck)
-    elif case == "swiglu":
-        _swiglu(ck)
-    elif case == "lce":
-        _lce(ck)
-    elif case == "attn_decode":
-        _attn(ck, decode=True)
-    elif case == "attn_prefill":
-        _attn(ck, decode=False)
-    elif case == "ffn_tc":
-        _ffn_tc(ck)
+    _RUNS[case](ck)
     _progress(f"done: {ck.n} checks, worst relative error {ck.worst:.2e}")
 
 
