@@ -19,6 +19,7 @@ from fusekit import backends, dispatch, library, ops
 
 RMS = sys.modules["fusekit.ops.rms_norm"]
 ATT = sys.modules["fusekit.ops.attention"]
+MEMO = sys.modules["fusekit.library.memo"]
 
 
 @pytest.fixture
@@ -364,3 +365,26 @@ def test_backend_variables_are_read_once_and_again_by_clear_cache(monkeypatch: p
     monkeypatch.delenv("FUSEKIT_BACKEND_REDUCE_SUM")
     dispatch.clear_cache()
     ops.reduce_sum(x, -1)
+
+
+def test_a_clear_during_a_call_keeps_nothing_that_call_resolved(checks: list[int], monkeypatch) -> None:
+    """A dispatch.clear_cache() (another thread's, after changing FUSEKIT_BACKEND*) while a call resolves its
+    backend: that call's choice, plan and memo entry, made before the clear, are not stored after it, so the
+    next call resolves again (reads the variables again) instead of reusing the old choice."""
+    x, w = torch.randn(3, 8), torch.randn(8)
+    torch_backend = backends.get("torch")
+    real_supports = type(torch_backend).supports
+
+    def supports_then_clear(self, *a, **kw):
+        why = real_supports(self, *a, **kw)
+        dispatch.clear_cache()  # as another thread would, while this call resolves
+        return why
+
+    monkeypatch.setattr(type(torch_backend), "supports", supports_then_clear)
+    want = ops.rms_norm(x, w, backend="torch")
+    assert not dispatch._cache and not library._PLANS
+    assert all(not m for m in MEMO._MEMOS)
+    monkeypatch.setattr(type(torch_backend), "supports", real_supports)
+    torch.testing.assert_close(ops.rms_norm(x, w, backend="torch"), want, rtol=0, atol=0)
+    assert len(checks) == 2  # resolved and checked again, not served from a memo
+    assert dispatch._cache and library._PLANS  # an undisturbed call is remembered as before

@@ -101,6 +101,9 @@ def capturing(device_type: str = "cuda") -> bool:
 
 
 _cache: dict[tuple, Backend] = {}
+# Bumped by clear_cache(): a call that began resolving before a clear does not store its (possibly stale)
+# choice or plan after it (dispatch's cache, the call plans, the call memos all check it).
+generation = 0
 
 
 _ENV: dict[str, str] | None = None  # FUSEKIT_BACKEND* by upper-cased name, read once (clear_cache rereads)
@@ -154,6 +157,7 @@ def resolve(
     hit = _cache.get(key)
     if hit is not None:
         return hit
+    gen = generation
     if backend == "auto":
         reasons = []
         for name in auto_order(op, device.type, shape_class):
@@ -164,7 +168,8 @@ def resolve(
             if why is None and in_capture and not b.capture_safe:
                 why = "refuses to run inside a CUDA graph capture"
             if why is None:
-                _cache[key] = b
+                if gen == generation:
+                    _cache[key] = b
                 return b
             reasons.append(f"{name}: {why}")
         raise ValueError(f"backend: no backend can run {op} ({phase}) here: " + "; ".join(reasons))
@@ -175,7 +180,8 @@ def resolve(
     why = b.supports(op, phase, device, dtypes, **meta)
     if why is not None:
         raise ValueError(f"{source}: {backend!r} cannot run {op} ({phase}) for this call: {why}")
-    _cache[key] = b
+    if gen == generation:
+        _cache[key] = b
     return b
 
 
@@ -184,7 +190,8 @@ def clear_cache() -> None:
     that could not run (after changing those variables or installing a backend)."""
     from fusekit import library
 
-    global _ENV
+    global _ENV, generation
+    generation += 1
     _ENV = None
     _cache.clear()
     backends.forget_unavailable()

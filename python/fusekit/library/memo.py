@@ -172,8 +172,11 @@ def apply_memo(
     them apart. A forward-only call's Runner writes them into the scratch arena."""
     if key is None or torch.compiler.is_compiling():
         return apply(spec, inputs, scalars, backend)
+    gen = dispatch.generation  # a clear_cache() during this call: remember nothing it resolved
     if _needs_grad(spec, inputs):
         outs, pinned = _apply(spec, inputs, scalars, backend)
+        if gen != dispatch.generation:
+            return outs
         if len(memo_) >= _MEMO_SIZE:
             memo_.clear()
         memo_[key] = GradRunner(spec, inputs, scalars, pinned)
@@ -182,7 +185,7 @@ def apply_memo(
     plan = _PLANS.get(
         _signature(spec, FORWARD, inputs, scalars, backend, spec.conditions(inputs, save=False))
     )
-    if plan is not None:
+    if plan is not None and gen == dispatch.generation:
         if len(memo_) >= _MEMO_SIZE:
             memo_.clear()
         memo_[key] = Runner(spec, plan, _scratch(spec, plan, discard) if discard else None)

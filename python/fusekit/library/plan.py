@@ -225,11 +225,13 @@ def _plan_for(
     sig = _signature(spec, phase, inputs, scalars, backend, cond)
     plan = _PLANS.get(sig)
     if plan is None:
+        gen = dispatch.generation
         plan = _Plan(spec, phase, inputs, scalars, backend, cond)
         _refuse_first_call_in_capture(spec, phase, plan)
-        if len(_PLANS) >= _PLAN_CACHE:
-            _PLANS.clear()
-        _PLANS[sig] = plan
+        if gen == dispatch.generation:  # no clear_cache() since this plan's backend was resolved
+            if len(_PLANS) >= _PLAN_CACHE:
+                _PLANS.clear()
+            _PLANS[sig] = plan
     return plan
 
 
