@@ -365,6 +365,25 @@ def test_capture_switch_sets_what_auto_and_the_library_see() -> None:
     assert out.stdout.split() == ["False", "True"]
 
 
+@pytest.mark.parametrize("where", ["worker thread", "main thread"])
+def test_loading_max_on_any_thread_exits_cleanly(where: str) -> None:
+    """MAX enters its MLIR context on the thread that first imports it and exits it at interpreter exit on
+    the main thread: a backend first loaded by a worker thread printed "Unbalanced Context enter/exit" from
+    an atexit hook (fusekit.backends.mojo._import_max balances it). A fresh process loads the backend
+    (no compile) on `where` and exits with nothing on stderr."""
+    code = (
+        "import threading\n"
+        "from fusekit import backends\n"
+        "f = lambda: print(backends.get('mojo').unavailable_reason())\n"
+        + ("t = threading.Thread(target=f); t.start(); t.join()\n" if where == "worker thread" else "f()\n")
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "None"  # the backend loaded
+    assert "Unbalanced" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-2000:]
+
+
 def test_replay_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     """FUSEKIT_MOJO_REPLAY: default torch CUDA graphs of the fenced call; "max" MAX's own device graphs; "0" off."""
     from fusekit.backends.mojo.dispatch import REPLAY_ENV, Dispatcher

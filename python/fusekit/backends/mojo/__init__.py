@@ -8,7 +8,9 @@ like to MAX is derived from the op's spec (specs.py).
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 
 import torch
@@ -66,6 +68,21 @@ def ffn_route(device: torch.device, x: torch.Tensor, w_gate: torch.Tensor, more:
     return "gemm" if device.type in FFN_GEMM_DEVICES else "op"
 
 
+def _import_max() -> None:
+    """Import MAX (ImportError with the reason when it is missing). MAX enters its default MLIR context on
+    the importing thread and registers an atexit exit of it, which runs on the main thread: imported first on
+    another thread (a first mojo call from a worker), exit raised "Unbalanced Context enter/exit" at
+    interpreter shutdown. Then an atexit hook registered after MAX's (atexit runs last-in first-out) enters
+    the context on the main thread first, so MAX's exit balances it."""
+    fresh = "max._mlir_context" not in sys.modules
+    import max.engine  # noqa: F401
+
+    if fresh and threading.current_thread() is not threading.main_thread():
+        ctx = sys.modules.get("max._mlir_context")
+        if ctx is not None and hasattr(ctx, "default_mlir_context"):
+            atexit.register(ctx.default_mlir_context().__enter__)
+
+
 class MojoBackend(Backend):
     name = "mojo"
     capture_safe = CAPTURE  # MAX launches on its own stream, fenced into torch's capture (dispatch.py)
@@ -83,7 +100,7 @@ class MojoBackend(Backend):
 
     # --- availability ---------------------------------------------------------------------------
     def _load(self) -> None:
-        import max.engine  # noqa: F401 - raises ImportError with the reason when MAX is missing
+        _import_max()  # raises ImportError with the reason when MAX is missing
 
         from fusekit.backends.mojo.dispatch import Dispatcher
         from fusekit.backends.mojo.runtime import OpCompiler
