@@ -563,34 +563,60 @@ def test_instance_level_forward_wrappers_are_hooks(where):
     assert worst[0] <= GRAD_TOL, worst
 
 
-def test_fused_loss_takes_a_backend_with_the_gradient(monkeypatch):
-    """A patched model whose backend refuses the loss's gradient (the fused backends in fp16) runs the fused
-    loss on torch (fp32 d weight, as the README says) when something needs that gradient, and on its own
-    backend otherwise: without grad mode, or with grad mode on and nothing requiring grad (a frozen model).
-    Never on "auto", which would let FUSEKIT_BACKEND* override the patch's explicit choice."""
+def test_fp16_loss_with_gradients_is_hfs_own(monkeypatch):
+    """A patched model's fp16 loss that needs a gradient is HF's own (F.linear, fp32 cross-entropy): the fused
+    op computes d logits in its forward, before the loss scale (GradScaler) reaches them, and fp16 rounds them
+    far below its normal range on every backend. Under a 65536 scale its gradients are the unfused loss's,
+    bit for bit; without a gradient to compute (no grad mode, a frozen model) or in fp32 the fused op runs
+    on the patch's backend (never "auto", which would let FUSEKIT_BACKEND* override it)."""
     from types import SimpleNamespace
 
     from fusekit.hf import _patch
 
+    g = torch.Generator().manual_seed(5)
     head = torch.nn.Linear(16, 40, bias=False).half()
     model = SimpleNamespace(lm_head=head, **{_patch._ATTR: SimpleNamespace(backend="triton")})
-    hidden = torch.randn(1, 5, 16).half().requires_grad_()
-    labels = torch.randint(0, 40, (1, 5))
+    hidden = torch.randn(1, 5, 16, generator=g).half().requires_grad_()
+    labels = torch.randint(0, 40, (1, 5), generator=g)
+    labels[0, 2] = -100
     seen = []
     monkeypatch.setattr(
-        ops, "linear_cross_entropy", lambda *a, backend, **k: seen.append(backend) or a[0].sum()
+        ops, "linear_cross_entropy", lambda *a, backend, **k: seen.append(backend) or a[0].float().sum()
     )
     monkeypatch.setenv("FUSEKIT_BACKEND", "mojo")
     monkeypatch.setenv("FUSEKIT_BACKEND_LINEAR_CROSS_ENTROPY", "mojo")
-    _patch._fused_loss(model, hidden, labels)
+
+    def hf_loss(h, num_items=None):  # transformers' ForCausalLMLoss on lm_head(h)
+        target = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+        logits = head(h).reshape(-1, 40).float()
+        loss = torch.nn.functional.cross_entropy(
+            logits, target, reduction="mean" if num_items is None else "sum"
+        )
+        return loss if num_items is None else loss / num_items
+
+    for num_items in (None, 3):
+        got = _patch._fused_loss(model, hidden, labels, num_items_in_batch=num_items)
+        (got * 65536).backward()
+        got_g, hidden.grad = (hidden.grad, head.weight.grad), None
+        head.weight.grad = None
+        want = hf_loss(hidden, num_items)
+        (want * 65536).backward()
+        assert (
+            torch.equal(got, want)
+            and torch.equal(got_g[0], hidden.grad)
+            and torch.equal(got_g[1], head.weight.grad)
+        )
+        hidden.grad = head.weight.grad = None
+    assert seen == []
     with torch.no_grad():
         _patch._fused_loss(model, hidden, labels)
     head.weight.requires_grad_(False)
     _patch._fused_loss(model, hidden.detach(), labels)  # frozen: no gradient asked for
-    _patch._fused_loss(model, hidden.detach().float(), labels)
+    _patch._fused_loss(model, hidden.detach().float(), labels.clone())
+    assert seen == ["triton", "triton", "triton"]
     head.weight.requires_grad_(True)
-    _patch._fused_loss(model, hidden.detach(), labels)  # the head's d weight is asked for
-    assert seen == ["torch", "triton", "triton", "triton", "torch"]
+    _patch._fused_loss(model, hidden.detach(), labels)  # the head's d weight is asked for: HF's loss
+    assert seen == ["triton", "triton", "triton"]
 
 
 def test_fused_loss_in_eval_keeps_logits_and_unpatch_restores_forward():

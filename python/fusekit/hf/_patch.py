@@ -20,7 +20,8 @@ What patch changes (in place; unpatch puts every original object back):
   fp32 upcast are never materialized. Such a call returns logits=None in training mode (as Liger's
   lce_forward); in eval mode it still returns the logits (an evaluation loop computes metrics from them)
   beside the fused loss; `skip_logits=True/False` (Liger's keyword) decides explicitly. Without labels,
-  with logits_to_keep, or with a custom loss_function, HF's forward runs unchanged.
+  with logits_to_keep, or with a custom loss_function, HF's forward runs unchanged; an fp16 loss that needs
+  a gradient is HF's own (the fused loss rounds its d logits to fp16 before the loss scale reaches them).
 - model.generate -> (an instance attribute) the class's generate wrapped: it checks once, on the host,
   whether the prompt is padded (its attention_mask, or pad tokens in it when none is given) and, if
   not, lets the attention modules read each mask of that generate() call as a causal prefix (see fusekit.hf._attention: static-cache
@@ -53,8 +54,6 @@ from fusekit.nn import RMSNorm, SwiGLUMLP
 from fusekit.nn._hooks import hooked, own_hooks
 from fusekit.nn.rotary import apply_rope, rope_parameters
 from fusekit.ops import _amp
-from fusekit.ops._spec import BACKWARD
-from fusekit.ops.linear_cross_entropy import fused_refusal
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
@@ -529,20 +528,30 @@ def _fused_loss(
     if (cast := _amp.lower(x, w, b)) is not None:  # cast here, not inside the op: the backend check
         x, w, b = cast  # below must see the dtypes the kernels will get
     target = shift_labels.reshape(-1).to(x.device)
-    backend = getattr(model, _ATTR).backend
+    reduction = "mean" if num_items_in_batch is None else "sum"
     if (
-        backend not in ("auto", "torch")
+        x.dtype == torch.float16
         and torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (x, w, b))
-        and fused_refusal("linear_cross_entropy", BACKWARD, (x.dtype,))
     ):
-        # the fused backends' fp16 gradients (fused_refusal): the loss alone takes torch's (d weight in
-        # fp32), as the README says; not "auto", which would read FUSEKIT_BACKEND* over the patch's choice
-        backend = "torch"
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = ops.linear_cross_entropy(
-        x, w, target, b, ignore_index=ignore_index, reduction=reduction, backend=backend
-    )
+        # fp16 gradients: HF's own loss, logits and all. linear_cross_entropy computes d logits in its
+        # forward, before the loss scale (GradScaler's 2^16) reaches them, so fp16 rounds softmax / n far
+        # below its normal range on every backend (d weight 8.4e-4 off float64 against HF's 2.4e-4 under a
+        # 65536 scale at T512 V8192; 7.2e-3 at T4096 V32000, benchmarks/gpu_checks/lce_fp16.py)
+        logits = torch.nn.functional.linear(x, w, b).float()
+        loss = torch.nn.functional.cross_entropy(
+            logits, target, ignore_index=ignore_index, reduction=reduction
+        )
+    else:
+        loss = ops.linear_cross_entropy(
+            x,
+            w,
+            target,
+            b,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            backend=getattr(model, _ATTR).backend,
+        )
     if num_items_in_batch is None:
         return loss
     if torch.is_tensor(num_items_in_batch):
