@@ -528,30 +528,25 @@ def _fused_loss(
     if (cast := _amp.lower(x, w, b)) is not None:  # cast here, not inside the op: the backend check
         x, w, b = cast  # below must see the dtypes the kernels will get
     target = shift_labels.reshape(-1).to(x.device)
-    reduction = "mean" if num_items_in_batch is None else "sum"
     if (
         x.dtype == torch.float16
         and torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (x, w, b))
     ):
-        # fp16 gradients: HF's own loss, logits and all. linear_cross_entropy computes d logits in its
-        # forward, before the loss scale (GradScaler's 2^16) reaches them, so fp16 rounds softmax / n far
+        # fp16 gradients: HF's own loss on the materialized logits. linear_cross_entropy computes d logits in
+        # its forward, before the loss scale (GradScaler's 2^16) reaches them, so fp16 rounds softmax / n far
         # below its normal range on every backend (d weight 8.4e-4 off float64 against HF's 2.4e-4 under a
         # 65536 scale at T512 V8192; 7.2e-3 at T4096 V32000, benchmarks/gpu_checks/lce_fp16.py)
-        logits = torch.nn.functional.linear(x, w, b).float()
-        loss = torch.nn.functional.cross_entropy(
-            logits, target, ignore_index=ignore_index, reduction=reduction
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        logits = torch.nn.functional.linear(x, w, b)
+        return ForCausalLMLoss(
+            logits, None, w.shape[0], num_items_in_batch, ignore_index, shift_labels=target
         )
-    else:
-        loss = ops.linear_cross_entropy(
-            x,
-            w,
-            target,
-            b,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            backend=getattr(model, _ATTR).backend,
-        )
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = ops.linear_cross_entropy(
+        x, w, target, b, ignore_index=ignore_index, reduction=reduction, backend=getattr(model, _ATTR).backend
+    )
     if num_items_in_batch is None:
         return loss
     if torch.is_tensor(num_items_in_batch):
