@@ -66,3 +66,28 @@ def oracle(x, w, eps, residual=None, casting="fp32", return_rstd=True):
         y = xhat * wd
     out = (y,) if h is None else (y, h)
     return (*out, rstd.squeeze(-1)) if return_rstd else out
+
+
+def grad_scale(args: tuple, kwargs: dict, grads: tuple) -> tuple:
+    """Per gradient (dx, dw[, d residual]): the size of the terms whose difference dx is (dw: None, the floor).
+
+    dx = rstd (g - x̂ mean(g x̂)) is a difference, and every backend (the float64 oracle aside) forms both
+    terms from fp32 x̂ = x rstd: its rounding is ~u of the terms, however small their difference. At N = 1
+    the difference is g eps rstd^3 (x̂^2 = ms / (ms + eps)), ~6e-4 of the terms at |x| 0.04 and eps 1e-6,
+    so one fp32 rounding of x̂ (6e-8) is 1e-4 of dx: more than the 0.1-per-element floor allows at the
+    fp32 tolerance whenever |x| < ~0.05 (about 1% of N(0, 3^2) draws). The 2-norm of the two terms per
+    element (as `checks.sum_scale` for sums) is that size; for N >> 1 the projected term is ~1/sqrt(N) of
+    g, so the scale is ||dx|| to within ~1/N and no wider. A dropped or doubled term still moves dx by a
+    whole term, far above any tolerance.
+    """
+    x, w = (t.detach().to(torch.float64) for t in args[:2])
+    residual = kwargs.get("residual")
+    if residual is not None:
+        x = round_as(x + residual.detach().to(torch.float64), args[0])
+    rstd = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + kwargs["eps"])
+    xhat = x * rstd
+    weff = 1.0 + w if kwargs.get("casting") == "gemma" else w
+    g = grads[0].detach().to(torch.float64) * weff
+    proj = xhat * (g * xhat).mean(-1, keepdim=True)
+    dx = rstd * (g.square() + proj.square()).sqrt()
+    return (dx, None) + ((dx,) if residual is not None else ())
