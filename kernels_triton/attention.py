@@ -72,7 +72,6 @@ from kernels_triton._exp2_poly import exp2_mixed
 from kernels_triton._launch import fast_tuned
 from kernels_triton._tiles import dot
 from kernels_triton.attention_backward import (
-    TMA_MIN_LEN,
     Tile,
     _chunk_args,
     _configs,
@@ -442,8 +441,8 @@ def forward(
                     *args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee, **exp2_kw, **grid_kw, **_launch_kw(tile)
                 )  # fmt: skip
             continue
-        with on_device(q):  # TMA tiles from TMA_MIN_LEN on, as the backward's (a small-shape TMA hang there)
-            _tuned(D, tma_ok and min(S, Skv) >= TMA_MIN_LEN)[
+        with on_device(q):
+            _tuned(D, tma_ok)[
                 lambda m, nb=nb, chunk=chunk: _grid(triton.cdiv(S, m["BLOCK_M"]), nb * H, chunk)
             ](*args, HEAD_DIM=D, CAUSAL=bool(causal), IEEE=ieee, **exp2_kw, **grid_kw)
 

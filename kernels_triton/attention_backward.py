@@ -498,16 +498,12 @@ def _bwd_dq_kernel(
 
 
 # ------------------------------------------------------------------------------------------------ launch
-# The autotuner offers the TMA tiles only from this many queries and keys on. Below it the dk/dv TMA tile hung
-# the GPU (H100, triton 3.6, session 55: non-causal fp16 D64 B1 H1, S 12-32 against Skv 16-80, while the
-# autotuner timed it; a forced run at S 32 Skv 64 hung too, at S 12 Skv 16 it did not), and a few query rows
-# gain nothing from TMA. The forward's autotuner takes the same rule (its TMA tiles build device-side
-# descriptors the same way; not seen to hang). Forced TMA tiles (tests, benchmarks) still run at any size.
-# Cause found on the CPU (Triton 3.6's sm_90 LLVM IR): the unmasked loop's `it // n_u`, computed by the
-# pipeliner's prologue with n_u = 0 (S < BLOCK_M), let LLVM drop the prologue loads' predicate; fixed by the
-# clamped divisor in _bwd_dkdv_kernel. benchmarks/gpu_checks/tma_hang.py's real_fixed_* cases run the
-# formerly hanging shapes with this gate off; once they pass on a GPU the gate can go.
-TMA_MIN_LEN = 128
+# The autotuners offer the TMA tiles at any length. Session 55 saw the dk/dv TMA tile hang an H100 (triton 3.6,
+# non-causal fp16 D64 B1 H1, S 12-32 against Skv 16-80, while the autotuner timed it). Cause (Triton 3.6's
+# sm_90 LLVM IR): the unmasked loop's `it // n_u`, computed by the pipeliner's prologue with n_u = 0
+# (S < BLOCK_M), let LLVM drop the prologue loads' predicate; the clamped divisor in _bwd_dkdv_kernel fixes it,
+# and benchmarks/gpu_checks/tma_hang.py's real_fixed_* cases (the formerly hanging shapes, forced and
+# autotuned, forward too) pass on a GPU, so the length gate (TMA_MIN_LEN 128, sessions 55-57) is gone.
 
 
 def _tma(tile: Tile) -> bool:
@@ -642,11 +638,10 @@ def attention_backward(
                 _bwd_dkdv_kernel[(triton.cdiv(Skv, t1[1]) * nb * Hkv,)](*kv_args, **kw, **_launch_kw(t1))
                 _bwd_dq_kernel[(triton.cdiv(S, t2[0]) * nb * H,)](*q_args, **kw, **_launch_kw(t2))
                 continue
-            tuned_tma = tma_ok and min(S, Skv) >= TMA_MIN_LEN
-            _tuned_dkdv(D, tuned_tma)[lambda m, nb=nb: (triton.cdiv(Skv, m["BLOCK_N"]) * nb * Hkv,)](
+            _tuned_dkdv(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(Skv, m["BLOCK_N"]) * nb * Hkv,)](
                 *kv_args, **kw
             )
-            _tuned_dq(D, tuned_tma)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]) * nb * H,)](*q_args, **kw)
+            _tuned_dq(D, tma_ok)[lambda m, nb=nb: (triton.cdiv(S, m["BLOCK_M"]) * nb * H,)](*q_args, **kw)
 
 
 def _chunk_args(causal: bool, n_heads: int, head_bytes: int, q: torch.Tensor) -> tuple[int, int]:

@@ -189,7 +189,7 @@ def test_tuned_forward_follows_each_calls_alignment(attn, dev: str, monkeypatch:
 
     monkeypatch.setattr(attn, "is_interpreter", lambda: False)  # the tuned path (its gate still sees the CPU)
     monkeypatch.setattr(attn, "_tuned", lambda d, tma_ok: asked.append(tma_ok) or _Launch())
-    s = 128  # TMA_MIN_LEN
+    s = 32  # any length: the autotuner offers TMA tiles wherever the preconditions hold
     n = 1 * 2 * s * D
     buf = torch.zeros(n + 8, dtype=F16)
     k = v = torch.zeros(1, 1, s, D, dtype=F16)
