@@ -254,7 +254,8 @@ def test_a_wrong_gradient_fails_the_train_check() -> None:
 
 
 class _Mutating(TorchEager):
-    """Writes into its input (as Liger's rope does): later providers must still see fresh inputs."""
+    """Writes into its input (as Liger's rope rotates q and k in place): later providers, and its own
+    steady-state check after the warm-up passes over every set, must still see the oracle's inputs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -268,7 +269,7 @@ class _Mutating(TorchEager):
 
         def run(x, weight):
             out = fn(x, weight)
-            x.mul_(3.0)
+            x.add_(1.0)  # not a scale (rms_norm would not see one)
             return out
 
         return run
@@ -437,8 +438,15 @@ def test_quick_cpu_run_writes_json(cpu_run) -> None:
         assert "cub" in doc["meta"]["skipped_baselines"] and "host" in doc["meta"]["timer"]
         assert "cublas" not in doc["meta"]["providers"] and "cub" not in doc["meta"]["providers"]
         assert doc["suite"] == ("train" if path.name.endswith(".train.json") else "sweep")
+        failed = [
+            f"{r['case']} {r['provider']}: {r['reason']}" for r in doc["rows"] if r["status"] == "failed"
+        ]
+        assert not failed, (
+            failed
+        )  # (a whole-tensor reduce_sum's [1] oracle against its 0-d result went unseen)
         ok = [r for r in doc["rows"] if r["status"] == "ok"]
         assert {r["provider"] for r in ok} == {"torch", "torch-eager"}
+        assert {r["case"] for r in doc["rows"]} == {r["case"] for r in ok}  # every case timed
         for r in ok:
             assert (
                 r["time_us"] > 0

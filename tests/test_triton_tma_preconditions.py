@@ -231,22 +231,24 @@ def test_ffn_tma_choice_is_keyed_on_alignment(dev: str, ffn_tma) -> None:
     torch.testing.assert_close(y_odd, y_tma, rtol=2e-3, atol=2e-3)
 
 
-def test_broadcast_rows_and_heads_never_reach_a_descriptor() -> None:
+def test_broadcast_rows_and_heads_never_reach_a_descriptor(dev: str) -> None:
     """A stride of 0 over a dimension of size > 1 (an expanded MQA k/v, a batch-shared prefix, keys
     broadcast over the sequence) is 16-byte aligned but outside cuTensorMapEncodeTiled's documented rules:
     the Gluon host descriptors (4-d, every stride) refuse any such dimension, the Triton TMA tiles (2-d per
-    head: the row stride) a broadcast row dimension; size-1 dimensions stay free."""
+    head: the row stride) a broadcast row dimension; size-1 dimensions stay free. On the CPU the interpreter
+    stands for an sm_90 GPU; on a GPU the tensors are its own (on the CPU tensors `_tma_ok` is False there)."""
+    _needs_tma(dev)
     from kernels_triton import _attention_hopper as hop
     from kernels_triton import attention_backward as ab
 
-    k1 = torch.randn(B, 1, SKV, D, dtype=F16)
+    k1 = torch.randn(B, 1, SKV, D, dtype=F16, device=dev)
     assert hop._aligned16(k1.expand(B, 1, SKV, D))
     assert not hop._aligned16(k1.expand(B, 4, SKV, D))  # MQA heads expanded: stride 0 over 4 heads
     assert not hop._aligned16(k1[:1].expand(B, 1, SKV, D))  # a prefix shared by the batch
-    assert hop._aligned16(torch.randn(1, 1, SKV, D, dtype=F16).expand(1, 1, SKV, D))
-    q = torch.randn(B, H, S, D, dtype=F16)
-    row = torch.randn(B, HKV, 1, D, dtype=F16)
+    assert hop._aligned16(torch.randn(1, 1, SKV, D, dtype=F16, device=dev).expand(1, 1, SKV, D))
+    q = torch.randn(B, H, S, D, dtype=F16, device=dev)
+    row = torch.randn(B, HKV, 1, D, dtype=F16, device=dev)
     assert ab._tma_ok(q, row.expand(B, HKV, SKV, D), row.expand(B, HKV, SKV, D)) is False
-    kv = torch.randn(B, HKV, SKV, D, dtype=F16)
-    assert ab._tma_ok(q, kv, kv) is True  # the interpreter stands for an sm_90 GPU here
+    kv = torch.randn(B, HKV, SKV, D, dtype=F16, device=dev)
+    assert ab._tma_ok(q, kv, kv) is True
     assert ab._tma_ok(q, kv[:1].expand(B, HKV, SKV, D), kv) is True  # batch broadcast: per-head 2-d boxes

@@ -109,6 +109,16 @@ def speedups(rows: list[dict]) -> None:
             r["speedup_vs"] = {b: t / r["time_us"] for b, t in base.items() if b != r["provider"]}
 
 
+def _clone(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: t.detach().clone() for k, t in inputs.items() if isinstance(t, torch.Tensor)}
+
+
+def _restore(inputs: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, t in saved.items():
+            inputs[k].copy_(t)
+
+
 def _rotating_call(fn: Callable[..., tuple], rot: Rotation) -> Callable[[], tuple]:
     return lambda: fn(**rot.next())
 
@@ -194,12 +204,15 @@ def run_case(
 
     sets = fresh_sets()
     ref = case.oracle(sets[0])
-    steady = (
-        len(sets) - 1
-    )  # the steady-state check's set: another one than the first call's where there are two
-    steady_ref: list[torch.Tensor] | None = None  # its oracle, once per case
+    # the steady-state check's set (another one than the first call's where there are two) and its oracle,
+    # both taken before any provider ran: one that writes into its inputs must not change what is expected
+    steady = len(sets) - 1
+    steady_ref = ref if steady == 0 else case.oracle(sets[steady])
     for prov, row in runnable:
         try:
+            # a provider that writes into its inputs gets the steady set's values back, at the same
+            # addresses (its steady state), before that check: its warm-up passes rewrote them
+            pristine = _clone(sets[steady]) if prov.mutates_inputs(case) else None
             fn = case.step(prov.prepare(case, device))
             mark = prov.tuning_mark()
             _poisoned_allocator(device, case.bytes_moved())
@@ -221,8 +234,8 @@ def run_case(
             for _ in range(STEADY_PASSES * len(sets)):
                 call()
             _sync(device)
-            if steady_ref is None:
-                steady_ref = ref if steady == 0 else case.oracle(sets[steady])
+            if pristine is not None:
+                _restore(sets[steady], pristine)
             info, bad = _checked_call(fn, case, sets[steady], steady_ref, device)
             row["steady_rel_error"] = info.get("rel_error")
             if bad is not None:
