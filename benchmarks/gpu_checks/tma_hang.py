@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Which variant of the attention-backward TMA pattern hangs an H100 (Triton 3.6)? Standalone probe, written
 after session 55's hang (kernels_triton/attention_backward.TMA_MIN_LEN); `python benchmarks/gpu_checks/tma_hang.py`.
+The real_fixed_* cases passed on the H200 in session 58 and the gate went (1bdac17): the `TMA_MIN_LEN = 0`
+assignments below change nothing on checkouts from then on (the autotuners offer TMA at any length).
 
 Run from a checkout's root (the `real_*` cases import kernels_triton from there; they are skipped when it is
 not importable):   python benchmarks/gpu_checks/tma_hang.py [--cases a,b,...] [--timeout 20] [--budget 110] [--iters N]
