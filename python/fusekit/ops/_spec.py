@@ -13,6 +13,10 @@ Providers see a phase in destination-passing form, positionally:
   read off the inputs through them (ops with outputs of other shapes give `Phase.shapes`).
 - `TensorArg.dtype` is a dtype variable of the op ("x", "w", "out"), a fixed dtype ("float32"), or
   "acc": fp32, fp64 for fp64 x (a loss in fp32 math that float64 gradchecks can still resolve).
+  "xsave": x's dtype, but fp32 for fp16 x (`saved_dtype`): gradients a forward computes and saves before
+  the loss's own gradient (GradScaler's 2^16 scale) reaches them, which fp16 cannot hold (linear_cross_entropy's
+  d x and d weight sit far below fp16's normal range). A backward phase whose inputs have no "x" binds "x"
+  to its first "xsave" input (fp32 for fp16 x: its outputs are fp32, autograd rounds them to the leaves').
   "x" binds to the first input typed "x"; "w" (weights that may be fp32 under mixed precision) to the
   first present input typed "w", else to x's dtype; a variable no present input binds comes from the
   scalar `<var>_dtype` (reduce_sum's "out").
@@ -42,6 +46,7 @@ FORWARD, BACKWARD = "forward", "backward"
 PHASES = (FORWARD, BACKWARD)
 SAVE = "save"  # the condition "this forward call records what its backward needs"
 ACC = "acc"  # a tensor dtype: x's accumulator, fp32 (fp64 for fp64 x), see acc_dtype
+XSAVE = "xsave"  # a tensor dtype: x's, fp32 for fp16 x, see saved_dtype
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,9 @@ class OpSpec:
             return scalars[f"{var}_dtype"]  # type: ignore[return-value]
         if var != "x":
             return self.dtype_of("x", args, values, scalars)
+        for arg, value in zip(args, values):  # a backward of saved gradients (see the module docstring)
+            if arg.dtype == XSAVE and value is not None:
+                return value.dtype
         raise ValueError(f"{self.name}: no tensor binds dtype variable {var!r}")
 
     def output_layout(
@@ -241,6 +249,8 @@ class OpSpec:
                 dtype = self.dtype_of(arg.dtype, p.inputs, inputs, scalars)
             elif arg.dtype == ACC:
                 dtype = acc_dtype(self.dtype_of("x", p.inputs, inputs, scalars))
+            elif arg.dtype == XSAVE:
+                dtype = saved_dtype(self.dtype_of("x", p.inputs, inputs, scalars))
             else:
                 dtype = getattr(torch, arg.dtype)
             layout.append((tuple(shape), dtype))
@@ -265,6 +275,11 @@ class OpSpec:
 def acc_dtype(x_dtype: torch.dtype) -> torch.dtype:
     """The dtype "acc" stands for: fp64 for fp64 x (the torch backend's oracle runs), else fp32."""
     return torch.float64 if x_dtype == torch.float64 else torch.float32
+
+
+def saved_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype "xsave" stands for: fp32 for fp16 x, else x's dtype."""
+    return torch.float32 if x_dtype == torch.float16 else x_dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

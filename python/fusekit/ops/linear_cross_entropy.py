@@ -22,7 +22,7 @@ from fusekit import distributed, library
 from fusekit.distributed import PLAIN
 from fusekit.ops import _amp
 from fusekit.ops import _checks as C
-from fusekit.ops._spec import BACKWARD, FORWARD, OpSpec, Phase, Scalar, acc_dtype, t
+from fusekit.ops._spec import BACKWARD, FORWARD, XSAVE, OpSpec, Phase, Scalar, acc_dtype, t
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -76,6 +76,14 @@ def reference_forward(
     `.float()` does; d x = d logits @ weight (x's dtype), d weight = Σ d logitsᵀ x and d bias = Σ d logits
     accumulated over the chunks in fp32 and rounded once.
 
+    fp16 x: d logits · scale are ~softmax / tokens, far below fp16's normal range (6.1e-5) until the loss's
+    own gradient (GradScaler's 2^16) multiplies them, which happens only in the backward. So they are
+    rounded to fp16 times a power of two S = 2^14 · 2^floor(log2(1 / scale)) (|d logits · S| <= 2^14: no
+    overflow, probabilities down to ~4e-9 stay normal), the GEMMs take them with fp32 results, and d x,
+    d weight, d bias are saved in fp32 ("xsave") divided by S (exact): the backward's multiply by the
+    loss's gradient is their one rounding to fp16. Under a 2^16 loss scale that is as accurate as HF's
+    unfused loss, or more (HF rounds d x and d weight to fp16 after their GEMMs too).
+
     Precision (every backend): lse = m + ls (m the row's max, ls = log Σ exp(z - m) in [0, log V]) is never
     rounded as one number, as torch's log_softmax: loss = (1 - ε)(m - z[target]) + ε (m - mean(z)) + ls
     and softmax(z) = exp((z - m) - ls). An fp32 lse carries ~u |m| (u = 2^-24), which moved every softmax
@@ -96,6 +104,12 @@ def reference_forward(
         else (dweight if dweight.dtype == acc else torch.empty_like(dweight, dtype=acc))
     )
     db = None if dbias is None else torch.zeros(V, dtype=acc, device=x.device)
+    # fp16: d logits go to fp16 times S (see the docstring); n clamped so that an all-ignored call (its rows
+    # are exact zeros) divides by a finite S
+    fp16 = x.dtype == torch.float16 and dx is not None
+    S = torch.exp2(14.0 + torch.floor(torch.log2(1.0 / scale.clamp(max=1.0)))) if fp16 else None
+    # the fp16 GEMMs with fp32 results: CUDA's mm(out_dtype=); elsewhere an fp32 copy of the weight
+    w_acc = weight.to(acc) if fp16 and not (x.is_cuda and hasattr(torch.ops.aten.mm, "dtype")) else None
     step = chunk_rows(T, V, x.shape[1])
     for s in range(0, T, step):
         e = min(s + step, T)
@@ -120,9 +134,14 @@ def reference_forward(
         g -= label_smoothing / V
         g.scatter_add_(1, tc.clamp(0, V - 1)[:, None], torch.full_like(zy, label_smoothing - 1.0)[:, None])
         g = torch.where(inside[:, None], g, torch.nan)
-        g = torch.where(ok[:, None], g * scale, 0.0)
+        g = torch.where(ok[:, None], g * (scale * S if fp16 else scale), 0.0)
         gl = g.to(x.dtype)  # d logits in x's dtype, as the matmuls of the linear's backward see them
-        torch.mm(gl, weight, out=dx[s:e])
+        if not fp16:
+            torch.mm(gl, weight, out=dx[s:e])
+        elif w_acc is None:
+            dx[s:e] = torch.mm(gl, weight, out_dtype=acc)
+        else:
+            torch.mm(gl.to(acc), w_acc, out=dx[s:e])
         if dw is not None:
             part = (gl.t().to(acc) @ xc.to(acc)) if gl.dtype != acc else gl.t() @ xc
             if s == 0:
@@ -131,6 +150,10 @@ def reference_forward(
                 dw += part
         if db is not None:
             db += gl.to(acc).sum(dim=0)
+    if fp16:  # back from d logits · S, exactly (a power of two), in the fp32 saved gradients
+        for saved in (dx, dw, db):
+            if saved is not None:
+                saved.div_(S)
     if dweight is not None and dw is not dweight:
         dweight.copy_(dw)
     if dbias is not None:
@@ -152,24 +175,25 @@ def reference_backward(
     label_smoothing: float,
 ) -> None:
     """The saved gradients of the loss times the loss's output gradient dloss (0-d) (fp32, fp64 for fp64
-    x; "mean" and "sum" only: reduction="none" records no gradient), each rounded once to x's dtype."""
+    x; "mean" and "sum" only: reduction="none" records no gradient), each rounded once to its output's
+    dtype: x's, fp32 for fp16 x (XSAVE), which autograd rounds to the fp16 leaves."""
     for out, saved in ((gx, dx), (gweight, dweight), (gbias, dbias)):
         if out is not None:
             out.copy_(saved.to(dloss.dtype) * dloss)
 
 
-# Why the fused backends (triton, mojo) refuse a gradient for fp16 x: the op computes d logits in its forward
+# Why the fused backends (triton, mojo) refuse a gradient for fp16 x: their forward computes d logits
 # (softmax - onehot, times 1 / tokens for "mean") and rounds them to fp16 for the GEMMs, before the loss's own
 # gradient (GradScaler's 2^16 scale) reaches them, so fp16 holds values far below its normal range: d weight
-# 7.2e-3 off float64 at T4096 H4096 V32000 on the H200 (fp16's tolerance is 4e-3), on every path alike
-# (fused, torch backend, fp32-out GEMM: benchmarks/gpu_checks/lce_fp16.py); HF's unfused loss under a
-# 65536 scale is several times closer (CPU, T512 V8192: 2.4e-4 against 8.4e-4). The torch backend runs it
-# as the reference of the op's meaning; fusekit.hf computes an fp16 loss with gradients unfused.
+# 7.2e-3 off float64 at T4096 H4096 V32000 on the H200 (fp16's tolerance is 4e-3,
+# benchmarks/gpu_checks/lce_fp16.py). The torch backend rounds them times a power of two and saves the
+# gradients in fp32 (reference_forward): under a 65536 scale as close to float64 as HF's unfused loss
+# (CPU, T512 V8192: 2.4e-4 for both, 7.3e-4 when it rounded as the fused kernels do).
 _FP16_GRAD_REFUSAL = (
-    "fp16 gradients of linear_cross_entropy are not accurate (d logits are computed and rounded to fp16 "
-    "in the forward, before the loss scale reaches them: d weight 7.2e-3 off float64 against fp16's 4e-3 "
-    "tolerance); train in bf16 or fp32, compute the logits unfused (F.linear + F.cross_entropy, as "
-    "fusekit.hf does for fp16), or use backend='torch' (the op's reference, at that accuracy)"
+    "fp16 gradients of linear_cross_entropy are not accurate on this backend (its kernels round d logits "
+    "to fp16 in the forward, before the loss scale reaches them: d weight 7.2e-3 off float64 against "
+    "fp16's 4e-3 tolerance); use backend='torch' (d logits scaled by a power of two, gradients saved in "
+    "fp32: as accurate as HF's unfused loss under GradScaler), or train in bf16 or fp32"
 )
 
 
@@ -308,9 +332,9 @@ SPEC = library.register(
         forward=Phase(
             outputs=(
                 t("loss", "L", "acc"),
-                t("dx", "T H", "x", "save", grad=False),
-                t("dweight", "V H", "x", "save", grad=False),
-                t("dbias", "V", "x", "bias_save", grad=False),
+                t("dx", "T H", XSAVE, "save", grad=False),
+                t("dweight", "V H", XSAVE, "save", grad=False),
+                t("dbias", "V", XSAVE, "bias_save", grad=False),
             ),
             inputs=(
                 t("x", "T H"),
@@ -322,12 +346,13 @@ SPEC = library.register(
             shapes=_loss_shape,
         ),
         backward=Phase(
-            outputs=(t("gx", "T H"), t("gweight", "V H"), t("gbias", "V", "x", "bias")),
+            # fp32 for fp16 x (XSAVE): autograd rounds the gradients to the leaves' fp16 once
+            outputs=(t("gx", "T H", XSAVE), t("gweight", "V H", XSAVE), t("gbias", "V", XSAVE, "bias")),
             inputs=(
                 t("dloss", "L", "acc"),
-                t("dx", "T H"),
-                t("dweight", "V H"),
-                t("dbias", "V", "x", "bias"),
+                t("dx", "T H", XSAVE),
+                t("dweight", "V H", XSAVE),
+                t("dbias", "V", XSAVE, "bias"),
             ),
             conditions=("bias",),
             reuse=(("gx", "dx"), ("gweight", "dweight"), ("gbias", "dbias")),  # scaled in place (eager)
@@ -403,7 +428,8 @@ def linear_cross_entropy(
     or "none" (per-row fp32 losses [...], 0 on ignored rows).
 
     Gradients flow to x, weight and bias for "mean" and "sum": the forward computes them chunk by chunk
-    (fp32 softmax math, d logits rounded to x's dtype) and saves only them; the backward scales them by
+    (fp32 softmax math, d logits rounded to x's dtype; fp16: times a power of two, the gradients saved in
+    fp32, so a loss scale's underflow never happens) and saves only them; the backward scales them by
     the loss's gradient. reduction="none" with an input that requires grad raises ValueError (its weight
     gradient would need the per-row output gradients before the chunks are summed). Under no_grad no
     gradient is computed. backend: "auto" (default), "torch", "triton", "mojo" (triton and mojo refuse
