@@ -412,6 +412,22 @@ def test_fp16_gradients_are_as_accurate_as_hfs_under_a_loss_scale(reduction):
     assert not xs.grad.any() and not ws.grad.any()
 
 
+def test_fp16_gradients_compile_as_eager():
+    """The fp32 saved gradients of fp16 x (the "xsave" dtype role) trace: torch.compile(fullgraph=True) gives
+    eager's fp16 gradients bit for bit (the backward's fake outputs are fp32, autograd rounds them)."""
+    x, w, t, b = _inputs("cpu", torch.float16)
+
+    def f(xx, ww, bb):
+        return ops.linear_cross_entropy(xx, ww, t, bb, backend="torch") * 1024.0
+
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        leaves = [v.clone().requires_grad_() for v in (x, w, b)]
+        fn(*leaves).backward()
+        grads.append([v.grad for v in leaves])
+    assert all(g.dtype == torch.float16 and torch.equal(g, e) for g, e in zip(*grads))
+
+
 @pytest.mark.parametrize(
     "reduction, ls, ignore_index",
     [("mean", 0.0, -100), ("sum", 0.1, 2**40 + 3), ("none", 0.2, -(2**62) - 5)],
