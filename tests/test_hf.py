@@ -563,15 +563,17 @@ def test_instance_level_forward_wrappers_are_hooks(where):
     assert worst[0] <= GRAD_TOL, worst
 
 
-def test_fp16_loss_with_gradients_is_hfs_own(monkeypatch):
-    """A patched model's fp16 loss that needs a gradient is HF's own (F.linear, fp32 cross-entropy): the fused
-    op computes d logits in its forward, before the loss scale (GradScaler) reaches them, and fp16 rounds them
-    far below its normal range on every backend. Under a 65536 scale its gradients are the unfused loss's,
-    bit for bit; without a gradient to compute (no grad mode, a frozen model) or in fp32 the fused op runs
-    on the patch's backend (never "auto", which would let FUSEKIT_BACKEND* override it)."""
+def test_fp16_loss_with_gradients_runs_on_the_torch_backend(monkeypatch):
+    """A patched model's fp16 loss that needs a gradient runs ops.linear_cross_entropy on the torch backend,
+    whatever the patch's backend and FUSEKIT_BACKEND* say: the fused kernels round d logits to fp16 before
+    the loss scale (GradScaler) reaches them, the torch backend scales them and saves fp32 gradients. Under a
+    65536 scale its loss and gradients are HF's own (F.linear, fp32 cross-entropy) within fp16's tolerance
+    and as close to float64; without a gradient to compute (no grad mode, a frozen model) or in fp32 the fused
+    op runs on the patch's backend (never "auto", which would let FUSEKIT_BACKEND* override it)."""
     from types import SimpleNamespace
 
     from fusekit.hf import _patch
+    from fusekit.tolerances import rtol
 
     g = torch.Generator().manual_seed(5)
     head = torch.nn.Linear(16, 40, bias=False).half()
@@ -580,34 +582,52 @@ def test_fp16_loss_with_gradients_is_hfs_own(monkeypatch):
     labels = torch.randint(0, 40, (1, 5), generator=g)
     labels[0, 2] = -100
     seen = []
+    real = ops.linear_cross_entropy
     monkeypatch.setattr(
-        ops, "linear_cross_entropy", lambda *a, backend, **k: seen.append(backend) or a[0].float().sum()
+        ops,
+        "linear_cross_entropy",
+        lambda *a, backend, **k: seen.append(backend) or real(*a, backend=backend, **k),
     )
     monkeypatch.setenv("FUSEKIT_BACKEND", "mojo")
     monkeypatch.setenv("FUSEKIT_BACKEND_LINEAR_CROSS_ENTROPY", "mojo")
 
-    def hf_loss(h, num_items=None):  # transformers' ForCausalLMLoss on lm_head(h)
+    def hf_loss(h, w, num_items=None):  # transformers' ForCausalLMLoss on lm_head(h) (float64 stays float64)
         target = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
-        logits = head(h).reshape(-1, 40).float()
+        logits = torch.nn.functional.linear(h, w).reshape(-1, 40)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
         loss = torch.nn.functional.cross_entropy(
             logits, target, reduction="mean" if num_items is None else "sum"
         )
         return loss if num_items is None else loss / num_items
 
+    def grads(loss_fn, h, w) -> tuple:
+        h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        loss = loss_fn(h, w)
+        (loss * 65536).backward()
+        return loss.detach().double(), h.grad.double() / 65536, w.grad.double() / 65536
+
+    tol = 2 * rtol("linear_cross_entropy", torch.float16, "backward")  # both sides round
     for num_items in (None, 3):
-        got = _patch._fused_loss(model, hidden, labels, num_items_in_batch=num_items)
-        (got * 65536).backward()
-        got_g, hidden.grad = (hidden.grad, head.weight.grad), None
-        head.weight.grad = None
-        want = hf_loss(hidden, num_items)
-        (want * 65536).backward()
-        assert (
-            torch.equal(got, want)
-            and torch.equal(got_g[0], hidden.grad)
-            and torch.equal(got_g[1], head.weight.grad)
-        )
-        hidden.grad = head.weight.grad = None
-    assert seen == []
+
+        def fused(h, w, num_items=num_items):
+            with_w = SimpleNamespace(
+                lm_head=SimpleNamespace(weight=w, bias=None), **{_patch._ATTR: getattr(model, _patch._ATTR)}
+            )
+            return _patch._fused_loss(with_w, h, labels, num_items_in_batch=num_items)
+
+        def unfused(h, w, num_items=num_items):
+            return hf_loss(h, w, num_items)
+
+        got, hf = grads(fused, hidden, head.weight), grads(unfused, hidden, head.weight)
+        exact = grads(unfused, hidden.double(), head.weight.double())
+        for a, r, e in zip(got, hf, exact):
+            assert float((a - r).norm() / r.norm()) <= tol
+            assert float((a - e).norm() / e.norm()) <= 1.25 * float((r - e).norm() / e.norm()) + 1e-6
+    assert seen == ["torch", "torch"]
+    seen.clear()
+    monkeypatch.setattr(
+        ops, "linear_cross_entropy", lambda *a, backend, **k: seen.append(backend) or a[0].float().sum()
+    )
     with torch.no_grad():
         _patch._fused_loss(model, hidden, labels)
     head.weight.requires_grad_(False)
@@ -615,8 +635,8 @@ def test_fp16_loss_with_gradients_is_hfs_own(monkeypatch):
     _patch._fused_loss(model, hidden.detach().float(), labels.clone())
     assert seen == ["triton", "triton", "triton"]
     head.weight.requires_grad_(True)
-    _patch._fused_loss(model, hidden.detach(), labels)  # the head's d weight is asked for: HF's loss
-    assert seen == ["triton", "triton", "triton"]
+    _patch._fused_loss(model, hidden.detach(), labels)  # the head's d weight is asked for: torch
+    assert seen == ["triton", "triton", "triton", "torch"]
 
 
 def test_fused_loss_in_eval_keeps_logits_and_unpatch_restores_forward():

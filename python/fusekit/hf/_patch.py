@@ -21,7 +21,8 @@ What patch changes (in place; unpatch puts every original object back):
   lce_forward); in eval mode it still returns the logits (an evaluation loop computes metrics from them)
   beside the fused loss; `skip_logits=True/False` (Liger's keyword) decides explicitly. Without labels,
   with logits_to_keep, or with a custom loss_function, HF's forward runs unchanged; an fp16 loss that needs
-  a gradient is HF's own (the fused loss rounds its d logits to fp16 before the loss scale reaches them).
+  a gradient runs on the torch backend (the fused kernels round d logits to fp16 before the loss scale
+  reaches them; the torch backend scales them and saves fp32 gradients: as accurate as HF's own loss).
 - model.generate -> (an instance attribute) the class's generate wrapped: it checks once, on the host,
   whether the prompt is padded (its attention_mask, or pad tokens in it when none is given) and, if
   not, lets the attention modules read each mask of that generate() call as a causal prefix (see fusekit.hf._attention: static-cache
@@ -528,24 +529,20 @@ def _fused_loss(
     if (cast := _amp.lower(x, w, b)) is not None:  # cast here, not inside the op: the backend check
         x, w, b = cast  # below must see the dtypes the kernels will get
     target = shift_labels.reshape(-1).to(x.device)
+    backend = getattr(model, _ATTR).backend
     if (
         x.dtype == torch.float16
         and torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (x, w, b))
     ):
-        # fp16 gradients: HF's own loss on the materialized logits. linear_cross_entropy computes d logits in
-        # its forward, before the loss scale (GradScaler's 2^16) reaches them, so fp16 rounds softmax / n far
-        # below its normal range on every backend (d weight 8.4e-4 off float64 against HF's 2.4e-4 under a
-        # 65536 scale at T512 V8192; 7.2e-3 at T4096 V32000, benchmarks/gpu_checks/lce_fp16.py)
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
-        logits = torch.nn.functional.linear(x, w, b)
-        return ForCausalLMLoss(
-            logits, None, w.shape[0], num_items_in_batch, ignore_index, shift_labels=target
-        )
+        # fp16 gradients: the torch backend, whose d logits are rounded times a power of two and whose saved
+        # gradients are fp32 (the fused kernels round d logits to fp16 before GradScaler's 2^16 reaches them:
+        # 7.2e-3 off float64 at T4096 V32000, benchmarks/gpu_checks/lce_fp16.py); under a 65536 scale as close
+        # to float64 as HF's own loss, without materializing the logits
+        backend = "torch"
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = ops.linear_cross_entropy(
-        x, w, target, b, ignore_index=ignore_index, reduction=reduction, backend=getattr(model, _ATTR).backend
+        x, w, target, b, ignore_index=ignore_index, reduction=reduction, backend=backend
     )
     if num_items_in_batch is None:
         return loss
