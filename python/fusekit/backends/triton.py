@@ -17,7 +17,6 @@ from types import ModuleType
 import torch
 
 from fusekit.backends.base import Backend
-from fusekit.ops.linear_cross_entropy import fused_refusal
 
 # The interpreter's own bf16 tl.dot is wrong (TRITON_FACTS.md): kernels_triton._interpreter corrects it; on a
 # Triton where that cannot be installed these ops refuse bf16 on the CPU rather than return garbage.
@@ -98,8 +97,6 @@ class TritonBackend(Backend):
             return f"triton does not run on device type {device.type!r}"
         elif self._interpret:
             return "TRITON_INTERPRET=1 is set, so triton cannot launch on the GPU"
-        if why := fused_refusal(op, phase, dtypes):
-            return why
         if op == "attention" and meta.get("head_dim") not in HEAD_DIMS:
             return f"head dim {meta.get('head_dim')} is not supported (supported: 64, 128, 256)"
         if not _has_kernel(op):

@@ -20,9 +20,8 @@ What patch changes (in place; unpatch puts every original object back):
   fp32 upcast are never materialized. Such a call returns logits=None in training mode (as Liger's
   lce_forward); in eval mode it still returns the logits (an evaluation loop computes metrics from them)
   beside the fused loss; `skip_logits=True/False` (Liger's keyword) decides explicitly. Without labels,
-  with logits_to_keep, or with a custom loss_function, HF's forward runs unchanged; an fp16 loss that needs
-  a gradient runs on the torch backend (the fused kernels round d logits to fp16 before the loss scale
-  reaches them; the torch backend scales them and saves fp32 gradients: as accurate as HF's own loss).
+  with logits_to_keep, or with a custom loss_function, HF's forward runs unchanged. fp16 gradients are as
+  accurate as HF's own loss under GradScaler (d logits scaled by a power of two, saved in fp32).
 - model.generate -> (an instance attribute) the class's generate wrapped: it checks once, on the host,
   whether the prompt is padded (its attention_mask, or pad tokens in it when none is given) and, if
   not, lets the attention modules read each mask of that generate() call as a causal prefix (see fusekit.hf._attention: static-cache
@@ -530,16 +529,6 @@ def _fused_loss(
         x, w, b = cast  # below must see the dtypes the kernels will get
     target = shift_labels.reshape(-1).to(x.device)
     backend = getattr(model, _ATTR).backend
-    if (
-        x.dtype == torch.float16
-        and torch.is_grad_enabled()
-        and any(t is not None and t.requires_grad for t in (x, w, b))
-    ):
-        # fp16 gradients: the torch backend, whose d logits are rounded times a power of two and whose saved
-        # gradients are fp32 (the fused kernels round d logits to fp16 before GradScaler's 2^16 reaches them:
-        # 7.2e-3 off float64 at T4096 V32000, benchmarks/gpu_checks/lce_fp16.py); under a 65536 scale as close
-        # to float64 as HF's own loss, without materializing the logits
-        backend = "torch"
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = ops.linear_cross_entropy(
         x, w, target, b, ignore_index=ignore_index, reduction=reduction, backend=backend

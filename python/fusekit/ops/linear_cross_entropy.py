@@ -50,6 +50,25 @@ def chunk_rows(T: int, V: int, H: int) -> int:
     return max(1, min(c, T))
 
 
+def fp16_grad_scale(scale: Tensor) -> Tensor:
+    """S = 2^14 * 2^floor(log2(1 / scale)) for fp16 x: d logits * scale * S lie within 2^14 in magnitude (no
+    overflow) and their probabilities down to ~4e-9 stay in fp16's normal range; an all-ignored call (scale
+    inf, its rows exact zeros) takes S = 2^14."""
+    return torch.exp2(14.0 + torch.floor(torch.log2(1.0 / scale.clamp(max=1.0))))
+
+
+def mm_f32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """a @ b of fp16 operands with an fp32 result (fp32 accumulation): CUDA's mm(out_dtype=), elsewhere
+    fp32 copies of the operands."""
+    if a.is_cuda and hasattr(torch.ops.aten.mm, "dtype"):
+        r = torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        r = a.float() @ b.float()
+    if out is None:
+        return r
+    return out.copy_(r)
+
+
 # --- reference (what the op means; the torch backend runs it) ---------------------------------------
 def reference_forward(
     loss: Tensor,
@@ -107,9 +126,7 @@ def reference_forward(
     # fp16: d logits go to fp16 times S (see the docstring); n clamped so that an all-ignored call (its rows
     # are exact zeros) divides by a finite S
     fp16 = x.dtype == torch.float16 and dx is not None
-    S = torch.exp2(14.0 + torch.floor(torch.log2(1.0 / scale.clamp(max=1.0)))) if fp16 else None
-    # the fp16 GEMMs with fp32 results: CUDA's mm(out_dtype=); elsewhere an fp32 copy of the weight
-    w_acc = weight.to(acc) if fp16 and not (x.is_cuda and hasattr(torch.ops.aten.mm, "dtype")) else None
+    S = fp16_grad_scale(scale) if fp16 else None
     step = chunk_rows(T, V, x.shape[1])
     for s in range(0, T, step):
         e = min(s + step, T)
@@ -136,12 +153,10 @@ def reference_forward(
         g = torch.where(inside[:, None], g, torch.nan)
         g = torch.where(ok[:, None], g * (scale * S if fp16 else scale), 0.0)
         gl = g.to(x.dtype)  # d logits in x's dtype, as the matmuls of the linear's backward see them
-        if not fp16:
-            torch.mm(gl, weight, out=dx[s:e])
-        elif w_acc is None:
-            dx[s:e] = torch.mm(gl, weight, out_dtype=acc)
+        if fp16:
+            mm_f32(gl, weight, out=dx[s:e])
         else:
-            torch.mm(gl.to(acc), w_acc, out=dx[s:e])
+            torch.mm(gl, weight, out=dx[s:e])
         if dw is not None:
             part = (gl.t().to(acc) @ xc.to(acc)) if gl.dtype != acc else gl.t() @ xc
             if s == 0:
@@ -182,28 +197,6 @@ def reference_backward(
             out.copy_(saved.to(dloss.dtype) * dloss)
 
 
-# Why the fused backends (triton, mojo) refuse a gradient for fp16 x: their forward computes d logits
-# (softmax - onehot, times 1 / tokens for "mean") and rounds them to fp16 for the GEMMs, before the loss's own
-# gradient (GradScaler's 2^16 scale) reaches them, so fp16 holds values far below its normal range: d weight
-# 7.2e-3 off float64 at T4096 H4096 V32000 on the H200 (fp16's tolerance is 4e-3,
-# benchmarks/gpu_checks/lce_fp16.py). The torch backend rounds them times a power of two and saves the
-# gradients in fp32 (reference_forward): under a 65536 scale as close to float64 as HF's unfused loss
-# (CPU, T512 V8192: 2.4e-4 for both, 7.3e-4 when it rounded as the fused kernels do).
-_FP16_GRAD_REFUSAL = (
-    "fp16 gradients of linear_cross_entropy are not accurate on this backend (its kernels round d logits "
-    "to fp16 in the forward, before the loss scale reaches them: d weight 7.2e-3 off float64 against "
-    "fp16's 4e-3 tolerance); use backend='torch' (d logits scaled by a power of two, gradients saved in "
-    "fp32: as accurate as HF's unfused loss under GradScaler), or train in bf16 or fp32"
-)
-
-
-def fused_refusal(op: str, phase: str, dtypes: tuple[torch.dtype, ...]) -> str | None:
-    """What a fused backend (triton, mojo) says to a call of `op` it cannot run accurately, or None."""
-    if op == "linear_cross_entropy" and phase == BACKWARD and dtypes[0] == torch.float16:
-        return _FP16_GRAD_REFUSAL
-    return None
-
-
 # --- the fused backends' chunk loop (triton, mojo): Liger's scheme around one row kernel -------------
 # rows_kernel(logits [C, V] x's dtype, target [C] int64, rows [C] fp32, scale [1] fp32, grad): fills rows
 # with the chunk's per-row losses and, when grad, overwrites logits with d loss / d logits (x's dtype).
@@ -234,8 +227,9 @@ def fused_forward(
     grad_weight += dlogits^T @ x_c (`addmm_` into dweight in x's dtype: each chunk's GEMM accumulates in
     fp32 and the running sum is rounded to x's dtype once per chunk, as Liger's default accum_dtype=None;
     an fp32 accumulator would cost another 4·V·H bytes, 2 GiB at Llama-3-8B), grad_bias = Σ dlogits in
-    an fp32 [V] accumulator, rounded once. Deterministic: no atomics, fixed chunk order, torch's
-    reductions.
+    an fp32 [V] accumulator, rounded once. fp16 x: the row kernel gets scale * S (fp16_grad_scale), the
+    GEMMs give fp32 results (mm_f32) into the fp32 saved gradients, divided by S at the end, as
+    reference_forward. Deterministic: no atomics, fixed chunk order, torch's reductions.
     """
     T, H = x.shape
     V = weight.shape[0]
@@ -246,6 +240,10 @@ def fused_forward(
         scale = (1.0 / n).reshape(1)  # inf with every row ignored: those rows write exact zeros
     else:
         n, scale = None, torch.ones(1, dtype=torch.float32, device=dev)
+    # fp16: the row kernel writes d logits times S (fp16_grad_scale), the GEMMs give fp32 results into the
+    # fp32 saved gradients ("xsave"), divided by S at the end (as reference_forward)
+    S = fp16_grad_scale(scale) if grad and x.dtype == torch.float16 else None
+    kscale = scale if S is None else scale * S
     rows = loss if reduction == "none" else torch.empty(T, dtype=torch.float32, device=dev)
     step = chunk_rows(T, V, H)
     buf = torch.empty((min(step, T), V), dtype=x.dtype, device=dev)
@@ -258,16 +256,27 @@ def fused_forward(
             torch.addmm(bias, xc, wt, out=logits)
         else:
             torch.mm(xc, wt, out=logits)
-        rows_kernel(logits, target[s:e], rows[s:e], scale, grad)
+        rows_kernel(logits, target[s:e], rows[s:e], kscale, grad)
         if not grad:
             continue
-        torch.mm(logits, weight, out=dx[s:e])
-        if s == 0:
-            torch.mm(logits.t(), xc, out=dweight)
+        if S is not None:
+            mm_f32(logits, weight, out=dx[s:e])
+            if s == 0:
+                mm_f32(logits.t(), xc, out=dweight)
+            else:
+                dweight += mm_f32(logits.t(), xc)
         else:
-            dweight.addmm_(logits.t(), xc)
+            torch.mm(logits, weight, out=dx[s:e])
+            if s == 0:
+                torch.mm(logits.t(), xc, out=dweight)
+            else:
+                dweight.addmm_(logits.t(), xc)
         if db is not None:
             db += logits.sum(dim=0, dtype=torch.float32)
+    if S is not None:
+        for saved in (dx, dweight, db):
+            if saved is not None:
+                saved.div_(S)
     if db is not None:
         dbias.copy_(db)
     if reduction == "sum":
@@ -432,8 +441,7 @@ def linear_cross_entropy(
     fp32, so a loss scale's underflow never happens) and saves only them; the backward scales them by
     the loss's gradient. reduction="none" with an input that requires grad raises ValueError (its weight
     gradient would need the per-row output gradients before the chunks are summed). Under no_grad no
-    gradient is computed. backend: "auto" (default), "torch", "triton", "mojo" (triton and mojo refuse
-    fp16 gradients: fused_refusal).
+    gradient is computed. backend: "auto" (default), "torch", "triton", "mojo".
     Errors: TypeError/ValueError naming the argument.
     """
     if (

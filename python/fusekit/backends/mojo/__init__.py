@@ -27,7 +27,7 @@ from fusekit.backends.mojo.specs import (
     phase_spec,
     swiglu_ffn_tc_spec,
 )
-from fusekit.ops.linear_cross_entropy import fused_backward, fused_forward, fused_refusal
+from fusekit.ops.linear_cross_entropy import fused_backward, fused_forward
 
 # Calls inside torch's CUDA graph capture record MAX's launches into torch's graph (dispatch.py: the
 # stream fence joins MAX's stream to the capture); "0" refuses them instead.
@@ -152,8 +152,6 @@ class MojoBackend(Backend):
         if dtypes not in spec.allowed:
             names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
             return f"the mojo backend has no {op} kernel for dtypes ({names})"
-        if why := fused_refusal(op, phase, dtypes):  # as the triton backend's
-            return why
         if op == "attention" and meta.get("head_dim") not in HEAD_DIMS:
             return f"head dim {meta.get('head_dim')} is not supported (supported: 64, 128, 256)"
         # Every optional input of the specs is taken (attention's kv_len, rope's positions); strided k/v
