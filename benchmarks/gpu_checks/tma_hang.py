@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Which variant of the attention-backward TMA pattern hangs an H100 (Triton 3.6)? Standalone probe, written
 after session 55's hang (kernels_triton/attention_backward.TMA_MIN_LEN); `python benchmarks/gpu_checks/tma_hang.py`.
-The real_fixed_* cases passed on the H200 in session 58 and the gate went (1bdac17): the `TMA_MIN_LEN = 0`
-assignments below change nothing on checkouts from then on (the autotuners offer TMA at any length).
+The real_fixed_* cases passed on the H200 in session 58 and the gate went (1bdac17): the autotuners offer TMA
+at any length, so the cases below that once forced TMA_MIN_LEN to 0 need nothing forced.
 
 Run from a checkout's root (the `real_*` cases import kernels_triton from there; they are skipped when it is
 not importable):   python benchmarks/gpu_checks/tma_hang.py [--cases a,b,...] [--timeout 20] [--budget 110] [--iters N]
@@ -275,7 +275,6 @@ def _real(case: str, iters: int, repo: str) -> None:
         S, Skv, dq_tile = 12, 16, (128, 64, 8, 3, True)
     if case == "real_autotune_s24":
         S, Skv, autotune = 24, 80, True
-        ab.TMA_MIN_LEN = 0  # the autotuner offers the TMA tiles at any length again (before 8c75690)
     if case == "real_s128":
         S = Skv = 128
         dq_tile = (128, 64, 8, 3, True)
@@ -314,7 +313,6 @@ def _real_fwd(case: str, iters: int, repo: str) -> None:
     sys.path.insert(0, repo)
     from kernels_triton import attention as fa
 
-    fa.TMA_MIN_LEN = 0  # the forward's autotuner offers its TMA tiles at any length again (as before 8c75690)
     B, H, D, S, Skv = 1, 1, 128, 32, 64
     cfg = (64, 64, 4, 3, True) if case.endswith("_tma") else None
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -349,7 +347,6 @@ def _real_fixed(case: str, iters: int, repo: str) -> None:
         shapes = [(S, Skv, c) for c in (False, True) for S in (12, 24, 32, 48) for Skv in (16, 64, 80)]
         shapes += [(1, 24, False), (63, 64, False), (64, 64, False), (64, 16, False)]
     else:
-        ab.TMA_MIN_LEN = 0  # the autotuner offers the TMA tiles at any length again (as when it hung)
         tiles = [None]
         shapes = [(S, Skv, False) for S in (12, 16, 20, 24, 28, 32) for Skv in (16, 32, 48, 64, 80)]
         shapes += [(S, Skv, True) for S in (12, 24, 32) for Skv in (32, 80)]
