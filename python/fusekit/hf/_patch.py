@@ -528,10 +528,9 @@ def _fused_loss(
     if (cast := _amp.lower(x, w, b)) is not None:  # cast here, not inside the op: the backend check
         x, w, b = cast  # below must see the dtypes the kernels will get
     target = shift_labels.reshape(-1).to(x.device)
-    backend = getattr(model, _ATTR).backend
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = ops.linear_cross_entropy(
-        x, w, target, b, ignore_index=ignore_index, reduction=reduction, backend=backend
+        x, w, target, b, ignore_index=ignore_index, reduction=reduction, backend=getattr(model, _ATTR).backend
     )
     if num_items_in_batch is None:
         return loss

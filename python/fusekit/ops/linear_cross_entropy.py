@@ -123,8 +123,7 @@ def reference_forward(
         else (dweight if dweight.dtype == acc else torch.empty_like(dweight, dtype=acc))
     )
     db = None if dbias is None else torch.zeros(V, dtype=acc, device=x.device)
-    # fp16: d logits go to fp16 times S (see the docstring); n clamped so that an all-ignored call (its rows
-    # are exact zeros) divides by a finite S
+    # fp16: d logits go to fp16 times S (see the docstring and fp16_grad_scale)
     fp16 = x.dtype == torch.float16 and dx is not None
     S = fp16_grad_scale(scale) if fp16 else None
     step = chunk_rows(T, V, x.shape[1])
@@ -153,10 +152,7 @@ def reference_forward(
         g = torch.where(inside[:, None], g, torch.nan)
         g = torch.where(ok[:, None], g * (scale * S if fp16 else scale), 0.0)
         gl = g.to(x.dtype)  # d logits in x's dtype, as the matmuls of the linear's backward see them
-        if fp16:
-            mm_f32(gl, weight, out=dx[s:e])
-        else:
-            torch.mm(gl, weight, out=dx[s:e])
+        (mm_f32 if fp16 else torch.mm)(gl, weight, out=dx[s:e])
         if dw is not None:
             part = (gl.t().to(acc) @ xc.to(acc)) if gl.dtype != acc else gl.t() @ xc
             if s == 0:
@@ -259,18 +255,14 @@ def fused_forward(
         rows_kernel(logits, target[s:e], rows[s:e], kscale, grad)
         if not grad:
             continue
-        if S is not None:
-            mm_f32(logits, weight, out=dx[s:e])
-            if s == 0:
-                mm_f32(logits.t(), xc, out=dweight)
-            else:
-                dweight += mm_f32(logits.t(), xc)
-        else:
-            torch.mm(logits, weight, out=dx[s:e])
-            if s == 0:
-                torch.mm(logits.t(), xc, out=dweight)
-            else:
-                dweight.addmm_(logits.t(), xc)
+        mm = torch.mm if S is None else mm_f32
+        mm(logits, weight, out=dx[s:e])
+        if s == 0:
+            mm(logits.t(), xc, out=dweight)
+        elif S is None:
+            dweight.addmm_(logits.t(), xc)
+        else:  # fp32 dweight, fp16 operands: addmm_ takes one dtype
+            dweight += mm_f32(logits.t(), xc)
         if db is not None:
             db += logits.sum(dim=0, dtype=torch.float32)
     if S is not None:
